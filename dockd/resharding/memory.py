@@ -1,0 +1,91 @@
+"""The memory model of resharding: weight bytes per device, with and without swap.
+
+Notation (bytes): ``W_d`` dense weights split by TP, ``W_r`` replicated
+weights, ``W_e`` expert weights; training ``T = tp``, ``P = pp``, ``E = ep``;
+generation ``G = tp``.  For a rank on stage ``s`` (``W[s]`` = that stage's
+share, ``W/P`` for an even split)::
+
+    update   U = W_d[s]/T + W_r[s] + W_e[s]/E        training shards
+    gen      R = W_d/G + W_r + W_e/G                 generation weights
+    naive    U + R                                   during generation
+    swap     R                                       during generation
+    freed    U ≈ W/(T·P) (experts: W_e/(E·P))
+    peak     U + R + max temporary                   inside enter_generation
+
+The largest temporary is one all-gather output (a full dense parameter) or
+one all-to-all send buffer (``W_e(param)/G``).  :func:`predict_memory`
+evaluates these for any spec list; the benchmark checks them against the
+module's own accounting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .layout import ParallelLayout, ParamSpec
+
+__all__ = ["MemoryModel", "predict_memory"]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class MemoryModel:
+    """Predicted weight bytes on one rank."""
+
+    rank: int
+    update_bytes: int
+    """Training shards held by the rank (``U``)."""
+    generation_bytes: int
+    """Generation weights (``R``)."""
+    max_temp_bytes: int
+    """Largest temporary buffer of ``enter_generation``."""
+
+    @property
+    def naive_generation_bytes(self) -> int:
+        return self.update_bytes + self.generation_bytes
+
+    @property
+    def swap_generation_bytes(self) -> int:
+        return self.generation_bytes
+
+    @property
+    def freed_bytes(self) -> int:
+        return self.update_bytes
+
+    @property
+    def enter_peak_bytes(self) -> int:
+        return self.update_bytes + self.generation_bytes + self.max_temp_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(
+            naive_generation_bytes=self.naive_generation_bytes,
+            swap_generation_bytes=self.swap_generation_bytes,
+            freed_bytes=self.freed_bytes,
+            enter_peak_bytes=self.enter_peak_bytes,
+        )
+        return d
+
+
+def predict_memory(
+    specs: list[ParamSpec], train: ParallelLayout, gen: ParallelLayout, world_size: int, rank: int
+) -> MemoryModel:
+    """Evaluate the memory model for ``rank`` (no bucket alignment padding)."""
+    stage = train.coords(rank, world_size).pp_rank
+    update = 0
+    generation = 0
+    temp = 0
+    for spec in specs:
+        split = spec.tp_dim is not None
+        generation += spec.nbytes // gen.tp if split else spec.nbytes
+        if spec.stage != stage:
+            continue
+        if spec.experts:
+            update += spec.nbytes // train.ep
+            if train.ep > 1:
+                temp = max(temp, spec.nbytes // gen.tp if split else spec.nbytes)
+        else:
+            update += spec.nbytes // train.tp if split else spec.nbytes
+            if split and train.tp > 1:
+                temp = max(temp, spec.nbytes)
+    return MemoryModel(rank=rank, update_bytes=update, generation_bytes=generation, max_temp_bytes=temp)
