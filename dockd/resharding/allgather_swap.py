@@ -84,6 +84,8 @@ class ReshardReport:
     """Bucket bytes moved by the PP broadcasts (sent or received)."""
     swapped_out_bytes: int = 0
     swapped_in_bytes: int = 0
+    """exit_generation: update bytes made resident again, including those a
+    prefetch already copied (then ``prefetched`` is true)."""
     prefetched: bool = False
     """exit_generation: the swap-back had been started by prefetch."""
     pinned: bool = False
@@ -437,6 +439,7 @@ class AllGatherSwap:
                 t = self._tick(phases, "swap_in", t)
             else:  # prefetched on CPU: already copied synchronously
                 report.prefetched = True
+                report.swapped_in_bytes = self._swapper.total_bytes
         self._finish(report, ReshardState.TRAINING, None)
 
     def _finish(self, report: ReshardReport, state: ReshardState, result: Any) -> Any:

@@ -1,0 +1,46 @@
+"""dockd: a distributed transfer dock for reinforcement-learning post-training.
+
+    import dockd
+    with dockd.start_local(num_warehouses=2) as cluster:
+        dock = dockd.connect(cluster.address)
+        idx = dock.put({"prompts": prompts}, partition="step-0", group_size=8)
+        batch = dock.get("reference", ["prompts"], count=16, partition="step-0", timeout=5.0)
+"""
+
+from dockd.client import AsyncDock, Batch, Dock, Lease, connect, connect_async
+from dockd.errors import (
+    DockClosed,
+    DockConnectionError,
+    DockDataLost,
+    DockError,
+    DockFull,
+    DockNotFound,
+    DockProtocolError,
+    DockTimeout,
+    DockTypeError,
+    DockValueError,
+)
+from dockd.local import LocalCluster, start_local
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncDock",
+    "Batch",
+    "Dock",
+    "DockClosed",
+    "DockConnectionError",
+    "DockDataLost",
+    "DockError",
+    "DockFull",
+    "DockNotFound",
+    "DockProtocolError",
+    "DockTimeout",
+    "DockTypeError",
+    "DockValueError",
+    "Lease",
+    "LocalCluster",
+    "connect",
+    "connect_async",
+    "start_local",
+]

@@ -1,0 +1,3 @@
+from dockd.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""The `dockd` command: serve a node, run the demo, show stats, run benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from dockd.errors import DockError
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _serve(args) -> int:
+    from dockd.config import NodeConfig, parse_size
+    from dockd.warehouse.daemon import serve
+
+    cfg = NodeConfig(
+        host=args.host, port=args.port, grpc_port=args.grpc_port, advertise=args.advertise,
+        controller=args.controller, join=args.join or "", capacity=parse_size(args.capacity),
+        lease_timeout=args.lease_timeout,
+    )
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("dockd").warning(
+            "[serve] binding %s exposes the dock beyond this host; dockd has no authentication yet, "
+            "so do this only on a trusted cluster network", args.host)
+    return serve(cfg)
+
+
+def _stats(args) -> int:
+    import dockd
+
+    with dockd.connect(args.address) as dock:
+        print(json.dumps(dock.stats(), indent=2, default=str))
+    return 0
+
+
+def _demo(args) -> int:
+    from dockd.demo import run_demo
+
+    run_demo(steps=args.steps, prompts=args.prompts, group_size=args.group_size, warehouses=args.warehouses)
+    return 0
+
+
+def _bench(args) -> int:
+    try:
+        from benchmarks.__main__ import main as bench_main
+    except ImportError:
+        print("dockd bench runs the benchmarks/ package from a source checkout: run it from the repository root", file=sys.stderr)
+        return 2
+    return bench_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dockd", description="dockd: a distributed transfer dock for RL post-training")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="run a node daemon (a warehouse; --controller also hosts the controller)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=7450, help="framed data port (0: pick a free one; default 7450)")
+    s.add_argument("--grpc-port", type=int, default=0, help="gRPC health/admin port (0: pick a free one)")
+    s.add_argument("--advertise", default="", help="host name others use to reach this node (default: --host)")
+    s.add_argument("--controller", action="store_true", help="also host the controller")
+    s.add_argument("--join", metavar="HOST:PORT", help="join the controller at HOST:PORT as a warehouse")
+    s.add_argument("--capacity", default="8GiB", help="bytes this warehouse holds before puts wait (default 8GiB)")
+    s.add_argument("--lease-timeout", type=float, default=120.0, help="seconds a leased sample waits for its fetch")
+    s.add_argument("--log-level", dest="serve_log_level", default=None, help=argparse.SUPPRESS)
+    s.set_defaults(fn=_serve)
+
+    d = sub.add_parser("demo", help="start a local dock and run a synthetic GRPO pipeline through it")
+    d.add_argument("--steps", type=int, default=12)
+    d.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    d.add_argument("--group-size", type=int, default=8, help="responses per prompt")
+    d.add_argument("--warehouses", type=int, default=2)
+    d.set_defaults(fn=_demo)
+
+    st = sub.add_parser("stats", help="print a dock's stats as JSON")
+    st.add_argument("address", help="controller host:port")
+    st.set_defaults(fn=_stats)
+
+    b = sub.add_parser("bench", help="run the sample-flow benchmarks (from a source checkout)", add_help=False)
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(fn=_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(getattr(args, "serve_log_level", None) or args.log_level)
+    try:
+        return args.fn(args)
+    except DockError as e:
+        print(f"dockd: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,79 @@
+"""`AsyncDock`: the same methods as `Dock`, awaitable.
+
+Each call runs the blocking client on a thread of the dock's own pool (sockets
+release the GIL while they wait), so a coroutine waiting in `get` never blocks
+the event loop. Cancelling a waiting `get` closes the connection it waits on:
+the controller drops the waiter and returns any lease it had granted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from dockd.client.batch import Batch
+from dockd.client.connection import Connection
+from dockd.client.dock import Dock
+
+
+class AsyncDock:
+    def __init__(self, dock: Dock, executor: ThreadPoolExecutor) -> None:
+        self.dock = dock
+        self._executor = executor
+
+    @property
+    def address(self) -> str:
+        return self.dock.address
+
+    async def _run(self, fn, /, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    async def put(self, columns: Mapping[str, Any], *, partition: str, indexes: Sequence[int] | None = None,
+                  group_size: int = 1, timeout: float | None = None) -> list[int]:
+        return await self._run(self.dock.put, columns, partition=partition, indexes=indexes, group_size=group_size, timeout=timeout)
+
+    async def get(self, consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None = None,
+                  groups: bool = False, allow_partial: bool = False, shuffle: bool = False, seed: int | None = None) -> Batch:
+        held: list[Connection] = []
+        fut = self._run(self.dock.get, consumer, columns, count, partition=partition, timeout=timeout, groups=groups,
+                        allow_partial=allow_partial, shuffle=shuffle, seed=seed, _on_conn=held.append)
+        task = asyncio.ensure_future(fut)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            for conn in held:
+                conn.close()
+            raise
+
+    async def clear(self, partition: str) -> int:
+        return await self._run(self.dock.clear, partition)
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._run(self.dock.stats)
+
+    async def close(self) -> None:
+        self.dock.close()
+        self._executor.shutdown(wait=False)
+
+    async def __aenter__(self) -> AsyncDock:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"Async{self.dock!r}"
+
+
+async def connect_async(address: str, *, max_concurrency: int = 64, **kwargs) -> AsyncDock:
+    """Connect to a dock from asyncio code; see `dockd.connect` for the arguments."""
+    executor = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="dockd-async")
+    try:
+        dock = await asyncio.get_running_loop().run_in_executor(executor, functools.partial(Dock, address, **kwargs))
+    except BaseException:
+        executor.shutdown(wait=False)
+        raise
+    return AsyncDock(dock, executor)

@@ -1,0 +1,187 @@
+"""Blocking framed connections from a client to a daemon, and a pool of them.
+
+A `Connection` carries one request at a time (plus one-way frames): it writes
+the frame with sendmsg and reads the reply's body straight into one freshly
+allocated uint8 tensor, which the decoded tensors are views of.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from dockd import wire
+from dockd._proto import dockd_pb2 as pb
+from dockd.errors import DockClosed, DockConnectionError, DockProtocolError, from_status
+
+logger = logging.getLogger(__name__)
+
+_SCRATCH = 64 << 10
+_NO_BODY = torch.empty(0, dtype=torch.uint8)
+
+
+class Connection:
+    def __init__(self, host: str, port: int, *, connect_timeout: float = 10.0, max_body: int = 1 << 40) -> None:
+        self.address = f"{host}:{port}"
+        try:
+            self.sock = socket.create_connection((host, port), timeout=connect_timeout)
+        except OSError as e:
+            raise DockConnectionError(
+                f"cannot connect to dockd at {self.address}: {e}. Is `dockd serve` running there?"
+            ) from None
+        self.sock.settimeout(None)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.max_body = max_body
+        self._buf = bytearray(_SCRATCH)
+        self._mv = memoryview(self._buf)
+        self._lo = self._hi = 0
+        self._next_id = 1
+        self.broken = False
+        self.closed = False
+
+    def close(self) -> None:
+        """Close; a thread blocked in call() on this connection wakes with an error."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+    def send(self, frame: pb.Frame, buffers: Sequence = (), body_size: int = 0) -> None:
+        frame.id = self._next_id
+        self._next_id += 1
+        try:
+            wire.sendall(self.sock, [wire.header(frame, body_size), *buffers])
+        except OSError as e:
+            self._raise_io(e)
+
+    def call(self, frame: pb.Frame, buffers: Sequence = (), body_size: int = 0, *, timeout: float | None = None) -> tuple[pb.Frame, torch.Tensor]:
+        """Send a request and wait for its reply: (frame, body). Raises the mapped error on a non-OK status."""
+        self.send(frame, buffers, body_size)
+        try:
+            self.sock.settimeout(timeout)
+            reply, body = self._read_frame()
+        except socket.timeout:
+            self.broken = True
+            raise DockConnectionError(f"dockd at {self.address} did not answer within {timeout:g}s") from None
+        except OSError as e:
+            self._raise_io(e)
+        finally:
+            if not self.closed:
+                self.sock.settimeout(None)
+        if reply.id != frame.id and reply.id != 0:
+            self.broken = True
+            raise DockProtocolError(f"reply id {reply.id} does not match request id {frame.id} from {self.address}")
+        if reply.status.code != pb.OK:
+            raise from_status(reply.status)
+        return reply, body
+
+    def _raise_io(self, e: OSError):
+        self.broken = True
+        if self.closed:
+            raise DockClosed("the dock client was closed while this call was in flight") from None
+        raise DockConnectionError(f"connection to dockd at {self.address} failed: {e}") from None
+
+    def _fill(self, n: int) -> None:
+        """Make at least n bytes available in the scratch buffer."""
+        if self._hi - self._lo >= n:
+            return
+        if len(self._buf) - self._lo < n:
+            live = self._hi - self._lo
+            new = bytearray(max(n, len(self._buf)))
+            new[:live] = self._mv[self._lo : self._hi]
+            self._buf, self._mv, self._lo, self._hi = new, memoryview(new), 0, live
+        while self._hi - self._lo < n:
+            got = self.sock.recv_into(self._mv[self._hi :])
+            if got == 0:
+                self.broken = True
+                if self.closed:
+                    raise DockClosed("the dock client was closed while this call was in flight")
+                raise DockConnectionError(f"dockd at {self.address} closed the connection (did the daemon stop?)")
+            self._hi += got
+
+    def _read_frame(self) -> tuple[pb.Frame, torch.Tensor]:
+        if self._lo == self._hi:
+            self._lo = self._hi = 0
+        elif self._lo > len(self._buf) // 2:
+            live = self._hi - self._lo
+            self._mv[:live] = self._mv[self._lo : self._hi]
+            self._lo, self._hi = 0, live
+        self._fill(wire.PREFIX.size)
+        hlen, blen = wire.parse_prefix(self._buf, self._lo, self.max_body)
+        self._fill(wire.PREFIX.size + hlen)
+        start = self._lo + wire.PREFIX.size
+        frame = wire.parse_header(self._mv[start : start + hlen])
+        self._lo = start + hlen
+        if blen == 0:
+            return frame, _NO_BODY
+        body = torch.empty(blen, dtype=torch.uint8)
+        dst = memoryview(body.numpy())
+        take = min(self._hi - self._lo, blen)
+        dst[:take] = self._mv[self._lo : self._lo + take]
+        self._lo += take
+        pos = take
+        while pos < blen:
+            got = self.sock.recv_into(dst[pos:])
+            if got == 0:
+                self.broken = True
+                raise DockConnectionError(f"dockd at {self.address} closed the connection mid-reply")
+            pos += got
+        return frame, body
+
+
+class Pool:
+    """Idle connections to one daemon; a thread checks one out per call."""
+
+    def __init__(self, host: str, port: int, *, connect_timeout: float) -> None:
+        self.host, self.port = host, port
+        self.connect_timeout = connect_timeout
+        self._idle: list[Connection] = []
+        self._all: set[Connection] = set()
+        self._lock = threading.Lock()
+        self.closed = False
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def get(self) -> Connection:
+        with self._lock:
+            if self.closed:
+                raise DockClosed("the dock client is closed; create a new one with dockd.connect()")
+            if self._idle:
+                return self._idle.pop()
+        conn = Connection(self.host, self.port, connect_timeout=self.connect_timeout)
+        with self._lock:
+            self._all.add(conn)
+            if self.closed:
+                conn.close()
+                raise DockClosed("the dock client is closed")
+        return conn
+
+    def put(self, conn: Connection) -> None:
+        with self._lock:
+            if conn.broken or conn.closed or self.closed:
+                self._all.discard(conn)
+                conn.close()
+            else:
+                self._idle.append(conn)
+
+    def discard(self, conn: Connection) -> None:
+        with self._lock:
+            self._all.discard(conn)
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            conns, self._all, self._idle = list(self._all), set(), []
+        for c in conns:
+            c.close()

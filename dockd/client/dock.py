@@ -1,0 +1,386 @@
+"""The synchronous client: `Dock`.
+
+    put  = one data round trip to this host's warehouse (which commits the
+           metadata to the controller before acknowledging)
+    get  = one acquire round trip to the controller (metadata only), then one
+           fetch round trip per warehouse involved, in parallel, then a
+           one-way confirm
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from dockd import codec
+from dockd._proto import dockd_pb2 as pb
+from dockd.client.batch import Batch
+from dockd.client.connection import Connection, Pool
+from dockd.config import env_float
+from dockd.errors import DockConnectionError, DockDataLost, DockTypeError, DockValueError
+
+logger = logging.getLogger(__name__)
+
+
+def split_address(address: str) -> tuple[str, int]:
+    if not isinstance(address, str):
+        raise DockTypeError(f"address must be a 'host:port' string, got {type(address).__name__}")
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise DockValueError(f"address must look like 'host:port', got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclasses.dataclass(slots=True)
+class Lease:
+    """Samples acquired for a consumer but not fetched yet (low-level API)."""
+
+    id: int
+    partition: str
+    columns: list[str]
+    indexes: list[int]
+    locations: np.ndarray  # warehouse id per (column, sample)
+
+
+def _is_local(host: str) -> bool:
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return True
+    except ValueError:
+        if host == "localhost":
+            return True
+    names = {socket.gethostname(), socket.getfqdn()}
+    try:
+        names.update(socket.gethostbyname_ex(socket.gethostname())[2])
+    except OSError:
+        pass
+    return host in names
+
+
+class Dock:
+    """A connection to a dock. Thread-safe; one per process is enough.
+
+    Args:
+        address: "host:port" of the controller (a warehouse's address works too:
+            the client follows it to its controller).
+        warehouse: where this client's puts go: a warehouse id or "host:port".
+            Default: $DOCKD_WAREHOUSE, else a warehouse on this host (spread by
+            process id when there are several), else any.
+        connect_timeout: seconds to wait when connecting to a daemon.
+        name: a name for this client in the daemons' logs.
+    """
+
+    def __init__(self, address: str, *, warehouse: int | str | None = None, connect_timeout: float | None = None, name: str = "") -> None:
+        self.connect_timeout = connect_timeout if connect_timeout is not None else env_float("DOCKD_CONNECT_TIMEOUT", 10.0)
+        host, port = split_address(address)
+        self._name = name or f"pid{os.getpid()}"
+        self._lock = threading.Lock()
+        self._closed = False
+        self._ctrl = Pool(host, port, connect_timeout=self.connect_timeout)
+        hello = self._hello(self._ctrl)
+        if not hello.hosts_controller:
+            if not hello.controller:
+                raise DockConnectionError(f"{address} is a dockd warehouse that knows no controller")
+            logger.info("[client] %s is a warehouse; following it to the controller at %s", address, hello.controller)
+            self._ctrl.close()
+            self._ctrl = Pool(*split_address(hello.controller), connect_timeout=self.connect_timeout)
+            hello = self._hello(self._ctrl)
+        self.address = self._ctrl.address
+        self._warehouses: dict[int, pb.WarehouseInfo] = {w.id: w for w in hello.warehouses}
+        self._pools: dict[int, Pool] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self.home = self._choose_home(warehouse if warehouse is not None else os.environ.get("DOCKD_WAREHOUSE"))
+        w = self._warehouses[self.home]
+        logger.info("[client] connected controller=%s home_warehouse=%d address=%s:%d", self.address, w.id, w.host, w.port)
+
+    def _hello(self, pool: Pool) -> pb.HelloReply:
+        conn = pool.get()
+        try:
+            reply, _ = conn.call(pb.Frame(hello=pb.Hello(client=self._name)), timeout=self.connect_timeout)
+        except BaseException:
+            pool.discard(conn)
+            raise
+        pool.put(conn)
+        return reply.hello_reply
+
+    def _choose_home(self, choice: int | str | None) -> int:
+        live = [w for w in self._warehouses.values() if w.alive]
+        if not live:
+            raise DockConnectionError(f"the dock at {self.address} has no live warehouse")
+        if choice is not None and choice != "":
+            for w in live:
+                if str(choice) in (str(w.id), f"{w.host}:{w.port}"):
+                    return w.id
+            raise DockValueError(
+                f"warehouse {choice!r} is not a live member of the dock at {self.address}; "
+                f"members: {[f'{w.id}={w.host}:{w.port}' for w in live]}"
+            )
+        local = [w for w in live if _is_local(w.host)] or live
+        return local[os.getpid() % len(local)].id
+
+    def _pool(self, wid: int) -> Pool:
+        pool = self._pools.get(wid)
+        if pool is None:
+            info = self._warehouses.get(wid)
+            if info is None:
+                raise DockConnectionError(f"warehouse {wid} is unknown to this client")
+            with self._lock:
+                pool = self._pools.setdefault(wid, Pool(info.host, info.port, connect_timeout=self.connect_timeout))
+            if self._closed:
+                pool.close()
+        return pool
+
+    def _call(self, pool: Pool, frame: pb.Frame, buffers=(), size: int = 0, *, timeout: float | None = None,
+              on_conn: Callable[[Connection], None] | None = None):
+        conn = pool.get()
+        if on_conn is not None:
+            on_conn(conn)
+        try:
+            return conn.call(frame, buffers, size, timeout=timeout)
+        finally:
+            pool.put(conn)
+
+    # -- public API ---------------------------------------------------------------------------
+    def put(self, columns: Mapping[str, Any], *, partition: str, indexes: Sequence[int] | None = None,
+            group_size: int = 1, timeout: float | None = None) -> list[int]:
+        """Write samples; returns their indexes. Returns once the data is stored and visible.
+
+        Without `indexes`, creates new samples (a multiple of `group_size`, each
+        run of `group_size` consecutive samples one group). With `indexes`, adds
+        columns to existing samples. `timeout` bounds the wait for warehouse
+        capacity (None: wait as long as it takes), then DockFull.
+        """
+        _check_partition(partition)
+        if not isinstance(columns, Mapping) or not columns:
+            raise DockTypeError("columns must be a non-empty dict of column name -> values")
+        split = {}
+        for name, values in columns.items():
+            if not isinstance(name, str) or not name:
+                raise DockTypeError(f"column names must be non-empty strings, got {name!r}")
+            split[name] = codec.split_column(name, values)
+        counts = {k: len(v) for k, v in split.items()}
+        n = next(iter(counts.values()))
+        if n == 0 or len(set(counts.values())) != 1:
+            raise DockValueError(f"every column needs the same positive number of values, got {counts}")
+        req = pb.PutRequest(partition=partition, timeout=-1.0 if timeout is None else float(timeout))
+        if indexes is None:
+            if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+                raise DockValueError(f"group_size must be a positive int, got {group_size!r}")
+            if n % group_size:
+                raise DockValueError(f"{n} new samples is not a multiple of group_size={group_size}")
+            req.new_count, req.group_size = n, group_size
+        else:
+            idx = _int_list("indexes", indexes)
+            if len(idx) != n:
+                raise DockValueError(f"{len(idx)} indexes given for {n} values per column")
+            req.indexes.extend(idx)
+        body = codec.Body()
+        req.columns.extend(codec.encode_columns(split, body))
+        reply, _ = self._call(self._pool(self.home), pb.Frame(put=req), body.buffers, body.size)
+        return list(reply.put_reply.indexes)
+
+    def get(self, consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None = None,
+            groups: bool = False, allow_partial: bool = False, shuffle: bool = False, seed: int | None = None,
+            _on_conn: Callable[[Connection], None] | None = None) -> Batch:
+        """Take `count` samples ready in `columns` that `consumer` has not had yet.
+
+        Blocks until they are ready; after `timeout` seconds raises DockTimeout
+        saying how many were ready (None: wait as long as it takes). FIFO by
+        index unless shuffle=True (seeded by `seed`). groups=True hands out
+        whole groups only. allow_partial=True returns what is ready (at least
+        one sample) instead of waiting for `count`.
+        """
+        lease = self.acquire(consumer, columns, count, partition=partition, timeout=timeout, groups=groups,
+                             allow_partial=allow_partial, shuffle=shuffle, seed=seed, _on_conn=_on_conn)
+        try:
+            values = self.fetch(lease)
+        except BaseException:
+            try:
+                self.release(lease)
+            except Exception as e:  # the controller also frees it when this client goes away
+                logger.warning("[client] could not release lease=%d after a failed fetch: %s", lease.id, e)
+            raise
+        self.confirm(lease)
+        return Batch(partition, lease.indexes, values)
+
+    def acquire(self, consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None = None,
+                groups: bool = False, allow_partial: bool = False, shuffle: bool = False, seed: int | None = None,
+                _on_conn: Callable[[Connection], None] | None = None) -> Lease:
+        """Low-level: lease samples without fetching them (see get)."""
+        _check_partition(partition)
+        if not isinstance(consumer, str) or not consumer:
+            raise DockValueError(f"consumer must be a non-empty string such as 'actor_train', got {consumer!r}")
+        if isinstance(columns, str) or not isinstance(columns, Sequence) or not columns or not all(isinstance(c, str) for c in columns):
+            raise DockTypeError(f"columns must be a non-empty list of column names, got {columns!r}")
+        if len(set(columns)) != len(columns):
+            raise DockValueError(f"columns contains duplicates: {list(columns)}")
+        if not isinstance(count, (int, np.integer)) or isinstance(count, bool) or count < 1:
+            raise DockValueError(f"count must be a positive int, got {count!r}")
+        if timeout is not None and timeout < 0:
+            raise DockValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
+        req = pb.AcquireRequest(partition=partition, consumer=consumer, columns=list(columns), count=int(count),
+                                groups=groups, allow_partial=allow_partial, shuffle=shuffle,
+                                timeout=-1.0 if timeout is None else float(timeout))
+        if seed is not None:
+            req.has_seed, req.seed = True, int(seed)
+        reply, _ = self._call(self._ctrl, pb.Frame(acquire=req), on_conn=_on_conn,
+                              timeout=None if timeout is None else timeout + 30.0)
+        a = reply.acquire_reply
+        for w in a.warehouses:
+            self._warehouses[w.id] = w
+        idx = list(a.indexes)
+        locs = np.asarray(a.locations, dtype=np.int64).reshape(len(columns), len(idx))
+        return Lease(a.lease, partition, list(columns), idx, locs)
+
+    def fetch(self, lease: Lease) -> dict[str, list[Any]]:
+        """Low-level: read a lease's values from the warehouses holding them, in parallel."""
+        n = len(lease.indexes)
+        idx = np.asarray(lease.indexes, dtype=np.int64)
+        plan: dict[int, list[tuple[str, np.ndarray]]] = {}
+        for ci, col in enumerate(lease.columns):
+            row = lease.locations[ci]
+            first = int(row[0])
+            if (row == first).all():
+                plan.setdefault(first, []).append((col, None))
+                continue
+            for wid in np.unique(row).tolist():
+                plan.setdefault(wid, []).append((col, np.flatnonzero(row == wid)))
+
+        def one(wid: int) -> list[list[Any]]:
+            req = pb.FetchRequest(partition=lease.partition)
+            for col, pos in plan[wid]:
+                req.columns.add(name=col, indexes=lease.indexes if pos is None else idx[pos].tolist())
+            try:
+                reply, body = self._call(self._pool(wid), pb.Frame(fetch=req))
+            except DockConnectionError as e:
+                cols = [c for c, _ in plan[wid]]
+                lost = sorted({i for c, pos in plan[wid] for i in (lease.indexes if pos is None else idx[pos].tolist())})
+                raise DockDataLost(
+                    f"cannot read columns {cols} of {len(lost)} samples from warehouse {wid}: {e}",
+                    indexes=lost, columns=cols,
+                ) from None
+            return [[codec.decode_value(v, body) for v in c.values] for c in reply.fetch_reply.columns]
+
+        wids = list(plan)
+        if len(wids) == 1:
+            results = [one(wids[0])]
+        else:
+            results = list(self._pool_executor().map(one, wids))
+        out: dict[str, list[Any]] = {}
+        for wid, cols in zip(wids, results):
+            for (col, pos), values in zip(plan[wid], cols):
+                if pos is None:
+                    out[col] = values
+                else:
+                    dst = out.setdefault(col, [None] * n)
+                    for p, v in zip(pos.tolist(), values):
+                        dst[p] = v
+        return {c: out[c] for c in lease.columns}
+
+    def confirm(self, lease: Lease) -> None:
+        """Low-level: the lease's samples were fetched; they are taken for good (one-way)."""
+        conn = self._ctrl.get()
+        try:
+            conn.send(pb.Frame(confirm=pb.ConfirmRequest(lease=lease.id), oneway=True))
+        finally:
+            self._ctrl.put(conn)
+
+    def release(self, lease: Lease) -> int:
+        """Low-level: give a lease's samples back to the pool for this consumer."""
+        reply, _ = self._call(self._ctrl, pb.Frame(release=pb.ReleaseRequest(lease=lease.id)))
+        return reply.release_reply.released
+
+    def clear(self, partition: str) -> int:
+        """Free a partition's data on every warehouse and forget its metadata; returns its sample count."""
+        _check_partition(partition)
+        reply, _ = self._call(self._ctrl, pb.Frame(clear=pb.ClearRequest(partition=partition)))
+        return reply.clear_reply.samples
+
+    def stats(self) -> dict[str, Any]:
+        """Samples per partition, per-consumer taken counts, bytes per warehouse."""
+        reply, _ = self._call(self._ctrl, pb.Frame(stats=pb.StatsRequest()))
+        s = reply.stats_reply
+        parts = {
+            p.name: {
+                "samples": p.samples,
+                "group_size": p.group_size,
+                "columns": dict(zip(p.columns, p.column_ready)),
+                "consumers": {c.name: {"taken": c.taken, "leased": c.leased} for c in p.consumers},
+            }
+            for p in s.partitions
+        }
+        whs = {
+            w.id: {"address": f"{w.host}:{w.port}", "alive": w.alive, "capacity": w.capacity, "bytes": w.used}
+            for w in s.warehouses
+        }
+        return {
+            "samples": sum(p["samples"] for p in parts.values()),
+            "bytes": sum(w["bytes"] for w in whs.values()),
+            "partitions": parts,
+            "warehouses": whs,
+        }
+
+    def _pool_executor(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            with self._lock:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="dockd-fetch")
+        return self._executor
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close every connection; calls blocked in other threads wake with DockClosed."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._ctrl.close()
+        for pool in list(self._pools.values()):
+            pool.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Dock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __reduce__(self):
+        raise TypeError(
+            "a dockd.Dock holds live connections and cannot be pickled; pass its address "
+            f"({self.address!r}) to the worker and call dockd.connect(address) there"
+        )
+
+    def __repr__(self) -> str:
+        return f"Dock(address={self.address!r}, home_warehouse={self.home}, closed={self._closed})"
+
+
+def _check_partition(partition: str) -> None:
+    if not isinstance(partition, str) or not partition:
+        raise DockValueError(f"partition must be a non-empty string such as 'step-0', got {partition!r}")
+
+
+def _int_list(name: str, values: Sequence[int]) -> list[int]:
+    if isinstance(values, (str, bytes)):
+        raise DockTypeError(f"{name} must be a sequence of ints")
+    try:
+        arr = np.asarray(values)
+    except Exception:
+        raise DockTypeError(f"{name} must be a sequence of ints") from None
+    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+        raise DockTypeError(f"{name} must be a flat sequence of ints, got dtype {arr.dtype} shape {arr.shape}")
+    return arr.astype(np.int64).tolist()

@@ -1,0 +1,76 @@
+"""Typed configuration, validated in one place, and the environment variables dockd reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+from dockd.errors import DockValueError
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 1000**2, "MIB": 1 << 20,
+          "G": 1 << 30, "GB": 1000**3, "GIB": 1 << 30, "T": 1 << 40, "TB": 1000**4, "TIB": 1 << 40}
+
+#: Environment variables read by dockd (all optional).
+ENV_VARS = {
+    "DOCKD_WAREHOUSE": "warehouse a client writes to: an id or host:port (default: one on this host)",
+    "DOCKD_CONNECT_TIMEOUT": "seconds a client waits to connect to a daemon (default 10)",
+}
+
+
+def parse_size(text: str | int) -> int:
+    """'8GiB', '512M', '1e9' or an int -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise DockValueError(f"cannot parse size {text!r}; use e.g. 8GiB, 512MiB, 1G or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise DockValueError(f"environment variable {name}={raw!r} is not a number") from None
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class NodeConfig:
+    host: str = "127.0.0.1"
+    """Address to bind. Anything but loopback exposes the dock to the network."""
+    port: int = 0
+    """Framed data port; 0 picks a free one (printed in the ready line)."""
+    grpc_port: int = 0
+    """gRPC health/admin port; 0 picks a free one."""
+    advertise: str = ""
+    """Host name other nodes and clients use to reach this one (default: host)."""
+    controller: bool = False
+    """Also host the controller."""
+    join: str = ""
+    """host:port of the controller to join as a warehouse (required without controller)."""
+    capacity: int = 8 << 30
+    """Bytes this warehouse holds before puts wait (backpressure)."""
+    lease_timeout: float = 120.0
+    """Seconds an acquired sample stays leased without a confirmed fetch."""
+    max_frame: int = 1 << 36
+    """Largest frame body accepted, in bytes."""
+    connect_timeout: float = 10.0
+    """Seconds to wait for the controller when joining."""
+
+    def __post_init__(self) -> None:
+        if self.controller == bool(self.join):
+            raise DockValueError(
+                "a node either hosts the controller (--controller) or joins one (--join HOST:PORT), exactly one of the two"
+            )
+        if self.join and not re.fullmatch(r".+:\d+", self.join):
+            raise DockValueError(f"--join expects HOST:PORT, got {self.join!r}")
+        if not 0 <= self.port < 65536 or not 0 <= self.grpc_port < 65536:
+            raise DockValueError(f"ports must be in 0..65535, got {self.port} and {self.grpc_port}")
+        if self.capacity <= 0:
+            raise DockValueError(f"capacity must be > 0 bytes, got {self.capacity}")
+        if self.lease_timeout <= 0:
+            raise DockValueError(f"lease timeout must be > 0 seconds, got {self.lease_timeout}")

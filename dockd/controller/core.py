@@ -1,0 +1,517 @@
+"""Metadata controller: which samples exist, which columns are ready, where they live,
+which consumer has taken them. Pure Python + numpy, no I/O, no clocks of its own.
+
+Per partition the controller keeps flat numpy arrays indexed by sample index:
+
+    ready      uint64   one bit per column (up to 64 columns per partition)
+    loc[col]   uint16   warehouse id holding that column of the sample
+    state[c]   uint8    per consumer: FREE, LEASED, TAKEN or LOST
+
+and, per consumer and requested column set (a *subscription*), an `_Eligible`
+bitmap of the samples (or whole groups) that request could take right now,
+with a count per block of 1024. An acquire walks the non-empty blocks in
+order, so its cost grows with the batch size and n/1024, not with the
+partition (at 10^6 samples that is under a thousand counters to skip).
+Eligibility is kept exact on every commit, lease, confirm and release, so the
+number of ready samples is always known without a scan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from dockd.errors import DockDataLost, DockNotFound, DockValueError
+
+logger = logging.getLogger(__name__)
+
+FREE, LEASED, TAKEN, LOST = 0, 1, 2, 3
+NO_WAREHOUSE = 0xFFFF
+MAX_COLUMNS = 64
+_BLOCK_SHIFT = 10
+
+
+class _Eligible:
+    """A bitmap of units (samples or groups) with a population count per block."""
+
+    __slots__ = ("bits", "blocks", "total")
+
+    def __init__(self, capacity: int) -> None:
+        self.bits = np.zeros(capacity, dtype=bool)
+        self.blocks = np.zeros((capacity >> _BLOCK_SHIFT) + 1, dtype=np.int64)
+        self.total = 0
+
+    def grow(self, capacity: int) -> None:
+        if capacity <= len(self.bits):
+            return
+        bits = np.zeros(capacity, dtype=bool)
+        bits[: len(self.bits)] = self.bits
+        blocks = np.zeros((capacity >> _BLOCK_SHIFT) + 1, dtype=np.int64)
+        blocks[: len(self.blocks)] = self.blocks
+        self.bits, self.blocks = bits, blocks
+
+    def set(self, units: np.ndarray) -> None:
+        new = units[~self.bits[units]]
+        if len(new):
+            self.bits[new] = True
+            np.add.at(self.blocks, new >> _BLOCK_SHIFT, 1)
+            self.total += len(new)
+
+    def clear(self, units: np.ndarray) -> None:
+        old = units[self.bits[units]]
+        if len(old):
+            self.bits[old] = False
+            np.subtract.at(self.blocks, old >> _BLOCK_SHIFT, 1)
+            self.total -= len(old)
+
+    def first(self, n: int) -> np.ndarray:
+        """The n smallest set units (fewer if fewer are set)."""
+        out: list[np.ndarray] = []
+        need = n
+        for b in np.flatnonzero(self.blocks):
+            lo = int(b) << _BLOCK_SHIFT
+            found = np.flatnonzero(self.bits[lo : lo + (1 << _BLOCK_SHIFT)]) + lo
+            out.append(found[:need])
+            need -= len(out[-1])
+            if need <= 0:
+                break
+        return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
+
+    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """n distinct set units drawn uniformly at random, in draw order."""
+        n = min(n, self.total)
+        if n == 0:
+            return np.empty(0, dtype=np.int64)
+        ranks = rng.choice(self.total, size=n, replace=False)
+        nz = np.flatnonzero(self.blocks)
+        cum = np.cumsum(self.blocks[nz])
+        which = np.searchsorted(cum, ranks, side="right")
+        out = np.empty(n, dtype=np.int64)
+        for k, (w, r) in enumerate(zip(which, ranks)):
+            lo = int(nz[w]) << _BLOCK_SHIFT
+            within = int(r) - (int(cum[w - 1]) if w else 0)
+            out[k] = lo + np.flatnonzero(self.bits[lo : lo + (1 << _BLOCK_SHIFT)])[within]
+        return out
+
+
+@dataclasses.dataclass(slots=True)
+class _Sub:
+    mask: int
+    groups: bool
+    eligible: _Eligible
+    rng: np.random.Generator | None = None
+
+
+class _Consumer:
+    __slots__ = ("state", "subs", "taken", "leased")
+
+    def __init__(self, capacity: int) -> None:
+        self.state = np.zeros(capacity, dtype=np.uint8)
+        self.subs: dict[tuple[int, bool], _Sub] = {}
+        self.taken = 0
+        self.leased = 0
+
+
+class _Partition:
+    def __init__(self, name: str, group_size: int) -> None:
+        self.name = name
+        self.group_size = group_size
+        self.size = 0
+        self.capacity = 1024
+        self.ready = np.zeros(self.capacity, dtype=np.uint64)
+        self.columns: dict[str, int] = {}
+        self.loc: dict[str, np.ndarray] = {}
+        self.consumers: dict[str, _Consumer] = {}
+        self.nbytes: dict[int, int] = {}
+
+    # -- layout ---------------------------------------------------------------
+    def reserve(self, n: int) -> None:
+        need = self.size + n
+        if need <= self.capacity:
+            return
+        cap = self.capacity
+        while cap < need:
+            cap *= 2
+        self.ready = _grown(self.ready, cap)
+        for col, arr in self.loc.items():
+            self.loc[col] = _grown(arr, cap, fill=NO_WAREHOUSE)
+        for cons in self.consumers.values():
+            cons.state = _grown(cons.state, cap)
+            for sub in cons.subs.values():
+                sub.eligible.grow(cap // self.group_size if sub.groups else cap)
+        self.capacity = cap
+
+    def bit(self, column: str) -> int:
+        b = self.columns.get(column)
+        if b is None:
+            if len(self.columns) >= MAX_COLUMNS:
+                raise DockValueError(
+                    f"partition {self.name!r} already has {MAX_COLUMNS} columns; "
+                    f"cannot add {column!r}. Pack related values into one column or use another partition."
+                )
+            b = self.columns[column] = len(self.columns)
+            self.loc[column] = np.full(self.capacity, NO_WAREHOUSE, dtype=np.uint16)
+        return b
+
+    def mask_of(self, columns: Iterable[str]) -> int | None:
+        """The bit mask of known columns, or None if any column is unknown."""
+        mask = 0
+        for c in columns:
+            b = self.columns.get(c)
+            if b is None:
+                return None
+            mask |= 1 << b
+        return mask
+
+    # -- eligibility ------------------------------------------------------------
+    def _sample_ok(self, cons: _Consumer, mask: int, idx: np.ndarray) -> np.ndarray:
+        m = np.uint64(mask)
+        return ((self.ready[idx] & m) == m) & (cons.state[idx] == FREE)
+
+    def refresh(self, cons: _Consumer, idx: np.ndarray, subs: Iterable[_Sub] | None = None) -> None:
+        """Recompute eligibility of samples idx (and their groups) in the given subscriptions."""
+        for sub in cons.subs.values() if subs is None else subs:
+            if sub.groups:
+                gs = self.group_size
+                groups = np.unique(idx // gs)
+                members = (groups[:, None] * gs + np.arange(gs)).ravel()
+                ok = self._sample_ok(cons, sub.mask, members).reshape(len(groups), gs).all(axis=1)
+                sub.eligible.set(groups[ok])
+                sub.eligible.clear(groups[~ok])
+            else:
+                ok = self._sample_ok(cons, sub.mask, idx)
+                sub.eligible.set(idx[ok])
+                sub.eligible.clear(idx[~ok])
+
+    def subscription(self, cons: _Consumer, mask: int, groups: bool) -> _Sub:
+        sub = cons.subs.get((mask, groups))
+        if sub is None:
+            units = self.capacity // self.group_size if groups else self.capacity
+            sub = cons.subs[(mask, groups)] = _Sub(mask, groups, _Eligible(units))
+            if self.size:
+                self.refresh(cons, np.arange(self.size, dtype=np.int64), [sub])
+        return sub
+
+    def consumer(self, name: str) -> _Consumer:
+        cons = self.consumers.get(name)
+        if cons is None:
+            cons = self.consumers[name] = _Consumer(self.capacity)
+        return cons
+
+
+def _grown(arr: np.ndarray, cap: int, fill: int = 0) -> np.ndarray:
+    out = np.full(cap, fill, dtype=arr.dtype)
+    out[: len(arr)] = arr
+    return out
+
+
+@dataclasses.dataclass(slots=True)
+class Lease:
+    id: int
+    partition: str
+    consumer: str
+    indexes: np.ndarray
+    owner: int
+    deadline: float
+
+
+@dataclasses.dataclass(slots=True)
+class AcquireResult:
+    lease: int
+    indexes: np.ndarray
+    locations: np.ndarray  # uint16, shape (len(columns), len(indexes))
+
+
+class Controller:
+    """All metadata of one dock. Methods are synchronous and never block.
+
+    Args:
+        lease_timeout: seconds an acquired-but-unconfirmed lease lives before
+            its samples return to the pool (`expire_leases`).
+    """
+
+    def __init__(self, *, lease_timeout: float = 120.0) -> None:
+        if lease_timeout <= 0:
+            raise DockValueError(f"lease_timeout must be > 0 seconds, got {lease_timeout}")
+        self.lease_timeout = lease_timeout
+        self.partitions: dict[str, _Partition] = {}
+        self.leases: dict[int, Lease] = {}
+        self.dead_warehouses: set[int] = set()
+        self._next_lease = 1
+
+    # -- writes -------------------------------------------------------------------
+    def commit(
+        self,
+        partition: str,
+        columns: Sequence[str],
+        *,
+        warehouse: int,
+        indexes: Sequence[int] | np.ndarray | None = None,
+        new_count: int = 0,
+        group_size: int = 1,
+        nbytes: int = 0,
+    ) -> np.ndarray:
+        """Record that `warehouse` now holds `columns` of some samples; returns their indexes.
+
+        With `indexes` None, allocates `new_count` new samples (groups of
+        `group_size` consecutive indexes). Otherwise the samples must exist and
+        none of `columns` may already be written for them.
+        """
+        if not partition:
+            raise DockValueError("partition must be a non-empty string")
+        if not columns:
+            raise DockValueError("a put needs at least one column")
+        if len(set(columns)) != len(columns):
+            raise DockValueError(f"duplicate column names in {list(columns)}")
+        part = self.partitions.get(partition)
+        if indexes is None:
+            if group_size < 1:
+                raise DockValueError(f"group_size must be >= 1, got {group_size}")
+            if new_count < 1 or new_count % group_size:
+                raise DockValueError(
+                    f"a put of new samples needs a positive multiple of group_size={group_size} values, got {new_count}"
+                )
+            if part is None:
+                part = self.partitions[partition] = _Partition(partition, group_size)
+            elif part.group_size != group_size:
+                raise DockValueError(
+                    f"partition {partition!r} holds groups of {part.group_size}; new samples must use "
+                    f"group_size={part.group_size}, got {group_size}. Use another partition for another group size."
+                )
+            bits = [part.bit(c) for c in columns]
+            part.reserve(new_count)
+            idx = np.arange(part.size, part.size + new_count, dtype=np.int64)
+            part.size += new_count
+        else:
+            if part is None:
+                raise DockNotFound(f"partition {partition!r} does not exist; put new samples first (without indexes)")
+            idx = np.asarray(indexes, dtype=np.int64).reshape(-1)
+            if len(idx) == 0:
+                raise DockValueError("indexes is empty")
+            bad = idx[(idx < 0) | (idx >= part.size)]
+            if len(bad):
+                raise DockNotFound(
+                    f"sample indexes {bad[:8].tolist()} do not exist in partition {partition!r} "
+                    f"(it holds indexes 0..{part.size - 1})"
+                )
+            if len(np.unique(idx)) != len(idx):
+                raise DockValueError("indexes contain duplicates; each sample can appear once per put")
+            bits = [part.bit(c) for c in columns]
+            for c, b in zip(columns, bits):
+                dup = idx[(part.ready[idx] >> np.uint64(b)) & np.uint64(1) == 1]
+                if len(dup):
+                    raise DockValueError(
+                        f"column {c!r} is already written for samples {dup[:8].tolist()} of partition "
+                        f"{partition!r}; a sample's column is written once"
+                    )
+        newbits = 0
+        for c, b in zip(columns, bits):
+            newbits |= 1 << b
+            part.loc[c][idx] = warehouse
+        part.ready[idx] |= np.uint64(newbits)
+        part.nbytes[warehouse] = part.nbytes.get(warehouse, 0) + nbytes
+        for cons in part.consumers.values():
+            subs = [s for s in cons.subs.values() if s.mask & newbits]
+            if subs:
+                part.refresh(cons, idx, subs)
+        return idx
+
+    # -- reads --------------------------------------------------------------------
+    def acquire(
+        self,
+        partition: str,
+        consumer: str,
+        columns: Sequence[str],
+        count: int,
+        *,
+        groups: bool = False,
+        allow_partial: bool = False,
+        shuffle: bool = False,
+        seed: int | None = None,
+        owner: int = 0,
+        now: float = 0.0,
+    ) -> AcquireResult | None:
+        """Lease up to `count` samples ready in `columns` for `consumer`, or None to wait.
+
+        Returns None when fewer than `count` are ready (or none, with
+        allow_partial). Raises DockDataLost when chosen samples live on a dead
+        warehouse; those are then marked lost for this consumer.
+        """
+        self.validate_acquire(partition, consumer, columns, count, groups)
+        part = self.partitions.get(partition)
+        if part is None:
+            return None
+        if groups and count % part.group_size:
+            raise DockValueError(
+                f"groups=True needs count to be a multiple of the group size {part.group_size} "
+                f"of partition {partition!r}, got {count}"
+            )
+        mask = part.mask_of(columns)
+        if mask is None:
+            return None
+        cons = part.consumer(consumer)
+        sub = part.subscription(cons, mask, groups)
+        gs = part.group_size if groups else 1
+        want = count // gs
+        have = sub.eligible.total
+        if have == 0 or (have < want and not allow_partial):
+            return None
+        if shuffle:
+            if sub.rng is None:
+                sub.rng = np.random.default_rng(seed)
+            units = sub.eligible.sample(want, sub.rng)
+        else:
+            units = sub.eligible.first(want)
+        idx = (units[:, None] * gs + np.arange(gs)).ravel() if groups else units
+        locs = np.stack([part.loc[c][idx] for c in columns])
+        if self.dead_warehouses:
+            self._check_lost(part, cons, columns, idx, locs)
+        cons.state[idx] = LEASED
+        cons.leased += len(idx)
+        part.refresh(cons, idx)
+        lease = Lease(self._next_lease, partition, consumer, idx, owner, now + self.lease_timeout)
+        self._next_lease += 1
+        self.leases[lease.id] = lease
+        return AcquireResult(lease.id, idx, locs)
+
+    def _check_lost(self, part: _Partition, cons: _Consumer, columns, idx, locs) -> None:
+        dead = np.isin(locs, np.fromiter(self.dead_warehouses, dtype=np.uint16))
+        if not dead.any():
+            return
+        lost_samples = dead.any(axis=0)
+        lost_idx = idx[lost_samples]
+        lost_cols = [c for c, row in zip(columns, dead) if row.any()]
+        cons.state[lost_idx] = LOST
+        part.refresh(cons, lost_idx)
+        raise DockDataLost(
+            f"{len(lost_idx)} samples of partition {part.name!r} are lost: columns {lost_cols} lived on "
+            f"warehouse(s) {sorted(set(locs[dead].tolist()))}, which left the dock. Indexes: "
+            f"{lost_idx[:16].tolist()}{' ...' if len(lost_idx) > 16 else ''}. Re-put them or skip them.",
+            indexes=lost_idx.tolist(),
+            columns=lost_cols,
+        )
+
+    @staticmethod
+    def validate_acquire(partition: str, consumer: str, columns: Sequence[str], count: int, groups: bool) -> None:
+        if not partition:
+            raise DockValueError("partition must be a non-empty string")
+        if not consumer:
+            raise DockValueError("consumer must be a non-empty string, e.g. 'actor_train'")
+        if not columns:
+            raise DockValueError("columns must name at least one column")
+        if count < 1:
+            raise DockValueError(f"count must be >= 1, got {count}")
+
+    def ready_count(self, partition: str, consumer: str, columns: Sequence[str], groups: bool = False) -> int:
+        """How many samples `consumer` could take right now (whole groups only with groups=True)."""
+        part = self.partitions.get(partition)
+        if part is None:
+            return 0
+        mask = part.mask_of(columns)
+        if mask is None:
+            return 0
+        sub = part.subscription(part.consumer(consumer), mask, groups)
+        return sub.eligible.total * (part.group_size if groups else 1)
+
+    def why_not_ready(self, partition: str, columns: Sequence[str]) -> str:
+        """A hint for timeout messages: unknown partition or columns."""
+        part = self.partitions.get(partition)
+        if part is None:
+            return f" Partition {partition!r} does not exist yet (nothing was put in it)."
+        missing = [c for c in columns if c not in part.columns]
+        if missing:
+            return f" No sample of partition {partition!r} has column(s) {missing} yet; known: {sorted(part.columns)}."
+        return ""
+
+    # -- leases -------------------------------------------------------------------
+    def confirm(self, lease_id: int) -> bool:
+        """The fetch of a lease succeeded: its samples are taken for good."""
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        part = self.partitions.get(lease.partition)
+        if part is not None:
+            cons = part.consumers[lease.consumer]
+            sel = lease.indexes[cons.state[lease.indexes] == LEASED]
+            cons.state[sel] = TAKEN
+            cons.leased -= len(sel)
+            cons.taken += len(sel)
+        return True
+
+    def release(self, lease_id: int) -> Lease | None:
+        """Give a lease's samples back to the pool; returns the lease (None if unknown)."""
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            return None
+        part = self.partitions.get(lease.partition)
+        if part is not None:
+            cons = part.consumers[lease.consumer]
+            sel = lease.indexes[cons.state[lease.indexes] == LEASED]
+            cons.state[sel] = FREE
+            cons.leased -= len(sel)
+            part.refresh(cons, sel)
+        return lease
+
+    def release_owner(self, owner: int) -> list[Lease]:
+        """Release every lease held by a client that went away."""
+        return [self.release(lid) for lid in [l.id for l in self.leases.values() if l.owner == owner]]
+
+    def expire_leases(self, now: float) -> list[Lease]:
+        """Release leases whose deadline passed."""
+        return [self.release(lid) for lid in [l.id for l in self.leases.values() if l.deadline <= now]]
+
+    def next_lease_deadline(self) -> float | None:
+        return min((l.deadline for l in self.leases.values()), default=None)
+
+    # -- partitions and warehouses ------------------------------------------------------
+    def clear(self, partition: str) -> int:
+        """Forget a partition; returns how many samples it held."""
+        part = self.partitions.pop(partition, None)
+        if part is None:
+            raise DockNotFound(f"partition {partition!r} does not exist (already cleared, or never written)")
+        for lid in [l.id for l in self.leases.values() if l.partition == partition]:
+            del self.leases[lid]
+        return part.size
+
+    def warehouse_lost(self, warehouse: int) -> None:
+        self.dead_warehouses.add(warehouse)
+        for part in self.partitions.values():
+            part.nbytes.pop(warehouse, None)
+
+    def warehouse_bytes(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for part in self.partitions.values():
+            for w, n in part.nbytes.items():
+                out[w] = out.get(w, 0) + n
+        return out
+
+    def stats(self) -> list[dict]:
+        out = []
+        for part in self.partitions.values():
+            n = part.size
+            ready = part.ready[:n]
+            out.append(
+                {
+                    "name": part.name,
+                    "samples": n,
+                    "group_size": part.group_size,
+                    "columns": {
+                        c: int(np.count_nonzero((ready >> np.uint64(b)) & np.uint64(1))) for c, b in part.columns.items()
+                    },
+                    "consumers": {name: {"taken": c.taken, "leased": c.leased} for name, c in part.consumers.items()},
+                }
+            )
+        return out
+
+    def metadata_bytes(self, partition: str) -> int:
+        """Bytes of metadata the controller holds for a partition (all arrays)."""
+        part = self.partitions[partition]
+        total = part.ready.nbytes + sum(a.nbytes for a in part.loc.values())
+        for cons in part.consumers.values():
+            total += cons.state.nbytes
+            for sub in cons.subs.values():
+                total += sub.eligible.bits.nbytes + sub.eligible.blocks.nbytes
+        return total

@@ -1,0 +1,121 @@
+"""The dockd exception tree: every error the package raises on purpose.
+
+    DockError
+    ├── DockTimeout            (retryable: not enough samples were ready in time)
+    ├── DockFull               (retryable: a warehouse stayed full past the timeout)
+    ├── DockNotFound           (unknown partition or sample index; also a KeyError)
+    ├── DockDataLost           (the warehouse holding some samples is gone)
+    ├── DockClosed             (this client or the daemon was closed while waiting)
+    ├── DockConnectionError    (a daemon cannot be reached or hung up)
+    ├── DockProtocolError      (a peer sent a malformed frame)
+    ├── DockValueError         (bad argument; also a ValueError)
+    └── DockTypeError          (argument of the wrong type; also a TypeError)
+
+Retryable errors leave the dock as it was. Errors are carried on the wire as a
+`dockd.v1.Code` plus a message (see proto/dockd/v1/dockd.proto) and mapped back
+to these classes once, in `from_status`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class DockError(Exception):
+    """Base class of every error dockd raises on purpose."""
+
+
+class DockTimeout(DockError, TimeoutError):
+    """Fewer samples than requested were ready when the timeout passed."""
+
+    def __init__(self, message: str, *, ready: int = 0) -> None:
+        super().__init__(message)
+        self.ready = ready
+
+
+class DockFull(DockError):
+    """A warehouse stayed at capacity for the whole put timeout."""
+
+
+class DockNotFound(DockError, KeyError):
+    """An unknown partition or sample index was named."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DockDataLost(DockError):
+    """Samples whose data lived on a warehouse that is gone."""
+
+    def __init__(self, message: str, *, indexes: Sequence[int] = (), columns: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.indexes = list(indexes)
+        self.columns = list(columns)
+
+
+class DockClosed(DockError):
+    """The client was closed, the daemon shut down, or the partition was cleared while waiting."""
+
+
+class DockConnectionError(DockError, ConnectionError):
+    """A daemon could not be reached or closed the connection."""
+
+
+class DockProtocolError(DockError):
+    """A peer sent bytes that are not a valid dockd frame."""
+
+
+class DockValueError(DockError, ValueError):
+    """An argument has the right type but a wrong value."""
+
+
+class DockTypeError(DockError, TypeError):
+    """An argument has the wrong type."""
+
+
+def from_status(status) -> DockError:  # status: dockd_pb2.Status
+    """Map a wire Status (code != OK) to the matching exception."""
+    from dockd._proto import dockd_pb2 as pb
+
+    code, msg = status.code, status.message
+    if code == pb.TIMEOUT:
+        return DockTimeout(msg, ready=status.ready)
+    if code == pb.FULL:
+        return DockFull(msg)
+    if code == pb.NOT_FOUND:
+        return DockNotFound(msg)
+    if code == pb.DATA_LOST:
+        return DockDataLost(msg, indexes=status.lost_indexes, columns=status.lost_columns)
+    if code == pb.CLOSED:
+        return DockClosed(msg)
+    if code == pb.INVALID_ARGUMENT:
+        return DockValueError(msg)
+    if code == pb.PROTOCOL:
+        return DockProtocolError(msg)
+    return DockError(f"{pb.Code.Name(code) if code in pb.Code.values() else code}: {msg}")
+
+
+def to_status(exc: BaseException, status) -> None:
+    """Fill a wire Status from an exception (the reverse of from_status)."""
+    from dockd._proto import dockd_pb2 as pb
+
+    status.message = str(exc)
+    if isinstance(exc, DockTimeout):
+        status.code, status.ready = pb.TIMEOUT, exc.ready
+    elif isinstance(exc, DockFull):
+        status.code = pb.FULL
+    elif isinstance(exc, DockNotFound):
+        status.code = pb.NOT_FOUND
+    elif isinstance(exc, DockDataLost):
+        status.code = pb.DATA_LOST
+        status.lost_indexes.extend(exc.indexes)
+        status.lost_columns.extend(exc.columns)
+    elif isinstance(exc, DockClosed):
+        status.code = pb.CLOSED
+    elif isinstance(exc, DockProtocolError):
+        status.code = pb.PROTOCOL
+    elif isinstance(exc, (ValueError, TypeError)):
+        status.code = pb.INVALID_ARGUMENT
+    else:
+        status.code = pb.INTERNAL
+        status.message = f"{type(exc).__name__}: {exc}"

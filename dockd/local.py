@@ -1,0 +1,123 @@
+"""The embedded default: real `dockd serve` processes on loopback, no configuration.
+
+    with dockd.start_local(num_warehouses=2) as cluster:
+        dock = dockd.connect(cluster.address)
+
+Node 0 hosts the controller and a warehouse; nodes 1..N-1 are warehouses that
+join it. Ports are picked by the daemons and read from their ready lines.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import selectors
+import subprocess
+import sys
+import time
+import weakref
+
+from dockd.config import parse_size
+from dockd.errors import DockConnectionError, DockValueError
+
+logger = logging.getLogger(__name__)
+
+
+class LocalCluster:
+    """Daemons started by `start_local`; closing it stops them (terminate, then kill)."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.nodes: list[dict] = []
+        self._finalizer = weakref.finalize(self, _stop_all, self.procs)
+
+    @property
+    def address(self) -> str:
+        """The controller's "host:port"; pass it to dockd.connect()."""
+        n = self.nodes[0]
+        return f"{n['host']}:{n['port']}"
+
+    @property
+    def warehouses(self) -> list[str]:
+        return [f"{n['host']}:{n['port']}" for n in self.nodes]
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"LocalCluster(address={self.address!r}, warehouses={len(self.nodes)})"
+
+
+def _stop_all(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
+    """Stop warehouses before the controller they joined, each SIGTERM then SIGKILL."""
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                logger.warning("[local] daemon pid=%d ignored SIGTERM for %.0fs; killing it", p.pid, grace)
+                p.kill()
+                p.wait()
+        if p.stdout:
+            p.stdout.close()
+
+
+def spawn_node(args: list[str], *, timeout: float = 60.0, env: dict | None = None) -> tuple[subprocess.Popen, dict]:
+    """Start `dockd serve ARGS` and wait for its ready line; fails fast if it exits."""
+    cmd = [sys.executable, "-m", "dockd", "serve", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env)
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    line = b""
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not sel.select(left):
+            proc.kill()
+            proc.wait()
+            raise DockConnectionError(f"`{' '.join(cmd)}` did not report ready within {timeout:g}s")
+        chunk = proc.stdout.readline()
+        if not chunk:
+            code = proc.wait()
+            raise DockConnectionError(f"`{' '.join(cmd)}` exited unexpectedly with code {code} before it was ready (see its stderr above)")
+        line += chunk
+    sel.close()
+    return proc, json.loads(line)
+
+
+def start_local(num_warehouses: int = 1, *, capacity: int | str = "4GiB", lease_timeout: float | None = None,
+                host: str = "127.0.0.1", log_level: str = "WARNING", timeout: float = 60.0) -> LocalCluster:
+    """Start a controller and `num_warehouses` warehouses as local processes."""
+    if not isinstance(num_warehouses, int) or num_warehouses < 1:
+        raise DockValueError(f"num_warehouses must be a positive int, got {num_warehouses!r}")
+    cap = parse_size(capacity)
+    common = ["--host", host, "--port", "0", "--grpc-port", "0", "--capacity", str(cap), "--log-level", log_level]
+    if lease_timeout is not None:
+        common += ["--lease-timeout", str(lease_timeout)]
+    cluster = LocalCluster()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    try:
+        proc, ready = spawn_node([*common, "--controller"], timeout=timeout, env=env)
+        cluster.procs.append(proc)
+        cluster.nodes.append(ready)
+        for _ in range(num_warehouses - 1):
+            proc, ready = spawn_node([*common, "--join", cluster.address], timeout=timeout, env=env)
+            cluster.procs.append(proc)
+            cluster.nodes.append(ready)
+    except BaseException:
+        cluster.close()
+        raise
+    logger.info("[local] started controller=%s warehouses=%d", cluster.address, num_warehouses)
+    return cluster
+
+
+atexit.register(lambda: None)  # keeps weakref finalizers running at interpreter exit

@@ -1,0 +1,406 @@
+"""OpenRLHF plugin: a replay buffer whose samples live in dockd.
+
+`DockReplayBuffer` is a drop-in for ``openrlhf.trainer.ppo_utils.NaiveReplayBuffer``
+(OpenRLHF 0.11): same constructor arguments, same methods, same batching (it
+uses OpenRLHF's own ``split_experience_batch`` / ``make_experience_batch``), so
+``DataLoader(buffer, batch_size=..., collate_fn=buffer.collate_fn)`` works as
+in OpenRLHF's actor and critic training loops. `append` splits an
+``Experience`` per sample and puts the samples into the dock; reads pull the
+samples the buffer's consumer has not seen yet into a local view that the
+DataLoader indexes. Experience makers on any node append, trainer ranks on any
+node read: two buffers with the same ``name`` and ``shard`` share samples.
+
+Switching an OpenRLHF run over is one call before OpenRLHF builds its actors::
+
+    runtime_env = dockd.trainer_plugins.openrlhf.install("10.0.0.1:7070")
+    ray.init(runtime_env=runtime_env)          # Ray workers install it too
+    train(args)                                # openrlhf.cli.train_ppo_ray.train
+
+Layout in the dock: partition ``"{name}/{shard}/{generation}"`` (the generation
+advances on every `clear`), one tensor column per ``Experience`` tensor field
+(``"exp/sequences"``, ...) and one ``"exp/meta"`` column carrying the
+non-tensor fields (``index``, ``prompts``, ``labels``, ``images``,
+``mm_train_inputs``, ``info``) msgpack-encoded, with tensors inside them kept
+bit-exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import dockd
+from dockd.trainer_plugins import _codec, require
+
+if TYPE_CHECKING:  # pragma: no cover
+    from openrlhf.trainer.ppo_utils import Experience
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DockBufferConfig", "DockReplayBuffer", "install", "uninstall", "ENV_ADDRESS", "ENV_CONFIG"]
+
+ENV_ADDRESS = "DOCKD_ADDRESS"
+"""Environment variable naming the dock (``host:port``) when no address is given."""
+ENV_CONFIG = "DOCKD_OPENRLHF_CONFIG"
+"""Environment variable carrying `install`'s buffer config (JSON) into Ray workers."""
+
+META_COLUMN = "exp/meta"
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+
+
+def _openrlhf(module: str = "openrlhf.trainer.ppo_utils.experience") -> Any:
+    return require(module, extra="openrlhf", what="dockd.trainer_plugins.openrlhf")
+
+
+@dataclass(kw_only=True, slots=True)
+class DockBufferConfig:
+    """Where a `DockReplayBuffer` keeps its samples."""
+
+    address: str | None = None
+    """Dock address ``host:port``; None reads the ``DOCKD_ADDRESS`` environment variable."""
+    name: str = "openrlhf"
+    """Partition prefix; buffers with the same name and shard share samples."""
+    shard: str | None = None
+    """Stream within ``name``; None means ``"rank{R}"`` with R the torch.distributed rank
+    (0 without a process group), which keeps OpenRLHF's per-rank buffers apart."""
+    consumer: str = "train"
+    """Consumer name the reader pulls with; each consumer sees each sample once."""
+    read_timeout: float = 0.0
+    """Seconds `__len__`/`sample` wait for at least one new sample before using what is
+    already local. 0 takes only what is ready now."""
+    put_timeout: float = 60.0
+    """Seconds an append waits for warehouse capacity before DockFull."""
+    clear_remote: bool = True
+    """`clear` also frees the current partition in the dock (turn off when several readers
+    share a shard and one must not drop samples the others still need)."""
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ValueError(f"DockBufferConfig.name must be a non-empty string without '/', got {self.name!r}")
+        if self.shard is not None and (not self.shard or "/" in self.shard):
+            raise ValueError(f"DockBufferConfig.shard must be None or a non-empty string without '/', got {self.shard!r}")
+        if self.read_timeout < 0 or self.put_timeout < 0:
+            raise ValueError("DockBufferConfig timeouts must be >= 0 seconds")
+
+    def resolved_address(self) -> str:
+        address = self.address or os.environ.get(ENV_ADDRESS)
+        if not address:
+            raise ValueError(
+                "DockReplayBuffer has no dock address: pass address='host:port' (or DockBufferConfig(address=...)), "
+                f"or set the {ENV_ADDRESS} environment variable, e.g. to the address `dockd serve` printed"
+            )
+        return address
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+class DockReplayBuffer:
+    """Drop-in for OpenRLHF's ``NaiveReplayBuffer`` backed by dockd.
+
+    Args:
+        sample_batch_size: batch size of `sample` and of OpenRLHF's DataLoader.
+        limit: keep at most this many samples in the local view (oldest dropped); <= 0: unlimited.
+        cpu_offload: move experiences to CPU on append and to the training device on `sample`.
+        packing_samples: passed to ``make_experience_batch`` like OpenRLHF does.
+        dynamic_batch: OpenRLHF's dynamic batching (``setup_dynamic_batch``) as in the original.
+        config: where the samples live (`DockBufferConfig`); keyword overrides below win.
+        address, name, shard, consumer: shortcuts for the same `DockBufferConfig` fields.
+    """
+
+    _default_config: DockBufferConfig | None = None  # set by `install` on the installed subclass
+
+    def __init__(
+        self,
+        sample_batch_size: int,
+        limit: int = 0,
+        cpu_offload: bool = True,
+        packing_samples: bool = False,
+        dynamic_batch: bool = False,
+        *,
+        config: DockBufferConfig | None = None,
+        address: str | None = None,
+        name: str | None = None,
+        shard: str | None = None,
+        consumer: str | None = None,
+    ) -> None:
+        experience_mod = _openrlhf()
+        self._exp_mod = experience_mod
+        self._Experience = experience_mod.Experience
+        base = config or self._default_config or DockBufferConfig()
+        overrides = {k: v for k, v in dict(address=address, name=name, shard=shard, consumer=consumer).items() if v}
+        self.config = dataclasses.replace(base, **overrides) if overrides else base
+        self.sample_batch_size = sample_batch_size
+        self.limit = limit
+        self.cpu_offload = cpu_offload
+        self.packing_samples = packing_samples
+        self.dynamic_batch = dynamic_batch
+        self.target_device = (
+            torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
+        )
+        self.items: list[Experience] = []
+        self.dynamic_indices: list[list[int]] = []
+        self.dynamic_sample_loss_scale: list[float] = []
+        self.dynamic_batch_num_tokens: list[float] = []
+        self.dynamic_global_batch_size: list[float] = []
+        self.dynamic_optimizer_step: list[int] = []
+        self.generation = 0
+        self._shard = self.config.shard or f"rank{_rank()}"
+        self._dock: Any = None
+        tensor_fields, other_fields = [], []
+        for f in dataclasses.fields(self._Experience):
+            if f.metadata.get("tensor_role") in ("step", "episode"):
+                tensor_fields.append(f.name)
+            else:
+                other_fields.append(f.name)
+        self._tensor_fields = tensor_fields
+        self._other_fields = other_fields
+        self._columns = [f"exp/{n}" for n in tensor_fields] + [META_COLUMN]
+
+    # -- the dock --------------------------------------------------------------------
+    @property
+    def dock(self) -> Any:
+        """The `dockd.Dock` this buffer talks to (connected on first use)."""
+        if self._dock is None:
+            self._dock = dockd.connect(self.config.resolved_address())
+        return self._dock
+
+    @property
+    def partition(self) -> str:
+        """The dock partition appends go to and reads come from right now."""
+        return f"{self.config.name}/{self._shard}/{self.generation}"
+
+    def close(self) -> None:
+        """Close this buffer's connection (the samples stay in the dock)."""
+        if self._dock is not None:
+            self._dock.close()
+            self._dock = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # picklable for Ray: the connection is re-opened on the other side
+        state = self.__dict__.copy()
+        state["_dock"] = None
+        state["_exp_mod"] = None
+        state["_Experience"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._exp_mod = _openrlhf()
+        self._Experience = self._exp_mod.Experience
+
+    # -- NaiveReplayBuffer API -----------------------------------------------------
+    @torch.no_grad()
+    def append(self, experience: Experience) -> list[int]:
+        """Split `experience` per sample, strip right padding, put the samples into the dock.
+
+        Returns the dock indexes of the new samples.
+        """
+        if self.cpu_offload:
+            experience.to_device(torch.device("cpu"))
+        items = self._exp_mod.split_experience_batch(experience)
+        items = self._exp_mod.remove_padding_in_sequences(items)
+        if not items:
+            return []
+        columns: dict[str, list[Any]] = {c: [] for c in self._columns}
+        for item in items:
+            none_fields = []
+            for name in self._tensor_fields:
+                value = getattr(item, name)
+                if value is None:
+                    none_fields.append(name)
+                    value = _EMPTY
+                elif not isinstance(value, torch.Tensor):
+                    raise TypeError(f"Experience.{name} must be a tensor or None, got {type(value).__name__}")
+                columns[f"exp/{name}"].append(value.detach().to("cpu").contiguous())
+            meta = {"none": none_fields, "fields": {n: getattr(item, n) for n in self._other_fields}}
+            columns[META_COLUMN].append(_codec.encode(meta))
+        indexes = self.dock.put(columns, partition=self.partition, timeout=self.config.put_timeout)
+        logger.debug("[openrlhf] appended samples=%d partition=%s", len(items), self.partition)
+        return list(indexes)
+
+    def clear(self) -> None:
+        """Drop the local view, free the current partition in the dock, start a new generation."""
+        self.items.clear()
+        if self.config.clear_remote:
+            try:
+                self.dock.clear(self.partition)
+            except dockd.DockError as exc:  # already cleared by a peer sharing the shard
+                logger.debug("[openrlhf] clear partition=%s: %s", self.partition, exc)
+        self.generation += 1
+
+    @torch.no_grad()
+    def sample(self) -> Experience:
+        """A random batch of `sample_batch_size` samples, like NaiveReplayBuffer.sample."""
+        self.pull()
+        if len(self.items) < self.sample_batch_size:
+            raise ValueError(
+                f"DockReplayBuffer.sample needs {self.sample_batch_size} samples but partition "
+                f"{self.partition!r} has delivered {len(self.items)} to consumer {self.config.consumer!r}; "
+                "append more experiences first or call wait(n, timeout) to block until they arrive"
+            )
+        items = random.sample(self.items, self.sample_batch_size)
+        experience = self._exp_mod.make_experience_batch(items, self.packing_samples)
+        if self.cpu_offload:
+            experience.to_device(self.target_device)
+        return experience
+
+    def __len__(self) -> int:
+        self.pull()
+        if self.dynamic_batch:
+            return len(self.dynamic_indices)
+        return len(self.items)
+
+    def __getitem__(self, idx: int) -> Experience | list[Experience]:
+        if self.dynamic_batch:
+            return [self.items[i] for i in self.dynamic_indices[idx]]
+        return self.items[idx]
+
+    def collate_fn(self, batch: list[Any]) -> Experience:
+        if self.dynamic_batch:
+            batch = batch[0]
+        return self._exp_mod.make_experience_batch(batch, self.packing_samples)
+
+    def setup_dynamic_batch(self, strategy: Any) -> None:
+        """OpenRLHF's own dynamic batching, run on the samples pulled from the dock."""
+        self.pull()
+        naive = _openrlhf("openrlhf.trainer.ppo_utils.replay_buffer").NaiveReplayBuffer
+        naive.setup_dynamic_batch(self, strategy)
+
+    # -- reading from the dock -----------------------------------------------------
+    def pull(self, timeout: float | None = None) -> int:
+        """Move every sample ready for this buffer's consumer into the local view.
+
+        Waits up to `timeout` (default `DockBufferConfig.read_timeout`) for the first one.
+        Returns how many samples arrived.
+        """
+        timeout = self.config.read_timeout if timeout is None else timeout
+        got = 0
+        while True:
+            try:
+                batch = self.dock.get(
+                    consumer=self.config.consumer,
+                    columns=self._columns,
+                    count=1 << 20,
+                    partition=self.partition,
+                    allow_partial=True,
+                    timeout=timeout if got == 0 else 0.0,
+                )
+            except dockd.DockTimeout:
+                break
+            except dockd.DockNotFound:  # nothing was ever appended to this generation
+                break
+            got += self._ingest(batch)
+        return got
+
+    def wait(self, count: int, timeout: float) -> None:
+        """Block until the local view holds at least `count` samples, or raise DockTimeout."""
+        missing = count - len(self.items)
+        if missing > 0:
+            batch = self.dock.get(
+                consumer=self.config.consumer,
+                columns=self._columns,
+                count=missing,
+                partition=self.partition,
+                timeout=timeout,
+            )
+            self._ingest(batch)
+
+    def _ingest(self, batch: Any) -> int:
+        n = len(batch.indexes)
+        metas = batch[META_COLUMN]
+        tensors = {name: batch[f"exp/{name}"] for name in self._tensor_fields}
+        for i in range(n):
+            meta = _codec.decode(metas[i])
+            kwargs: dict[str, Any] = dict(meta["fields"])
+            none = set(meta["none"])
+            for name in self._tensor_fields:
+                kwargs[name] = None if name in none else tensors[name][i]
+            self.items.append(self._Experience(**kwargs))
+        if self.limit > 0 and len(self.items) > self.limit:
+            del self.items[: len(self.items) - self.limit]
+        return n
+
+
+# -- switching OpenRLHF over ---------------------------------------------------------
+_PATCH_SITES = (
+    "openrlhf.trainer.ppo_utils",
+    "openrlhf.trainer.ppo_utils.replay_buffer",
+    "openrlhf.trainer.ray.ppo_actor",
+    "openrlhf.trainer.ray.ppo_critic",
+)
+_originals: dict[str, Any] = {}
+
+
+def install(address: str | None = None, config: DockBufferConfig | None = None, **fields: Any) -> dict[str, Any]:
+    """Make OpenRLHF build a `DockReplayBuffer` wherever it builds ``NaiveReplayBuffer``.
+
+    Patches this process (``openrlhf.trainer.ppo_utils`` and the actor/critic modules that
+    imported the class) and returns a Ray ``runtime_env`` that repeats the patch in every
+    Ray worker process; pass it to ``ray.init(runtime_env=...)`` before OpenRLHF's ``train``.
+
+    Args:
+        address: dock address ``host:port`` (default: ``DOCKD_ADDRESS``).
+        config: a `DockBufferConfig`; `fields` override single fields of it.
+    """
+    cfg = dataclasses.replace(config or DockBufferConfig(), **fields)
+    if address:
+        cfg = dataclasses.replace(cfg, address=address)
+    cfg.resolved_address()  # fail now, not inside a Ray actor
+    _install_local(cfg)
+    payload = json.dumps({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+    os.environ[ENV_CONFIG] = payload
+    return {
+        "env_vars": {ENV_CONFIG: payload, ENV_ADDRESS: cfg.resolved_address()},
+        "worker_process_setup_hook": f"{__name__}._ray_worker_setup",
+    }
+
+
+def _install_local(cfg: DockBufferConfig) -> type[DockReplayBuffer]:
+    ppo_utils = _openrlhf("openrlhf.trainer.ppo_utils")
+    installed = type("DockReplayBuffer", (DockReplayBuffer,), {"_default_config": cfg, "__module__": __name__})
+    for site in _PATCH_SITES:
+        module = ppo_utils if site == "openrlhf.trainer.ppo_utils" else sys.modules.get(site)
+        if module is None and site.endswith("replay_buffer"):
+            module = _openrlhf(site)
+        if module is None:  # imported later: it reads the patched ppo_utils attribute then
+            continue
+        current = getattr(module, "NaiveReplayBuffer", None)
+        if current is not None and not issubclass(current, DockReplayBuffer):
+            _originals.setdefault(site, current)
+        module.NaiveReplayBuffer = installed
+    logger.info("[openrlhf] NaiveReplayBuffer -> DockReplayBuffer address=%s name=%s", cfg.address, cfg.name)
+    return installed
+
+
+def _ray_worker_setup() -> None:
+    """Ray ``worker_process_setup_hook``: repeat `install` inside a worker process."""
+    payload = os.environ.get(ENV_CONFIG)
+    if not payload:
+        return
+    try:
+        _openrlhf("openrlhf.trainer.ppo_utils")
+    except ImportError:  # a worker that never runs OpenRLHF code
+        return
+    _install_local(DockBufferConfig(**json.loads(payload)))
+
+
+def uninstall() -> None:
+    """Undo `install` in this process."""
+    for site, original in _originals.items():
+        module = sys.modules.get(site)
+        if module is not None:
+            module.NaiveReplayBuffer = original
+    _originals.clear()
+    os.environ.pop(ENV_CONFIG, None)

@@ -1,0 +1,200 @@
+"""verl ``DataProto`` <-> dock, bit-exact.
+
+Layout in the dock, per sample:
+
+    batch key ``k`` (TensorDict entry)        -> tensor column ``k``
+    non_tensor_batch key ``k`` (numpy array)  -> column ``"nt/k"``: the sample's element,
+                                                msgpack-encoded as a uint8 tensor
+    meta_info (one dict per put)              -> column ``"verl/meta_info"``
+
+so other consumers of the same partition (a MindSpeed-style stage, an OpenRLHF
+buffer, a plain `dock.get`) read the tensor columns by their verl names.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from dockd.trainer_plugins import _codec, require
+
+if TYPE_CHECKING:  # pragma: no cover
+    from verl import DataProto
+
+logger = logging.getLogger(__name__)
+
+NON_TENSOR_PREFIX = "nt/"
+META_COLUMN = "verl/meta_info"
+
+
+def _verl_protocol() -> Any:
+    return require("verl.protocol", extra="verl", what="dockd.trainer_plugins.verl")
+
+
+def _tensordict() -> Any:
+    return require("tensordict", extra="verl", what="dockd.trainer_plugins.verl")
+
+
+def put_data_proto(
+    dock: Any,
+    data: DataProto,
+    *,
+    partition: str,
+    indexes: Sequence[int] | None = None,
+    group_size: int = 1,
+    with_meta_info: bool = True,
+    **put_kwargs: Any,
+) -> list[int]:
+    """Put every sample of `data` into `partition`; returns the sample indexes.
+
+    With `indexes`, the columns are added to existing samples (e.g. a stage writing
+    ``old_log_probs`` next to the ``responses`` it read); otherwise new samples are
+    created (``group_size`` consecutive samples form one GRPO group).
+    """
+    n = len(data)
+    if n == 0:
+        raise ValueError("put_data_proto got an empty DataProto; there is nothing to put")
+    if indexes is not None and len(indexes) != n:
+        raise ValueError(f"put_data_proto: {len(indexes)} indexes for a DataProto of {n} samples")
+    columns: dict[str, Any] = {}
+    if data.batch is not None:
+        if len(data.batch.batch_size) != 1:
+            raise ValueError(f"put_data_proto supports one batch dimension, got batch_size={data.batch.batch_size}")
+        for key, value in data.batch.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"put_data_proto: batch[{key!r}] is a {type(value).__name__}; nested TensorDicts are not "
+                    "supported, flatten them first (TensorDict.flatten_keys())"
+                )
+            if value.is_nested:
+                columns[key] = list(value.unbind(0))
+            else:
+                columns[key] = value.detach().to("cpu")
+    for key, arr in (data.non_tensor_batch or {}).items():
+        if not isinstance(arr, np.ndarray) or arr.shape[:1] != (n,):
+            raise ValueError(f"put_data_proto: non_tensor_batch[{key!r}] must be a numpy array with {n} rows")
+        columns[NON_TENSOR_PREFIX + key] = [_codec.encode(arr[i]) for i in range(n)]
+    if with_meta_info:
+        blob = _codec.encode(dict(data.meta_info or {}))
+        columns[META_COLUMN] = [blob] * n
+    if indexes is not None:
+        return list(dock.put(columns, partition=partition, indexes=list(indexes), **put_kwargs))
+    return list(dock.put(columns, partition=partition, group_size=group_size, **put_kwargs))
+
+
+def batch_to_data_proto(
+    batch: Any,
+    *,
+    batch_keys: Sequence[str],
+    non_tensor_batch_keys: Sequence[str] = (),
+    with_meta_info: bool = True,
+) -> DataProto:
+    """Build a ``DataProto`` from a `dockd.Batch` fetched with `data_proto_columns`."""
+    protocol = _verl_protocol()
+    tensordict = _tensordict()
+    n = len(batch.indexes)
+    tensors: dict[str, torch.Tensor] = {}
+    for key in batch_keys:
+        values = batch[key]
+        shapes = {tuple(v.shape) for v in values}
+        if len(shapes) == 1:
+            tensors[key] = torch.stack(values) if n else torch.empty(0)
+        else:
+            tensors[key] = torch.nested.nested_tensor(values, layout=torch.jagged)
+    non_tensors: dict[str, np.ndarray] = {}
+    for key in non_tensor_batch_keys:
+        items = [_codec.decode(v) for v in batch[NON_TENSOR_PREFIX + key]]
+        non_tensors[key] = _stack_rows(items)
+    meta_info: dict[str, Any] = {}
+    if with_meta_info:
+        seen: list[bytes] = []
+        for blob in batch[META_COLUMN]:
+            raw = blob.numpy().tobytes()
+            if raw in seen:
+                continue
+            seen.append(raw)
+            for k, v in _codec.decode(raw).items():
+                meta_info.setdefault(k, v)
+        if len(seen) > 1:
+            logger.debug("[verl] merged meta_info of %d puts (first wins on conflicts)", len(seen))
+    td = tensordict.TensorDict(tensors, batch_size=[n]) if tensors else None
+    return protocol.DataProto(batch=td, non_tensor_batch=non_tensors, meta_info=meta_info)
+
+
+def _stack_rows(items: list[Any]) -> np.ndarray:
+    """Rebuild a non_tensor_batch array from per-sample rows without numpy reshaping lists."""
+    if items and all(isinstance(v, np.ndarray) and v.dtype != object for v in items):
+        if len({(v.dtype, v.shape) for v in items}) == 1:
+            return np.stack(items)
+    if items and all(isinstance(v, np.generic) for v in items) and len({v.dtype for v in items}) == 1:
+        return np.array(items, dtype=items[0].dtype)
+    arr = np.empty(len(items), dtype=object)
+    for i, v in enumerate(items):
+        arr[i] = v
+    return arr
+
+
+def data_proto_columns(
+    batch_keys: Sequence[str], non_tensor_batch_keys: Sequence[str] = (), with_meta_info: bool = True
+) -> list[str]:
+    """The dock columns that hold these DataProto keys."""
+    cols = list(batch_keys) + [NON_TENSOR_PREFIX + k for k in non_tensor_batch_keys]
+    if with_meta_info:
+        cols.append(META_COLUMN)
+    return cols
+
+
+def get_data_proto(
+    dock: Any,
+    *,
+    consumer: str,
+    count: int,
+    partition: str,
+    batch_keys: Sequence[str] = (),
+    non_tensor_batch_keys: Sequence[str] = (),
+    with_meta_info: bool = True,
+    **get_kwargs: Any,
+) -> DataProto:
+    """Get `count` samples for `consumer` as a ``DataProto`` (see `get_data_proto_with_indexes`)."""
+    data, _ = get_data_proto_with_indexes(
+        dock,
+        consumer=consumer,
+        count=count,
+        partition=partition,
+        batch_keys=batch_keys,
+        non_tensor_batch_keys=non_tensor_batch_keys,
+        with_meta_info=with_meta_info,
+        **get_kwargs,
+    )
+    return data
+
+
+def get_data_proto_with_indexes(
+    dock: Any,
+    *,
+    consumer: str,
+    count: int,
+    partition: str,
+    batch_keys: Sequence[str] = (),
+    non_tensor_batch_keys: Sequence[str] = (),
+    with_meta_info: bool = True,
+    **get_kwargs: Any,
+) -> tuple[DataProto, list[int]]:
+    """Get `count` samples for `consumer` as a ``DataProto`` plus their dock indexes.
+
+    `get_kwargs` go to `dockd.Dock.get` (``timeout``, ``groups``, ``allow_partial``,
+    ``shuffle``, ``seed``). Equal-shape tensors are stacked; ragged ones come back as a
+    jagged nested tensor. Pass the indexes to `put_data_proto` to write results back.
+    """
+    if not batch_keys and not non_tensor_batch_keys:
+        raise ValueError("get_data_proto needs at least one of batch_keys / non_tensor_batch_keys")
+    cols = data_proto_columns(batch_keys, non_tensor_batch_keys, with_meta_info)
+    batch = dock.get(consumer=consumer, columns=cols, count=count, partition=partition, **get_kwargs)
+    data = batch_to_data_proto(
+        batch, batch_keys=batch_keys, non_tensor_batch_keys=non_tensor_batch_keys, with_meta_info=with_meta_info
+    )
+    return data, list(batch.indexes)

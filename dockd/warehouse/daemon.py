@@ -1,0 +1,390 @@
+"""The node daemon (`dockd serve`): a warehouse, and with `controller=True` the
+controller too, on one framed port, plus gRPC health/admin on a second port.
+
+Requests are routed by kind: put/fetch/free go to the warehouse, the rest to
+the controller. A warehouse that is not co-hosted joins the controller over a
+framed connection of its own, commits every put there before acknowledging it,
+and receives `free` requests on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import signal
+import sys
+from collections.abc import Awaitable
+
+import pyarrow as pa
+
+from dockd import codec
+from dockd._proto import dockd_pb2 as pb
+from dockd.config import NodeConfig
+from dockd.controller.core import Controller
+from dockd.controller.service import ControllerService
+from dockd.errors import DockConnectionError, DockError, DockFull, DockNotFound, DockValueError
+from dockd.peer import Peer
+from dockd.warehouse.core import Warehouse
+from dockd.wire import PROTOCOL_VERSION
+
+logger = logging.getLogger(__name__)
+
+_CONTROLLER_KINDS = {"acquire", "confirm", "release", "clear", "stats", "register", "commit"}
+
+
+class Node:
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.cfg = cfg
+        self.warehouse = Warehouse(cfg.capacity)
+        self.controller: ControllerService | None = None
+        if cfg.controller:
+            self.controller = ControllerService(Controller(lease_timeout=cfg.lease_timeout), free_local=self._free)
+        self.wid = -1
+        self.port = 0
+        self.grpc_port = 0
+        self._ctrl_peer: Peer | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._peers: set[Peer] = set()
+        self._capacity_waiters: list[tuple[int, asyncio.Future]] = []
+        self._pending_new: dict[str, int] = {}
+        self._landed = asyncio.Condition()
+        self._stopping: asyncio.Event | None = None
+        self._grpc = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        self._server = await loop.create_server(self._make_peer, self.cfg.host, self.cfg.port, reuse_address=True)
+        self.port = self._server.sockets[0].getsockname()[1]
+        reg = pb.RegisterWarehouse(host=self.cfg.advertise or self.cfg.host, port=self.port, capacity=self.cfg.capacity)
+        if self.controller is not None:
+            self.wid = self.controller.register(None, reg)
+        else:
+            await self._join(reg)
+        from dockd.warehouse.admin import start_grpc
+
+        self._grpc, self.grpc_port = start_grpc(self, loop)
+        logger.info(
+            "[node] serving address=%s:%d grpc_port=%d controller=%s warehouse=%d capacity=%d",
+            self.cfg.host, self.port, self.grpc_port, self.controller is not None, self.wid, self.cfg.capacity,
+        )
+
+    async def _join(self, reg: pb.RegisterWarehouse) -> None:
+        host, _, port = self.cfg.join.rpartition(":")
+        loop = asyncio.get_running_loop()
+        try:
+            _, peer = await asyncio.wait_for(
+                loop.create_connection(self._make_peer, host, int(port)), timeout=self.cfg.connect_timeout
+            )
+        except (OSError, asyncio.TimeoutError) as e:
+            raise DockConnectionError(f"cannot reach the controller at {self.cfg.join} to join it: {e}") from None
+        self._ctrl_peer = peer
+        reply, _ = await peer.request(pb.Frame(register=reg))
+        self.wid = reply.register_reply.id
+
+    def _make_peer(self) -> Peer:
+        peer = Peer(self, max_body=self.cfg.max_frame)
+        self._peers.add(peer)
+        return peer
+
+    def ready_line(self) -> str:
+        return json.dumps(
+            {"event": "ready", "host": self.cfg.host, "port": self.port, "grpc_port": self.grpc_port,
+             "warehouse": self.wid, "controller": self.controller is not None}
+        )
+
+    async def serve_until_stopped(self) -> None:
+        await self._stopping.wait()
+        await self.stop()
+
+    def request_stop(self) -> None:
+        if self._stopping is not None:
+            self._stopping.set()
+
+    async def stop(self) -> None:
+        logger.info("[shutdown] stopping node warehouse=%d", self.wid)
+        if self._grpc is not None:
+            self._grpc.stop(grace=0.5)
+        if self.controller is not None:
+            self.controller.shutdown()
+        for _, fut in self._capacity_waiters:
+            if not fut.done():
+                fut.set_exception(DockError("the warehouse is shutting down"))
+        self._server.close()
+        for peer in list(self._peers):
+            peer.close()
+        await self._server.wait_closed()
+
+    # -- Handler ------------------------------------------------------------------------------
+    def on_lost(self, peer: Peer) -> None:
+        self._peers.discard(peer)
+        if peer is self._ctrl_peer and not self._stopping.is_set():
+            logger.error("[node] lost the controller connection; this warehouse's data is unreachable, stopping")
+            self.request_stop()
+        if self.controller is not None:
+            self.controller.on_lost(peer)
+
+    def admit(self, peer: Peer, frame: pb.Frame, body_size: int) -> Awaitable[None] | None:
+        if frame.WhichOneof("kind") != "put":
+            return _failed(DockValueError(f"a {frame.WhichOneof('kind')} request carries no body"))
+        req = frame.put
+        try:
+            Warehouse.validate_put(req)
+            self.warehouse.check_fits(body_size)
+        except DockError as e:
+            return _failed(e)
+        if not self._capacity_waiters and self.warehouse.reserve(body_size):
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        self._capacity_waiters.append((body_size, fut))
+        if req.timeout >= 0:
+            asyncio.get_running_loop().call_later(req.timeout, self._capacity_timeout, fut, body_size)
+        return fut
+
+    def on_request(self, peer: Peer, frame: pb.Frame, body: pa.Buffer | None) -> None:
+        kind = frame.WhichOneof("kind")
+        if kind in _CONTROLLER_KINDS:
+            self._controller_request(peer, frame, kind)
+        elif kind == "put":
+            self._put(peer, frame, body)
+        elif kind == "fetch":
+            self._fetch(peer, frame)
+        elif kind == "free":
+            peer.reply(frame, pb.Frame(free_reply=pb.FreeReply(nbytes=self._free(frame.free.partition))))
+        elif kind == "hello":
+            peer.reply(frame, pb.Frame(hello_reply=self._hello()))
+        else:
+            raise DockValueError(f"unexpected request kind {kind!r}")
+
+    def _hello(self) -> pb.HelloReply:
+        out = pb.HelloReply(protocol=PROTOCOL_VERSION, hosts_controller=self.controller is not None, warehouse_id=self.wid)
+        if self.controller is not None:
+            out.warehouses.extend(self.controller.warehouse_infos())
+            out.controller = f"{self.cfg.advertise or self.cfg.host}:{self.port}"
+        else:
+            out.controller = self.cfg.join or ""
+        return out
+
+    def _controller_request(self, peer: Peer, frame: pb.Frame, kind: str) -> None:
+        ctl = self.controller
+        if ctl is None:
+            raise DockValueError(
+                f"this daemon ({self.cfg.host}:{self.port}) is a warehouse without the controller; "
+                f"connect clients to the controller at {self.cfg.join}"
+            )
+        if kind == "acquire":
+            ctl.acquire(peer, frame)
+        elif kind == "confirm":
+            ctl.confirm(frame.confirm)
+        elif kind == "release":
+            peer.reply(frame, pb.Frame(release_reply=pb.ReleaseReply(released=ctl.release(frame.release))))
+        elif kind == "commit":
+            idx = ctl.commit(frame.commit)
+            peer.reply(frame, pb.Frame(commit_reply=pb.CommitReply(indexes=idx.tolist())))
+        elif kind == "stats":
+            peer.reply(frame, pb.Frame(stats_reply=ctl.stats()))
+        elif kind == "register":
+            peer.reply(frame, pb.Frame(register_reply=pb.RegisterReply(id=ctl.register(peer, frame.register))))
+        elif kind == "clear":
+            _spawn(self._clear(peer, frame))
+
+    async def _clear(self, peer: Peer, frame: pb.Frame) -> None:
+        try:
+            n = await self.controller.clear(frame.clear)
+        except Exception as e:
+            peer.reply_error(frame, e)
+        else:
+            peer.reply(frame, pb.Frame(clear_reply=pb.ClearReply(samples=n)))
+
+    # -- capacity -------------------------------------------------------------------------------
+    def _free(self, partition: str) -> int:
+        n = self.warehouse.free(partition)
+        self._admit_waiters()
+        return n
+
+    def _admit_waiters(self) -> None:
+        while self._capacity_waiters:
+            size, fut = self._capacity_waiters[0]
+            if fut.done():
+                self._capacity_waiters.pop(0)
+                continue
+            if not self.warehouse.reserve(size):
+                break
+            self._capacity_waiters.pop(0)
+            fut.set_result(None)
+
+    def _capacity_timeout(self, fut: asyncio.Future, size: int) -> None:
+        if fut.done():
+            return
+        fut.set_exception(
+            DockFull(
+                f"warehouse {self.wid} stayed full: {size} bytes did not fit next to {self.warehouse.used} used of "
+                f"{self.warehouse.capacity} within the put timeout. Clear finished partitions, consume faster, "
+                "or raise --capacity."
+            )
+        )
+        self._admit_waiters()
+
+    # -- data path --------------------------------------------------------------------------------
+    def _put(self, peer: Peer, frame: pb.Frame, body: pa.Buffer | None) -> None:
+        req = frame.put
+        size = body.size if body is not None else 0
+        if body is None:  # admit() (validation, reservation) only runs for frames with a body
+            Warehouse.validate_put(req)
+        try:
+            for col in req.columns:
+                for v in col.values:
+                    codec.check_value(v, size)
+            if req.indexes:
+                self.warehouse.check_absent(req.partition, req.indexes, (c.name for c in req.columns))
+        except Exception:
+            self.warehouse.unreserve(size)
+            raise
+        commit = pb.CommitRequest(
+            partition=req.partition, indexes=req.indexes, new_count=req.new_count, group_size=req.group_size or 1,
+            columns=[c.name for c in req.columns], warehouse=self.wid, nbytes=size,
+        )
+        if self.controller is not None:
+            self._put_local(peer, frame, body, commit, size)
+        else:
+            _spawn(self._put_remote(peer, frame, body, commit, size))
+
+    def _put_local(self, peer, frame, body, commit, size) -> None:
+        req = frame.put
+        if req.indexes:
+            self.warehouse.store(req.partition, req.indexes, req.columns, body, size)
+            try:
+                idx = self.controller.commit(commit)
+            except Exception:
+                self.warehouse.unstore(req.partition, req.indexes, [c.name for c in req.columns], size)
+                raise
+        else:
+            try:
+                idx = self.controller.commit(commit)
+            except Exception:
+                self.warehouse.unreserve(size)
+                raise
+            self.warehouse.store(req.partition, idx.tolist(), req.columns, body, size)
+        peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=idx.tolist())))
+
+    async def _put_remote(self, peer, frame, body, commit, size) -> None:
+        req = frame.put
+        names = [c.name for c in req.columns]
+        try:
+            if req.indexes:
+                self.warehouse.store(req.partition, req.indexes, req.columns, body, size)
+                try:
+                    reply, _ = await self._ctrl_peer.request(pb.Frame(commit=commit))
+                except Exception:
+                    self.warehouse.unstore(req.partition, req.indexes, names, size)
+                    raise
+                idx = list(req.indexes)
+            else:
+                self._pending_new[req.partition] = self._pending_new.get(req.partition, 0) + 1
+                try:
+                    reply, _ = await self._ctrl_peer.request(pb.Frame(commit=commit))
+                except Exception:
+                    self.warehouse.unreserve(size)
+                    raise
+                else:
+                    idx = list(reply.commit_reply.indexes)
+                    self.warehouse.store(req.partition, idx, req.columns, body, size)
+                finally:
+                    self._pending_new[req.partition] -= 1
+                    if not self._pending_new[req.partition]:
+                        del self._pending_new[req.partition]
+                    async with self._landed:
+                        self._landed.notify_all()
+        except Exception as e:
+            peer.reply_error(frame, e)
+            return
+        peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=idx)))
+
+    def _fetch(self, peer: Peer, frame: pb.Frame) -> None:
+        req = frame.fetch
+        wanted = [(c.name, list(c.indexes)) for c in req.columns]
+        try:
+            found = self.warehouse.fetch(req.partition, wanted)
+        except DockNotFound:
+            if req.partition in self._pending_new:
+                # The controller made a new put visible before its commit reply reached us.
+                _spawn(self._fetch_after_landing(peer, frame, wanted))
+                return
+            raise
+        self._reply_fetch(peer, frame, found)
+
+    async def _fetch_after_landing(self, peer: Peer, frame: pb.Frame, wanted) -> None:
+        async with self._landed:
+            await self._landed.wait_for(
+                lambda: frame.fetch.partition not in self._pending_new or self.warehouse.has(frame.fetch.partition, wanted)
+            )
+        try:
+            found = self.warehouse.fetch(frame.fetch.partition, wanted)
+        except DockError as e:
+            peer.reply_error(frame, e)
+            return
+        self._reply_fetch(peer, frame, found)
+
+    @staticmethod
+    def _reply_fetch(peer: Peer, frame: pb.Frame, found) -> None:
+        body = codec.Body()
+        reply = pb.FetchReply()
+        for name, values in found:
+            col = reply.columns.add(name=name)
+            for s in values:
+                v = col.values.add()
+                v.CopyFrom(s.meta)
+                v.offset = body.add(memoryview(s.data))
+        peer.reply(frame, pb.Frame(fetch_reply=reply), body.buffers, body.size)
+
+
+def _failed(exc: BaseException) -> asyncio.Future:
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_exception(exc)
+    return fut
+
+
+_tasks: set[asyncio.Task] = set()
+
+
+def _spawn(coro) -> None:
+    task = asyncio.ensure_future(coro)
+    _tasks.add(task)
+    task.add_done_callback(_tasks.discard)
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
+        logger.warning("[node] uvloop is not installed; using the stdlib event loop (slower bulk transfers)")
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def serve(cfg: NodeConfig, *, announce=sys.stdout) -> int:
+    """Run a node until SIGTERM/SIGINT; prints one JSON 'ready' line to `announce`."""
+    import torch
+
+    torch.set_num_threads(1)
+
+    async def main() -> int:
+        node = Node(cfg)
+        try:
+            await node.start()
+        except DockError as e:
+            logger.error("[node] cannot start: %s", e)
+            return 2
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, node.request_stop)
+        if announce is not None:
+            print(node.ready_line(), file=announce, flush=True)
+        await node.serve_until_stopped()
+        return 0
+
+    with asyncio.Runner(loop_factory=_new_loop) as runner:
+        return runner.run(main())

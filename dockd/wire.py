@@ -1,0 +1,72 @@
+"""Framing shared by every hot-path connection.
+
+    +--------+------------+-------------+----------------------+---------------+
+    | "DKD1" | u32 hlen   | u64 blen    | Frame (hlen bytes)   | body (blen)   |
+    +--------+------------+-------------+----------------------+---------------+
+
+The Frame is the protobuf message `dockd.v1.Frame`; the body is raw bytes
+addressed by the `Value`s inside it. Both ends write a frame as a list of
+buffers (prefix+header, then the body's buffers) with vectored I/O and read
+bodies straight into their destination memory.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Sequence
+
+from dockd._proto import dockd_pb2 as pb
+from dockd.errors import DockProtocolError
+
+MAGIC = b"DKD1"
+PREFIX = struct.Struct("<4sIQ")
+MAX_HEADER = 64 << 20
+PROTOCOL_VERSION = 1
+_IOV_MAX = 512
+
+
+def header(frame: pb.Frame, body_size: int = 0) -> bytes:
+    raw = frame.SerializeToString()
+    if len(raw) > MAX_HEADER:
+        raise DockProtocolError(
+            f"frame header of {len(raw)} bytes exceeds {MAX_HEADER}; split the request into smaller batches"
+        )
+    return PREFIX.pack(MAGIC, len(raw), body_size) + raw
+
+
+def parse_prefix(data, offset: int, max_body: int) -> tuple[int, int]:
+    """(header length, body length) of the frame starting at data[offset:]; validates both."""
+    magic, hlen, blen = PREFIX.unpack_from(data, offset)
+    if magic != MAGIC:
+        raise DockProtocolError(f"bad frame magic {bytes(magic)!r}: the peer does not speak the dockd protocol")
+    if hlen > MAX_HEADER:
+        raise DockProtocolError(f"frame header of {hlen} bytes exceeds the limit of {MAX_HEADER}")
+    if blen > max_body:
+        raise DockProtocolError(f"frame body of {blen} bytes exceeds the limit of {max_body} bytes")
+    return hlen, blen
+
+
+def parse_header(data) -> pb.Frame:
+    frame = pb.Frame()
+    try:
+        frame.ParseFromString(bytes(data))
+    except Exception as e:  # protobuf raises its own DecodeError
+        raise DockProtocolError(f"frame header is not a valid dockd.v1.Frame ({e})") from None
+    return frame
+
+
+def sendall(sock: socket.socket, buffers: Sequence) -> None:
+    """Write buffers in order with sendmsg (scatter/gather), handling partial writes."""
+    bufs = [memoryview(b).cast("B") for b in buffers if len(b)]
+    i = 0
+    while i < len(bufs):
+        sent = sock.sendmsg(bufs[i : i + _IOV_MAX])
+        while sent:
+            n = bufs[i].nbytes
+            if sent >= n:
+                sent -= n
+                i += 1
+            else:
+                bufs[i] = bufs[i][sent:]
+                sent = 0
