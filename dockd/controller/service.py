@@ -80,8 +80,10 @@ class ControllerService:
         for entry in self.warehouses.values():
             if entry.peer is peer and entry.alive:
                 entry.alive = False
+                held = self.core.warehouse_bytes().get(entry.id, 0)
                 self.core.warehouse_lost(entry.id)
-                logger.warning("[controller] warehouse left id=%d address=%s:%d; its samples are lost", entry.id, entry.host, entry.port)
+                logger.log(logging.WARNING if held else logging.INFO,
+                           "[controller] warehouse left id=%d address=%s:%d bytes_lost=%d", entry.id, entry.host, entry.port, held)
                 touched.update(self.waiters)
         for part in touched:
             self._wake(part)

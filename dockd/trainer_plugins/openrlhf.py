@@ -4,7 +4,9 @@
 (OpenRLHF 0.11): same constructor arguments, same methods, same batching (it
 uses OpenRLHF's own ``split_experience_batch`` / ``make_experience_batch``), so
 ``DataLoader(buffer, batch_size=..., collate_fn=buffer.collate_fn)`` works as
-in OpenRLHF's actor and critic training loops. `append` splits an
+in OpenRLHF's actor and critic training loops. One difference: OpenRLHF's
+``split_experience_batch`` drops ``Experience.index``; this buffer keeps it
+per sample, so batches carry the indexes of their samples. `append` splits an
 ``Experience`` per sample and puts the samples into the dock; reads pull the
 samples the buffer's consumer has not seen yet into a local view that the
 DataLoader indexes. Experience makers on any node append, trainer ranks on any
@@ -209,10 +211,15 @@ class DockReplayBuffer:
         """
         if self.cpu_offload:
             experience.to_device(torch.device("cpu"))
-        items = self._exp_mod.split_experience_batch(experience)
+        index = experience.index
+        items = self._exp_mod.split_experience_batch(experience)  # sets experience.index = None
+        experience.index = index
         items = self._exp_mod.remove_padding_in_sequences(items)
         if not items:
             return []
+        if isinstance(index, list) and len(index) == len(items):
+            for i, item in enumerate(items):  # OpenRLHF drops `index` here; keep it per sample
+                item.index = [index[i]]
         columns: dict[str, list[Any]] = {c: [] for c in self._columns}
         for item in items:
             none_fields = []

@@ -1,0 +1,42 @@
+# One entry point for humans and CI.
+#   make run    set up a virtualenv and run the demo on a local dock
+#   make test   set up (frameworks for the plugin tests included) and run the tests
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.dockd-installed
+# torch is pinned to the CPU build that installs from a local wheel; a looser
+# spec would pull a multi-GB CUDA build.
+TORCH := torch==2.13.0
+
+.PHONY: setup run test test-fast frameworks proto bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[dev]' $(TORCH)
+	touch $@
+
+setup: $(STAMP)
+
+run: setup
+	$(VENV)/bin/dockd demo
+
+frameworks: setup
+	@if [ -f scripts/install_frameworks.sh ]; then bash scripts/install_frameworks.sh $(PY); fi
+
+test: frameworks
+	$(PY) -m pytest
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow"
+
+proto: setup
+	$(PY) proto/gen.py
+
+bench: setup
+	$(PY) -m benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,249 @@
+"""DockReplayBuffer against OpenRLHF 0.11's real Experience, NaiveReplayBuffer and DataLoader pattern."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import dockd
+
+ppo_utils = pytest.importorskip("openrlhf.trainer.ppo_utils")
+from openrlhf.trainer.ppo_utils import Experience, NaiveReplayBuffer  # noqa: E402
+
+from dockd.trainer_plugins import openrlhf as plugin  # noqa: E402
+
+# Builds deterministic batched Experiences with every field set; run in this process and in writers.
+MAKE_EXPERIENCES = r'''
+import torch
+from openrlhf.trainer.ppo_utils import Experience
+
+def make_experience(seed, batch=4):
+    g = torch.Generator().manual_seed(seed)
+    T, A = 12, 7
+    lengths = torch.randint(6, T + 1, (batch,), generator=g)
+    attention_mask = (torch.arange(T)[None, :] < lengths[:, None]).long()
+    sequences = torch.randint(3, 1000, (batch, T), generator=g) * attention_mask
+    action_mask = torch.rand(batch, T, generator=g) > 0.3
+    action_mask = action_mask & attention_mask.bool()
+    def step(dtype=torch.float32):
+        return (torch.randn(batch, T, generator=g) * attention_mask).to(dtype)
+    return Experience(
+        sequences=sequences,
+        attention_mask=attention_mask,
+        action_mask=action_mask,
+        action_log_probs=step(),
+        base_action_log_probs=step(torch.bfloat16),
+        rollout_log_probs=None,
+        values=step(),
+        returns=step(),
+        advantages=step(),
+        kl=step(torch.float16),
+        rewards=torch.randn(batch, generator=g),
+        scores=torch.randint(0, 2, (batch,), generator=g).float(),
+        response_length=lengths.float(),
+        truncated=torch.zeros(batch, dtype=torch.bool),
+        total_length=lengths.float(),
+        index=[seed * 100 + i for i in range(batch)],
+        prompts=[f"prompt {seed}-{i} ✓" for i in range(batch)],
+        labels=[f"label {seed}-{i}" for i in range(batch)],
+        images=[None] * batch,
+        info={
+            "reward": torch.randn(batch, generator=g),
+            "response_clip_ratio": torch.rand(batch, generator=g),
+            "tags": [["a", seed, i] for i in range(batch)],
+        },
+    )
+'''
+_ns: dict[str, Any] = {}
+exec(MAKE_EXPERIENCES, _ns)
+make_experience = _ns["make_experience"]
+
+
+@pytest.fixture()
+def naive_buffer() -> Any:
+    with mock.patch("torch.cuda.current_device", return_value=0):
+        return NaiveReplayBuffer(sample_batch_size=2, limit=0, cpu_offload=True, packing_samples=False)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b and type(a) is type(b)
+
+
+def assert_same_experience(got: Experience, want: Experience, skip: tuple[str, ...] = ("index",)) -> None:
+    """Field-by-field, bit-exact. `index` is compared separately: NaiveReplayBuffer drops it."""
+    for f in dataclasses.fields(Experience):
+        if f.name in skip:
+            continue
+        g, w = getattr(got, f.name), getattr(want, f.name)
+        assert _same(g, w), f"Experience.{f.name} differs: {g!r} vs {w!r}"
+
+
+def test_import_does_not_import_openrlhf(run_python: Any) -> None:
+    out = run_python(
+        """
+        import sys
+        import dockd.trainer_plugins.openrlhf, dockd.trainer_plugins.verl, dockd.trainer_plugins.megatron_grpo
+        print(sorted(m for m in sys.modules if m.split('.')[0] in ('openrlhf', 'verl', 'megatron', 'tensordict', 'ray')))
+        """
+    )
+    assert out.strip() == "[]"
+
+
+def test_missing_framework_names_the_extra() -> None:
+    with mock.patch.dict(sys.modules, {"openrlhf.trainer.ppo_utils.experience": None}):
+        with pytest.raises(ImportError, match=r"pip install 'dockd\[openrlhf\]'"):
+            plugin.DockReplayBuffer(2, address="127.0.0.1:1")
+
+
+def test_every_field_round_trips_like_naive_buffer(dock_cluster: dockd.LocalCluster, naive_buffer: Any) -> None:
+    buf = plugin.DockReplayBuffer(2, address=dock_cluster.address, name="rt", shard="s0")
+    for seed in (1, 2):
+        naive_buffer.append(make_experience(seed))
+        buf.append(make_experience(seed))
+    assert len(buf) == len(naive_buffer) == 8
+    for got, want in zip(buf.items, naive_buffer.items):
+        assert_same_experience(got, want)
+    assert naive_buffer.items[0].index is None  # OpenRLHF's split drops it ...
+    assert [e.index for e in buf.items] == [[100], [101], [102], [103], [200], [201], [202], [203]]  # ... we keep it
+    # right padding was stripped per sample exactly as OpenRLHF does
+    assert {int(e.sequences.shape[0]) for e in buf.items} != {12}
+    buf.close()
+
+
+def test_appended_in_another_process_read_here(dock_cluster: dockd.LocalCluster, naive_buffer: Any, run_python: Any) -> None:
+    run_python(
+        MAKE_EXPERIENCES
+        + f"""
+from dockd.trainer_plugins.openrlhf import DockReplayBuffer
+buf = DockReplayBuffer(4, address={dock_cluster.address!r}, name="xproc", shard="rank0")
+for seed in (11, 12, 13):
+    buf.append(make_experience(seed))
+buf.close()
+"""
+    )
+    for seed in (11, 12, 13):
+        naive_buffer.append(make_experience(seed))
+    reader = plugin.DockReplayBuffer(4, address=dock_cluster.address, name="xproc", shard="rank0")
+    assert len(reader) == 12
+    for got, want in zip(reader.items, naive_buffer.items):
+        assert_same_experience(got, want)
+    # a second reader with the same consumer gets nothing more; another consumer sees everything
+    again = plugin.DockReplayBuffer(4, address=dock_cluster.address, name="xproc", shard="rank0")
+    assert len(again) == 0
+    other = plugin.DockReplayBuffer(4, address=dock_cluster.address, name="xproc", shard="rank0", consumer="critic")
+    assert len(other) == 12
+    for b in (reader, again, other):
+        b.close()
+
+
+def test_openrlhf_dataloader_pattern_matches_naive(dock_cluster: dockd.LocalCluster, naive_buffer: Any) -> None:
+    buf = plugin.DockReplayBuffer(2, address=dock_cluster.address, name="dl", shard="s0")
+    for seed in (21, 22):
+        buf.append(make_experience(seed))
+        naive_buffer.append(make_experience(seed))
+
+    def batches(buffer: Any) -> list[Experience]:
+        loader = DataLoader(
+            buffer,
+            batch_size=buffer.sample_batch_size,
+            shuffle=False,
+            drop_last=True,
+            pin_memory=False,
+            collate_fn=buffer.collate_fn,
+        )
+        return list(loader)
+
+    got, want = batches(buf), batches(naive_buffer)
+    assert len(got) == len(want) == 4
+    for g, w in zip(got, want):
+        assert isinstance(g, Experience)
+        assert_same_experience(g, w)
+    # shuffled epoch, as the actor trainer runs it: a permutation of the same samples
+    loader = DataLoader(buf, batch_size=2, shuffle=True, drop_last=True, collate_fn=buf.collate_fn)
+    seen = sorted(i for exp in loader for i in exp.index)
+    assert seen == sorted(i for exp in want for i in exp.index)
+    buf.close()
+
+
+def test_sample_clear_and_limit(dock_cluster: dockd.LocalCluster, dock: dockd.Dock) -> None:
+    buf = plugin.DockReplayBuffer(3, limit=5, address=dock_cluster.address, name="lim", shard="s0")
+    buf.append(make_experience(31))
+    buf.append(make_experience(32))
+    assert len(buf) == 5  # the oldest 3 dropped, as NaiveReplayBuffer does
+    assert [e.index for e in buf.items] == [[3103], [3200], [3201], [3202], [3203]]
+    exp = buf.sample()
+    assert exp.sequences.shape[0] == 3 and exp.sequences.device.type == "cpu"
+    partition = buf.partition
+    assert partition in dock.stats()["partitions"]
+    buf.clear()
+    assert len(buf) == 0 and buf.partition != partition
+    assert partition not in dock.stats()["partitions"]
+    with pytest.raises(ValueError, match="needs 3 samples"):
+        buf.sample()
+    buf.close()
+
+
+def test_wait_blocks_then_times_out_clearly(dock_cluster: dockd.LocalCluster) -> None:
+    buf = plugin.DockReplayBuffer(2, address=dock_cluster.address, name="wait", shard="s0")
+    buf.append(make_experience(41))
+    buf.wait(4, timeout=5.0)
+    assert len(buf.items) == 4
+    with pytest.raises(dockd.DockTimeout):
+        buf.wait(6, timeout=0.2)
+    buf.close()
+
+
+def test_no_address_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(plugin.ENV_ADDRESS, raising=False)
+    buf = plugin.DockReplayBuffer(2)
+    with pytest.raises(ValueError, match="DOCKD_ADDRESS"):
+        buf.append(make_experience(1))
+
+
+def test_install_switches_openrlhf_construction_sites(dock_cluster: dockd.LocalCluster) -> None:
+    runtime_env = plugin.install(dock_cluster.address, name="inst")
+    try:
+        assert runtime_env["env_vars"][plugin.ENV_ADDRESS] == dock_cluster.address
+        assert runtime_env["worker_process_setup_hook"] == "dockd.trainer_plugins.openrlhf._ray_worker_setup"
+        # what ppo_actor.py / ppo_critic.py do: `from ..ppo_utils import NaiveReplayBuffer`, then build it
+        from openrlhf.trainer.ppo_utils import NaiveReplayBuffer as Built
+
+        buf = Built(2, 0, True, False, False)  # positional, as ActorPPOTrainer passes them
+        assert isinstance(buf, plugin.DockReplayBuffer)
+        assert buf.config.address == dock_cluster.address and buf.config.name == "inst"
+        buf.append(make_experience(51))
+        assert len(buf) == 4
+        buf.close()
+    finally:
+        plugin.uninstall()
+    from openrlhf.trainer.ppo_utils import NaiveReplayBuffer as Restored
+
+    assert Restored is NaiveReplayBuffer
+
+
+def test_ray_worker_hook_installs_in_a_fresh_process(dock_cluster: dockd.LocalCluster, run_python: Any) -> None:
+    runtime_env = plugin.install(dock_cluster.address, name="hook")
+    plugin.uninstall()
+    out = run_python(
+        """
+        from dockd.trainer_plugins import openrlhf as plugin
+        plugin._ray_worker_setup()
+        from openrlhf.trainer.ppo_utils import NaiveReplayBuffer
+        b = NaiveReplayBuffer(2)
+        print(type(b).__mro__[1].__name__, b.config.name, b.config.address)
+        """,
+        env=runtime_env["env_vars"],
+    )
+    assert out.split() == ["DockReplayBuffer", "hook", dock_cluster.address]

@@ -1,0 +1,219 @@
+"""The controller's pure logic, called directly (no sockets, no processes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dockd.controller.core import Controller
+from dockd.errors import DockDataLost, DockNotFound, DockValueError
+
+
+def put(c: Controller, part: str, cols, n: int, wh: int = 0, gs: int = 1) -> list[int]:
+    return c.commit(part, cols, warehouse=wh, new_count=n, group_size=gs).tolist()
+
+
+def test_new_samples_get_consecutive_indexes_per_partition():
+    c = Controller()
+    assert put(c, "a", ["x"], 3) == [0, 1, 2]
+    assert put(c, "a", ["x"], 2) == [3, 4]
+    assert put(c, "b", ["x"], 2) == [0, 1]
+
+
+def test_fifo_and_readiness_needs_every_requested_column():
+    c = Controller()
+    put(c, "p", ["prompts"], 4)
+    assert c.acquire("p", "ref", ["prompts", "responses"], 1) is None
+    c.commit("p", ["responses"], warehouse=1, indexes=[2, 0])
+    r = c.acquire("p", "ref", ["prompts", "responses"], 2)
+    assert r.indexes.tolist() == [0, 2]
+    assert r.locations.tolist() == [[0, 0], [1, 1]]
+    assert c.acquire("p", "ref", ["prompts", "responses"], 1) is None
+
+
+def test_each_consumer_sees_every_sample_once():
+    c = Controller()
+    put(c, "p", ["x"], 5)
+    a = c.acquire("p", "a", ["x"], 5)
+    b = c.acquire("p", "b", ["x"], 5)
+    assert a.indexes.tolist() == b.indexes.tolist() == [0, 1, 2, 3, 4]
+    c.confirm(a.lease)
+    assert c.acquire("p", "a", ["x"], 1) is None
+
+
+def test_allow_partial_returns_what_is_ready():
+    c = Controller()
+    put(c, "p", ["x"], 3)
+    assert c.acquire("p", "a", ["x"], 8) is None
+    assert c.acquire("p", "a", ["x"], 8, allow_partial=True).indexes.tolist() == [0, 1, 2]
+    assert c.acquire("p", "a", ["x"], 8, allow_partial=True) is None
+
+
+def test_release_returns_samples_and_confirm_keeps_them():
+    c = Controller()
+    put(c, "p", ["x"], 4)
+    r = c.acquire("p", "a", ["x"], 2)
+    assert c.ready_count("p", "a", ["x"]) == 2
+    c.release(r.lease)
+    assert c.ready_count("p", "a", ["x"]) == 4
+    r = c.acquire("p", "a", ["x"], 4)
+    c.confirm(r.lease)
+    assert c.ready_count("p", "a", ["x"]) == 0
+    assert c.release(r.lease) is None  # confirmed leases are gone
+
+
+def test_leases_of_a_lost_owner_and_expired_leases_return():
+    c = Controller(lease_timeout=10)
+    put(c, "p", ["x"], 4)
+    c.acquire("p", "a", ["x"], 2, owner=7, now=0.0)
+    c.acquire("p", "b", ["x"], 2, owner=8, now=5.0)
+    assert [l.owner for l in c.release_owner(7)] == [7]
+    assert c.ready_count("p", "a", ["x"]) == 4
+    assert c.next_lease_deadline() == 15.0
+    assert c.expire_leases(14.9) == []
+    assert len(c.expire_leases(15.0)) == 1
+    assert c.ready_count("p", "b", ["x"]) == 4
+
+
+def test_groups_are_handed_out_whole():
+    c = Controller()
+    put(c, "p", ["x"], 8, gs=4)
+    c.commit("p", ["y"], warehouse=0, indexes=[0, 1, 2, 4, 5, 6, 7])
+    assert c.acquire("p", "a", ["x", "y"], 8, groups=True) is None
+    r = c.acquire("p", "a", ["x", "y"], 8, groups=True, allow_partial=True)
+    assert r.indexes.tolist() == [4, 5, 6, 7]
+    with pytest.raises(DockValueError, match="multiple of the group size 4"):
+        c.acquire("p", "a", ["x"], 6, groups=True)
+
+
+def test_group_size_mismatch_and_bad_counts_are_rejected():
+    c = Controller()
+    put(c, "p", ["x"], 8, gs=8)
+    with pytest.raises(DockValueError, match="group_size=8"):
+        put(c, "p", ["x"], 4, gs=4)
+    with pytest.raises(DockValueError, match="multiple of group_size"):
+        put(c, "q", ["x"], 6, gs=4)
+    with pytest.raises(DockValueError, match="count must be >= 1"):
+        c.acquire("p", "a", ["x"], 0)
+
+
+def test_existing_index_writes_are_checked():
+    c = Controller()
+    put(c, "p", ["x"], 2)
+    with pytest.raises(DockNotFound, match="do not exist"):
+        c.commit("p", ["y"], warehouse=0, indexes=[5])
+    with pytest.raises(DockNotFound, match="does not exist"):
+        c.commit("nope", ["y"], warehouse=0, indexes=[0])
+    with pytest.raises(DockValueError, match="already written"):
+        c.commit("p", ["x"], warehouse=0, indexes=[1])
+    with pytest.raises(DockValueError, match="duplicates"):
+        c.commit("p", ["y"], warehouse=0, indexes=[1, 1])
+
+
+def test_shuffle_is_seeded_and_complete():
+    def order(seed):
+        c = Controller()
+        put(c, "p", ["x"], 100)
+        out = []
+        while (r := c.acquire("p", "a", ["x"], 7, shuffle=True, seed=seed, allow_partial=True)) is not None:
+            out += r.indexes.tolist()
+        return out
+
+    a, b = order(1), order(1)
+    assert a == b and sorted(a) == list(range(100)) and a != list(range(100))
+    assert order(2) != a
+
+
+def test_lost_warehouse_makes_loss_visible_once_per_consumer():
+    c = Controller()
+    put(c, "p", ["x"], 2, wh=0)
+    put(c, "p", ["x"], 2, wh=1)
+    c.warehouse_lost(1)
+    assert c.acquire("p", "a", ["x"], 2).indexes.tolist() == [0, 1]
+    with pytest.raises(DockDataLost) as e:
+        c.acquire("p", "a", ["x"], 2)
+    assert e.value.indexes == [2, 3] and e.value.columns == ["x"]
+    assert c.acquire("p", "a", ["x"], 1) is None
+
+
+def test_clear_forgets_the_partition_and_its_leases():
+    c = Controller()
+    put(c, "p", ["x"], 3)
+    r = c.acquire("p", "a", ["x"], 1)
+    assert c.clear("p") == 3
+    assert r.lease not in c.leases
+    with pytest.raises(DockNotFound):
+        c.clear("p")
+
+
+def test_acquire_cost_does_not_grow_with_partition_size():
+    """Counts work, not time: the blocks an acquire visits stay bounded by the batch."""
+    c = Controller()
+    for n in (10_000, 1_000_000):
+        put(c, f"p{n}", ["x"], n)
+        c.acquire(f"p{n}", "a", ["x"], 256)  # builds the subscription
+        sub = next(iter(c.partitions[f"p{n}"].consumers["a"].subs.values()))
+        before = sub.eligible.total
+        r = c.acquire(f"p{n}", "a", ["x"], 256)
+        assert r.indexes.tolist() == list(range(256, 512))
+        assert sub.eligible.total == before - 256
+        assert c.metadata_bytes(f"p{n}") / n < 64
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("put"), st.integers(1, 4)),
+            st.tuples(st.just("col"), st.integers(0, 40)),
+            st.tuples(st.just("get"), st.sampled_from("ab"), st.integers(1, 3), st.booleans()),
+            st.tuples(st.just("end"), st.integers(0, 5), st.booleans()),
+        ),
+        max_size=60,
+    )
+)
+def test_property_no_double_delivery_no_loss_groups_whole(ops):
+    """Random puts/gets/releases: nothing delivered twice, groups never split, everything ready is delivered."""
+    gs = 2
+    c = Controller()
+    size = 0
+    delivered = {"a": [], "b": []}
+    open_leases = []
+    for op in ops:
+        if op[0] == "put":
+            size += len(put(c, "p", ["x"], op[1] * gs, gs=gs))
+        elif op[0] == "col" and size:
+            i = op[1] % size
+            if not (c.partitions["p"].ready[i] & np.uint64(2)):
+                c.commit("p", ["y"], warehouse=0, indexes=[i])
+        elif op[0] == "get" and size:
+            _, who, groups_n, partial = op
+            r = c.acquire("p", who, ["x", "y"], groups_n * gs, groups=True, allow_partial=partial)
+            if r is not None:
+                idx = r.indexes.tolist()
+                assert len(idx) % gs == 0
+                for k in range(0, len(idx), gs):  # whole, contiguous groups
+                    assert idx[k] % gs == 0 and idx[k : k + gs] == list(range(idx[k], idx[k] + gs))
+                open_leases.append((who, r.lease, idx))
+        elif op[0] == "end" and open_leases:
+            who, lease, idx = open_leases.pop(op[1] % len(open_leases))
+            if op[2]:
+                c.confirm(lease)
+                delivered[who] += idx
+            else:
+                c.release(lease)
+    for who, lease, idx in open_leases:
+        c.confirm(lease)
+        delivered[who] += idx
+    if size:  # make every sample ready, then drain: each consumer must end with every sample exactly once
+        missing = [i for i in range(size) if not c.partitions["p"].ready[i] & np.uint64(2)]
+        if missing:
+            c.commit("p", ["y"], warehouse=0, indexes=missing)
+        for who in "ab":
+            while (r := c.acquire("p", who, ["x", "y"], gs, groups=True)) is not None:
+                c.confirm(r.lease)
+                delivered[who] += r.indexes.tolist()
+    for who in "ab":
+        assert sorted(delivered[who]) == list(range(size))

@@ -1,0 +1,48 @@
+"""The public surface and the generated wire modules."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import dockd
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_public_api_is_stable():
+    assert sorted(dockd.__all__) == sorted([
+        "AsyncDock", "Batch", "Dock", "DockClosed", "DockConnectionError", "DockDataLost", "DockError", "DockFull",
+        "DockNotFound", "DockProtocolError", "DockTimeout", "DockTypeError", "DockValueError", "Lease",
+        "LocalCluster", "connect", "connect_async", "start_local",
+    ])
+    for name in dockd.__all__:
+        assert getattr(dockd, name) is not None
+
+
+def test_exception_tree():
+    for exc in (dockd.DockTimeout, dockd.DockFull, dockd.DockDataLost, dockd.DockConnectionError,
+                dockd.DockProtocolError, dockd.DockValueError, dockd.DockTypeError, dockd.DockNotFound, dockd.DockClosed):
+        assert issubclass(exc, dockd.DockError)
+    assert issubclass(dockd.DockValueError, ValueError) and issubclass(dockd.DockTypeError, TypeError)
+    assert issubclass(dockd.DockTimeout, TimeoutError)
+
+
+def test_generated_proto_modules_are_fresh(tmp_path):
+    subprocess.run([sys.executable, str(ROOT / "proto" / "gen.py"), str(tmp_path)], check=True, capture_output=True)
+    for fresh in tmp_path.glob("*.py"):
+        committed = ROOT / "dockd" / "_proto" / fresh.name
+        assert committed.read_text() == fresh.read_text(), f"{committed} is stale: run `make proto` and commit"
+
+
+def test_core_does_not_import_plugins_or_sockets():
+    """Dependencies point one way; controller and warehouse cores stay pure."""
+    for path in (ROOT / "dockd").rglob("*.py"):
+        if "trainer_plugins" in path.parts:
+            continue
+        assert "trainer_plugins" not in path.read_text(), f"{path} imports a plugin"
+    for core in ("controller/core.py", "warehouse/core.py"):
+        text = (ROOT / "dockd" / core).read_text()
+        for banned in ("import socket", "import asyncio", "import grpc"):
+            assert banned not in text, f"{core} must stay free of I/O ({banned})"
