@@ -71,6 +71,22 @@ def naive_buffer() -> Any:
         return NaiveReplayBuffer(sample_batch_size=2, limit=0, cpu_offload=True, packing_samples=False)
 
 
+@pytest.fixture()
+def make_buffer(dock_cluster: dockd.LocalCluster) -> Any:
+    """DockReplayBuffer(...) on the test cluster; every buffer made is closed at teardown."""
+    made: list[plugin.DockReplayBuffer] = []
+
+    def make(*args: Any, **kwargs: Any) -> plugin.DockReplayBuffer:
+        kwargs.setdefault("address", dock_cluster.address)
+        buf = plugin.DockReplayBuffer(*args, **kwargs)
+        made.append(buf)
+        return buf
+
+    yield make
+    for buf in made:
+        buf.close()
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
@@ -107,8 +123,8 @@ def test_missing_framework_names_the_extra() -> None:
             plugin.DockReplayBuffer(2, address="127.0.0.1:1")
 
 
-def test_every_field_round_trips_like_naive_buffer(dock_cluster: dockd.LocalCluster, naive_buffer: Any) -> None:
-    buf = plugin.DockReplayBuffer(2, address=dock_cluster.address, name="rt", shard="s0")
+def test_every_field_round_trips_like_naive_buffer(make_buffer: Any, dock_cluster: dockd.LocalCluster, naive_buffer: Any) -> None:
+    buf = make_buffer(2, name="rt", shard="s0")
     for seed in (1, 2):
         naive_buffer.append(make_experience(seed))
         buf.append(make_experience(seed))
@@ -119,10 +135,9 @@ def test_every_field_round_trips_like_naive_buffer(dock_cluster: dockd.LocalClus
     assert [e.index for e in buf.items] == [[100], [101], [102], [103], [200], [201], [202], [203]]  # ... we keep it
     # right padding was stripped per sample exactly as OpenRLHF does
     assert {int(e.sequences.shape[0]) for e in buf.items} != {12}
-    buf.close()
 
 
-def test_appended_in_another_process_read_here(dock_cluster: dockd.LocalCluster, naive_buffer: Any, run_python: Any) -> None:
+def test_appended_in_another_process_read_here(make_buffer: Any, dock_cluster: dockd.LocalCluster, naive_buffer: Any, run_python: Any) -> None:
     run_python(
         MAKE_EXPERIENCES
         + f"""
@@ -135,21 +150,19 @@ buf.close()
     )
     for seed in (11, 12, 13):
         naive_buffer.append(make_experience(seed))
-    reader = plugin.DockReplayBuffer(4, address=dock_cluster.address, name="xproc", shard="rank0")
+    reader = make_buffer(4, name="xproc", shard="rank0")
     assert len(reader) == 12
     for got, want in zip(reader.items, naive_buffer.items):
         assert_same_experience(got, want)
     # a second reader with the same consumer gets nothing more; another consumer sees everything
-    again = plugin.DockReplayBuffer(4, address=dock_cluster.address, name="xproc", shard="rank0")
+    again = make_buffer(4, name="xproc", shard="rank0")
     assert len(again) == 0
-    other = plugin.DockReplayBuffer(4, address=dock_cluster.address, name="xproc", shard="rank0", consumer="critic")
+    other = make_buffer(4, name="xproc", shard="rank0", consumer="critic")
     assert len(other) == 12
-    for b in (reader, again, other):
-        b.close()
 
 
-def test_openrlhf_dataloader_pattern_matches_naive(dock_cluster: dockd.LocalCluster, naive_buffer: Any) -> None:
-    buf = plugin.DockReplayBuffer(2, address=dock_cluster.address, name="dl", shard="s0")
+def test_openrlhf_dataloader_pattern_matches_naive(make_buffer: Any, dock_cluster: dockd.LocalCluster, naive_buffer: Any) -> None:
+    buf = make_buffer(2, name="dl", shard="s0")
     for seed in (21, 22):
         buf.append(make_experience(seed))
         naive_buffer.append(make_experience(seed))
@@ -173,12 +186,12 @@ def test_openrlhf_dataloader_pattern_matches_naive(dock_cluster: dockd.LocalClus
     # shuffled epoch, as the actor trainer runs it: a permutation of the same samples
     loader = DataLoader(buf, batch_size=2, shuffle=True, drop_last=True, collate_fn=buf.collate_fn)
     seen = sorted(i for exp in loader for i in exp.index)
-    assert seen == sorted(i for exp in want for i in exp.index)
-    buf.close()
+    assert seen == [2100, 2101, 2102, 2103, 2200, 2201, 2202, 2203]
+    assert [exp.index for exp in got] == [[2100, 2101], [2102, 2103], [2200, 2201], [2202, 2203]]
 
 
-def test_sample_clear_and_limit(dock_cluster: dockd.LocalCluster, dock: dockd.Dock) -> None:
-    buf = plugin.DockReplayBuffer(3, limit=5, address=dock_cluster.address, name="lim", shard="s0")
+def test_sample_clear_and_limit(make_buffer: Any, dock_cluster: dockd.LocalCluster, dock: dockd.Dock) -> None:
+    buf = make_buffer(3, limit=5, name="lim", shard="s0")
     buf.append(make_experience(31))
     buf.append(make_experience(32))
     assert len(buf) == 5  # the oldest 3 dropped, as NaiveReplayBuffer does
@@ -192,17 +205,15 @@ def test_sample_clear_and_limit(dock_cluster: dockd.LocalCluster, dock: dockd.Do
     assert partition not in dock.stats()["partitions"]
     with pytest.raises(ValueError, match="needs 3 samples"):
         buf.sample()
-    buf.close()
 
 
-def test_wait_blocks_then_times_out_clearly(dock_cluster: dockd.LocalCluster) -> None:
-    buf = plugin.DockReplayBuffer(2, address=dock_cluster.address, name="wait", shard="s0")
+def test_wait_blocks_then_times_out_clearly(make_buffer: Any, dock_cluster: dockd.LocalCluster) -> None:
+    buf = make_buffer(2, name="wait", shard="s0")
     buf.append(make_experience(41))
     buf.wait(4, timeout=5.0)
     assert len(buf.items) == 4
     with pytest.raises(dockd.DockTimeout):
         buf.wait(6, timeout=0.2)
-    buf.close()
 
 
 def test_no_address_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
