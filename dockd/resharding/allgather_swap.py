@@ -325,6 +325,9 @@ class AllGatherSwap:
         t = self._tick(phases, "broadcast", t)
 
         if self.config.mode == "swap":
+            if self._swapper.pool is None:  # first cycle: pinning is slow, time it apart
+                self._swapper.ensure_pool()
+                t = self._tick(phases, "host_pool_alloc", t)
             report.swapped_out_bytes = self._swapper.swap_out()
             t = self._tick(phases, "swap_out", t)
         return self._finish(report, ReshardState.GENERATION, dict(self._views))

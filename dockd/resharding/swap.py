@@ -147,7 +147,7 @@ class UpdateWeightSwapper:
         self._event: Any = None
         self._stream: Any = None
 
-    def _ensure_pool(self) -> HostPool:
+    def ensure_pool(self) -> HostPool:
         if self.pool is None:
             self.pool = HostPool(self.pool_bytes, self.device)
         return self.pool
@@ -164,7 +164,7 @@ class UpdateWeightSwapper:
         """Copy every storage to the host pool and free its device memory."""
         if not self.resident:
             raise ReshardStateError("update weights are already swapped out")
-        pool = self._ensure_pool()
+        pool = self.ensure_pool()
         dev = self.device.torch_device
         for slot in self.slots:
             pool.view(slot.host_offset, slot.nbytes).copy_(
