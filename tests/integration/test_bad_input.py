@@ -1,0 +1,163 @@
+"""Bad input gets a clear error; the daemon keeps serving and loses nothing."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import pytest
+import torch
+
+import dockd
+from dockd import wire
+from dockd._proto import dockd_pb2 as pb
+
+
+@pytest.fixture
+def stored(dock, partition):
+    """Samples that must survive every abuse in these tests, bit-exact."""
+    data = torch.randn(6, 33, dtype=torch.float32)
+    dock.put({"keep": data}, partition=partition)
+    yield partition, data
+    b = dock.get("survivor", ["keep"], 6, partition=partition, timeout=10)
+    assert torch.equal(torch.stack(b["keep"]), data)
+
+
+def raw_socket(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def read_reply(s: socket.socket) -> pb.Frame:
+    head = b""
+    while len(head) < wire.PREFIX.size:
+        chunk = s.recv(wire.PREFIX.size - len(head))
+        if not chunk:
+            raise ConnectionError("closed")
+        head += chunk
+    _, hlen, blen = wire.PREFIX.unpack(head)
+    raw = b""
+    while len(raw) < hlen + blen:
+        raw += s.recv(hlen + blen - len(raw))
+    return wire.parse_header(raw[:hlen])
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda d, p: d.put([1, 2], partition=p), dockd.DockTypeError, "non-empty dict"),
+        (lambda d, p: d.put({"x": [1]}, partition=""), dockd.DockValueError, "partition must be a non-empty string"),
+        (lambda d, p: d.put({"x": [1]}, partition=3), dockd.DockValueError, "partition must be"),
+        (lambda d, p: d.put({"x": [1, 2], "y": [1]}, partition=p), dockd.DockValueError, "same positive number"),
+        (lambda d, p: d.put({"x": []}, partition=p), dockd.DockValueError, "same positive number"),
+        (lambda d, p: d.put({"x": [1, 2, 3]}, partition=p, group_size=2), dockd.DockValueError, "multiple of group_size=2"),
+        (lambda d, p: d.put({"x": [1]}, partition=p, group_size=0), dockd.DockValueError, "group_size must be a positive int"),
+        (lambda d, p: d.put({"x": [1]}, partition=p, indexes=[0, 1]), dockd.DockValueError, "2 indexes given for 1"),
+        (lambda d, p: d.put({"x": [1]}, partition=p, indexes=["a"]), dockd.DockTypeError, "indexes must be"),
+        (lambda d, p: d.put({"new": [1]}, partition=p, indexes=[999]), dockd.DockNotFound, r"\[999\] do not exist"),
+        (lambda d, p: d.put({"new": [1]}, partition=p + "-none", indexes=[0]), dockd.DockNotFound, "put new samples first"),
+        (lambda d, p: d.put({"keep": [1]}, partition=p, indexes=[0]), dockd.DockValueError, "already written"),
+        (lambda d, p: d.put({"x": [object()]}, partition=p), dockd.DockTypeError, "cannot store a value of type object"),
+        (lambda d, p: d.put({"x": "abc"}, partition=p), dockd.DockTypeError, "one value per sample"),
+        (lambda d, p: d.get("c", ["keep"], 0, partition=p), dockd.DockValueError, "count must be a positive int"),
+        (lambda d, p: d.get("c", ["keep"], -3, partition=p), dockd.DockValueError, "count must be a positive int"),
+        (lambda d, p: d.get("", ["keep"], 1, partition=p), dockd.DockValueError, "consumer must be"),
+        (lambda d, p: d.get("c", "keep", 1, partition=p), dockd.DockTypeError, "list of column names"),
+        (lambda d, p: d.get("c", [], 1, partition=p), dockd.DockTypeError, "list of column names"),
+        (lambda d, p: d.get("c", ["keep", "keep"], 1, partition=p), dockd.DockValueError, "duplicates"),
+        (lambda d, p: d.get("c", ["keep"], 1, partition=p, timeout=-1), dockd.DockValueError, "timeout must be"),
+        (lambda d, p: d.clear(p + "-none"), dockd.DockNotFound, "does not exist"),
+        (lambda d, p: dockd.connect("nohostport"), dockd.DockValueError, "host:port"),
+    ],
+)
+def test_bad_arguments_get_clear_errors(dock, stored, call, exc, match):
+    partition, _ = stored
+    with pytest.raises(exc, match=match):
+        call(dock, partition)
+
+
+def test_rejected_put_leaves_nothing_behind(dock, stored):
+    partition, _ = stored
+    before = dock.stats()
+    with pytest.raises(dockd.DockValueError):
+        dock.put({"keep": [torch.zeros(10)], "extra": [torch.zeros(10)]}, partition=partition, indexes=[1])
+    after = dock.stats()
+    assert after["bytes"] == before["bytes"]
+    assert "extra" not in after["partitions"][partition]["columns"]
+
+
+def test_garbage_bytes_close_the_connection_only(cluster, dock, stored):
+    with raw_socket(cluster.address) as s:
+        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 4)
+        s.settimeout(10)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    # the daemon said why (one error frame) and hung up; others are unaffected
+    assert data.startswith(wire.MAGIC)
+    assert "does not speak the dockd protocol" in wire.parse_header(data[wire.PREFIX.size:]).status.message
+    assert dock.stats()["partitions"][stored[0]]["samples"] == 6
+
+
+def test_oversized_frames_are_refused(cluster, dock, stored):
+    for hlen, blen in ((wire.MAX_HEADER + 1, 0), (10, 1 << 62)):
+        with raw_socket(cluster.address) as s:
+            s.sendall(wire.PREFIX.pack(wire.MAGIC, hlen, blen))
+            reply = read_reply(s)
+            assert reply.status.code == pb.PROTOCOL and "exceeds" in reply.status.message
+            assert s.recv(1) == b""  # then closed
+    assert dock.stats()["partitions"][stored[0]]["samples"] == 6
+
+
+def test_malformed_header_gets_a_protocol_error_and_the_connection_survives(cluster, stored):
+    with raw_socket(cluster.address) as s:
+        junk = b"\xff\xff\xff\xff\x0f" * 3
+        s.sendall(wire.PREFIX.pack(wire.MAGIC, len(junk), 0) + junk)
+        reply = read_reply(s)
+        assert reply.status.code == pb.PROTOCOL and "not a valid dockd.v1.Frame" in reply.status.message
+
+
+def test_values_pointing_outside_the_body_are_rejected(cluster, dock, stored):
+    partition, _ = stored
+    with raw_socket(cluster.address) as s:
+        req = pb.PutRequest(partition=partition, new_count=1, group_size=1, timeout=1)
+        req.columns.add(name="x").values.add(kind=pb.TENSOR, dtype="float32", shape=[100], offset=0, nbytes=400)
+        s.sendall(wire.header(pb.Frame(id=1, put=req), 64) + bytes(64))
+        reply = read_reply(s)
+        assert reply.status.code == pb.PROTOCOL and "runs past" in reply.status.message
+        # the same connection keeps working
+        s.sendall(wire.header(pb.Frame(id=2, stats=pb.StatsRequest())))
+        assert read_reply(s).id == 2
+    assert dock.stats()["partitions"][stored[0]]["samples"] == 6
+
+
+def test_client_vanishing_mid_frame_loses_nothing_and_frees_its_reservation(cluster, dock, stored):
+    before = dock.stats()["bytes"]
+    for _ in range(3):
+        s = raw_socket(cluster.address)
+        req = pb.PutRequest(partition=stored[0], new_count=1, group_size=1, timeout=1)
+        req.columns.add(name="x").values.add(kind=pb.TENSOR, dtype="uint8", shape=[1 << 20], offset=0, nbytes=1 << 20)
+        s.sendall(wire.header(pb.Frame(id=1, put=req), 1 << 20) + bytes(1000))  # then vanish mid-body
+        s.close()
+    with raw_socket(cluster.address) as s:
+        s.sendall(wire.PREFIX.pack(wire.MAGIC, 100, 0)[:10])  # a truncated prefix
+    assert dock.stats()["bytes"] == before
+    assert dock.put({"after": [torch.ones(3)]}, partition=stored[0] + "-after") == [0]
+
+
+def test_controller_requests_to_a_plain_warehouse_say_where_to_go(cluster):
+    wh = cluster.warehouses[1]
+    with raw_socket(wh) as s:
+        s.sendall(wire.header(pb.Frame(id=1, stats=pb.StatsRequest())))
+        reply = read_reply(s)
+    assert reply.status.code == pb.INVALID_ARGUMENT and cluster.address in reply.status.message
+    # and a client pointed at a warehouse follows it to the controller
+    with dockd.connect(wh) as d:
+        assert d.address == cluster.address
+
+
+def test_unpicklable_dock_says_what_to_do(dock):
+    import pickle
+
+    with pytest.raises(TypeError, match="pass its address"):
+        pickle.dumps(dock)
