@@ -1,0 +1,332 @@
+"""Shared pieces of the benchmark scenarios: config, result rows, timing, machine info."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+logger = logging.getLogger(__name__)
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(kw_only=True, slots=True)
+class BenchConfig:
+    """Every knob of one benchmark run. The whole object is recorded in the JSON."""
+
+    quick: bool = False
+    """Tiny sizes, for tests and smoke runs. Numbers from a quick run mean nothing."""
+    repeats: int = 5
+    """Repeats per case; every figure reported is the median over them."""
+    sample_sizes: tuple[int, ...] = (4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB)
+    """Bytes per sample for the dockd throughput matrix and the ceilings."""
+    batch_sizes: tuple[int, ...] = (1, 64)
+    """Samples per put / get call."""
+    paths: tuple[str, ...] = ("shm", "socket")
+    """dockd client data paths: same-host shared memory and plain socket."""
+    concurrent_clients: tuple[int, ...] = (4,)
+    """Client-process counts for the concurrent cases (one client is the main matrix)."""
+    concurrent_sample_sizes: tuple[int, ...] = (64 * KiB, 1 * MiB)
+    """Sample sizes for the concurrent-client cases (batch = the largest batch size)."""
+    bytes_per_repeat: int = 256 * MiB
+    """Payload moved per repeat of one case (at least one call is always made)."""
+    max_ops_per_repeat: int = 256
+    """Cap on put/get calls per repeat, so small-sample cases stay short."""
+    latency_ops: int = 2000
+    """Operations timed for the small-operation latency (p50/p99)."""
+    latency_bytes: int = 64
+    """Sample size for the latency cases."""
+    flow_warehouses: int = 2
+    """Warehouses started for the dockd_flow scenario."""
+    peer_sample_sizes: tuple[int, ...] = (4 * KiB, 64 * KiB, 1 * MiB)
+    """Sample sizes of the shared peer workload."""
+    peer_batch: int = 64
+    """Samples per put / get in the shared peer workload."""
+    peer_ops_per_repeat: int = 16
+    """Put / get calls per repeat in the peer workload."""
+    controller_partition_sizes: tuple[int, ...] = (10_000, 100_000, 1_000_000)
+    """Samples per partition for the controller-scale scenario."""
+    controller_columns: int = 8
+    controller_consumers: int = 6
+    controller_acquire: int = 256
+    """Samples per timed acquire."""
+    controller_acquires_per_consumer: int = 16
+    """Timed acquires per consumer and partition size."""
+    scenario_timeout_s: float = 1800.0
+    """Wall-clock limit for one scenario process."""
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        for name in ("sample_sizes", "batch_sizes", "peer_sample_sizes", "controller_partition_sizes"):
+            values = getattr(self, name)
+            if not values or any(int(v) <= 0 for v in values):
+                raise ValueError(f"{name} must be non-empty positive integers, got {values!r}")
+        unknown = set(self.paths) - {"shm", "socket"}
+        if unknown:
+            raise ValueError(f"Unknown dockd path(s) {sorted(unknown)}. Valid paths are: ['shm', 'socket']")
+
+    @classmethod
+    def quick_config(cls, **overrides: Any) -> "BenchConfig":
+        """Sizes small enough for a test to run every scenario in seconds."""
+        values: dict[str, Any] = dict(
+            quick=True,
+            repeats=2,
+            sample_sizes=(4 * KiB, 64 * KiB),
+            batch_sizes=(1, 4),
+            concurrent_clients=(2,),
+            concurrent_sample_sizes=(4 * KiB,),
+            bytes_per_repeat=1 * MiB,
+            max_ops_per_repeat=8,
+            latency_ops=20,
+            flow_warehouses=1,
+            peer_sample_sizes=(4 * KiB, 64 * KiB),
+            peer_batch=4,
+            peer_ops_per_repeat=2,
+            controller_partition_sizes=(1_000, 4_000),
+            controller_acquires_per_consumer=2,
+            scenario_timeout_s=300.0,
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "BenchConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in names}
+        return cls(**values)
+
+    def ops_for(self, payload_bytes: int) -> int:
+        """Calls per repeat that move about ``bytes_per_repeat`` (1..max_ops_per_repeat)."""
+        return max(1, min(self.max_ops_per_repeat, self.bytes_per_repeat // max(1, payload_bytes)))
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+@dataclass(kw_only=True, slots=True)
+class Row:
+    """One measured case. Figures are medians over ``repeats``; raw values are kept."""
+
+    scenario: str
+    system: str
+    """Who was measured: 'dockd', 'memcpy', 'socket', 'transferqueue', 'ray-actor', ..."""
+    op: str
+    """'put', 'get', 'copy', 'transfer', 'rtt', 'acquire', 'write', 'metadata'."""
+    path: str | None = None
+    sample_bytes: int | None = None
+    batch: int | None = None
+    clients: int = 1
+    gbps: float | None = None
+    """Payload gigabytes (10^9 bytes) per second."""
+    samples_per_s: float | None = None
+    p50_us: float | None = None
+    p99_us: float | None = None
+    value: float | None = None
+    """A figure without a unit above (e.g. metadata bytes per sample)."""
+    unit: str | None = None
+    repeats: int = 0
+    raw: list[float] = field(default_factory=list)
+    """Per-repeat values of the headline figure (GB/s, or µs for latency rows)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def median(values: Iterable[float]) -> float:
+    return float(statistics.median(list(values)))
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile, q in [0, 100]."""
+    if not values:
+        raise ValueError("percentile of an empty list")
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, int(round(q / 100.0 * (len(ordered) - 1)))))
+    return float(ordered[rank])
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def throughput_row(
+    *,
+    scenario: str,
+    system: str,
+    op: str,
+    seconds: list[float],
+    nbytes: int,
+    samples: int,
+    path: str | None = None,
+    sample_bytes: int | None = None,
+    batch: int | None = None,
+    clients: int = 1,
+    extra: dict[str, Any] | None = None,
+) -> Row:
+    """Row from per-repeat wall times, each repeat moving ``nbytes`` in ``samples`` samples."""
+    rates = [gbps(nbytes, s) for s in seconds]
+    t_med = median(seconds)
+    return Row(
+        scenario=scenario,
+        system=system,
+        op=op,
+        path=path,
+        sample_bytes=sample_bytes,
+        batch=batch,
+        clients=clients,
+        gbps=median(rates),
+        samples_per_s=samples / t_med if t_med > 0 else None,
+        repeats=len(seconds),
+        raw=rates,
+        extra={"bytes_per_repeat": nbytes, "samples_per_repeat": samples, "seconds": seconds, **(extra or {})},
+    )
+
+
+def latency_row(
+    *,
+    scenario: str,
+    system: str,
+    op: str,
+    latencies_s: list[float],
+    path: str | None = None,
+    sample_bytes: int | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Row:
+    us = [x * 1e6 for x in latencies_s]
+    return Row(
+        scenario=scenario,
+        system=system,
+        op=op,
+        path=path,
+        sample_bytes=sample_bytes,
+        batch=1,
+        p50_us=percentile(us, 50),
+        p99_us=percentile(us, 99),
+        samples_per_s=1e6 / percentile(us, 50),
+        repeats=len(us),
+        extra={"mean_us": statistics.fmean(us), "min_us": min(us), **(extra or {})},
+    )
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} B"
+
+
+def _pkg_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def versions() -> dict[str, Any]:
+    """Versions of everything a reader needs to reproduce the numbers."""
+    pkgs = ["dockd", "torch", "numpy", "pyarrow", "msgpack", "uvloop", "grpcio", "ray", "transferqueue", "tensordict", "pyzmq"]
+    return {
+        "python": sys.version.split()[0],
+        "implementation": platform.python_implementation(),
+        "dockd_git": _git_commit(),
+        "packages": {name: _pkg_version(name) for name in pkgs},
+    }
+
+
+def machine() -> dict[str, Any]:
+    cpu_model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_total = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_total = int(line.split()[1]) * 1024
+                break
+    except OSError:
+        pass
+    return {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "cpu_model": cpu_model,
+        "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory_bytes": mem_total,
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def set_single_thread() -> None:
+    """One intra-op thread for torch: the design notes explain why (hangs, 50x slow copies)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process, from /proc (Linux)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def spawn_env() -> dict[str, str]:
+    """Environment for child processes: the repository on PYTHONPATH, one torch thread."""
+    env = dict(os.environ)
+    parts = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env

@@ -1,0 +1,110 @@
+"""Peer: TransferQueue (PyPI ``transferqueue``), default storage backend, ``polling_mode=True``.
+
+Set up as its documentation does: ``ray.init()``, then
+``transfer_queue.init({"controller": {"polling_mode": True}})``, which starts
+the Ray controller actor and the default ``SimpleStorage`` backend (ZMQ
+storage units; two by default). Put is ``client.put(TensorDict, partition_id=...)``;
+get is ``client.get_meta(data_fields, batch_size, partition_id, task_name=consumer)``
+followed by ``client.get_data(meta)``. In polling mode ``get_meta`` returns an
+empty batch when too few samples are ready, so the adapter polls (the data
+is always ready before the gets start, so the first call normally succeeds).
+
+Ray is given 4 logical CPUs: TransferQueue's controller and each storage
+unit reserve one, so ``num_cpus=2`` (this machine's core count) would leave
+the second storage unit unschedulable and ``init`` would wait forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ..common import BenchConfig
+from . import PEERS_INSTALL_HINT
+from .workload import COLUMN, PeerAdapter, run_workload
+
+logger = logging.getLogger(__name__)
+
+NAME = "peer_transferqueue"
+TITLE = "Peer: TransferQueue (SimpleStorage, polling_mode=True)"
+
+GET_TIMEOUT_S = 60.0
+POLL_SLEEP_S = 0.001
+
+
+def requirements() -> str | None:
+    missing = []
+    for mod in ("ray", "transfer_queue", "tensordict"):
+        try:
+            __import__(mod)
+        except ImportError:
+            missing.append(mod)
+        except Exception as exc:  # noqa: BLE001 - a broken install is as good as a missing one here
+            missing.append(f"{mod} ({type(exc).__name__}: {exc})")
+    if missing:
+        return f"TransferQueue peer unavailable (missing: {', '.join(missing)}); install with: {PEERS_INSTALL_HINT}"
+    return None
+
+
+class TransferQueueAdapter(PeerAdapter):
+    system = "transferqueue"
+    path = None
+
+    def __init__(self) -> None:
+        self.client: Any = None
+        self.tq: Any = None
+
+    def start(self) -> dict[str, Any]:
+        import ray
+        import transfer_queue as tq
+
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        conf = tq.init({"controller": {"polling_mode": True}})
+        self.tq = tq
+        self.client = tq.get_client()
+        backend = conf.backend.storage_backend if conf is not None else "SimpleStorage"
+        units = conf.backend[backend].get("num_data_storage_units") if conf is not None else None
+        return {
+            "transferqueue": getattr(tq, "__version__", None),
+            "ray": ray.__version__,
+            "storage_backend": backend,
+            "storage_units": units,
+            "polling_mode": True,
+        }
+
+    def put(self, partition: str, batch: Any) -> None:
+        from tensordict import TensorDict
+
+        self.client.put(TensorDict({COLUMN: batch}, batch_size=[batch.shape[0]]), partition_id=partition)
+
+    def get(self, partition: str, consumer: str, count: int) -> int:
+        deadline = time.monotonic() + GET_TIMEOUT_S
+        while True:
+            meta = self.client.get_meta(
+                data_fields=[COLUMN], batch_size=count, partition_id=partition, task_name=consumer
+            )
+            if meta.size >= count:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"TransferQueue: {count} samples not ready within {GET_TIMEOUT_S} s")
+            time.sleep(POLL_SLEEP_S)
+        data = self.client.get_data(meta)
+        col = data[COLUMN]
+        return len(col.unbind(0)) if getattr(col, "is_nested", False) else int(col.shape[0])
+
+    def clear(self, partition: str) -> None:
+        self.client.clear_partition(partition)
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            if self.tq is not None:
+                self.tq.close()
+        finally:
+            ray.shutdown()
+
+
+def run(config: BenchConfig) -> dict[str, Any]:
+    return run_workload(TransferQueueAdapter(), config, NAME)

@@ -1,0 +1,139 @@
+"""The one workload every peer runs: batched puts, then batched gets by one consumer.
+
+Per sample size S (``config.peer_sample_sizes``) and batch B
+(``config.peer_batch``), one repeat writes ``n`` batches of B samples of S
+bytes into a fresh partition (each call acknowledged before the next), then
+one consumer takes them back ``B`` at a time; then the partition is cleared.
+Put and get are timed separately; each figure is the median over
+``config.repeats`` repeats. A small-operation pass then times single
+``config.latency_bytes``-byte puts and gets (p50/p99).
+
+The payload is a ``[B, S]`` uint8 tensor, handed to each system in the form it
+takes natively (a batched tensor, a TensorDict, or per-sample 1-D tensors).
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from typing import Any
+
+from ..common import BenchConfig, Row, latency_row, throughput_row
+
+logger = logging.getLogger(__name__)
+
+CONSUMER = "bench"
+COLUMN = "x"
+PEER_LATENCY_OPS_CAP = 300
+
+
+class PeerAdapter(abc.ABC):
+    """What a system must offer to run the peer workload."""
+
+    system: str = "?"
+    """Name in the result rows."""
+    path: str | None = None
+    """Data path label (``None`` when the system has only one)."""
+
+    @abc.abstractmethod
+    def start(self) -> dict[str, Any]:
+        """Start or connect; return a description of the layout for the JSON."""
+
+    @abc.abstractmethod
+    def put(self, partition: str, batch: Any) -> None:
+        """Write ``batch`` (a ``[B, S]`` uint8 tensor, B new samples); return once acknowledged."""
+
+    @abc.abstractmethod
+    def get(self, partition: str, consumer: str, count: int) -> int:
+        """Take ``count`` ready samples for ``consumer``; return how many arrived in this process."""
+
+    @abc.abstractmethod
+    def clear(self, partition: str) -> None:
+        """Drop a partition and its data."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop what :meth:`start` started."""
+
+
+def _ops(config: BenchConfig, sample_bytes: int) -> int:
+    per_op = sample_bytes * config.peer_batch
+    return max(2, min(config.peer_ops_per_repeat, config.bytes_per_repeat // per_op))
+
+
+def run_workload(adapter: PeerAdapter, config: BenchConfig, scenario: str) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)
+    layout = adapter.start()
+    rows: list[Row] = []
+    try:
+        b = config.peer_batch
+        for size in config.peer_sample_sizes:
+            n = _ops(config, size)
+            src = torch.full((b, size), 7, dtype=torch.uint8)
+            # warm-up: one full round on a throwaway partition
+            adapter.put(f"warm-{size}", src)
+            got = adapter.get(f"warm-{size}", CONSUMER, b)
+            if got != b:
+                raise RuntimeError(f"{adapter.system}: warm-up get returned {got} samples, expected {b}")
+            adapter.clear(f"warm-{size}")
+            put_s, get_s = [], []
+            for rep in range(config.repeats):
+                part = f"w-{size}-{rep}"
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    adapter.put(part, src)
+                put_s.append(time.perf_counter() - t0)
+                received = 0
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    received += adapter.get(part, CONSUMER, b)
+                get_s.append(time.perf_counter() - t0)
+                if received != n * b:
+                    raise RuntimeError(f"{adapter.system}: got {received} samples back, expected {n * b}")
+                adapter.clear(part)
+            for op, secs in (("put", put_s), ("get", get_s)):
+                row = throughput_row(
+                    scenario=scenario, system=adapter.system, op=op, path=adapter.path, seconds=secs,
+                    nbytes=n * b * size, samples=n * b, sample_bytes=size, batch=b,
+                    extra={"calls_per_repeat": n},
+                )
+                logger.info("[peers] system=%s op=%s size=%d batch=%d gbps=%.3f samples_per_s=%.0f",
+                            adapter.system, op, size, b, row.gbps, row.samples_per_s)
+                rows.append(row)
+        rows += _latency(adapter, config, scenario)
+    finally:
+        adapter.close()
+    return {"rows": [r.to_dict() for r in rows], "layout": layout}
+
+
+def _latency(adapter: PeerAdapter, config: BenchConfig, scenario: str) -> list[Row]:
+    import torch
+
+    n = min(config.latency_ops, PEER_LATENCY_OPS_CAP)
+    one = torch.full((1, config.latency_bytes), 3, dtype=torch.uint8)
+    part = "lat"
+    for _ in range(min(20, n)):  # warm-up
+        adapter.put("lat-warm", one)
+        adapter.get("lat-warm", CONSUMER, 1)
+    adapter.clear("lat-warm")
+    put_lat, get_lat = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        adapter.put(part, one)
+        put_lat.append(time.perf_counter() - t0)
+    for _ in range(n):
+        t0 = time.perf_counter()
+        adapter.get(part, CONSUMER, 1)
+        get_lat.append(time.perf_counter() - t0)
+    adapter.clear(part)
+    rows = [
+        latency_row(scenario=scenario, system=adapter.system, op=op, path=adapter.path, latencies_s=lat,
+                    sample_bytes=config.latency_bytes)
+        for op, lat in (("put", put_lat), ("get", get_lat))
+    ]
+    for r in rows:
+        logger.info("[peers] system=%s op=%s latency p50_us=%.1f p99_us=%.1f", r.system, r.op, r.p50_us, r.p99_us)
+    return rows

@@ -1,0 +1,378 @@
+"""Turn collected scenario results into target ratios, text/Markdown tables and a PNG plot.
+
+Every ratio here divides two values measured in the same run (the runner's
+JSON); nothing is compared against a number typed in by hand. A ratio whose
+inputs are missing (scenario skipped or failed) is reported with
+``met: None`` and says which input is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Iterable
+
+from .common import MiB, KiB, human_bytes
+
+logger = logging.getLogger(__name__)
+
+PEER_SYSTEMS = {
+    "transferqueue": "TransferQueue",
+    "ray-actor": "Ray-actor buffer",
+}
+
+
+def _rows(results: dict[str, Any], scenario: str) -> list[dict[str, Any]]:
+    sc = results.get("scenarios", {}).get(scenario, {})
+    if sc.get("status") != "ok":
+        return []
+    return list(sc.get("rows", []))
+
+
+def _find(rows: Iterable[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
+    for r in rows:
+        if all(r.get(k) == v for k, v in match.items()):
+            return r
+    return None
+
+
+def _target(
+    tid: str,
+    description: str,
+    measured: float | None,
+    reference: float | None,
+    bound: float,
+    *,
+    upper: bool = False,
+    ratio: bool = True,
+    unit: str = "x",
+    detail: str = "",
+    primary: bool = True,
+) -> dict[str, Any]:
+    """A target check. ``ratio``: measured/reference against bound; otherwise measured itself."""
+    if measured is None or (ratio and not reference):
+        value = None
+    else:
+        value = measured / reference if ratio else measured
+    met = None if value is None else (value <= bound if upper else value >= bound)
+    return {
+        "id": tid,
+        "description": description,
+        "measured": measured,
+        "reference": reference,
+        "value": value,
+        "bound": bound,
+        "comparison": "<=" if upper else ">=",
+        "unit": unit,
+        "met": met,
+        "primary": primary,
+        "detail": detail,
+    }
+
+
+def compute_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """All issue targets, one entry per measured case that a target covers."""
+    out: list[dict[str, Any]] = []
+    ceil = _rows(results, "ceilings")
+    flow = _rows(results, "dockd_flow")
+    cfg = results.get("config", {})
+    max_batch = max(cfg.get("batch_sizes", [64]) or [64])
+
+    def ceiling(op: str, payload: int) -> float | None:
+        r = _find(ceil, op=op, sample_bytes=payload)
+        return r.get("gbps") if r else None
+
+    # 1 + 2: bulk gets against memcpy / raw socket of the same payload.
+    for path, op, bound, tid, what in (
+        ("shm", "copy", 0.6, "same_host_get_vs_memcpy", "single-thread memcpy"),
+        ("socket", "transfer", 0.7, "socket_get_vs_raw_socket", "raw blocking socket"),
+    ):
+        def bulk_gets(p: str) -> list[dict[str, Any]]:
+            return [
+                r
+                for r in flow
+                if r["op"] == "get" and r.get("path") == p and r.get("clients") == 1 and r.get("gbps") is not None
+                and (r.get("sample_bytes") or 0) >= 1 * MiB
+            ]
+
+        cases = bulk_gets(path)
+        label = path
+        if not cases and path == "shm":
+            # No shared-memory path in this dockd build: a same-host client uses the loopback socket.
+            cases = bulk_gets("socket")
+            label = "same-host (loopback socket, no shm path)"
+        if not cases:
+            out.append(_target(tid, f"{path} get of >= 1 MiB samples vs {what}", None, None, bound,
+                               detail="no dockd_flow rows for >= 1 MiB samples on this path"))
+        for r in cases:
+            payload = r["sample_bytes"] * r["batch"]
+            out.append(
+                _target(
+                    tid,
+                    f"{label} get {human_bytes(r['sample_bytes'])} x {r['batch']} vs {what} of {human_bytes(payload)}",
+                    r["gbps"],
+                    ceiling(op, payload),
+                    bound,
+                    primary=r["batch"] == max_batch,
+                )
+            )
+
+    # 3: one small get, p50, against the raw socket round trip.
+    rtt = _find(ceil, op="rtt")
+    lat = [r for r in flow if r["op"] == "get" and r.get("p50_us") is not None]
+    if not lat:
+        out.append(_target("small_get_p50_vs_rtt", "small get p50 vs raw socket RTT", None, None, 4.0, upper=True,
+                           detail="no dockd_flow latency rows"))
+    for r in lat:
+        out.append(
+            _target(
+                "small_get_p50_vs_rtt",
+                f"{path_label(r.get('path'))} get of one {r.get('sample_bytes')}-byte sample, p50 vs raw socket RTT p50",
+                r["p50_us"],
+                rtt.get("p50_us") if rtt else None,
+                4.0,
+                upper=True,
+                detail="" if rtt else "raw socket RTT not measured (scenario ceilings)",
+            )
+        )
+
+    # 4: peers on the same workload.
+    dockd_rows = _rows(results, "peer_dockd_central")
+    for scen, system, bound in (("peer_transferqueue", "transferqueue", None), ("peer_ray_buffer", "ray-actor", 5.0)):
+        peer_rows = _rows(results, scen)
+        label = PEER_SYSTEMS[system]
+        for metric, size, tq_bound in (("samples_per_s", 4 * KiB, 10.0), ("gbps", 1 * MiB, 3.0)):
+            b = tq_bound if bound is None else bound
+            for op in ("get", "put"):
+                mine = _find(dockd_rows, op=op, sample_bytes=size, path="auto")
+                theirs = _find(peer_rows, op=op, sample_bytes=size)
+                unit_name = "samples/s" if metric == "samples_per_s" else "GB/s"
+                out.append(
+                    _target(
+                        f"vs_{system}_{op}_{metric}",
+                        f"dockd central {op} {unit_name} at {human_bytes(size)} samples vs {label}",
+                        mine.get(metric) if mine else None,
+                        theirs.get(metric) if theirs else None,
+                        b,
+                        primary=op == "get",
+                        detail=(
+                            "dockd central not measured (see scenario peer_dockd_central)" if not mine
+                            else "" if theirs else f"{label} not measured (see scenario {scen})"
+                        ),
+                    )
+                )
+
+    # 5: controller scale.
+    ctl = _rows(results, "controller_scale")
+    acq = sorted((r for r in ctl if r["op"] == "acquire"), key=lambda r: r["extra"].get("partition_samples", 0))
+    if acq:
+        small, large = acq[0], acq[-1]
+        out.append(
+            _target(
+                "controller_acquire_flat",
+                f"acquire({small.get('batch')}) p50 at {large['extra']['partition_samples']:,} vs "
+                f"{small['extra']['partition_samples']:,} samples",
+                large["p50_us"],
+                small["p50_us"],
+                2.0,
+                upper=True,
+            )
+        )
+        out.append(
+            _target(
+                "controller_acquire_under_1ms",
+                f"acquire({large.get('batch')}) p50 at {large['extra']['partition_samples']:,} samples",
+                large["p50_us"],
+                None,
+                1000.0,
+                upper=True,
+                ratio=False,
+                unit="us",
+            )
+        )
+    else:
+        out.append(_target("controller_acquire_flat", "controller acquire flat", None, None, 2.0, upper=True,
+                           detail="controller_scale not measured"))
+    meta = sorted((r for r in ctl if r["op"] == "metadata"), key=lambda r: r["extra"].get("partition_samples", 0))
+    if meta:
+        out.append(
+            _target(
+                "controller_metadata_bytes",
+                f"metadata bytes per sample at {meta[-1]['extra']['partition_samples']:,} samples",
+                meta[-1]["value"],
+                None,
+                64.0,
+                upper=True,
+                ratio=False,
+                unit="B",
+            )
+        )
+    return out
+
+
+def path_label(path: str | None) -> str:
+    return {"shm": "same-host", "socket": "socket", "auto": "default", None: "-"}.get(path, str(path))
+
+
+# ---------------------------------------------------------------- text tables
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if v >= 1e6:
+            return f"{v:,.0f}"
+        if v >= 100:
+            return f"{v:,.0f}"
+        if 0 < abs(v) < 1:
+            return f"{v:.3g}"
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+ROW_COLUMNS = ("system", "op", "path", "sample", "batch", "clients", "GB/s", "samples/s", "p50 us", "p99 us", "other")
+
+
+def _row_cells(r: dict[str, Any]) -> list[str]:
+    other = ""
+    if r.get("value") is not None:
+        other = f"{_fmt(r['value'])} {r.get('unit') or ''}".strip()
+    elif r.get("extra", {}).get("partition_samples"):
+        other = f"partition={r['extra']['partition_samples']:,}"
+    return [
+        r["system"],
+        r["op"],
+        path_label(r.get("path")) if r.get("path") else "-",
+        human_bytes(r.get("sample_bytes")),
+        _fmt(r.get("batch")),
+        _fmt(r.get("clients")),
+        _fmt(r.get("gbps")),
+        _fmt(r.get("samples_per_s"), 0),
+        _fmt(r.get("p50_us"), 1),
+        _fmt(r.get("p99_us"), 1),
+        other,
+    ]
+
+
+def _target_cells(t: dict[str, Any]) -> list[str]:
+    met = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
+    if t["value"] is None:
+        value = "-"
+    elif t["unit"] == "x":
+        value = f"{t['value']:.2f}x"
+    else:
+        value = f"{t['value']:.1f} {t['unit']}"
+    bound = f"{t['comparison']} {t['bound']:g}{'x' if t['unit'] == 'x' else ' ' + t['unit']}"
+    return [t["description"], value, bound, met + ("" if t["primary"] else " (info)"), t.get("detail", "")]
+
+
+def _text_table(header: Iterable[str], rows: list[list[str]]) -> str:
+    header = list(header)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)
+
+
+def _md_table(header: Iterable[str], rows: list[list[str]]) -> str:
+    header = list(header)
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def render(results: dict[str, Any], *, markdown: bool = False) -> str:
+    table = _md_table if markdown else _text_table
+    parts: list[str] = []
+    for name, sc in results.get("scenarios", {}).items():
+        title = sc.get("title", name)
+        head = f"### {name}: {title}" if markdown else f"== {name}: {title}"
+        if sc.get("status") == "ok":
+            parts.append(f"{head} ({sc.get('wall_s', 0):.0f} s)")
+            parts.append(table(ROW_COLUMNS, [_row_cells(r) for r in sc.get("rows", [])]))
+        elif sc.get("status") == "skipped":
+            parts.append(f"{head}\nSKIPPED: {sc.get('reason')}")
+        else:
+            parts.append(f"{head}\nFAILED: {sc.get('error', 'unknown error')}")
+    targets = results.get("targets") or compute_targets(results)
+    parts.append("### Targets" if markdown else "== Targets (ratios of values measured in this run)")
+    parts.append(table(("target", "value", "bound", "status", "note"), [_target_cells(t) for t in targets]))
+    return "\n\n".join(parts)
+
+
+# ---------------------------------------------------------------- plot
+
+
+def plot(results: dict[str, Any], out_png: str | Path) -> Path | None:
+    """GB/s against sample size per system, ceilings as dashed lines. Returns the path, or None."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("[report] matplotlib is not installed; no plot. Install it with: pip install 'dockd[plot]'")
+        return None
+    cfg = results.get("config", {})
+    batch = max(cfg.get("batch_sizes", [64]) or [64])
+    peer_batch = cfg.get("peer_batch", batch)
+    ceil = _rows(results, "ceilings")
+    flow = _rows(results, "dockd_flow")
+    peers = {
+        "dockd central (default path)": (_rows(results, "peer_dockd_central"), {"path": "auto"}),
+        "dockd central (socket)": (_rows(results, "peer_dockd_central"), {"path": "socket"}),
+        "TransferQueue": (_rows(results, "peer_transferqueue"), {}),
+        "Ray-actor buffer": (_rows(results, "peer_ray_buffer"), {}),
+    }
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    for ax, op in zip(axes, ("get", "put")):
+        series: list[tuple[str, list[tuple[int, float]], dict[str, Any]]] = []
+        for path in ("shm", "socket"):
+            for b in sorted({r["batch"] for r in flow if r.get("batch")}):
+                pts = [
+                    (r["sample_bytes"], r["gbps"])
+                    for r in flow
+                    if r["op"] == op and r.get("path") == path and r.get("batch") == b and r.get("clients") == 1
+                    and r.get("gbps")
+                ]
+                series.append((f"dockd {path_label(path)}, batch {b}", pts, {"marker": "o"}))
+        for label, (rows, match) in peers.items():
+            pts = [
+                (r["sample_bytes"], r["gbps"])
+                for r in rows
+                if r["op"] == op and r.get("gbps") and all(r.get(k) == v for k, v in match.items())
+            ]
+            series.append((f"{label}, batch {peer_batch}", pts, {"marker": "s", "alpha": 0.8}))
+        sizes = sorted({r["sample_bytes"] for r in flow if r.get("sample_bytes")} | {
+            r["sample_bytes"] for rows, _ in peers.values() for r in rows if r.get("sample_bytes")})
+        for label, cop, style in (("memcpy ceiling", "copy", "--"), ("raw socket ceiling", "transfer", "-.")):
+            pts = []
+            for s in sizes:
+                r = _find(ceil, op=cop, sample_bytes=s * batch)
+                if r and r.get("gbps"):
+                    pts.append((s, r["gbps"]))
+            series.append((f"{label} (payload = sample x {batch})", pts, {"linestyle": style, "color": "k" if cop == "copy" else "grey"}))
+        for label, pts, style in series:
+            if not pts:
+                continue
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sample size (bytes)")
+        ax.set_title(f"{op}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("GB/s (payload, median of repeats)")
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="lower right")
+    mach = results.get("machine", {})
+    fig.suptitle(f"dockd sample flow vs ceilings and peers - {mach.get('cpus', '?')} CPUs, {mach.get('cpu_model', '')}", fontsize=10)
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
