@@ -176,6 +176,18 @@ class AllGatherSwap:
                     f"{dim} group {ranks} does not match training {dim}={size} for rank {self.rank}"
                 )
         self._ep_peer_gen_ranks = [r % gen.tp for r in self.groups.ep_ranks]
+        # Fast path: all members of a pipeline group share one generation TP
+        # rank, so each stage's finished buckets can simply be broadcast.
+        same = len({r % gen.tp for r in self.groups.pp_ranks}) == 1
+        self.path: Literal["stage_broadcast", "param_broadcast"] = (
+            "stage_broadcast" if same else "param_broadcast"
+        )
+        if not same:
+            logger.info(
+                "[reshard] path=param_broadcast: generation tp=%d does not divide the %d ranks of a "
+                "training stage, so full parameters are broadcast over the pipeline group one at a time",
+                gen.tp, train.tp * train.dp(self.world_size),
+            )
 
         self._placements, self._bucket_numel, self._regions = self._plan_buckets()
         self._swapper = UpdateWeightSwapper(
@@ -188,9 +200,9 @@ class AllGatherSwap:
         self.state = ReshardState.TRAINING
         self.last_report: ReshardReport | None = None
         logger.info(
-            "[reshard] ready rank=%d device=%s mode=%s train=tp%d/pp%d/ep%d gen=tp%d "
+            "[reshard] ready rank=%d device=%s mode=%s path=%s train=tp%d/pp%d/ep%d gen=tp%d "
             "update_bytes=%d gen_bytes=%d",
-            self.rank, self.device.type, self.config.mode, train.tp, train.pp, train.ep,
+            self.rank, self.device.type, self.config.mode, self.path, train.tp, train.pp, train.ep,
             gen.tp, self._swapper.total_bytes, self.generation_bytes,
         )
 
@@ -311,18 +323,22 @@ class AllGatherSwap:
             self._views[name] = self._buckets[p.dtype].narrow(0, p.offset, p.numel).view(p.shape)
         t = self._tick(phases, "alloc", t)
 
-        for spec in self._stage_specs:
-            if not spec.experts:
-                report.gathered_bytes += self._gather_dense(spec)
-        t = self._tick(phases, "gather", t)
+        if self.path == "stage_broadcast":
+            for spec in self._stage_specs:
+                if not spec.experts:
+                    report.gathered_bytes += self._gather_dense(spec)
+            t = self._tick(phases, "gather", t)
 
-        for spec in self._stage_specs:
-            if spec.experts:
-                report.alltoall_bytes += self._exchange_experts(spec)
-        t = self._tick(phases, "experts", t)
+            for spec in self._stage_specs:
+                if spec.experts:
+                    report.alltoall_bytes += self._exchange_experts(spec)
+            t = self._tick(phases, "experts", t)
 
-        report.broadcast_bytes = self._broadcast_stages()
-        t = self._tick(phases, "broadcast", t)
+            report.broadcast_bytes = self._broadcast_stages()
+            t = self._tick(phases, "broadcast", t)
+        else:
+            self._param_broadcast(report)
+            t = self._tick(phases, "gather_broadcast", t)
 
         if self.config.mode == "swap":
             if self._swapper.pool is None:  # first cycle: pinning is slow, time it apart
@@ -332,33 +348,78 @@ class AllGatherSwap:
             t = self._tick(phases, "swap_out", t)
         return self._finish(report, ReshardState.GENERATION, dict(self._views))
 
-    def _gather_dense(self, spec: ParamSpec) -> int:
+    def _gathered(self, spec: ParamSpec, temps: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """All TP shards of a dense parameter as ``[src_tp, *shard]`` (a
+        temporary for ``tp > 1``, a view of the update weight otherwise)."""
         src = self._update[spec.name]
-        dst = self._views[spec.name]
-        temps: list[torch.Tensor] = []
         if not src.is_contiguous():
             src = self._temp(tuple(src.shape), src.dtype).copy_(src)
             temps.append(src)
-        gathered_bytes = 0
+        if spec.tp_dim is None or self.train.tp == 1:
+            return src.unsqueeze(0), 0
+        gathered = self._temp((self.train.tp, *src.shape), src.dtype)
+        temps.append(gathered)
+        _all_gather(gathered, src, self.groups.tp)
+        return gathered, gathered.nbytes
+
+    def _slice_dense(self, spec: ParamSpec, gathered: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy this rank's generation slice out of ``[src_tp, *shard]``."""
         if spec.tp_dim is None:
-            dst.copy_(src)
-        else:
-            tp = self.train.tp
-            if tp == 1:
-                gathered = src.unsqueeze(0)
-            else:
-                gathered = self._temp((tp, *src.shape), src.dtype)
-                temps.append(gathered)
-                _all_gather(gathered, src, self.groups.tp)
-                gathered_bytes = gathered.nbytes
-            d = spec.tp_dim
-            for seg in plan_reslice(spec.blocks, tp, self.gen.tp, self.gen_tp_rank):
-                dst.narrow(d, seg.dst_start, seg.length).copy_(
-                    gathered[seg.src].narrow(d, seg.src_start, seg.length)
-                )
+            dst.copy_(gathered[0])
+            return
+        d = spec.tp_dim
+        for seg in plan_reslice(spec.blocks, gathered.shape[0], self.gen.tp, self.gen_tp_rank):
+            dst.narrow(d, seg.dst_start, seg.length).copy_(gathered[seg.src].narrow(d, seg.src_start, seg.length))
+
+    def _gather_dense(self, spec: ParamSpec) -> int:
+        temps: list[torch.Tensor] = []
+        gathered, nbytes = self._gathered(spec, temps)
+        self._slice_dense(spec, gathered, self._views[spec.name])
         for tmp in temps:
             self._release(tmp)
-        return gathered_bytes
+        return nbytes
+
+    def _param_broadcast(self, report: ReshardReport) -> None:
+        """General path, for generation TP ranks that differ inside a pipeline
+        group: stage by stage and one parameter at a time, the owner
+        materialises the gathered parameter (dense: ``[tp, *shard]``;
+        experts: all experts via an EP all-gather) in a temporary, broadcasts
+        it over the PP group, and every member copies out its own slice."""
+        for stage in range(self.train.pp):
+            owner = self.groups.pp_ranks[stage]
+            mine = stage == self.coords.pp_rank
+            for spec in (s for s in self.specs if s.stage == stage):
+                temps: list[torch.Tensor] = []
+                dst = self._views[spec.name]
+                if spec.experts:
+                    shape = (spec.experts, *spec.shape)
+                    if not mine:
+                        buf = self._temp(shape, spec.dtype)
+                        temps.append(buf)
+                    elif self.train.ep > 1:
+                        local = self._update[spec.name].contiguous()
+                        buf = self._temp(shape, spec.dtype)
+                        temps.append(buf)
+                        _all_gather(buf, local, self.groups.ep)
+                        report.gathered_bytes += buf.nbytes
+                    else:
+                        buf = self._update[spec.name].contiguous()
+                else:
+                    if mine:
+                        buf, nbytes = self._gathered(spec, temps)
+                        report.gathered_bytes += nbytes
+                    else:
+                        rows = self.train.tp if spec.tp_dim is not None else 1
+                        buf = self._temp((rows, *training_local_shape(spec, self.train)), spec.dtype)
+                        temps.append(buf)
+                dist.broadcast(_as_bytes(buf), src=owner, group=self.groups.pp)
+                report.broadcast_bytes += buf.nbytes
+                if spec.experts:
+                    self._fill_expert_slice(spec, buf, dst, self.gen_tp_rank)
+                else:
+                    self._slice_dense(spec, buf, dst)
+                for tmp in temps:
+                    self._release(tmp)
 
     def _fill_expert_slice(self, spec: ParamSpec, local: torch.Tensor, out: torch.Tensor, gen_rank: int) -> None:
         if spec.tp_dim is None:

@@ -13,7 +13,9 @@ share, ``W/P`` for an even split)::
     peak     U + R + max temporary                   inside enter_generation
 
 The largest temporary is one all-gather output (a full dense parameter) or
-one all-to-all send buffer (``W_e(param)/G``).  :func:`predict_memory`
+one all-to-all send buffer (``W_e(param)/G``).  When the generation TP does
+not divide the ranks of a training stage (the ``param_broadcast`` path) it is
+the largest whole parameter, which every pipeline peer receives in turn.  :func:`predict_memory`
 evaluates these for any spec list; the benchmark checks them against the
 module's own accounting.
 """
@@ -72,20 +74,25 @@ def predict_memory(
 ) -> MemoryModel:
     """Evaluate the memory model for ``rank`` (no bucket alignment padding)."""
     stage = train.coords(rank, world_size).pp_rank
+    per_stage = train.tp * train.dp(world_size)
+    param_broadcast = per_stage % gen.tp != 0  # see AllGatherSwap.path
     update = 0
     generation = 0
     temp = 0
     for spec in specs:
         split = spec.tp_dim is not None
         generation += spec.nbytes // gen.tp if split else spec.nbytes
-        if spec.stage != stage:
-            continue
-        if spec.experts:
-            update += spec.nbytes // train.ep
-            if train.ep > 1:
-                temp = max(temp, spec.nbytes // gen.tp if split else spec.nbytes)
-        else:
-            update += spec.nbytes // train.tp if split else spec.nbytes
-            if split and train.tp > 1:
+        own = spec.stage == stage
+        if own:
+            update += spec.nbytes // train.ep if spec.experts else (spec.nbytes // train.tp if split else spec.nbytes)
+        if param_broadcast:
+            # receivers take every other stage's parameter whole; the owner
+            # gathers its own unless the rank already holds it whole
+            whole = train.ep == 1 if spec.experts else (not split or train.tp == 1)
+            if not own or not whole:
                 temp = max(temp, spec.nbytes)
+        elif own and spec.experts and train.ep > 1:
+            temp = max(temp, spec.nbytes // gen.tp if split else spec.nbytes)  # all-to-all send buffer
+        elif own and not spec.experts and split and train.tp > 1:
+            temp = max(temp, spec.nbytes)  # all-gather output
     return MemoryModel(rank=rank, update_bytes=update, generation_bytes=generation, max_temp_bytes=temp)

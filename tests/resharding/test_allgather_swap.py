@@ -81,10 +81,16 @@ def check_cycle_invariants(results: list[dict], sc: dict) -> None:
             assert e["peak_device_bytes"] >= r["update_bytes"] + r["generation_bytes"]
             assert e["peak_device_bytes"] <= r["update_bytes"] + r["generation_bytes"] + r["model"]["max_temp_bytes"]
             assert e["swapped_out_bytes"] == (r["update_bytes"] if swap else 0)
-            assert (e["gathered_bytes"] > 0) == (train.get("tp", 1) > 1)
-            assert (e["alltoall_bytes"] > 0) == (train.get("ep", 1) > 1)
             assert (e["broadcast_bytes"] > 0) == (train.get("pp", 1) > 1)
-            assert {"alloc", "gather", "experts", "broadcast"} <= set(e["phase_seconds"])
+            if sc.get("path") == "param_broadcast":
+                # every parameter crosses the PP group whole (as gathered shards)
+                assert e["broadcast_bytes"] >= r["model"]["generation_bytes"]
+                assert e["alltoall_bytes"] == 0
+                assert {"alloc", "gather_broadcast"} <= set(e["phase_seconds"])
+            else:
+                assert (e["gathered_bytes"] > 0) == (train.get("tp", 1) > 1)
+                assert (e["alltoall_bytes"] > 0) == (train.get("ep", 1) > 1)
+                assert {"alloc", "gather", "experts", "broadcast"} <= set(e["phase_seconds"])
         for i, x in enumerate(exits):
             assert x["device_bytes_after"] == r["update_bytes"]
             assert x["swapped_in_bytes"] == (r["update_bytes"] if swap else 0)
@@ -105,6 +111,9 @@ SCENARIOS = {
     "tp2_pp2_ep2_moe_bf16_to_tp2": {"world": 4, "train": {"tp": 2, "pp": 2, "ep": 2}, "gen": {"tp": 2},
                                     "model": {**MOE, "dtype": "bfloat16"}, "prefetch_cycles": [1]},
     "ep2_moe_to_tp2": {"world": 2, "train": {"tp": 1, "ep": 2}, "gen": {"tp": 2}, "model": MOE, "cycles": 3},
+    # generation TP wider than a training stage: the per-parameter broadcast path
+    "tp1_pp2_to_tp2": {"world": 2, "train": {"tp": 1, "pp": 2}, "gen": {"tp": 2}, "model": SMALL,
+                       "path": "param_broadcast", "prefetch_cycles": [0]},
 }
 
 
@@ -127,6 +136,14 @@ def test_pp2_to_tp1_without_swap_keeps_the_redundant_copy(tmp_path: Path) -> Non
     assert results[0]["update_bytes"] != results[2]["update_bytes"]
     for r in results:
         assert r["reports"][0]["device_bytes_after"] - r["generation_bytes"] == r["model"]["freed_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.multinode
+def test_pp2_ep2_moe_to_tp4_param_broadcast(tmp_path: Path) -> None:
+    sc = {"world": 4, "train": {"tp": 1, "pp": 2, "ep": 2}, "gen": {"tp": 4}, "model": MOE,
+          "path": "param_broadcast"}
+    check_cycle_invariants(run_world(sc, tmp_path), sc)
 
 
 @pytest.mark.slow

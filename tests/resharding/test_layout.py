@@ -96,7 +96,7 @@ def test_parallel_layout_rejects_non_positive_sizes() -> None:
     "train,gen,world,match",
     [
         (ParallelLayout(tp=2), ParallelLayout(tp=1, pp=2), 4, "must have pp=1 and ep=1"),
-        (ParallelLayout(tp=1, pp=2), ParallelLayout(tp=2), 2, "must divide the ranks per training pipeline stage"),
+        (ParallelLayout(tp=2), ParallelLayout(tp=4), 6, "generation tp=4 does not divide the world size 6"),
         (ParallelLayout(tp=2), ParallelLayout(tp=3), 6, "block of size 16"),
         (ParallelLayout(tp=2), ParallelLayout(tp=1), 2, "stage 1 >= training pp=1"),
         (ParallelLayout(tp=1, ep=2), ParallelLayout(tp=1), 2, "experts=3 not divisible by training ep=2"),
@@ -118,6 +118,7 @@ def test_validate_layouts_accepts_the_tested_configurations() -> None:
         (ParallelLayout(tp=2, pp=2, ep=2), ParallelLayout(tp=2), 4),
         (ParallelLayout(tp=2, pp=2, ep=2), ParallelLayout(tp=1), 4),
         (ParallelLayout(tp=4, pp=2, ep=4), ParallelLayout(tp=2), 8),
+        (ParallelLayout(tp=1, pp=2, ep=2), ParallelLayout(tp=4), 4),  # gen TP wider than a stage
     ]:
         validate_layouts(specs, train, gen, world)
 
