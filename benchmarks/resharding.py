@@ -50,6 +50,8 @@ CPU_SCENARIOS: list[dict[str, Any]] = [
     {"name": "tp1(dp2)->tp2", "world": 2, "train": {"tp": 1}, "gen": {"tp": 2}, "model": DENSE},
     {"name": "tp2.pp2->tp2", "world": 4, "train": {"tp": 2, "pp": 2}, "gen": {"tp": 2}, "model": DENSE},
     {"name": "tp1.ep2 moe->tp2", "world": 2, "train": {"tp": 1, "ep": 2}, "gen": {"tp": 2}, "model": MOE},
+    # generation TP wider than a training stage: per-parameter broadcast path
+    {"name": "tp1.pp2->tp2", "world": 2, "train": {"tp": 1, "pp": 2}, "gen": {"tp": 2}, "model": DENSE},
 ]
 
 
