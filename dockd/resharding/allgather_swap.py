@@ -190,11 +190,11 @@ class AllGatherSwap:
             )
 
         self._placements, self._bucket_numel, self._regions = self._plan_buckets()
+        self.accountant = ByteAccountant()
         self._swapper = UpdateWeightSwapper(
-            self._update, self.device, ByteAccountant(), chunk_bytes=self.config.chunk_bytes
+            self._update, self.device, self.accountant, chunk_bytes=self.config.chunk_bytes
         )
-        self.accountant = ByteAccountant(self._swapper.total_bytes)
-        self._swapper.accountant = self.accountant
+        self.accountant.alloc(self._swapper.total_bytes)  # the update weights start resident
         self._buckets: dict[torch.dtype, torch.Tensor] = {}
         self._views: dict[str, torch.Tensor] = {}
         self.state = ReshardState.TRAINING

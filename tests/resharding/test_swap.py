@@ -83,6 +83,19 @@ def test_swapper_rejects_storages_it_cannot_free() -> None:
                             ByteAccountant(), chunk_bytes=1024)
 
 
+def test_host_pool_falls_back_when_pinning_fails(caplog: pytest.LogCaptureFixture) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("pinning works here")
+    from dockd.resharding import device as device_mod
+
+    device_mod._logged.discard("pin-failed")
+    with caplog.at_level("WARNING", logger="dockd.resharding"):
+        pools = [HostPool(64, DeviceInfo("cuda", 0)) for _ in range(2)]
+    assert all(not p.pinned and p.buffer.numel() == 64 for p in pools)
+    msgs = [r.getMessage() for r in caplog.records if "falling back to pageable" in r.getMessage()]
+    assert len(msgs) == 1  # logged once, not per pool
+
+
 def test_host_pool_on_cpu_falls_back_without_warnings() -> None:
     # pytest turns warnings into errors, so trying pin_memory here would fail.
     pool = HostPool(1024, DeviceInfo("cpu"))
@@ -127,6 +140,10 @@ def test_single_rank_cycle_and_state_errors(one_rank_world: None) -> None:
     specs = toy_transformer_specs(hidden=8, ffn=16, layers=2, vocab=16, experts=2, moe_ffn=4)
     full = build_full_weights(specs, seed=3)
     shards = training_shards(full, specs, ParallelLayout(), 1, 0)
+    # a transposed (non-contiguous) weight, as a tied or transposed parameter can be
+    name = "layers.0.attn.o_proj.weight"
+    shards[name] = shards[name].t().contiguous().t()
+    assert not shards[name].is_contiguous()
     original = {k: _bits(v) for k, v in shards.items()}
     ags = AllGatherSwap(specs, shards, train=ParallelLayout(), gen=ParallelLayout())
     start = ags.device_bytes
