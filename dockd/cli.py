@@ -25,7 +25,7 @@ def _serve(args) -> int:
     cfg = NodeConfig(
         host=args.host, port=args.port, grpc_port=args.grpc_port, advertise=args.advertise,
         controller=args.controller, join=args.join or "", capacity=parse_size(args.capacity),
-        lease_timeout=args.lease_timeout,
+        lease_timeout=args.lease_timeout, shm=not args.no_shm,
     )
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("dockd").warning(
@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--join", metavar="HOST:PORT", help="join the controller at HOST:PORT as a warehouse")
     s.add_argument("--capacity", default="8GiB", help="bytes this warehouse holds before puts wait (default 8GiB)")
     s.add_argument("--lease-timeout", type=float, default=120.0, help="seconds a leased sample waits for its fetch")
+    s.add_argument("--no-shm", action="store_true", help="serve same-host clients over TCP only (no shared memory)")
     s.add_argument("--log-level", dest="serve_log_level", default=None, help=argparse.SUPPRESS)
     s.set_defaults(fn=_serve)
 

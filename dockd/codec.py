@@ -147,9 +147,9 @@ def check_value(meta: pb.Value, body_size: int) -> None:
         raise DockProtocolError(f"unknown value kind {meta.kind}")
 
 
-def decode_value(meta: pb.Value, body: torch.Tensor) -> Any:
-    """A value from its metadata and a uint8 tensor holding the body (tensors are views of it)."""
-    raw = body[meta.offset : meta.offset + meta.nbytes]
+def decode_value(meta: pb.Value, body: torch.Tensor, base: int = 0) -> Any:
+    """A value from its metadata and a uint8 tensor holding the body from offset `base` on (tensors are views of it)."""
+    raw = body[meta.offset - base : meta.offset - base + meta.nbytes]
     if meta.kind == pb.MSGPACK:
         return msgpack.unpackb(raw.numpy().tobytes(), raw=False, strict_map_key=False)
     dtype = DTYPES[meta.dtype]

@@ -15,6 +15,7 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20,
 ENV_VARS = {
     "DOCKD_WAREHOUSE": "warehouse a client writes to: an id or host:port (default: one on this host)",
     "DOCKD_CONNECT_TIMEOUT": "seconds a client waits to connect to a daemon (default 10)",
+    "DOCKD_TRANSPORT": "'auto' (default: shared memory to same-host daemons, TCP otherwise) or 'tcp'",
 }
 
 
@@ -60,6 +61,8 @@ class NodeConfig:
     """Largest frame body accepted, in bytes."""
     connect_timeout: float = 10.0
     """Seconds to wait for the controller when joining."""
+    shm: bool = True
+    """Serve same-host clients over a Unix socket with shared-memory payloads (Linux)."""
 
     def __post_init__(self) -> None:
         if self.controller == bool(self.join):

@@ -12,8 +12,10 @@ handler lets it in or rejects it (then the body is read and dropped).
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
+import os
 from collections.abc import Awaitable, Sequence
 from typing import Protocol
 
@@ -30,8 +32,10 @@ _DISCARD = 1 << 20
 
 
 class Handler(Protocol):
-    def on_request(self, peer: Peer, frame: pb.Frame, body: pa.Buffer | None) -> None: ...
+    def on_request(self, peer: Peer, frame: pb.Frame, body, fds: list[int]) -> None: ...
     def admit(self, peer: Peer, frame: pb.Frame, body_size: int) -> Awaitable[None] | None: ...
+    def allocate(self, size: int):  # -> pa.Buffer or shm.Segment, the body's destination
+        ...
     def on_lost(self, peer: Peer) -> None: ...
 
 
@@ -57,6 +61,16 @@ class Peer(asyncio.BufferedProtocol):
         self._reject: BaseException | None = None
         self._calls: dict[int, asyncio.Future] = {}
         self._next_id = itertools.count(1)
+        self._fds: collections.deque[int] = collections.deque()  # received, not yet claimed by a frame
+        self._frame_fds: list[int] = []
+
+    @property
+    def passes_fds(self) -> bool:
+        """True on a same-host Unix connection that can carry file descriptors."""
+        return getattr(self.transport, "passes_fds", False)
+
+    def fds_received(self, fds: list[int]) -> None:
+        self._fds.extend(fds)
 
     # -- asyncio protocol -----------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -72,6 +86,10 @@ class Peer(asyncio.BufferedProtocol):
                 fut.set_exception(err)
         self._calls.clear()
         self._dest = self._dest_obj = None
+        for fd in [*self._fds, *self._frame_fds]:
+            os.close(fd)
+        self._fds.clear()
+        self._frame_fds = []
         try:
             self.handler.on_lost(self)
         except Exception:
@@ -127,6 +145,10 @@ class Peer(asyncio.BufferedProtocol):
             start = self._lo + wire.PREFIX.size
             frame = wire.parse_header(self._mv[start : start + hlen])
             self._lo += need
+            if frame.fds:
+                if frame.fds > len(self._fds):
+                    raise DockProtocolError(f"frame announces {frame.fds} descriptors but {len(self._fds)} arrived")
+                self._frame_fds = [self._fds.popleft() for _ in range(frame.fds)]
             if blen == 0:
                 self._dispatch(frame, None)
                 continue
@@ -163,8 +185,8 @@ class Peer(asyncio.BufferedProtocol):
                 self._dest = memoryview(bytearray(min(self._discard_left, _DISCARD)))
                 self._dest_pos = 0
             return
-        dest = pa.allocate_buffer(blen)
-        mv = memoryview(dest).cast("B")
+        dest = self.handler.allocate(blen)
+        mv = memoryview(dest if isinstance(dest, pa.Buffer) else dest.buffer).cast("B")
         mv[:take] = self._mv[self._lo : self._lo + take]
         self._lo += take
         if take == blen:
@@ -194,10 +216,16 @@ class Peer(asyncio.BufferedProtocol):
     def _finish_reject(self) -> None:
         frame, _ = self._pending
         exc, self._reject, self._pending = self._reject, None, None
+        for fd in self._frame_fds:
+            os.close(fd)
+        self._frame_fds = []
         self.reply_error(frame, exc)
 
-    def _dispatch(self, frame: pb.Frame, body: pa.Buffer | None) -> None:
+    def _dispatch(self, frame: pb.Frame, body) -> None:
+        fds, self._frame_fds = self._frame_fds, []
         if frame.reply:
+            for fd in fds:
+                os.close(fd)
             fut = self._calls.pop(frame.id, None)
             if fut is not None and not fut.done():
                 if frame.status.code != pb.OK:
@@ -206,24 +234,29 @@ class Peer(asyncio.BufferedProtocol):
                     fut.set_result((frame, body))
             return
         try:
-            self.handler.on_request(self, frame, body)
+            self.handler.on_request(self, frame, body, fds)
         except Exception as e:  # handlers raise DockError for bad input; anything else is a bug
             if not isinstance(e, (DockError, ValueError, TypeError)):
                 logger.exception("[peer] handler failed peer=%s kind=%s", self.name, frame.WhichOneof("kind"))
             self.reply_error(frame, e)
 
     # -- writing --------------------------------------------------------------------
-    def send(self, frame: pb.Frame, buffers: Sequence = (), body_size: int = 0) -> None:
+    def send(self, frame: pb.Frame, buffers: Sequence = (), body_size: int = 0, fds: Sequence = ()) -> None:
+        """Write a frame; fds (ints or objects with fileno(), kept alive until written) need a Unix transport."""
         if self.closed or self.transport is None or self.transport.is_closing():
             return
-        self.transport.writelines([wire.header(frame, body_size), *buffers])
+        if fds:
+            frame.fds = len(fds)
+            self.transport.writelines([wire.header(frame, body_size), *buffers], fds)
+        else:
+            self.transport.writelines([wire.header(frame, body_size), *buffers])
 
-    def reply(self, request: pb.Frame, frame: pb.Frame, buffers: Sequence = (), body_size: int = 0) -> None:
+    def reply(self, request: pb.Frame, frame: pb.Frame, buffers: Sequence = (), body_size: int = 0, fds: Sequence = ()) -> None:
         if request.oneway:
             return
         frame.id = request.id
         frame.reply = True
-        self.send(frame, buffers, body_size)
+        self.send(frame, buffers, body_size, fds)
 
     def reply_error(self, request: pb.Frame, exc: BaseException) -> None:
         if request.oneway:

@@ -56,12 +56,16 @@ def parse_header(data) -> pb.Frame:
     return frame
 
 
-def sendall(sock: socket.socket, buffers: Sequence) -> None:
-    """Write buffers in order with sendmsg (scatter/gather), handling partial writes."""
+def sendall(sock: socket.socket, buffers: Sequence, ancillary: list | None = None) -> None:
+    """Write buffers in order with sendmsg (scatter/gather), handling partial writes.
+
+    `ancillary` (descriptors, on Unix sockets) rides on the first sendmsg."""
     bufs = [memoryview(b).cast("B") for b in buffers if len(b)]
     i = 0
+    anc = ancillary or []
     while i < len(bufs):
-        sent = sock.sendmsg(bufs[i : i + _IOV_MAX])
+        sent = sock.sendmsg(bufs[i : i + _IOV_MAX], anc)
+        anc = []
         while sent:
             n = bufs[i].nbytes
             if sent >= n:

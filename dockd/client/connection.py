@@ -7,14 +7,16 @@ allocated uint8 tensor, which the decoded tensors are views of.
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
 import socket
 import threading
 from collections.abc import Sequence
 
 import torch
 
-from dockd import wire
+from dockd import shm, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockClosed, DockConnectionError, DockProtocolError, from_status
 
@@ -25,16 +27,29 @@ _NO_BODY = torch.empty(0, dtype=torch.uint8)
 
 
 class Connection:
-    def __init__(self, host: str, port: int, *, connect_timeout: float = 10.0, max_body: int = 1 << 40) -> None:
-        self.address = f"{host}:{port}"
+    """A TCP connection, or with `unix` a same-host Unix one that can pass descriptors."""
+
+    def __init__(self, host: str, port: int, *, unix: str = "", connect_timeout: float = 10.0, max_body: int = 1 << 40) -> None:
+        self.address = f"unix:{unix}" if unix else f"{host}:{port}"
+        self.unix = bool(unix)
         try:
-            self.sock = socket.create_connection((host, port), timeout=connect_timeout)
+            if unix:
+                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self.sock.settimeout(connect_timeout)
+                try:
+                    self.sock.connect(shm.unix_address(unix))
+                except BaseException:
+                    self.sock.close()
+                    raise
+            else:
+                self.sock = socket.create_connection((host, port), timeout=connect_timeout)
+                self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as e:
             raise DockConnectionError(
                 f"cannot connect to dockd at {self.address}: {e}. Is `dockd serve` running there?"
             ) from None
         self.sock.settimeout(None)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._fds: collections.deque[int] = collections.deque()
         self.max_body = max_body
         self._buf = bytearray(_SCRATCH)
         self._mv = memoryview(self._buf)
@@ -53,21 +68,28 @@ class Connection:
         except OSError:
             pass
         self.sock.close()
+        _close_all(self._fds)
+        self._fds.clear()
 
-    def send(self, frame: pb.Frame, buffers: Sequence = (), body_size: int = 0) -> None:
+    def send(self, frame: pb.Frame, buffers: Sequence = (), body_size: int = 0, fds: Sequence[int] = ()) -> None:
         frame.id = self._next_id
         self._next_id += 1
+        if fds:
+            frame.fds = len(fds)
         try:
-            wire.sendall(self.sock, [wire.header(frame, body_size), *buffers])
+            wire.sendall(self.sock, [wire.header(frame, body_size), *buffers], shm.fds_ancillary(fds))
         except OSError as e:
             self._raise_io(e)
 
-    def call(self, frame: pb.Frame, buffers: Sequence = (), body_size: int = 0, *, timeout: float | None = None) -> tuple[pb.Frame, torch.Tensor]:
-        """Send a request and wait for its reply: (frame, body). Raises the mapped error on a non-OK status."""
-        self.send(frame, buffers, body_size)
+    def call(self, frame: pb.Frame, buffers: Sequence = (), body_size: int = 0, *, fds: Sequence[int] = (),
+             timeout: float | None = None) -> tuple[pb.Frame, torch.Tensor, list[int]]:
+        """Send a request and wait for its reply: (frame, body, descriptors). The caller owns the descriptors.
+
+        Raises the mapped error on a non-OK status."""
+        self.send(frame, buffers, body_size, fds)
         try:
             self.sock.settimeout(timeout)
-            reply, body = self._read_frame()
+            reply, body, got = self._read_frame()
         except socket.timeout:
             self.broken = True
             raise DockConnectionError(f"dockd at {self.address} did not answer within {timeout:g}s") from None
@@ -80,8 +102,9 @@ class Connection:
             self.broken = True
             raise DockProtocolError(f"reply id {reply.id} does not match request id {frame.id} from {self.address}")
         if reply.status.code != pb.OK:
+            _close_all(got)
             raise from_status(reply.status)
-        return reply, body
+        return reply, body, got
 
     def _raise_io(self, e: OSError):
         self.broken = True
@@ -99,7 +122,7 @@ class Connection:
             new[:live] = self._mv[self._lo : self._hi]
             self._buf, self._mv, self._lo, self._hi = new, memoryview(new), 0, live
         while self._hi - self._lo < n:
-            got = self.sock.recv_into(self._mv[self._hi :])
+            got = self._recv_into(self._mv[self._hi :])
             if got == 0:
                 self.broken = True
                 if self.closed:
@@ -107,7 +130,15 @@ class Connection:
                 raise DockConnectionError(f"dockd at {self.address} closed the connection (did the daemon stop?)")
             self._hi += got
 
-    def _read_frame(self) -> tuple[pb.Frame, torch.Tensor]:
+    def _recv_into(self, mv: memoryview) -> int:
+        if not self.unix:
+            return self.sock.recv_into(mv)
+        n, anc, _, _ = self.sock.recvmsg_into([mv], shm._ANC)
+        if anc:
+            self._fds.extend(shm.recv_fds(anc))
+        return n
+
+    def _read_frame(self) -> tuple[pb.Frame, torch.Tensor, list[int]]:
         if self._lo == self._hi:
             self._lo = self._hi = 0
         elif self._lo > len(self._buf) // 2:
@@ -120,8 +151,12 @@ class Connection:
         start = self._lo + wire.PREFIX.size
         frame = wire.parse_header(self._mv[start : start + hlen])
         self._lo = start + hlen
+        if frame.fds > len(self._fds):
+            self.broken = True
+            raise DockProtocolError(f"reply announces {frame.fds} descriptors but {len(self._fds)} arrived")
+        fds = [self._fds.popleft() for _ in range(frame.fds)]
         if blen == 0:
-            return frame, _NO_BODY
+            return frame, _NO_BODY, fds
         body = torch.empty(blen, dtype=torch.uint8)
         dst = memoryview(body.numpy())
         take = min(self._hi - self._lo, blen)
@@ -129,19 +164,25 @@ class Connection:
         self._lo += take
         pos = take
         while pos < blen:
-            got = self.sock.recv_into(dst[pos:])
+            got = self._recv_into(dst[pos:])
             if got == 0:
                 self.broken = True
+                _close_all(fds)
                 raise DockConnectionError(f"dockd at {self.address} closed the connection mid-reply")
             pos += got
-        return frame, body
+        return frame, body, fds
+
+
+def _close_all(fds) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 class Pool:
     """Idle connections to one daemon; a thread checks one out per call."""
 
-    def __init__(self, host: str, port: int, *, connect_timeout: float) -> None:
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int, *, connect_timeout: float, unix: str = "") -> None:
+        self.host, self.port, self.unix = host, port, unix
         self.connect_timeout = connect_timeout
         self._idle: list[Connection] = []
         self._all: set[Connection] = set()
@@ -152,13 +193,17 @@ class Pool:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def transport(self) -> str:
+        return "shm" if self.unix else "tcp"
+
     def get(self) -> Connection:
         with self._lock:
             if self.closed:
                 raise DockClosed("the dock client is closed; create a new one with dockd.connect()")
             if self._idle:
                 return self._idle.pop()
-        conn = Connection(self.host, self.port, connect_timeout=self.connect_timeout)
+        conn = Connection(self.host, self.port, unix=self.unix, connect_timeout=self.connect_timeout)
         with self._lock:
             self._all.add(conn)
             if self.closed:

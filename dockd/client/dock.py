@@ -19,14 +19,17 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
+import mmap
 
-from dockd import codec
+import numpy as np
+import torch
+
+from dockd import codec, shm
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.batch import Batch
 from dockd.client.connection import Connection, Pool
 from dockd.config import env_float
-from dockd.errors import DockConnectionError, DockDataLost, DockTypeError, DockValueError
+from dockd.errors import DockConnectionError, DockDataLost, DockProtocolError, DockTypeError, DockValueError
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,7 @@ class Lease:
     columns: list[str]
     indexes: list[int]
     locations: np.ndarray  # warehouse id per (column, sample)
+    inline: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # columns that came with the acquire
 
 
 def _is_local(host: str) -> bool:
@@ -95,17 +99,35 @@ class Dock:
             self._ctrl = Pool(*split_address(hello.controller), connect_timeout=self.connect_timeout)
             hello = self._hello(self._ctrl)
         self.address = self._ctrl.address
+        self._shm = shm.available() and os.environ.get("DOCKD_TRANSPORT", "auto") != "tcp"
+        if hello.unix and self._shm and _is_local(self._ctrl.host):
+            unix_pool = self._unix_pool(self._ctrl.host, self._ctrl.port, hello.unix)
+            if unix_pool is not None:
+                self._ctrl.close()
+                self._ctrl = unix_pool
         self._warehouses: dict[int, pb.WarehouseInfo] = {w.id: w for w in hello.warehouses}
         self._pools: dict[int, Pool] = {}
         self._executor: ThreadPoolExecutor | None = None
         self.home = self._choose_home(warehouse if warehouse is not None else os.environ.get("DOCKD_WAREHOUSE"))
         w = self._warehouses[self.home]
-        logger.info("[client] connected controller=%s home_warehouse=%d address=%s:%d", self.address, w.id, w.host, w.port)
+        logger.info("[client] connected controller=%s transport=%s home_warehouse=%d address=%s:%d transport=%s",
+                    self.address, self._ctrl.transport, w.id, w.host, w.port, self._pool(self.home).transport)
+
+    def _unix_pool(self, host: str, port: int, name: str) -> Pool | None:
+        """A shared-memory pool to a same-host daemon, or None if its socket is out of reach (another netns)."""
+        pool = Pool(host, port, unix=name, connect_timeout=self.connect_timeout)
+        try:
+            pool.put(pool.get())
+        except DockConnectionError as e:
+            logger.info("[client] shared-memory transport to %s:%d unavailable (%s); using TCP", host, port, e)
+            pool.close()
+            return None
+        return pool
 
     def _hello(self, pool: Pool) -> pb.HelloReply:
         conn = pool.get()
         try:
-            reply, _ = conn.call(pb.Frame(hello=pb.Hello(client=self._name)), timeout=self.connect_timeout)
+            reply, _, _ = conn.call(pb.Frame(hello=pb.Hello(client=self._name)), timeout=self.connect_timeout)
         except BaseException:
             pool.discard(conn)
             raise
@@ -133,19 +155,25 @@ class Dock:
             info = self._warehouses.get(wid)
             if info is None:
                 raise DockConnectionError(f"warehouse {wid} is unknown to this client")
+            new = None
+            if info.unix and self._shm and _is_local(info.host):
+                new = self._unix_pool(info.host, info.port, info.unix)
+            new = new or Pool(info.host, info.port, connect_timeout=self.connect_timeout)
             with self._lock:
-                pool = self._pools.setdefault(wid, Pool(info.host, info.port, connect_timeout=self.connect_timeout))
+                pool = self._pools.setdefault(wid, new)
+            if pool is not new:
+                new.close()
             if self._closed:
                 pool.close()
         return pool
 
-    def _call(self, pool: Pool, frame: pb.Frame, buffers=(), size: int = 0, *, timeout: float | None = None,
-              on_conn: Callable[[Connection], None] | None = None):
+    def _call(self, pool: Pool, frame: pb.Frame, buffers=(), size: int = 0, *, fds=(), timeout: float | None = None,
+              on_conn: Callable[[Connection], None] | None = None) -> tuple[pb.Frame, torch.Tensor, list[int]]:
         conn = pool.get()
         if on_conn is not None:
             on_conn(conn)
         try:
-            return conn.call(frame, buffers, size, timeout=timeout)
+            return conn.call(frame, buffers, size, fds=fds, timeout=timeout)
         finally:
             pool.put(conn)
 
@@ -185,8 +213,28 @@ class Dock:
             req.indexes.extend(idx)
         body = codec.Body()
         req.columns.extend(codec.encode_columns(split, body))
-        reply, _ = self._call(self._pool(self.home), pb.Frame(put=req), body.buffers, body.size)
+        pool = self._pool(self.home)
+        if pool.unix and body.size >= shm.SHM_MIN_BODY:
+            reply = self._put_shm(pool, req, body)
+        else:
+            reply, _, _ = self._call(pool, pb.Frame(put=req), body.buffers, body.size)
         return list(reply.put_reply.indexes)
+
+    def _put_shm(self, pool: Pool, req: pb.PutRequest, body: codec.Body) -> pb.Frame:
+        """Copy the payload into a fresh memfd (the one copy) and hand the descriptor to the warehouse."""
+        fd = os.memfd_create("dockd-put", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, body.size)
+            with mmap.mmap(fd, body.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as mm:
+                off = 0
+                for b in body.buffers:
+                    n = memoryview(b).nbytes
+                    mm[off : off + n] = b
+                    off += n
+            reply, _, _ = self._call(pool, pb.Frame(put=req), fds=[fd])
+        finally:
+            os.close(fd)
+        return reply
 
     def get(self, consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None = None,
             groups: bool = False, allow_partial: bool = False, shuffle: bool = False, seed: int | None = None,
@@ -228,18 +276,19 @@ class Dock:
         if timeout is not None and timeout < 0:
             raise DockValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
         req = pb.AcquireRequest(partition=partition, consumer=consumer, columns=list(columns), count=int(count),
-                                groups=groups, allow_partial=allow_partial, shuffle=shuffle,
+                                groups=groups, allow_partial=allow_partial, shuffle=shuffle, inline=True,
                                 timeout=-1.0 if timeout is None else float(timeout))
         if seed is not None:
             req.has_seed, req.seed = True, int(seed)
-        reply, _ = self._call(self._ctrl, pb.Frame(acquire=req), on_conn=_on_conn,
-                              timeout=None if timeout is None else timeout + 30.0)
+        reply, body, fds = self._call(self._ctrl, pb.Frame(acquire=req), on_conn=_on_conn,
+                                      timeout=None if timeout is None else timeout + 30.0)
         a = reply.acquire_reply
         for w in a.warehouses:
             self._warehouses[w.id] = w
         idx = list(a.indexes)
         locs = np.asarray(a.locations, dtype=np.int64).reshape(len(columns), len(idx))
-        return Lease(a.lease, partition, list(columns), idx, locs)
+        inline = dict(zip((c.name for c in a.inline), decode_reply(a.inline, body, fds)))
+        return Lease(a.lease, partition, list(columns), idx, locs, inline)
 
     def fetch(self, lease: Lease) -> dict[str, list[Any]]:
         """Low-level: read a lease's values from the warehouses holding them, in parallel."""
@@ -247,6 +296,8 @@ class Dock:
         idx = np.asarray(lease.indexes, dtype=np.int64)
         plan: dict[int, list[tuple[str, np.ndarray]]] = {}
         for ci, col in enumerate(lease.columns):
+            if col in lease.inline:
+                continue
             row = lease.locations[ci]
             first = int(row[0])
             if (row == first).all():
@@ -260,7 +311,7 @@ class Dock:
             for col, pos in plan[wid]:
                 req.columns.add(name=col, indexes=lease.indexes if pos is None else idx[pos].tolist())
             try:
-                reply, body = self._call(self._pool(wid), pb.Frame(fetch=req))
+                reply, body, fds = self._call(self._pool(wid), pb.Frame(fetch=req))
             except DockConnectionError as e:
                 cols = [c for c, _ in plan[wid]]
                 lost = sorted({i for c, pos in plan[wid] for i in (lease.indexes if pos is None else idx[pos].tolist())})
@@ -268,14 +319,16 @@ class Dock:
                     f"cannot read columns {cols} of {len(lost)} samples from warehouse {wid}: {e}",
                     indexes=lost, columns=cols,
                 ) from None
-            return [[codec.decode_value(v, body) for v in c.values] for c in reply.fetch_reply.columns]
+            return decode_reply(reply.fetch_reply.columns, body, fds)
 
         wids = list(plan)
-        if len(wids) == 1:
+        if not wids:
+            results = []
+        elif len(wids) == 1:
             results = [one(wids[0])]
         else:
             results = list(self._pool_executor().map(one, wids))
-        out: dict[str, list[Any]] = {}
+        out: dict[str, list[Any]] = dict(lease.inline)
         for wid, cols in zip(wids, results):
             for (col, pos), values in zip(plan[wid], cols):
                 if pos is None:
@@ -296,18 +349,18 @@ class Dock:
 
     def release(self, lease: Lease) -> int:
         """Low-level: give a lease's samples back to the pool for this consumer."""
-        reply, _ = self._call(self._ctrl, pb.Frame(release=pb.ReleaseRequest(lease=lease.id)))
+        reply, _, _ = self._call(self._ctrl, pb.Frame(release=pb.ReleaseRequest(lease=lease.id)))
         return reply.release_reply.released
 
     def clear(self, partition: str) -> int:
         """Free a partition's data on every warehouse and forget its metadata; returns its sample count."""
         _check_partition(partition)
-        reply, _ = self._call(self._ctrl, pb.Frame(clear=pb.ClearRequest(partition=partition)))
+        reply, _, _ = self._call(self._ctrl, pb.Frame(clear=pb.ClearRequest(partition=partition)))
         return reply.clear_reply.samples
 
     def stats(self) -> dict[str, Any]:
         """Samples per partition, per-consumer taken counts, bytes per warehouse."""
-        reply, _ = self._call(self._ctrl, pb.Frame(stats=pb.StatsRequest()))
+        reply, _, _ = self._call(self._ctrl, pb.Frame(stats=pb.StatsRequest()))
         s = reply.stats_reply
         parts = {
             p.name: {
@@ -367,6 +420,35 @@ class Dock:
 
     def __repr__(self) -> str:
         return f"Dock(address={self.address!r}, home_warehouse={self.home}, closed={self._closed})"
+
+
+def decode_reply(columns: Sequence[pb.ColumnData], body: torch.Tensor, fds: list[int]) -> list[list[Any]]:
+    """Values of a reply: views of its body, or of shared-memory segments mapped copy-on-write.
+
+    Each segment is mapped once (the range its values span) and its descriptor
+    closed; the tensors keep the mapping, and so the memory, alive."""
+    maps: dict[int, tuple[torch.Tensor, int]] = {}
+    try:
+        if fds:
+            spans: dict[int, list[int]] = {}
+            for c in columns:
+                for v in c.values:
+                    if v.segment:
+                        lo_hi = spans.setdefault(v.segment, [v.offset, v.offset + v.nbytes])
+                        lo_hi[0] = min(lo_hi[0], v.offset)
+                        lo_hi[1] = max(lo_hi[1], v.offset + v.nbytes)
+            for k, (lo, hi) in spans.items():
+                if not 0 < k <= len(fds):
+                    raise DockProtocolError(f"value refers to descriptor {k} of {len(fds)} passed")
+                mm, delta = shm.map_private(fds[k - 1], lo, hi)
+                maps[k] = (torch.frombuffer(mm, dtype=torch.uint8), lo - delta)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return [
+        [codec.decode_value(v, *maps[v.segment]) if v.segment else codec.decode_value(v, body) for v in c.values]
+        for c in columns
+    ]
 
 
 def _check_partition(partition: str) -> None:

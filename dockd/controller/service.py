@@ -31,10 +31,12 @@ class WarehouseEntry:
     port: int
     capacity: int
     peer: Peer | None  # None: hosted in this process
+    unix: str = ""
     alive: bool = True
 
     def info(self, used: int = 0) -> pb.WarehouseInfo:
-        return pb.WarehouseInfo(id=self.id, host=self.host, port=self.port, alive=self.alive, capacity=self.capacity, used=used)
+        return pb.WarehouseInfo(id=self.id, host=self.host, port=self.port, alive=self.alive, capacity=self.capacity,
+                                used=used, unix=self.unix)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -45,9 +47,10 @@ class _Waiter:
 
 
 class ControllerService:
-    def __init__(self, core: Controller, *, free_local: Callable[[str], int]) -> None:
+    def __init__(self, core: Controller, *, free_local: Callable[[str], int], inline: Callable | None = None) -> None:
         self.core = core
         self.free_local = free_local
+        self.inline = inline
         self.warehouses: dict[int, WarehouseEntry] = {}
         self.waiters: dict[str, list[_Waiter]] = {}
         self._expiry: asyncio.TimerHandle | None = None
@@ -63,7 +66,7 @@ class ControllerService:
         wid = len(self.warehouses)
         if wid >= 0xFFFF:
             raise DockValueError("too many warehouses registered (limit 65535)")
-        self.warehouses[wid] = WarehouseEntry(wid, req.host, req.port, req.capacity, peer)
+        self.warehouses[wid] = WarehouseEntry(wid, req.host, req.port, req.capacity, peer, req.unix)
         logger.info("[controller] warehouse joined id=%d address=%s:%d capacity=%d", wid, req.host, req.port, req.capacity)
         return wid
 
@@ -185,6 +188,11 @@ class ControllerService:
         ids = np.unique(res.locations).tolist()
         reply = pb.AcquireReply(lease=res.lease, indexes=res.indexes.tolist(), locations=res.locations.ravel().tolist())
         reply.warehouses.extend(self.warehouse_infos(ids))
+        if r.inline and self.inline is not None:
+            cols, body, segs = self.inline(peer, r.partition, list(r.columns), res.indexes, res.locations)
+            reply.inline.extend(cols)
+            peer.reply(frame, pb.Frame(acquire_reply=reply), body.buffers, body.size, segs)
+            return
         peer.reply(frame, pb.Frame(acquire_reply=reply))
 
     def _wake(self, partition: str) -> None:

@@ -11,6 +11,9 @@
     experts    for each expert parameter: all-to-all over the EP group, every
                peer receiving its generation-TP slice of every expert
     broadcast  each stage's regions are broadcast over the PP group
+               (when generation TP ranks differ inside a PP group, path
+               "param_broadcast" replaces gather/experts/broadcast with a
+               per-parameter broadcast of the gathered tensor)
     swap_out   (mode "swap") the update weights go to the pinned host pool
                and their device storage is freed
 
@@ -166,14 +169,15 @@ class AllGatherSwap:
 
         self._owns_groups = groups is None
         self.groups = groups if groups is not None else build_groups(train)
-        for dim, ranks, size in (
-            ("tp", self.groups.tp_ranks, train.tp),
-            ("pp", self.groups.pp_ranks, train.pp),
-            ("ep", self.groups.ep_ranks, train.ep),
+        for dim, ranks, size, pos in (
+            ("tp", self.groups.tp_ranks, train.tp, self.coords.tp_rank),
+            ("pp", self.groups.pp_ranks, train.pp, self.coords.pp_rank),
+            ("ep", self.groups.ep_ranks, train.ep, self.coords.ep_rank),
         ):
-            if len(ranks) != size or self.rank not in ranks:
+            if len(ranks) != size or ranks[pos] != self.rank:
                 raise LayoutError(
-                    f"{dim} group {ranks} does not match training {dim}={size} for rank {self.rank}"
+                    f"{dim} group {ranks} does not match training {dim}={size} for rank {self.rank} "
+                    f"({dim} rank {pos} in tp-dp-pp order); list the group's ranks in {dim}-rank order"
                 )
         self._ep_peer_gen_ranks = [r % gen.tp for r in self.groups.ep_ranks]
         # Fast path: all members of a pipeline group share one generation TP

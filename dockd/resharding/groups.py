@@ -23,7 +23,13 @@ __all__ = ["ReshardGroups", "build_groups"]
 
 @dataclass(kw_only=True, slots=True)
 class ReshardGroups:
-    """The groups this rank belongs to, with their global ranks in group order."""
+    """The groups this rank belongs to, with their global ranks in group order.
+
+    Each rank list must be in rank order of its dimension (``pp_ranks[s]`` is
+    the member on stage ``s``, ``ep_ranks[e]`` holds experts block ``e``) and
+    agree with the tp-dp-pp rank order of :class:`ParallelLayout`;
+    :class:`AllGatherSwap` checks this.
+    """
 
     tp_ranks: list[int]
     """Training tensor-parallel group (all-gather of dense parameters)."""

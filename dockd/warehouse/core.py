@@ -23,8 +23,9 @@ from dockd.errors import DockFull, DockNotFound, DockValueError
 class Stored:
     """One sample's value in one column."""
 
-    meta: pb.Value  # kind, dtype, shape, nbytes (offset is the put's, meaningless here)
+    meta: pb.Value  # kind, dtype, shape, nbytes; offset: within the put's body (= within `segment`)
     data: pa.Buffer
+    segment: object = None  # the shm.Segment the body lives in, when it is shared memory
 
 
 class _Part:
@@ -104,7 +105,8 @@ class Warehouse:
                         "a sample's column is written once"
                     )
 
-    def store(self, partition: str, indexes: Sequence[int], columns: Sequence[pb.ColumnData], body: pa.Buffer | None, nbytes: int) -> None:
+    def store(self, partition: str, indexes: Sequence[int], columns: Sequence[pb.ColumnData], body: pa.Buffer | None,
+              nbytes: int, segment: object = None) -> None:
         """Keep the values (slices of body) under (partition, column, index); uses the reservation."""
         self.check_absent(partition, indexes, (c.name for c in columns))
         part = self.parts.setdefault(partition, _Part())
@@ -112,7 +114,7 @@ class Warehouse:
             col = part.columns.setdefault(c.name, {})
             for i, meta in zip(indexes, c.values):
                 data = body.slice(meta.offset, meta.nbytes) if meta.nbytes else pa.py_buffer(b"")
-                col[int(i)] = Stored(meta, data)
+                col[int(i)] = Stored(meta, data, segment)
         self.reserved -= nbytes
         self.used += nbytes
         part.nbytes += nbytes

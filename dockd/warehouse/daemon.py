@@ -10,21 +10,24 @@ and receives `free` requests on it.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
+import os
 import logging
+import resource
 import signal
+import socket
 import sys
 from collections.abc import Awaitable
 
+import numpy as np
 import pyarrow as pa
 
-from dockd import codec
+from dockd import codec, shm
 from dockd._proto import dockd_pb2 as pb
 from dockd.config import NodeConfig
 from dockd.controller.core import Controller
 from dockd.controller.service import ControllerService
-from dockd.errors import DockConnectionError, DockError, DockFull, DockNotFound, DockValueError
+from dockd.errors import DockConnectionError, DockError, DockFull, DockNotFound, DockProtocolError, DockValueError
 from dockd.peer import Peer
 from dockd.warehouse.core import Warehouse
 from dockd.wire import PROTOCOL_VERSION
@@ -40,7 +43,9 @@ class Node:
         self.warehouse = Warehouse(cfg.capacity)
         self.controller: ControllerService | None = None
         if cfg.controller:
-            self.controller = ControllerService(Controller(lease_timeout=cfg.lease_timeout), free_local=self._free)
+            self.controller = ControllerService(
+                Controller(lease_timeout=cfg.lease_timeout), free_local=self._free, inline=self._inline_values
+            )
         self.wid = -1
         self.port = 0
         self.grpc_port = 0
@@ -52,6 +57,8 @@ class Node:
         self._landed = asyncio.Condition()
         self._stopping: asyncio.Event | None = None
         self._grpc = None
+        self._unix: socket.socket | None = None
+        self.unix_name = ""
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -59,7 +66,10 @@ class Node:
         self._stopping = asyncio.Event()
         self._server = await loop.create_server(self._make_peer, self.cfg.host, self.cfg.port, reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
-        reg = pb.RegisterWarehouse(host=self.cfg.advertise or self.cfg.host, port=self.port, capacity=self.cfg.capacity)
+        if self.cfg.shm and shm.available():
+            self._listen_unix(loop)
+        reg = pb.RegisterWarehouse(host=self.cfg.advertise or self.cfg.host, port=self.port, capacity=self.cfg.capacity,
+                                   unix=self.unix_name)
         if self.controller is not None:
             self.wid = self.controller.register(None, reg)
         else:
@@ -85,6 +95,30 @@ class Node:
         reply, _ = await peer.request(pb.Frame(register=reg))
         self.wid = reply.register_reply.id
 
+    def _listen_unix(self, loop) -> None:
+        """Same-host clients: frames on an abstract Unix socket, payloads as memfd descriptors."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:  # every shared-memory put body holds one descriptor
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        name = shm.unix_name(self.port)
+        sock.bind(shm.unix_address(name))
+        sock.listen(128)
+        sock.setblocking(False)
+        loop.add_reader(sock.fileno(), self._accept_unix)
+        self._unix, self.unix_name = sock, name
+
+    def _accept_unix(self) -> None:
+        while True:
+            try:
+                conn, _ = self._unix.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                logger.warning("[node] unix accept failed: %s", e)
+                return
+            shm.UnixTransport(asyncio.get_running_loop(), conn, self._make_peer())
+
     def _make_peer(self) -> Peer:
         peer = Peer(self, max_body=self.cfg.max_frame)
         self._peers.add(peer)
@@ -108,6 +142,9 @@ class Node:
         logger.info("[shutdown] stopping node warehouse=%d", self.wid)
         if self._grpc is not None:
             self._grpc.stop(grace=0.5)
+        if self._unix is not None:
+            asyncio.get_running_loop().remove_reader(self._unix.fileno())
+            self._unix.close()
         if self.controller is not None:
             self.controller.shutdown()
         for _, fut in self._capacity_waiters:
@@ -130,26 +167,39 @@ class Node:
     def admit(self, peer: Peer, frame: pb.Frame, body_size: int) -> Awaitable[None] | None:
         if frame.WhichOneof("kind") != "put":
             return _failed(DockValueError(f"a {frame.WhichOneof('kind')} request carries no body"))
-        req = frame.put
         try:
-            Warehouse.validate_put(req)
-            self.warehouse.check_fits(body_size)
+            Warehouse.validate_put(frame.put)
+            return self._reserve(body_size, frame.put.timeout)
         except DockError as e:
             return _failed(e)
-        if not self._capacity_waiters and self.warehouse.reserve(body_size):
+
+    def _reserve(self, size: int, timeout: float) -> asyncio.Future | None:
+        """Reserve room for a put: None when done, else a future that resolves once it fits (or DockFull)."""
+        self.warehouse.check_fits(size)
+        if not self._capacity_waiters and self.warehouse.reserve(size):
             return None
         fut = asyncio.get_running_loop().create_future()
-        self._capacity_waiters.append((body_size, fut))
-        if req.timeout >= 0:
-            asyncio.get_running_loop().call_later(req.timeout, self._capacity_timeout, fut, body_size)
+        self._capacity_waiters.append((size, fut))
+        if timeout >= 0:
+            asyncio.get_running_loop().call_later(timeout, self._capacity_timeout, fut, size)
         return fut
 
-    def on_request(self, peer: Peer, frame: pb.Frame, body: pa.Buffer | None) -> None:
+    def allocate(self, size: int):
+        """Where a frame body is received: shared memory when big enough to be worth passing by descriptor."""
+        if self._unix is not None and size >= shm.SHM_MIN_BODY:
+            return shm.Segment.create(size, "dockd-put")
+        return pa.allocate_buffer(size)
+
+    def on_request(self, peer: Peer, frame: pb.Frame, body, fds: list[int]) -> None:
         kind = frame.WhichOneof("kind")
+        if fds and kind != "put":
+            for fd in fds:
+                os.close(fd)
+            raise DockProtocolError(f"a {kind} request cannot carry file descriptors")
         if kind in _CONTROLLER_KINDS:
             self._controller_request(peer, frame, kind)
         elif kind == "put":
-            self._put(peer, frame, body)
+            self._put(peer, frame, body, fds)
         elif kind == "fetch":
             self._fetch(peer, frame)
         elif kind == "free":
@@ -160,7 +210,8 @@ class Node:
             raise DockValueError(f"unexpected request kind {kind!r}")
 
     def _hello(self) -> pb.HelloReply:
-        out = pb.HelloReply(protocol=PROTOCOL_VERSION, hosts_controller=self.controller is not None, warehouse_id=self.wid)
+        out = pb.HelloReply(protocol=PROTOCOL_VERSION, hosts_controller=self.controller is not None, warehouse_id=self.wid,
+                            unix=self.unix_name)
         if self.controller is not None:
             out.warehouses.extend(self.controller.warehouse_infos())
             out.controller = f"{self.cfg.advertise or self.cfg.host}:{self.port}"
@@ -229,11 +280,36 @@ class Node:
         self._admit_waiters()
 
     # -- data path --------------------------------------------------------------------------------
-    def _put(self, peer: Peer, frame: pb.Frame, body: pa.Buffer | None) -> None:
+    def _put(self, peer: Peer, frame: pb.Frame, body, fds: list[int]) -> None:
+        if fds:  # shared-memory put: the payload arrived as a memfd
+            if len(fds) != 1 or body is not None:
+                for fd in fds:
+                    os.close(fd)
+                raise DockProtocolError("a shared-memory put passes exactly one descriptor and no body")
+            seg = shm.Segment.adopt(fds[0])
+            Warehouse.validate_put(frame.put)
+            wait = self._reserve(seg.size, frame.put.timeout)
+            if wait is not None:
+                _spawn(self._put_when_admitted(wait, peer, frame, seg))
+                return
+            body = seg
+        elif body is None:  # admit() (validation, reservation) only runs for frames with a body
+            Warehouse.validate_put(frame.put)
+        self._put_reserved(peer, frame, body)
+
+    async def _put_when_admitted(self, wait, peer: Peer, frame: pb.Frame, seg) -> None:
+        try:
+            await wait
+            self._put_reserved(peer, frame, seg)
+        except Exception as e:
+            peer.reply_error(frame, e)
+
+    def _put_reserved(self, peer: Peer, frame: pb.Frame, body) -> None:
+        """Store and commit a put whose size is already reserved."""
         req = frame.put
-        size = body.size if body is not None else 0
-        if body is None:  # admit() (validation, reservation) only runs for frames with a body
-            Warehouse.validate_put(req)
+        seg = body if isinstance(body, shm.Segment) else None
+        buf = seg.buffer if seg is not None else body
+        size = buf.size if buf is not None else 0
         try:
             for col in req.columns:
                 for v in col.values:
@@ -248,14 +324,14 @@ class Node:
             columns=[c.name for c in req.columns], warehouse=self.wid, nbytes=size,
         )
         if self.controller is not None:
-            self._put_local(peer, frame, body, commit, size)
+            self._put_local(peer, frame, buf, seg, commit, size)
         else:
-            _spawn(self._put_remote(peer, frame, body, commit, size))
+            _spawn(self._put_remote(peer, frame, buf, seg, commit, size))
 
-    def _put_local(self, peer, frame, body, commit, size) -> None:
+    def _put_local(self, peer, frame, buf, seg, commit, size) -> None:
         req = frame.put
         if req.indexes:
-            self.warehouse.store(req.partition, req.indexes, req.columns, body, size)
+            self.warehouse.store(req.partition, req.indexes, req.columns, buf, size, seg)
             try:
                 idx = self.controller.commit(commit)
             except Exception:
@@ -267,15 +343,15 @@ class Node:
             except Exception:
                 self.warehouse.unreserve(size)
                 raise
-            self.warehouse.store(req.partition, idx.tolist(), req.columns, body, size)
+            self.warehouse.store(req.partition, idx.tolist(), req.columns, buf, size, seg)
         peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=idx.tolist())))
 
-    async def _put_remote(self, peer, frame, body, commit, size) -> None:
+    async def _put_remote(self, peer, frame, buf, seg, commit, size) -> None:
         req = frame.put
         names = [c.name for c in req.columns]
         try:
             if req.indexes:
-                self.warehouse.store(req.partition, req.indexes, req.columns, body, size)
+                self.warehouse.store(req.partition, req.indexes, req.columns, buf, size, seg)
                 try:
                     reply, _ = await self._ctrl_peer.request(pb.Frame(commit=commit))
                 except Exception:
@@ -291,7 +367,7 @@ class Node:
                     raise
                 else:
                     idx = list(reply.commit_reply.indexes)
-                    self.warehouse.store(req.partition, idx, req.columns, body, size)
+                    self.warehouse.store(req.partition, idx, req.columns, buf, size, seg)
                 finally:
                     self._pending_new[req.partition] -= 1
                     if not self._pending_new[req.partition]:
@@ -328,17 +404,45 @@ class Node:
             return
         self._reply_fetch(peer, frame, found)
 
+    def _reply_fetch(self, peer: Peer, frame: pb.Frame, found) -> None:
+        cols, body, segs = self._encode(peer, found)
+        peer.reply(frame, pb.Frame(fetch_reply=pb.FetchReply(columns=cols)), body.buffers, body.size, segs)
+
     @staticmethod
-    def _reply_fetch(peer: Peer, frame: pb.Frame, found) -> None:
+    def _encode(peer: Peer, found) -> tuple[list[pb.ColumnData], codec.Body, list]:
+        """Values for a reply: big shared-memory values by descriptor to same-host peers, the rest as body bytes."""
         body = codec.Body()
-        reply = pb.FetchReply()
+        segs: list = []
+        index: dict[int, int] = {}
+        by_fd = peer.passes_fds
+        out = []
         for name, values in found:
-            col = reply.columns.add(name=name)
+            col = pb.ColumnData(name=name)
             for s in values:
                 v = col.values.add()
                 v.CopyFrom(s.meta)
+                if by_fd and s.segment is not None and s.meta.nbytes >= shm.SHM_MIN_VALUE:
+                    k = index.get(id(s.segment))
+                    if k is None and len(segs) < shm.MAX_FDS:
+                        segs.append(s.segment)
+                        k = index[id(s.segment)] = len(segs)
+                    if k is not None:
+                        v.segment = k  # the offset stays: it is the value's place in that segment
+                        continue
                 v.offset = body.add(memoryview(s.data))
-        peer.reply(frame, pb.Frame(fetch_reply=reply), body.buffers, body.size)
+            out.append(col)
+        return out, body, segs
+
+    def _inline_values(self, peer: Peer, partition: str, columns: list[str], indexes: np.ndarray, locations: np.ndarray):
+        """For an acquire: the whole columns this node's warehouse holds, so the client needs no fetch for them."""
+        wanted = [(c, indexes.tolist()) for c, row in zip(columns, locations) if (row == self.wid).all()]
+        if not wanted:
+            return [], codec.Body(), []
+        try:
+            found = self.warehouse.fetch(partition, wanted)
+        except DockError:
+            return [], codec.Body(), []
+        return self._encode(peer, found)
 
 
 def _failed(exc: BaseException) -> asyncio.Future:

@@ -9,8 +9,9 @@ backend follows the device (`collective_backend`): gloo on CPU, NCCL on CUDA,
 HCCL on Ascend NPU.
 
     init_model_parallel(tensor_parallel_size=2, seed=1, device="cpu")
-    actor = build_tiny_gpt(vocab_size=16, max_sequence_length=16)
-    pipe = GRPOPipeline(dock_address=addr, actor=actor, reference=copy.deepcopy(actor),
+    actor, reference = (build_tiny_gpt(vocab_size=16, max_sequence_length=16) for _ in range(2))
+    reference.load_state_dict(actor.state_dict())
+    pipe = GRPOPipeline(dock_address=addr, actor=actor, reference=reference,
                         optimizer=torch.optim.Adam(actor.parameters(), 1e-3),
                         reward_fn=..., prompt_fn=..., config=GRPOConfig())
     pipe.run(steps=40)

@@ -2,13 +2,16 @@
 
 Backend follows the device: gloo on CPU, NCCL on CUDA, HCCL on Ascend NPU
 (``torch_npu``). Within a tensor-parallel group every rank needs the same
-batch. Two ways, both here, chosen by ``GRPOConfig.tp_fetch``:
+batch. Two ways, both here, chosen by ``GRPOConfig.tp_fetch`` (``"shared"`` is
+the default: it measured faster on CPU, see examples/tp_fetch_bench.py and
+docs/plugins.md):
 
 * ``"broadcast"``: the group's first rank fetches from the dock and broadcasts
   the batch (three collectives: header length, header, one flat payload);
-* ``"replicate"``: every rank fetches the same samples itself, under its own
-  consumer name (``"{consumer}@tp{rank}"``), and the group checks that all
-  ranks got the same indexes.
+* ``"shared"``: the group's first rank acquires the samples (metadata only)
+  and broadcasts the lease (indexes + warehouse locations); every rank then
+  fetches the data itself, through same-host shared memory where the
+  warehouse is local.
 
 The batch crosses the collective as raw bytes plus a msgpack header: no pickle.
 """
@@ -23,13 +26,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import dockd
 from dockd.trainer_plugins import _codec
 
 logger = logging.getLogger(__name__)
 
 
 def device_kind(device: torch.device | str) -> str:
-    return torch.device(device).type
+    if isinstance(device, str):  # "npu:0" only parses once torch_npu is imported
+        return device.split(":")[0]
+    return device.type
 
 
 def collective_backend(device: torch.device | str) -> str:
@@ -122,7 +128,10 @@ def _unpack(header: bytes, payload: torch.Tensor) -> LocalBatch:
 def broadcast_batch(
     batch: LocalBatch | None, *, src: int, group: Any, device: torch.device | str = "cpu"
 ) -> LocalBatch:
-    """Broadcast `batch` from global rank `src` to every rank of `group` (others pass None)."""
+    """Broadcast `batch` from global rank `src` to every rank of `group` (others pass None).
+
+    Two collectives: the sizes, then header and payload in one buffer.
+    """
     me = dist.get_rank()
     if me == src:
         assert batch is not None
@@ -133,25 +142,38 @@ def broadcast_batch(
     dist.broadcast(sizes, src=src, group=group)
     n_header, n_payload = (int(x) for x in sizes.tolist())
     if me == src:
-        header_t = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
-        payload_t = payload.to(device)
+        buf = torch.cat([torch.frombuffer(bytearray(header), dtype=torch.uint8), payload]).to(device)
     else:
-        header_t = torch.empty(n_header, dtype=torch.uint8, device=device)
-        payload_t = torch.empty(n_payload, dtype=torch.uint8, device=device)
-    dist.broadcast(header_t, src=src, group=group)
-    if n_payload:
-        dist.broadcast(payload_t, src=src, group=group)
+        buf = torch.empty(n_header + n_payload, dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=src, group=group)
     if me == src:
         return batch
-    return _unpack(header_t.cpu().numpy().tobytes(), payload_t)
+    buf = buf.cpu()
+    return _unpack(buf[:n_header].numpy().tobytes(), buf[n_header:])
+
+
+def _broadcast_bytes(raw: bytes | None, *, src: int, group: Any, device: torch.device | str) -> bytes:
+    me = dist.get_rank()
+    size = torch.tensor([len(raw) if me == src and raw is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    if me == src:
+        assert raw is not None
+        buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+    else:
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=src, group=group)
+    return raw if me == src and raw is not None else buf.cpu().numpy().tobytes()
 
 
 class TPReader:
     """Reads one batch for every rank of a tensor-parallel group.
 
     Args:
-        dock: this rank's `dockd.Dock` (only the source rank uses it in broadcast mode).
-        mode: ``"broadcast"`` or ``"replicate"`` (see the module docstring).
+        dock: this rank's `dockd.Dock`.
+        mode: ``"broadcast"`` (the first rank fetches and broadcasts the data) or
+            ``"shared"`` (the first rank acquires, broadcasts only the lease — indexes and
+            warehouse locations — and every rank fetches the data itself from the
+            warehouses, through same-host shared memory where it is local).
         tp_group: the TP process group (``parallel_state.get_tensor_model_parallel_group()``).
         tp_src: global rank of the group's first rank (``get_tensor_model_parallel_src_rank()``).
         tp_rank: this rank's position in the group.
@@ -168,8 +190,8 @@ class TPReader:
         tp_rank: int,
         device: torch.device | str = "cpu",
     ) -> None:
-        if mode not in ("broadcast", "replicate"):
-            raise ValueError(f"TPReader mode must be 'broadcast' or 'replicate', got {mode!r}")
+        if mode not in ("broadcast", "shared"):
+            raise ValueError(f"TPReader mode must be 'broadcast' or 'shared', got {mode!r}")
         self.dock = dock
         self.mode = mode
         self.tp_group = tp_group
@@ -179,26 +201,37 @@ class TPReader:
 
     def get(self, *, consumer: str, columns: Sequence[str], **get_kwargs: Any) -> LocalBatch:
         """Every rank of the group returns the same batch (``dock.get`` semantics per group)."""
-        if self.mode == "replicate":
-            batch = to_local(self.dock.get(consumer=f"{consumer}@tp{self.tp_rank}", columns=list(columns), **get_kwargs), columns)
-            self._check_same(batch.indexes, consumer)
-            return batch
+        if self.mode == "shared":
+            return self._get_shared(consumer, columns, get_kwargs)
         local = None
         if dist.get_rank() == self.tp_src:
             local = to_local(self.dock.get(consumer=consumer, columns=list(columns), **get_kwargs), columns)
         return broadcast_batch(local, src=self.tp_src, group=self.tp_group, device=self.device)
 
-    def _check_same(self, indexes: list[int], consumer: str) -> None:
-        idx = torch.tensor(indexes, dtype=torch.int64)
-        probe = torch.tensor(
-            [len(indexes), int((idx * 2654435761).remainder(1 << 31).sum()) if len(indexes) else 0],
-            dtype=torch.int64,
-            device=self.device,
-        )
-        both = torch.cat([probe, -probe])  # one collective: min and (negated) max together
-        dist.all_reduce(both, op=dist.ReduceOp.MIN, group=self.tp_group)
-        if not torch.equal(both[:2], -both[2:]):
-            raise RuntimeError(
-                f"tp_fetch='replicate': the ranks of one tensor-parallel group got different samples from "
-                f"consumer {consumer!r} (samples became ready out of index order); use tp_fetch='broadcast'"
-            )
+    def _get_shared(self, consumer: str, columns: Sequence[str], get_kwargs: dict[str, Any]) -> LocalBatch:
+        src = dist.get_rank() == self.tp_src
+        lease = None
+        raw = None
+        if src:
+            try:
+                lease = self.dock.acquire(consumer, list(columns), **get_kwargs)
+                raw = _codec.encode(
+                    {"id": lease.id, "partition": lease.partition, "columns": lease.columns,
+                     "indexes": lease.indexes, "locations": lease.locations}
+                ).numpy().tobytes()
+            except Exception as exc:  # tell the peers, then raise here
+                raw = _codec.encode({"error": f"{type(exc).__name__}: {exc}"}).numpy().tobytes()
+                _broadcast_bytes(raw, src=self.tp_src, group=self.tp_group, device=self.device)
+                raise
+        meta = _codec.decode(_broadcast_bytes(raw, src=self.tp_src, group=self.tp_group, device=self.device))
+        if "error" in meta:
+            raise RuntimeError(f"the first rank of this tensor-parallel group could not acquire samples: {meta['error']}")
+        if not src:
+            lease = dockd.Lease(meta["id"], meta["partition"], list(meta["columns"]), list(meta["indexes"]), meta["locations"])
+        values = self.dock.fetch(lease)
+        if src:
+            # the data stays readable until the partition is cleared, so the first rank
+            # confirms after its own fetch; a peer whose fetch fails raises on its side
+            self.dock.confirm(lease)
+        assert values is not None
+        return LocalBatch(indexes=list(lease.indexes), columns={c: values[c] for c in columns})

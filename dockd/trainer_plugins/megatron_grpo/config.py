@@ -55,10 +55,11 @@ class GRPOConfig:
     """Passes of the update stage over each step's samples."""
     micro_batch_size: int = 0
     """Samples per forward/backward in the update stage; 0 = the whole step at once."""
-    tp_fetch: Literal["broadcast", "replicate"] = "broadcast"
-    """How a tensor-parallel group reads a batch: the group's first rank fetches and
-    broadcasts it (measured faster here, see docs/plugins.md), or every rank fetches the
-    same samples itself under its own consumer name."""
+    tp_fetch: Literal["broadcast", "shared"] = "shared"
+    """How a tensor-parallel group reads a batch: ``"shared"`` (the group's first rank
+    acquires, broadcasts only the lease, every rank fetches the data itself from the
+    warehouses; measured faster, see docs/plugins.md) or ``"broadcast"`` (the first rank
+    fetches and broadcasts the data over the collective backend)."""
     get_timeout: float = 120.0
     """Seconds a stage waits for its samples before DockTimeout."""
     seed: int = 1234
@@ -76,8 +77,8 @@ class GRPOConfig:
             )
         if self.temperature <= 0:
             raise ValueError(f"GRPOConfig.temperature must be > 0, got {self.temperature}")
-        if self.tp_fetch not in ("broadcast", "replicate"):
-            raise ValueError(f"GRPOConfig.tp_fetch must be 'broadcast' or 'replicate', got {self.tp_fetch!r}")
+        if self.tp_fetch not in ("broadcast", "shared"):
+            raise ValueError(f"GRPOConfig.tp_fetch must be 'broadcast' or 'shared', got {self.tp_fetch!r}")
         if self.micro_batch_size < 0:
             raise ValueError(f"GRPOConfig.micro_batch_size must be >= 0, got {self.micro_batch_size}")
 

@@ -206,7 +206,7 @@ class UpdateStage:
                 kl = torch.exp(ref[sl] - logp) - (ref[sl] - logp) - 1  # k3 estimator
                 loss = (-surr + cfg.kl_coef * kl).mean() * (logp.shape[0] / n)
                 loss.backward()
-                metrics["loss"] += float(loss)
+                metrics["loss"] += float(loss.detach())
                 metrics["kl"] += float(kl.mean()) * logp.shape[0] / n
                 metrics["clipfrac"] += float(((ratio - 1).abs() > cfg.clip_eps).float().mean()) * logp.shape[0] / n
             self._average_gradients()

@@ -112,15 +112,21 @@ def batch_to_data_proto(
     meta_info: dict[str, Any] = {}
     if with_meta_info:
         seen: list[bytes] = []
+        conflicts: set[str] = set()
         for blob in batch[META_COLUMN]:
             raw = blob.numpy().tobytes()
             if raw in seen:
                 continue
             seen.append(raw)
             for k, v in _codec.decode(raw).items():
+                if k in meta_info and meta_info[k] != v:
+                    conflicts.add(k)
                 meta_info.setdefault(k, v)
-        if len(seen) > 1:
-            logger.debug("[verl] merged meta_info of %d puts (first wins on conflicts)", len(seen))
+        if conflicts:
+            logger.warning(
+                "[verl] batch spans %d puts whose meta_info disagree on keys=%s; kept the first put's values",
+                len(seen), sorted(conflicts),
+            )
     td = tensordict.TensorDict(tensors, batch_size=[n]) if tensors else None
     return protocol.DataProto(batch=td, non_tensor_batch=non_tensors, meta_info=meta_info)
 

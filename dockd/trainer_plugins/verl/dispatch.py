@@ -2,11 +2,12 @@
 
 verl's default ``DP_COMPUTE_PROTO`` makes the driver chunk a whole ``DataProto``
 and ship each chunk through Ray to a worker, then gather every output back.
-With ``DOCK_DISPATCH`` the driver sends each worker a few dozen bytes (a
-`DockShard`: dock address, partition, consumer, columns, how many samples);
-each worker fetches its own shard straight from the warehouses, runs the
-method on a ``DataProto``, writes its outputs back into the same samples, and
-returns only their indexes (a `DockResult`)::
+With ``DOCK_DISPATCH`` the driver sends each worker only metadata (a
+`DockShard`: dock address, partition, columns and the sample indexes it is to
+process, with their warehouse locations); each worker fetches its own shard
+straight from the warehouses, runs the method on a ``DataProto``, writes its
+outputs back into the same samples, and returns only their indexes (a
+`DockResult`)::
 
     from verl.single_controller.base.decorator import register
     from dockd.trainer_plugins.verl import DOCK_DISPATCH, DockRequest, dock_io
@@ -22,8 +23,12 @@ returns only their indexes (a `DockResult`)::
         batch_keys=("responses",), count=256))
     result.indexes   # every sample scored, in worker order
 
-Workers sharing one consumer name get disjoint samples, so the shards never
-overlap and nothing is read twice.
+By default (``assign="driver"``) the driver acquires the samples for the
+request's consumer (one metadata round trip to the controller, no payload),
+slices the indexes over the workers, and confirms the lease when all workers
+have returned; if the call fails the lease expires and the samples go back to
+the pool. With ``assign="workers"`` each worker acquires its own share under
+the shared consumer name instead. Either way no sample is processed twice.
 """
 
 from __future__ import annotations
@@ -35,9 +40,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 import dockd
 from dockd.trainer_plugins import require
-from dockd.trainer_plugins.verl.dataproto import get_data_proto_with_indexes, put_data_proto
+from dockd.trainer_plugins.verl.dataproto import (
+    batch_to_data_proto,
+    data_proto_columns,
+    get_data_proto_with_indexes,
+    put_data_proto,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +77,13 @@ class DockRequest:
     timeout: float = 60.0
     """Seconds a worker waits for its shard to be ready."""
     groups: bool = False
-    """Hand out whole groups only (shares are then rounded to the group size by the dock)."""
+    """Hand out whole groups only (shares are split on group boundaries)."""
+    assign: str = "driver"
+    """Who picks each worker's samples. ``"driver"``: the driver acquires `count` samples
+    (metadata only: indexes + warehouse locations), sends each worker its slice of the
+    indexes, and confirms once all workers returned; a failed call leaves the lease to
+    expire, so the samples return to the pool. ``"workers"``: each worker acquires its own
+    share under the shared consumer name (no driver round trip, shares decided by arrival)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments passed to the method on every worker."""
 
@@ -74,6 +92,8 @@ class DockRequest:
             raise ValueError(f"DockRequest.count must be > 0, got {self.count}")
         if not self.batch_keys and not self.non_tensor_batch_keys:
             raise ValueError("DockRequest needs batch_keys or non_tensor_batch_keys to fetch")
+        if self.assign not in ("driver", "workers"):
+            raise ValueError(f"DockRequest.assign must be 'driver' or 'workers', got {self.assign!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,6 +103,11 @@ class DockShard:
     request: DockRequest
     rank: int
     count: int
+    indexes: tuple[int, ...] | None = None
+    """With assign="driver": the sample indexes this worker reads (else it acquires its own)."""
+    locations: tuple[tuple[int, ...], ...] | None = None
+    """With assign="driver": warehouse id per (column, sample) of `indexes`."""
+    lease_id: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,6 +119,8 @@ class DockResult:
     output_keys: tuple[str, ...] = ()
     per_worker: tuple[int, ...] = ()
     """How many samples each worker processed (collected results only)."""
+    lease_id: int = 0
+    """The driver's lease the samples came from (assign="driver"); confirmed on collect."""
 
 
 def shard_counts(total: int, world_size: int) -> list[int]:
@@ -112,14 +139,57 @@ def dispatch_dock_shards(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[
         )
     request = requests[0]
     world = worker_group.world_size
-    counts = shard_counts(request.count, world)
+    if request.assign == "driver":
+        shards = _driver_shards(request, world)
+    else:
+        counts = shard_counts(request.count, world)
+        shards = [DockShard(request=request, rank=r, count=counts[r]) for r in range(world)]
 
     def spread(value: Any) -> list[Any]:
         if isinstance(value, DockRequest):
-            return [DockShard(request=value, rank=r, count=counts[r]) for r in range(world)]
+            return shards
         return [value] * world
 
     return tuple(spread(a) for a in args), {k: spread(v) for k, v in kwargs.items()}
+
+
+def _driver_shards(request: DockRequest, world: int) -> list[DockShard]:
+    """Acquire the request's samples on the driver (metadata only) and slice them per worker."""
+    dock = worker_dock(request.address)
+    lease = dock.acquire(
+        request.consumer,
+        data_proto_columns(request.batch_keys, request.non_tensor_batch_keys),
+        request.count,
+        partition=request.partition,
+        timeout=request.timeout,
+        groups=request.groups,
+    )
+    n = len(lease.indexes)
+    unit = 1
+    if request.groups:  # split on group boundaries: whole groups per worker
+        unit = int(dock.stats()["partitions"][request.partition]["group_size"])
+    counts = [c * unit for c in shard_counts(n // unit, world)]
+    shards, start = [], 0
+    for r, c in enumerate(counts):
+        sl = slice(start, start + c)
+        shards.append(
+            DockShard(
+                request=request,
+                rank=r,
+                count=c,
+                indexes=tuple(int(i) for i in lease.indexes[sl]),
+                locations=tuple(tuple(int(w) for w in row[sl]) for row in lease.locations),
+                lease_id=lease.id,
+            )
+        )
+        start += c
+    _pending[lease.id] = (request.address, lease)
+    logger.debug("[verl] driver acquired lease=%d samples=%d for %d workers", lease.id, n, world)
+    return shards
+
+
+_pending: dict[int, tuple[str, Any]] = {}
+"""Leases the driver acquired and has not confirmed yet: lease id -> (address, lease)."""
 
 
 def collect_dock_results(worker_group: Any, output: list[Any]) -> DockResult:
@@ -128,10 +198,17 @@ def collect_dock_results(worker_group: Any, output: list[Any]) -> DockResult:
     if len(results) != len(output):
         bad = next(o for o in output if not isinstance(o, DockResult))
         raise TypeError(f"a DOCK_DISPATCH method must return a DockResult (use @dock_io), got {type(bad).__name__}")
+    for lease_id in {r.lease_id for r in results if r.lease_id}:
+        pending = _pending.pop(lease_id, None)
+        if pending is not None:  # every worker has read its slice: the samples are taken for good
+            address, lease = pending
+            worker_dock(address).confirm(lease)
     indexes = [i for r in results for i in r.indexes]
     keys = results[0].output_keys if results else ()
     partition = results[0].partition if results else ""
-    return DockResult(partition=partition, indexes=indexes, output_keys=keys, per_worker=tuple(len(r.indexes) for r in results))
+    return DockResult(
+        partition=partition, indexes=indexes, output_keys=keys, per_worker=tuple(len(r.indexes) for r in results)
+    )
 
 
 def _register() -> Any:
@@ -162,6 +239,18 @@ def worker_dock(address: str) -> Any:
         return dock
 
 
+def _fetch_slice(dock: Any, shard: DockShard) -> tuple[Any, list[int]]:
+    """Read exactly the samples the driver assigned to this worker, straight from the warehouses."""
+    req = shard.request
+    assert shard.indexes is not None and shard.locations is not None
+    columns = data_proto_columns(req.batch_keys, req.non_tensor_batch_keys)
+    lease = dockd.Lease(shard.lease_id, req.partition, columns, list(shard.indexes), np.asarray(shard.locations))
+    values = dock.fetch(lease)
+    batch = dockd.Batch(req.partition, list(shard.indexes), values)
+    data = batch_to_data_proto(batch, batch_keys=req.batch_keys, non_tensor_batch_keys=req.non_tensor_batch_keys)
+    return data, list(shard.indexes)
+
+
 def dock_io(func: Callable[..., Any]) -> Callable[..., Any]:
     """Worker-side helper: fetch the shard, call ``func(self, data, **kwargs)``, write its output back.
 
@@ -178,21 +267,24 @@ def dock_io(func: Callable[..., Any]) -> Callable[..., Any]:
             )
         req = shard.request
         if shard.count == 0:
-            return DockResult(partition=req.output_partition or req.partition, indexes=[])
+            return DockResult(partition=req.output_partition or req.partition, indexes=[], lease_id=shard.lease_id)
         dock = worker_dock(req.address)
-        data, indexes = get_data_proto_with_indexes(
-            dock,
-            consumer=req.consumer,
-            count=shard.count,
-            partition=req.partition,
-            batch_keys=req.batch_keys,
-            non_tensor_batch_keys=req.non_tensor_batch_keys,
-            timeout=req.timeout,
-            groups=req.groups,
-        )
+        if shard.indexes is not None:
+            data, indexes = _fetch_slice(dock, shard)
+        else:
+            data, indexes = get_data_proto_with_indexes(
+                dock,
+                consumer=req.consumer,
+                count=shard.count,
+                partition=req.partition,
+                batch_keys=req.batch_keys,
+                non_tensor_batch_keys=req.non_tensor_batch_keys,
+                timeout=req.timeout,
+                groups=req.groups,
+            )
         out = func(self, data, *args, **{**req.kwargs, **kwargs})
         if out is None:
-            return DockResult(partition=req.partition, indexes=indexes)
+            return DockResult(partition=req.partition, indexes=indexes, lease_id=shard.lease_id)
         if len(out) != len(indexes):
             raise ValueError(
                 f"{func.__qualname__} returned {len(out)} samples for a shard of {len(indexes)}; "
@@ -207,6 +299,6 @@ def dock_io(func: Callable[..., Any]) -> Callable[..., Any]:
         else:
             written = put_data_proto(dock, out, partition=target)
         logger.debug("[verl] %s rank=%d samples=%d -> %s", func.__qualname__, shard.rank, len(indexes), target)
-        return DockResult(partition=target, indexes=list(written), output_keys=keys)
+        return DockResult(partition=target, indexes=list(written), output_keys=keys, lease_id=shard.lease_id)
 
     return wrapper

@@ -1,0 +1,222 @@
+"""Same-host transport: a Unix socket for frames, memfd segments for payloads.
+
+Large put bodies and stored values live in anonymous shared-memory files
+(memfd) rather than named /dev/shm segments, and travel between a client and
+the warehouse on its host as file descriptors passed over a Unix socket
+(SCM_RIGHTS). Nothing has a name, so nothing can leak: a segment's memory is
+freed when the last descriptor and mapping of it are gone, whoever crashed.
+
+- put: the client copies its tensors into a fresh memfd (the one copy in) and
+  passes the descriptor; the warehouse maps it and keeps it as the storage.
+- get: the warehouse passes the descriptors of the segments holding the values;
+  the client maps them copy-on-write (MAP_PRIVATE), so the returned tensors
+  are zero-copy views that the caller may still write to: a write copies the
+  touched page, never the warehouse's data. A clear after that frees nothing
+  the reader still maps.
+
+`UnixTransport` gives a `Peer` the asyncio-transport surface it expects over a
+non-blocking Unix socket driven by `loop.add_reader`, plus descriptor passing,
+which asyncio transports lack.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import logging
+import mmap
+import os
+import socket
+import sys
+
+import pyarrow as pa
+
+logger = logging.getLogger(__name__)
+
+SHM_MIN_BODY = 256 << 10   # puts at least this big go through a memfd
+SHM_MIN_VALUE = 64 << 10   # stored values at least this big are passed by descriptor
+MAX_FDS = 253              # SCM_MAX_FD
+_ANC = socket.CMSG_SPACE(MAX_FDS * 4) if hasattr(socket, "CMSG_SPACE") else 0
+PAGE = mmap.PAGESIZE
+
+
+def available() -> bool:
+    """The probe: Linux with memfd_create and SCM_RIGHTS."""
+    return sys.platform.startswith("linux") and hasattr(os, "memfd_create") and hasattr(socket, "SCM_RIGHTS")
+
+
+def unix_name(port: int) -> str:
+    """Abstract-namespace socket name of the daemon on `port` (no file to clean up)."""
+    return f"dockd-{os.getpid()}-{port}"
+
+
+def unix_address(name: str) -> str:
+    return "\0" + name
+
+
+class Segment:
+    """A memfd and one shared read/write mapping of it; `buffer` is an Arrow view."""
+
+    __slots__ = ("fd", "size", "map", "buffer", "__weakref__")
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        self.size = size
+        self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
+        self.buffer = pa.py_buffer(self.map) if size else pa.py_buffer(b"")
+
+    @classmethod
+    def create(cls, size: int, name: str = "dockd") -> Segment:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            return cls(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def adopt(cls, fd: int) -> Segment:
+        """Take ownership of a received descriptor."""
+        try:
+            return cls(fd, os.fstat(fd).st_size)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def __del__(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def map_private(fd: int, start: int, end: int) -> tuple[mmap.mmap, int]:
+    """Map [start, end) of a segment copy-on-write; returns (mapping, offset of start in it)."""
+    base = start - start % PAGE
+    return mmap.mmap(fd, end - base, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=base), start - base
+
+
+def recv_fds(anc) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(data[: len(data) - len(data) % arr.itemsize])
+            fds.extend(arr)
+    return fds
+
+
+def fds_ancillary(fds) -> list:
+    """SCM_RIGHTS data for descriptors given as ints or objects with fileno() (kept alive by the caller)."""
+    if not fds:
+        return []
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [f if isinstance(f, int) else f.fileno() for f in fds]))]
+
+
+class UnixTransport:
+    """Just enough of asyncio.Transport for a Peer, over a Unix socket with descriptor passing."""
+
+    def __init__(self, loop, sock: socket.socket, protocol) -> None:
+        self.loop = loop
+        self.sock = sock
+        self.protocol = protocol
+        self.passes_fds = True
+        sock.setblocking(False)
+        self._closing = False
+        self._reading = True
+        self._out: collections.deque[tuple[list, list]] = collections.deque()  # (buffers, fds) waiting to be written
+        loop.add_reader(sock.fileno(), self._on_readable)
+        protocol.connection_made(self)
+
+    def get_extra_info(self, name, default=None):
+        return "unix" if name == "peername" else default
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def pause_reading(self) -> None:
+        if self._reading and not self._closing:
+            self._reading = False
+            self.loop.remove_reader(self.sock.fileno())
+
+    def resume_reading(self) -> None:
+        if not self._reading and not self._closing:
+            self._reading = True
+            self.loop.add_reader(self.sock.fileno(), self._on_readable)
+
+    def _on_readable(self) -> None:
+        try:
+            buf = self.protocol.get_buffer(-1)
+            n, anc, flags, _ = self.sock.recvmsg_into([buf], _ANC)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._lost(e)
+            return
+        fds = recv_fds(anc)
+        if fds:
+            self.protocol.fds_received(fds)
+        if flags & socket.MSG_CTRUNC:
+            logger.warning("[shm] descriptors were truncated by the kernel; closing the connection")
+            self._lost(OSError("ancillary data truncated"))
+            return
+        if n == 0:
+            self._lost(None)
+            return
+        self.protocol.buffer_updated(n)
+
+    def writelines(self, buffers, fds=()) -> None:
+        if self._closing:
+            return
+        bufs = [memoryview(b).cast("B") for b in buffers if len(b)]
+        if self._out:  # keep order behind what is already waiting
+            self._out.append((bufs, list(fds)))
+            return
+        self._send(bufs, list(fds))
+
+    def _send(self, bufs: list, fds: list) -> bool:
+        """Write bufs (descriptors ride on the first byte); False if the rest was queued."""
+        anc = fds_ancillary(fds)
+        while bufs:
+            try:
+                sent = self.sock.sendmsg(bufs[:512], anc)
+            except (BlockingIOError, InterruptedError):
+                self._out.appendleft((bufs, fds if anc else []))
+                self.loop.add_writer(self.sock.fileno(), self._on_writable)
+                return False
+            except OSError as e:
+                self._lost(e)
+                return False
+            anc = []
+            while sent:
+                if sent >= bufs[0].nbytes:
+                    sent -= bufs.pop(0).nbytes
+                else:
+                    bufs[0] = bufs[0][sent:]
+                    sent = 0
+        return True
+
+    def _on_writable(self) -> None:
+        self.loop.remove_writer(self.sock.fileno())
+        while self._out and not self._closing:
+            bufs, fds = self._out.popleft()
+            if not self._send(bufs, fds):
+                return
+
+    def close(self) -> None:
+        self._lost(None)
+
+    def _lost(self, exc) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            self.loop.remove_reader(self.sock.fileno())
+            self.loop.remove_writer(self.sock.fileno())
+        except (ValueError, OSError):
+            pass
+        self.sock.close()
+        self.loop.call_soon(self.protocol.connection_lost, exc)
