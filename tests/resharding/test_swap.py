@@ -189,3 +189,19 @@ def test_resident_mode_keeps_update_weights_on_device(one_rank_world: None) -> N
         ags.prefetch_update_weights()  # no-op in resident mode
         ags.exit_generation()
         assert ags.device_bytes == ags.update_bytes and ags.host_bytes == 0
+
+
+def test_rejects_groups_that_disagree_with_the_layout(one_rank_world: None) -> None:
+    from dockd.resharding import ReshardGroups
+
+    specs = toy_transformer_specs(hidden=8, ffn=16, layers=1, vocab=16)
+    shards = training_shards(build_full_weights(specs), specs, ParallelLayout(), 1, 0)
+    groups = ReshardGroups(tp_ranks=[0], pp_ranks=[0], ep_ranks=[3])
+    with pytest.raises(LayoutError, match="ep group \\[3\\] does not match training ep=1 for rank 0"):
+        AllGatherSwap(specs, shards, train=ParallelLayout(), gen=ParallelLayout(), groups=groups)
+    # well-formed user groups are accepted and not destroyed by close()
+    ok = ReshardGroups(tp_ranks=[0], pp_ranks=[0], ep_ranks=[0])
+    with AllGatherSwap(specs, shards, train=ParallelLayout(), gen=ParallelLayout(), groups=ok) as ags:
+        assert ags.groups is ok
+        ags.enter_generation()
+        ags.exit_generation()
