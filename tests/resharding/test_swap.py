@@ -199,7 +199,7 @@ def test_rejects_groups_that_disagree_with_the_layout(one_rank_world: None) -> N
     groups = ReshardGroups(tp_ranks=[0], pp_ranks=[0], ep_ranks=[3])
     with pytest.raises(LayoutError, match="ep group \\[3\\] does not match training ep=1 for rank 0"):
         AllGatherSwap(specs, shards, train=ParallelLayout(), gen=ParallelLayout(), groups=groups)
-    # well-formed user groups are accepted and not destroyed by close()
+    # well-formed user groups are used as given
     ok = ReshardGroups(tp_ranks=[0], pp_ranks=[0], ep_ranks=[0])
     with AllGatherSwap(specs, shards, train=ParallelLayout(), gen=ParallelLayout(), groups=ok) as ags:
         assert ags.groups is ok
