@@ -40,8 +40,10 @@ from .device import DeviceInfo, device_of
 from .errors import LayoutError, ReshardStateError
 from .groups import ReshardGroups, build_groups
 from .layout import (
+    DEFAULT_GATHER_CHUNK_BYTES,
     ParallelLayout,
     ParamSpec,
+    gather_chunk_rows,
     generation_local_shape,
     plan_reslice,
     training_local_shape,
@@ -65,12 +67,20 @@ class ReshardConfig:
     generation).  ``"resident"``: the naive reference that keeps them."""
     chunk_bytes: int = 64 << 20
     """Chunk size of host-to-device copies when swapping back."""
+    gather_chunk_bytes: int | None = DEFAULT_GATHER_CHUNK_BYTES
+    """Bound on one all-gather temporary: larger parameters are gathered in
+    chunks of rows (at least one row per TP rank).  ``None`` gathers each
+    parameter whole."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("swap", "resident"):
             raise LayoutError(f"ReshardConfig.mode must be 'swap' or 'resident', got {self.mode!r}")
         if self.chunk_bytes <= 0:
             raise LayoutError(f"ReshardConfig.chunk_bytes must be positive, got {self.chunk_bytes}")
+        if self.gather_chunk_bytes is not None and self.gather_chunk_bytes <= 0:
+            raise LayoutError(
+                f"ReshardConfig.gather_chunk_bytes must be positive or None, got {self.gather_chunk_bytes}"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -376,12 +386,52 @@ class AllGatherSwap:
             dst.narrow(d, seg.dst_start, seg.length).copy_(gathered[seg.src].narrow(d, seg.src_start, seg.length))
 
     def _gather_dense(self, spec: ParamSpec) -> int:
-        temps: list[torch.Tensor] = []
-        gathered, nbytes = self._gathered(spec, temps)
-        self._slice_dense(spec, gathered, self._views[spec.name])
-        for tmp in temps:
-            self._release(tmp)
-        return nbytes
+        """All-gather one dense parameter and copy out this rank's slice.
+
+        The shard is gathered in chunks of its leading rows (contiguous in
+        every shard), so the temporary never exceeds ``gather_chunk_bytes``
+        by more than one row per TP rank.
+        """
+        tp = self.train.tp
+        if spec.tp_dim is None or tp == 1:
+            temps: list[torch.Tensor] = []
+            gathered, _ = self._gathered(spec, temps)
+            self._slice_dense(spec, gathered, self._views[spec.name])
+            for tmp in temps:
+                self._release(tmp)
+            return 0
+        src = self._update[spec.name]
+        copy = None
+        if not src.is_contiguous():
+            copy = src = self._temp(tuple(src.shape), src.dtype).copy_(src)
+        dst = self._views[spec.name]
+        rows = src.shape[0]
+        step = gather_chunk_rows(spec, self.train, self.config.gather_chunk_bytes)
+        segments = plan_reslice(spec.blocks, tp, self.gen.tp, self.gen_tp_rank)
+        d = spec.tp_dim
+        moved = 0
+        for a in range(0, rows, step):
+            b = min(rows, a + step)
+            gathered = self._temp((tp, b - a, *src.shape[1:]), src.dtype)
+            _all_gather(gathered, src.narrow(0, a, b - a), self.groups.tp)
+            moved += gathered.nbytes
+            if d == 0:  # the chunk covers shard rows [a, b): clip each segment to it
+                for seg in segments:
+                    lo, hi = max(seg.src_start, a), min(seg.src_start + seg.length, b)
+                    if lo < hi:
+                        dst.narrow(0, seg.dst_start + lo - seg.src_start, hi - lo).copy_(
+                            gathered[seg.src].narrow(0, lo - a, hi - lo)
+                        )
+            else:  # rows are not split by TP: same rows of the destination
+                out = dst.narrow(0, a, b - a)
+                for seg in segments:
+                    out.narrow(d, seg.dst_start, seg.length).copy_(
+                        gathered[seg.src].narrow(d, seg.src_start, seg.length)
+                    )
+            self._release(gathered)
+        if copy is not None:
+            self._release(copy)
+        return moved
 
     def _param_broadcast(self, report: ReshardReport) -> None:
         """General path, for generation TP ranks that differ inside a pipeline

@@ -36,10 +36,12 @@ import torch
 from .errors import LayoutError
 
 __all__ = [
+    "DEFAULT_GATHER_CHUNK_BYTES",
     "ParallelLayout",
     "ParamSpec",
     "RankCoords",
     "Segment",
+    "gather_chunk_rows",
     "generation_local_shape",
     "plan_reslice",
     "training_local_shape",
@@ -231,6 +233,23 @@ def plan_reslice(blocks: tuple[int, ...], src_tp: int, dst_tp: int, dst_rank: in
         src_base += src_chunk
         dst_base += dst_chunk
     return segments
+
+
+DEFAULT_GATHER_CHUNK_BYTES = 256 << 20
+"""Default bound on one all-gather temporary (see ``ReshardConfig``)."""
+
+
+def gather_chunk_rows(spec: ParamSpec, train: ParallelLayout, limit: int | None) -> int:
+    """Leading rows of a training shard gathered per all-gather so that the
+    ``[tp, rows, ...]`` temporary stays within ``limit`` bytes (at least one)."""
+    shape = _split_shape(spec, train.tp)
+    rows = shape[0]
+    if limit is None:
+        return rows
+    row_bytes = spec.dtype.itemsize
+    for s in shape[1:]:
+        row_bytes *= s
+    return max(1, min(rows, limit // (train.tp * row_bytes)))
 
 
 def _split_shape(spec: ParamSpec, tp: int) -> tuple[int, ...]:

@@ -12,7 +12,8 @@ share, ``W/P`` for an even split)::
     freed    U ≈ W/(T·P) (experts: W_e/(E·P))
     peak     U + R + max temporary                   inside enter_generation
 
-The largest temporary is one all-gather output (a full dense parameter) or
+The largest temporary is one all-gather output (a full dense parameter, or
+``tp`` x the rows that fit ``gather_chunk_bytes`` when it is larger) or
 one all-to-all send buffer (``W_e(param)/G``).  When the generation TP does
 not divide the ranks of a training stage (the ``param_broadcast`` path) it is
 the largest whole parameter, which every pipeline peer receives in turn.  :func:`predict_memory`
@@ -25,7 +26,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .layout import ParallelLayout, ParamSpec
+from .layout import (
+    DEFAULT_GATHER_CHUNK_BYTES,
+    ParallelLayout,
+    ParamSpec,
+    gather_chunk_rows,
+    training_local_shape,
+)
 
 __all__ = ["MemoryModel", "predict_memory"]
 
@@ -70,9 +77,16 @@ class MemoryModel:
 
 
 def predict_memory(
-    specs: list[ParamSpec], train: ParallelLayout, gen: ParallelLayout, world_size: int, rank: int
+    specs: list[ParamSpec],
+    train: ParallelLayout,
+    gen: ParallelLayout,
+    world_size: int,
+    rank: int,
+    *,
+    gather_chunk_bytes: int | None = DEFAULT_GATHER_CHUNK_BYTES,
 ) -> MemoryModel:
-    """Evaluate the memory model for ``rank`` (no bucket alignment padding)."""
+    """Evaluate the memory model for ``rank`` (no bucket alignment padding);
+    ``gather_chunk_bytes`` as in ``ReshardConfig``."""
     stage = train.coords(rank, world_size).pp_rank
     per_stage = train.tp * train.dp(world_size)
     param_broadcast = per_stage % gen.tp != 0  # see AllGatherSwap.path
@@ -94,5 +108,7 @@ def predict_memory(
         elif own and spec.experts and train.ep > 1:
             temp = max(temp, spec.nbytes // gen.tp if split else spec.nbytes)  # all-to-all send buffer
         elif own and not spec.experts and split and train.tp > 1:
-            temp = max(temp, spec.nbytes)  # all-gather output
+            rows = gather_chunk_rows(spec, train, gather_chunk_bytes)
+            shard_rows = training_local_shape(spec, train)[0]
+            temp = max(temp, spec.nbytes // shard_rows * rows)  # all-gather output, chunked
     return MemoryModel(rank=rank, update_bytes=update, generation_bytes=generation, max_temp_bytes=temp)
