@@ -12,6 +12,9 @@ Cases (each the median of ``config.repeats`` repeats):
   all bytes over the wall time from the first start to the last finish.
 - latency: ``config.latency_ops`` single-sample puts of ``latency_bytes``
   bytes, then as many single-sample gets (acquire + fetch + confirm); p50/p99.
+- where a get's time goes: after each single-client case, one extra pass
+  through the client's low-level ``acquire`` / ``fetch`` / ``confirm`` calls
+  records the median time of each phase (``extra.get_phase_*`` in the JSON).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 from typing import Any
 
 from . import _dockd
-from .common import BenchConfig, Row, latency_row, set_single_thread, throughput_row
+from .common import BenchConfig, Row, latency_row, median, set_single_thread, throughput_row
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,31 @@ def _round(dock: Any, partition: str, src: Any, n: int) -> tuple[float, float]:
     return t1 - t0, t2 - t1
 
 
+def _has_phases(dock: Any) -> bool:
+    return all(callable(getattr(dock, m, None)) for m in ("acquire", "fetch", "confirm"))
+
+
+def get_breakdown(dock: Any, partition: str, src: Any, n: int) -> dict[str, float]:
+    """Median seconds per call of each get phase (acquire, fetch, confirm), from one extra untimed-elsewhere pass."""
+    batch = int(src.shape[0])
+    for _ in range(n):
+        dock.put({COLUMN: src}, partition=partition)
+    phases: dict[str, list[float]] = {"acquire": [], "fetch": [], "confirm": []}
+    for _ in range(n):
+        t0 = time.perf_counter()
+        lease = dock.acquire(CONSUMER, [COLUMN], batch, partition=partition, timeout=GET_TIMEOUT_S)
+        t1 = time.perf_counter()
+        dock.fetch(lease)
+        t2 = time.perf_counter()
+        dock.confirm(lease)
+        t3 = time.perf_counter()
+        phases["acquire"].append(t1 - t0)
+        phases["fetch"].append(t2 - t1)
+        phases["confirm"].append(t3 - t2)
+    dock.clear(partition)
+    return {k: median(v) for k, v in phases.items()}
+
+
 def measure_throughput(dock: Any, path: str, size: int, batch: int, config: BenchConfig) -> list[Row]:
     import torch
 
@@ -68,11 +96,15 @@ def measure_throughput(dock: Any, path: str, size: int, batch: int, config: Benc
         put_s.append(p)
         get_s.append(g)
         dock.clear(part)
+    phases = get_breakdown(dock, f"b-{path}-{size}-{batch}", src, n) if _has_phases(dock) else {}
     rows = []
     for op, secs in (("put", put_s), ("get", get_s)):
+        extra: dict[str, Any] = {"calls_per_repeat": n}
+        if op == "get" and phases:
+            extra["get_phase_s_per_call"] = phases
         row = throughput_row(
             scenario=NAME, system="dockd", op=op, path=path, seconds=secs, nbytes=n * batch * size,
-            samples=n * batch, sample_bytes=size, batch=batch, extra={"calls_per_repeat": n},
+            samples=n * batch, sample_bytes=size, batch=batch, extra=extra,
         )
         logger.info("[flow] op=%s path=%s size=%d batch=%d gbps=%.3f samples_per_s=%.0f",
                     op, path, size, batch, row.gbps, row.samples_per_s)
@@ -99,10 +131,12 @@ def measure_latency(dock: Any, path: str, config: BenchConfig) -> list[Row]:
         dock.get(CONSUMER, [COLUMN], 1, partition=part, timeout=GET_TIMEOUT_S)
         get_lat.append(time.perf_counter() - t0)
     dock.clear(part)
+    phases = get_breakdown(dock, f"lat-b-{path}", one, min(config.latency_ops, 500)) if _has_phases(dock) else {}
     rows = []
     for op, lat in (("put", put_lat), ("get", get_lat)):
         row = latency_row(scenario=NAME, system="dockd", op=op, path=path, latencies_s=lat,
-                          sample_bytes=config.latency_bytes)
+                          sample_bytes=config.latency_bytes,
+                          extra={"get_phase_us": {k: v * 1e6 for k, v in phases.items()}} if op == "get" and phases else None)
         logger.info("[flow] latency op=%s path=%s p50_us=%.1f p99_us=%.1f", op, path, row.p50_us, row.p99_us)
         rows.append(row)
     return rows
@@ -199,8 +233,10 @@ def run(config: BenchConfig) -> dict[str, Any]:
     cluster = _dockd.start(config.flow_warehouses)
     try:
         info = _dockd.describe(cluster, config.flow_warehouses)
+        info["transport_in_use"] = {}
         for path in paths:
             dock = _dockd.connect(cluster.address, path)
+            info["transport_in_use"][path] = _dockd.transport_in_use(dock)
             try:
                 rows += measure_latency(dock, path, config)
                 for size in config.sample_sizes:

@@ -326,7 +326,7 @@ def plot(results: dict[str, Any], out_png: str | Path) -> Path | None:
         "TransferQueue": (_rows(results, "peer_transferqueue"), {}),
         "Ray-actor buffer": (_rows(results, "peer_ray_buffer"), {}),
     }
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 6), sharey=True)
     for ax, op in zip(axes, ("get", "put")):
         series: list[tuple[str, list[tuple[int, float]], dict[str, Any]]] = []
         for path in ("shm", "socket"):
@@ -345,8 +345,8 @@ def plot(results: dict[str, Any], out_png: str | Path) -> Path | None:
                 if r["op"] == op and r.get("gbps") and all(r.get(k) == v for k, v in match.items())
             ]
             series.append((f"{label}, batch {peer_batch}", pts, {"marker": "s", "alpha": 0.8}))
-        sizes = sorted({r["sample_bytes"] for r in flow if r.get("sample_bytes")} | {
-            r["sample_bytes"] for rows, _ in peers.values() for r in rows if r.get("sample_bytes")})
+        sizes = sorted({r["sample_bytes"] for r in flow if r.get("sample_bytes") and r.get("gbps")} | {
+            r["sample_bytes"] for rows, _ in peers.values() for r in rows if r.get("sample_bytes") and r.get("gbps")})
         for label, cop, style in (("memcpy ceiling", "copy", "--"), ("raw socket ceiling", "transfer", "-.")):
             pts = []
             for s in sizes:
@@ -361,16 +361,24 @@ def plot(results: dict[str, Any], out_png: str | Path) -> Path | None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **style)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        if sizes:
+            ax.set_xticks(sizes)
+            ax.set_xticklabels([human_bytes(s) for s in sizes])
+            ax.minorticks_off()
+            ax.set_yscale("log")
         ax.set_xlabel("sample size (bytes)")
         ax.set_title(f"{op}")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("GB/s (payload, median of repeats)")
+    handles: dict[str, Any] = {}
     for ax in axes:
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7, loc="lower right")
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=3, fontsize=8, frameon=False)
     mach = results.get("machine", {})
     fig.suptitle(f"dockd sample flow vs ceilings and peers - {mach.get('cpus', '?')} CPUs, {mach.get('cpu_model', '')}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.13 if handles else 0, 1, 1))
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=110)

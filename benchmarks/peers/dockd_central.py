@@ -38,7 +38,8 @@ class DockdCentralAdapter(PeerAdapter):
 
     def start(self) -> dict[str, Any]:
         self.dock = _dockd.connect(self.cluster.address, self.path)
-        return {**_dockd.describe(self.cluster, 1), "path": self.path}
+        return {**_dockd.describe(self.cluster, 1), "path": self.path,
+                "transport_in_use": _dockd.transport_in_use(self.dock)}
 
     def put(self, partition: str, batch: Any) -> None:
         self.dock.put({COLUMN: batch}, partition=partition)
@@ -66,5 +67,5 @@ def run(config: BenchConfig) -> dict[str, Any]:
             layouts[path] = out["layout"]
     finally:
         cluster.close()
-    note = None if len(paths) > 1 else "socket is this client's only path, so 'auto' is the socket path"
+    note = None if len(paths) > 1 else "this client has one path only, so 'auto' is the socket path"
     return {"rows": rows, "layouts": layouts, "note": note}

@@ -133,11 +133,15 @@ class RayBufferAdapter(PeerAdapter):
         ray.get(self.actor.clear.remote("__ping__"))
         return {"ray": ray.__version__, "actor": "1 threaded actor (max_concurrency=4)", "columns": [COLUMN]}
 
+    def prepare(self, batch: Any) -> Any:
+        # Separate 1-D tensors, one per sample, as a rollout worker hands them over.
+        # (Views of one batch tensor would each serialize the whole batch's storage.)
+        return [row.clone() for row in batch.unbind(0)]
+
     def put(self, partition: str, batch: Any) -> None:
         import ray
 
-        samples = list(batch.unbind(0))  # ragged 1-D tensors, one per sample
-        ray.get(self.actor.put_experience.remote(partition, {COLUMN: samples}))
+        ray.get(self.actor.put_experience.remote(partition, {COLUMN: batch}))
 
     def get(self, partition: str, consumer: str, count: int) -> int:
         import ray

@@ -73,10 +73,13 @@ class TransferQueueAdapter(PeerAdapter):
             "polling_mode": True,
         }
 
-    def put(self, partition: str, batch: Any) -> None:
+    def prepare(self, batch: Any) -> Any:
         from tensordict import TensorDict
 
-        self.client.put(TensorDict({COLUMN: batch}, batch_size=[batch.shape[0]]), partition_id=partition)
+        return TensorDict({COLUMN: batch}, batch_size=[batch.shape[0]])
+
+    def put(self, partition: str, batch: Any) -> None:
+        self.client.put(batch, partition_id=partition)
 
     def get(self, partition: str, consumer: str, count: int) -> int:
         deadline = time.monotonic() + GET_TIMEOUT_S

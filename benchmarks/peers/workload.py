@@ -8,8 +8,9 @@ Put and get are timed separately; each figure is the median over
 ``config.repeats`` repeats. A small-operation pass then times single
 ``config.latency_bytes``-byte puts and gets (p50/p99).
 
-The payload is a ``[B, S]`` uint8 tensor, handed to each system in the form it
-takes natively (a batched tensor, a TensorDict, or per-sample 1-D tensors).
+The payload is a ``[B, S]`` uint8 tensor, converted once, outside the timed
+region, into the form each system takes natively (a batched tensor, a
+TensorDict, or a list of separate per-sample 1-D tensors).
 """
 
 from __future__ import annotations
@@ -40,9 +41,13 @@ class PeerAdapter(abc.ABC):
     def start(self) -> dict[str, Any]:
         """Start or connect; return a description of the layout for the JSON."""
 
+    def prepare(self, batch: Any) -> Any:
+        """Turn the ``[B, S]`` uint8 tensor into the form this system takes natively (untimed)."""
+        return batch
+
     @abc.abstractmethod
     def put(self, partition: str, batch: Any) -> None:
-        """Write ``batch`` (a ``[B, S]`` uint8 tensor, B new samples); return once acknowledged."""
+        """Write one prepared batch of B new samples; return once acknowledged."""
 
     @abc.abstractmethod
     def get(self, partition: str, consumer: str, count: int) -> int:
@@ -72,7 +77,7 @@ def run_workload(adapter: PeerAdapter, config: BenchConfig, scenario: str) -> di
         b = config.peer_batch
         for size in config.peer_sample_sizes:
             n = _ops(config, size)
-            src = torch.full((b, size), 7, dtype=torch.uint8)
+            src = adapter.prepare(torch.full((b, size), 7, dtype=torch.uint8))
             # warm-up: one full round on a throwaway partition
             adapter.put(f"warm-{size}", src)
             got = adapter.get(f"warm-{size}", CONSUMER, b)
@@ -113,7 +118,7 @@ def _latency(adapter: PeerAdapter, config: BenchConfig, scenario: str) -> list[R
     import torch
 
     n = min(config.latency_ops, PEER_LATENCY_OPS_CAP)
-    one = torch.full((1, config.latency_bytes), 3, dtype=torch.uint8)
+    one = adapter.prepare(torch.full((1, config.latency_bytes), 3, dtype=torch.uint8))
     part = "lat"
     for _ in range(min(20, n)):  # warm-up
         adapter.put("lat-warm", one)
