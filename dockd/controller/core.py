@@ -18,6 +18,7 @@ number of ready samples is always known without a scan.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
@@ -53,19 +54,25 @@ class _Eligible:
         blocks[: len(self.blocks)] = self.blocks
         self.bits, self.blocks = bits, blocks
 
+    def _count(self, units: np.ndarray, delta: int) -> None:
+        if len(units) <= 8:  # np.add.at costs more than a few scalar updates
+            for b in (units >> _BLOCK_SHIFT).tolist():
+                self.blocks[b] += delta
+        else:
+            np.add.at(self.blocks, units >> _BLOCK_SHIFT, delta)
+        self.total += delta * len(units)
+
     def set(self, units: np.ndarray) -> None:
         new = units[~self.bits[units]]
         if len(new):
             self.bits[new] = True
-            np.add.at(self.blocks, new >> _BLOCK_SHIFT, 1)
-            self.total += len(new)
+            self._count(new, 1)
 
     def clear(self, units: np.ndarray) -> None:
         old = units[self.bits[units]]
         if len(old):
             self.bits[old] = False
-            np.subtract.at(self.blocks, old >> _BLOCK_SHIFT, 1)
-            self.total -= len(old)
+            self._count(old, -1)
 
     def first(self, n: int) -> np.ndarray:
         """The n smallest set units (fewer if fewer are set)."""
@@ -186,6 +193,11 @@ class _Partition:
                 sub.eligible.set(idx[ok])
                 sub.eligible.clear(idx[~ok])
 
+    def taken_out(self, cons: _Consumer, idx: np.ndarray) -> None:
+        """Samples idx just left the pool of `cons`: no subscription of it may offer them (or their groups)."""
+        for sub in cons.subs.values():
+            sub.eligible.clear(np.unique(idx // self.group_size) if sub.groups else idx)
+
     def subscription(self, cons: _Consumer, mask: int, groups: bool) -> _Sub:
         sub = cons.subs.get((mask, groups))
         if sub is None:
@@ -238,7 +250,8 @@ class Controller:
             raise DockValueError(f"lease_timeout must be > 0 seconds, got {lease_timeout}")
         self.lease_timeout = lease_timeout
         self.partitions: dict[str, _Partition] = {}
-        self.leases: dict[int, Lease] = {}
+        # In grant order, which is deadline order (one timeout, a monotonic clock): the first expires first.
+        self.leases: collections.OrderedDict[int, Lease] = collections.OrderedDict()
         self.dead_warehouses: set[int] = set()
         self._next_lease = 1
 
@@ -371,7 +384,7 @@ class Controller:
             self._check_lost(part, cons, columns, idx, locs)
         cons.state[idx] = LEASED
         cons.leased += len(idx)
-        part.refresh(cons, idx)
+        part.taken_out(cons, idx)
         lease = Lease(self._next_lease, partition, consumer, idx, owner, now + self.lease_timeout)
         self._next_lease += 1
         self.leases[lease.id] = lease
@@ -385,7 +398,7 @@ class Controller:
         lost_idx = idx[lost_samples]
         lost_cols = [c for c, row in zip(columns, dead) if row.any()]
         cons.state[lost_idx] = LOST
-        part.refresh(cons, lost_idx)
+        part.taken_out(cons, lost_idx)
         raise DockDataLost(
             f"{len(lost_idx)} samples of partition {part.name!r} are lost: columns {lost_cols} lived on "
             f"warehouse(s) {sorted(set(locs[dead].tolist()))}, which left the dock. Indexes: "
@@ -460,11 +473,17 @@ class Controller:
         return [self.release(lid) for lid in [l.id for l in self.leases.values() if l.owner == owner]]
 
     def expire_leases(self, now: float) -> list[Lease]:
-        """Release leases whose deadline passed."""
-        return [self.release(lid) for lid in [l.id for l in self.leases.values() if l.deadline <= now]]
+        """Release leases whose deadline passed (the oldest ones)."""
+        out = []
+        while self.leases:
+            lease = next(iter(self.leases.values()))
+            if lease.deadline > now:
+                break
+            out.append(self.release(lease.id))
+        return out
 
     def next_lease_deadline(self) -> float | None:
-        return min((l.deadline for l in self.leases.values()), default=None)
+        return next(iter(self.leases.values())).deadline if self.leases else None
 
     # -- partitions and warehouses ------------------------------------------------------
     def clear(self, partition: str) -> int:

@@ -70,8 +70,8 @@ class ControllerService:
         logger.info("[controller] warehouse joined id=%d address=%s:%d capacity=%d", wid, req.host, req.port, req.capacity)
         return wid
 
-    def warehouse_infos(self, ids=None) -> list[pb.WarehouseInfo]:
-        used = self.core.warehouse_bytes()
+    def warehouse_infos(self, ids=None, *, usage: bool = True) -> list[pb.WarehouseInfo]:
+        used = self.core.warehouse_bytes() if usage else {}
         ids = self.warehouses.keys() if ids is None else ids
         return [self.warehouses[i].info(used.get(i, 0)) for i in ids]
 
@@ -187,7 +187,7 @@ class ControllerService:
     def _reply_acquired(self, peer: Peer, frame: pb.Frame, r: pb.AcquireRequest, res: AcquireResult) -> None:
         ids = np.unique(res.locations).tolist()
         reply = pb.AcquireReply(lease=res.lease, indexes=res.indexes.tolist(), locations=res.locations.ravel().tolist())
-        reply.warehouses.extend(self.warehouse_infos(ids))
+        reply.warehouses.extend(self.warehouse_infos(ids, usage=False))
         if r.inline and self.inline is not None:
             cols, body, segs = self.inline(peer, r.partition, list(r.columns), res.indexes, res.locations)
             reply.inline.extend(cols)
