@@ -63,7 +63,9 @@ def run(sc: dict, rank: int, errors: list[str]) -> dict:
     shards = training_shards(full, specs, train, world, rank)
     if sc.get("flat"):
         shards = flatten_into_one_storage(shards)
-    ags = AllGatherSwap(specs, shards, train=train, gen=gen, config=ReshardConfig(mode=sc.get("mode", "swap")))
+    chunk = sc.get("gather_chunk_bytes", ReshardConfig().gather_chunk_bytes)
+    config = ReshardConfig(mode=sc.get("mode", "swap"), gather_chunk_bytes=chunk)
+    ags = AllGatherSwap(specs, shards, train=train, gen=gen, config=config)
     start_bytes = ags.device_bytes
     reports, host_ptrs, checked = [], [], 0
     for cycle in range(sc.get("cycles", 2)):
@@ -113,7 +115,8 @@ def run(sc: dict, rank: int, errors: list[str]) -> dict:
         "pool_bytes": pool_bytes,
         "host_ptrs": host_ptrs,
         "reports": reports,
-        "model": predict_memory(specs, train, gen, world, rank).as_dict(),
+        "model": predict_memory(specs, train, gen, world, rank, gather_chunk_bytes=chunk).as_dict(),
+        "largest_param_bytes": max(s.nbytes for s in specs),
     }
 
 

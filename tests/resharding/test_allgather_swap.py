@@ -80,6 +80,10 @@ def check_cycle_invariants(results: list[dict], sc: dict) -> None:
             assert e["device_bytes_after"] == held
             assert e["peak_device_bytes"] >= r["update_bytes"] + r["generation_bytes"]
             assert e["peak_device_bytes"] <= r["update_bytes"] + r["generation_bytes"] + r["model"]["max_temp_bytes"]
+            if "gather_chunk_bytes" in sc:
+                # chunked gathers: the temporary stays far below one whole parameter
+                temp = e["peak_device_bytes"] - r["update_bytes"] - r["generation_bytes"]
+                assert 0 < temp <= sc["gather_chunk_bytes"] < r["largest_param_bytes"]
             assert e["swapped_out_bytes"] == (r["update_bytes"] if swap else 0)
             assert (e["broadcast_bytes"] > 0) == (train.get("pp", 1) > 1)
             if sc.get("path") == "param_broadcast":
@@ -105,9 +109,12 @@ def check_cycle_invariants(results: list[dict], sc: dict) -> None:
 
 SCENARIOS = {
     "tp2_to_tp1": {"world": 2, "train": {"tp": 2}, "gen": {"tp": 1}, "model": SMALL, "prefetch_cycles": [1]},
+    "tp2_to_tp1_chunked_gather": {"world": 2, "train": {"tp": 2}, "gen": {"tp": 1}, "model": SMALL,
+                                  "gather_chunk_bytes": 256},
     "tp1_to_tp2_flat_buffer": {"world": 2, "train": {"tp": 1}, "gen": {"tp": 2}, "model": SMALL,
                                "flat": True, "prefetch_cycles": [0]},
-    "tp4_to_tp2": {"world": 4, "train": {"tp": 4}, "gen": {"tp": 2}, "model": SMALL},
+    "tp4_to_tp2_chunked_gather": {"world": 4, "train": {"tp": 4}, "gen": {"tp": 2}, "model": SMALL,
+                                  "gather_chunk_bytes": 512},
     "tp2_pp2_ep2_moe_bf16_to_tp2": {"world": 4, "train": {"tp": 2, "pp": 2, "ep": 2}, "gen": {"tp": 2},
                                     "model": {**MOE, "dtype": "bfloat16"}, "prefetch_cycles": [1]},
     "ep2_moe_to_tp2": {"world": 2, "train": {"tp": 1, "ep": 2}, "gen": {"tp": 2}, "model": MOE, "cycles": 3},

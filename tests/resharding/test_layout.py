@@ -151,3 +151,19 @@ def test_memory_model_redundancy_is_w_over_tp_pp_for_a_uniform_stack() -> None:
                     for r in range(0, world, tp * 2))  # one rank per stage
         # The stages together hold W/TP, plus replicated norms on every TP rank.
         assert freed == (w - replicated) // tp + replicated
+
+
+def test_gather_chunk_rows_bounds_the_temporary() -> None:
+    from dockd.resharding.layout import gather_chunk_rows
+
+    col = ParamSpec(name="c", shape=(64, 16), dtype=torch.float32, tp_dim=0)  # shard 32 rows x 64 B
+    row = ParamSpec(name="r", shape=(16, 64), dtype=torch.float32, tp_dim=1)  # shard 16 rows x 128 B
+    tp2 = ParallelLayout(tp=2)
+    assert gather_chunk_rows(col, tp2, None) == 32
+    assert gather_chunk_rows(col, tp2, 256) == 2       # 2 ranks x 2 rows x 64 B
+    assert gather_chunk_rows(col, tp2, 1) == 1         # never below one row
+    assert gather_chunk_rows(col, tp2, 1 << 30) == 32  # never above the shard
+    assert gather_chunk_rows(row, tp2, 1024) == 4
+    m = predict_memory([col], tp2, ParallelLayout(tp=1), 2, 0, gather_chunk_bytes=256)
+    assert m.max_temp_bytes == 256
+    assert predict_memory([col], tp2, ParallelLayout(tp=1), 2, 0, gather_chunk_bytes=None).max_temp_bytes == 4096
