@@ -1,0 +1,239 @@
+"""verl 0.9 plugin against real DataProto objects, real daemons and a real RayWorkerGroup on CPU."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+
+import dockd
+
+pytest.importorskip("verl.protocol")
+from verl import DataProto  # noqa: E402
+
+from dockd.trainer_plugins import verl as plugin  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+# Ray's local-cluster startup leaves /dev/null handles and Popen objects to the garbage collector
+RAY_LEAKS = [
+    pytest.mark.filterwarnings("ignore::ResourceWarning"),
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
+
+MAKE_DATA = r'''
+import numpy as np, torch
+from verl import DataProto
+
+def make_data(seed, n=6):
+    g = torch.Generator().manual_seed(seed)
+    uid = np.array([f"uid-{seed}-{i // 2}" for i in range(n)], dtype=object)
+    raw_prompt_ids = np.empty(n, dtype=object)
+    for i in range(n):
+        raw_prompt_ids[i] = list(range(i + 1))          # ragged python lists
+    extra = np.empty(n, dtype=object)
+    for i in range(n):
+        extra[i] = {"score": float(i) / 3, "tags": ("a", i), "arr": np.arange(i, dtype=np.int16)}
+    return DataProto.from_dict(
+        tensors={
+            "input_ids": torch.randint(0, 32000, (n, 10), generator=g),
+            "attention_mask": torch.randint(0, 2, (n, 10), generator=g),
+            "old_log_probs": torch.randn(n, 7, generator=g).to(torch.bfloat16),
+            "values": torch.randn(n, 7, generator=g, dtype=torch.float64),
+            "mask": torch.rand(n, 7, generator=g) > 0.5,
+        },
+        non_tensors={
+            "uid": uid,
+            "raw_prompt_ids": raw_prompt_ids,
+            "extra": extra,
+            "data_source": np.array(["gsm8k"] * n, dtype=object),
+            "int_col": np.arange(n, dtype=np.int32),
+        },
+        meta_info={"global_steps": seed, "temperature": 0.7, "eos_token_id": [2, 3], "validate": False},
+    )
+'''
+_ns: dict[str, Any] = {}
+exec(MAKE_DATA, _ns)
+make_data = _ns["make_data"]
+BATCH_KEYS = ("input_ids", "attention_mask", "old_log_probs", "values", "mask")
+NT_KEYS = ("uid", "raw_prompt_ids", "extra", "data_source", "int_col")
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return (
+            isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and all(_same(x, y) for x, y in zip(a.reshape(-1), b.reshape(-1)))
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def assert_same_data(got: DataProto, want: DataProto) -> None:
+    assert got.batch.batch_size == want.batch.batch_size
+    assert set(got.batch.keys()) == set(want.batch.keys())
+    for k in want.batch.keys():
+        assert _same(got.batch[k], want.batch[k]), f"batch[{k!r}] differs"
+    assert got.non_tensor_batch.keys() == want.non_tensor_batch.keys()
+    for k in want.non_tensor_batch:
+        assert _same(got.non_tensor_batch[k], want.non_tensor_batch[k]), f"non_tensor_batch[{k!r}] differs"
+    assert _same(got.meta_info, want.meta_info)
+
+
+def test_missing_verl_names_the_extra(dock: dockd.Dock) -> None:
+    batch = dockd.Batch("p", [0], {"x": [torch.zeros(1)], plugin.META_COLUMN: [torch.zeros(1, dtype=torch.uint8)]})
+    with mock.patch.dict(sys.modules, {"verl.protocol": None}):
+        with pytest.raises(ImportError, match=r"pip install 'dockd\[verl\]'"):
+            plugin.batch_to_data_proto(batch, batch_keys=["x"])
+
+
+def test_data_proto_round_trip_bit_exact(dock: dockd.Dock) -> None:
+    data = make_data(1)
+    idx = plugin.put_data_proto(dock, data, partition="verl-rt", group_size=2)
+    assert idx == list(range(6))
+    back = plugin.get_data_proto(
+        dock, consumer="trainer", count=6, partition="verl-rt", batch_keys=BATCH_KEYS, non_tensor_batch_keys=NT_KEYS,
+        timeout=5.0,
+    )
+    assert_same_data(back, data)
+    # a subset of keys, whole groups only, for another consumer
+    sub = plugin.get_data_proto(
+        dock, consumer="ref", count=4, partition="verl-rt", batch_keys=["input_ids"], non_tensor_batch_keys=["uid"],
+        groups=True, timeout=5.0,
+    )
+    assert list(sub.non_tensor_batch["uid"]) == ["uid-1-0", "uid-1-0", "uid-1-1", "uid-1-1"]
+    assert torch.equal(sub.batch["input_ids"], data.batch["input_ids"][:4])
+    dock.clear("verl-rt")
+
+
+def test_put_from_another_process_get_here(dock_cluster: dockd.LocalCluster, dock: dockd.Dock, run_python: Any) -> None:
+    run_python(
+        MAKE_DATA
+        + f"""
+import dockd
+from dockd.trainer_plugins.verl import put_data_proto
+with dockd.connect({dock_cluster.address!r}) as dock:
+    put_data_proto(dock, make_data(7), partition="verl-xproc")
+    put_data_proto(dock, make_data(8), partition="verl-xproc")
+"""
+    )
+    back = plugin.get_data_proto(
+        dock, consumer="trainer", count=12, partition="verl-xproc", batch_keys=BATCH_KEYS,
+        non_tensor_batch_keys=NT_KEYS, timeout=10.0,
+    )
+    second = make_data(8)
+    second.meta_info = make_data(7).meta_info  # two puts: the first put's meta_info wins on conflicts
+    want = DataProto.concat([make_data(7), second])
+    assert_same_data(back, want)
+    dock.clear("verl-xproc")
+
+
+def test_outputs_written_back_to_the_same_samples(dock: dockd.Dock) -> None:
+    data = make_data(3)
+    plugin.put_data_proto(dock, data, partition="verl-wb")
+    got, idx = plugin.get_data_proto_with_indexes(
+        dock, consumer="actor", count=6, partition="verl-wb", batch_keys=["values"], timeout=5.0
+    )
+    out = DataProto.from_dict(tensors={"old_log_probs_v2": got.batch["values"] * 2})
+    plugin.put_data_proto(dock, out, partition="verl-wb", indexes=idx, with_meta_info=False)
+    merged = plugin.get_data_proto(
+        dock, consumer="trainer", count=6, partition="verl-wb", batch_keys=["values", "old_log_probs_v2"], timeout=5.0
+    )
+    assert torch.equal(merged.batch["old_log_probs_v2"], data.batch["values"] * 2)
+    dock.clear("verl-wb")
+
+
+def test_dispatch_splits_counts_and_validates() -> None:
+    assert plugin.shard_counts(10, 3) == [4, 3, 3]
+    assert plugin.shard_counts(2, 4) == [1, 1, 0, 0]
+    with pytest.raises(ValueError, match="count must be > 0"):
+        plugin.DockRequest(address="a:1", partition="p", consumer="c", count=0, batch_keys=("x",))
+    with pytest.raises(ValueError, match="assign"):
+        plugin.DockRequest(address="a:1", partition="p", consumer="c", count=1, batch_keys=("x",), assign="x")
+    mode = plugin.dock_dispatch_mode()
+    from verl.single_controller.base.decorator import Dispatch, get_predefined_dispatch_fn
+
+    assert mode is Dispatch.DOCKD_SHARD and plugin.dock_dispatch_mode() is mode
+    assert get_predefined_dispatch_fn(mode)["dispatch_fn"] is plugin.dispatch_dock_shards
+
+
+# -- a real verl worker group: two CPU workers fetching their shards from dockd ------------------
+@pytest.fixture(scope="module")
+def ray_session() -> Iterator[Any]:
+    ray = pytest.importorskip("ray")
+    with mock.patch.dict(os.environ, {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}):
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        yield ray
+        ray.shutdown()
+
+
+def _make_worker_cls() -> type:
+    from verl.single_controller.base import Worker
+    from verl.single_controller.base.decorator import register
+
+    class ScoreWorker(Worker):
+        @register(dispatch_mode=plugin.DOCK_DISPATCH)
+        @plugin.dock_io
+        def score(self, data: DataProto) -> DataProto:
+            scores = data.batch["input_ids"].float().sum(-1)
+            who = np.array([f"rank{self.rank}"] * len(data), dtype=object)
+            return DataProto.from_dict(tensors={"scores": scores}, non_tensors={"who": who})
+
+    return ScoreWorker
+
+
+@RAY_LEAKS[0]
+@RAY_LEAKS[1]
+def test_worker_group_fetches_its_own_shards(
+    ray_session: Any, dock_cluster: dockd.LocalCluster, dock: dockd.Dock
+) -> None:
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+    data = make_data(21, n=12)  # 12 samples, groups of 2
+    plugin.put_data_proto(dock, data, partition="verl-wg", group_size=2)
+    pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
+    wg = RayWorkerGroup(
+        resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=ray_session.remote(_make_worker_cls()))
+    )
+    assert wg.world_size == 2
+    # assign="driver": the driver acquires 8 samples (metadata) and sends each worker its index slice
+    res = wg.score(
+        plugin.DockRequest(
+            address=dock_cluster.address, partition="verl-wg", consumer="reward", count=8,
+            batch_keys=("input_ids",), groups=True,
+        )
+    )
+    assert isinstance(res, plugin.DockResult)
+    assert res.per_worker == (4, 4) and res.indexes == list(range(8))  # whole groups, in worker order
+    assert set(res.output_keys) == {"scores", "who"}
+    # the remaining samples: each worker acquires its own share
+    res2 = wg.score(
+        plugin.DockRequest(
+            address=dock_cluster.address, partition="verl-wg", consumer="reward", count=4,
+            batch_keys=("input_ids",), assign="workers",
+        )
+    )
+    assert res2.per_worker == (2, 2) and sorted(res2.indexes) == [8, 9, 10, 11]
+    stats = dock.stats()["partitions"]["verl-wg"]["consumers"]["reward"]
+    assert stats == {"taken": 12, "leased": 0}  # the driver's lease was confirmed after collect
+    # the workers' outputs landed on the samples they read
+    back = plugin.get_data_proto(
+        dock, consumer="trainer", count=12, partition="verl-wg", batch_keys=("input_ids", "scores"),
+        non_tensor_batch_keys=("who",), timeout=5.0,
+    )
+    assert torch.equal(back.batch["scores"], data.batch["input_ids"].float().sum(-1))
+    assert list(back.non_tensor_batch["who"][:8]) == ["rank0"] * 4 + ["rank1"] * 4
+    assert sorted(back.non_tensor_batch["who"][8:]) == ["rank0", "rank0", "rank1", "rank1"]
+    dock.clear("verl-wg")
