@@ -26,7 +26,9 @@ MOE = {**SMALL, "experts": 4, "moe_ffn": 8}
 def run_world(scenario: dict, tmp_path: Path, timeout: float = 120) -> list[dict]:
     world = scenario["world"]
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    if sys.platform == "linux":  # keep gloo on loopback whatever the hostname resolves to
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER), json.dumps(scenario), str(r), str(store.port), str(tmp_path)],
