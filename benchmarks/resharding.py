@@ -45,6 +45,7 @@ GB = 1e9
 # weights (dense) and 300 MB (MoE).
 DENSE = {"hidden": 1024, "ffn": 2816, "layers": 4, "vocab": 16384, "kv_hidden": 256}
 MOE = {"hidden": 1024, "ffn": 2816, "layers": 2, "vocab": 16384, "kv_hidden": 256, "experts": 8, "moe_ffn": 1024}
+TINY = {"hidden": 64, "ffn": 128, "vocab": 256, "kv_hidden": 16, "moe_ffn": 32}
 CPU_SCENARIOS: list[dict[str, Any]] = [
     {"name": "tp2->tp1", "world": 2, "train": {"tp": 2}, "gen": {"tp": 1}, "model": DENSE},
     {"name": "tp1(dp2)->tp2", "world": 2, "train": {"tp": 1}, "gen": {"tp": 2}, "model": DENSE},
@@ -145,8 +146,8 @@ def cpu_rows(sc: dict[str, Any], ranks: list[dict[str, Any]]) -> list[dict[str, 
             "broadcast_MB": enter["broadcast_bytes"] / MB,
             "enter_s": sum(secs.values()),
             "exit_s": sum(sw["exit"]["phase_seconds"].values()),
-            "swap_out_gbps": sw["update_bytes"] / secs["swap_out"] / GB,
-            "swap_in_gbps": sw["update_bytes"] / sw["exit"]["phase_seconds"]["swap_in"] / GB,
+            "swap_out_gbps": sw["update_bytes"] / max(secs["swap_out"], 1e-9) / GB,
+            "swap_in_gbps": sw["update_bytes"] / max(sw["exit"]["phase_seconds"]["swap_in"], 1e-9) / GB,
             "memcpy_gbps": r["memcpy_gbps"],
             "model_max_rel_err": max(
                 abs(a - b) / b for a, b in [
@@ -305,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-gpu", action="store_true", help="skip the CUDA part even if a GPU is present")
     ap.add_argument("--gpu-params", type=float, default=3e9, help="parameters of the GPU layer stack (bf16)")
     ap.add_argument("--scenarios", nargs="*", help="CPU scenario names to run (default: all)")
+    ap.add_argument("--tiny", action="store_true", help="tiny CPU models (a smoke run of a few seconds)")
     ap.add_argument("--worker", nargs=4, metavar=("SCENARIO", "RANK", "PORT", "DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -319,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not args.skip_cpu:
         scenarios = [s for s in CPU_SCENARIOS if not args.scenarios or s["name"] in args.scenarios]
+        if args.tiny:
+            scenarios = [{**s, "model": {**s["model"], **TINY}} for s in scenarios]
         result["cpu"] = {"scenarios": scenarios, "rows": run_cpu(scenarios)}
     if args.skip_gpu or not torch.cuda.is_available():
         result["gpu"] = None
