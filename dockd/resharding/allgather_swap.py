@@ -316,6 +316,8 @@ class AllGatherSwap:
         return t
 
     def _release(self, t: torch.Tensor) -> None:
+        """Account a temporary as freed; the caller drops its references so
+        that the allocator really gets the memory back."""
         self.accountant.free(t.nbytes)
 
     # ------------------------------------------------------------ generation
@@ -429,6 +431,7 @@ class AllGatherSwap:
                         gathered[seg.src].narrow(d, seg.src_start, seg.length)
                     )
             self._release(gathered)
+            del gathered  # drop it before the next chunk is allocated
         if copy is not None:
             self._release(copy)
         return moved
@@ -474,6 +477,7 @@ class AllGatherSwap:
                     self._slice_dense(spec, buf, dst)
                 for tmp in temps:
                     self._release(tmp)
+                del buf, temps  # free before the next parameter's buffers
 
     def _fill_expert_slice(self, spec: ParamSpec, local: torch.Tensor, out: torch.Tensor, gen_rank: int) -> None:
         if spec.tp_dim is None:
