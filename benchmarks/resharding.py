@@ -290,11 +290,12 @@ def run_gpu(params: float) -> dict[str, Any]:
           f"swap {s['max_allocated_generation'] / GB:.2f} GB; inside enter_generation: naive "
           f"{r['max_allocated_enter'] / GB:.2f} GB, swap {s['max_allocated_enter'] / GB:.2f} GB")
     bw = result["swap_bandwidth"]
-    print(f"  swap out {bw['out_gbps']:.1f} GB/s ({bw['out_vs_limit']:.2f}x of pinned d2h {limit['d2h_gbps']:.1f}), "
-          f"in {bw['in_gbps']:.1f} GB/s ({bw['in_vs_limit']:.2f}x of pinned h2d {limit['h2d_gbps']:.1f}); target >= 0.8x")
+    print(f"  swap out {bw['out_gbps']:.1f} GB/s ({bw['out_vs_limit']:.2f}x of pinned d2h "
+          f"{limit['d2h_gbps']:.1f}), in {bw['in_gbps']:.1f} GB/s ({bw['in_vs_limit']:.2f}x of pinned h2d "
+          f"{limit['h2d_gbps']:.1f}); target >= 0.8x")
     p = result["prefetch"]
-    print(f"  exit without prefetch {p['plain']['exit_s'] * 1e3:.1f} ms, with prefetch {p['prefetch']['exit_s'] * 1e3:.1f} ms;"
-          f" hidden fraction of the swap-in {p['hidden_fraction']:.2f}")
+    print(f"  exit without prefetch {p['plain']['exit_s'] * 1e3:.1f} ms, with prefetch "
+          f"{p['prefetch']['exit_s'] * 1e3:.1f} ms; hidden fraction of the swap-in {p['hidden_fraction']:.2f}")
     return result
 
 

@@ -31,7 +31,8 @@ def test_plan_reslice_rebuilds_the_reference_shard(blocks: tuple[int, ...], src_
     total = sum(blocks)
     for tp_dim in (0, 1):
         shape = (total, 3) if tp_dim == 0 else (3, total)
-        spec = ParamSpec(name="w", shape=shape, dtype=torch.float32, tp_dim=tp_dim, fused=blocks if len(blocks) > 1 else ())
+        fused = blocks if len(blocks) > 1 else ()
+        spec = ParamSpec(name="w", shape=shape, dtype=torch.float32, tp_dim=tp_dim, fused=fused)
         full = torch.randn(shape)
         src_layout = ParallelLayout(tp=src_tp)
         sources = [training_shard(full, spec, src_layout, src_tp, r) for r in range(src_tp)]
