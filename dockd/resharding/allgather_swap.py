@@ -321,10 +321,12 @@ class AllGatherSwap:
         self.accountant.free(t.nbytes)
 
     # ------------------------------------------------------------ generation
+    @torch.no_grad()
     def enter_generation(self) -> dict[str, torch.Tensor]:
         """Build the generation weights; returns ``name -> tensor`` views into
         the buckets (valid until :meth:`exit_generation`)."""
         self._require(ReshardState.TRAINING, "enter_generation")
+        self._swapper.check_unchanged()
         report = ReshardReport(call="enter_generation", mode=self.config.mode)
         report.device_bytes_before = self.accountant.current
         self.accountant.reset_peak()
@@ -514,6 +516,7 @@ class AllGatherSwap:
             moved += region.nbytes
         return moved
 
+    @torch.no_grad()
     def prefetch_update_weights(self) -> None:
         """Start bringing the update weights back while generation finishes.
 
@@ -532,6 +535,7 @@ class AllGatherSwap:
             report.phase_seconds["prefetch_issue"] = time.perf_counter() - t
         self._finish(report, ReshardState.GENERATION, None)
 
+    @torch.no_grad()
     def exit_generation(self) -> None:
         """Free the generation buckets and make the update weights resident.
 

@@ -140,12 +140,28 @@ class UpdateWeightSwapper:
                 offset += _align(slot.nbytes)
             else:
                 slot.names.append(name)
+        self._tensors = tensors
+        self._slot_of = {name: slot for slot in self.slots for name in slot.names}
         self.total_bytes = sum(s.nbytes for s in self.slots)
         self.pool_bytes = offset
         self.pool: HostPool | None = None
         self.resident = True
         self._event: Any = None
         self._stream: Any = None
+
+    def check_unchanged(self) -> None:
+        """Raise if a caller re-pointed an update tensor at new memory (for
+        example ``param.data = other``) since construction: in-place updates
+        are fine, new storages would be missed by the swap."""
+        for name, t in self._tensors.items():
+            slot = self._slot_of[name]
+            if t.untyped_storage().data_ptr() != slot.storage.data_ptr() or (
+                t.untyped_storage().nbytes() != slot.nbytes
+            ):
+                raise LayoutError(
+                    f"update weight {name!r} now lives in a different storage than when AllGatherSwap "
+                    "was built; update weights in place (param.data.copy_(...)) or build a new AllGatherSwap"
+                )
 
     def ensure_pool(self) -> HostPool:
         if self.pool is None:

@@ -30,6 +30,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.detach(), b.detach()
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
         a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
     )
@@ -63,13 +64,15 @@ def run(sc: dict, rank: int, errors: list[str]) -> dict:
     shards = training_shards(full, specs, train, world, rank)
     if sc.get("flat"):
         shards = flatten_into_one_storage(shards)
+    else:  # what a trainer passes: parameters that require grad
+        shards = {n: torch.nn.Parameter(t) for n, t in shards.items()}
     chunk = sc.get("gather_chunk_bytes", ReshardConfig().gather_chunk_bytes)
     config = ReshardConfig(mode=sc.get("mode", "swap"), gather_chunk_bytes=chunk)
     ags = AllGatherSwap(specs, shards, train=train, gen=gen, config=config)
     start_bytes = ags.device_bytes
     reports, host_ptrs, checked = [], [], 0
     for cycle in range(sc.get("cycles", 2)):
-        before = {n: t.clone() for n, t in shards.items()}
+        before = {n: t.detach().clone() for n, t in shards.items()}
         weights = ags.enter_generation()
         reports.append(ags.last_report.as_dict())
         if sorted(weights) != sorted(s.name for s in specs):

@@ -205,3 +205,19 @@ def test_rejects_groups_that_disagree_with_the_layout(one_rank_world: None) -> N
         assert ags.groups is ok
         ags.enter_generation()
         ags.exit_generation()
+
+
+def test_detects_update_weights_moved_to_new_storage(one_rank_world: None) -> None:
+    specs = toy_transformer_specs(hidden=8, ffn=16, layers=1, vocab=16)
+    params = {k: torch.nn.Parameter(v) for k, v in
+              training_shards(build_full_weights(specs), specs, ParallelLayout(), 1, 0).items()}
+    with AllGatherSwap(specs, params, train=ParallelLayout(), gen=ParallelLayout()) as ags:
+        ags.enter_generation()
+        ags.exit_generation()
+        with torch.no_grad():
+            params["embed.weight"].mul_(2)  # in place: fine
+        ags.enter_generation()
+        ags.exit_generation()
+        params["embed.weight"].data = torch.zeros_like(params["embed.weight"])  # re-pointed
+        with pytest.raises(LayoutError, match="'embed.weight' now lives in a different storage"):
+            ags.enter_generation()
