@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -29,9 +30,11 @@ from dockd._proto import dockd_pb2 as pb
 from dockd.client.batch import Batch
 from dockd.client.connection import Connection, Pool
 from dockd.config import env_float
-from dockd.errors import DockConnectionError, DockDataLost, DockProtocolError, DockTypeError, DockValueError
+from dockd.errors import DockConnectionError, DockDataLost, DockError, DockProtocolError, DockTypeError, DockValueError
 
 logger = logging.getLogger(__name__)
+
+_CONFIRM_DELAY = 0.02
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -90,13 +93,30 @@ class Dock:
         self._lock = threading.Lock()
         self._closed = False
         self._ctrl = Pool(host, port, connect_timeout=self.connect_timeout)
+        self._confirms: list[int] = []  # leases fetched but not yet confirmed to the controller
+        self._confirm_lock = threading.Lock()
+        self._confirm_wake = threading.Event()
+        self._stop = threading.Event()
+        self._flusher: threading.Thread | None = None
+        self._all_pools: list[Pool] = [self._ctrl]
+        # a Dock dropped without close() (or failing here) still stops its flusher and closes its sockets
+        self._finalizer = weakref.finalize(self, _finalize, self._stop, self._confirm_wake, self._all_pools)
+        self._pools: dict[int, Pool] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        try:
+            self._connect(address, warehouse)
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def _connect(self, address: str, warehouse: int | str | None) -> None:
         hello = self._hello(self._ctrl)
         if not hello.hosts_controller:
             if not hello.controller:
                 raise DockConnectionError(f"{address} is a dockd warehouse that knows no controller")
             logger.info("[client] %s is a warehouse; following it to the controller at %s", address, hello.controller)
             self._ctrl.close()
-            self._ctrl = Pool(*split_address(hello.controller), connect_timeout=self.connect_timeout)
+            self._ctrl = self._all_pools[0] = Pool(*split_address(hello.controller), connect_timeout=self.connect_timeout)
             hello = self._hello(self._ctrl)
         self.address = self._ctrl.address
         self._shm = shm.available() and os.environ.get("DOCKD_TRANSPORT", "auto") != "tcp"
@@ -104,10 +124,8 @@ class Dock:
             unix_pool = self._unix_pool(self._ctrl.host, self._ctrl.port, hello.unix)
             if unix_pool is not None:
                 self._ctrl.close()
-                self._ctrl = unix_pool
+                self._ctrl = self._all_pools[0] = unix_pool
         self._warehouses: dict[int, pb.WarehouseInfo] = {w.id: w for w in hello.warehouses}
-        self._pools: dict[int, Pool] = {}
-        self._executor: ThreadPoolExecutor | None = None
         self.home = self._choose_home(warehouse if warehouse is not None else os.environ.get("DOCKD_WAREHOUSE"))
         w = self._warehouses[self.home]
         logger.info("[client] connected controller=%s transport=%s home_warehouse=%d address=%s:%d transport=%s",
@@ -161,6 +179,8 @@ class Dock:
             new = new or Pool(info.host, info.port, connect_timeout=self.connect_timeout)
             with self._lock:
                 pool = self._pools.setdefault(wid, new)
+                if pool is new:
+                    self._all_pools.append(new)
             if pool is not new:
                 new.close()
             if self._closed:
@@ -173,6 +193,11 @@ class Dock:
         if on_conn is not None:
             on_conn(conn)
         try:
+            if pool is self._ctrl and frame.WhichOneof("kind") != "acquire":
+                # pending confirms go first, on this connection, so this call sees them applied
+                leases = self._take_confirms()
+                if leases:
+                    conn.send(pb.Frame(confirm=pb.ConfirmRequest(leases=leases), oneway=True))
             return conn.call(frame, buffers, size, fds=fds, timeout=timeout)
         finally:
             pool.put(conn)
@@ -257,7 +282,7 @@ class Dock:
             except Exception as e:  # the controller also frees it when this client goes away
                 logger.warning("[client] could not release lease=%d after a failed fetch: %s", lease.id, e)
             raise
-        self.confirm(lease)
+        self._confirm_soon(lease.id)
         return Batch(partition, lease.indexes, values)
 
     def acquire(self, consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None = None,
@@ -280,6 +305,7 @@ class Dock:
                                 timeout=-1.0 if timeout is None else float(timeout))
         if seed is not None:
             req.has_seed, req.seed = True, int(seed)
+        req.confirm.extend(self._take_confirms())
         reply, body, fds = self._call(self._ctrl, pb.Frame(acquire=req), on_conn=_on_conn,
                                       timeout=None if timeout is None else timeout + 30.0)
         a = reply.acquire_reply
@@ -341,9 +367,32 @@ class Dock:
 
     def confirm(self, lease: Lease) -> None:
         """Low-level: the lease's samples were fetched; they are taken for good (one-way)."""
+        self._send_confirms([lease.id, *self._take_confirms()])
+
+    # Confirms of gets ride on the next acquire, or go out on their own after
+    # _CONFIRM_DELAY: a get then costs one wake-up of the controller, not two.
+    # Until confirmed, the controller would give the samples back if this
+    # client died, which is the safe direction.
+    def _confirm_soon(self, lease_id: int) -> None:
+        with self._confirm_lock:
+            self._confirms.append(lease_id)
+            if self._flusher is None:
+                self._flusher = threading.Thread(target=_flush_loop, args=(weakref.ref(self), self._confirm_wake, self._stop),
+                                                 name="dockd-confirm", daemon=True)
+                self._flusher.start()
+        self._confirm_wake.set()
+
+    def _take_confirms(self) -> list[int]:
+        with self._confirm_lock:
+            out, self._confirms = self._confirms, []
+        return out
+
+    def _send_confirms(self, leases: list[int]) -> None:
+        if not leases:
+            return
         conn = self._ctrl.get()
         try:
-            conn.send(pb.Frame(confirm=pb.ConfirmRequest(lease=lease.id), oneway=True))
+            conn.send(pb.Frame(confirm=pb.ConfirmRequest(leases=leases), oneway=True))
         finally:
             self._ctrl.put(conn)
 
@@ -396,9 +445,11 @@ class Dock:
             if self._closed:
                 return
             self._closed = True
-        self._ctrl.close()
-        for pool in list(self._pools.values()):
-            pool.close()
+        try:
+            self._send_confirms(self._take_confirms())
+        except DockError as e:
+            logger.warning("[client] could not confirm fetched leases while closing: %s", e)
+        self._finalizer()
         if self._executor is not None:
             self._executor.shutdown(wait=False)
 
@@ -420,6 +471,29 @@ class Dock:
 
     def __repr__(self) -> str:
         return f"Dock(address={self.address!r}, home_warehouse={self.home}, closed={self._closed})"
+
+
+def _flush_loop(ref: weakref.ref, wake: threading.Event, stop: threading.Event) -> None:
+    """The confirm flusher of one Dock; holds it only weakly so a dropped Dock can be collected."""
+    while not stop.is_set():
+        wake.wait()
+        wake.clear()
+        stop.wait(_CONFIRM_DELAY)  # gather the confirms of a burst of gets
+        dock = ref()
+        if dock is None:
+            return
+        try:
+            dock._send_confirms(dock._take_confirms())
+        except DockError as e:  # the controller is gone or we are closing: it frees the leases itself
+            logger.debug("[client] confirm flush failed: %s", e)
+        del dock
+
+
+def _finalize(stop: threading.Event, wake: threading.Event, pools: list[Pool]) -> None:
+    stop.set()
+    wake.set()
+    for pool in pools:
+        pool.close()
 
 
 def decode_reply(columns: Sequence[pb.ColumnData], body: torch.Tensor, fds: list[int]) -> list[list[Any]]:

@@ -111,6 +111,8 @@ class ControllerService:
 
     def acquire(self, peer: Peer, frame: pb.Frame) -> None:
         r = frame.acquire
+        for lease in r.confirm:
+            self.core.confirm(lease)
         Controller.validate_acquire(r.partition, r.consumer, r.columns, r.count, r.groups)
         if self.closing:
             raise DockClosed("the controller is shutting down")
@@ -126,7 +128,8 @@ class ControllerService:
             w.timer = self.loop.call_later(r.timeout, self._expire_waiter, r.partition, w)
 
     def confirm(self, req: pb.ConfirmRequest) -> None:
-        self.core.confirm(req.lease)
+        for lease in req.leases:
+            self.core.confirm(lease)
 
     def release(self, req: pb.ReleaseRequest) -> int:
         lease = self.core.release(req.lease)

@@ -144,6 +144,7 @@ def test_controller_death_wakes_a_blocked_get(partition):
         t.join(10)
         assert not t.is_alive()
         assert isinstance(errors[0].value, dockd.DockConnectionError)
+        d.close()
     finally:
         c.close()
 
