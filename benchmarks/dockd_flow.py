@@ -5,7 +5,9 @@ Cases (each the median of ``config.repeats`` repeats):
 - throughput, one client: every sample size x batch size x data path. One
   repeat puts ``n`` batches (``[batch, size]`` uint8, one tensor whose first
   dim is the samples) into a fresh partition, then one consumer gets them
-  back ``batch`` at a time, then the partition is cleared. ``n`` moves about
+  back ``batch`` at a time, reading one byte of every page of what it got
+  (``common.touch``: zero-copy results pay their page faults inside the timed
+  get), then the partition is cleared. ``n`` moves about
   ``config.bytes_per_repeat`` per repeat (at least one call).
 - throughput, several clients: ``config.concurrent_clients`` client processes,
   each on its own partition, started together at a barrier; aggregate GB/s is
@@ -25,7 +27,7 @@ import time
 from typing import Any
 
 from . import _dockd
-from .common import BenchConfig, Row, latency_row, median, set_single_thread, throughput_row
+from .common import BenchConfig, Row, latency_row, median, set_single_thread, throughput_row, touch
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +52,7 @@ def _round(dock: Any, partition: str, src: Any, n: int) -> tuple[float, float]:
     t1 = time.perf_counter()
     got = 0
     for _ in range(n):
-        got += len(dock.get(CONSUMER, [COLUMN], batch, partition=partition, timeout=GET_TIMEOUT_S))
+        got += touch(dock.get(CONSUMER, [COLUMN], batch, partition=partition, timeout=GET_TIMEOUT_S)[COLUMN])
     t2 = time.perf_counter()
     if got != n * batch:
         raise RuntimeError(f"dockd returned {got} samples, expected {n * batch}")
@@ -62,22 +64,25 @@ def _has_phases(dock: Any) -> bool:
 
 
 def get_breakdown(dock: Any, partition: str, src: Any, n: int) -> dict[str, float]:
-    """Median seconds per call of each get phase (acquire, fetch, confirm), from one extra untimed-elsewhere pass."""
+    """Median seconds per call of each get phase (acquire, fetch, confirm, touch), from one extra pass."""
     batch = int(src.shape[0])
     for _ in range(n):
         dock.put({COLUMN: src}, partition=partition)
-    phases: dict[str, list[float]] = {"acquire": [], "fetch": [], "confirm": []}
+    phases: dict[str, list[float]] = {"acquire": [], "fetch": [], "confirm": [], "touch": []}
     for _ in range(n):
         t0 = time.perf_counter()
         lease = dock.acquire(CONSUMER, [COLUMN], batch, partition=partition, timeout=GET_TIMEOUT_S)
         t1 = time.perf_counter()
-        dock.fetch(lease)
+        values = dock.fetch(lease)
         t2 = time.perf_counter()
         dock.confirm(lease)
         t3 = time.perf_counter()
+        touch(values[COLUMN])
+        t4 = time.perf_counter()
         phases["acquire"].append(t1 - t0)
         phases["fetch"].append(t2 - t1)
         phases["confirm"].append(t3 - t2)
+        phases["touch"].append(t4 - t3)
     dock.clear(partition)
     return {k: median(v) for k, v in phases.items()}
 
@@ -128,7 +133,7 @@ def measure_latency(dock: Any, path: str, config: BenchConfig) -> list[Row]:
         put_lat.append(time.perf_counter() - t0)
     for _ in range(config.latency_ops):
         t0 = time.perf_counter()
-        dock.get(CONSUMER, [COLUMN], 1, partition=part, timeout=GET_TIMEOUT_S)
+        touch(dock.get(CONSUMER, [COLUMN], 1, partition=part, timeout=GET_TIMEOUT_S)[COLUMN])
         get_lat.append(time.perf_counter() - t0)
     dock.clear(part)
     phases = get_breakdown(dock, f"lat-b-{path}", one, min(config.latency_ops, 500)) if _has_phases(dock) else {}
@@ -167,7 +172,7 @@ def _client_worker(address: str, path: str, size: int, batch: int, n: int, repea
             t2 = time.perf_counter()
             got = 0
             for _ in range(n):
-                got += len(dock.get(CONSUMER, [COLUMN], batch, partition=part, timeout=GET_TIMEOUT_S))
+                got += touch(dock.get(CONSUMER, [COLUMN], batch, partition=part, timeout=GET_TIMEOUT_S)[COLUMN])
             t3 = time.perf_counter()
             if got != n * batch:
                 raise RuntimeError(f"client {who} got {got} samples, expected {n * batch}")

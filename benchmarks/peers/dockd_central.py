@@ -44,8 +44,8 @@ class DockdCentralAdapter(PeerAdapter):
     def put(self, partition: str, batch: Any) -> None:
         self.dock.put({COLUMN: batch}, partition=partition)
 
-    def get(self, partition: str, consumer: str, count: int) -> int:
-        return len(self.dock.get(consumer, [COLUMN], count, partition=partition, timeout=GET_TIMEOUT_S))
+    def get(self, partition: str, consumer: str, count: int) -> Any:
+        return self.dock.get(consumer, [COLUMN], count, partition=partition, timeout=GET_TIMEOUT_S)[COLUMN]
 
     def clear(self, partition: str) -> None:
         self.dock.clear(partition)

@@ -143,7 +143,7 @@ class RayBufferAdapter(PeerAdapter):
 
         ray.get(self.actor.put_experience.remote(partition, {COLUMN: batch}))
 
-    def get(self, partition: str, consumer: str, count: int) -> int:
+    def get(self, partition: str, consumer: str, count: int) -> Any:
         import ray
 
         deadline = time.monotonic() + GET_TIMEOUT_S
@@ -151,7 +151,7 @@ class RayBufferAdapter(PeerAdapter):
             out = ray.get(self.actor.get_experience.remote(partition, consumer, [COLUMN], count))
             if out is not None:
                 _, cols = out
-                return len(cols[COLUMN])
+                return cols[COLUMN]
             if time.monotonic() > deadline:
                 raise TimeoutError(f"ray-actor buffer: {count} samples not ready within {GET_TIMEOUT_S} s")
             time.sleep(POLL_INTERVAL_S)

@@ -81,7 +81,7 @@ class TransferQueueAdapter(PeerAdapter):
     def put(self, partition: str, batch: Any) -> None:
         self.client.put(batch, partition_id=partition)
 
-    def get(self, partition: str, consumer: str, count: int) -> int:
+    def get(self, partition: str, consumer: str, count: int) -> Any:
         deadline = time.monotonic() + GET_TIMEOUT_S
         while True:
             meta = self.client.get_meta(
@@ -93,8 +93,7 @@ class TransferQueueAdapter(PeerAdapter):
                 raise TimeoutError(f"TransferQueue: {count} samples not ready within {GET_TIMEOUT_S} s")
             time.sleep(POLL_SLEEP_S)
         data = self.client.get_data(meta)
-        col = data[COLUMN]
-        return len(col.unbind(0)) if getattr(col, "is_nested", False) else int(col.shape[0])
+        return list(data[COLUMN].unbind(0))  # one tensor per sample (the column may come back nested)
 
     def clear(self, partition: str) -> None:
         self.client.clear_partition(partition)

@@ -3,7 +3,9 @@
 Per sample size S (``config.peer_sample_sizes``) and batch B
 (``config.peer_batch``), one repeat writes ``n`` batches of B samples of S
 bytes into a fresh partition (each call acknowledged before the next), then
-one consumer takes them back ``B`` at a time; then the partition is cleared.
+one consumer takes them back ``B`` at a time, reading one byte of every
+4 KiB page of what it received (``common.touch``; lazily mapped results pay
+their page faults inside the timed get); then the partition is cleared.
 Put and get are timed separately; each figure is the median over
 ``config.repeats`` repeats. A small-operation pass then times single
 ``config.latency_bytes``-byte puts and gets (p50/p99).
@@ -20,7 +22,7 @@ import logging
 import time
 from typing import Any
 
-from ..common import BenchConfig, Row, latency_row, throughput_row
+from ..common import BenchConfig, Row, latency_row, throughput_row, touch
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +52,8 @@ class PeerAdapter(abc.ABC):
         """Write one prepared batch of B new samples; return once acknowledged."""
 
     @abc.abstractmethod
-    def get(self, partition: str, consumer: str, count: int) -> int:
-        """Take ``count`` ready samples for ``consumer``; return how many arrived in this process."""
+    def get(self, partition: str, consumer: str, count: int) -> Any:
+        """Take ``count`` ready samples for ``consumer``; return their tensors (one per sample, or batched)."""
 
     @abc.abstractmethod
     def clear(self, partition: str) -> None:
@@ -80,7 +82,7 @@ def run_workload(adapter: PeerAdapter, config: BenchConfig, scenario: str) -> di
             src = adapter.prepare(torch.full((b, size), 7, dtype=torch.uint8))
             # warm-up: one full round on a throwaway partition
             adapter.put(f"warm-{size}", src)
-            got = adapter.get(f"warm-{size}", CONSUMER, b)
+            got = touch(adapter.get(f"warm-{size}", CONSUMER, b))
             if got != b:
                 raise RuntimeError(f"{adapter.system}: warm-up get returned {got} samples, expected {b}")
             adapter.clear(f"warm-{size}")
@@ -94,7 +96,7 @@ def run_workload(adapter: PeerAdapter, config: BenchConfig, scenario: str) -> di
                 received = 0
                 t0 = time.perf_counter()
                 for _ in range(n):
-                    received += adapter.get(part, CONSUMER, b)
+                    received += touch(adapter.get(part, CONSUMER, b))
                 get_s.append(time.perf_counter() - t0)
                 if received != n * b:
                     raise RuntimeError(f"{adapter.system}: got {received} samples back, expected {n * b}")
@@ -122,7 +124,7 @@ def _latency(adapter: PeerAdapter, config: BenchConfig, scenario: str) -> list[R
     part = "lat"
     for _ in range(min(20, n)):  # warm-up
         adapter.put("lat-warm", one)
-        adapter.get("lat-warm", CONSUMER, 1)
+        touch(adapter.get("lat-warm", CONSUMER, 1))
     adapter.clear("lat-warm")
     put_lat, get_lat = [], []
     for _ in range(n):
@@ -131,7 +133,7 @@ def _latency(adapter: PeerAdapter, config: BenchConfig, scenario: str) -> list[R
         put_lat.append(time.perf_counter() - t0)
     for _ in range(n):
         t0 = time.perf_counter()
-        adapter.get(part, CONSUMER, 1)
+        touch(adapter.get(part, CONSUMER, 1))
         get_lat.append(time.perf_counter() - t0)
     adapter.clear(part)
     rows = [
