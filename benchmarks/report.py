@@ -240,6 +240,13 @@ def _row_cells(r: dict[str, Any]) -> list[str]:
         other = f"{_fmt(r['value'])} {r.get('unit') or ''}".strip()
     elif r.get("extra", {}).get("partition_samples"):
         other = f"partition={r['extra']['partition_samples']:,}"
+        first = r["extra"].get("first_acquire_per_consumer_us")
+        if first:
+            other += f"; first acquire per consumer up to {max(first):,.0f} us"
+    phases = r.get("extra", {}).get("get_phase_s_per_call") or {
+        k: v / 1e6 for k, v in (r.get("extra", {}).get("get_phase_us") or {}).items()}
+    if phases:
+        other = "phases us: " + ", ".join(f"{k} {v * 1e6:,.0f}" for k, v in phases.items())
     return [
         r["system"],
         r["op"],
