@@ -36,6 +36,7 @@ class Handler(Protocol):
     def admit(self, peer: Peer, frame: pb.Frame, body_size: int) -> Awaitable[None] | None: ...
     def allocate(self, size: int):  # -> pa.Buffer or shm.Segment, the body's destination
         ...
+    def on_abandoned(self, peer: Peer, frame: pb.Frame, body_size: int) -> None: ...
     def on_lost(self, peer: Peer) -> None: ...
 
 
@@ -80,6 +81,9 @@ class Peer(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        if self._pending is not None and not self._admitting and self._reject is None and not self._pending[0].reply:
+            self.handler.on_abandoned(self, *self._pending)  # mid-body: the body's admission is void
+            self._pending = None
         err = DockConnectionError(f"connection to {self.name} closed" + (f": {exc}" if exc else ""))
         for fut in self._calls.values():
             if not fut.done():
@@ -166,6 +170,9 @@ class Peer(asyncio.BufferedProtocol):
     def _admitted(self, fut: asyncio.Future) -> None:
         self._admitting = False
         if self.closed:
+            if not fut.cancelled() and fut.exception() is None:
+                self.handler.on_abandoned(self, *self._pending)
+            self._pending = None
             return
         self._reject = fut.exception() if not fut.cancelled() else DockError("admission cancelled")
         self._start_body()

@@ -256,6 +256,19 @@ class Node:
         self._admit_waiters()
         return n
 
+    def _release_room(self, *, unreserve: int = 0, unstore: tuple | None = None) -> None:
+        """Give back room a failed put held, and let waiting puts in."""
+        if unreserve:
+            self.warehouse.unreserve(unreserve)
+        if unstore is not None:
+            self.warehouse.unstore(*unstore)
+        self._admit_waiters()
+
+    def on_abandoned(self, peer: Peer, frame: pb.Frame, body_size: int) -> None:
+        """A client vanished while sending an admitted body: its reservation is free again."""
+        if frame.WhichOneof("kind") == "put":
+            self._release_room(unreserve=body_size)
+
     def _admit_waiters(self) -> None:
         while self._capacity_waiters:
             size, fut = self._capacity_waiters[0]
@@ -272,9 +285,9 @@ class Node:
             return
         fut.set_exception(
             DockFull(
-                f"warehouse {self.wid} stayed full: {size} bytes did not fit next to {self.warehouse.used} used of "
-                f"{self.warehouse.capacity} within the put timeout. Clear finished partitions, consume faster, "
-                "or raise --capacity."
+                f"warehouse {self.wid} stayed full: {size} bytes did not fit next to {self.warehouse.used} stored and "
+                f"{self.warehouse.reserved} in flight of {self.warehouse.capacity} within the put timeout. Clear "
+                "finished partitions, consume faster, or raise --capacity."
             )
         )
         self._admit_waiters()
@@ -317,7 +330,7 @@ class Node:
             if req.indexes:
                 self.warehouse.check_absent(req.partition, req.indexes, (c.name for c in req.columns))
         except Exception:
-            self.warehouse.unreserve(size)
+            self._release_room(unreserve=size)
             raise
         commit = pb.CommitRequest(
             partition=req.partition, indexes=req.indexes, new_count=req.new_count, group_size=req.group_size or 1,
@@ -335,13 +348,13 @@ class Node:
             try:
                 idx = self.controller.commit(commit)
             except Exception:
-                self.warehouse.unstore(req.partition, req.indexes, [c.name for c in req.columns], size)
+                self._release_room(unstore=(req.partition, req.indexes, [c.name for c in req.columns], size))
                 raise
         else:
             try:
                 idx = self.controller.commit(commit)
             except Exception:
-                self.warehouse.unreserve(size)
+                self._release_room(unreserve=size)
                 raise
             self.warehouse.store(req.partition, idx.tolist(), req.columns, buf, size, seg)
         peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=idx.tolist())))
@@ -355,7 +368,7 @@ class Node:
                 try:
                     reply, _ = await self._ctrl_peer.request(pb.Frame(commit=commit))
                 except Exception:
-                    self.warehouse.unstore(req.partition, req.indexes, names, size)
+                    self._release_room(unstore=(req.partition, req.indexes, names, size))
                     raise
                 idx = list(req.indexes)
             else:
@@ -363,7 +376,7 @@ class Node:
                 try:
                     reply, _ = await self._ctrl_peer.request(pb.Frame(commit=commit))
                 except Exception:
-                    self.warehouse.unreserve(size)
+                    self._release_room(unreserve=size)
                     raise
                 else:
                     idx = list(reply.commit_reply.indexes)

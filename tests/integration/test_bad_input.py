@@ -161,3 +161,14 @@ def test_unpicklable_dock_says_what_to_do(dock):
 
     with pytest.raises(TypeError, match="pass its address"):
         pickle.dumps(dock)
+
+
+def test_vanished_sender_gives_back_the_room_it_reserved():
+    with dockd.start_local(1, capacity="1MiB") as c, dockd.connect(c.address) as d:
+        for _ in range(3):  # each would hold 600 kB of the 1 MiB if its reservation leaked
+            s = raw_socket(c.address)
+            req = pb.PutRequest(partition="p", new_count=1, group_size=1, timeout=5)
+            req.columns.add(name="x").values.add(kind=pb.TENSOR, dtype="uint8", shape=[600_000], offset=0, nbytes=600_000)
+            s.sendall(wire.header(pb.Frame(id=1, put=req), 600_000) + bytes(1000))
+            s.close()
+        assert d.put({"x": [torch.zeros(600_000, dtype=torch.uint8)]}, partition="p", timeout=5) == [0]
