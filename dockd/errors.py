@@ -9,7 +9,8 @@
     ├── DockConnectionError    (a daemon cannot be reached or hung up)
     ├── DockProtocolError      (a peer sent a malformed frame)
     ├── DockValueError         (bad argument; also a ValueError)
-    └── DockTypeError          (argument of the wrong type; also a TypeError)
+    ├── DockTypeError          (argument of the wrong type; also a TypeError)
+    └── ReshardError           (dockd.resharding: LayoutError, ReshardStateError, BackendError)
 
 Retryable errors leave the dock as it was. Errors are carried on the wire as a
 `dockd.v1.Code` plus a message (see proto/dockd/v1/dockd.proto) and mapped back
