@@ -310,7 +310,8 @@ class Dock:
                                       timeout=None if timeout is None else timeout + 30.0)
         a = reply.acquire_reply
         for w in a.warehouses:
-            self._warehouses[w.id] = w
+            if w.id not in self._warehouses:
+                self._warehouses[w.id] = w
         idx = list(a.indexes)
         locs = np.asarray(a.locations, dtype=np.int64).reshape(len(columns), len(idx))
         inline = dict(zip((c.name for c in a.inline), decode_reply(a.inline, body, fds)))

@@ -78,6 +78,8 @@ class _Eligible:
         """The n smallest set units (fewer if fewer are set)."""
         out: list[np.ndarray] = []
         need = n
+        if self.total == 0:
+            return np.empty(0, dtype=np.int64)
         for b in np.flatnonzero(self.blocks):
             lo = int(b) << _BLOCK_SHIFT
             found = np.flatnonzero(self.bits[lo : lo + (1 << _BLOCK_SHIFT)]) + lo
@@ -85,7 +87,7 @@ class _Eligible:
             need -= len(out[-1])
             if need <= 0:
                 break
-        return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
+        return out[0] if len(out) == 1 else np.concatenate(out)
 
     def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
         """n distinct set units drawn uniformly at random, in draw order."""

@@ -188,15 +188,19 @@ class ControllerService:
         return res
 
     def _reply_acquired(self, peer: Peer, frame: pb.Frame, r: pb.AcquireRequest, res: AcquireResult) -> None:
-        ids = np.unique(res.locations).tolist()
-        reply = pb.AcquireReply(lease=res.lease, indexes=res.indexes.tolist(), locations=res.locations.ravel().tolist())
-        reply.warehouses.extend(self.warehouse_infos(ids, usage=False))
+        locs = res.locations.ravel().tolist()
+        out = pb.Frame()
+        reply = out.acquire_reply  # filled in place: building a message and wrapping it would copy it
+        reply.lease = res.lease
+        reply.indexes.extend(res.indexes.tolist())
+        reply.locations.extend(locs)
+        reply.warehouses.extend(self.warehouse_infos(sorted(set(locs)), usage=False))
         if r.inline and self.inline is not None:
             cols, body, segs = self.inline(peer, r.partition, list(r.columns), res.indexes, res.locations)
             reply.inline.extend(cols)
-            peer.reply(frame, pb.Frame(acquire_reply=reply), body.buffers, body.size, segs)
+            peer.reply(frame, out, body.buffers, body.size, segs)
             return
-        peer.reply(frame, pb.Frame(acquire_reply=reply))
+        peer.reply(frame, out)
 
     def _wake(self, partition: str) -> None:
         ws = self.waiters.get(partition)
