@@ -48,6 +48,7 @@ def _target(
     unit: str = "x",
     detail: str = "",
     primary: bool = True,
+    needs: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """A target check. ``ratio``: measured/reference against bound; otherwise measured itself."""
     if measured is None or (ratio and not reference):
@@ -67,6 +68,7 @@ def _target(
         "met": met,
         "primary": primary,
         "detail": detail,
+        "needs": list(needs),
     }
 
 
@@ -207,7 +209,32 @@ def compute_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 unit="B",
             )
         )
+    for t in out:
+        t["needs"] = _needs(t["id"])
     return out
+
+
+_NEEDS = (
+    ("same_host_get_vs_memcpy", ("ceilings", "dockd_flow")),
+    ("socket_get_vs_raw_socket", ("ceilings", "dockd_flow")),
+    ("small_get_p50_vs_rtt", ("ceilings", "dockd_flow")),
+    ("vs_transferqueue", ("peer_dockd_central", "peer_transferqueue")),
+    ("vs_ray-actor", ("peer_dockd_central", "peer_ray_buffer")),
+    ("controller_", ("controller_scale",)),
+)
+
+
+def _needs(tid: str) -> list[str]:
+    for prefix, names in _NEEDS:
+        if tid.startswith(prefix):
+            return list(names)
+    return []
+
+
+def relevant_targets(results: dict[str, Any], targets: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The targets that depend on at least one scenario this run attempted."""
+    ran = set(results.get("scenarios", {}))
+    return [t for t in targets if ran & set(t.get("needs") or _needs(t["id"]))]
 
 
 def path_label(path: str | None) -> str:
@@ -296,16 +323,20 @@ def render(results: dict[str, Any], *, markdown: bool = False) -> str:
     for name, sc in results.get("scenarios", {}).items():
         title = sc.get("title", name)
         head = f"### {name}: {title}" if markdown else f"== {name}: {title}"
-        if sc.get("status") == "ok":
+        if sc.get("status") == "ok" and not sc.get("rows"):
+            note = (sc.get("info") or {}).get("note") or "no rows"
+            parts.append(f"{head} ({sc.get('wall_s', 0):.0f} s)\n{note} (in the JSON under scenarios.{name}.info)")
+        elif sc.get("status") == "ok":
             parts.append(f"{head} ({sc.get('wall_s', 0):.0f} s)")
             parts.append(table(ROW_COLUMNS, [_row_cells(r) for r in sc.get("rows", [])]))
         elif sc.get("status") == "skipped":
             parts.append(f"{head}\nSKIPPED: {sc.get('reason')}")
         else:
             parts.append(f"{head}\nFAILED: {sc.get('error', 'unknown error')}")
-    targets = results.get("targets") or compute_targets(results)
-    parts.append("### Targets" if markdown else "== Targets (ratios of values measured in this run)")
-    parts.append(table(("target", "value", "bound", "status", "note"), [_target_cells(t) for t in targets]))
+    targets = relevant_targets(results, results.get("targets") or compute_targets(results))
+    if targets:
+        parts.append("### Targets" if markdown else "== Targets (ratios of values measured in this run)")
+        parts.append(table(("target", "value", "bound", "status", "note"), [_target_cells(t) for t in targets]))
     return "\n\n".join(parts)
 
 
