@@ -266,6 +266,20 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def _git_dirty() -> bool | None:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--", "dockd", "benchmarks"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(out.stdout.strip()) if out.returncode == 0 else None
+
+
 def versions() -> dict[str, Any]:
     """Versions of everything a reader needs to reproduce the numbers."""
     pkgs = ["dockd", "torch", "numpy", "pyarrow", "msgpack", "uvloop", "grpcio", "ray", "transferqueue", "tensordict", "pyzmq"]
@@ -273,6 +287,7 @@ def versions() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "implementation": platform.python_implementation(),
         "dockd_git": _git_commit(),
+        "dockd_git_dirty": _git_dirty(),
         "packages": {name: _pkg_version(name) for name in pkgs},
     }
 
