@@ -269,7 +269,7 @@ def _git_commit() -> str | None:
 def _git_dirty() -> bool | None:
     try:
         out = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--", "dockd", "benchmarks"],
+            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no", "--", "dockd", "benchmarks"],
             capture_output=True,
             text=True,
             timeout=10,
