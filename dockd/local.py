@@ -71,9 +71,11 @@ def _stop_all(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
             p.stdout.close()
 
 
-def spawn_node(args: list[str], *, timeout: float = 60.0, env: dict | None = None) -> tuple[subprocess.Popen, dict]:
-    """Start `dockd serve ARGS` and wait for its ready line; fails fast if it exits."""
-    cmd = [sys.executable, "-m", "dockd", "serve", *args]
+def spawn_node(args: list[str], *, timeout: float = 60.0, env: dict | None = None,
+               prefix: list[str] = ()) -> tuple[subprocess.Popen, dict]:
+    """Start `dockd serve ARGS` (behind a `prefix` such as `ip netns exec NS`) and wait for
+    its ready line; fails fast if it exits."""
+    cmd = [*prefix, sys.executable, "-m", "dockd", "serve", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env)
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 import logging
 import os
@@ -58,19 +59,23 @@ class Lease:
     inline: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # columns that came with the acquire
 
 
+@functools.lru_cache(maxsize=256)
 def _is_local(host: str) -> bool:
+    """Whether `host` names an address of this machine (network namespace): can we bind to it?"""
     try:
-        if ipaddress.ip_address(host).is_loopback:
-            return True
-    except ValueError:
-        if host == "localhost":
-            return True
-    names = {socket.gethostname(), socket.getfqdn()}
-    try:
-        names.update(socket.gethostbyname_ex(socket.gethostname())[2])
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
     except OSError:
-        pass
-    return host in names
+        return False
+    for family, _, _, _, addr in infos:
+        try:
+            if ipaddress.ip_address(addr[0]).is_loopback:
+                return True
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.bind((addr[0], 0))
+            return True
+        except (OSError, ValueError):
+            continue
+    return False
 
 
 class Dock:

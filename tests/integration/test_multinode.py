@@ -1,0 +1,102 @@
+"""Two nodes in their own network namespaces, linked by a veth pair: writes land on
+the writer's node, reads fetch across the link, the controller moves no payload."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+
+from dockd.local import spawn_node
+
+pytestmark = [pytest.mark.multinode, pytest.mark.timeout(240)]
+
+
+def _sh(cmd: str) -> None:
+    subprocess.run(cmd, shell=True, check=True, capture_output=True)
+
+
+@pytest.fixture
+def two_hosts():
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to create network namespaces")
+    tag = uuid.uuid4().hex[:6]
+    a, b = f"dockdA{tag}", f"dockdB{tag}"
+    try:
+        _sh(f"ip netns add {a} && ip netns add {b}")
+        _sh(f"ip link add va{tag} type veth peer name vb{tag}")
+        _sh(f"ip link set va{tag} netns {a} && ip link set vb{tag} netns {b}")
+        _sh(f"ip -n {a} addr add 10.77.0.1/24 dev va{tag} && ip -n {b} addr add 10.77.0.2/24 dev vb{tag}")
+        for ns, dev in ((a, f"va{tag}"), (b, f"vb{tag}")):
+            _sh(f"ip -n {ns} link set lo up && ip -n {ns} link set {dev} up")
+    except subprocess.CalledProcessError as e:
+        subprocess.run(f"ip netns del {a}; ip netns del {b}", shell=True, capture_output=True)
+        pytest.skip(f"cannot create network namespaces here: {e.stderr.decode().strip()}")
+    procs: list[subprocess.Popen] = []
+    try:
+        yield a, b, procs
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            p.stdout.close()
+        subprocess.run(f"ip netns del {a}; ip netns del {b}", shell=True, capture_output=True)
+
+
+def run_in(ns: str, code: str, *args: str) -> str:
+    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", textwrap.dedent(code), *args],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+WRITE = """
+import sys, json, torch, dockd
+with dockd.connect(sys.argv[1]) as d:
+    if sys.argv[2] == "new":
+        idx = d.put({"prompts": torch.arange(64 * 1024, dtype=torch.int32).view(64, 1024)}, partition="p")
+    else:
+        idx = d.put({"responses": torch.ones(64, 4096, dtype=torch.bfloat16)}, partition="p", indexes=list(range(64)))
+    print(json.dumps({"home": d.home, "indexes": idx}))
+"""
+
+READ = """
+import sys, json, torch, dockd
+with dockd.connect(sys.argv[1]) as d:
+    b = d.get(sys.argv[2], ["prompts", "responses"], 64, partition="p", timeout=30)
+    ok = torch.equal(torch.stack(b["prompts"]), torch.arange(64 * 1024, dtype=torch.int32).view(64, 1024))
+    ok &= all(torch.equal(r, torch.ones(4096, dtype=torch.bfloat16)) for r in b["responses"])
+    print(json.dumps({"ok": bool(ok), "indexes": b.indexes, "stats": d.stats()["warehouses"]}))
+"""
+
+
+def test_writes_stay_on_the_writers_node_and_reads_cross_the_link(two_hosts):
+    a, b, procs = two_hosts
+    p0, ready0 = spawn_node(["--host", "10.77.0.1", "--port", "0", "--controller"], prefix=["ip", "netns", "exec", a])
+    procs.append(p0)
+    controller = f"10.77.0.1:{ready0['port']}"
+    p1, ready1 = spawn_node(["--host", "10.77.0.2", "--port", "0", "--join", controller], prefix=["ip", "netns", "exec", b])
+    procs.append(p1)
+
+    wrote_b = json.loads(run_in(b, WRITE, controller, "new"))      # a rollout worker on host B
+    assert wrote_b == {"home": ready1["warehouse"], "indexes": list(range(64))}
+    wrote_a = json.loads(run_in(a, WRITE, controller, "more"))     # a reward worker on host A
+    assert wrote_a["home"] == ready0["warehouse"]
+
+    for ns, consumer in ((a, "trainer_on_a"), (b, "trainer_on_b")):
+        got = json.loads(run_in(ns, READ, controller, consumer))
+        assert got["ok"] and got["indexes"] == list(range(64))
+    whs = {int(k): v for k, v in got["stats"].items()}
+    # each column lives only where it was written: 256 KiB of prompts on B, 512 KiB of responses on A
+    assert 256 * 1024 <= whs[ready1["warehouse"]]["bytes"] < 300 * 1024
+    assert 512 * 1024 <= whs[ready0["warehouse"]]["bytes"] < 560 * 1024
