@@ -88,7 +88,8 @@ class Connection:
         Raises the mapped error on a non-OK status."""
         self.send(frame, buffers, body_size, fds)
         try:
-            self.sock.settimeout(timeout)
+            if timeout is not None:  # each settimeout is a syscall: only pay it when bounded
+                self.sock.settimeout(timeout)
             reply, body, got = self._read_frame()
         except socket.timeout:
             self.broken = True
@@ -96,7 +97,7 @@ class Connection:
         except OSError as e:
             self._raise_io(e)
         finally:
-            if not self.closed:
+            if timeout is not None and not self.closed:
                 self.sock.settimeout(None)
         if reply.id != frame.id and reply.id != 0:
             self.broken = True
