@@ -14,7 +14,7 @@ node read: two buffers with the same ``name`` and ``shard`` share samples.
 
 Switching an OpenRLHF run over is one call before OpenRLHF builds its actors::
 
-    runtime_env = dockd.trainer_plugins.openrlhf.install("10.0.0.1:7070")
+    runtime_env = dockd.trainer_plugins.openrlhf.install("10.0.0.1:7450")
     ray.init(runtime_env=runtime_env)          # Ray workers install it too
     train(args)                                # openrlhf.cli.train_ppo_ray.train
 

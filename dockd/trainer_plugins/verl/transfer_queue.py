@@ -5,7 +5,7 @@ package through its key-value interface. This module implements that
 interface on a dock, so switching is configuration::
 
     from dockd.trainer_plugins.verl import use_dockd_transfer_queue
-    runtime_env = use_dockd_transfer_queue("10.0.0.1:7070")   # before verl imports transfer_queue
+    runtime_env = use_dockd_transfer_queue("10.0.0.1:7450")   # before verl imports transfer_queue
     ray.init(runtime_env=runtime_env)                         # Ray workers switch too
 
 after which ``import transfer_queue as tq`` resolves here in the driver and in
