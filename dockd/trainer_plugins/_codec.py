@@ -21,10 +21,23 @@ _EXT_OBJARRAY = 3
 _EXT_TUPLE = 4
 _EXT_NPSCALAR = 5
 
-_TORCH_DTYPES = {str(dt).removeprefix("torch."): dt for dt in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-)}
+_TORCH_DTYPES = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex64,
+        torch.complex128,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
@@ -56,9 +69,16 @@ def _default(obj: Any) -> msgpack.ExtType:
         return dict(obj)
     if isinstance(obj, list):
         return list(obj)
-    for base in (bool, int, float, str, bytes):  # subclasses such as IntEnum
-        if isinstance(obj, base):
-            return base(obj)
+    if isinstance(obj, bool):  # subclasses such as IntEnum travel as their base type
+        return bool(obj)
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        return float(obj)
+    if isinstance(obj, str):
+        return str(obj)
+    if isinstance(obj, bytes):
+        return bytes(obj)
     raise TypeError(
         f"cannot encode a value of type {type(obj).__name__}: plugins carry tensors, numpy arrays and "
         "msgpack types (str, bytes, int, float, bool, None, lists, tuples, dicts) only, never pickle"

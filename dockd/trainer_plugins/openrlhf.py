@@ -88,7 +88,9 @@ class DockBufferConfig:
         if not self.name or "/" in self.name:
             raise ValueError(f"DockBufferConfig.name must be a non-empty string without '/', got {self.name!r}")
         if self.shard is not None and (not self.shard or "/" in self.shard):
-            raise ValueError(f"DockBufferConfig.shard must be None or a non-empty string without '/', got {self.shard!r}")
+            raise ValueError(
+                f"DockBufferConfig.shard must be None or a non-empty string without '/', got {self.shard!r}"
+            )
         if self.read_timeout < 0 or self.put_timeout < 0:
             raise ValueError("DockBufferConfig timeouts must be >= 0 seconds")
 
@@ -141,7 +143,7 @@ class DockReplayBuffer:
         self._exp_mod = experience_mod
         self._Experience = experience_mod.Experience
         base = config or self._default_config or DockBufferConfig()
-        overrides = {k: v for k, v in dict(address=address, name=name, shard=shard, consumer=consumer).items() if v}
+        overrides: dict[str, Any] = {k: v for k, v in dict(address=address, name=name, shard=shard, consumer=consumer).items() if v}
         self.config = dataclasses.replace(base, **overrides) if overrides else base
         self.sample_batch_size = sample_batch_size
         self.limit = limit
@@ -282,7 +284,7 @@ class DockReplayBuffer:
     def setup_dynamic_batch(self, strategy: Any) -> None:
         """OpenRLHF's own dynamic batching, run on the samples pulled from the dock."""
         self.pull()
-        naive = _openrlhf("openrlhf.trainer.ppo_utils.replay_buffer").NaiveReplayBuffer
+        naive = getattr(_openrlhf("openrlhf.trainer.ppo_utils.replay_buffer"), "NaiveReplayBuffer")
         naive.setup_dynamic_batch(self, strategy)
 
     # -- reading from the dock -----------------------------------------------------
@@ -386,7 +388,7 @@ def _install_local(cfg: DockBufferConfig) -> type[DockReplayBuffer]:
         current = getattr(module, "NaiveReplayBuffer", None)
         if current is not None and not issubclass(current, DockReplayBuffer):
             _originals.setdefault(site, current)
-        module.NaiveReplayBuffer = installed
+        setattr(module, "NaiveReplayBuffer", installed)
     logger.info("[openrlhf] NaiveReplayBuffer -> DockReplayBuffer address=%s name=%s", cfg.address, cfg.name)
     return installed
 
@@ -408,6 +410,6 @@ def uninstall() -> None:
     for site, original in _originals.items():
         module = sys.modules.get(site)
         if module is not None:
-            module.NaiveReplayBuffer = original
+            setattr(module, "NaiveReplayBuffer", original)
     _originals.clear()
     os.environ.pop(ENV_CONFIG, None)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import os
 import logging
+import os
 import resource
 import signal
 import socket
@@ -60,6 +60,7 @@ class Node:
         self._grpc = None
         self._unix: socket.socket | None = None
         self.unix_name = ""
+        self.exit_code = 0
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -161,6 +162,7 @@ class Node:
         self._peers.discard(peer)
         if peer is self._ctrl_peer and not self._stopping.is_set():
             logger.error("[node] lost the controller connection; this warehouse's data is unreachable, stopping")
+            self.exit_code = 3
             self.request_stop()
         if self.controller is not None:
             self.controller.on_lost(peer)
@@ -495,7 +497,7 @@ def serve(cfg: NodeConfig, *, announce=sys.stdout) -> int:
         node = Node(cfg)
         try:
             await node.start()
-        except DockError as e:
+        except (DockError, OSError) as e:
             logger.error("[node] cannot start: %s", e)
             return 2
         loop = asyncio.get_running_loop()
@@ -510,7 +512,7 @@ def serve(cfg: NodeConfig, *, announce=sys.stdout) -> int:
         if announce is not None:
             print(node.ready_line(), file=announce, flush=True)
         await node.serve_until_stopped()
-        return 0
+        return node.exit_code
 
     with asyncio.Runner(loop_factory=_new_loop) as runner:
         return runner.run(main())

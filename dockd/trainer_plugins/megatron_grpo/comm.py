@@ -147,6 +147,7 @@ def broadcast_batch(
         buf = torch.empty(n_header + n_payload, dtype=torch.uint8, device=device)
     dist.broadcast(buf, src=src, group=group)
     if me == src:
+        assert batch is not None
         return batch
     buf = buf.cpu()
     return _unpack(buf[:n_header].numpy().tobytes(), buf[n_header:])
@@ -215,23 +216,36 @@ class TPReader:
         if src:
             try:
                 lease = self.dock.acquire(consumer, list(columns), **get_kwargs)
-                raw = _codec.encode(
-                    {"id": lease.id, "partition": lease.partition, "columns": lease.columns,
-                     "indexes": lease.indexes, "locations": lease.locations}
-                ).numpy().tobytes()
+                raw = (
+                    _codec.encode(
+                        {
+                            "id": lease.id,
+                            "partition": lease.partition,
+                            "columns": lease.columns,
+                            "indexes": lease.indexes,
+                            "locations": lease.locations,
+                        }
+                    )
+                    .numpy()
+                    .tobytes()
+                )
             except Exception as exc:  # tell the peers, then raise here
                 raw = _codec.encode({"error": f"{type(exc).__name__}: {exc}"}).numpy().tobytes()
                 _broadcast_bytes(raw, src=self.tp_src, group=self.tp_group, device=self.device)
                 raise
         meta = _codec.decode(_broadcast_bytes(raw, src=self.tp_src, group=self.tp_group, device=self.device))
         if "error" in meta:
-            raise RuntimeError(f"the first rank of this tensor-parallel group could not acquire samples: {meta['error']}")
+            raise RuntimeError(
+                f"the first rank of this tensor-parallel group could not acquire samples: {meta['error']}"
+            )
         if not src:
-            lease = dockd.Lease(meta["id"], meta["partition"], list(meta["columns"]), list(meta["indexes"]), meta["locations"])
+            lease = dockd.Lease(
+                meta["id"], meta["partition"], list(meta["columns"]), list(meta["indexes"]), meta["locations"]
+            )
         values = self.dock.fetch(lease)
         if src:
             # the data stays readable until the partition is cleared, so the first rank
             # confirms after its own fetch; a peer whose fetch fails raises on its side
             self.dock.confirm(lease)
-        assert values is not None
+        assert lease is not None
         return LocalBatch(indexes=list(lease.indexes), columns={c: values[c] for c in columns})

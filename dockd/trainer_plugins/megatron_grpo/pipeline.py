@@ -181,7 +181,13 @@ class GRPOPipeline:
             stage_seconds=times,
         )
         self.history.append(metrics)
-        logger.info("[megatron_grpo] step=%d reward_mean=%.3f loss=%.4f seconds=%.2f", step, metrics.reward_mean, metrics.loss, metrics.seconds)
+        logger.info(
+            "[megatron_grpo] step=%d reward_mean=%.3f loss=%.4f seconds=%.2f",
+            step,
+            metrics.reward_mean,
+            metrics.loss,
+            metrics.seconds,
+        )
         return metrics
 
     def run(self, steps: int, on_step: Callable[[StepMetrics], Any] | None = None) -> list[StepMetrics]:

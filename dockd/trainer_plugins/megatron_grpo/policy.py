@@ -25,7 +25,9 @@ def megatron(module: str = "megatron.core") -> Any:
     return require(module, extra="megatron", what="dockd.trainer_plugins.megatron_grpo")
 
 
-def _cpu_get_tensor(self: Any, tensor_shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None) -> torch.Tensor:
+def _cpu_get_tensor(
+    self: Any, tensor_shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None
+) -> torch.Tensor:
     required = reduce(operator.mul, tensor_shape, 1)
     buf = self.buffer.get((name, dtype))
     if buf is None or buf.numel() < required:

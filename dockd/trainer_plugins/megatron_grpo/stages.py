@@ -120,7 +120,9 @@ class RewardStage:
         )
         scores = self.reward_fn(torch.stack(batch[c.prompts]), torch.stack(batch[c.responses])).float()
         if scores.shape != (len(batch.indexes),):
-            raise ValueError(f"reward_fn must return one score per sample, shape ({len(batch.indexes)},), got {tuple(scores.shape)}")
+            raise ValueError(
+                f"reward_fn must return one score per sample, shape ({len(batch.indexes)},), got {tuple(scores.shape)}"
+            )
         self.ctx.dock.put({c.rm_scores: scores}, partition=partition, indexes=batch.indexes)
         return scores
 
@@ -222,4 +224,3 @@ class UpdateStage:
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=group)
                 p.grad.div_(world)
-

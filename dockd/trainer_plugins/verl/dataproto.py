@@ -125,7 +125,8 @@ def batch_to_data_proto(
         if conflicts:
             logger.warning(
                 "[verl] batch spans %d puts whose meta_info disagree on keys=%s; kept the first put's values",
-                len(seen), sorted(conflicts),
+                len(seen),
+                sorted(conflicts),
             )
     td = tensordict.TensorDict(tensors, batch_size=[n]) if tensors else None
     return protocol.DataProto(batch=td, non_tensor_batch=non_tensors, meta_info=meta_info)

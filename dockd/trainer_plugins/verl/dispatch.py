@@ -131,7 +131,9 @@ def shard_counts(total: int, world_size: int) -> list[int]:
 
 def dispatch_dock_shards(worker_group: Any, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """verl dispatch_fn: turn the one `DockRequest` argument into one `DockShard` per worker."""
-    requests = [a for a in args if isinstance(a, DockRequest)] + [v for v in kwargs.values() if isinstance(v, DockRequest)]
+    requests = [a for a in args if isinstance(a, DockRequest)] + [
+        v for v in kwargs.values() if isinstance(v, DockRequest)
+    ]
     if len(requests) != 1:
         raise TypeError(
             f"a DOCK_DISPATCH method takes exactly one DockRequest argument, got {len(requests)}; "

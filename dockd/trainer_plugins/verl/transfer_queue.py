@@ -191,8 +191,15 @@ class _Client:
             elif any(k not in part.keys for k in keys):
                 missing = [k for k in keys if k not in part.keys][:5]
                 raise ValueError(f"kv_batch_put with tags only names keys that hold no data yet: {missing}")
-            entry = {"op": "put", "keys": list(keys), "indexes": indexes, "gen": part.gen,
-                     "fields": kinds, "wid": int(self.dock.home), "tags": list(tags) if tags is not None else None}
+            entry = {
+                "op": "put",
+                "keys": list(keys),
+                "indexes": indexes,
+                "gen": part.gen,
+                "fields": kinds,
+                "wid": int(self.dock.home),
+                "tags": list(tags) if tags is not None else None,
+            }
             self._log(pid, entry)
             self._apply(part, entry)
             self.sync(pid)
@@ -243,11 +250,13 @@ class _Client:
                     out[f] = torch.nested.nested_tensor(vals, layout=torch.jagged)
         return tensordict.TensorDict(out, batch_size=[len(keys)])
 
-    def list(self, pid: str | None) -> dict[str, dict[str, Any]]:
+    def list_keys(self, pid: str | None) -> dict[str, dict[str, Any]]:
         if pid is not None:
             pids = [pid]
         else:
-            pids = sorted(p.removeprefix("tq-meta/") for p in self.dock.stats()["partitions"] if p.startswith("tq-meta/"))
+            pids = sorted(
+                p.removeprefix("tq-meta/") for p in self.dock.stats()["partitions"] if p.startswith("tq-meta/")
+            )
         out: dict[str, dict[str, Any]] = {}
         with self.lock:
             for p in pids:
@@ -258,7 +267,7 @@ class _Client:
     def clear(self, keys: list[str], pid: str) -> None:
         with self.lock:
             part = self.sync(pid)
-            entry = {"op": "clear", "keys": list(keys)}
+            entry: dict[str, Any] = {"op": "clear", "keys": list(keys)}
             self._log(pid, entry)
             self._apply(part, entry)
             self.sync(pid)
@@ -281,7 +290,7 @@ class _Client:
 
 def _field_items(fields: Any, n: int) -> list[tuple[str, Any]]:
     items = list(fields.items())
-    out = []
+    out: list[tuple[str, Any]] = []
     for name, values in items:
         if isinstance(values, torch.Tensor):
             if values.shape[0] != n:
@@ -348,19 +357,31 @@ def _keys(keys: list[str] | str) -> list[str]:
 
 def _no_parser(data_parser: Any) -> None:
     if data_parser is not None:
-        raise NotImplementedError("data_parser is a SimpleStorage-only TransferQueue feature; dockd does not support it")
+        raise NotImplementedError(
+            "data_parser is a SimpleStorage-only TransferQueue feature; dockd does not support it"
+        )
 
 
-def kv_put(key: str, partition_id: str, fields: Any = None, tag: dict[str, Any] | None = None,
-           data_parser: Callable[[Any], Any] | None = None) -> KVBatchMeta:
+def kv_put(
+    key: str,
+    partition_id: str,
+    fields: Any = None,
+    tag: dict[str, Any] | None = None,
+    data_parser: Callable[[Any], Any] | None = None,
+) -> KVBatchMeta:
     _no_parser(data_parser)
     if isinstance(fields, dict):
         fields = {k: (v.unsqueeze(0) if isinstance(v, torch.Tensor) else [v]) for k, v in fields.items()}
     return _get().put([key], partition_id, fields, [tag] if tag is not None else None)
 
 
-def kv_batch_put(keys: list[str], partition_id: str, fields: Any = None, tags: list[dict[str, Any]] | None = None,
-                 data_parser: Callable[[Any], Any] | None = None) -> KVBatchMeta:
+def kv_batch_put(
+    keys: list[str],
+    partition_id: str,
+    fields: Any = None,
+    tags: list[dict[str, Any]] | None = None,
+    data_parser: Callable[[Any], Any] | None = None,
+) -> KVBatchMeta:
     _no_parser(data_parser)
     return _get().put(_keys(keys), partition_id, fields, tags)
 
@@ -377,7 +398,7 @@ def kv_batch_get_by_meta(meta: KVBatchMeta, select_fields: list[str] | str | Non
 
 
 def kv_list(partition_id: str | None = None) -> dict[str, dict[str, Any]]:
-    return _get().list(partition_id)
+    return _get().list_keys(partition_id)
 
 
 def kv_clear(keys: list[str] | str, partition_id: str) -> None:
