@@ -50,6 +50,10 @@ def _demo(args) -> int:
 
 
 def _bench(args) -> int:
+    import os
+
+    if os.path.isdir("benchmarks") and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # the benchmarks live in the source tree, not the wheel
     try:
         from benchmarks.__main__ import main as bench_main
     except ImportError:
@@ -87,14 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("address", help="controller host:port")
     st.set_defaults(fn=_stats)
 
-    b = sub.add_parser("bench", help="run the sample-flow benchmarks (from a source checkout)", add_help=False)
-    b.add_argument("rest", nargs=argparse.REMAINDER)
-    b.set_defaults(fn=_bench)
+    b = sub.add_parser("bench", help="run the sample-flow benchmarks (from a source checkout); --help for theirs",
+                       add_help=False)
+    b.set_defaults(fn=_bench, rest=[])
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if args.cmd == "bench":
+        args.rest = extra  # everything after `bench` belongs to the benchmark runner
+    elif extra:
+        build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging(getattr(args, "serve_log_level", None) or args.log_level)
     try:
         return args.fn(args)
