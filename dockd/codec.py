@@ -147,17 +147,21 @@ def check_value(meta: pb.Value, body_size: int) -> None:
         raise DockProtocolError(f"unknown value kind {meta.kind}")
 
 
-def decode_value(meta: pb.Value, body: torch.Tensor, base: int = 0) -> Any:
-    """A value from its metadata and a uint8 tensor holding the body from offset `base` on (tensors are views of it)."""
-    raw = body[meta.offset - base : meta.offset - base + meta.nbytes]
+def decode_value(meta: pb.Value, buf, base: int = 0) -> Any:
+    """A value from its metadata and the buffer holding bytes [base, ...) of its body or segment.
+
+    `buf` is any writable buffer (a memoryview of the received body, an mmap):
+    tensors are zero-copy views of it and keep it alive."""
+    off = meta.offset - base
     if meta.kind == pb.MSGPACK:
-        return msgpack.unpackb(raw.numpy().tobytes(), raw=False, strict_map_key=False)
+        return msgpack.unpackb(memoryview(buf)[off : off + meta.nbytes], raw=False, strict_map_key=False)
     dtype = DTYPES[meta.dtype]
     shape = tuple(meta.shape)
     if meta.nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    return raw.view(dtype).view(shape)
+    t = torch.frombuffer(buf, dtype=dtype, count=meta.nbytes // _ITEMSIZE[meta.dtype], offset=off)
+    return t if len(shape) == 1 else t.view(shape)  # a view costs more than the frombuffer: skip it for 1-D
 
 
-def decode_columns(columns: Sequence[pb.ColumnData], body: torch.Tensor) -> dict[str, list[Any]]:
-    return {c.name: [decode_value(v, body) for v in c.values] for c in columns}
+def decode_columns(columns: Sequence[pb.ColumnData], buf) -> dict[str, list[Any]]:
+    return {c.name: [decode_value(v, buf) for v in c.values] for c in columns}

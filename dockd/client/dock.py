@@ -55,7 +55,7 @@ class Lease:
     partition: str
     columns: list[str]
     indexes: list[int]
-    locations: np.ndarray  # warehouse id per (column, sample)
+    locations: np.ndarray | None  # warehouse id per (column, sample); None when every column came inline
     inline: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # columns that came with the acquire
 
 
@@ -318,8 +318,10 @@ class Dock:
             if w.id not in self._warehouses:
                 self._warehouses[w.id] = w
         idx = list(a.indexes)
-        locs = np.asarray(a.locations, dtype=np.int64).reshape(len(columns), len(idx))
         inline = dict(zip((c.name for c in a.inline), decode_reply(a.inline, body, fds)))
+        locs = None  # only needed to fetch what did not come inline
+        if len(inline) < len(columns):
+            locs = np.asarray(a.locations, dtype=np.int64).reshape(len(columns), len(idx))
         return Lease(a.lease, partition, list(columns), idx, locs, inline)
 
     def fetch(self, lease: Lease) -> dict[str, list[Any]]:
@@ -507,7 +509,7 @@ def decode_reply(columns: Sequence[pb.ColumnData], body: torch.Tensor, fds: list
 
     Each segment is mapped once (the range its values span) and its descriptor
     closed; the tensors keep the mapping, and so the memory, alive."""
-    maps: dict[int, tuple[torch.Tensor, int]] = {}
+    maps: dict[int, tuple[mmap.mmap, int]] = {}
     try:
         if fds:
             spans: dict[int, list[int]] = {}
@@ -521,12 +523,13 @@ def decode_reply(columns: Sequence[pb.ColumnData], body: torch.Tensor, fds: list
                 if not 0 < k <= len(fds):
                     raise DockProtocolError(f"value refers to descriptor {k} of {len(fds)} passed")
                 mm, delta = shm.map_private(fds[k - 1], lo, hi)
-                maps[k] = (torch.frombuffer(mm, dtype=torch.uint8), lo - delta)
+                maps[k] = (mm, lo - delta)
     finally:
         for fd in fds:
             os.close(fd)
+    buf = memoryview(body.numpy())
     return [
-        [codec.decode_value(v, *maps[v.segment]) if v.segment else codec.decode_value(v, body) for v in c.values]
+        [codec.decode_value(v, *maps[v.segment]) if v.segment else codec.decode_value(v, buf) for v in c.values]
         for c in columns
     ]
 

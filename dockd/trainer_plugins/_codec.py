@@ -87,7 +87,8 @@ def _default(obj: Any) -> msgpack.ExtType:
 
 def _pack(obj: Any) -> bytes:
     # tuples must reach `_default`, so msgpack must not turn them into lists itself
-    return msgpack.packb(obj, default=_default, use_bin_type=True, strict_types=True)
+    raw: bytes = msgpack.packb(obj, default=_default, use_bin_type=True, strict_types=True)
+    return raw
 
 
 def _ext_hook(code: int, data: bytes) -> Any:

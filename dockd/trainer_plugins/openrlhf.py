@@ -143,7 +143,9 @@ class DockReplayBuffer:
         self._exp_mod = experience_mod
         self._Experience = experience_mod.Experience
         base = config or self._default_config or DockBufferConfig()
-        overrides: dict[str, Any] = {k: v for k, v in dict(address=address, name=name, shard=shard, consumer=consumer).items() if v}
+        overrides: dict[str, Any] = {
+            k: v for k, v in dict(address=address, name=name, shard=shard, consumer=consumer).items() if v
+        }
         self.config = dataclasses.replace(base, **overrides) if overrides else base
         self.sample_batch_size = sample_batch_size
         self.limit = limit

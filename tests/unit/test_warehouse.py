@@ -26,7 +26,7 @@ def test_store_fetch_free_and_accounting():
     w.store("p", [0, 1], cols, buf, buf.size)
     assert (w.used, w.reserved) == (buf.size, 0)
     (name, vals), = w.fetch("p", [("x", [1, 0])])
-    body = torch.frombuffer(bytearray(buf.to_pybytes()), dtype=torch.uint8)
+    body = bytearray(buf.to_pybytes())
     for s in vals:  # stored values are zero-copy slices of the put's body
         assert s.data.address == buf.address + s.meta.offset
     got = [codec.decode_value(s.meta, body) for s in vals]

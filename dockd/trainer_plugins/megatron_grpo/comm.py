@@ -9,7 +9,8 @@ docs/plugins.md):
 * ``"broadcast"``: the group's first rank fetches from the dock and broadcasts
   the batch (three collectives: header length, header, one flat payload);
 * ``"shared"``: the group's first rank acquires the samples (metadata only)
-  and broadcasts the lease (indexes + warehouse locations); every rank then
+  and broadcasts the lease (indexes + warehouse locations, plus the small
+  columns the controller sent inline with it); every rank then
   fetches the data itself, through same-host shared memory where the
   warehouse is local.
 
@@ -166,6 +167,12 @@ def _broadcast_bytes(raw: bytes | None, *, src: int, group: Any, device: torch.d
     return raw if me == src and raw is not None else buf.cpu().numpy().tobytes()
 
 
+def _make_lease(meta: dict[str, Any]) -> Any:
+    args = (meta["id"], meta["partition"], list(meta["columns"]), list(meta["indexes"]), meta["locations"])
+    inline = meta.get("inline") or {}
+    return dockd.Lease(*args, inline=inline) if inline else dockd.Lease(*args)
+
+
 class TPReader:
     """Reads one batch for every rank of a tensor-parallel group.
 
@@ -224,6 +231,8 @@ class TPReader:
                             "columns": lease.columns,
                             "indexes": lease.indexes,
                             "locations": lease.locations,
+                            # small columns the controller sent along with the acquire
+                            "inline": getattr(lease, "inline", {}),
                         }
                     )
                     .numpy()
@@ -239,9 +248,7 @@ class TPReader:
                 f"the first rank of this tensor-parallel group could not acquire samples: {meta['error']}"
             )
         if not src:
-            lease = dockd.Lease(
-                meta["id"], meta["partition"], list(meta["columns"]), list(meta["indexes"]), meta["locations"]
-            )
+            lease = _make_lease(meta)
         values = self.dock.fetch(lease)
         if src:
             # the data stays readable until the partition is cleared, so the first rank

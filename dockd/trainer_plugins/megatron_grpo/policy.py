@@ -32,7 +32,8 @@ def _cpu_get_tensor(
     buf = self.buffer.get((name, dtype))
     if buf is None or buf.numel() < required:
         buf = self.buffer[(name, dtype)] = torch.empty(required, dtype=dtype)
-    return buf[:required].view(*tensor_shape)
+    out: torch.Tensor = buf[:required].view(*tensor_shape)
+    return out
 
 
 def init_model_parallel(*, tensor_parallel_size: int, seed: int, device: torch.device | str) -> None:
@@ -84,20 +85,22 @@ def build_tiny_gpt(
         attention_dropout=0.0,
         params_dtype=torch.float32,
     )
-    return gpt.GPTModel(
+    model: torch.nn.Module = gpt.GPTModel(
         config=config,
         transformer_layer_spec=specs.get_gpt_layer_local_spec(),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         parallel_output=True,
     )
+    return model
 
 
 def _forward(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     b, s = input_ids.shape
     position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
     causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).triu(1)[None, None]
-    return model(input_ids, position_ids, causal)
+    logits: torch.Tensor = model(input_ids, position_ids, causal)
+    return logits
 
 
 def response_log_probs(
@@ -111,7 +114,8 @@ def response_log_probs(
     tp = megatron("megatron.core.tensor_parallel")
     logits = _forward(model, input_ids)[:, prompt_length - 1 : -1].float() / temperature
     target = input_ids[:, prompt_length:]
-    return -tp.vocab_parallel_cross_entropy(logits.contiguous(), target)
+    nll: torch.Tensor = tp.vocab_parallel_cross_entropy(logits.contiguous(), target)
+    return -nll
 
 
 @torch.no_grad()

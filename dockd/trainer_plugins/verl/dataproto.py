@@ -129,7 +129,8 @@ def batch_to_data_proto(
                 sorted(conflicts),
             )
     td = tensordict.TensorDict(tensors, batch_size=[n]) if tensors else None
-    return protocol.DataProto(batch=td, non_tensor_batch=non_tensors, meta_info=meta_info)
+    data: DataProto = protocol.DataProto(batch=td, non_tensor_batch=non_tensors, meta_info=meta_info)
+    return data
 
 
 def _stack_rows(items: list[Any]) -> np.ndarray:

@@ -67,7 +67,7 @@ class KVBatchMeta:
     """Same fields as ``transfer_queue.KVBatchMeta``."""
 
     keys: list[str] = dataclasses.field(default_factory=list)
-    tags: list[dict] = dataclasses.field(default_factory=list)
+    tags: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     partition_id: str | None = None
     fields: list[str] | None = None
     extra_info: dict[str, Any] | None = dataclasses.field(default_factory=dict)
