@@ -14,7 +14,6 @@ from collections.abc import Iterable, Sequence
 
 import pyarrow as pa
 
-from dockd import codec
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockFull, DockNotFound, DockValueError
 

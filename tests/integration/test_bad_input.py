@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import struct
 
 import pytest
 import torch
