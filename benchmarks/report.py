@@ -391,7 +391,7 @@ def plot(results: dict[str, Any], out_png: str | Path) -> Path | None:
                 r = _find(ceil, op=cop, sample_bytes=s * batch)
                 if r and r.get("gbps"):
                     pts.append((s, r["gbps"]))
-            series.append((f"{label} (payload = sample x {batch})", pts, {"linestyle": style, "color": "k" if cop == "copy" else "grey"}))
+            series.append((f"{label} (payload = sample x {batch})", pts, {"linestyle": style, "color": "black", "linewidth": 1.2}))
         for label, pts, style in series:
             if not pts:
                 continue
