@@ -99,7 +99,10 @@ def _worker(rank: int, world: int, port: int, address: str, args: dict[str, Any]
         def report(m: Any) -> None:
             if rank == 0:
                 bar = "#" * int(round(m.reward_mean * 40))
-                print(f"step {m.step:3d}  reward {m.reward_mean:.3f}  {bar:<40s}  loss {m.loss:+.4f}  {m.seconds:.2f}s", flush=True)
+                print(
+                    f"step {m.step:3d}  reward {m.reward_mean:.3f}  {bar:<40s}  loss {m.loss:+.4f}  {m.seconds:.2f}s",
+                    flush=True,
+                )
 
         history = pipe.run(args["steps"], on_step=report)
         pipe.close()
@@ -158,8 +161,14 @@ def run(
     import tempfile
 
     args = dict(
-        steps=steps, prompts=prompts, group_size=group_size, response_length=response_length,
-        lr=lr, kl_coef=kl_coef, tp_fetch=tp_fetch, seed=seed,
+        steps=steps,
+        prompts=prompts,
+        group_size=group_size,
+        response_length=response_length,
+        lr=lr,
+        kl_coef=kl_coef,
+        tp_fetch=tp_fetch,
+        seed=seed,
     )
     out_path = json_path or os.path.join(tempfile.mkdtemp(prefix="grpo_tiny-"), "curve.json")
     port = _free_port()
@@ -192,8 +201,16 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     result = run(
-        steps=a.steps, prompts=a.prompts, group_size=a.group_size, response_length=a.response_length,
-        lr=a.lr, kl_coef=a.kl_coef, tp_fetch=a.tp_fetch, seed=a.seed, json_path=a.json, address=a.address,
+        steps=a.steps,
+        prompts=a.prompts,
+        group_size=a.group_size,
+        response_length=a.response_length,
+        lr=a.lr,
+        kl_coef=a.kl_coef,
+        tp_fetch=a.tp_fetch,
+        seed=a.seed,
+        json_path=a.json,
+        address=a.address,
     )
     rewards = result["reward"]
     k = min(10, len(rewards) // 2) or 1

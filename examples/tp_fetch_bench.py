@@ -49,7 +49,9 @@ def _worker(rank: int, world: int, port: int, address: str, repeats: int, out: A
     for n, length, dtype in SHAPES:
         mib = n * length * torch.empty(0, dtype=dtype).element_size() / 2**20
         for mode in ("one-rank", "broadcast", "shared"):
-            reader = TPReader(dock, mode="broadcast" if mode == "one-rank" else mode, tp_group=group, tp_src=0, tp_rank=rank)
+            reader = TPReader(
+                dock, mode="broadcast" if mode == "one-rank" else mode, tp_group=group, tp_src=0, tp_rank=rank
+            )
             times = []
             for r in range(repeats + 2):
                 part = f"bench/{mode}/{n}x{length}/{r}"
@@ -88,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with dockd.start_local(num_warehouses=1) as cluster:
-        mp.start_processes(_worker, args=(2, port, cluster.address, a.repeats, out), nprocs=2, join=True, start_method="spawn")
+        mp.start_processes(
+            _worker, args=(2, port, cluster.address, a.repeats, out), nprocs=2, join=True, start_method="spawn"
+        )
     rows = out.get()
     print(f"{'batch':<24}{'MiB':>8}  {'mode':<10}{'median ms':>10}")
     for name, mib, mode, sec in rows:

@@ -59,13 +59,14 @@ def bench_tq(repeats: int) -> dict[str, float]:
         tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 2}}}))
         counter = [0]
         for n, length in SHAPES:
-            def tags_only() -> None:
+
+            def tags_only(n: int = n) -> None:
                 counter[0] += 1
                 keys = [f"m{counter[0]}-{i}" for i in range(n)]
                 tq.kv_batch_put(keys=keys, partition_id="meta", tags=[{"s": 1}] * n)
                 tq.kv_clear(keys=keys, partition_id="meta")
 
-            def put_get() -> None:
+            def put_get(n: int = n, length: int = length) -> None:
                 counter[0] += 1
                 keys = [f"d{counter[0]}-{i}" for i in range(n)]
                 fields = TensorDict({"input_ids": torch.ones(n, length, dtype=torch.int64)}, batch_size=n)
@@ -87,7 +88,8 @@ def bench_dockd(repeats: int) -> dict[str, float]:
     with dockd.start_local(num_warehouses=2) as cluster, dockd.connect(cluster.address) as dock:
         counter = [0]
         for n, length in SHAPES:
-            def put_get() -> None:
+
+            def put_get(n: int = n, length: int = length) -> None:
                 counter[0] += 1
                 part = f"b{counter[0]}"
                 dock.put({"input_ids": torch.ones(n, length, dtype=torch.int64)}, partition=part)

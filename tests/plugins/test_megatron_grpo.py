@@ -130,9 +130,21 @@ def test_grpo_tiny_reward_rises(tmp_path: Path) -> None:
     """The example end to end: TP=2 over gloo, two processes, every stage through the dock."""
     curve, png = tmp_path / "curve.json", tmp_path / "curve.png"
     proc = subprocess.run(
-        [sys.executable, "-W", "ignore", str(REPO / "examples" / "grpo_tiny.py"), "--steps", "40",
-         "--json", str(curve), "--plot", str(png)],
-        capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-W",
+            "ignore",
+            str(REPO / "examples" / "grpo_tiny.py"),
+            "--steps",
+            "40",
+            "--json",
+            str(curve),
+            "--plot",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
     result: dict[str, Any] = json.loads(curve.read_text())

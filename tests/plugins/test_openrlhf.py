@@ -19,7 +19,7 @@ from openrlhf.trainer.ppo_utils import Experience, NaiveReplayBuffer  # noqa: E4
 from dockd.trainer_plugins import openrlhf as plugin  # noqa: E402
 
 # Builds deterministic batched Experiences with every field set; run in this process and in writers.
-MAKE_EXPERIENCES = r'''
+MAKE_EXPERIENCES = r"""
 import torch
 from openrlhf.trainer.ppo_utils import Experience
 
@@ -59,7 +59,7 @@ def make_experience(seed, batch=4):
             "tags": [["a", seed, i] for i in range(batch)],
         },
     )
-'''
+"""
 _ns: dict[str, Any] = {}
 exec(MAKE_EXPERIENCES, _ns)
 make_experience = _ns["make_experience"]
@@ -111,7 +111,8 @@ def test_import_does_not_import_openrlhf(run_python: Any) -> None:
         """
         import sys
         import dockd.trainer_plugins.openrlhf, dockd.trainer_plugins.verl, dockd.trainer_plugins.megatron_grpo
-        print(sorted(m for m in sys.modules if m.split('.')[0] in ('openrlhf', 'verl', 'megatron', 'tensordict', 'ray')))
+        frameworks = ('openrlhf', 'verl', 'megatron', 'tensordict', 'ray', 'transfer_queue')
+        print(sorted(m for m in sys.modules if m.split('.')[0] in frameworks))
         """
     )
     assert out.strip() == "[]"
@@ -123,7 +124,9 @@ def test_missing_framework_names_the_extra() -> None:
             plugin.DockReplayBuffer(2, address="127.0.0.1:1")
 
 
-def test_every_field_round_trips_like_naive_buffer(make_buffer: Any, dock_cluster: dockd.LocalCluster, naive_buffer: Any) -> None:
+def test_every_field_round_trips_like_naive_buffer(
+    make_buffer: Any, dock_cluster: dockd.LocalCluster, naive_buffer: Any
+) -> None:
     buf = make_buffer(2, name="rt", shard="s0")
     for seed in (1, 2):
         naive_buffer.append(make_experience(seed))
@@ -137,7 +140,9 @@ def test_every_field_round_trips_like_naive_buffer(make_buffer: Any, dock_cluste
     assert {int(e.sequences.shape[0]) for e in buf.items} != {12}
 
 
-def test_appended_in_another_process_read_here(make_buffer: Any, dock_cluster: dockd.LocalCluster, naive_buffer: Any, run_python: Any) -> None:
+def test_appended_in_another_process_read_here(
+    make_buffer: Any, dock_cluster: dockd.LocalCluster, naive_buffer: Any, run_python: Any
+) -> None:
     run_python(
         MAKE_EXPERIENCES
         + f"""
@@ -161,7 +166,9 @@ buf.close()
     assert len(other) == 12
 
 
-def test_openrlhf_dataloader_pattern_matches_naive(make_buffer: Any, dock_cluster: dockd.LocalCluster, naive_buffer: Any) -> None:
+def test_openrlhf_dataloader_pattern_matches_naive(
+    make_buffer: Any, dock_cluster: dockd.LocalCluster, naive_buffer: Any
+) -> None:
     buf = make_buffer(2, name="dl", shard="s0")
     for seed in (21, 22):
         buf.append(make_experience(seed))

@@ -28,7 +28,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
 ]
 
-MAKE_DATA = r'''
+MAKE_DATA = r"""
 import numpy as np, torch
 from verl import DataProto
 
@@ -58,7 +58,7 @@ def make_data(seed, n=6):
         },
         meta_info={"global_steps": seed, "temperature": 0.7, "eos_token_id": [2, 3], "validate": False},
     )
-'''
+"""
 _ns: dict[str, Any] = {}
 exec(MAKE_DATA, _ns)
 make_data = _ns["make_data"]
@@ -106,14 +106,25 @@ def test_data_proto_round_trip_bit_exact(dock: dockd.Dock) -> None:
     idx = plugin.put_data_proto(dock, data, partition="verl-rt", group_size=2)
     assert idx == list(range(6))
     back = plugin.get_data_proto(
-        dock, consumer="trainer", count=6, partition="verl-rt", batch_keys=BATCH_KEYS, non_tensor_batch_keys=NT_KEYS,
+        dock,
+        consumer="trainer",
+        count=6,
+        partition="verl-rt",
+        batch_keys=BATCH_KEYS,
+        non_tensor_batch_keys=NT_KEYS,
         timeout=5.0,
     )
     assert_same_data(back, data)
     # a subset of keys, whole groups only, for another consumer
     sub = plugin.get_data_proto(
-        dock, consumer="ref", count=4, partition="verl-rt", batch_keys=["input_ids"], non_tensor_batch_keys=["uid"],
-        groups=True, timeout=5.0,
+        dock,
+        consumer="ref",
+        count=4,
+        partition="verl-rt",
+        batch_keys=["input_ids"],
+        non_tensor_batch_keys=["uid"],
+        groups=True,
+        timeout=5.0,
     )
     assert list(sub.non_tensor_batch["uid"]) == ["uid-1-0", "uid-1-0", "uid-1-1", "uid-1-1"]
     assert torch.equal(sub.batch["input_ids"], data.batch["input_ids"][:4])
@@ -132,8 +143,13 @@ with dockd.connect({dock_cluster.address!r}) as dock:
 """
     )
     back = plugin.get_data_proto(
-        dock, consumer="trainer", count=12, partition="verl-xproc", batch_keys=BATCH_KEYS,
-        non_tensor_batch_keys=NT_KEYS, timeout=10.0,
+        dock,
+        consumer="trainer",
+        count=12,
+        partition="verl-xproc",
+        batch_keys=BATCH_KEYS,
+        non_tensor_batch_keys=NT_KEYS,
+        timeout=10.0,
     )
     second = make_data(8)
     second.meta_info = make_data(7).meta_info  # two puts: the first put's meta_info wins on conflicts
@@ -169,6 +185,38 @@ def test_dispatch_splits_counts_and_validates() -> None:
 
     assert mode is Dispatch.DOCKD_SHARD and plugin.dock_dispatch_mode() is mode
     assert get_predefined_dispatch_fn(mode)["dispatch_fn"] is plugin.dispatch_dock_shards
+
+
+def test_driver_sends_indexes_and_locations_only(dock_cluster: dockd.LocalCluster, dock: dockd.Dock) -> None:
+    data = make_data(5, n=8)
+    plugin.put_data_proto(dock, data, partition="verl-meta", group_size=2)
+    req = plugin.DockRequest(
+        address=dock_cluster.address,
+        partition="verl-meta",
+        consumer="meta",
+        count=8,
+        batch_keys=("input_ids", "old_log_probs"),
+        non_tensor_batch_keys=("uid",),
+        groups=True,
+    )
+    shards = plugin.dispatch._driver_shards(req, 3)
+    # whole groups per worker (4 groups over 3 workers), metadata only: no inline payload
+    assert [s.indexes for s in shards] == [(0, 1, 2, 3), (4, 5), (6, 7)]
+    assert all(s.inline == b"" and s.locations is not None for s in shards)
+    assert all(w >= 0 for s in shards for row in s.locations for w in row)  # type: ignore[union-attr]
+    for shard in shards:  # what each worker does, from its own connection
+        with dockd.connect(dock_cluster.address) as worker:
+            got, idx = plugin.dispatch._fetch_slice(worker, shard)
+        rows = list(idx)
+        assert torch.equal(got.batch["input_ids"], data.batch["input_ids"][rows])
+        assert torch.equal(got.batch["old_log_probs"], data.batch["old_log_probs"][rows])
+        assert list(got.non_tensor_batch["uid"]) == list(data.non_tensor_batch["uid"][rows])
+    results = [plugin.DockResult(partition="verl-meta", indexes=list(s.indexes), lease_id=s.lease_id) for s in shards]
+    merged = plugin.collect_dock_results(None, results)
+    assert merged.indexes == list(range(8)) and merged.per_worker == (4, 2, 2)
+    with pytest.raises(dockd.DockTimeout):  # the driver's lease was confirmed: nothing left for "meta"
+        dock.get("meta", ["input_ids"], 1, partition="verl-meta", timeout=0.3)
+    dock.clear("verl-meta")
 
 
 # -- a real verl worker group: two CPU workers fetching their shards from dockd ------------------
@@ -211,8 +259,12 @@ def test_worker_group_fetches_its_own_shards(
     # assign="driver": the driver acquires 8 samples (metadata) and sends each worker its index slice
     res = wg.score(
         plugin.DockRequest(
-            address=dock_cluster.address, partition="verl-wg", consumer="reward", count=8,
-            batch_keys=("input_ids",), groups=True,
+            address=dock_cluster.address,
+            partition="verl-wg",
+            consumer="reward",
+            count=8,
+            batch_keys=("input_ids",),
+            groups=True,
         )
     )
     assert isinstance(res, plugin.DockResult)
@@ -221,8 +273,12 @@ def test_worker_group_fetches_its_own_shards(
     # the remaining samples: each worker acquires its own share
     res2 = wg.score(
         plugin.DockRequest(
-            address=dock_cluster.address, partition="verl-wg", consumer="reward", count=4,
-            batch_keys=("input_ids",), assign="workers",
+            address=dock_cluster.address,
+            partition="verl-wg",
+            consumer="reward",
+            count=4,
+            batch_keys=("input_ids",),
+            assign="workers",
         )
     )
     assert res2.per_worker == (2, 2) and sorted(res2.indexes) == [8, 9, 10, 11]
@@ -232,8 +288,13 @@ def test_worker_group_fetches_its_own_shards(
         dock.get("reward", ["input_ids"], 1, partition="verl-wg", timeout=0.3)
     # the workers' outputs landed on the samples they read
     back = plugin.get_data_proto(
-        dock, consumer="trainer", count=12, partition="verl-wg", batch_keys=("input_ids", "scores"),
-        non_tensor_batch_keys=("who",), timeout=5.0,
+        dock,
+        consumer="trainer",
+        count=12,
+        partition="verl-wg",
+        batch_keys=("input_ids", "scores"),
+        non_tensor_batch_keys=("who",),
+        timeout=5.0,
     )
     assert torch.equal(back.batch["scores"], data.batch["input_ids"].float().sum(-1))
     assert list(back.non_tensor_batch["who"][:8]) == ["rank0"] * 4 + ["rank1"] * 4
@@ -242,7 +303,7 @@ def test_worker_group_fetches_its_own_shards(
 
 
 # -- the transfer_queue switch ------------------------------------------------------------------
-TQ_WRITER = r'''
+TQ_WRITER = r"""
 import torch
 from tensordict import NonTensorStack, TensorDict
 from dockd.trainer_plugins.verl import use_dockd_transfer_queue
@@ -262,7 +323,7 @@ meta = tq.kv_batch_put(keys=keys, partition_id="train", fields=fields, tags=[{{"
 assert meta.fields == ["old_log_prob", "prompts", "raw_prompt"], meta.fields
 tq.kv_batch_put(keys=keys[:2], partition_id="train", tags=[{{"status": "success"}}] * 2)
 tq.close()
-'''
+"""
 
 
 @pytest.fixture()
@@ -292,7 +353,8 @@ def test_transfer_queue_switch_across_processes(
     assert data["raw_prompt"] == ["question 4 ✓", "question 1 ✓"]
     # a later stage adds a field to existing keys (as verl writes ref_log_prob next to responses)
     tq.kv_batch_put(
-        keys=["uid-0", "uid-1"], partition_id="train",
+        keys=["uid-0", "uid-1"],
+        partition_id="train",
         fields=TensorDict({"ref_log_prob": torch.tensor([[0.5], [0.25]])}, batch_size=2),
     )
     sel = tq.kv_batch_get(keys=["uid-1", "uid-0"], partition_id="train", select_fields="ref_log_prob")
@@ -319,5 +381,9 @@ def test_transfer_queue_ragged_fields_and_unsupported_calls(dockd_tq: Any) -> No
     with pytest.raises(NotImplementedError, match="key-value interface"):
         tq.save_checkpoint("/tmp/x")
     with pytest.raises(NotImplementedError, match="data_parser"):
-        tq.kv_batch_put(keys=["c"], partition_id="ragged", fields=TensorDict({"r": torch.ones(1, 2)}, batch_size=1),
-                        data_parser=lambda d: d)
+        tq.kv_batch_put(
+            keys=["c"],
+            partition_id="ragged",
+            fields=TensorDict({"r": torch.ones(1, 2)}, batch_size=1),
+            data_parser=lambda d: d,
+        )

@@ -9,8 +9,7 @@ docs/plugins.md):
 * ``"broadcast"``: the group's first rank fetches from the dock and broadcasts
   the batch (three collectives: header length, header, one flat payload);
 * ``"shared"``: the group's first rank acquires the samples (metadata only)
-  and broadcasts the lease (indexes + warehouse locations, plus the small
-  columns the controller sent inline with it); every rank then
+  and broadcasts the lease (indexes + warehouse locations only); every rank then
   fetches the data itself, through same-host shared memory where the
   warehouse is local.
 
@@ -29,6 +28,7 @@ import torch.distributed as dist
 
 import dockd
 from dockd.trainer_plugins import _codec
+from dockd.trainer_plugins._lease import metadata_only
 
 logger = logging.getLogger(__name__)
 
@@ -223,6 +223,7 @@ class TPReader:
         if src:
             try:
                 lease = self.dock.acquire(consumer, list(columns), **get_kwargs)
+                locations, inline = metadata_only(self.dock, lease)
                 raw = (
                     _codec.encode(
                         {
@@ -230,9 +231,8 @@ class TPReader:
                             "partition": lease.partition,
                             "columns": lease.columns,
                             "indexes": lease.indexes,
-                            "locations": lease.locations,
-                            # small columns the controller sent along with the acquire
-                            "inline": getattr(lease, "inline", {}),
+                            "locations": locations,
+                            "inline": inline,  # empty unless the controller's warehouse is unknown
                         }
                     )
                     .numpy()

@@ -43,7 +43,8 @@ from typing import Any
 import numpy as np
 
 import dockd
-from dockd.trainer_plugins import require
+from dockd.trainer_plugins import _codec, require
+from dockd.trainer_plugins._lease import metadata_only
 from dockd.trainer_plugins.verl.dataproto import (
     batch_to_data_proto,
     data_proto_columns,
@@ -106,8 +107,12 @@ class DockShard:
     indexes: tuple[int, ...] | None = None
     """With assign="driver": the sample indexes this worker reads (else it acquires its own)."""
     locations: tuple[tuple[int, ...], ...] | None = None
-    """With assign="driver": warehouse id per (column, sample) of `indexes`."""
+    """With assign="driver": warehouse id per (column, sample) of `indexes` (None when every
+    column came inline)."""
     lease_id: int = 0
+    inline: bytes = b""
+    """With assign="driver": this worker's slice of the small columns the controller sent
+    inline with the driver's acquire, msgpack-encoded (empty when none)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -171,17 +176,20 @@ def _driver_shards(request: DockRequest, world: int) -> list[DockShard]:
     if request.groups:  # split on group boundaries: whole groups per worker
         unit = int(dock.stats()["partitions"][request.partition]["group_size"])
     counts = [c * unit for c in shard_counts(n // unit, world)]
+    all_locations, inline = metadata_only(dock, lease)  # inline stays empty unless unavoidable
     shards, start = [], 0
     for r, c in enumerate(counts):
         sl = slice(start, start + c)
+        locations = tuple(tuple(int(w) for w in row[sl]) for row in all_locations)
         shards.append(
             DockShard(
                 request=request,
                 rank=r,
                 count=c,
                 indexes=tuple(int(i) for i in lease.indexes[sl]),
-                locations=tuple(tuple(int(w) for w in row[sl]) for row in lease.locations),
+                locations=locations,
                 lease_id=lease.id,
+                inline=_codec.encode({k: v[sl] for k, v in inline.items()}).numpy().tobytes() if inline else b"",
             )
         )
         start += c
@@ -244,9 +252,12 @@ def worker_dock(address: str) -> Any:
 def _fetch_slice(dock: Any, shard: DockShard) -> tuple[Any, list[int]]:
     """Read exactly the samples the driver assigned to this worker, straight from the warehouses."""
     req = shard.request
-    assert shard.indexes is not None and shard.locations is not None
+    assert shard.indexes is not None
     columns = data_proto_columns(req.batch_keys, req.non_tensor_batch_keys)
-    lease = dockd.Lease(shard.lease_id, req.partition, columns, list(shard.indexes), np.asarray(shard.locations))
+    locations = None if shard.locations is None else np.asarray(shard.locations, dtype=np.int64)
+    args = (shard.lease_id, req.partition, columns, list(shard.indexes), locations)
+    inline = _codec.decode(shard.inline) if shard.inline else {}
+    lease = dockd.Lease(*args, inline=inline) if inline else dockd.Lease(*args)
     values = dock.fetch(lease)
     batch = dockd.Batch(req.partition, list(shard.indexes), values)
     data = batch_to_data_proto(batch, batch_keys=req.batch_keys, non_tensor_batch_keys=req.non_tensor_batch_keys)
