@@ -24,7 +24,7 @@ from typing import Any
 
 from . import SCENARIOS, scenario_names
 from .common import REPO_ROOT, BenchConfig, machine, spawn_env, versions
-from .report import compute_targets, plot, render
+from .report import compute_targets, markdown_report, plot, render
 
 logger = logging.getLogger("benchmarks")
 
@@ -49,6 +49,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", dest="plot_out", default=None, help="PNG path (default: the JSON path with .png)")
     p.add_argument("--no-plot", action="store_true", help="do not draw the PNG")
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
+    p.add_argument("--report-md", default=None, metavar="PATH",
+                   help="also write a Markdown report (machine, versions, command, targets, tables, plot link)")
     p.add_argument("--repeats", type=int, default=None, help="repeats per case (default 5, quick 2)")
     p.add_argument("--config", default=None, help="JSON file with BenchConfig overrides")
     p.add_argument("--timeout", type=float, default=None, help="seconds per scenario process")
@@ -186,10 +188,22 @@ def main(argv: list[str] | None = None) -> int:
     json_out.write_text(json.dumps(results, indent=1))
     print(render(results, markdown=args.markdown))
     print(f"\n[bench] JSON written to {json_out}", file=sys.stderr)
+    png = None
     if not args.no_plot:
         png = plot(results, Path(args.plot_out) if args.plot_out else json_out.with_suffix(".png"))
         if png:
             print(f"[bench] plot written to {png}", file=sys.stderr)
+    if args.report_md:
+        md_path = Path(args.report_md)
+        plot_name = None
+        if png:
+            try:
+                plot_name = str(Path(png).resolve().relative_to(md_path.resolve().parent))
+            except ValueError:
+                plot_name = str(Path(png).resolve())
+        md_path.parent.mkdir(parents=True, exist_ok=True)
+        md_path.write_text(markdown_report(results, plot_name=plot_name))
+        print(f"[bench] Markdown report written to {md_path}", file=sys.stderr)
     failed = [n for n, r in results["scenarios"].items() if r.get("status") == "error"]
     return 1 if failed else 0
 

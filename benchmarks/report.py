@@ -318,6 +318,21 @@ def _md_table(header: Iterable[str], rows: list[list[str]]) -> str:
 
 
 def render(results: dict[str, Any], *, markdown: bool = False) -> str:
+    """All scenario tables, then the targets table."""
+    return "\n\n".join(p for p in (render_scenarios(results, markdown=markdown),
+                                     render_targets(results, markdown=markdown)) if p)
+
+
+def render_targets(results: dict[str, Any], *, markdown: bool = False) -> str:
+    table = _md_table if markdown else _text_table
+    targets = relevant_targets(results, results.get("targets") or compute_targets(results))
+    if not targets:
+        return ""
+    head = "### Targets" if markdown else "== Targets (ratios of values measured in this run)"
+    return head + "\n\n" + table(("target", "value", "bound", "status", "note"), [_target_cells(t) for t in targets])
+
+
+def render_scenarios(results: dict[str, Any], *, markdown: bool = False) -> str:
     table = _md_table if markdown else _text_table
     parts: list[str] = []
     for name, sc in results.get("scenarios", {}).items():
@@ -333,10 +348,6 @@ def render(results: dict[str, Any], *, markdown: bool = False) -> str:
             parts.append(f"{head}\nSKIPPED: {sc.get('reason')}")
         else:
             parts.append(f"{head}\nFAILED: {sc.get('error', 'unknown error')}")
-    targets = relevant_targets(results, results.get("targets") or compute_targets(results))
-    if targets:
-        parts.append("### Targets" if markdown else "== Targets (ratios of values measured in this run)")
-        parts.append(table(("target", "value", "bound", "status", "note"), [_target_cells(t) for t in targets]))
     return "\n\n".join(parts)
 
 
@@ -422,3 +433,42 @@ def plot(results: dict[str, Any], out_png: str | Path) -> Path | None:
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
     return out_png
+
+
+# ---------------------------------------------------------------- Markdown report
+
+
+def markdown_report(results: dict[str, Any], *, plot_name: str | None = None) -> str:
+    """A self-contained Markdown report of one run: machine, versions, command, targets, tables, plot."""
+    mach = results.get("machine", {})
+    ver = results.get("versions", {})
+    cfg = results.get("config", {})
+    pk = ver.get("packages", {})
+    mem = mach.get("memory_bytes")
+    lines = [
+        f"- when (UTC): {results.get('started_utc', '?')} to {results.get('finished_utc', '?')}",
+        f"- machine: {mach.get('cpu_model', '?')}, {mach.get('cpus', '?')} CPUs, "
+        f"{mem / 2**30:.1f} GiB memory, {mach.get('platform', '?')}" if mem else f"- machine: {mach}",
+        f"- load average (1/5/15 min) at start {_load(mach.get('loadavg'))}, at end {_load(mach.get('loadavg_end'))}",
+        f"- versions: Python {ver.get('python', '?')}, dockd {pk.get('dockd')} (git {ver.get('dockd_git')}"
+        f"{', uncommitted changes' if ver.get('dockd_git_dirty') else ''}), "
+        + ", ".join(f"{k} {v}" for k, v in pk.items() if k != "dockd" and v),
+        f"- command: `{results.get('command', '?')}`",
+        f"- config: repeats {cfg.get('repeats')}, sample sizes {[human_bytes(s) for s in cfg.get('sample_sizes', [])]}, "
+        f"batches {cfg.get('batch_sizes')}, paths {cfg.get('paths')}, concurrent clients {cfg.get('concurrent_clients')}, "
+        f"~{human_bytes(cfg.get('bytes_per_repeat'))} per repeat, latency ops {cfg.get('latency_ops')}, "
+        f"peer batch {cfg.get('peer_batch')}, controller partitions {cfg.get('controller_partition_sizes')} "
+        "(every field in the JSON)",
+    ]
+    parts = ["\n".join(lines)]
+    if plot_name:
+        parts.append(f"![GB/s against sample size per system, ceilings as black lines]({plot_name})")
+    parts.append(render_targets(results, markdown=True))
+    parts.append(render_scenarios(results, markdown=True))
+    return "\n\n".join(parts) + "\n"
+
+
+def _load(values: Any) -> str:
+    if not values:
+        return "?"
+    return "/".join(f"{v:.1f}" for v in values)

@@ -33,8 +33,9 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
 def test_quick_run_writes_json_table_and_plot(tmp_path):
     out = tmp_path / "r.json"
     png = tmp_path / "r.png"
+    md = tmp_path / "report.md"
     proc = _bench("--quick", "--only", "ceilings,dockd_flow,peer_dockd_central,controller_scale",
-                  "--json", str(out), "--plot", str(png))
+                  "--json", str(out), "--plot", str(png), "--report-md", str(md))
     _ok(proc)
     res = json.loads(out.read_text())
     for key in ("schema", "command", "machine", "versions", "config", "scenarios", "targets", "started_utc"):
@@ -66,6 +67,8 @@ def test_quick_run_writes_json_table_and_plot(tmp_path):
         assert t["met"] in (True, False)
     assert "Targets" in proc.stdout and "dockd_flow" in proc.stdout
     assert png.exists() and png.stat().st_size > 1000
+    report = md.read_text()
+    assert "### Targets" in report and "](r.png)" in report and res["command"] in report
 
 
 def test_missing_peers_are_skipped_with_install_hint(tmp_path):
