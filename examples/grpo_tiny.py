@@ -1,6 +1,6 @@
 """A real GRPO run on CPU: a tiny megatron-core GPT, TP=2 over gloo, two processes, dockd in between.
 
-    python examples/grpo_tiny.py                 # ~30-40 s on 2 cores
+    python examples/grpo_tiny.py                 # ~25-45 s on 2 cores
     python examples/grpo_tiny.py --steps 60 --plot grpo_tiny.png --json curve.json
 
 The toy task has a verifiable reward: the prompt is four random digits and the
