@@ -265,3 +265,36 @@ def test_ray_worker_hook_installs_in_a_fresh_process(dock_cluster: dockd.LocalCl
         env=runtime_env["env_vars"],
     )
     assert out.split() == ["DockReplayBuffer", "hook", dock_cluster.address]
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_install_reaches_ray_workers(dock_cluster: dockd.LocalCluster) -> None:
+    """What OpenRLHF's actors do inside Ray: build NaiveReplayBuffer, append, read."""
+    ray = pytest.importorskip("ray")
+    runtime_env = plugin.install(dock_cluster.address, name="ray")
+    try:
+        runtime_env["env_vars"]["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] = "0"
+        with mock.patch.dict("os.environ", {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}):
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
+        try:
+
+            @ray.remote
+            def actor_side(code: str) -> tuple[str, int]:
+                ns: dict[str, Any] = {}
+                exec(code, ns)
+                from openrlhf.trainer.ppo_utils import NaiveReplayBuffer as Built
+
+                buf = Built(2, 0, True, False, False)
+                buf.append(ns["make_experience"](61))
+                n = len(buf)
+                buf.close()
+                return type(buf).__mro__[1].__name__, n
+
+            name, n = ray.get(actor_side.remote(MAKE_EXPERIENCES), timeout=120)
+        finally:
+            ray.shutdown()
+    finally:
+        plugin.uninstall()
+    assert (name, n) == ("DockReplayBuffer", 4)
