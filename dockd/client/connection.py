@@ -12,9 +12,10 @@ import logging
 import os
 import socket
 import threading
+import weakref
 from collections.abc import Sequence
 
-import torch
+import numpy as np
 
 from dockd import shm, wire
 from dockd._proto import dockd_pb2 as pb
@@ -23,7 +24,50 @@ from dockd.errors import DockClosed, DockConnectionError, DockProtocolError, fro
 logger = logging.getLogger(__name__)
 
 _SCRATCH = 64 << 10
-_NO_BODY = torch.empty(0, dtype=torch.uint8)
+_NO_BODY = np.empty(0, dtype=np.uint8)
+
+
+class RecvPool:
+    """Warm receive buffers for large replies.
+
+    Reading into fresh memory runs at page-fault speed (about 1.2 GB/s on the
+    development VM, against 3+ GB/s from the socket into warm memory). A reply
+    body is handed out as a numpy view of a pooled block; the tensors decoded
+    from it keep that view alive, and when the last of them is gone the block
+    returns here for the next reply. Up to `max_bytes` are kept.
+    """
+
+    MIN = 1 << 20
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.pooled = 0
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> np.ndarray:
+        if n < self.MIN or self.max_bytes <= 0:
+            return np.empty(n, dtype=np.uint8)
+        size = 1 << (n - 1).bit_length()
+        with self._lock:
+            blocks = self._free.get(size)
+            block = blocks.pop() if blocks else None
+            if block is not None:
+                self.pooled -= size
+        if block is None:
+            block = np.empty(size, dtype=np.uint8)
+        view = block[:n]
+        weakref.finalize(view, self._give_back, block)
+        return view
+
+    def _give_back(self, block: np.ndarray) -> None:
+        with self._lock:
+            if self.pooled + block.nbytes <= self.max_bytes:
+                self._free.setdefault(block.nbytes, []).append(block)
+                self.pooled += block.nbytes
+
+
+RECV_POOL = RecvPool(int(float(os.environ.get("DOCKD_RECV_POOL_BYTES", 1 << 30))))
 
 
 class Connection:
@@ -82,7 +126,7 @@ class Connection:
             self._raise_io(e)
 
     def call(self, frame: pb.Frame, buffers: Sequence = (), body_size: int = 0, *, fds: Sequence[int] = (),
-             timeout: float | None = None) -> tuple[pb.Frame, torch.Tensor, list[int]]:
+             timeout: float | None = None) -> tuple[pb.Frame, np.ndarray, list[int]]:
         """Send a request and wait for its reply: (frame, body, descriptors). The caller owns the descriptors.
 
         Raises the mapped error on a non-OK status."""
@@ -139,7 +183,7 @@ class Connection:
             self._fds.extend(shm.recv_fds(anc))
         return n
 
-    def _read_frame(self) -> tuple[pb.Frame, torch.Tensor, list[int]]:
+    def _read_frame(self) -> tuple[pb.Frame, np.ndarray, list[int]]:
         if self._lo == self._hi:
             self._lo = self._hi = 0
         elif self._lo > len(self._buf) // 2:
@@ -158,8 +202,8 @@ class Connection:
         fds = [self._fds.popleft() for _ in range(frame.fds)]
         if blen == 0:
             return frame, _NO_BODY, fds
-        body = torch.empty(blen, dtype=torch.uint8)
-        dst = memoryview(body.numpy())
+        body = RECV_POOL.take(blen)
+        dst = memoryview(body)
         take = min(self._hi - self._lo, blen)
         dst[:take] = self._mv[self._lo : self._lo + take]
         self._lo += take

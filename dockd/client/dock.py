@@ -24,7 +24,6 @@ from typing import Any
 import mmap
 
 import numpy as np
-import torch
 
 from dockd import codec, shm
 from dockd._proto import dockd_pb2 as pb
@@ -193,7 +192,7 @@ class Dock:
         return pool
 
     def _call(self, pool: Pool, frame: pb.Frame, buffers=(), size: int = 0, *, fds=(), timeout: float | None = None,
-              on_conn: Callable[[Connection], None] | None = None) -> tuple[pb.Frame, torch.Tensor, list[int]]:
+              on_conn: Callable[[Connection], None] | None = None) -> tuple[pb.Frame, np.ndarray, list[int]]:
         conn = pool.get()
         if on_conn is not None:
             on_conn(conn)
@@ -504,7 +503,7 @@ def _finalize(stop: threading.Event, wake: threading.Event, pools: list[Pool]) -
         pool.close()
 
 
-def decode_reply(columns: Sequence[pb.ColumnData], body: torch.Tensor, fds: list[int]) -> list[list[Any]]:
+def decode_reply(columns: Sequence[pb.ColumnData], body: np.ndarray, fds: list[int]) -> list[list[Any]]:
     """Values of a reply: views of its body, or of shared-memory segments mapped copy-on-write.
 
     Each segment is mapped once (the range its values span) and its descriptor
@@ -527,9 +526,8 @@ def decode_reply(columns: Sequence[pb.ColumnData], body: torch.Tensor, fds: list
     finally:
         for fd in fds:
             os.close(fd)
-    buf = memoryview(body.numpy())
     return [
-        [codec.decode_value(v, *maps[v.segment]) if v.segment else codec.decode_value(v, buf) for v in c.values]
+        [codec.decode_value(v, *maps[v.segment]) if v.segment else codec.decode_value(v, body) for v in c.values]
         for c in columns
     ]
 
