@@ -291,8 +291,13 @@ class Dock:
 
     def acquire(self, consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None = None,
                 groups: bool = False, allow_partial: bool = False, shuffle: bool = False, seed: int | None = None,
-                _on_conn: Callable[[Connection], None] | None = None) -> Lease:
-        """Low-level: lease samples without fetching them (see get)."""
+                inline: bool = True, _on_conn: Callable[[Connection], None] | None = None) -> Lease:
+        """Low-level: lease samples without fetching them (see get).
+
+        With inline=True (the default) the values held by the controller's own
+        warehouse come back with the lease (`lease.inline`), saving their fetch.
+        inline=False returns metadata only, with a location for every column:
+        use it to hand the lease to other processes that fetch for themselves."""
         _check_partition(partition)
         if not isinstance(consumer, str) or not consumer:
             raise DockValueError(f"consumer must be a non-empty string such as 'actor_train', got {consumer!r}")
@@ -305,7 +310,7 @@ class Dock:
         if timeout is not None and timeout < 0:
             raise DockValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
         req = pb.AcquireRequest(partition=partition, consumer=consumer, columns=list(columns), count=int(count),
-                                groups=groups, allow_partial=allow_partial, shuffle=shuffle, inline=True,
+                                groups=groups, allow_partial=allow_partial, shuffle=shuffle, inline=inline,
                                 timeout=-1.0 if timeout is None else float(timeout))
         if seed is not None:
             req.has_seed, req.seed = True, int(seed)

@@ -143,3 +143,16 @@ def test_clear_frees_every_warehouse_and_stats(cluster, partition):
             d0.clear(partition)
         # the name can be reused from scratch
         assert d1.put({"x": torch.zeros(2)}, partition=partition) == [0, 1]
+
+
+def test_acquire_inline_or_metadata_only(cluster, partition):
+    with dockd.connect(cluster.address, warehouse=0) as d:  # warehouse 0 lives with the controller
+        d.put({"x": torch.arange(4)}, partition=partition)
+        lease = d.acquire("a", ["x"], 4, partition=partition, timeout=5)
+        assert [int(v) for v in lease.inline["x"]] == [0, 1, 2, 3]  # came with the acquire
+        meta = d.acquire("b", ["x"], 4, partition=partition, timeout=5, inline=False)
+        assert meta.inline == {} and meta.locations.tolist() == [[0, 0, 0, 0]]
+        assert [int(v) for v in d.fetch(meta)["x"]] == [0, 1, 2, 3]
+        d.confirm(lease)
+        d.confirm(meta)
+        assert d.stats()["partitions"][partition]["consumers"]["b"] == {"taken": 4, "leased": 0}

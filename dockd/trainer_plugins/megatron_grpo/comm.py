@@ -222,7 +222,7 @@ class TPReader:
         raw = None
         if src:
             try:
-                lease = self.dock.acquire(consumer, list(columns), **get_kwargs)
+                lease = self.dock.acquire(consumer, list(columns), inline=False, **get_kwargs)
                 locations, inline = metadata_only(self.dock, lease)
                 raw = (
                     _codec.encode(

@@ -170,6 +170,7 @@ def _driver_shards(request: DockRequest, world: int) -> list[DockShard]:
         partition=request.partition,
         timeout=request.timeout,
         groups=request.groups,
+        inline=False,  # metadata only: each worker fetches its own shard
     )
     n = len(lease.indexes)
     unit = 1
