@@ -9,7 +9,7 @@ STAMP := $(VENV)/.dockd-installed
 # spec would pull a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: setup run test test-fast frameworks proto bench clean
+.PHONY: setup run test test-fast frameworks proto bench check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,9 @@ test-fast: setup
 
 proto: setup
 	$(PY) proto/gen.py
+
+check: setup
+	$(VENV)/bin/ruff check dockd tests benchmarks examples --select F,E9 --exclude dockd/_proto
 
 bench: setup
 	$(PY) -m benchmarks
