@@ -377,6 +377,27 @@ class Dock:
                         dst[p] = v
         return {c: out[c] for c in lease.columns}
 
+    def read(self, partition: str, indexes: Sequence[int], columns: Sequence[str]) -> Batch:
+        """Read written samples by index without taking them for any consumer.
+
+        Raises DockNotFound when an index does not exist or a column is not
+        written for it yet (read never waits)."""
+        _check_partition(partition)
+        if isinstance(columns, str) or not columns:
+            raise DockTypeError(f"columns must be a non-empty list of column names, got {columns!r}")
+        idx = _int_list("indexes", indexes)
+        if not idx:
+            raise DockValueError("indexes is empty")
+        req = pb.LocateRequest(partition=partition, indexes=idx, columns=list(columns))
+        reply, _, _ = self._call(self._ctrl, pb.Frame(locate=req))
+        loc = reply.locate_reply
+        for w in loc.warehouses:
+            if w.id not in self._warehouses:
+                self._warehouses[w.id] = w
+        locs = np.asarray(loc.locations, dtype=np.int64).reshape(len(columns), len(idx))
+        values = self.fetch(Lease(0, partition, list(columns), idx, locs))
+        return Batch(partition, idx, values)
+
     def confirm(self, lease: Lease) -> None:
         """Low-level: the lease's samples were fetched; they are taken for good (one-way)."""
         self._send_confirms([lease.id, *self._take_confirms()])

@@ -409,6 +409,38 @@ class Controller:
             columns=lost_cols,
         )
 
+    def locate(self, partition: str, indexes: Sequence[int], columns: Sequence[str]) -> np.ndarray:
+        """Warehouse ids (len(columns) x len(indexes)) holding written values; takes nothing."""
+        part = self.partitions.get(partition)
+        if part is None:
+            raise DockNotFound(f"partition {partition!r} does not exist")
+        if not columns:
+            raise DockValueError("columns must name at least one column")
+        idx = np.asarray(indexes, dtype=np.int64).reshape(-1)
+        bad = idx[(idx < 0) | (idx >= part.size)]
+        if len(bad):
+            raise DockNotFound(f"sample indexes {bad[:8].tolist()} do not exist in partition {partition!r}")
+        rows = []
+        for c in columns:
+            b = part.columns.get(c)
+            missing = idx if b is None else idx[(part.ready[idx] >> np.uint64(b)) & np.uint64(1) == 0]
+            if len(missing):
+                raise DockNotFound(
+                    f"column {c!r} is not written for samples {missing[:8].tolist()} of partition {partition!r}"
+                )
+            rows.append(part.loc[c][idx])
+        locs = np.stack(rows) if rows else np.empty((0, len(idx)), dtype=np.uint16)
+        if self.dead_warehouses:
+            dead = np.isin(locs, np.fromiter(self.dead_warehouses, dtype=np.uint16))
+            if dead.any():
+                raise DockDataLost(
+                    f"samples {idx[dead.any(axis=0)][:16].tolist()} of partition {partition!r} lived on a warehouse "
+                    "that left the dock",
+                    indexes=idx[dead.any(axis=0)].tolist(),
+                    columns=[c for c, row in zip(columns, dead) if row.any()],
+                )
+        return locs
+
     @staticmethod
     def validate_acquire(partition: str, consumer: str, columns: Sequence[str], count: int, groups: bool) -> None:
         if not partition:

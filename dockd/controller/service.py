@@ -157,6 +157,13 @@ class ControllerService:
                 logger.warning("[controller] free failed on a warehouse partition=%s error=%s", req.partition, res)
         return n
 
+    def locate(self, req: pb.LocateRequest) -> pb.Frame:
+        locs = self.core.locate(req.partition, list(req.indexes), list(req.columns)).ravel().tolist()
+        out = pb.Frame()
+        out.locate_reply.locations.extend(locs)
+        out.locate_reply.warehouses.extend(self.warehouse_infos(sorted(set(locs)), usage=False))
+        return out
+
     def stats(self) -> pb.StatsReply:
         out = pb.StatsReply(warehouses=self.warehouse_infos())
         for p in self.core.stats():

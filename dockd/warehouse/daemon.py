@@ -35,7 +35,7 @@ from dockd.wire import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
 
-_CONTROLLER_KINDS = {"acquire", "confirm", "release", "clear", "stats", "register", "commit"}
+_CONTROLLER_KINDS = {"acquire", "confirm", "release", "clear", "stats", "register", "commit", "locate"}
 
 
 class Node:
@@ -240,6 +240,8 @@ class Node:
             peer.reply(frame, pb.Frame(commit_reply=pb.CommitReply(indexes=idx.tolist())))
         elif kind == "stats":
             peer.reply(frame, pb.Frame(stats_reply=ctl.stats()))
+        elif kind == "locate":
+            peer.reply(frame, ctl.locate(frame.locate))
         elif kind == "register":
             peer.reply(frame, pb.Frame(register_reply=pb.RegisterReply(id=ctl.register(peer, frame.register))))
         elif kind == "clear":

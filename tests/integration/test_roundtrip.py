@@ -156,3 +156,17 @@ def test_acquire_inline_or_metadata_only(cluster, partition):
         d.confirm(lease)
         d.confirm(meta)
         assert d.stats()["partitions"][partition]["consumers"]["b"] == {"taken": 4, "leased": 0}
+
+
+def test_read_by_index_takes_nothing(cluster, partition):
+    with dockd.connect(cluster.address, warehouse=0) as d0, dockd.connect(cluster.address, warehouse=1) as d1:
+        idx = d0.put({"a": torch.arange(6)}, partition=partition)
+        d1.put({"b": [str(i) for i in idx[:3]]}, partition=partition, indexes=idx[:3])
+        b = d1.read(partition, [2, 0], ["a", "b"])
+        assert b.indexes == [2, 0] and [int(v) for v in b["a"]] == [2, 0] and b["b"] == ["2", "0"]
+        with pytest.raises(dockd.DockNotFound, match=r"column 'b' is not written for samples \[4\]"):
+            d1.read(partition, [4], ["b"])
+        with pytest.raises(dockd.DockNotFound, match="do not exist"):
+            d1.read(partition, [99], ["a"])
+        # nothing was taken: a consumer still gets every sample
+        assert d0.get("c", ["a"], 6, partition=partition, timeout=5).indexes == idx
