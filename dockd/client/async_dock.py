@@ -48,6 +48,9 @@ class AsyncDock:
                 conn.close()
             raise
 
+    async def read(self, partition: str, indexes: Sequence[int], columns: Sequence[str]) -> Batch:
+        return await self._run(self.dock.read, partition, indexes, columns)
+
     async def clear(self, partition: str) -> int:
         return await self._run(self.dock.clear, partition)
 

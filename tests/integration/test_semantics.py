@@ -180,6 +180,7 @@ def test_async_client(cluster, partition):
             got = await adock.get("b", ["x"], 4, partition=partition, timeout=10)
             assert got.indexes == [0, 1, 2, 3]
             assert (await adock.stats())["partitions"][partition]["samples"] == 4
+            assert (await adock.read(partition, [3], ["x"]))["x"][0].item() == 3
             assert await adock.clear(partition) == 4
 
     asyncio.run(main())
