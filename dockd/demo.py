@@ -161,7 +161,7 @@ def format_table(reports: list[StageReport], *, steps: int, total: int, warehous
         )
     rows.append(
         f"{steps} steps x {total} samples through {warehouses} warehouses in {wall:.1f}s "
-        f"({steps * total / wall:.0f} samples/s end to end). samples/s: per stage over its run; "
+        f"({steps * total / wall:.0f} samples/s end to end, process start-up included).\n"
         "Per stage, samples/s and GB/s (in+out) span its first batch to its last; 'in dock s' is the time "
         "inside get/put, waiting for upstream stages included."
     )
