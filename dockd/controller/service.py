@@ -75,6 +75,17 @@ class ControllerService:
         ids = self.warehouses.keys() if ids is None else ids
         return [self.warehouses[i].info(used.get(i, 0)) for i in ids]
 
+    def leave(self, peer: Peer, req: pb.LeaveRequest) -> None:
+        entry = self.warehouses.get(req.id)
+        if entry is not None and entry.peer is peer and entry.alive:
+            entry.alive = False
+            held = self.core.warehouse_bytes().get(entry.id, 0)
+            self.core.warehouse_lost(entry.id)
+            logger.info("[controller] warehouse shut down id=%d address=%s:%d bytes_dropped=%d",
+                        entry.id, entry.host, entry.port, held)
+            for part in list(self.waiters):
+                self._wake(part)
+
     def on_lost(self, peer: Peer) -> None:
         touched = {lease.partition for lease in self.core.release_owner(peer.id)}
         for part, ws in self.waiters.items():

@@ -35,7 +35,7 @@ from dockd.wire import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
 
-_CONTROLLER_KINDS = {"acquire", "confirm", "release", "clear", "stats", "register", "commit", "locate"}
+_CONTROLLER_KINDS = {"acquire", "confirm", "release", "clear", "stats", "register", "commit", "locate", "leave"}
 
 
 class Node:
@@ -147,6 +147,8 @@ class Node:
         if self._unix is not None:
             asyncio.get_running_loop().remove_reader(self._unix.fileno())
             self._unix.close()
+        if self._ctrl_peer is not None and not self._ctrl_peer.closed:
+            self._ctrl_peer.send(pb.Frame(leave=pb.LeaveRequest(id=self.wid), oneway=True))
         if self.controller is not None:
             self.controller.shutdown()
         for _, fut in self._capacity_waiters:
@@ -242,6 +244,8 @@ class Node:
             peer.reply(frame, pb.Frame(stats_reply=ctl.stats()))
         elif kind == "locate":
             peer.reply(frame, ctl.locate(frame.locate))
+        elif kind == "leave":
+            ctl.leave(peer, frame.leave)
         elif kind == "register":
             peer.reply(frame, pb.Frame(register_reply=pb.RegisterReply(id=ctl.register(peer, frame.register))))
         elif kind == "clear":
