@@ -81,7 +81,7 @@ def _default(obj: Any) -> msgpack.ExtType:
         return bytes(obj)
     raise TypeError(
         f"cannot encode a value of type {type(obj).__name__}: plugins carry tensors, numpy arrays and "
-        "msgpack types (str, bytes, int, float, bool, None, lists, tuples, dicts) only, never pickle"
+        "msgpack types (str, bytes, int, float, bool, None, lists, tuples, dicts) only"
     )
 
 

@@ -13,7 +13,7 @@ docs/plugins.md):
   fetches the data itself, through same-host shared memory where the
   warehouse is local.
 
-The batch crosses the collective as raw bytes plus a msgpack header: no pickle.
+The batch crosses the collective as raw bytes plus a msgpack header, never as Python objects.
 """
 
 from __future__ import annotations
