@@ -8,7 +8,8 @@
   payloads via ``sendall`` from a preallocated buffer; the receiver
   ``recv_into``s a preallocated buffer. Timed from request to last byte, so a
   bulk figure includes one round trip, like a get does.
-- rtt: 64-byte ping-pong round trip on the same connection (p50/p99).
+- rtt: 64-byte ping-pong round trip (p50/p99), the best of 5 fresh process
+  pairs (the round trip on this kind of VM is bimodal; see measure_rtt).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ TITLE = "Ceilings: single-thread memcpy and raw loopback socket"
 _HDR = struct.Struct("<BQQ")  # op, size, count
 _OP_BULK, _OP_PING, _OP_EXIT = 1, 2, 3
 _PING_BYTES = 64
+RTT_ROUNDS = 5
 
 
 def requirements() -> str | None:
@@ -209,13 +211,34 @@ def run(config: BenchConfig) -> dict[str, Any]:
             row = measure_socket(pair, size, config)
             logger.info("[ceilings] socket size=%d gbps=%.2f", size, row.gbps)
             rows.append(row)
-        pair.pingpong(min(200, config.latency_ops))  # warm-up
-        lat = pair.pingpong(config.latency_ops)
-        rtt = latency_row(
-            scenario=NAME, system="socket", op="rtt", path="socket", latencies_s=lat, sample_bytes=_PING_BYTES
-        )
-        logger.info("[ceilings] socket rtt p50_us=%.1f p99_us=%.1f", rtt.p50_us, rtt.p99_us)
-        rows.append(rtt)
     finally:
         pair.close()
+    rtt = measure_rtt(config)
+    logger.info("[ceilings] socket rtt p50_us=%.1f p99_us=%.1f", rtt.p50_us, rtt.p99_us)
+    rows.append(rtt)
     return {"rows": [r.to_dict() for r in rows], "payload_sizes": sizes}
+
+
+def measure_rtt(config: BenchConfig) -> Row:
+    """64-byte ping-pong over RTT_ROUNDS fresh process pairs; the best round's figures.
+
+    On this kind of VM the round trip is bimodal (about 15 us or 55-80 us,
+    depending on where the scheduler puts the two processes), so one pair
+    can report a ceiling 5x too low. The ceiling is the best the machine
+    does: the round with the lowest p50 is reported, every round's p50 is kept.
+    """
+    per_round = max(10, config.latency_ops // RTT_ROUNDS)
+    rounds: list[list[float]] = []
+    for _ in range(RTT_ROUNDS):
+        pair = SocketPair(_PING_BYTES)
+        try:
+            pair.pingpong(min(200, per_round))  # warm-up
+            rounds.append(pair.pingpong(per_round))
+        finally:
+            pair.close()
+    best = min(rounds, key=lambda r: sorted(r)[len(r) // 2])
+    return latency_row(
+        scenario=NAME, system="socket", op="rtt", path="socket", latencies_s=best, sample_bytes=_PING_BYTES,
+        extra={"rounds": RTT_ROUNDS, "ops_per_round": per_round,
+               "round_p50_us": [sorted(r)[len(r) // 2] * 1e6 for r in rounds]},
+    )
