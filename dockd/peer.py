@@ -193,7 +193,7 @@ class Peer(asyncio.BufferedProtocol):
                 self._dest_pos = 0
             return
         dest = self.handler.allocate(blen)
-        mv = memoryview(dest if isinstance(dest, pa.Buffer) else dest.buffer).cast("B")
+        mv = memoryview(dest).cast("B") if isinstance(dest, pa.Buffer) else dest.writable()
         mv[:take] = self._mv[self._lo : self._lo + take]
         self._lo += take
         if take == blen:

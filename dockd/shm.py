@@ -34,6 +34,7 @@ import pyarrow as pa
 logger = logging.getLogger(__name__)
 
 SHM_MIN_BODY = 256 << 10   # puts at least this big go through a memfd
+HUGE = 2 << 20             # PMD size: segments are sized and mapped in its multiples
 SHM_MIN_VALUE = 64 << 10   # stored values at least this big are passed by descriptor
 MAX_FDS = 253              # SCM_MAX_FD
 _ANC = socket.CMSG_SPACE(MAX_FDS * 4) if hasattr(socket, "CMSG_SPACE") else 0
@@ -59,27 +60,36 @@ class Segment:
 
     __slots__ = ("fd", "size", "map", "buffer", "__weakref__")
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, used: int | None = None) -> None:
         self.fd = fd
         self.size = size
-        self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
-        self.buffer = pa.py_buffer(self.map) if size else pa.py_buffer(b"")
+        self.map = map_shared(fd, size) if size else None
+        full = pa.py_buffer(self.map) if size else pa.py_buffer(b"")
+        # the payload; slicing would make an Arrow buffer read-only, so only when there is padding
+        self.buffer = full.slice(0, used) if used is not None and used < size else full
+
+    def writable(self) -> memoryview:
+        """The payload bytes as a writable view (a receive destination)."""
+        return memoryview(self.map).cast("B")[: self.buffer.size]
 
     @classmethod
     def create(cls, size: int, name: str = "dockd") -> Segment:
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, size)
-            return cls(fd, size)
+            os.ftruncate(fd, padded(size))
+            return cls(fd, padded(size), size)
         except BaseException:
             os.close(fd)
             raise
 
     @classmethod
-    def adopt(cls, fd: int) -> Segment:
-        """Take ownership of a received descriptor."""
+    def adopt(cls, fd: int, used: int | None = None) -> Segment:
+        """Take ownership of a received descriptor holding `used` payload bytes (default: all of it)."""
         try:
-            return cls(fd, os.fstat(fd).st_size)
+            size = os.fstat(fd).st_size
+            if used is not None and not 0 < used <= size:
+                raise ValueError(f"payload of {used} bytes announced in a {size}-byte segment")
+            return cls(fd, size, used)
         except BaseException:
             os.close(fd)
             raise
@@ -89,14 +99,39 @@ class Segment:
 
     def __del__(self) -> None:
         fd, self.fd = self.fd, -1
-        if fd >= 0:
+        if fd >= 0 and os is not None:  # os is gone during interpreter shutdown
             os.close(fd)
 
 
+def padded(size: int) -> int:
+    """Segment size for a payload: whole huge pages once it is big enough to use them."""
+    return size if size < HUGE else -(-size // HUGE) * HUGE
+
+
+def map_shared(fd: int, size: int) -> mmap.mmap:
+    """A writable shared mapping that asks for transparent huge pages (used where the
+    kernel allows them for shared memory: far fewer page faults for writer and readers)."""
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    if size >= HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    return mm
+
+
 def map_private(fd: int, start: int, end: int) -> tuple[mmap.mmap, int]:
-    """Map [start, end) of a segment copy-on-write; returns (mapping, offset of start in it)."""
-    base = start - start % PAGE
+    """Map [start, end) of a segment copy-on-write; returns (mapping, offset of start in it).
+
+    The mapping starts on a huge-page boundary so huge pages can be mapped whole."""
+    base = start - start % (HUGE if end - start >= HUGE else PAGE)
     return mmap.mmap(fd, end - base, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=base), start - base
+
+
+def huge_pages_state() -> str:
+    """The kernel's transparent-huge-page policy for shared memory ('never', 'advise', ...)."""
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read()
+    except OSError:
+        return "unknown"
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else text.strip()
 
 
 def recv_fds(anc) -> list[int]:

@@ -252,14 +252,16 @@ class Dock:
     def _put_shm(self, pool: Pool, req: pb.PutRequest, body: codec.Body) -> pb.Frame:
         """Copy the payload into a fresh memfd (the one copy) and hand the descriptor to the warehouse."""
         fd = os.memfd_create("dockd-put", os.MFD_CLOEXEC)
+        size = shm.padded(body.size)
         try:
-            os.ftruncate(fd, body.size)
-            with mmap.mmap(fd, body.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as mm:
+            os.ftruncate(fd, size)
+            with shm.map_shared(fd, size) as mm:
                 off = 0
                 for b in body.buffers:
                     n = memoryview(b).nbytes
                     mm[off : off + n] = b
                     off += n
+            req.shm_size = body.size
             reply, _, _ = self._call(pool, pb.Frame(put=req), fds=[fd])
         finally:
             os.close(fd)

@@ -109,6 +109,12 @@ class Node:
         sock.setblocking(False)
         loop.add_reader(sock.fileno(), self._accept_unix)
         self._unix, self.unix_name = sock, name
+        if shm.huge_pages_state() in ("never", "deny"):
+            logger.info(
+                "[shm] transparent huge pages are off for shared memory: large same-host puts and first reads "
+                "run several times slower. To enable (as root): "
+                "echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled"
+            )
 
     def _accept_unix(self) -> None:
         while True:
@@ -308,9 +314,12 @@ class Node:
                 for fd in fds:
                     os.close(fd)
                 raise DockProtocolError("a shared-memory put passes exactly one descriptor and no body")
-            seg = shm.Segment.adopt(fds[0])
+            try:
+                seg = shm.Segment.adopt(fds[0], frame.put.shm_size or None)
+            except ValueError as e:
+                raise DockProtocolError(str(e)) from None
             Warehouse.validate_put(frame.put)
-            wait = self._reserve(seg.size, frame.put.timeout)
+            wait = self._reserve(seg.buffer.size, frame.put.timeout)
             if wait is not None:
                 _spawn(self._put_when_admitted(wait, peer, frame, seg))
                 return
@@ -331,7 +340,7 @@ class Node:
         req = frame.put
         seg = body if isinstance(body, shm.Segment) else None
         buf = seg.buffer if seg is not None else body
-        size = buf.size if buf is not None else 0
+        size = buf.size if buf is not None else 0  # payload bytes (a segment's buffer excludes its padding)
         try:
             for col in req.columns:
                 for v in col.values:

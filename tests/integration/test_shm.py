@@ -95,3 +95,16 @@ os.kill(os.getpid(), 9)
             assert d.clear(partition) == 22
             assert [open_fds(p) for p in pids] == base
     assert dockd_shm_names() == set()
+
+
+def test_odd_sized_large_bodies_on_both_paths(cluster, partition, monkeypatch):
+    """Bodies that are not a whole number of huge pages (their segments are padded)."""
+    data = torch.randint(0, 255, (3, 1_234_567), dtype=torch.uint8)
+    with dockd.connect(cluster.address, warehouse=1) as d:
+        d.put({"x": data}, partition=partition)
+        monkeypatch.setenv("DOCKD_TRANSPORT", "tcp")
+        with dockd.connect(cluster.address, warehouse=1) as t:
+            t.put({"x": data}, partition=partition)
+            b = t.get("c", ["x"], 6, partition=partition, timeout=10)
+        assert all(torch.equal(v, data[i % 3]) for i, v in enumerate(b["x"]))
+        assert torch.equal(torch.stack(d.read(partition, [0, 1, 2], ["x"])["x"]), data)
