@@ -34,7 +34,9 @@ class RecvPool:
     development VM, against 3+ GB/s from the socket into warm memory). A reply
     body is handed out as a numpy view of a pooled block; the tensors decoded
     from it keep that view alive, and when the last of them is gone the block
-    returns here for the next reply. Up to `max_bytes` are kept.
+    returns here for the next reply. Up to `max_bytes` are kept, and always the
+    last block given back, however big, so a steady stream of huge gets reuses it.
+    Sizes are rounded up to 8 classes per power of two.
     """
 
     MIN = 1 << 20
@@ -48,7 +50,8 @@ class RecvPool:
     def take(self, n: int) -> np.ndarray:
         if n < self.MIN or self.max_bytes <= 0:
             return np.empty(n, dtype=np.uint8)
-        size = 1 << (n - 1).bit_length()
+        step = max(1, 1 << max(0, (n - 1).bit_length() - 4))
+        size = -(-n // step) * step
         with self._lock:
             blocks = self._free.get(size)
             block = blocks.pop() if blocks else None
@@ -62,7 +65,7 @@ class RecvPool:
 
     def _give_back(self, block: np.ndarray) -> None:
         with self._lock:
-            if self.pooled + block.nbytes <= self.max_bytes:
+            if self.pooled + block.nbytes <= self.max_bytes or self.pooled == 0:
                 self._free.setdefault(block.nbytes, []).append(block)
                 self.pooled += block.nbytes
 
