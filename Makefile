@@ -9,7 +9,7 @@ STAMP := $(VENV)/.dockd-installed
 # spec would pull a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: setup run test test-fast frameworks proto bench check clean
+.PHONY: setup run test test-fast frameworks proto bench bench-peers check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ check: setup
 	$(VENV)/bin/ruff check dockd tests benchmarks examples --select F,E9 --exclude dockd/_proto
 
 bench: setup
+	$(PY) -m benchmarks
+
+bench-peers: setup
+	$(PY) -m pip install -q -e '.[peers]' $(TORCH)
 	$(PY) -m benchmarks
 
 clean:

@@ -50,14 +50,16 @@ def _demo(args) -> int:
 
 
 def _bench(args) -> int:
-    import os
+    from pathlib import Path
 
-    if os.path.isdir("benchmarks") and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # the benchmarks live in the source tree, not the wheel
+    root = Path(__file__).resolve().parent.parent  # the checkout of an editable install
+    if (root / "benchmarks" / "__init__.py").is_file() and str(root) not in sys.path:
+        sys.path.insert(0, str(root))  # the benchmarks live in the source tree, not the wheel
     try:
         from benchmarks.__main__ import main as bench_main
     except ImportError:
-        print("dockd bench runs the benchmarks/ package from a source checkout: run it from the repository root", file=sys.stderr)
+        print("dockd bench runs the benchmarks/ package of a source checkout (pip install -e .); "
+              "it is not part of the installed wheel", file=sys.stderr)
         return 2
     return bench_main(args.rest)
 
