@@ -121,14 +121,53 @@ class Body:
         return off
 
 
-def encode_columns(columns: dict[str, list[Any]], body: Body) -> list[pb.ColumnData]:
+def batched(values: Any) -> torch.Tensor | None:
+    """The column as one tensor whose first dimension is the sample axis, if it is given that way."""
+    if isinstance(values, np.ndarray) and values.dtype != object and values.ndim >= 1:
+        try:
+            values = torch.from_numpy(np.ascontiguousarray(values))
+        except TypeError:
+            return None  # no torch dtype: the per-value path raises the clear error
+    if isinstance(values, torch.Tensor) and values.dim() >= 1 and values.layout == torch.strided and not values.is_quantized:
+        return values if values.dtype in _NAMES else None
+    return None
+
+
+def encode_batch(name: str, t: torch.Tensor, body: Body) -> pb.ColumnData | None:
+    """A batched tensor column as one buffer (one copy at most, none if contiguous on CPU).
+
+    None when its rows are not whole multiples of ALIGN bytes (they could not all
+    be aligned in place): the caller then encodes value by value."""
+    n = t.shape[0]
+    row = (t.numel() // n if n else 0) * _ITEMSIZE[_NAMES[t.dtype]]
+    if n > 1 and row % ALIGN:
+        return None
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    base = body.add(data)
+    col = pb.ColumnData(name=name)
+    dtype, shape = _NAMES[t.dtype], list(t.shape[1:])
+    add = col.values.add
+    for i in range(n):
+        add(kind=pb.TENSOR, dtype=dtype, shape=shape, offset=base + i * row, nbytes=row)
+    return col
+
+
+def encode_columns(columns: dict[str, Any], body: Body) -> list[pb.ColumnData]:
+    """Columns given as batched tensors/arrays or as one value per sample."""
     out = []
     for name, values in columns.items():
-        col = pb.ColumnData(name=name)
-        for i, v in enumerate(values):
-            meta, data = encode_value(name, i, v)
-            meta.offset = body.add(data)
-            col.values.append(meta)
+        t = batched(values)
+        col = encode_batch(name, t, body) if t is not None else None
+        if col is None:
+            col = pb.ColumnData(name=name)
+            for i, v in enumerate(split_column(name, values) if t is not None else values):
+                meta, data = encode_value(name, i, v)
+                meta.offset = body.add(data)
+                col.values.append(meta)
         out.append(col)
     return out
 
@@ -163,5 +202,21 @@ def decode_value(meta: pb.Value, buf, base: int = 0) -> Any:
     return t if len(shape) == 1 else t.view(shape)  # a view costs more than the frombuffer: skip it for 1-D
 
 
+def decode_run(values: Sequence[pb.Value], buf, base: int = 0) -> list[torch.Tensor] | None:
+    """Tensors laid back to back with one dtype and shape, as views of one buffer (one
+    frombuffer for the run instead of one per value); None when they are not such a run."""
+    first = values[0]
+    if len(values) < 4 or first.kind != pb.TENSOR or first.nbytes == 0:
+        return None
+    step, dtype, shape, seg = first.nbytes, first.dtype, first.shape, first.segment
+    off = first.offset
+    for v in values:
+        if v.offset != off or v.nbytes != step or v.dtype != dtype or v.segment != seg or v.shape != shape:
+            return None
+        off += step
+    t = torch.frombuffer(buf, dtype=DTYPES[dtype], count=len(values) * step // _ITEMSIZE[dtype], offset=first.offset - base)
+    return list(t.view(len(values), *shape).unbind(0))
+
+
 def decode_columns(columns: Sequence[pb.ColumnData], buf) -> dict[str, list[Any]]:
-    return {c.name: [decode_value(v, buf) for v in c.values] for c in columns}
+    return {c.name: decode_run(c.values, buf) or [decode_value(v, buf) for v in c.values] for c in columns}

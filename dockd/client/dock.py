@@ -24,6 +24,7 @@ from typing import Any
 import mmap
 
 import numpy as np
+import torch
 
 from dockd import codec, shm
 from dockd._proto import dockd_pb2 as pb
@@ -223,8 +224,9 @@ class Dock:
         for name, values in columns.items():
             if not isinstance(name, str) or not name:
                 raise DockTypeError(f"column names must be non-empty strings, got {name!r}")
-            split[name] = codec.split_column(name, values)
-        counts = {k: len(v) for k, v in split.items()}
+            t = codec.batched(values)  # kept whole: encoded as one buffer
+            split[name] = t if t is not None else codec.split_column(name, values)
+        counts = {k: (v.shape[0] if isinstance(v, torch.Tensor) else len(v)) for k, v in split.items()}
         n = next(iter(counts.values()))
         if n == 0 or len(set(counts.values())) != 1:
             raise DockValueError(f"every column needs the same positive number of values, got {counts}")
@@ -554,10 +556,15 @@ def decode_reply(columns: Sequence[pb.ColumnData], body: np.ndarray, fds: list[i
     finally:
         for fd in fds:
             os.close(fd)
-    return [
-        [codec.decode_value(v, *maps[v.segment]) if v.segment else codec.decode_value(v, body) for v in c.values]
-        for c in columns
-    ]
+    out = []
+    for c in columns:
+        first = c.values[0] if c.values else None
+        run = None
+        if first is not None and (not first.segment or first.segment in maps):
+            run = codec.decode_run(c.values, *(maps[first.segment] if first.segment else (body,)))
+        out.append(run or [codec.decode_value(v, *maps[v.segment]) if v.segment else codec.decode_value(v, body)
+                           for v in c.values])
+    return out
 
 
 def _check_partition(partition: str) -> None:

@@ -73,3 +73,23 @@ def test_check_value_rejects_inconsistent_metadata():
         codec.check_value(pb.Value(kind=pb.TENSOR, dtype="float32", shape=[5], offset=0, nbytes=16), 64)
     with pytest.raises(DockProtocolError, match="unknown dtype"):
         codec.check_value(pb.Value(kind=pb.TENSOR, dtype="float13", shape=[1], nbytes=2), 64)
+
+
+def test_batched_columns_are_one_buffer_and_come_back_as_views_of_one():
+    src = torch.randn(8, 32).to(torch.bfloat16)  # 64-byte rows: laid out in place
+    body = codec.Body()
+    (col,) = codec.encode_columns({"c": src}, body)
+    assert len(body.buffers) == 1 and body.size == src.numel() * 2
+    assert [v.offset for v in col.values] == [64 * i for i in range(8)]
+    buf = bytearray(b"".join(bytes(memoryview(b).cast("B")) for b in body.buffers))
+    run = codec.decode_run(col.values, buf)
+    assert run is not None and all(torch.equal(r.view(torch.int16), s.view(torch.int16)) for r, s in zip(run, src))
+    assert run[0].untyped_storage().data_ptr() == run[7].untyped_storage().data_ptr()
+    # rows that cannot all be aligned in place fall back to one buffer per value
+    odd = torch.arange(15, dtype=torch.float32).reshape(5, 3)
+    body = codec.Body()
+    (col,) = codec.encode_columns({"c": odd}, body)
+    assert all(v.offset % codec.ALIGN == 0 for v in col.values) and len(col.values) == 5
+    buf = bytearray(b"".join(bytes(memoryview(b).cast("B")) for b in body.buffers))
+    assert codec.decode_run(col.values, buf) is None
+    assert [codec.decode_value(v, buf).tolist() for v in col.values] == odd.tolist()
