@@ -443,18 +443,23 @@ class Node:
 
     @staticmethod
     def _encode(peer: Peer, found) -> tuple[list[pb.ColumnData], codec.Body, list]:
-        """Values for a reply: big shared-memory values by descriptor to same-host peers, the rest as body bytes."""
+        """Values for a reply: big shared-memory values by descriptor to same-host peers, the rest as body bytes.
+
+        Values stored back to back (the samples of one batched put) go out as one
+        buffer, not one per value."""
         body = codec.Body()
         segs: list = []
         index: dict[int, int] = {}
         by_fd = peer.passes_fds
         out = []
+        run: list = []  # [first Stored, start address, bytes, body offset] of the open run
         for name, values in found:
             col = pb.ColumnData(name=name)
             for s in values:
                 v = col.values.add()
                 v.CopyFrom(s.meta)
-                if by_fd and s.segment is not None and s.meta.nbytes >= shm.SHM_MIN_VALUE:
+                n = s.meta.nbytes
+                if by_fd and s.segment is not None and n >= shm.SHM_MIN_VALUE:
                     k = index.get(id(s.segment))
                     if k is None and len(segs) < shm.MAX_FDS:
                         segs.append(s.segment)
@@ -462,8 +467,18 @@ class Node:
                     if k is not None:
                         v.segment = k  # the offset stays: it is the value's place in that segment
                         continue
-                v.offset = body.add(memoryview(s.data))
+                if run and n and n % codec.ALIGN == 0 and s.data.address == run[1] + run[2] and _same_parent(s, run[0]):
+                    v.offset = run[3] + run[2]
+                    run[2] += n
+                    continue
+                _flush_run(body, run)
+                if n and n % codec.ALIGN == 0:
+                    run[:] = [s, s.data.address, n, body.size + (-body.size % codec.ALIGN)]
+                    v.offset = run[3]
+                else:
+                    v.offset = body.add(memoryview(s.data))
             out.append(col)
+        _flush_run(body, run)
         return out, body, segs
 
     def _inline_values(self, peer: Peer, partition: str, columns: list[str], indexes: np.ndarray, locations: np.ndarray):
@@ -476,6 +491,22 @@ class Node:
         except DockError:
             return [], codec.Body(), []
         return self._encode(peer, found)
+
+
+def _same_parent(a, b) -> bool:
+    """Both values are slices of one received body (so keeping one alive keeps the other)."""
+    pa_, pb_ = a.data.parent, b.data.parent
+    return pa_ is not None and pb_ is not None and pa_.address == pb_.address and pa_.size == pb_.size
+
+
+def _flush_run(body: codec.Body, run: list) -> None:
+    """Add an open run of adjacent stored values to a reply body as one buffer."""
+    if run:
+        first, address, nbytes, offset = run
+        data = first.data if nbytes == first.data.size else pa.foreign_buffer(address, nbytes, base=first.data)
+        got = body.add(memoryview(data))
+        assert got == offset, (got, offset)
+        run.clear()
 
 
 def _failed(exc: BaseException) -> asyncio.Future:
