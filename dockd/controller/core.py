@@ -476,20 +476,13 @@ class Controller:
     # -- leases -------------------------------------------------------------------
     def confirm(self, lease_id: int) -> bool:
         """The fetch of a lease succeeded: its samples are taken for good."""
-        lease = self.leases.pop(lease_id, None)
-        if lease is None:
-            return False
-        part = self.partitions.get(lease.partition)
-        if part is not None:
-            cons = part.consumers[lease.consumer]
-            sel = lease.indexes[cons.state[lease.indexes] == LEASED]
-            cons.state[sel] = TAKEN
-            cons.leased -= len(sel)
-            cons.taken += len(sel)
-        return True
+        return self._end_lease(lease_id, TAKEN) is not None
 
     def release(self, lease_id: int) -> Lease | None:
         """Give a lease's samples back to the pool; returns the lease (None if unknown)."""
+        return self._end_lease(lease_id, FREE)
+
+    def _end_lease(self, lease_id: int, state: int) -> Lease | None:
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return None
@@ -497,9 +490,12 @@ class Controller:
         if part is not None:
             cons = part.consumers[lease.consumer]
             sel = lease.indexes[cons.state[lease.indexes] == LEASED]
-            cons.state[sel] = FREE
+            cons.state[sel] = state
             cons.leased -= len(sel)
-            part.refresh(cons, sel)
+            if state == TAKEN:
+                cons.taken += len(sel)
+            else:
+                part.refresh(cons, sel)
         return lease
 
     def release_owner(self, owner: int) -> list[Lease]:
