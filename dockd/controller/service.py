@@ -78,29 +78,30 @@ class ControllerService:
     def leave(self, peer: Peer, req: pb.LeaveRequest) -> None:
         entry = self.warehouses.get(req.id)
         if entry is not None and entry.peer is peer and entry.alive:
-            entry.alive = False
-            held = self.core.warehouse_bytes().get(entry.id, 0)
-            self.core.warehouse_lost(entry.id)
-            logger.info("[controller] warehouse shut down id=%d address=%s:%d bytes_dropped=%d",
-                        entry.id, entry.host, entry.port, held)
+            self._retire(entry, on_purpose=True)
             for part in list(self.waiters):
                 self._wake(part)
 
     def on_lost(self, peer: Peer) -> None:
         touched = {lease.partition for lease in self.core.release_owner(peer.id)}
-        for part, ws in self.waiters.items():
+        for part, ws in list(self.waiters.items()):  # _drop deletes emptied partitions
             for w in [w for w in ws if w.peer is peer]:
                 self._drop(part, w)
         for entry in self.warehouses.values():
             if entry.peer is peer and entry.alive:
-                entry.alive = False
-                held = self.core.warehouse_bytes().get(entry.id, 0)
-                self.core.warehouse_lost(entry.id)
-                logger.log(logging.WARNING if held else logging.INFO,
-                           "[controller] warehouse left id=%d address=%s:%d bytes_lost=%d", entry.id, entry.host, entry.port, held)
+                self._retire(entry, on_purpose=False)
                 touched.update(self.waiters)
         for part in touched:
             self._wake(part)
+
+    def _retire(self, entry: WarehouseEntry, *, on_purpose: bool) -> None:
+        """A warehouse is gone: its samples become lost for every consumer that meets them."""
+        entry.alive = False
+        held = self.core.warehouse_bytes().get(entry.id, 0)
+        self.core.warehouse_lost(entry.id)
+        level = logging.WARNING if held and not on_purpose else logging.INFO
+        logger.log(level, "[controller] warehouse %s id=%d address=%s:%d bytes=%d",
+                   "shut down" if on_purpose else "left", entry.id, entry.host, entry.port, held)
 
     # -- requests ---------------------------------------------------------------------------
     def commit(self, req: pb.CommitRequest) -> np.ndarray:
