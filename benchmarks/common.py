@@ -252,32 +252,21 @@ def _pkg_version(name: str) -> str | None:
         return None
 
 
-def _git_commit() -> str | None:
+def _git(*args: str) -> subprocess.CompletedProcess | None:
     try:
-        out = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
+        return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, timeout=10, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+
+
+def _git_commit() -> str | None:
+    out = _git("rev-parse", "--short", "HEAD")
+    return (out.stdout.strip() or None) if out is not None else None
 
 
 def _git_dirty() -> bool | None:
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no", "--", "dockd", "benchmarks"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return bool(out.stdout.strip()) if out.returncode == 0 else None
+    out = _git("status", "--porcelain", "--untracked-files=no", "--", "dockd", "benchmarks")
+    return bool(out.stdout.strip()) if out is not None and out.returncode == 0 else None
 
 
 def versions() -> dict[str, Any]:

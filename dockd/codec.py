@@ -217,6 +217,3 @@ def decode_run(values: Sequence[pb.Value], buf, base: int = 0) -> list[torch.Ten
     t = torch.frombuffer(buf, dtype=DTYPES[dtype], count=len(values) * step // _ITEMSIZE[dtype], offset=first.offset - base)
     return list(t.view(len(values), *shape).unbind(0))
 
-
-def decode_columns(columns: Sequence[pb.ColumnData], buf) -> dict[str, list[Any]]:
-    return {c.name: decode_run(c.values, buf) or [decode_value(v, buf) for v in c.values] for c in columns}

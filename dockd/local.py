@@ -9,7 +9,6 @@ join it. Ports are picked by the daemons and read from their ready lines.
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
@@ -121,5 +120,3 @@ def start_local(num_warehouses: int = 1, *, capacity: int | str = "4GiB", lease_
     logger.info("[local] started controller=%s warehouses=%d", cluster.address, num_warehouses)
     return cluster
 
-
-atexit.register(lambda: None)  # keeps weakref finalizers running at interpreter exit

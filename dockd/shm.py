@@ -31,6 +31,8 @@ import sys
 
 import pyarrow as pa
 
+from dockd import wire
+
 logger = logging.getLogger(__name__)
 
 SHM_MIN_BODY = 256 << 10   # puts at least this big go through a memfd
@@ -217,7 +219,7 @@ class UnixTransport:
         anc = fds_ancillary(fds)
         while bufs:
             try:
-                sent = self.sock.sendmsg(bufs[:512], anc)
+                sent = self.sock.sendmsg(bufs[:wire.IOV_MAX], anc)
             except (BlockingIOError, InterruptedError):
                 self._out.appendleft((bufs, fds if anc else []))
                 self.loop.add_writer(self.sock.fileno(), self._on_writable)
@@ -226,12 +228,7 @@ class UnixTransport:
                 self._lost(e)
                 return False
             anc = []
-            while sent:
-                if sent >= bufs[0].nbytes:
-                    sent -= bufs.pop(0).nbytes
-                else:
-                    bufs[0] = bufs[0][sent:]
-                    sent = 0
+            wire.consume(bufs, sent)
         return True
 
     def _on_writable(self) -> None:

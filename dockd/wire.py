@@ -23,7 +23,7 @@ MAGIC = b"DKD1"
 PREFIX = struct.Struct("<4sIQ")
 MAX_HEADER = 64 << 20
 PROTOCOL_VERSION = 1
-_IOV_MAX = 512
+IOV_MAX = 512
 
 
 def header(frame: pb.Frame, body_size: int = 0) -> bytes:
@@ -61,16 +61,18 @@ def sendall(sock: socket.socket, buffers: Sequence, ancillary: list | None = Non
 
     `ancillary` (descriptors, on Unix sockets) rides on the first sendmsg."""
     bufs = [memoryview(b).cast("B") for b in buffers if len(b)]
-    i = 0
     anc = ancillary or []
-    while i < len(bufs):
-        sent = sock.sendmsg(bufs[i : i + _IOV_MAX], anc)
+    while bufs:
+        consume(bufs, sock.sendmsg(bufs[:IOV_MAX], anc))
         anc = []
-        while sent:
-            n = bufs[i].nbytes
-            if sent >= n:
-                sent -= n
-                i += 1
-            else:
-                bufs[i] = bufs[i][sent:]
-                sent = 0
+
+
+def consume(bufs: list[memoryview], sent: int) -> None:
+    """Drop the first `sent` bytes from a list of buffers after a partial vectored write."""
+    k = 0
+    while k < len(bufs) and sent >= bufs[k].nbytes:
+        sent -= bufs[k].nbytes
+        k += 1
+    del bufs[:k]
+    if sent:
+        bufs[0] = bufs[0][sent:]
