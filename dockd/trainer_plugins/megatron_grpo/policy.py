@@ -39,9 +39,11 @@ def _cpu_get_tensor(
 def init_model_parallel(*, tensor_parallel_size: int, seed: int, device: torch.device | str) -> None:
     """Initialise megatron's parallel_state and RNG on an already initialised process group.
 
-    On CPU, megatron-core 0.16 allocates its global memory buffer on the CUDA device and
-    forks CUDA RNG states; both are redirected to CPU here (buffer on CPU, the
-    inference RNG tracker, which does not fork device RNG states).
+    Seeds the host RNG too (the same `seed` on every rank), so models built afterwards
+    with ``use_cpu_initialization`` start from the same full weights on every rank and a
+    run is repeatable. On CPU, megatron-core 0.16 allocates its global memory buffer on
+    the CUDA device and forks CUDA RNG states; both are redirected to CPU here (buffer on
+    CPU, the inference RNG tracker, which does not fork device RNG states).
     """
     core = megatron("megatron.core")
     ps = megatron("megatron.core.parallel_state")
@@ -52,6 +54,7 @@ def init_model_parallel(*, tensor_parallel_size: int, seed: int, device: torch.d
         utils.GlobalMemoryBuffer.get_tensor = _cpu_get_tensor
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
+    torch.manual_seed(seed)
     tp.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=on_cpu)
     logger.info(
         "[megatron_grpo] parallel_state tp=%d dp=%d device=%s megatron_core=%s",
