@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import array
 import collections
+import ctypes
 import logging
 import mmap
 import os
+import resource
 import socket
 import sys
+import weakref
 
+import numpy as np
 import pyarrow as pa
 
 from dockd import wire
@@ -58,21 +62,28 @@ def unix_address(name: str) -> str:
 
 
 class Segment:
-    """A memfd and one shared read/write mapping of it; `buffer` is an Arrow view."""
+    """A memfd and one shared read/write mapping of it; `buffer` is an Arrow view.
+
+    Each live segment holds one descriptor and one mapping of this process;
+    `Segment.live` counts them (see `segment_budget`). The mapping itself holds
+    no descriptor (see `_map`)."""
 
     __slots__ = ("fd", "size", "map", "buffer", "__weakref__")
+    live = 0
 
     def __init__(self, fd: int, size: int, used: int | None = None) -> None:
-        self.fd = fd
+        self.fd = -1  # owned (closed by __del__) only once mapped; until then the caller closes it
         self.size = size
         self.map = map_shared(fd, size) if size else None
         full = pa.py_buffer(self.map) if size else pa.py_buffer(b"")
         # the payload; slicing would make an Arrow buffer read-only, so only when there is padding
         self.buffer = full.slice(0, used) if used is not None and used < size else full
+        self.fd = fd
+        Segment.live += 1
 
     def writable(self) -> memoryview:
         """The payload bytes as a writable view (a receive destination)."""
-        return memoryview(self.map).cast("B")[: self.buffer.size]
+        return memoryview(self.map)[: self.buffer.size]
 
     @classmethod
     def create(cls, size: int, name: str = "dockd") -> Segment:
@@ -101,8 +112,27 @@ class Segment:
 
     def __del__(self) -> None:
         fd, self.fd = self.fd, -1
-        if fd >= 0 and os is not None:  # os is gone during interpreter shutdown
-            os.close(fd)
+        if fd >= 0:
+            Segment.live -= 1
+            if os is not None:  # os is gone during interpreter shutdown
+                os.close(fd)
+
+
+def segment_budget() -> int:
+    """How many segments this process may hold: its descriptor limit and the kernel's
+    mapping limit, less a reserve for sockets, descriptors in flight and libraries.
+
+    A process past its descriptor limit cannot even receive one: the kernel drops
+    the descriptors of a message (MSG_CTRUNC) and the connection is lost."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            maps = int(f.read())
+    except (OSError, ValueError):
+        maps = 65530
+    if soft == resource.RLIM_INFINITY:
+        soft = maps
+    return max(0, min(soft - (64 + soft // 8), maps // 2))
 
 
 def padded(size: int) -> int:
@@ -110,21 +140,53 @@ def padded(size: int) -> int:
     return size if size < HUGE else -(-size // HUGE) * HUGE
 
 
-def map_shared(fd: int, size: int) -> mmap.mmap:
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class _Mapped:
+    """Owner of one mapping: unmapped when the last array (or tensor) viewing it is gone."""
+
+    __slots__ = ("__array_interface__", "__weakref__")
+
+
+def _map(fd: int, length: int, offset: int, flags: int) -> np.ndarray:
+    """Map `length` bytes of `fd` from `offset` as a writable uint8 array.
+
+    Unlike `mmap.mmap`, which keeps a duplicate of the descriptor for as long as the
+    mapping lives, this holds none: a process holding thousands of mappings (a
+    warehouse's segments, a trainer's zero-copy tensors) does not run out of
+    descriptors. Tensors made from the array keep it, and so the mapping, alive."""
+    if length == 0:
+        return np.empty(0, dtype=np.uint8)
+    addr = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, offset)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {length} bytes failed: {os.strerror(err)}")
+    if length >= HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        _libc.madvise(addr, length, mmap.MADV_HUGEPAGE)
+    owner = _Mapped()
+    owner.__array_interface__ = {"data": (addr, False), "shape": (length,), "typestr": "|u1", "version": 3}
+    weakref.finalize(owner, _libc.munmap, addr, length).atexit = False  # the exit unmaps; tensors may outlive finalizers
+    return np.asarray(owner)
+
+
+def map_shared(fd: int, size: int) -> np.ndarray:
     """A writable shared mapping that asks for transparent huge pages (used where the
     kernel allows them for shared memory: far fewer page faults for writer and readers)."""
-    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    if size >= HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    return mm
+    return _map(fd, size, 0, mmap.MAP_SHARED)
 
 
-def map_private(fd: int, start: int, end: int) -> tuple[mmap.mmap, int]:
+def map_private(fd: int, start: int, end: int) -> tuple[np.ndarray, int]:
     """Map [start, end) of a segment copy-on-write; returns (mapping, offset of start in it).
 
     The mapping starts on a huge-page boundary so huge pages can be mapped whole."""
     base = start - start % (HUGE if end - start >= HUGE else PAGE)
-    return mmap.mmap(fd, end - base, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=base), start - base
+    return _map(fd, end - base, base, mmap.MAP_PRIVATE), start - base
 
 
 def huge_pages_state() -> str:

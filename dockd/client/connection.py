@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import resource
 import socket
 import threading
 import weakref
@@ -181,9 +182,16 @@ class Connection:
     def _recv_into(self, mv: memoryview) -> int:
         if not self.unix:
             return self.sock.recv_into(mv)
-        n, anc, _, _ = self.sock.recvmsg_into([mv], shm._ANC)
+        n, anc, flags, _ = self.sock.recvmsg_into([mv], shm._ANC)
         if anc:
             self._fds.extend(shm.recv_fds(anc))
+        if flags & socket.MSG_CTRUNC:  # the reply's segments are lost; the stream is out of step
+            self.broken = True
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            raise DockConnectionError(
+                f"the kernel dropped shared-memory descriptors sent by dockd at {self.address}: this process "
+                f"is at its open-file limit ({soft}). Raise it (ulimit -n) or close files it no longer needs."
+            )
         return n
 
     def _read_frame(self) -> tuple[pb.Frame, np.ndarray, list[int]]:

@@ -257,12 +257,13 @@ class Dock:
         size = shm.padded(body.size)
         try:
             os.ftruncate(fd, size)
-            with shm.map_shared(fd, size) as mm:
-                off = 0
-                for b in body.buffers:
-                    n = memoryview(b).nbytes
-                    mm[off : off + n] = b
-                    off += n
+            mm = memoryview(shm.map_shared(fd, size))
+            off = 0
+            for b in body.buffers:
+                n = memoryview(b).nbytes
+                mm[off : off + n] = memoryview(b).cast("B")
+                off += n
+            del mm  # unmapped here: nothing else views it
             req.shm_size = body.size
             reply, _, _ = self._call(pool, pb.Frame(put=req), fds=[fd])
         finally:

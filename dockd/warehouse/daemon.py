@@ -60,6 +60,8 @@ class Node:
         self._grpc = None
         self._unix: socket.socket | None = None
         self.unix_name = ""
+        self._segment_budget = 0  # segments (descriptor + mapping each) this process may hold
+        self._over_budget_warned = False
         self.exit_code = 0
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -102,6 +104,7 @@ class Node:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft < hard:  # every shared-memory put body holds one descriptor
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        self._segment_budget = shm.segment_budget()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         name = shm.unix_name(self.port)
         sock.bind(shm.unix_address(name))
@@ -197,9 +200,24 @@ class Node:
 
     def allocate(self, size: int):
         """Where a frame body is received: shared memory when big enough to be worth passing by descriptor."""
-        if self._unix is not None and size >= shm.SHM_MIN_BODY:
+        if self._unix is not None and size >= shm.SHM_MIN_BODY and self._segment_room():
             return shm.Segment.create(size, "dockd-put")
         return pa.allocate_buffer(size)
+
+    def _segment_room(self) -> bool:
+        """Whether one more stored segment fits the descriptor budget (warns once when it does not)."""
+        if shm.Segment.live < self._segment_budget:
+            return True
+        if not self._over_budget_warned:
+            self._over_budget_warned = True
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            logger.warning(
+                "[shm] this warehouse holds %d shared-memory segments, the most its descriptor limit (%d) allows; "
+                "further puts are copied into private memory (one more copy, and same-host reads of them are "
+                "copies too). Raise the limit for full speed (ulimit -n, or LimitNOFILE= in a systemd unit).",
+                shm.Segment.live, soft,
+            )
+        return False
 
     def on_request(self, peer: Peer, frame: pb.Frame, body, fds: list[int]) -> None:
         kind = frame.WhichOneof("kind")
@@ -318,20 +336,25 @@ class Node:
                 seg = shm.Segment.adopt(fds[0], frame.put.shm_size or None)
             except ValueError as e:
                 raise DockProtocolError(str(e)) from None
-            Warehouse.validate_put(frame.put)
-            wait = self._reserve(seg.buffer.size, frame.put.timeout)
-            if wait is not None:
-                _spawn(self._put_when_admitted(wait, peer, frame, seg))
-                return
+            size = seg.buffer.size
             body = seg
+            if not self._segment_room():  # keep the descriptor limit out of reach: copy, let the segment go
+                body = pa.allocate_buffer(size)
+                memoryview(body).cast("B")[:] = memoryview(seg.buffer).cast("B")
+                del seg
+            Warehouse.validate_put(frame.put)
+            wait = self._reserve(size, frame.put.timeout)
+            if wait is not None:
+                _spawn(self._put_when_admitted(wait, peer, frame, body))
+                return
         elif body is None:  # admit() (validation, reservation) only runs for frames with a body
             Warehouse.validate_put(frame.put)
         self._put_reserved(peer, frame, body)
 
-    async def _put_when_admitted(self, wait, peer: Peer, frame: pb.Frame, seg) -> None:
+    async def _put_when_admitted(self, wait, peer: Peer, frame: pb.Frame, body) -> None:
         try:
             await wait
-            self._put_reserved(peer, frame, seg)
+            self._put_reserved(peer, frame, body)
         except Exception as e:
             peer.reply_error(frame, e)
 

@@ -108,3 +108,82 @@ def test_odd_sized_large_bodies_on_both_paths(cluster, partition, monkeypatch):
             b = t.get("c", ["x"], 6, partition=partition, timeout=10)
         assert all(torch.equal(v, data[i % 3]) for i, v in enumerate(b["x"]))
         assert torch.equal(torch.stack(d.read(partition, [0, 1, 2], ["x"])["x"]), data)
+
+
+def test_a_warehouse_at_its_descriptor_limit_copies_puts_instead_of_dropping_clients():
+    """Every same-host put body is a segment holding a descriptor. With `ulimit -n 256` the
+    daemon stops near its budget (256 - 96 reserved) and copies further puts into private
+    memory; past the limit the kernel would drop the next descriptor and the client's connection."""
+    proc, ready = spawn_node(["--controller", "--port", "0"], prefix=["prlimit", "--nofile=256:256"])
+    try:
+        puts, per_put = 300, 2  # 300 bodies of 2 x 160 KiB, each over the shared-memory threshold
+        def batch(k: int) -> torch.Tensor:
+            return torch.arange(per_put * (160 << 10), dtype=torch.int32).view(per_put, -1).add_(k).to(torch.uint8)
+
+        with dockd.connect(f"127.0.0.1:{ready['port']}") as d:
+            assert d._pool(0).transport == "shm"
+            for k in range(puts):
+                d.put({"x": batch(k)}, partition="p")
+            held = open_fds(proc.pid)
+            assert 150 <= held < 256, held  # segments up to the budget, then copies
+            got = d.get("c", ["x"], puts * per_put, partition="p", timeout=30)
+            for k in range(puts):
+                assert torch.equal(torch.stack(got["x"][k * per_put : (k + 1) * per_put]), batch(k)), k
+            assert d.clear("p") == puts * per_put
+            assert open_fds(proc.pid) < 60  # every segment's descriptor is closed again
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        proc.stdout.close()
+
+
+def test_zero_copy_results_hold_no_descriptors(cluster, partition, client):
+    """A trainer may keep thousands of zero-copy results alive; their mappings must not each
+    pin a descriptor, or a client under the common `ulimit -n 1024` runs out and loses its
+    connection. Here: 300 live mappings under a limit of 128."""
+    code = """
+import os, resource, sys, torch, dockd
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+d = dockd.connect(sys.argv[1], warehouse=0)
+n = 300
+for k in range(n):  # one body (one segment) per put, 128 KiB values: passed by descriptor
+    d.put({"x": torch.full((2, 1 << 17), k % 251, dtype=torch.uint8)}, partition=sys.argv[2])
+held = [d.get("c", ["x"], 2, partition=sys.argv[2], timeout=10)["x"] for _ in range(n)]
+for k, pair in enumerate(held):
+    assert all(bool((t == k % 251).all()) for t in pair), k
+print(len(os.listdir("/proc/self/fd")))
+"""
+    out = client(code, cluster.address, partition)
+    assert int(out.stdout.split()[-1]) < 64
+
+
+def test_a_client_out_of_descriptors_gets_a_clear_error_and_loses_no_samples(cluster, partition, client):
+    """When the kernel drops the descriptors of a reply (the client is at its open-file
+    limit), the call fails saying so; the samples go back to the pool and a later get,
+    with room again, returns them."""
+    code = """
+import os, resource, sys, torch, dockd
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+d = dockd.connect(sys.argv[1], warehouse=0)
+for k in range(3):  # three segments: the reply to a get of all six passes three descriptors
+    d.put({"x": torch.full((2, 1 << 17), k, dtype=torch.uint8)}, partition=sys.argv[2])
+filler = []
+try:
+    while True:
+        filler.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+os.close(filler.pop())  # room for one descriptor, not three
+try:
+    d.get("c", ["x"], 6, partition=sys.argv[2], timeout=10)
+except dockd.DockConnectionError as e:
+    print("ERROR:", e)
+for fd in filler:
+    os.close(fd)
+b = d.get("c", ["x"], 6, partition=sys.argv[2], timeout=30)
+assert [int(t[0]) for t in b["x"]] == [0, 0, 1, 1, 2, 2], b["x"]
+print("RECOVERED", b.indexes)
+"""
+    out = client(code, cluster.address, partition)
+    assert "ERROR:" in out.stdout and "open-file limit (64)" in out.stdout and "ulimit -n" in out.stdout, out.stdout
+    assert "RECOVERED [0, 1, 2, 3, 4, 5]" in out.stdout, out.stdout
