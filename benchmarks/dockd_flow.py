@@ -13,7 +13,14 @@ Cases (each the median of ``config.repeats`` repeats):
   each on its own partition, started together at a barrier; aggregate GB/s is
   all bytes over the wall time from the first start to the last finish.
 - latency: ``config.latency_ops`` single-sample puts of ``latency_bytes``
-  bytes, then as many single-sample gets (acquire + fetch + confirm); p50/p99.
+  bytes, then as many single-sample gets (acquire + fetch + confirm); p50/p99;
+  once with the data on the controller's own daemon (the acquire brings the
+  value back inline: one round trip) and once on the other warehouse (acquire,
+  then fetch: two round trips).
+- placement: every other case runs a client pinned to the last warehouse
+  (``flow_warehouses - 1``), so with two warehouses its gets are the general
+  acquire-then-fetch path. Left to itself a client picks its home by pid, and
+  the figures would change from run to run with it.
 - where a get's time goes: after each single-client case, one extra pass
   through the client's low-level ``acquire`` / ``fetch`` / ``confirm`` calls
   records the median time of each phase (``extra.get_phase_*`` in the JSON).
@@ -36,6 +43,10 @@ TITLE = "dockd put/get throughput and latency (local daemons)"
 
 COLUMN = "x"
 CONSUMER = "bench"
+DATA_ON_CONTROLLER = "controller's daemon"
+"""Latency case: the sample is on the warehouse co-hosted with the controller (a get is one round trip)."""
+DATA_ELSEWHERE = "another warehouse"
+"""Latency case: the sample is on another warehouse (acquire at the controller, then fetch: two round trips)."""
 GET_TIMEOUT_S = 120.0
 
 
@@ -117,15 +128,16 @@ def measure_throughput(dock: Any, path: str, size: int, batch: int, config: Benc
     return rows
 
 
-def measure_latency(dock: Any, path: str, config: BenchConfig) -> list[Row]:
+def measure_latency(dock: Any, path: str, config: BenchConfig, data_on: str) -> list[Row]:
     import torch
 
     one = torch.full((1, config.latency_bytes), 3, dtype=torch.uint8)
+    tag = f"{path}-{data_on.split()[0]}"
     for _ in range(min(50, config.latency_ops)):
-        dock.put({COLUMN: one}, partition=f"lat-warm-{path}")
-        dock.get(CONSUMER, [COLUMN], 1, partition=f"lat-warm-{path}", timeout=GET_TIMEOUT_S)
-    dock.clear(f"lat-warm-{path}")
-    part = f"lat-{path}"
+        dock.put({COLUMN: one}, partition=f"lat-warm-{tag}")
+        dock.get(CONSUMER, [COLUMN], 1, partition=f"lat-warm-{tag}", timeout=GET_TIMEOUT_S)
+    dock.clear(f"lat-warm-{tag}")
+    part = f"lat-{tag}"
     put_lat, get_lat = [], []
     for _ in range(config.latency_ops):
         t0 = time.perf_counter()
@@ -136,13 +148,16 @@ def measure_latency(dock: Any, path: str, config: BenchConfig) -> list[Row]:
         touch(dock.get(CONSUMER, [COLUMN], 1, partition=part, timeout=GET_TIMEOUT_S)[COLUMN])
         get_lat.append(time.perf_counter() - t0)
     dock.clear(part)
-    phases = get_breakdown(dock, f"lat-b-{path}", one, min(config.latency_ops, 500)) if _has_phases(dock) else {}
+    phases = get_breakdown(dock, f"lat-b-{tag}", one, min(config.latency_ops, 500)) if _has_phases(dock) else {}
     rows = []
     for op, lat in (("put", put_lat), ("get", get_lat)):
+        extra: dict[str, Any] = {"data_on": data_on}
+        if op == "get" and phases:
+            extra["get_phase_us"] = {k: v * 1e6 for k, v in phases.items()}
         row = latency_row(scenario=NAME, system="dockd", op=op, path=path, latencies_s=lat,
-                          sample_bytes=config.latency_bytes,
-                          extra={"get_phase_us": {k: v * 1e6 for k, v in phases.items()}} if op == "get" and phases else None)
-        logger.info("[flow] latency op=%s path=%s p50_us=%.1f p99_us=%.1f", op, path, row.p50_us, row.p99_us)
+                          sample_bytes=config.latency_bytes, extra=extra)
+        logger.info("[flow] latency op=%s path=%s data_on=%s p50_us=%.1f p99_us=%.1f", op, path, data_on,
+                    row.p50_us, row.p99_us)
         rows.append(row)
     return rows
 
@@ -239,11 +254,19 @@ def run(config: BenchConfig) -> dict[str, Any]:
     try:
         info = _dockd.describe(cluster, config.flow_warehouses)
         info["transport_in_use"] = {}
+        home = config.flow_warehouses - 1  # pinned: a client's home would otherwise follow its pid
+        info["client_home_warehouse"] = home
         for path in paths:
-            dock = _dockd.connect(cluster.address, path)
+            if home > 0:  # a get of data on the controller's own daemon is one round trip (values inline)
+                near = _dockd.connect(cluster.address, path, warehouse=0)
+                try:
+                    rows += measure_latency(near, path, config, DATA_ON_CONTROLLER)
+                finally:
+                    near.close()
+            dock = _dockd.connect(cluster.address, path, warehouse=home)
             info["transport_in_use"][path] = _dockd.transport_in_use(dock)
             try:
-                rows += measure_latency(dock, path, config)
+                rows += measure_latency(dock, path, config, DATA_ON_CONTROLLER if home == 0 else DATA_ELSEWHERE)
                 for size in config.sample_sizes:
                     for batch in config.batch_sizes:
                         rows += measure_throughput(dock, path, size, batch, config)
