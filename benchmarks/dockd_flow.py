@@ -43,7 +43,7 @@ TITLE = "dockd put/get throughput and latency (local daemons)"
 
 COLUMN = "x"
 CONSUMER = "bench"
-DATA_ON_CONTROLLER = "controller's daemon"
+DATA_ON_CONTROLLER = "the controller's daemon"
 """Latency case: the sample is on the warehouse co-hosted with the controller (a get is one round trip)."""
 DATA_ELSEWHERE = "another warehouse"
 """Latency case: the sample is on another warehouse (acquire at the controller, then fetch: two round trips)."""
@@ -132,7 +132,7 @@ def measure_latency(dock: Any, path: str, config: BenchConfig, data_on: str) -> 
     import torch
 
     one = torch.full((1, config.latency_bytes), 3, dtype=torch.uint8)
-    tag = f"{path}-{data_on.split()[0]}"
+    tag = f"{path}-{'near' if data_on == DATA_ON_CONTROLLER else 'far'}"
     for _ in range(min(50, config.latency_ops)):
         dock.put({COLUMN: one}, partition=f"lat-warm-{tag}")
         dock.get(CONSUMER, [COLUMN], 1, partition=f"lat-warm-{tag}", timeout=GET_TIMEOUT_S)

@@ -130,7 +130,7 @@ def compute_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             _target(
                 "small_get_p50_vs_rtt",
                 f"{path_label(r.get('path'))} get of one {r.get('sample_bytes')}-byte sample"
-                + (f" on the {r['extra']['data_on']}" if r.get("extra", {}).get("data_on") else "")
+                + (f" on {r['extra']['data_on']}" if r.get("extra", {}).get("data_on") else "")
                 + ", p50 vs raw socket RTT p50",
                 r["p50_us"],
                 rtt.get("p50_us") if rtt else None,
@@ -277,7 +277,7 @@ def _row_cells(r: dict[str, Any]) -> list[str]:
     if phases:
         other = "phases us: " + ", ".join(f"{k} {v * 1e6:,.0f}" for k, v in phases.items())
     if r.get("extra", {}).get("data_on"):
-        other = f"data on the {r['extra']['data_on']}" + (f"; {other}" if other else "")
+        other = f"data on {r['extra']['data_on']}" + (f"; {other}" if other else "")
     return [
         r["system"],
         r["op"],

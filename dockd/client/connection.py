@@ -36,7 +36,8 @@ class RecvPool:
     body is handed out as a numpy view of a pooled block; the tensors decoded
     from it keep that view alive, and when the last of them is gone the block
     returns here for the next reply. Up to `max_bytes` are kept, and always the
-    last block given back, however big, so a steady stream of huge gets reuses it.
+    last block given back, however big (older blocks are dropped to make room),
+    so a steady stream of huge gets reuses it.
     Sizes are rounded up to 8 classes per power of two.
     """
 
@@ -66,9 +67,15 @@ class RecvPool:
 
     def _give_back(self, block: np.ndarray) -> None:
         with self._lock:
-            if self.pooled + block.nbytes <= self.max_bytes or self.pooled == 0:
-                self._free.setdefault(block.nbytes, []).append(block)
-                self.pooled += block.nbytes
+            # the block given back last is the likeliest to be asked for next: older ones make room for it
+            for size in list(self._free):
+                while self.pooled + block.nbytes > self.max_bytes and self._free[size]:
+                    self._free[size].pop()
+                    self.pooled -= size
+                if not self._free[size]:
+                    del self._free[size]
+            self._free.setdefault(block.nbytes, []).append(block)
+            self.pooled += block.nbytes
 
 
 RECV_POOL = RecvPool(int(float(os.environ.get("DOCKD_RECV_POOL_BYTES", 1 << 30))))

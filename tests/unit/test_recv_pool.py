@@ -1,0 +1,48 @@
+"""The client's pool of warm receive buffers (pure: no sockets)."""
+
+from __future__ import annotations
+
+import gc
+
+from dockd.client.connection import RecvPool
+
+MiB = 1 << 20
+
+
+def _address(view) -> int:
+    return view.__array_interface__["data"][0]
+
+
+def test_a_returned_block_is_reused_by_the_next_reply_of_its_size():
+    pool = RecvPool(8 * MiB)
+    v = pool.take(3 * MiB)
+    addr = _address(v)
+    del v
+    gc.collect()
+    assert pool.pooled >= 3 * MiB
+    assert _address(pool.take(3 * MiB)) == addr
+
+
+def test_the_last_block_stays_however_big_and_older_ones_make_room():
+    pool = RecvPool(8 * MiB)
+    small = [pool.take(2 * MiB) for _ in range(3)]
+    del small
+    gc.collect()
+    assert pool.pooled == 6 * MiB
+    big = pool.take(64 * MiB)  # a reply bigger than the whole pool
+    addr = _address(big)
+    del big
+    gc.collect()
+    assert pool.pooled == 64 * MiB  # the small blocks were dropped for it
+    again = pool.take(64 * MiB)
+    assert _address(again) == addr  # a steady stream of huge replies reads into warm memory
+    assert pool.pooled == 0
+
+
+def test_small_replies_bypass_the_pool():
+    pool = RecvPool(8 * MiB)
+    v = pool.take(RecvPool.MIN - 1)
+    assert v.nbytes == RecvPool.MIN - 1
+    del v
+    gc.collect()
+    assert pool.pooled == 0
