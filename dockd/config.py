@@ -16,6 +16,8 @@ ENV_VARS = {
     "DOCKD_WAREHOUSE": "warehouse a client writes to: an id or host:port (default: one on this host)",
     "DOCKD_CONNECT_TIMEOUT": "seconds a client waits to connect to a daemon (default 10)",
     "DOCKD_TRANSPORT": "'auto' (default: shared memory to same-host daemons, TCP otherwise) or 'tcp'",
+    "DOCKD_SPIN_US": "microseconds a same-host client call polls for its reply before sleeping (default 200; 0: never)",
+    "DOCKD_RECV_POOL_BYTES": "bytes of warm receive buffers a client keeps for large socket replies (default 1 GiB)",
 }
 
 

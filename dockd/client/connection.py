@@ -11,8 +11,10 @@ import collections
 import logging
 import os
 import resource
+import select
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 
@@ -80,6 +82,12 @@ class RecvPool:
 
 RECV_POOL = RecvPool(int(float(os.environ.get("DOCKD_RECV_POOL_BYTES", 1 << 30))))
 
+SPIN_S = float(os.environ.get("DOCKD_SPIN_US", 200)) / 1e6
+"""How long a call on a same-host (Unix) connection polls for the start of its reply before
+sleeping in the kernel: a reply that lands while the client is still awake saves a wake-up on
+both sides. TCP connections never spin: on loopback it cost 10-30% of bulk throughput
+(docs/design-notes.md)."""
+
 
 class Connection:
     """A TCP connection, or with `unix` a same-host Unix one that can pass descriptors."""
@@ -103,7 +111,10 @@ class Connection:
             raise DockConnectionError(
                 f"cannot connect to dockd at {self.address}: {e}. Is `dockd serve` running there?"
             ) from None
-        self.sock.settimeout(None)
+        self.sock.settimeout(None)  # blocking; reads wait in _recv_into (spin, then poll until the deadline)
+        self._poll = select.poll()
+        self._poll.register(self.sock, select.POLLIN)
+        self._deadline: float | None = None
         self._fds: collections.deque[int] = collections.deque()
         self.max_body = max_body
         self._buf = bytearray(_SCRATCH)
@@ -142,9 +153,8 @@ class Connection:
 
         Raises the mapped error on a non-OK status."""
         self.send(frame, buffers, body_size, fds)
+        self._deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            if timeout is not None:  # each settimeout is a syscall: only pay it when bounded
-                self.sock.settimeout(timeout)
             reply, body, got = self._read_frame()
         except socket.timeout:
             self.broken = True
@@ -152,8 +162,7 @@ class Connection:
         except OSError as e:
             self._raise_io(e)
         finally:
-            if timeout is not None and not self.closed:
-                self.sock.settimeout(None)
+            self._deadline = None
         if reply.id != frame.id and reply.id != 0:
             self.broken = True
             raise DockProtocolError(f"reply id {reply.id} does not match request id {frame.id} from {self.address}")
@@ -178,7 +187,7 @@ class Connection:
             new[:live] = self._mv[self._lo : self._hi]
             self._buf, self._mv, self._lo, self._hi = new, memoryview(new), 0, live
         while self._hi - self._lo < n:
-            got = self._recv_into(self._mv[self._hi :])
+            got = self._recv_into(self._mv[self._hi :], SPIN_S if self.unix and self._hi == self._lo else 0.0)
             if got == 0:
                 self.broken = True
                 if self.closed:
@@ -186,10 +195,27 @@ class Connection:
                 raise DockConnectionError(f"dockd at {self.address} closed the connection (did the daemon stop?)")
             self._hi += got
 
-    def _recv_into(self, mv: memoryview) -> int:
-        if not self.unix:
-            return self.sock.recv_into(mv)
-        n, anc, flags, _ = self.sock.recvmsg_into([mv], shm._ANC)
+    def _recv_into(self, mv: memoryview, spin: float = 0.0) -> int:
+        """Read what has arrived into mv; wait for it first spinning for `spin` seconds, then
+        asleep in poll until the call's deadline. Only the wait for the start of a reply spins:
+        inside a large body, polling the socket would contend with the sender for it."""
+        spin_end = None
+        while True:
+            try:
+                if not self.unix:
+                    return self.sock.recv_into(mv, 0, socket.MSG_DONTWAIT)
+                n, anc, flags, _ = self.sock.recvmsg_into([mv], shm._ANC, socket.MSG_DONTWAIT)
+                break
+            except BlockingIOError:
+                pass
+            now = time.monotonic()
+            if spin_end is None:
+                spin_end = now + spin
+            if now < spin_end:
+                continue
+            wait_ms = -1.0 if self._deadline is None else (self._deadline - now) * 1e3
+            if self._deadline is not None and wait_ms <= 0 or not self._poll.poll(wait_ms):
+                raise socket.timeout("timed out")
         if anc:
             self._fds.extend(shm.recv_fds(anc))
         if flags & socket.MSG_CTRUNC:  # the reply's segments are lost; the stream is out of step
