@@ -74,8 +74,8 @@ class Segment:
     def __init__(self, fd: int, size: int, used: int | None = None) -> None:
         self.fd = -1  # owned (closed by __del__) only once mapped; until then the caller closes it
         self.size = size
-        self.map = map_shared(fd, size) if size else None
-        full = pa.py_buffer(self.map) if size else pa.py_buffer(b"")
+        self.map = map_shared(fd, size)  # an empty array when size is 0
+        full = pa.py_buffer(self.map)
         # the payload; slicing would make an Arrow buffer read-only, so only when there is padding
         self.buffer = full.slice(0, used) if used is not None and used < size else full
         self.fd = fd

@@ -56,11 +56,14 @@ class RecvPool:
             return np.empty(n, dtype=np.uint8)
         step = max(1, 1 << max(0, (n - 1).bit_length() - 4))
         size = -(-n // step) * step
+        block = None
         with self._lock:
             blocks = self._free.get(size)
-            block = blocks.pop() if blocks else None
-            if block is not None:
+            if blocks:  # no empty lists are kept
+                block = blocks.pop()
                 self.pooled -= size
+                if not blocks:
+                    del self._free[size]
         if block is None:
             block = np.empty(size, dtype=np.uint8)
         view = block[:n]
@@ -70,11 +73,11 @@ class RecvPool:
     def _give_back(self, block: np.ndarray) -> None:
         with self._lock:
             # the block given back last is the likeliest to be asked for next: older ones make room for it
-            for size in list(self._free):
-                while self.pooled + block.nbytes > self.max_bytes and self._free[size]:
-                    self._free[size].pop()
-                    self.pooled -= size
-                if not self._free[size]:
+            while self.pooled + block.nbytes > self.max_bytes and self._free:
+                size, blocks = next(iter(self._free.items()))
+                blocks.pop()
+                self.pooled -= size
+                if not blocks:
                     del self._free[size]
             self._free.setdefault(block.nbytes, []).append(block)
             self.pooled += block.nbytes

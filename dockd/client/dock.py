@@ -260,9 +260,9 @@ class Dock:
             mm = memoryview(shm.map_shared(fd, size))
             off = 0
             for b in body.buffers:
-                n = memoryview(b).nbytes
-                mm[off : off + n] = memoryview(b).cast("B")
-                off += n
+                src = memoryview(b).cast("B")
+                mm[off : off + src.nbytes] = src
+                off += src.nbytes
             del mm  # unmapped here: nothing else views it
             req.shm_size = body.size
             reply, _, _ = self._call(pool, pb.Frame(put=req), fds=[fd])
