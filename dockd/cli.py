@@ -24,8 +24,10 @@ def _serve(args) -> int:
 
     cfg = NodeConfig(
         host=args.host, port=args.port, grpc_port=args.grpc_port, advertise=args.advertise,
-        controller=args.controller, join=args.join or "", capacity=parse_size(args.capacity),
-        lease_timeout=args.lease_timeout, shm=not args.no_shm,
+        controller=args.controller, warehouse=not args.no_warehouse, join=args.join or "",
+        capacity=parse_size(args.capacity), lease_timeout=args.lease_timeout, shm=not args.no_shm,
+        state_dir=args.state_dir or "", join_timeout=args.join_timeout, controller_grace=args.controller_grace,
+        warehouse_grace=args.warehouse_grace,
     )
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("dockd").warning(
@@ -79,6 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--capacity", default="8GiB", help="bytes this warehouse holds before puts wait (default 8GiB)")
     s.add_argument("--lease-timeout", type=float, default=120.0, help="seconds a leased sample waits for its fetch")
     s.add_argument("--no-shm", action="store_true", help="serve same-host clients over TCP only (no shared memory)")
+    s.add_argument("--no-warehouse", action="store_true",
+                   help="with --controller: run only the controller (no data on this node; it can restart without loss)")
+    s.add_argument("--state-dir", metavar="DIR",
+                   help="with --controller: journal the controller's state in DIR and recover it on restart")
+    s.add_argument("--join-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a warehouse waits this long for its controller at start (default: as long as it takes)")
+    s.add_argument("--controller-grace", type=float, default=60.0, metavar="SECONDS",
+                   help="puts wait this long for an unreachable controller before failing (default 60)")
+    s.add_argument("--warehouse-grace", type=float, default=15.0, metavar="SECONDS",
+                   help="controller: a warehouse that dropped its connection has this long to rejoin (default 15)")
     s.add_argument("--log-level", dest="serve_log_level", default=None, help=argparse.SUPPRESS)
     s.set_defaults(fn=_serve)
 

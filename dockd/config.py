@@ -15,6 +15,7 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20,
 ENV_VARS = {
     "DOCKD_WAREHOUSE": "warehouse a client writes to: an id or host:port (default: one on this host)",
     "DOCKD_CONNECT_TIMEOUT": "seconds a client waits to connect to a daemon (default 10)",
+    "DOCKD_RECONNECT_TIMEOUT": "seconds a client keeps retrying a daemon that went away before it gives up (default 30)",
     "DOCKD_TRANSPORT": "'auto' (default: shared memory to same-host daemons, TCP otherwise) or 'tcp'",
     "DOCKD_SPIN_US": "microseconds a same-host client call polls for its reply before sleeping (default 200; 0: never)",
     "DOCKD_RECV_POOL_BYTES": "bytes of warm receive buffers a client keeps for large socket replies (default 1 GiB)",
@@ -53,6 +54,8 @@ class NodeConfig:
     """Host name other nodes and clients use to reach this one (default: host)."""
     controller: bool = False
     """Also host the controller."""
+    warehouse: bool = True
+    """Host a warehouse (only a controller may run without one: --no-warehouse)."""
     join: str = ""
     """host:port of the controller to join as a warehouse (required without controller)."""
     capacity: int = 8 << 30
@@ -61,8 +64,14 @@ class NodeConfig:
     """Seconds an acquired sample stays leased without a confirmed fetch."""
     max_frame: int = 1 << 36
     """Largest frame body accepted, in bytes."""
-    connect_timeout: float = 10.0
-    """Seconds to wait for the controller when joining."""
+    join_timeout: float | None = None
+    """Seconds a warehouse waits for its controller at start (None: as long as it takes)."""
+    controller_grace: float = 60.0
+    """Seconds a put waits for an unreachable controller before it fails (the warehouse keeps retrying)."""
+    warehouse_grace: float = 15.0
+    """Controller: seconds a warehouse whose connection dropped has to rejoin before its samples are lost."""
+    state_dir: str = ""
+    """Controller: journal its state here and recover it on restart (empty: keep nothing)."""
     shm: bool = True
     """Serve same-host clients over a Unix socket with shared-memory payloads (Linux)."""
 
@@ -79,3 +88,12 @@ class NodeConfig:
             raise DockValueError(f"capacity must be > 0 bytes, got {self.capacity}")
         if self.lease_timeout <= 0:
             raise DockValueError(f"lease timeout must be > 0 seconds, got {self.lease_timeout}")
+        if not self.warehouse and not self.controller:
+            raise DockValueError("--no-warehouse needs --controller: a node without a warehouse only runs the controller")
+        if self.state_dir and not self.controller:
+            raise DockValueError("--state-dir is the controller's journal; give it with --controller")
+        for name in ("controller_grace", "warehouse_grace"):
+            if getattr(self, name) <= 0:
+                raise DockValueError(f"{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
+        if self.join_timeout is not None and self.join_timeout <= 0:
+            raise DockValueError(f"join timeout must be > 0 seconds, got {self.join_timeout}")

@@ -76,6 +76,13 @@ def spawn_node(args: list[str], *, timeout: float = 60.0, env: dict | None = Non
     its ready line; fails fast if it exits."""
     cmd = [*prefix, sys.executable, "-m", "dockd", "serve", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env)
+    return proc, read_ready(proc, timeout=timeout)
+
+
+def read_ready(proc: subprocess.Popen, *, timeout: float = 60.0) -> dict:
+    """Wait for the JSON ready line of a `dockd serve` process started with stdout=PIPE
+    (a warehouse prints it once it has joined its controller); fails fast if it exits."""
+    cmd = proc.args if isinstance(proc.args, list) else [str(proc.args)]
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout
@@ -92,7 +99,7 @@ def spawn_node(args: list[str], *, timeout: float = 60.0, env: dict | None = Non
             raise DockConnectionError(f"`{' '.join(cmd)}` exited unexpectedly with code {code} before it was ready (see its stderr above)")
         line += chunk
     sel.close()
-    return proc, json.loads(line)
+    return json.loads(line)
 
 
 def start_local(num_warehouses: int = 1, *, capacity: int | str = "4GiB", lease_timeout: float | None = None,

@@ -43,9 +43,10 @@ class Handler(Protocol):
 class Peer(asyncio.BufferedProtocol):
     _ids = itertools.count(1)
 
-    def __init__(self, handler: Handler, *, max_body: int) -> None:
+    def __init__(self, handler: Handler, *, max_body: int, on_connect=None) -> None:
         self.handler = handler
         self.max_body = max_body
+        self.on_connect = on_connect  # called with the transport once connected (e.g. to set socket options)
         self.id = next(Peer._ids)
         self.transport: asyncio.Transport | None = None
         self.name = "?"
@@ -78,6 +79,8 @@ class Peer(asyncio.BufferedProtocol):
         self.transport = transport
         peer = transport.get_extra_info("peername")
         self.name = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        if self.on_connect is not None:
+            self.on_connect(transport)
 
     def connection_lost(self, exc) -> None:
         self.closed = True

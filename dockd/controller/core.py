@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -31,7 +31,9 @@ logger = logging.getLogger(__name__)
 
 FREE, LEASED, TAKEN, LOST = 0, 1, 2, 3
 NO_WAREHOUSE = 0xFFFF
+LOST_WAREHOUSE = 0xFFFE  # a (sample, column) whose warehouse rejoined without it
 MAX_COLUMNS = 64
+PUT_KEYS_KEPT = 4096  # per warehouse: recent commits remembered so a re-sent one is applied once
 _BLOCK_SHIFT = 10
 
 
@@ -135,6 +137,7 @@ class _Partition:
         self.loc: dict[str, np.ndarray] = {}
         self.consumers: dict[str, _Consumer] = {}
         self.nbytes: dict[int, int] = {}
+        self.recovered = False  # rebuilt from warehouse inventories: consumer progress before it is unknown
 
     # -- layout ---------------------------------------------------------------
     def reserve(self, n: int) -> None:
@@ -230,6 +233,16 @@ class Lease:
     indexes: np.ndarray
     owner: int
     deadline: float
+    token: int = 0  # the acquire's retry token (0: none)
+
+
+@dataclasses.dataclass(slots=True)
+class Inventory:
+    """What a warehouse holds of one partition: sorted sample indexes per column."""
+
+    group_size: int
+    nbytes: int
+    columns: dict[str, np.ndarray]
 
 
 @dataclasses.dataclass(slots=True)
@@ -254,7 +267,10 @@ class Controller:
         self.partitions: dict[str, _Partition] = {}
         # In grant order, which is deadline order (one timeout, a monotonic clock): the first expires first.
         self.leases: collections.OrderedDict[int, Lease] = collections.OrderedDict()
+        self.lease_tokens: dict[int, int] = {}  # acquire token -> outstanding lease id
         self.dead_warehouses: set[int] = set()
+        # per warehouse, put_id -> indexes of its recent commits (a re-sent commit is answered, not re-applied)
+        self.put_keys: dict[int, collections.OrderedDict[int, np.ndarray]] = {}
         self._next_lease = 1
 
     # -- writes -------------------------------------------------------------------
@@ -268,13 +284,30 @@ class Controller:
         new_count: int = 0,
         group_size: int = 1,
         nbytes: int = 0,
+        put_id: int = 0,
     ) -> np.ndarray:
         """Record that `warehouse` now holds `columns` of some samples; returns their indexes.
 
         With `indexes` None, allocates `new_count` new samples (groups of
         `group_size` consecutive indexes). Otherwise the samples must exist and
-        none of `columns` may already be written for them.
+        none of `columns` may already be written for them. A commit whose
+        (warehouse, put_id) was applied recently is not applied again: the
+        indexes it got are returned (a warehouse re-sends commits whose reply it
+        lost to a controller restart).
         """
+        if put_id:
+            done = self.put_keys.get(warehouse, {}).get(put_id)
+            if done is not None:
+                return done
+        idx = self._commit(partition, columns, warehouse, indexes, new_count, group_size, nbytes)
+        if put_id:
+            keys = self.put_keys.setdefault(warehouse, collections.OrderedDict())
+            keys[put_id] = idx
+            if len(keys) > PUT_KEYS_KEPT:
+                keys.popitem(last=False)
+        return idx
+
+    def _commit(self, partition, columns, warehouse, indexes, new_count, group_size, nbytes) -> np.ndarray:
         if not partition:
             raise DockValueError("partition must be a non-empty string")
         if not columns:
@@ -348,14 +381,25 @@ class Controller:
         seed: int | None = None,
         owner: int = 0,
         now: float = 0.0,
+        token: int = 0,
     ) -> AcquireResult | None:
         """Lease up to `count` samples ready in `columns` for `consumer`, or None to wait.
 
         Returns None when fewer than `count` are ready (or none, with
         allow_partial). Raises DockDataLost when chosen samples live on a dead
-        warehouse; those are then marked lost for this consumer.
+        warehouse; those are then marked lost for this consumer. An acquire
+        whose `token` names a lease still outstanding gets that lease again (a
+        client retrying after a lost reply), not a second one.
         """
         self.validate_acquire(partition, consumer, columns, count, groups)
+        if token:
+            again = self.lease_tokens.get(token)
+            if again is not None:
+                lease = self.leases[again]
+                part = self.partitions[lease.partition]
+                locs = np.stack([part.loc[c][lease.indexes] for c in columns]) if all(
+                    c in part.loc for c in columns) else np.full((len(columns), len(lease.indexes)), NO_WAREHOUSE, np.uint16)
+                return AcquireResult(lease.id, lease.indexes, locs)
         part = self.partitions.get(partition)
         if part is None:
             return None
@@ -384,13 +428,25 @@ class Controller:
         locs = np.stack([part.loc[c][idx] for c in columns])
         if self.dead_warehouses:
             self._check_lost(part, cons, columns, idx, locs)
+        lease = self.grant(self._next_lease, partition, consumer, idx, owner=owner, deadline=now + self.lease_timeout,
+                           token=token)
+        return AcquireResult(lease.id, idx, locs)
+
+    def grant(self, lease_id: int, partition: str, consumer: str, indexes: np.ndarray, *, owner: int = 0,
+              deadline: float, token: int = 0) -> Lease:
+        """Lease `indexes` to `consumer` (acquire's last step; also how a journal replays a lease)."""
+        part = self.partitions[partition]
+        cons = part.consumer(consumer)
+        idx = np.asarray(indexes, dtype=np.int64)
         cons.state[idx] = LEASED
         cons.leased += len(idx)
         part.taken_out(cons, idx)
-        lease = Lease(self._next_lease, partition, consumer, idx, owner, now + self.lease_timeout)
-        self._next_lease += 1
+        lease = Lease(lease_id, partition, consumer, idx, owner, deadline, token)
+        self._next_lease = max(self._next_lease, lease_id + 1)
         self.leases[lease.id] = lease
-        return AcquireResult(lease.id, idx, locs)
+        if token:
+            self.lease_tokens[token] = lease.id
+        return lease
 
     def _check_lost(self, part: _Partition, cons: _Consumer, columns, idx, locs) -> None:
         dead = np.isin(locs, np.fromiter(self.dead_warehouses, dtype=np.uint16))
@@ -486,6 +542,8 @@ class Controller:
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return None
+        if lease.token:
+            self.lease_tokens.pop(lease.token, None)
         part = self.partitions.get(lease.partition)
         if part is not None:
             cons = part.consumers[lease.consumer]
@@ -521,14 +579,88 @@ class Controller:
         part = self.partitions.pop(partition, None)
         if part is None:
             raise DockNotFound(f"partition {partition!r} does not exist (already cleared, or never written)")
-        for lid in [l.id for l in self.leases.values() if l.partition == partition]:
-            del self.leases[lid]
+        for lease in [l for l in self.leases.values() if l.partition == partition]:
+            del self.leases[lease.id]
+            if lease.token:
+                self.lease_tokens.pop(lease.token, None)
         return part.size
 
     def warehouse_lost(self, warehouse: int) -> None:
         self.dead_warehouses.add(warehouse)
+        self.put_keys.pop(warehouse, None)
         for part in self.partitions.values():
             part.nbytes.pop(warehouse, None)
+
+    def rejoin(self, warehouse: int, inventory: Mapping[str, Inventory], *, known: bool) -> list[str]:
+        """Reconcile what a rejoining warehouse holds with what this controller records.
+
+        `known`: the controller remembers this warehouse (a journal, or it never
+        went away). Then the records win: (sample, column)s recorded on the
+        warehouse that it no longer holds become lost (DockDataLost when met),
+        and partitions it holds that the dock no longer has are returned, for
+        the warehouse to free. Otherwise (a restart without a state dir) the
+        inventory is the truth: partitions are rebuilt from it, marked
+        `recovered` (consumer progress before the restart is unknown); a value
+        that another warehouse already holds under the same index stays there,
+        and the rejoining one's copy is ignored (logged).
+        """
+        self.dead_warehouses.discard(warehouse)
+        drop = []
+        if known:
+            for name, part in self.partitions.items():
+                held = inventory.get(name)
+                for col, loc in part.loc.items():
+                    mine = np.flatnonzero(loc[: part.size] == warehouse)
+                    if held is not None and col in held.columns:
+                        mine = mine[~np.isin(mine, held.columns[col], assume_unique=True)]
+                    if len(mine):
+                        loc[mine] = LOST_WAREHOUSE
+                        self.dead_warehouses.add(LOST_WAREHOUSE)
+                        logger.warning("[controller] warehouse %d rejoined without %d values of column %r of "
+                                       "partition %r; they are lost", warehouse, len(mine), col, name)
+                if held is not None:
+                    part.nbytes[warehouse] = held.nbytes
+                else:
+                    part.nbytes.pop(warehouse, None)
+            drop = [name for name in inventory if name not in self.partitions]
+            return drop
+        for name, held in inventory.items():
+            part = self.partitions.get(name)
+            if part is None:
+                part = self.partitions[name] = _Partition(name, held.group_size or 1)
+            elif part.group_size != (held.group_size or 1):
+                logger.error("[controller] warehouse %d holds partition %r with groups of %d, but the dock has groups "
+                             "of %d; its copy is ignored", warehouse, name, held.group_size, part.group_size)
+                continue
+            part.recovered = True
+            top = max((int(ix[-1]) + 1 for ix in held.columns.values() if len(ix)), default=0)
+            top = -(-top // part.group_size) * part.group_size
+            if top > part.size:
+                part.reserve(top - part.size)
+                part.size = top
+            newbits, conflicts, changed = 0, 0, []
+            for col, ix in held.columns.items():
+                b = part.bit(col)
+                ix = np.asarray(ix, dtype=np.int64)
+                taken = (part.ready[ix] >> np.uint64(b)) & np.uint64(1) == 1
+                conflicts += int(taken.sum())
+                ix = ix[~taken]
+                part.loc[col][ix] = warehouse
+                part.ready[ix] |= np.uint64(1 << b)
+                newbits |= 1 << b
+                changed.append(ix)
+            part.nbytes[warehouse] = part.nbytes.get(warehouse, 0) + held.nbytes
+            if conflicts:
+                logger.error("[controller] warehouse %d holds %d values of partition %r under indexes that were "
+                             "written again after the controller restarted without a state dir; its copies are "
+                             "ignored", warehouse, conflicts, name)
+            if changed:
+                idx = np.unique(np.concatenate(changed))
+                for cons in part.consumers.values():
+                    subs = [s for s in cons.subs.values() if s.mask & newbits]
+                    if subs:
+                        part.refresh(cons, idx, subs)
+        return drop
 
     def warehouse_bytes(self) -> dict[int, int]:
         out: dict[int, int] = {}
@@ -551,9 +683,67 @@ class Controller:
                         c: int(np.count_nonzero((ready >> np.uint64(b)) & np.uint64(1))) for c, b in part.columns.items()
                     },
                     "consumers": {name: {"taken": c.taken, "leased": c.leased} for name, c in part.consumers.items()},
+                    "recovered": part.recovered,
                 }
             )
         return out
+
+    # -- persistence (used by the journal; plain dicts of bytes, no pickle) -------------------
+    def snapshot(self, wall_offset: float) -> dict:
+        """Everything needed to rebuild this controller. Lease deadlines are stored on the
+        wall clock (`deadline + wall_offset`) so another process can restore them."""
+        parts = []
+        for p in self.partitions.values():
+            n = p.size
+            parts.append({
+                "name": p.name, "group_size": p.group_size, "size": n, "recovered": p.recovered,
+                "ready": p.ready[:n].tobytes(), "columns": list(p.columns),
+                "loc": [p.loc[c][:n].tobytes() for c in p.columns],
+                "nbytes": [[w, b] for w, b in p.nbytes.items()],
+                "consumers": [[name, c.state[:n].tobytes(), c.taken] for name, c in p.consumers.items()],
+            })
+        return {
+            "version": 1,
+            "lease_timeout": self.lease_timeout,
+            "next_lease": self._next_lease,
+            "dead": sorted(self.dead_warehouses),
+            "partitions": parts,
+            "leases": [[l.id, l.partition, l.consumer, l.indexes.tobytes(), l.deadline + wall_offset, l.token]
+                       for l in self.leases.values()],
+            "put_keys": [[w, [[k, v.tobytes()] for k, v in keys.items()]] for w, keys in self.put_keys.items()],
+        }
+
+    @classmethod
+    def restore(cls, snap: dict, *, wall_offset: float, lease_timeout: float | None = None) -> Controller:
+        """The controller a snapshot describes; lease deadlines are moved onto this process's clock."""
+        if snap.get("version") != 1:
+            raise DockValueError(f"controller snapshot version {snap.get('version')!r} is not supported")
+        c = cls(lease_timeout=lease_timeout or snap["lease_timeout"])
+        c.dead_warehouses = set(snap["dead"])
+        for d in snap["partitions"]:
+            p = _Partition(d["name"], d["group_size"])
+            p.recovered = d["recovered"]
+            n = d["size"]
+            p.reserve(n)
+            p.size = n
+            p.ready[:n] = np.frombuffer(d["ready"], dtype=np.uint64)
+            for col, raw in zip(d["columns"], d["loc"]):
+                p.bit(col)
+                p.loc[col][:n] = np.frombuffer(raw, dtype=np.uint16)
+            p.nbytes = {w: b for w, b in d["nbytes"]}
+            for name, state, taken in d["consumers"]:
+                cons = p.consumer(name)
+                cons.state[:n] = np.frombuffer(state, dtype=np.uint8)
+                cons.state[:n][cons.state[:n] == LEASED] = FREE  # leases are restored below
+                cons.taken = taken
+            c.partitions[p.name] = p
+        for lid, part, consumer, raw, deadline, token in snap["leases"]:
+            c.grant(lid, part, consumer, np.frombuffer(raw, dtype=np.int64).copy(), deadline=deadline - wall_offset,
+                    token=token)
+        c._next_lease = max(c._next_lease, snap["next_lease"])
+        for w, keys in snap["put_keys"]:
+            c.put_keys[w] = collections.OrderedDict((k, np.frombuffer(v, dtype=np.int64).copy()) for k, v in keys)
+        return c
 
     def metadata_bytes(self, partition: str) -> int:
         """Bytes of metadata the controller holds for a partition (all arrays)."""

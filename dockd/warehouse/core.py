@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import pyarrow as pa
 
 from dockd._proto import dockd_pb2 as pb
@@ -28,11 +29,12 @@ class Stored:
 
 
 class _Part:
-    __slots__ = ("columns", "nbytes")
+    __slots__ = ("columns", "nbytes", "group_size")
 
     def __init__(self) -> None:
         self.columns: dict[str, dict[int, Stored]] = {}
         self.nbytes = 0
+        self.group_size = 0  # known once a put of new samples landed here
 
 
 class Warehouse:
@@ -105,10 +107,12 @@ class Warehouse:
                     )
 
     def store(self, partition: str, indexes: Sequence[int], columns: Sequence[pb.ColumnData], body: pa.Buffer | None,
-              nbytes: int, segment: object = None) -> None:
+              nbytes: int, segment: object = None, group_size: int = 0) -> None:
         """Keep the values (slices of body) under (partition, column, index); uses the reservation."""
         self.check_absent(partition, indexes, (c.name for c in columns))
         part = self.parts.setdefault(partition, _Part())
+        if group_size:
+            part.group_size = group_size
         for c in columns:
             col = part.columns.setdefault(c.name, {})
             for i, meta in zip(indexes, c.values):
@@ -163,6 +167,24 @@ class Warehouse:
     def free_all(self) -> int:
         return sum(self.free(p) for p in list(self.parts))
 
+    def inventory(self, uncommitted: Sequence[pb.CommitRequest] = ()) -> list[pb.InventoryPartition]:
+        """What this warehouse holds, as sorted index runs per column, leaving out stored values
+        whose commit is still pending (`uncommitted`): those are re-committed separately."""
+        skip: dict[tuple[str, str], set[int]] = {}
+        for c in uncommitted:
+            for name in c.columns:
+                skip.setdefault((c.partition, name), set()).update(c.indexes)
+        out = []
+        for name, part in self.parts.items():
+            inv = pb.InventoryPartition(name=name, group_size=part.group_size, nbytes=part.nbytes)
+            for col, values in part.columns.items():
+                drop = skip.get((name, col))
+                idx = np.fromiter((i for i in values if not drop or i not in drop), dtype=np.int64)
+                idx.sort()
+                inv.columns.add(name=col, runs=_runs(idx))
+            out.append(inv)
+        return out
+
     def stats(self) -> dict:
         return {
             "capacity": self.capacity,
@@ -170,3 +192,13 @@ class Warehouse:
             "reserved": self.reserved,
             "partitions": {name: p.nbytes for name, p in self.parts.items()},
         }
+
+
+def _runs(idx: np.ndarray) -> list[int]:
+    """Sorted indexes as [start, stop) pairs, flattened."""
+    if not len(idx):
+        return []
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    starts = np.concatenate([idx[:1], idx[breaks]])
+    stops = np.concatenate([idx[breaks - 1] + 1, idx[-1:] + 1])
+    return np.stack([starts, stops], axis=1).ravel().tolist()

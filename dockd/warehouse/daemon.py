@@ -3,8 +3,10 @@ controller too, on one framed port, plus gRPC health/admin on a second port.
 
 Requests are routed by kind: put/fetch/free go to the warehouse, the rest to
 the controller. A warehouse that is not co-hosted joins the controller over a
-framed connection of its own, commits every put there before acknowledging it,
-and receives `free` requests on it.
+framed connection of its own (`link.ControllerLink`), commits every put there
+before acknowledging it, and receives `free` requests on it. It outlives its
+controller: it keeps its data and serves reads while the controller is away,
+and rejoins when it is back.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import gc
 import json
 import logging
 import os
+import collections
 import resource
+import secrets
 import signal
 import socket
 import sys
@@ -28,29 +32,34 @@ from dockd._proto import dockd_pb2 as pb
 from dockd.config import NodeConfig
 from dockd.controller.core import Controller
 from dockd.controller.service import ControllerService
-from dockd.errors import DockConnectionError, DockError, DockFull, DockNotFound, DockProtocolError, DockValueError
+from dockd.errors import DockError, DockFull, DockNotFound, DockProtocolError, DockValueError
 from dockd.peer import Peer
 from dockd.warehouse.core import Warehouse
+from dockd.warehouse.link import ControllerLink, keepalive
 from dockd.wire import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
 
 _CONTROLLER_KINDS = {"acquire", "confirm", "release", "clear", "stats", "register", "commit", "locate", "leave"}
+_PUT_TOKENS_KEPT = 4096
 
 
 class Node:
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
+        self.instance = secrets.randbits(63) | 1
         self.warehouse = Warehouse(cfg.capacity)
         self.controller: ControllerService | None = None
         if cfg.controller:
             self.controller = ControllerService(
-                Controller(lease_timeout=cfg.lease_timeout), free_local=self._free, inline=self._inline_values
+                Controller(lease_timeout=cfg.lease_timeout), free_local=self._free, inline=self._inline_values,
+                state_dir=cfg.state_dir or None, warehouse_grace=cfg.warehouse_grace,
             )
-        self.wid = -1
+        self.link: ControllerLink | None = None
         self.port = 0
         self.grpc_port = 0
-        self._ctrl_peer: Peer | None = None
+        self._puts_done: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # token -> indexes
+        self._puts_running: dict[int, list[tuple[Peer, pb.Frame]]] = {}  # token -> retries waiting on it
         self._server: asyncio.base_events.Server | None = None
         self._peers: set[Peer] = set()
         self._capacity_waiters: list[tuple[int, asyncio.Future]] = []
@@ -63,6 +72,12 @@ class Node:
         self._segment_budget = 0  # segments (descriptor + mapping each) this process may hold
         self._over_budget_warned = False
         self.exit_code = 0
+        self._wid = -1
+
+    @property
+    def wid(self) -> int:
+        """This node's warehouse id (-1: none, or not joined yet)."""
+        return self.link.wid if self.link is not None else self._wid
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -70,34 +85,27 @@ class Node:
         self._stopping = asyncio.Event()
         self._server = await loop.create_server(self._make_peer, self.cfg.host, self.cfg.port, reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
-        if self.cfg.shm and shm.available():
+        if self.cfg.shm and shm.available() and self.cfg.warehouse:
             self._listen_unix(loop)
         reg = pb.RegisterWarehouse(host=self.cfg.advertise or self.cfg.host, port=self.port, capacity=self.cfg.capacity,
-                                   unix=self.unix_name)
+                                   unix=self.unix_name, instance=self.instance)
         if self.controller is not None:
-            self.wid = self.controller.register(None, reg)
+            self.controller.start()
+            if self.cfg.warehouse:
+                self._wid = self.controller.register(None, reg).id
         else:
-            await self._join(reg)
+            self.link = ControllerLink(self.cfg.join, make_peer=self._make_peer, registration=reg,
+                                       inventory=self.warehouse.inventory, on_drop=self._free,
+                                       grace=self.cfg.controller_grace)
+            await self.link.start(self.cfg.join_timeout)
         from dockd.warehouse.admin import start_grpc
 
         self._grpc, self.grpc_port = start_grpc(self, loop)
         logger.info(
-            "[node] serving address=%s:%d grpc_port=%d controller=%s warehouse=%d capacity=%d",
+            "[node] serving address=%s:%d grpc_port=%d controller=%s warehouse=%d capacity=%d state_dir=%s",
             self.cfg.host, self.port, self.grpc_port, self.controller is not None, self.wid, self.cfg.capacity,
+            self.cfg.state_dir or "-",
         )
-
-    async def _join(self, reg: pb.RegisterWarehouse) -> None:
-        host, _, port = self.cfg.join.rpartition(":")
-        loop = asyncio.get_running_loop()
-        try:
-            _, peer = await asyncio.wait_for(
-                loop.create_connection(self._make_peer, host, int(port)), timeout=self.cfg.connect_timeout
-            )
-        except (OSError, asyncio.TimeoutError) as e:
-            raise DockConnectionError(f"cannot reach the controller at {self.cfg.join} to join it: {e}") from None
-        self._ctrl_peer = peer
-        reply, _ = await peer.request(pb.Frame(register=reg))
-        self.wid = reply.register_reply.id
 
     def _listen_unix(self, loop) -> None:
         """Same-host clients: frames on an abstract Unix socket, payloads as memfd descriptors."""
@@ -131,7 +139,7 @@ class Node:
             shm.UnixTransport(asyncio.get_running_loop(), conn, self._make_peer())
 
     def _make_peer(self) -> Peer:
-        peer = Peer(self, max_body=self.cfg.max_frame)
+        peer = Peer(self, max_body=self.cfg.max_frame, on_connect=keepalive)
         self._peers.add(peer)
         return peer
 
@@ -156,8 +164,8 @@ class Node:
         if self._unix is not None:
             asyncio.get_running_loop().remove_reader(self._unix.fileno())
             self._unix.close()
-        if self._ctrl_peer is not None and not self._ctrl_peer.closed:
-            self._ctrl_peer.send(pb.Frame(leave=pb.LeaveRequest(id=self.wid), oneway=True))
+        if self.link is not None:
+            self.link.close(leave=True)
         if self.controller is not None:
             self.controller.shutdown()
         for _, fut in self._capacity_waiters:
@@ -171,10 +179,8 @@ class Node:
     # -- Handler ------------------------------------------------------------------------------
     def on_lost(self, peer: Peer) -> None:
         self._peers.discard(peer)
-        if peer is self._ctrl_peer and not self._stopping.is_set():
-            logger.error("[node] lost the controller connection; this warehouse's data is unreachable, stopping")
-            self.exit_code = 3
-            self.request_stop()
+        if self.link is not None:
+            self.link.connection_lost(peer)
         if self.controller is not None:
             self.controller.on_lost(peer)
 
@@ -182,6 +188,7 @@ class Node:
         if frame.WhichOneof("kind") != "put":
             return _failed(DockValueError(f"a {frame.WhichOneof('kind')} request carries no body"))
         try:
+            self._check_warehouse()
             Warehouse.validate_put(frame.put)
             return self._reserve(body_size, frame.put.timeout)
         except DockError as e:
@@ -238,9 +245,17 @@ class Node:
         else:
             raise DockValueError(f"unexpected request kind {kind!r}")
 
+    def _check_warehouse(self) -> None:
+        if not self.cfg.warehouse:
+            raise DockValueError(
+                f"this daemon ({self.cfg.host}:{self.port}) runs the controller without a warehouse (--no-warehouse); "
+                "put to a warehouse: dockd.connect() picks one unless warehouse= names this daemon"
+            )
+
     def _hello(self) -> pb.HelloReply:
         out = pb.HelloReply(protocol=PROTOCOL_VERSION, hosts_controller=self.controller is not None, warehouse_id=self.wid,
-                            unix=self.unix_name)
+                            unix=self.unix_name, instance=self.instance,
+                            joined=self.link.joined.is_set() if self.link is not None else self.wid >= 0)
         if self.controller is not None:
             out.warehouses.extend(self.controller.warehouse_infos())
             out.controller = f"{self.cfg.advertise or self.cfg.host}:{self.port}"
@@ -258,7 +273,7 @@ class Node:
         if kind == "acquire":
             ctl.acquire(peer, frame)
         elif kind == "confirm":
-            ctl.confirm(frame.confirm)
+            peer.reply(frame, pb.Frame(confirm_reply=ctl.confirm(frame.confirm)))
         elif kind == "release":
             peer.reply(frame, pb.Frame(release_reply=pb.ReleaseReply(released=ctl.release(frame.release))))
         elif kind == "commit":
@@ -271,7 +286,7 @@ class Node:
         elif kind == "leave":
             ctl.leave(peer, frame.leave)
         elif kind == "register":
-            peer.reply(frame, pb.Frame(register_reply=pb.RegisterReply(id=ctl.register(peer, frame.register))))
+            peer.reply(frame, pb.Frame(register_reply=ctl.register(peer, frame.register)))
         elif kind == "clear":
             _spawn(self._clear(peer, frame))
 
@@ -327,6 +342,10 @@ class Node:
 
     # -- data path --------------------------------------------------------------------------------
     def _put(self, peer: Peer, frame: pb.Frame, body, fds: list[int]) -> None:
+        if not self.cfg.warehouse:
+            for fd in fds:
+                os.close(fd)
+            self._check_warehouse()
         if fds:  # shared-memory put: the payload arrived as a memfd
             if len(fds) != 1 or body is not None:
                 for fd in fds:
@@ -364,23 +383,59 @@ class Node:
         seg = body if isinstance(body, shm.Segment) else None
         buf = seg.buffer if seg is not None else body
         size = buf.size if buf is not None else 0  # payload bytes (a segment's buffer excludes its padding)
+        if req.token and self._put_again(peer, frame, size):
+            return
         try:
             for col in req.columns:
                 for v in col.values:
                     codec.check_value(v, size)
             if req.indexes:
                 self.warehouse.check_absent(req.partition, req.indexes, (c.name for c in req.columns))
-        except Exception:
+        except Exception as e:
             self._release_room(unreserve=size)
+            self._put_done(req.token, None, e)
             raise
         commit = pb.CommitRequest(
             partition=req.partition, indexes=req.indexes, new_count=req.new_count, group_size=req.group_size or 1,
             columns=[c.name for c in req.columns], warehouse=self.wid, nbytes=size,
         )
         if self.controller is not None:
-            self._put_local(peer, frame, buf, seg, commit, size)
+            try:
+                self._put_local(peer, frame, buf, seg, commit, size)
+            except Exception as e:
+                self._put_done(req.token, None, e)
+                raise
         else:
             _spawn(self._put_remote(peer, frame, buf, seg, commit, size))
+
+    def _put_again(self, peer: Peer, frame: pb.Frame, size: int) -> bool:
+        """A put re-sent with a token already seen (the client lost the reply): answer it, store nothing."""
+        tok = frame.put.token
+        done = self._puts_done.get(tok)
+        waiting = self._puts_running.get(tok)
+        if done is None and waiting is None:
+            self._puts_running[tok] = []
+            return False
+        self._release_room(unreserve=size)
+        if done is not None:
+            peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=done)))
+        else:
+            waiting.append((peer, frame))
+        return True
+
+    def _put_done(self, token: int, indexes: list[int] | None, exc: BaseException | None = None) -> None:
+        """Answer the retries that waited on a put's first attempt, and remember its outcome."""
+        if not token:
+            return
+        for peer, frame in self._puts_running.pop(token, ()):
+            if exc is not None:
+                peer.reply_error(frame, exc)
+            else:
+                peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=indexes)))
+        if exc is None:
+            self._puts_done[token] = indexes
+            if len(self._puts_done) > _PUT_TOKENS_KEPT:
+                self._puts_done.popitem(last=False)
 
     def _put_local(self, peer, frame, buf, seg, commit, size) -> None:
         req = frame.put
@@ -397,8 +452,10 @@ class Node:
             except Exception:
                 self._release_room(unreserve=size)
                 raise
-            self.warehouse.store(req.partition, idx.tolist(), req.columns, buf, size, seg)
-        peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=idx.tolist())))
+            self.warehouse.store(req.partition, idx.tolist(), req.columns, buf, size, seg, req.group_size or 1)
+        out = idx.tolist()
+        self._put_done(req.token, out)
+        peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=out)))
 
     async def _put_remote(self, peer, frame, buf, seg, commit, size) -> None:
         req = frame.put
@@ -407,7 +464,7 @@ class Node:
             if req.indexes:
                 self.warehouse.store(req.partition, req.indexes, req.columns, buf, size, seg)
                 try:
-                    reply, _ = await self._ctrl_peer.request(pb.Frame(commit=commit))
+                    await self.link.commit(commit, req.timeout)
                 except Exception:
                     self._release_room(unstore=(req.partition, req.indexes, names, size))
                     raise
@@ -415,13 +472,12 @@ class Node:
             else:
                 self._pending_new[req.partition] = self._pending_new.get(req.partition, 0) + 1
                 try:
-                    reply, _ = await self._ctrl_peer.request(pb.Frame(commit=commit))
+                    idx = await self.link.commit(commit, req.timeout)
                 except Exception:
                     self._release_room(unreserve=size)
                     raise
                 else:
-                    idx = list(reply.commit_reply.indexes)
-                    self.warehouse.store(req.partition, idx, req.columns, buf, size, seg)
+                    self.warehouse.store(req.partition, idx, req.columns, buf, size, seg, req.group_size or 1)
                 finally:
                     self._pending_new[req.partition] -= 1
                     if not self._pending_new[req.partition]:
@@ -429,8 +485,10 @@ class Node:
                     async with self._landed:
                         self._landed.notify_all()
         except Exception as e:
+            self._put_done(req.token, None, e)
             peer.reply_error(frame, e)
             return
+        self._put_done(req.token, idx)
         peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=idx)))
 
     def _fetch(self, peer: Peer, frame: pb.Frame) -> None:
@@ -506,6 +564,8 @@ class Node:
 
     def _inline_values(self, peer: Peer, partition: str, columns: list[str], indexes: np.ndarray, locations: np.ndarray):
         """For an acquire: the whole columns this node's warehouse holds, so the client needs no fetch for them."""
+        if self.wid < 0:
+            return [], codec.Body(), []
         wanted = [(c, indexes.tolist()) for c, row in zip(columns, locations) if (row == self.wid).all()]
         if not wanted:
             return [], codec.Body(), []
@@ -564,14 +624,20 @@ def serve(cfg: NodeConfig, *, announce=sys.stdout) -> int:
 
     async def main() -> int:
         node = Node(cfg)
+        loop = asyncio.get_running_loop()
+        starting = asyncio.ensure_future(node.start())
+        for sig in (signal.SIGTERM, signal.SIGINT):  # also while a warehouse still waits for its controller
+            loop.add_signal_handler(sig, lambda: node.request_stop() if starting.done() else starting.cancel())
         try:
-            await node.start()
+            await starting
+        except asyncio.CancelledError:
+            logger.info("[node] stopped before it was ready")
+            if node.link is not None:
+                node.link.close()
+            return 0
         except (DockError, OSError) as e:
             logger.error("[node] cannot start: %s", e)
             return 2
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, node.request_stop)
         # The daemon holds many small long-lived objects (stored values, metadata) and
         # allocates a few per request: the default collector thresholds made cyclic GC
         # passes the largest cost of a small request. Freeze what startup created and

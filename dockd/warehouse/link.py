@@ -1,0 +1,238 @@
+"""A warehouse's link to its controller: join, commit, and rejoin after losing it.
+
+The warehouse outlives its controller. When the connection drops it keeps
+its data and keeps serving fetches; it reconnects with backoff and rejoins
+with its id, its instance (random per process: the controller tells a
+restarted warehouse from one that only lost its connection), what it holds
+(the inventory) and the commits it is still waiting on. A warehouse may also
+start before its controller: it waits for it the same way.
+
+Commits carry a per-warehouse sequence number (`put_id`), so a commit whose
+reply was lost to the outage is re-sent in the rejoin and applied once. A
+put whose commit cannot reach the controller for `grace` seconds fails with
+DockConnectionError (the client can retry it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import socket
+import time
+from collections.abc import Callable
+
+from dockd._proto import dockd_pb2 as pb
+from dockd.errors import DockConnectionError, DockError, from_status
+from dockd.peer import Peer
+
+logger = logging.getLogger(__name__)
+
+BACKOFF_MIN, BACKOFF_MAX = 0.05, 1.0
+KEEPALIVE = (5, 2, 3)  # idle seconds, interval seconds, probes: a dead peer is noticed in ~11 s
+
+
+def keepalive(transport) -> None:
+    """TCP keepalive on a connection, so a vanished host is noticed without traffic."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            idle, interval, count = KEEPALIVE
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
+    except OSError as e:
+        logger.debug("[link] cannot set TCP keepalive: %s", e)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Pending:
+    req: pb.CommitRequest
+    fut: asyncio.Future
+    limit: float                      # seconds this commit may wait for an absent controller
+    timer: asyncio.TimerHandle | None = None
+
+
+class ControllerLink:
+    """Owns the connection from a warehouse to its controller.
+
+    Args:
+        address: the controller's "host:port".
+        make_peer: builds the framed connection (the node handles requests on it, e.g. free).
+        registration: the node's RegisterWarehouse (host, port, capacity, unix, instance).
+        inventory: builds the rejoin inventory (excluding the given uncommitted puts).
+        on_drop: frees a partition the controller no longer has.
+        grace: seconds a put waits for an unreachable controller before failing.
+    """
+
+    def __init__(self, address: str, *, make_peer: Callable[[], Peer], registration: pb.RegisterWarehouse,
+                 inventory: Callable[[list[pb.CommitRequest]], list[pb.InventoryPartition]],
+                 on_drop: Callable[[str], None], grace: float) -> None:
+        host, _, port = address.rpartition(":")
+        self.address, self.host, self.port = address, host, int(port)
+        self.make_peer = make_peer
+        self.registration = registration
+        self.inventory = inventory
+        self.on_drop = on_drop
+        self.grace = grace
+        self.peer: Peer | None = None
+        self.wid = -1
+        self.joined = asyncio.Event()
+        self._lost = asyncio.Event()
+        self._pending: dict[int, _Pending] = {}  # put_id -> commit waiting for its reply, in order
+        self._seq = 0
+        self._task: asyncio.Task | None = None
+        self._closing = False
+        self._down_since: float | None = time.monotonic()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self, timeout: float | None) -> None:
+        """Join the controller, waiting for it up to `timeout` seconds (None: as long as it takes)."""
+        self._task = asyncio.ensure_future(self._run())
+        try:
+            await asyncio.wait_for(self.joined.wait(), timeout)
+        except asyncio.TimeoutError:
+            self.close()
+            raise DockConnectionError(
+                f"cannot reach the controller at {self.address} to join it within {timeout:g}s; start it, or "
+                "check the address (--join)"
+            ) from None
+
+    def close(self, leave: bool = False) -> None:
+        self._closing = True
+        if leave and self.peer is not None and not self.peer.closed and self.joined.is_set():
+            self.peer.send(pb.Frame(leave=pb.LeaveRequest(id=self.wid), oneway=True))
+        if self._task is not None:
+            self._task.cancel()
+        for p in self._pending.values():
+            if p.timer is not None:
+                p.timer.cancel()
+            if not p.fut.done():
+                p.fut.set_exception(DockConnectionError("the warehouse is shutting down"))
+        self._pending.clear()
+
+    def connection_lost(self, peer: Peer) -> None:
+        if peer is self.peer:
+            self._lost.set()
+
+    # -- the connection loop ------------------------------------------------------------------
+    async def _run(self) -> None:
+        delay, waiting_logged = BACKOFF_MIN, 0.0
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            try:
+                _, peer = await asyncio.wait_for(loop.create_connection(self.make_peer, self.host, self.port), 5.0)
+            except (OSError, asyncio.TimeoutError) as e:
+                now = time.monotonic()
+                if now - waiting_logged > 30:
+                    waiting_logged = now
+                    logger.warning("[link] waiting for the controller at %s (%s); retrying", self.address,
+                                   e or "timed out")
+                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(delay * 2, BACKOFF_MAX)
+                continue
+            keepalive(peer.transport)
+            self.peer, self._lost = peer, asyncio.Event()
+            try:
+                await self._register(peer)
+            except (DockError, OSError) as e:
+                logger.warning("[link] joining the controller at %s failed: %s; retrying", self.address, e)
+                peer.close()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, BACKOFF_MAX)
+                continue
+            delay, waiting_logged = BACKOFF_MIN, 0.0
+            self._down_since = None
+            for p in self._pending.values():
+                if p.timer is not None:
+                    p.timer.cancel()
+                    p.timer = None
+            self.joined.set()
+            await self._lost.wait()
+            self.joined.clear()
+            if self._closing:
+                return
+            self._down_since = time.monotonic()
+            logger.warning("[link] lost the controller at %s; keeping this warehouse's data and serving reads, "
+                           "rejoining when it is back", self.address)
+            for p in self._pending.values():
+                self._arm(p)
+
+    async def _register(self, peer: Peer) -> None:
+        reg = pb.RegisterWarehouse()
+        reg.CopyFrom(self.registration)
+        rejoin = self.wid >= 0
+        pending = list(self._pending.items())
+        if rejoin:
+            reg.rejoin, reg.id = True, self.wid
+            reg.pending.extend(p.req for _, p in pending)
+            reg.inventory.extend(self.inventory([p.req for _, p in pending]))
+        reply, _ = await asyncio.wait_for(peer.request(pb.Frame(register=reg)), 60.0)
+        out = reply.register_reply
+        if rejoin and out.id != self.wid:
+            logger.warning("[link] the controller gave this warehouse a new id old=%d new=%d", self.wid, out.id)
+        self.wid = out.id
+        self.registration.id = out.id
+        for name in out.drop:
+            logger.info("[link] freeing partition=%s: the dock cleared it while the controller was away", name)
+            self.on_drop(name)
+        if rejoin:
+            for (put_id, p), res in zip(pending, out.pending):
+                self._pending.pop(put_id, None)
+                if p.timer is not None:
+                    p.timer.cancel()
+                if p.fut.done():
+                    continue
+                if res.status.code != pb.OK:
+                    p.fut.set_exception(from_status(res.status))
+                else:
+                    p.fut.set_result(list(res.indexes))
+
+    # -- commits ----------------------------------------------------------------------------------
+    def commit(self, req: pb.CommitRequest, limit: float) -> asyncio.Future:
+        """Commit a put's metadata; resolves to its indexes. Waits (up to `limit` seconds, and at
+        most `grace`) while the controller is unreachable; re-sent on rejoin if its reply was lost."""
+        self._seq += 1
+        req.put_id = self._seq
+        fut = asyncio.get_running_loop().create_future()
+        p = _Pending(req, fut, min(limit, self.grace) if limit >= 0 else self.grace)
+        self._pending[req.put_id] = p
+        if self.joined.is_set():
+            self._send(p)
+        else:
+            self._arm(p)
+        return fut
+
+    def _send(self, p: _Pending) -> None:
+        p.req.warehouse = self.wid
+        self.peer.request(pb.Frame(commit=p.req)).add_done_callback(lambda f, p=p: self._committed(p, f))
+
+    def _committed(self, p: _Pending, f: asyncio.Future) -> None:
+        exc = f.exception() if not f.cancelled() else DockConnectionError("commit cancelled")
+        if isinstance(exc, DockConnectionError):
+            return  # the link is down: it stays pending and goes out again with the rejoin
+        self._pending.pop(p.req.put_id, None)
+        if p.fut.done():
+            return
+        if exc is not None:
+            p.fut.set_exception(exc)
+        else:
+            p.fut.set_result(list(f.result()[0].commit_reply.indexes))
+
+    def _arm(self, p: _Pending) -> None:
+        if p.timer is None and not p.fut.done():
+            p.timer = asyncio.get_running_loop().call_later(p.limit, self._expire, p)
+
+    def _expire(self, p: _Pending) -> None:
+        p.timer = None
+        if self.joined.is_set() or p.fut.done():
+            return
+        self._pending.pop(p.req.put_id, None)
+        p.fut.set_exception(DockConnectionError(
+            f"the controller at {self.address} has been unreachable for {p.limit:g}s, so this put could not be "
+            "committed and was not stored; retry it once the controller is back"
+        ))
