@@ -96,7 +96,8 @@ class Connection:
     """A TCP connection, or with `unix` a same-host Unix one that can pass descriptors."""
 
     def __init__(self, host: str, port: int, *, unix: str = "", connect_timeout: float = 10.0, max_body: int = 1 << 40) -> None:
-        self.address = f"unix:{unix}" if unix else f"{host}:{port}"
+        # errors name the address the user knows, never the internal socket name
+        self.address = f"{host}:{port} (same-host socket)" if unix else f"{host}:{port}"
         self.unix = bool(unix)
         try:
             if unix:
@@ -112,7 +113,7 @@ class Connection:
                 self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as e:
             raise DockConnectionError(
-                f"cannot connect to dockd at {self.address}: {e}. Is `dockd serve` running there?"
+                f"cannot connect to dockd at {self.address}: {e.strerror or e}. Is `dockd serve` running there?"
             ) from None
         self.sock.settimeout(None)  # blocking; reads wait in _recv_into (spin, then poll until the deadline)
         self._poll = select.poll()
@@ -224,10 +225,12 @@ class Connection:
         if flags & socket.MSG_CTRUNC:  # the reply's segments are lost; the stream is out of step
             self.broken = True
             soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-            raise DockConnectionError(
+            err = DockConnectionError(
                 f"the kernel dropped shared-memory descriptors sent by dockd at {self.address}: this process "
                 f"is at its open-file limit ({soft}). Raise it (ulimit -n) or close files it no longer needs."
             )
+            err.retry = False  # a limit of this process, not a daemon that went away: re-sending would fail again
+            raise err
         return n
 
     def _read_frame(self) -> tuple[pb.Frame, np.ndarray, list[int]]:

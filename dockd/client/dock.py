@@ -10,12 +10,11 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
-import ipaddress
 import logging
 import os
-import socket
+import secrets
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +29,7 @@ from dockd import codec, shm
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.batch import Batch
 from dockd.client.connection import Connection, Pool
+from dockd.client.router import Router, call_on
 from dockd.config import env_float
 from dockd.errors import DockConnectionError, DockDataLost, DockError, DockProtocolError, DockTypeError, DockValueError
 
@@ -59,25 +59,6 @@ class Lease:
     inline: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # columns that came with the acquire
 
 
-@functools.lru_cache(maxsize=256)
-def _is_local(host: str) -> bool:
-    """Whether `host` names an address of this machine (network namespace): can we bind to it?"""
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
-    except OSError:
-        return False
-    for family, _, _, _, addr in infos:
-        try:
-            if ipaddress.ip_address(addr[0]).is_loopback:
-                return True
-            with socket.socket(family, socket.SOCK_DGRAM) as s:
-                s.bind((addr[0], 0))
-            return True
-        except (OSError, ValueError):
-            continue
-    return False
-
-
 class Dock:
     """A connection to a dock. Thread-safe; one per process is enough.
 
@@ -86,126 +67,65 @@ class Dock:
             the client follows it to its controller).
         warehouse: where this client's puts go: a warehouse id or "host:port".
             Default: $DOCKD_WAREHOUSE, else a warehouse on this host (spread by
-            process id when there are several), else any.
-        connect_timeout: seconds to wait when connecting to a daemon.
+            process id when there are several), else any. Unpinned clients move
+            to another live warehouse when theirs goes away; pinned ones wait for it.
+        connect_timeout: seconds to wait when connecting to a daemon (also how
+            long the first connection waits for a controller that is not up yet).
+        reconnect_timeout: seconds to keep retrying a daemon that went away
+            (a controller restarting, a warehouse to re-home from) before a call
+            fails with DockConnectionError. Default $DOCKD_RECONNECT_TIMEOUT or 30.
         name: a name for this client in the daemons' logs.
     """
 
-    def __init__(self, address: str, *, warehouse: int | str | None = None, connect_timeout: float | None = None, name: str = "") -> None:
+    def __init__(self, address: str, *, warehouse: int | str | None = None, connect_timeout: float | None = None,
+                 reconnect_timeout: float | None = None, name: str = "") -> None:
         self.connect_timeout = connect_timeout if connect_timeout is not None else env_float("DOCKD_CONNECT_TIMEOUT", 10.0)
+        self.reconnect_timeout = (reconnect_timeout if reconnect_timeout is not None
+                                  else env_float("DOCKD_RECONNECT_TIMEOUT", 30.0))
         host, port = split_address(address)
         self._name = name or f"pid{os.getpid()}"
         self._lock = threading.Lock()
         self._closed = False
-        self._ctrl = Pool(host, port, connect_timeout=self.connect_timeout)
         self._confirms: list[int] = []  # leases fetched but not yet confirmed to the controller
         self._confirm_lock = threading.Lock()
         self._confirm_wake = threading.Event()
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
-        self._all_pools: list[Pool] = [self._ctrl]
+        self._warned_recovered: set[str] = set()
+        self._router = Router(host, port, warehouse=warehouse if warehouse is not None else os.environ.get("DOCKD_WAREHOUSE"),
+                              connect_timeout=self.connect_timeout, reconnect_timeout=self.reconnect_timeout,
+                              name=self._name, stop=self._stop)
         # a Dock dropped without close() (or failing here) still stops its flusher and closes its sockets
-        self._finalizer = weakref.finalize(self, _finalize, self._stop, self._confirm_wake, self._all_pools)
-        self._pools: dict[int, Pool] = {}
+        self._finalizer = weakref.finalize(self, _finalize, self._stop, self._confirm_wake, self._router)
         self._executor: ThreadPoolExecutor | None = None
         try:
-            self._connect(address, warehouse)
+            self._router.connect()
         except BaseException:
             self._finalizer()
             raise
+        r = self._router
+        w = r.warehouses.get(r.home)
+        logger.info("[client] connected controller=%s transport=%s home_warehouse=%d address=%s transport=%s",
+                    r.address, r.ctrl.transport, r.home, f"{w.host}:{w.port}" if w else "-",
+                    r.pool(r.home).transport if w else "-")
 
-    def _connect(self, address: str, warehouse: int | str | None) -> None:
-        hello = self._hello(self._ctrl)
-        if not hello.hosts_controller:
-            if not hello.controller:
-                raise DockConnectionError(f"{address} is a dockd warehouse that knows no controller")
-            logger.info("[client] %s is a warehouse; following it to the controller at %s", address, hello.controller)
-            self._ctrl.close()
-            self._ctrl = self._all_pools[0] = Pool(*split_address(hello.controller), connect_timeout=self.connect_timeout)
-            hello = self._hello(self._ctrl)
-        self.address = self._ctrl.address
-        self._shm = shm.available() and os.environ.get("DOCKD_TRANSPORT", "auto") != "tcp"
-        if hello.unix and self._shm and _is_local(self._ctrl.host):
-            unix_pool = self._unix_pool(self._ctrl.host, self._ctrl.port, hello.unix)
-            if unix_pool is not None:
-                self._ctrl.close()
-                self._ctrl = self._all_pools[0] = unix_pool
-        self._warehouses: dict[int, pb.WarehouseInfo] = {w.id: w for w in hello.warehouses}
-        self.home = self._choose_home(warehouse if warehouse is not None else os.environ.get("DOCKD_WAREHOUSE"))
-        w = self._warehouses[self.home]
-        logger.info("[client] connected controller=%s transport=%s home_warehouse=%d address=%s:%d transport=%s",
-                    self.address, self._ctrl.transport, w.id, w.host, w.port, self._pool(self.home).transport)
+    @property
+    def address(self) -> str:
+        """The controller's "host:port"."""
+        return self._router.address
 
-    def _unix_pool(self, host: str, port: int, name: str) -> Pool | None:
-        """A shared-memory pool to a same-host daemon, or None if its socket is out of reach (another netns)."""
-        pool = Pool(host, port, unix=name, connect_timeout=self.connect_timeout)
-        try:
-            pool.put(pool.get())
-        except DockConnectionError as e:
-            logger.info("[client] shared-memory transport to %s:%d unavailable (%s); using TCP", host, port, e)
-            pool.close()
-            return None
-        return pool
+    @property
+    def home(self) -> int:
+        """Id of the warehouse this client's puts go to."""
+        return self._router.home
 
-    def _hello(self, pool: Pool) -> pb.HelloReply:
-        conn = pool.get()
-        try:
-            reply, _, _ = conn.call(pb.Frame(hello=pb.Hello(client=self._name)), timeout=self.connect_timeout)
-        except BaseException:
-            pool.discard(conn)
-            raise
-        pool.put(conn)
-        return reply.hello_reply
-
-    def _choose_home(self, choice: int | str | None) -> int:
-        live = [w for w in self._warehouses.values() if w.alive]
-        if not live:
-            raise DockConnectionError(f"the dock at {self.address} has no live warehouse")
-        if choice is not None and choice != "":
-            for w in live:
-                if str(choice) in (str(w.id), f"{w.host}:{w.port}"):
-                    return w.id
-            raise DockValueError(
-                f"warehouse {choice!r} is not a live member of the dock at {self.address}; "
-                f"members: {[f'{w.id}={w.host}:{w.port}' for w in live]}"
-            )
-        local = [w for w in live if _is_local(w.host)] or live
-        return local[os.getpid() % len(local)].id
-
-    def _pool(self, wid: int) -> Pool:
-        pool = self._pools.get(wid)
-        if pool is None:
-            info = self._warehouses.get(wid)
-            if info is None:
-                raise DockConnectionError(f"warehouse {wid} is unknown to this client")
-            new = None
-            if info.unix and self._shm and _is_local(info.host):
-                new = self._unix_pool(info.host, info.port, info.unix)
-            new = new or Pool(info.host, info.port, connect_timeout=self.connect_timeout)
-            with self._lock:
-                pool = self._pools.setdefault(wid, new)
-                if pool is new:
-                    self._all_pools.append(new)
-            if pool is not new:
-                new.close()
-            if self._closed:
-                pool.close()
-        return pool
-
-    def _call(self, pool: Pool, frame: pb.Frame, buffers=(), size: int = 0, *, fds=(), timeout: float | None = None,
-              on_conn: Callable[[Connection], None] | None = None) -> tuple[pb.Frame, np.ndarray, list[int]]:
-        conn = pool.get()
-        if on_conn is not None:
-            on_conn(conn)
-        try:
-            if pool is self._ctrl and frame.WhichOneof("kind") != "acquire":
-                # pending confirms go first, on this connection, so this call sees them applied
-                leases = self._take_confirms()
-                if leases:
-                    conn.send(pb.Frame(confirm=pb.ConfirmRequest(leases=leases), oneway=True))
-            return conn.call(frame, buffers, size, fds=fds, timeout=timeout)
-        finally:
-            pool.put(conn)
+    def _ctrl_call(self, frame: pb.Frame, *, timeout: float | None = None, deadline: float | None = None,
+                   on_conn: Callable[[Connection], None] | None = None) -> tuple[pb.Frame, np.ndarray, list[int]]:
+        """A controller request, re-sent after a reconnect if the connection drops. Pending
+        confirms are delivered first, so the call sees this client's own gets applied."""
+        self._send_confirms(self._take_confirms())
+        return self._router.controller(lambda pool: call_on(pool, frame, timeout=timeout, on_conn=on_conn),
+                                       deadline=deadline)
 
     # -- public API ---------------------------------------------------------------------------
     def put(self, columns: Mapping[str, Any], *, partition: str, indexes: Sequence[int] | None = None,
@@ -244,11 +164,15 @@ class Dock:
             req.indexes.extend(idx)
         body = codec.Body()
         req.columns.extend(codec.encode_columns(split, body))
-        pool = self._pool(self.home)
-        if pool.unix and body.size >= shm.SHM_MIN_BODY:
-            reply = self._put_shm(pool, req, body)
-        else:
-            reply, _, _ = self._call(pool, pb.Frame(put=req), body.buffers, body.size)
+        req.token = secrets.randbits(63) | 1  # a re-sent put (after a dropped connection) is applied once
+
+        def send(wid: int, pool: Pool):
+            if pool.unix and body.size >= shm.SHM_MIN_BODY:
+                return self._put_shm(pool, req, body)
+            reply, _, _ = call_on(pool, pb.Frame(put=req), body.buffers, body.size)
+            return reply
+
+        reply = self._router.warehouse(send)
         return list(reply.put_reply.indexes)
 
     def _put_shm(self, pool: Pool, req: pb.PutRequest, body: codec.Body) -> pb.Frame:
@@ -265,7 +189,7 @@ class Dock:
                 off += src.nbytes
             del mm  # unmapped here: nothing else views it
             req.shm_size = body.size
-            reply, _, _ = self._call(pool, pb.Frame(put=req), fds=[fd])
+            reply, _, _ = call_on(pool, pb.Frame(put=req), fds=[fd])
         finally:
             os.close(fd)
         return reply
@@ -319,13 +243,30 @@ class Dock:
                                 timeout=-1.0 if timeout is None else float(timeout))
         if seed is not None:
             req.has_seed, req.seed = True, int(seed)
-        req.confirm.extend(self._take_confirms())
-        reply, body, fds = self._call(self._ctrl, pb.Frame(acquire=req), on_conn=_on_conn,
-                                      timeout=None if timeout is None else timeout + 30.0)
+        req.token = secrets.randbits(63) | 1  # a retried acquire gets the lease its lost reply carried
+        confirms = self._take_confirms()
+        req.confirm.extend(confirms)
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def send(pool: Pool):
+            if deadline is not None:  # a retry after a reconnect waits only for what is left
+                req.timeout = max(0.0, deadline - time.monotonic())
+            return call_on(pool, pb.Frame(acquire=req), on_conn=_on_conn,
+                           timeout=None if timeout is None else req.timeout + 30.0)
+
+        try:
+            reply, body, fds = self._router.controller(send, deadline=deadline)
+        except DockConnectionError:
+            self._return_confirms(confirms)
+            raise
         a = reply.acquire_reply
-        for w in a.warehouses:
-            if w.id not in self._warehouses:
-                self._warehouses[w.id] = w
+        self._router.learn(a.warehouses)
+        if a.recovered and partition not in self._warned_recovered:
+            self._warned_recovered.add(partition)
+            logger.warning(
+                "[client] partition %r was rebuilt after a controller restart without a state dir: samples this "
+                "consumer took before the restart can be handed out again (start the controller with --state-dir "
+                "to keep consumer progress)", partition)
         idx = list(a.indexes)
         inline = dict(zip((c.name for c in a.inline), decode_reply(a.inline, body, fds)))
         locs = None  # only needed to fetch what did not come inline
@@ -354,7 +295,11 @@ class Dock:
             for col, pos in plan[wid]:
                 req.columns.add(name=col, indexes=lease.indexes if pos is None else idx[pos].tolist())
             try:
-                reply, body, fds = self._call(self._pool(wid), pb.Frame(fetch=req))
+                try:
+                    reply, body, fds = call_on(self._router.pool(wid), pb.Frame(fetch=req))
+                except DockConnectionError:  # a stale pooled connection: one more try on a fresh one
+                    self._router.forget(wid)
+                    reply, body, fds = call_on(self._router.pool(wid), pb.Frame(fetch=req))
             except DockConnectionError as e:
                 cols = [c for c, _ in plan[wid]]
                 lost = sorted({i for c, pos in plan[wid] for i in (lease.indexes if pos is None else idx[pos].tolist())})
@@ -394,17 +339,15 @@ class Dock:
         if not idx:
             raise DockValueError("indexes is empty")
         req = pb.LocateRequest(partition=partition, indexes=idx, columns=list(columns))
-        reply, _, _ = self._call(self._ctrl, pb.Frame(locate=req))
+        reply, _, _ = self._ctrl_call(pb.Frame(locate=req))
         loc = reply.locate_reply
-        for w in loc.warehouses:
-            if w.id not in self._warehouses:
-                self._warehouses[w.id] = w
+        self._router.learn(loc.warehouses)
         locs = np.asarray(loc.locations, dtype=np.int64).reshape(len(columns), len(idx))
         values = self.fetch(Lease(0, partition, list(columns), idx, locs))
         return Batch(partition, idx, values)
 
     def confirm(self, lease: Lease) -> None:
-        """Low-level: the lease's samples were fetched; they are taken for good (one-way)."""
+        """Low-level: the lease's samples were fetched; they are taken for good."""
         self._send_confirms([lease.id, *self._take_confirms()])
 
     # Confirms of gets ride on the next acquire, or go out on their own after
@@ -425,29 +368,41 @@ class Dock:
             out, self._confirms = self._confirms, []
         return out
 
-    def _send_confirms(self, leases: list[int]) -> None:
+    def _return_confirms(self, leases: list[int]) -> None:
+        """Confirms that did not reach the controller go out again with the next request."""
+        if leases:
+            with self._confirm_lock:
+                self._confirms[:0] = leases
+
+    def _send_confirms(self, leases: list[int], *, retry: bool = True) -> None:
+        """Deliver confirms and wait for the controller's answer (a one-way frame to a controller
+        that just died would vanish without an error); on failure they stay pending."""
         if not leases:
             return
-        conn = self._ctrl.get()
+        frame = pb.Frame(confirm=pb.ConfirmRequest(leases=leases))
         try:
-            conn.send(pb.Frame(confirm=pb.ConfirmRequest(leases=leases), oneway=True))
-        finally:
-            self._ctrl.put(conn)
+            if retry:
+                self._router.controller(lambda pool: call_on(pool, frame))
+            else:
+                call_on(self._router.ctrl, frame, timeout=self.connect_timeout)
+        except BaseException:
+            self._return_confirms(leases)
+            raise
 
     def release(self, lease: Lease) -> int:
         """Low-level: give a lease's samples back to the pool for this consumer."""
-        reply, _, _ = self._call(self._ctrl, pb.Frame(release=pb.ReleaseRequest(lease=lease.id)))
+        reply, _, _ = self._ctrl_call(pb.Frame(release=pb.ReleaseRequest(lease=lease.id)))
         return reply.release_reply.released
 
     def clear(self, partition: str) -> int:
         """Free a partition's data on every warehouse and forget its metadata; returns its sample count."""
         _check_partition(partition)
-        reply, _, _ = self._call(self._ctrl, pb.Frame(clear=pb.ClearRequest(partition=partition)))
+        reply, _, _ = self._ctrl_call(pb.Frame(clear=pb.ClearRequest(partition=partition)))
         return reply.clear_reply.samples
 
     def stats(self) -> dict[str, Any]:
         """Samples per partition, per-consumer taken counts, bytes per warehouse."""
-        reply, _, _ = self._call(self._ctrl, pb.Frame(stats=pb.StatsRequest()))
+        reply, _, _ = self._ctrl_call(pb.Frame(stats=pb.StatsRequest()))
         s = reply.stats_reply
         parts = {
             p.name: {
@@ -455,16 +410,19 @@ class Dock:
                 "group_size": p.group_size,
                 "columns": dict(zip(p.columns, p.column_ready)),
                 "consumers": {c.name: {"taken": c.taken, "leased": c.leased} for c in p.consumers},
+                "recovered": p.recovered,
             }
             for p in s.partitions
         }
         whs = {
-            w.id: {"address": f"{w.host}:{w.port}", "alive": w.alive, "capacity": w.capacity, "bytes": w.used}
+            w.id: {"address": f"{w.host}:{w.port}", "alive": w.alive, "state": w.state or "joined",
+                   "capacity": w.capacity, "bytes": w.used}
             for w in s.warehouses
         }
         return {
             "samples": sum(p["samples"] for p in parts.values()),
             "bytes": sum(w["bytes"] for w in whs.values()),
+            "waiting": s.waiting,
             "partitions": parts,
             "warehouses": whs,
         }
@@ -484,7 +442,7 @@ class Dock:
                 return
             self._closed = True
         try:
-            self._send_confirms(self._take_confirms())
+            self._send_confirms(self._take_confirms(), retry=False)
         except DockError as e:
             logger.warning("[client] could not confirm fetched leases while closing: %s", e)
         self._finalizer()
@@ -521,17 +479,16 @@ def _flush_loop(ref: weakref.ref, wake: threading.Event, stop: threading.Event) 
         if dock is None:
             return
         try:
-            dock._send_confirms(dock._take_confirms())
-        except DockError as e:  # the controller is gone or we are closing: it frees the leases itself
-            logger.debug("[client] confirm flush failed: %s", e)
+            dock._send_confirms(dock._take_confirms())  # reconnects if the controller restarted
+        except DockError as e:  # gone for good, or closing: unconfirmed leases expire and are handed out again
+            logger.warning("[client] could not confirm fetched leases: %s", e)
         del dock
 
 
-def _finalize(stop: threading.Event, wake: threading.Event, pools: list[Pool]) -> None:
+def _finalize(stop: threading.Event, wake: threading.Event, router: Router) -> None:
     stop.set()
     wake.set()
-    for pool in pools:
-        pool.close()
+    router.close()
 
 
 def decode_reply(columns: Sequence[pb.ColumnData], body: np.ndarray, fds: list[int]) -> list[list[Any]]:

@@ -1,0 +1,313 @@
+"""Where a client's requests go, and how it gets back when a daemon goes away.
+
+A `Router` holds the connection pool to the controller, one pool per
+warehouse it talks to, the warehouse table, and the home warehouse its puts
+go to. Calls go through it:
+
+- `controller(...)`: on a dropped or refused connection it reconnects to the
+  controller's address (which must stay the same across a restart), learns the
+  dock's warehouses again and re-sends the request. Every controller request
+  is safe to re-send: acquires carry a token, so a retried acquire gets the
+  lease its lost reply carried instead of a second one.
+- `warehouse(...)`: the home warehouse. When it cannot be reached the client
+  re-homes to another live warehouse (unless one was pinned with
+  `warehouse=`) and re-sends the put; puts carry a token, so a warehouse
+  that already applied one answers the retry without storing it twice.
+
+Retries back off from 50 ms to 1 s and give up after `reconnect_timeout`
+seconds (or the call's own deadline, if sooner) with a DockConnectionError
+naming the daemon's host:port.
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from dockd import shm
+from dockd._proto import dockd_pb2 as pb
+from dockd.client.connection import Connection, Pool
+from dockd.errors import DockClosed, DockConnectionError, DockValueError
+
+logger = logging.getLogger(__name__)
+
+BACKOFF_MIN, BACKOFF_MAX = 0.05, 1.0
+
+
+@functools.lru_cache(maxsize=256)
+def is_local(host: str) -> bool:
+    """Whether `host` names an address of this machine (network namespace): can we bind to it?"""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        try:
+            if ipaddress.ip_address(addr[0]).is_loopback:
+                return True
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.bind((addr[0], 0))
+            return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
+class Router:
+    def __init__(self, host: str, port: int, *, warehouse: int | str | None, connect_timeout: float,
+                 reconnect_timeout: float, name: str, stop: threading.Event) -> None:
+        self.connect_timeout = connect_timeout
+        self.reconnect_timeout = reconnect_timeout
+        self.name = name
+        self._stop = stop  # set when the client closes: retries end at once
+        self.host, self.port = host, port
+        self.pinned = warehouse if warehouse not in (None, "") else None
+        self.shm = shm.available() and os.environ.get("DOCKD_TRANSPORT", "auto") != "tcp"
+        self.lock = threading.Lock()
+        self._reconnecting = threading.Lock()
+        self.all_pools: list[Pool] = []
+        self.pools: dict[int, Pool] = {}
+        self.warehouses: dict[int, pb.WarehouseInfo] = {}
+        self.closed = False
+        self.ctrl = self._open_pool(host, port)
+        self.home = -1
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _open_pool(self, host: str, port: int, unix: str = "") -> Pool:
+        pool = Pool(host, port, unix=unix, connect_timeout=self.connect_timeout)
+        with self.lock:
+            self.all_pools.append(pool)
+            if self.closed:
+                pool.close()
+        return pool
+
+    def _close_pool(self, pool: Pool) -> None:
+        pool.close()
+        with self.lock:
+            if pool in self.all_pools:
+                self.all_pools.remove(pool)
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            pools, self.all_pools = list(self.all_pools), []
+        for pool in pools:
+            pool.close()
+
+    # -- connecting ------------------------------------------------------------------------
+    def connect(self) -> None:
+        """First contact: the controller (followed from a warehouse's address), the
+        same-host transport, the warehouse table and the home warehouse. Waits up to
+        connect_timeout for a daemon that is not up yet."""
+        deadline = time.monotonic() + self.connect_timeout
+        hello = self._retry(lambda: self._hello(self.ctrl), deadline, self.address)
+        if not hello.hosts_controller:
+            if not hello.controller:
+                raise DockConnectionError(f"{self.address} is a dockd warehouse that knows no controller")
+            logger.info("[client] %s is a warehouse; following it to the controller at %s", self.address,
+                        hello.controller)
+            self._close_pool(self.ctrl)
+            self.host, _, port = hello.controller.rpartition(":")
+            self.port = int(port)
+            self.ctrl = self._open_pool(self.host, self.port)
+            hello = self._retry(lambda: self._hello(self.ctrl), deadline, self.address)
+        self._adopt(hello)
+        try:
+            self.home = self._choose_home(exclude=None, retrying=False)
+        except DockConnectionError:  # no warehouse has joined yet: the first put picks one (or waits for it)
+            logger.info("[client] the dock at %s has no live warehouse yet", self.address)
+
+    def _hello(self, pool: Pool) -> pb.HelloReply:
+        conn = pool.get()
+        try:
+            reply, _, _ = conn.call(pb.Frame(hello=pb.Hello(client=self.name)), timeout=self.connect_timeout)
+        except BaseException:
+            pool.discard(conn)
+            raise
+        pool.put(conn)
+        return reply.hello_reply
+
+    def _adopt(self, hello: pb.HelloReply) -> None:
+        """Take a controller's hello: same-host transport to it, and the warehouse table."""
+        if hello.unix and self.shm and is_local(self.host) and not self.ctrl.unix:
+            unix = self._unix_pool(self.host, self.port, hello.unix)
+            if unix is not None:
+                old, self.ctrl = self.ctrl, unix
+                self._close_pool(old)
+        fresh = {w.id: w for w in hello.warehouses}
+        with self.lock:
+            stale = [wid for wid, pool in self.pools.items()
+                     if wid not in fresh or (fresh[wid].host, fresh[wid].port) != (pool.host, pool.port)
+                     or (pool.unix and pool.unix != fresh[wid].unix)]
+            gone = [self.pools.pop(wid) for wid in stale]
+            self.warehouses = fresh
+        for pool in gone:
+            self._close_pool(pool)
+
+    def _unix_pool(self, host: str, port: int, name: str) -> Pool | None:
+        """A shared-memory pool to a same-host daemon, or None if its socket is out of reach (another netns)."""
+        pool = self._open_pool(host, port, name)
+        try:
+            pool.put(pool.get())
+        except DockConnectionError as e:
+            logger.info("[client] shared-memory transport to %s:%d unavailable (%s); using TCP", host, port, e)
+            self._close_pool(pool)
+            return None
+        return pool
+
+    def _choose_home(self, exclude: int | None, *, retrying: bool) -> int:
+        live = [w for w in self.warehouses.values() if w.alive and w.id != exclude]
+        if self.pinned is not None:
+            for w in self.warehouses.values():
+                if str(self.pinned) in (str(w.id), f"{w.host}:{w.port}") and w.alive:
+                    return w.id
+            if retrying:  # pinned, and away for now: wait for it to come back
+                raise DockConnectionError(f"warehouse {self.pinned!r}, which this client is pinned to, is not live")
+            raise DockValueError(
+                f"warehouse {self.pinned!r} is not a live member of the dock at {self.address}; "
+                f"members: {[f'{w.id}={w.host}:{w.port}' for w in live]}"
+            )
+        if not live:
+            raise DockConnectionError(f"the dock at {self.address} has no live warehouse")
+        local = [w for w in live if is_local(w.host)] or live
+        return local[os.getpid() % len(local)].id
+
+    def pool(self, wid: int) -> Pool:
+        pool = self.pools.get(wid)
+        if pool is not None:
+            return pool
+        info = self.warehouses.get(wid)
+        if info is None:
+            raise DockConnectionError(f"warehouse {wid} is unknown to this client")
+        new = None
+        if info.unix and self.shm and is_local(info.host):
+            new = self._unix_pool(info.host, info.port, info.unix)
+        new = new or self._open_pool(info.host, info.port)
+        with self.lock:
+            pool = self.pools.setdefault(wid, new)
+        if pool is not new:
+            self._close_pool(new)
+        return pool
+
+    def forget(self, wid: int) -> None:
+        """Drop the connections to a warehouse that failed (the next call reconnects)."""
+        with self.lock:
+            pool = self.pools.pop(wid, None)
+        if pool is not None:
+            self._close_pool(pool)
+
+    def learn(self, infos) -> None:
+        for w in infos:
+            if w.id not in self.warehouses:
+                self.warehouses[w.id] = w
+
+    # -- calls ---------------------------------------------------------------------------------
+    def controller(self, call: Callable[[Pool], tuple], *, deadline: float | None = None) -> tuple:
+        """Run `call(pool)` against the controller; on a lost connection, reconnect and run it again."""
+        give_up = None
+        while True:
+            pool = self.ctrl
+            try:
+                return call(pool)
+            except DockConnectionError as e:
+                if self.closed:
+                    raise DockClosed("the dock client was closed while this call was in flight") from None
+                if not getattr(e, "retry", True):
+                    raise
+                now = time.monotonic()
+                if give_up is None:
+                    give_up = now + self.reconnect_timeout if deadline is None else min(deadline, now + self.reconnect_timeout)
+                    logger.warning("[client] lost the controller at %s (%s); reconnecting", self.address, e)
+                elif now >= give_up:
+                    raise DockConnectionError(f"the dockd controller at {self.address} kept failing: {e}") from None
+                self._reconnect(pool, give_up, e)
+
+    def _reconnect(self, failed: Pool, give_up: float, cause: Exception) -> None:
+        with self._reconnecting:
+            if self.ctrl is not failed:
+                return  # another thread already did
+            fresh = self._open_pool(self.host, self.port)
+            try:
+                hello = self._retry(lambda: self._hello(fresh), give_up, self.address, cause)
+                if not hello.hosts_controller:
+                    raise DockConnectionError(f"{self.address} no longer hosts the dockd controller")
+            except BaseException:
+                self._close_pool(fresh)
+                raise
+            self.ctrl = fresh
+            self._close_pool(failed)
+            self._adopt(hello)
+            logger.info("[client] reconnected to the controller at %s transport=%s", self.address, self.ctrl.transport)
+
+    def warehouse(self, call: Callable[[int, Pool], tuple]) -> tuple:
+        """Run `call(wid, pool)` against the home warehouse; if it is unreachable, re-home and run it again."""
+        give_up = None
+        if self.home < 0:
+            give_up = time.monotonic() + self.reconnect_timeout
+            self.home = self._retry(lambda: self._rehome(-1), give_up, f"a live warehouse of the dock at {self.address}")
+        while True:
+            wid = self.home
+            try:
+                return call(wid, self.pool(wid))
+            except DockConnectionError as e:
+                if self.closed:
+                    raise DockClosed("the dock client was closed while this call was in flight") from None
+                if not getattr(e, "retry", True):
+                    raise
+                info = self.warehouses.get(wid)
+                where = f"{info.host}:{info.port}" if info is not None else f"id {wid}"
+                if give_up is None:
+                    give_up = time.monotonic() + self.reconnect_timeout
+                    logger.warning("[client] lost home warehouse %d at %s (%s); re-homing", wid, where, e)
+                elif time.monotonic() >= give_up:
+                    raise DockConnectionError(f"the dockd warehouse at {where} kept failing: {e}") from None
+                self.forget(wid)
+                self.home = self._retry(lambda: self._rehome(wid), give_up, where, e)
+
+    def _rehome(self, failed: int) -> int:
+        hello, = self.controller(lambda pool: (self._hello(pool),))
+        self._adopt(hello)
+        home = self._choose_home(exclude=failed if self.pinned is None else None, retrying=True)
+        if home != failed:
+            logger.info("[client] new home warehouse id=%d address=%s:%d", home, self.warehouses[home].host,
+                        self.warehouses[home].port)
+        return home
+
+    def _retry(self, attempt: Callable[[], object], give_up: float, what: str, cause: Exception | None = None):
+        """Call `attempt` until it stops raising DockConnectionError or `give_up` passes."""
+        delay = BACKOFF_MIN
+        started = time.monotonic()
+        while True:
+            try:
+                return attempt()
+            except DockConnectionError as e:
+                cause = e
+            left = give_up - time.monotonic()
+            if left <= 0:
+                raise DockConnectionError(
+                    f"cannot reach dockd at {what} (retried for {time.monotonic() - started:.1f}s): {cause}"
+                ) from None
+            if self._stop.wait(min(delay, left)) or self.closed:
+                raise DockClosed("the dock client was closed while reconnecting")
+            delay = min(delay * 2, BACKOFF_MAX)
+
+
+def call_on(pool: Pool, frame: pb.Frame, buffers=(), size: int = 0, *, fds=(), timeout: float | None = None,
+            on_conn: Callable[[Connection], None] | None = None):
+    """One request on a pooled connection (a broken connection is dropped, never reused)."""
+    conn = pool.get()
+    if on_conn is not None:
+        on_conn(conn)
+    try:
+        return conn.call(frame, buffers, size, fds=fds, timeout=timeout)
+    finally:
+        pool.put(conn)
