@@ -47,10 +47,12 @@ def test_serve_rejects_bad_configuration_clearly():
         assert out.returncode == 2 and match in out.stderr, out.stderr
 
 
-def test_join_to_a_missing_controller_fails_fast():
-    out = subprocess.run([sys.executable, "-m", "dockd", "serve", "--port", "0", "--join", "127.0.0.1:1"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "cannot reach the controller" in out.stderr
+def test_join_timeout_bounds_the_wait_for_a_missing_controller():
+    """A warehouse waits for its controller (start order is free); --join-timeout bounds that wait."""
+    out = subprocess.run([sys.executable, "-m", "dockd", "serve", "--port", "0", "--join", "127.0.0.1:1",
+                          "--join-timeout", "1"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "cannot reach the controller at 127.0.0.1:1" in out.stderr, out.stderr
+    assert "waiting for the controller" in out.stderr
 
 
 def test_demo_runs_a_small_pipeline():

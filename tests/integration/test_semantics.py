@@ -96,10 +96,17 @@ def test_dead_warehouse_makes_loss_visible(partition):
             c.procs[1].kill()
             c.procs[1].wait()
             assert d0.get("c", ["x"], 4, partition=partition, timeout=10).indexes == [0, 1, 2, 3]
-            with pytest.raises(dockd.DockDataLost) as e:
+            with pytest.raises(dockd.DockDataLost) as e:  # at the client, or from the controller if it knows already
                 d0.get("c", ["x"], 4, partition=partition, timeout=10)
             assert e.value.indexes == [4, 5, 6, 7] and e.value.columns == ["x"]
-            assert "left the dock" in str(e.value)
+            # the controller probes the vanished warehouse's port (refused: gone) and records the loss
+            deadline = time.monotonic() + 30
+            while d0.stats()["warehouses"][1]["state"] != "lost":
+                assert time.monotonic() < deadline, "the dead warehouse was never declared lost"
+                time.sleep(0.05)
+            with pytest.raises(dockd.DockDataLost) as e:
+                d0.get("c", ["x"], 4, partition=partition, timeout=10)
+            assert e.value.indexes == [4, 5, 6, 7] and "left the dock" in str(e.value)
 
 
 def test_fetch_from_a_vanished_warehouse_raises_data_lost(partition):
@@ -131,9 +138,10 @@ def test_closing_the_client_wakes_a_blocked_get(dock, partition):
 
 
 def test_controller_death_wakes_a_blocked_get(partition):
+    """A controller that is gone for good ends a blocked get after the client's reconnect timeout."""
     c = dockd.start_local(1)
     try:
-        d = dockd.connect(c.address)
+        d = dockd.connect(c.address, reconnect_timeout=1.0)
         errors = []
         t = threading.Thread(target=lambda: errors.append(pytest.raises(dockd.DockError, d.get, "c", ["x"], 1, partition=partition)))
         t.start()

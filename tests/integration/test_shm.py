@@ -26,19 +26,19 @@ def dockd_shm_names() -> set[str]:
 def test_same_host_clients_pick_shared_memory_and_tcp_can_be_forced(cluster, monkeypatch, caplog):
     caplog.set_level("INFO", logger="dockd.client.dock")
     with dockd.connect(cluster.address) as d:
-        assert d._ctrl.transport == "shm"
-        assert d._pool(0).transport == "shm" and d._pool(1).transport == "shm"
+        assert d._router.ctrl.transport == "shm"
+        assert d._router.pool(0).transport == "shm" and d._router.pool(1).transport == "shm"
     assert "transport=shm" in caplog.text  # the choice is logged
     monkeypatch.setenv("DOCKD_TRANSPORT", "tcp")
     with dockd.connect(cluster.address) as d:
-        assert d._ctrl.transport == "tcp" and d._pool(1).transport == "tcp"
+        assert d._router.ctrl.transport == "tcp" and d._router.pool(1).transport == "tcp"
 
 
 def test_daemon_without_shm_serves_tcp():
     proc, ready = spawn_node(["--controller", "--port", "0", "--no-shm"])
     try:
         with dockd.connect(f"127.0.0.1:{ready['port']}") as d:
-            assert d._ctrl.transport == "tcp" and d._pool(0).transport == "tcp"
+            assert d._router.ctrl.transport == "tcp" and d._router.pool(0).transport == "tcp"
             d.put({"x": torch.ones(4, 1 << 17)}, partition="p")
             assert torch.equal(torch.stack(d.get("c", ["x"], 4, partition="p", timeout=5)["x"]), torch.ones(4, 1 << 17))
     finally:
@@ -121,7 +121,7 @@ def test_a_warehouse_at_its_descriptor_limit_copies_puts_instead_of_dropping_cli
             return torch.arange(per_put * (160 << 10), dtype=torch.int32).view(per_put, -1).add_(k).to(torch.uint8)
 
         with dockd.connect(f"127.0.0.1:{ready['port']}") as d:
-            assert d._pool(0).transport == "shm"
+            assert d._router.pool(0).transport == "shm"
             for k in range(puts):
                 d.put({"x": batch(k)}, partition="p")
             held = open_fds(proc.pid)

@@ -1,0 +1,231 @@
+"""A dock that survives its parts: any start order, a controller restart (with and
+without a state dir), clients that reconnect and re-home, errors that name host:port.
+
+Every test runs real `dockd serve` processes on loopback; the controller runs
+without a warehouse of its own (`--no-warehouse`) where the test restarts it,
+so that all data lives on warehouses that outlive it."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import dockd
+from dockd.local import read_ready, spawn_node
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Procs:
+    """Daemons of one test, stopped (then killed) at the end whatever happened."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, *args: str, wait: bool = True):
+        if wait:
+            proc, ready = spawn_node(list(args))
+            self.procs.append(proc)
+            return proc, ready
+        proc = subprocess.Popen([sys.executable, "-m", "dockd", "serve", *args], stdout=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL)
+        self.procs.append(proc)
+        return proc, None
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            p.stdout.close()
+
+
+@pytest.fixture
+def procs():
+    p = Procs()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def controller_args(port: int, *extra: str) -> list[str]:
+    return ["--controller", "--no-warehouse", "--port", str(port), "--lease-timeout", "60", *extra]
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def live_warehouses(address: str) -> int:
+    with dockd.connect(address) as d:
+        return sum(w["alive"] for w in d.stats()["warehouses"].values())
+
+
+def test_a_warehouse_may_start_before_its_controller(procs):
+    port = free_port()
+    wh, _ = procs.start("--port", "0", "--join", f"127.0.0.1:{port}", wait=False)
+    time.sleep(1.0)  # it is up and retrying; nothing to join yet
+    assert wh.poll() is None, "a warehouse must wait for its controller, not exit"
+    procs.start("--controller", "--port", str(port))
+    ready = read_ready(wh, timeout=30)  # printed once it joined
+    assert ready["warehouse"] == 1 and not ready["controller"]
+    with dockd.connect(f"127.0.0.1:{port}", warehouse=ready["warehouse"]) as d:
+        idx = d.put({"x": torch.arange(6)}, partition="p")
+        assert d.get("c", ["x"], 6, partition="p", timeout=10).indexes == idx == list(range(6))
+        assert d.stats()["warehouses"][1]["bytes"] > 0
+
+
+def _two_warehouse_dock(procs, port: int, *controller_extra: str):
+    """A controller without data, and warehouses 0 and 1 joined to it."""
+    ctl, _ = procs.start(*controller_args(port, *controller_extra))
+    address = f"127.0.0.1:{port}"
+    ids = [procs.start("--port", "0", "--join", address)[1]["warehouse"] for _ in range(2)]
+    assert ids == [0, 1]
+    return ctl, address
+
+
+def test_controller_sigkill_and_restart_with_a_state_dir_loses_and_redelivers_nothing(procs, tmp_path):
+    port = free_port()
+    state = str(tmp_path / "state")
+    ctl, address = _two_warehouse_dock(procs, port, "--state-dir", state)
+    rows = torch.randn(64, 33).bfloat16()
+    with dockd.connect(address, warehouse=0) as writer, dockd.connect(address, warehouse=1) as writer2, \
+            dockd.connect(address, reconnect_timeout=60) as trainer:
+        assert writer.put({"x": rows[:32]}, partition="p") == list(range(32))
+        assert writer2.put({"x": rows[32:]}, partition="p") == list(range(32, 64))
+        first = trainer.get("train", ["x"], 32, partition="p", timeout=10)
+        assert first.indexes == list(range(32))
+        leased = trainer.acquire("train", ["x"], 8, partition="p", timeout=10)  # leased, never fetched
+
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait()
+        # while the controller is down: warehouses keep their data and serve reads...
+        held = trainer.fetch(leased)
+        assert all(torch.equal(v, rows[i]) for i, v in zip(leased.indexes, held["x"]))
+        # ...and a put waits for the controller instead of failing
+        late = {}
+        t = threading.Thread(target=lambda: late.setdefault("idx", writer.put({"y": [1, 2]}, partition="q")))
+        t.start()
+        time.sleep(0.5)
+        assert t.is_alive(), "a put during the outage waits for the controller"
+        procs.start(*controller_args(port, "--state-dir", state))
+        t.join(60)
+        assert late["idx"] == [0, 1]
+
+        trainer.confirm(leased)  # the lease survived the restart; its confirm counts
+        rest = trainer.get("train", ["x"], 24, partition="p", timeout=30)  # the same Dock object, reconnected
+        got = first.indexes + leased.indexes + rest.indexes
+        assert sorted(got) == list(range(64)) and len(got) == 64  # the other half exactly, nothing twice
+        assert all(torch.equal(v, rows[i]) for i, v in zip(rest.indexes, rest["x"]))
+        with pytest.raises(dockd.DockTimeout):
+            trainer.get("train", ["x"], 1, partition="p", timeout=0.5)
+        other = trainer.get("reference", ["x"], 64, partition="p", timeout=10)
+        assert all(torch.equal(v, rows[i]) for i, v in zip(other.indexes, other["x"]))
+        stats = trainer.stats()
+        assert stats["partitions"]["p"]["consumers"]["train"] == {"taken": 64, "leased": 0}
+        assert not stats["partitions"]["p"]["recovered"]
+        assert {w["state"] for w in stats["warehouses"].values()} == {"joined"}
+
+
+def test_a_get_blocked_across_a_controller_restart_completes(procs, tmp_path):
+    port = free_port()
+    state = str(tmp_path / "state")
+    ctl, address = _two_warehouse_dock(procs, port, "--state-dir", state)
+    with dockd.connect(address) as reader, dockd.connect(address) as writer:
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("b", reader.get("c", ["x"], 4, partition="p", timeout=60)))
+        t.start()
+        wait_for(lambda: writer.stats()["waiting"] == 1, what="the get to block in the controller")
+        ctl.kill()
+        ctl.wait()
+        procs.start(*controller_args(port, "--state-dir", state))
+        writer.put({"x": torch.arange(4)}, partition="p")
+        t.join(60)
+        assert out["b"].indexes == [0, 1, 2, 3]
+
+
+def test_controller_restart_without_a_state_dir_rebuilds_from_the_warehouses(procs, caplog):
+    port = free_port()
+    ctl, address = _two_warehouse_dock(procs, port)
+    with dockd.connect(address, warehouse=0) as w1, dockd.connect(address, warehouse=1) as w2, \
+            dockd.connect(address) as trainer:
+        w1.put({"x": torch.arange(8)}, partition="p", group_size=4)
+        w2.put({"x": torch.arange(8, 16)}, partition="p", group_size=4)
+        w2.put({"y": torch.arange(16)}, partition="p", indexes=list(range(16)))
+        assert trainer.get("train", ["x", "y"], 8, partition="p", timeout=10).indexes == list(range(8))
+        ctl.kill()
+        ctl.wait()
+        procs.start(*controller_args(port))
+        wait_for(lambda: live_warehouses(address) == 2, what="both warehouses to rejoin")
+        stats = trainer.stats()["partitions"]["p"]
+        # the data is all there, columns and groups included...
+        assert stats["samples"] == 16 and stats["columns"] == {"x": 16, "y": 16} and stats["group_size"] == 4
+        assert stats["recovered"]  # ...but consumer progress from before the restart is gone, and it says so
+        with caplog.at_level(logging.WARNING, logger="dockd.client.dock"):
+            again = trainer.get("train", ["x", "y"], 16, partition="p", timeout=10, groups=True)
+        assert again.indexes == list(range(16))
+        assert [int(v) for v in again["x"]] == list(range(16)) and [int(v) for v in again["y"]] == list(range(16))
+        assert any("rebuilt after a controller restart without a state dir" in r.message for r in caplog.records)
+        # new samples after the rebuild continue the partition
+        assert w1.put({"x": torch.arange(4), "y": torch.arange(4)}, partition="p", group_size=4) == [16, 17, 18, 19]
+
+
+def test_a_client_re_homes_when_its_warehouse_dies(procs):
+    port = free_port()
+    procs.start("--controller", "--port", str(port))
+    address = f"127.0.0.1:{port}"
+    wh, ready = procs.start("--port", "0", "--join", address)
+    with dockd.connect(address, warehouse=None) as d:
+        d._router.home = ready["warehouse"]  # as if this process had been placed on that warehouse
+        d.put({"x": torch.arange(3)}, partition="p")
+        wh.kill()
+        wh.wait()
+        idx = d.put({"x": torch.arange(3, 6)}, partition="p")  # re-homed to the controller's warehouse
+        assert d.home == 0 and idx == [3, 4, 5]
+        wait_for(lambda: d.stats()["warehouses"][ready["warehouse"]]["state"] == "lost", what="the loss to be recorded")
+        with pytest.raises(dockd.DockDataLost) as e:  # what the dead warehouse held is reported lost, not hung on
+            d.get("c", ["x"], 3, partition="p", timeout=10)
+        assert e.value.indexes == [0, 1, 2]
+        assert [int(v) for v in d.get("c", ["x"], 3, partition="p", timeout=10)["x"]] == [3, 4, 5]
+
+
+def test_errors_name_the_address_the_user_gave_not_a_socket(procs):
+    port = free_port()
+    ctl, _ = procs.start("--controller", "--port", str(port))
+    with dockd.connect(f"127.0.0.1:{port}", reconnect_timeout=1.0) as d:
+        d.put({"x": [1]}, partition="p")
+        ctl.terminate()
+        ctl.wait()
+        with pytest.raises(dockd.DockConnectionError) as e:
+            d.stats()
+        msg = str(e.value)
+        assert f"127.0.0.1:{port}" in msg and "dockd-" not in msg and "unix:" not in msg, msg
+        with pytest.raises(dockd.DockConnectionError) as e:
+            d.put({"x": [2]}, partition="p")
+        assert f"127.0.0.1:{port}" in str(e.value) and "dockd-" not in str(e.value)

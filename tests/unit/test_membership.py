@@ -1,0 +1,186 @@
+"""Warehouse membership and the journal, driven directly (no daemons): a warehouse that
+drops its connection is probed, waited for, and either rejoins or is declared lost;
+a controller rebuilt from its state dir is the controller that was lost."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import numpy as np
+import pytest
+
+from dockd._proto import dockd_pb2 as pb
+from dockd.controller.core import LOST_WAREHOUSE, Controller, Inventory
+from dockd.controller.journal import Journal
+from dockd.controller.membership import Membership
+from dockd.errors import DockDataLost
+
+
+class FakePeer:
+    """Membership only compares connections by identity."""
+
+
+def reg(port: int, instance: int, **kw) -> pb.RegisterWarehouse:
+    return pb.RegisterWarehouse(host="127.0.0.1", port=port, capacity=1 << 20, instance=instance, **kw)
+
+
+def no_commit(c):  # registrations without pending commits never call it
+    raise AssertionError("unexpected commit")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_dropped_warehouse_whose_port_refuses_is_lost_at_once():
+    async def main():
+        core = Controller()
+        changes = []
+        m = Membership(core, None, grace=30.0, on_change=lambda: changes.append(1))
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        peer = FakePeer()
+        wid = m.register(peer, reg(port, 7), no_commit).id
+        core.commit("p", ["x"], warehouse=wid, new_count=2)
+        m.connection_lost(peer)
+        assert m.get(wid).state == "rejoining"
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if m.get(wid).state == "lost":
+                break
+        assert m.get(wid).state == "lost" and changes
+        with pytest.raises(DockDataLost):
+            core.acquire("p", "c", ["x"], 2)
+        m.close()
+
+    run(main())
+
+
+def test_a_silent_warehouse_gets_its_grace_then_is_lost_and_a_rejoin_in_time_keeps_it():
+    async def main():
+        core = Controller()
+        m = Membership(core, None, grace=0.3, on_change=lambda: None)
+        silent = socket.socket()  # accepts connections, never answers: the probe cannot tell
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        try:
+            a, b = FakePeer(), FakePeer()
+            wid = m.register(a, reg(port, 7), no_commit).id
+            m.connection_lost(a)
+            await asyncio.sleep(0.1)
+            assert m.get(wid).state == "rejoining"
+            # back within the grace, same process: same id, still a member
+            again = m.register(b, reg(port, 7, rejoin=True, id=wid), no_commit)
+            assert again.id == wid and m.get(wid).state == "joined"
+            m.connection_lost(b)
+            await asyncio.sleep(0.6)
+            assert m.get(wid).state == "lost"
+        finally:
+            silent.close()
+            m.close()
+
+    run(main())
+
+
+def test_a_new_process_at_a_known_address_replaces_the_old_one():
+    async def main():
+        core = Controller()
+        m = Membership(core, None, grace=30.0, on_change=lambda: None)
+        old = m.register(FakePeer(), reg(5000, 1), no_commit).id
+        new = m.register(FakePeer(), reg(5000, 2), no_commit).id
+        assert new != old and m.get(old).state == "lost" and m.get(new).state == "joined"
+        m.close()
+
+    run(main())
+
+
+def test_rejoin_marks_what_a_known_warehouse_no_longer_holds_as_lost():
+    c = Controller()
+    c.commit("p", ["x", "y"], warehouse=3, new_count=6)
+    inv = {"p": Inventory(1, 10, {"x": np.arange(6), "y": np.array([0, 1, 2])}), "gone": Inventory(1, 5, {"x": np.arange(2)})}
+    drop = c.rejoin(3, inv, known=True)
+    assert drop == ["gone"]  # the dock cleared it while the warehouse was away
+    assert c.partitions["p"].loc["y"][:6].tolist() == [3, 3, 3, LOST_WAREHOUSE, LOST_WAREHOUSE, LOST_WAREHOUSE]
+    assert c.acquire("p", "a", ["x", "y"], 3).indexes.tolist() == [0, 1, 2]
+    with pytest.raises(DockDataLost) as e:
+        c.acquire("p", "a", ["x", "y"], 3)
+    assert e.value.indexes == [3, 4, 5] and e.value.columns == ["y"]
+
+
+def test_rejoin_without_records_rebuilds_partitions_and_keeps_newer_writes():
+    c = Controller()
+    c.rejoin(1, {"p": Inventory(2, 64, {"x": np.arange(0, 4), "y": np.arange(0, 2)})}, known=False)
+    c.rejoin(2, {"p": Inventory(2, 64, {"x": np.arange(4, 8)})}, known=False)
+    part = c.partitions["p"]
+    assert part.recovered and part.size == 8 and part.group_size == 2
+    assert part.loc["x"][:8].tolist() == [1, 1, 1, 1, 2, 2, 2, 2]
+    assert c.acquire("p", "a", ["x"], 8).indexes.tolist() == list(range(8))
+    # index 0 of column x was written again meanwhile on warehouse 1: a late copy on warehouse 3 is ignored
+    c.rejoin(3, {"p": Inventory(2, 64, {"x": np.arange(0, 2)})}, known=False)
+    assert part.loc["x"][:2].tolist() == [1, 1]
+    assert c.commit("p", ["x"], warehouse=1, new_count=2, group_size=2).tolist() == [8, 9]
+
+
+def test_a_re_sent_commit_is_applied_once():
+    c = Controller()
+    first = c.commit("p", ["x"], warehouse=1, new_count=3, put_id=5)
+    again = c.commit("p", ["x"], warehouse=1, new_count=3, put_id=5)
+    assert first.tolist() == again.tolist() == [0, 1, 2] and c.partitions["p"].size == 3
+    assert c.commit("p", ["y"], warehouse=1, indexes=[0, 1], put_id=6).tolist() == [0, 1]
+    assert c.commit("p", ["y"], warehouse=1, indexes=[0, 1], put_id=6).tolist() == [0, 1]  # not "already written"
+
+
+def test_a_retried_acquire_gets_the_same_lease():
+    c = Controller()
+    c.commit("p", ["x"], warehouse=0, new_count=4)
+    a = c.acquire("p", "t", ["x"], 2, token=99)
+    b = c.acquire("p", "t", ["x"], 2, token=99)
+    assert a.lease == b.lease and a.indexes.tolist() == b.indexes.tolist() == [0, 1]
+    assert c.acquire("p", "t", ["x"], 2, token=100).indexes.tolist() == [2, 3]
+    c.confirm(a.lease)
+    assert c.acquire("p", "t", ["x"], 2, token=99) is None  # the lease ended: a new acquire, nothing left
+
+
+def _busy_controller(journal: Journal, now: float) -> Controller:
+    core, _ = journal.load(lease_timeout=60, now=now)
+    idx = core.commit("p", ["x"], warehouse=1, new_count=6, group_size=2, nbytes=100, put_id=1)
+    journal.commit("p", ["x"], 1, None, 6, 2, 100, 1)
+    core.commit("p", ["y"], warehouse=2, indexes=idx, nbytes=50, put_id=1)
+    journal.commit("p", ["y"], 2, idx, 0, 2, 50, 1)
+    for consumer, token in (("a", 11), ("b", 12)):
+        res = core.acquire("p", consumer, ["x", "y"], 2, now=now, token=token)
+        journal.grant(core.leases[res.lease], 1e12)
+    journal.confirm([1])
+    core.confirm(1)
+    return core
+
+
+def test_the_journal_rebuilds_the_controller_it_recorded(tmp_path):
+    j = Journal(tmp_path)
+    core = _busy_controller(j, now=100.0)
+    j.close()
+    back, _ = Journal(tmp_path).load(lease_timeout=60, now=5.0)  # another process, another clock
+    for k in ("samples", "columns", "consumers", "group_size"):
+        assert back.stats()[0][k] == core.stats()[0][k]
+    assert back.stats()[0]["consumers"] == {"a": {"taken": 2, "leased": 0}, "b": {"taken": 0, "leased": 2}}
+    assert list(back.leases) == [2] and back.leases[2].token == 12
+    assert back.acquire("p", "b", ["x", "y"], 2, token=12).lease == 2  # the outstanding lease, found by its token
+    assert back.acquire("p", "a", ["x", "y"], 4).indexes.tolist() == [2, 3, 4, 5]
+    assert back.commit("p", ["x"], warehouse=1, new_count=2, group_size=2, put_id=1).tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_torn_last_record_is_cut_and_a_snapshot_replaces_the_journal(tmp_path):
+    j = Journal(tmp_path, compact_bytes=1)
+    _busy_controller(j, now=0.0)
+    j.close()
+    log = next(tmp_path.glob("journal-*.log"))
+    log.write_bytes(log.read_bytes() + b"\x10\x00\x00\x00garbage")  # killed mid-write
+    back, _ = Journal(tmp_path).load(lease_timeout=60, now=0.0)
+    assert back.stats()[0]["consumers"]["a"]["taken"] == 2
+    names = sorted(f.name for f in tmp_path.iterdir())
+    assert len([n for n in names if n.startswith("snapshot-")]) == 1  # older generations are gone
+    again, _ = Journal(tmp_path).load(lease_timeout=60, now=0.0)  # from the snapshot alone
+    assert again.stats() == back.stats()
