@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import sys
 import threading
 import time
 import weakref
@@ -92,9 +93,14 @@ class Dock:
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
         self._warned_recovered: set[str] = set()
-        self._router = Router(host, port, warehouse=warehouse if warehouse is not None else os.environ.get("DOCKD_WAREHOUSE"),
-                              connect_timeout=self.connect_timeout, reconnect_timeout=self.reconnect_timeout,
-                              name=self._name, stop=self._stop)
+        pinned = warehouse if warehouse is not None else os.environ.get("DOCKD_WAREHOUSE")
+        prefer = None
+        if not pinned and "ray" in sys.modules:  # inside Ray: prefer this Ray node's warehouse of a dock Ray launched
+            from dockd import ray as dock_ray
+
+            prefer = dock_ray.home_for(address)
+        self._router = Router(host, port, warehouse=pinned, connect_timeout=self.connect_timeout,
+                              reconnect_timeout=self.reconnect_timeout, name=self._name, stop=self._stop, prefer=prefer)
         # a Dock dropped without close() (or failing here) still stops its flusher and closes its sockets
         self._finalizer = weakref.finalize(self, _finalize, self._stop, self._confirm_wake, self._router)
         self._executor: ThreadPoolExecutor | None = None

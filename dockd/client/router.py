@@ -61,13 +61,14 @@ def is_local(host: str) -> bool:
 
 class Router:
     def __init__(self, host: str, port: int, *, warehouse: int | str | None, connect_timeout: float,
-                 reconnect_timeout: float, name: str, stop: threading.Event) -> None:
+                 reconnect_timeout: float, name: str, stop: threading.Event, prefer: str | None = None) -> None:
         self.connect_timeout = connect_timeout
         self.reconnect_timeout = reconnect_timeout
         self.name = name
         self._stop = stop  # set when the client closes: retries end at once
         self.host, self.port = host, port
         self.pinned = warehouse if warehouse not in (None, "") else None
+        self.prefer = prefer  # "host:port" to choose as home while it is live (e.g. this Ray node's)
         self.shm = shm.available() and os.environ.get("DOCKD_TRANSPORT", "auto") != "tcp"
         self.lock = threading.Lock()
         self._reconnecting = threading.Lock()
@@ -178,6 +179,9 @@ class Router:
             )
         if not live:
             raise DockConnectionError(f"the dock at {self.address} has no live warehouse")
+        for w in live:
+            if f"{w.host}:{w.port}" == self.prefer:
+                return w.id
         local = [w for w in live if is_local(w.host)] or live
         return local[os.getpid() % len(local)].id
 

@@ -18,6 +18,10 @@ Switching an OpenRLHF run over is one call before OpenRLHF builds its actors::
     ray.init(runtime_env=runtime_env)          # Ray workers install it too
     train(args)                                # openrlhf.cli.train_ppo_ray.train
 
+Called without an address (and without ``DOCKD_ADDRESS``) after ``ray.init()``,
+`install` uses the dock running on the Ray cluster, launching one with
+`dockd.ray.launch` if there is none.
+
 Layout in the dock: partition ``"{name}/{shard}/{generation}"`` (the generation
 advances on every `clear`), one tensor column per ``Experience`` tensor field
 (``"exp/sequences"``, ...) and one ``"exp/meta"`` column carrying the
@@ -362,12 +366,23 @@ def install(address: str | None = None, config: DockBufferConfig | None = None, 
     Ray worker process; pass it to ``ray.init(runtime_env=...)`` before OpenRLHF's ``train``.
 
     Args:
-        address: dock address ``host:port`` (default: ``DOCKD_ADDRESS``).
+        address: dock address ``host:port``. Default: ``config.address``, else
+            ``DOCKD_ADDRESS``, else, when Ray is initialised in this process, the dock
+            running on Ray (`dockd.ray.find`) or a newly launched one (`dockd.ray.launch`).
         config: a `DockBufferConfig`; `fields` override single fields of it.
     """
     cfg = dataclasses.replace(config or DockBufferConfig(), **fields)
     if address:
         cfg = dataclasses.replace(cfg, address=address)
+    if not cfg.address and not os.environ.get(ENV_ADDRESS):
+        on_ray = _dock_on_ray()
+        if on_ray is None:
+            raise ValueError(
+                "install() has no dock address: pass install('host:port') (or config.address), set the "
+                f"{ENV_ADDRESS} environment variable, or call ray.init() first so that install() uses the dock "
+                "running on the Ray cluster (launching one if there is none)"
+            )
+        cfg = dataclasses.replace(cfg, address=on_ray)
     cfg.resolved_address()  # fail now, not inside a Ray actor
     _install_local(cfg)
     payload = json.dumps({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
@@ -376,6 +391,17 @@ def install(address: str | None = None, config: DockBufferConfig | None = None, 
         "env_vars": {ENV_CONFIG: payload, ENV_ADDRESS: cfg.resolved_address()},
         "worker_process_setup_hook": f"{__name__}._ray_worker_setup",
     }
+
+
+def _dock_on_ray() -> str | None:
+    """With Ray initialised here: the dock on Ray (found, else launched); else None."""
+    from dockd import ray as dock_ray
+
+    if not dock_ray.ray_initialized():
+        return None
+    address = dock_ray.find_or_launch()
+    logger.info("[openrlhf] no dock address configured; using the dock on Ray address=%s", address)
+    return address
 
 
 def _install_local(cfg: DockBufferConfig) -> type[DockReplayBuffer]:

@@ -63,7 +63,12 @@ __all__ = [
 
 
 def use_dockd_transfer_queue(address: str | None = None) -> Any:
-    """Make ``import transfer_queue`` resolve to dockd's compatible module (see `.transfer_queue`)."""
+    """Make ``import transfer_queue`` resolve to dockd's compatible module (see `.transfer_queue`).
+
+    `address` defaults to ``DOCKD_ADDRESS``, else, when Ray is initialised in this process,
+    to the dock running on Ray (found with `dockd.ray.find`, else started with
+    `dockd.ray.launch`). Returns the Ray ``runtime_env`` that switches Ray workers too.
+    """
     from dockd.trainer_plugins.verl import transfer_queue
 
     return transfer_queue.install(address)

@@ -9,7 +9,9 @@ interface on a dock, so switching is configuration::
     ray.init(runtime_env=runtime_env)                         # Ray workers switch too
 
 after which ``import transfer_queue as tq`` resolves here in the driver and in
-every Ray worker.
+every Ray worker. Without an address (and without ``DOCKD_ADDRESS``), called after
+``ray.init()``, it uses the dock running on the Ray cluster, launching one with
+`dockd.ray.launch` if there is none.
 
 Why a compatible client and not a TQ storage backend: a backend registered
 through TQ's ``StorageManagerFactory`` keeps TQ's controller in the path of
@@ -450,13 +452,29 @@ async_kv_batch_meta2batch_meta = _unsupported("async_kv_batch_meta2batch_meta")
 def install(address: str | None = None) -> dict[str, Any]:
     """Make ``import transfer_queue`` resolve to this module here and in Ray workers.
 
-    Returns a Ray ``runtime_env`` to pass to ``ray.init``. Call before verl imports
-    ``transfer_queue`` (verl imports it at module import time in the modules that use it).
+    Returns a Ray ``runtime_env`` to pass to ``ray.init`` (or to the job's actors when Ray
+    is already initialised). Call before verl imports ``transfer_queue`` (verl imports it
+    at module import time in the modules that use it).
+
+    Args:
+        address: the dock's ``host:port``. Default: ``DOCKD_ADDRESS``, else, when Ray is
+            initialised in this process, the dock running on Ray (`dockd.ray.find`) or a
+            newly launched one (`dockd.ray.launch`).
     """
     if address:
         os.environ[ENV_ADDRESS] = address
     if not os.environ.get(ENV_ADDRESS):
-        raise ValueError(f"use_dockd_transfer_queue needs the dock address: pass it or set {ENV_ADDRESS}")
+        from dockd import ray as dock_ray
+
+        if dock_ray.ray_initialized():
+            os.environ[ENV_ADDRESS] = dock_ray.find_or_launch()
+            logger.info("[tq] no dock address configured; using the dock on Ray address=%s",
+                        os.environ[ENV_ADDRESS])
+    if not os.environ.get(ENV_ADDRESS):
+        raise ValueError(
+            f"use_dockd_transfer_queue needs the dock address: pass it, set {ENV_ADDRESS}, "
+            "or call ray.init() first so that the dock on the Ray cluster is found (or launched)"
+        )
     existing = sys.modules.get("transfer_queue")
     if existing is not None and existing is not sys.modules[__name__]:
         logger.warning("[tq] replacing the already imported transfer_queue module %r with dockd's", existing)
