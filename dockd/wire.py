@@ -22,7 +22,7 @@ from dockd.errors import DockProtocolError
 MAGIC = b"DKD1"
 PREFIX = struct.Struct("<4sIQ")
 MAX_HEADER = 64 << 20
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: confirms are answered, tokens, rejoin; peers of another version refuse each other
 IOV_MAX = 512
 
 
@@ -76,3 +76,12 @@ def consume(bufs: list[memoryview], sent: int) -> None:
     del bufs[:k]
     if sent:
         bufs[0] = bufs[0][sent:]
+
+
+def check_protocol(theirs: int, who: str) -> None:
+    """Refuse a peer that speaks another protocol version, saying what to do."""
+    if theirs != PROTOCOL_VERSION:
+        raise DockProtocolError(
+            f"{who} speaks dockd protocol v{theirs or 1}, this side v{PROTOCOL_VERSION}: run the same dockd "
+            "version on every node and client"
+        )

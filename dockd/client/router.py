@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from dockd import shm
+from dockd import shm, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.connection import Connection, Pool
 from dockd.errors import DockClosed, DockConnectionError, DockValueError
@@ -130,11 +130,13 @@ class Router:
     def _hello(self, pool: Pool) -> pb.HelloReply:
         conn = pool.get()
         try:
-            reply, _, _ = conn.call(pb.Frame(hello=pb.Hello(client=self.name)), timeout=self.connect_timeout)
+            reply, _, _ = conn.call(pb.Frame(hello=pb.Hello(client=self.name, protocol=wire.PROTOCOL_VERSION)),
+                                    timeout=self.connect_timeout)
         except BaseException:
             pool.discard(conn)
             raise
         pool.put(conn)
+        wire.check_protocol(reply.hello_reply.protocol, f"dockd at {pool.address}")
         return reply.hello_reply
 
     def _adopt(self, hello: pb.HelloReply) -> None:

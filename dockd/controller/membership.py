@@ -257,7 +257,7 @@ async def probe_instance(host: str, port: int, timeout: float = PROBE_TIMEOUT) -
     except (OSError, asyncio.TimeoutError):
         return None
     try:
-        writer.write(wire.header(pb.Frame(id=1, hello=pb.Hello(client="controller-probe"))))
+        writer.write(wire.header(pb.Frame(id=1, hello=pb.Hello(client="controller-probe", protocol=wire.PROTOCOL_VERSION))))
         prefix = await asyncio.wait_for(reader.readexactly(wire.PREFIX.size), timeout)
         hlen, blen = wire.parse_prefix(prefix, 0, 0)
         if hlen > 1 << 20:

@@ -36,7 +36,7 @@ from dockd.errors import DockError, DockFull, DockNotFound, DockProtocolError, D
 from dockd.peer import Peer
 from dockd.warehouse.core import Warehouse
 from dockd.warehouse.link import ControllerLink, keepalive
-from dockd.wire import PROTOCOL_VERSION
+from dockd.wire import PROTOCOL_VERSION, check_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class Node:
         if self.cfg.shm and shm.available() and self.cfg.warehouse:
             self._listen_unix(loop)
         reg = pb.RegisterWarehouse(host=self.cfg.advertise or self.cfg.host, port=self.port, capacity=self.cfg.capacity,
-                                   unix=self.unix_name, instance=self.instance)
+                                   unix=self.unix_name, instance=self.instance, protocol=PROTOCOL_VERSION)
         if self.controller is not None:
             self.controller.start()
             if self.cfg.warehouse:
@@ -241,6 +241,7 @@ class Node:
         elif kind == "free":
             peer.reply(frame, pb.Frame(free_reply=pb.FreeReply(nbytes=self._free(frame.free.partition))))
         elif kind == "hello":
+            check_protocol(frame.hello.protocol, f"the client {frame.hello.client or peer.name}")
             peer.reply(frame, pb.Frame(hello_reply=self._hello()))
         else:
             raise DockValueError(f"unexpected request kind {kind!r}")
@@ -286,6 +287,7 @@ class Node:
         elif kind == "leave":
             ctl.leave(peer, frame.leave)
         elif kind == "register":
+            check_protocol(frame.register.protocol, f"the warehouse at {frame.register.host}:{frame.register.port}")
             peer.reply(frame, pb.Frame(register_reply=ctl.register(peer, frame.register)))
         elif kind == "clear":
             _spawn(self._clear(peer, frame))

@@ -229,3 +229,22 @@ def test_errors_name_the_address_the_user_gave_not_a_socket(procs):
         with pytest.raises(dockd.DockConnectionError) as e:
             d.put({"x": [2]}, partition="p")
         assert f"127.0.0.1:{port}" in str(e.value) and "dockd-" not in str(e.value)
+
+
+def test_a_peer_of_another_protocol_version_is_refused_clearly(procs):
+    """A client or warehouse from another dockd version gets a clear error, not a hang."""
+    from dockd import wire
+    from dockd._proto import dockd_pb2 as pb
+    from dockd.client.connection import Connection
+
+    _, ready = procs.start("--controller", "--port", "0")
+    conn = Connection("127.0.0.1", ready["port"])
+    try:
+        with pytest.raises(dockd.DockProtocolError, match="protocol v1, this side v2"):
+            conn.call(pb.Frame(hello=pb.Hello(client="old")), timeout=10)  # an old client sends no version
+        with pytest.raises(dockd.DockProtocolError, match="run the same dockd version"):
+            conn.call(pb.Frame(register=pb.RegisterWarehouse(host="127.0.0.1", port=1, protocol=1)), timeout=10)
+        ok, _, _ = conn.call(pb.Frame(hello=pb.Hello(client="new", protocol=wire.PROTOCOL_VERSION)), timeout=10)
+        assert ok.hello_reply.protocol == wire.PROTOCOL_VERSION and ok.hello_reply.hosts_controller
+    finally:
+        conn.close()
