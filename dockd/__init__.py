@@ -9,11 +9,13 @@
 
 from dockd.client import AsyncDock, Batch, Dock, Lease, connect, connect_async
 from dockd.errors import (
+    DockAuthError,
     DockClosed,
     DockConnectionError,
     DockDataLost,
     DockError,
     DockFull,
+    DockLeaseError,
     DockNotFound,
     DockProtocolError,
     DockTimeout,
@@ -28,11 +30,13 @@ __all__ = [
     "AsyncDock",
     "Batch",
     "Dock",
+    "DockAuthError",
     "DockClosed",
     "DockConnectionError",
     "DockDataLost",
     "DockError",
     "DockFull",
+    "DockLeaseError",
     "DockNotFound",
     "DockProtocolError",
     "DockTimeout",

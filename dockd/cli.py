@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from dockd.errors import DockError
@@ -27,19 +28,25 @@ def _serve(args) -> int:
         controller=args.controller, warehouse=not args.no_warehouse, join=args.join or "",
         capacity=parse_size(args.capacity), lease_timeout=args.lease_timeout, shm=not args.no_shm,
         state_dir=args.state_dir or "", join_timeout=args.join_timeout, controller_grace=args.controller_grace,
-        warehouse_grace=args.warehouse_grace,
+        warehouse_grace=args.warehouse_grace, token_file=args.token_file or os.environ.get("DOCKD_TOKEN_FILE", ""),
+        daemon_token_file=args.daemon_token_file or "", insecure=args.insecure, max_connections=args.max_connections,
+        handshake_timeout=args.handshake_timeout, stall_timeout=args.stall_timeout, idle_timeout=args.idle_timeout,
+        daemon_timeout=args.daemon_timeout,
     )
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
+    if cfg.insecure and not cfg.token_file:
         logging.getLogger("dockd").warning(
-            "[serve] binding %s exposes the dock beyond this host; dockd has no authentication yet, "
-            "so do this only on a trusted cluster network", args.host)
+            "[serve] --insecure: no authentication; anyone who reaches %s:%d can read, write and wedge this dock",
+            args.host, args.port)
     return serve(cfg)
 
 
 def _stats(args) -> int:
     import dockd
 
-    with dockd.connect(args.address) as dock:
+    from dockd.auth import load_token
+
+    token = load_token(args.token_file) if args.token_file else None
+    with dockd.connect(args.address, token=token) as dock:
         print(json.dumps(dock.stats(), indent=2, default=str))
     return 0
 
@@ -89,6 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a warehouse waits this long for its controller at start (default: as long as it takes)")
     s.add_argument("--controller-grace", type=float, default=60.0, metavar="SECONDS",
                    help="puts wait this long for an unreachable controller before failing (default 60)")
+    s.add_argument("--token-file", metavar="FILE",
+                   help="the dock's token (also $DOCKD_TOKEN_FILE): every connection must prove it; required to bind "
+                        "a non-loopback address")
+    s.add_argument("--daemon-token-file", metavar="FILE",
+                   help="a separate token for daemon-to-daemon messages (default: the dock's token)")
+    s.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback address without a token (no authentication at all)")
+    s.add_argument("--max-connections", type=int, default=4096, help="connections accepted at once (default 4096)")
+    s.add_argument("--handshake-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a new connection must authenticate within this (default 10)")
+    s.add_argument("--stall-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a frame may go this long without a byte before its connection is closed (default 60)")
+    s.add_argument("--idle-timeout", type=float, default=3600.0, metavar="SECONDS",
+                   help="a client connection making no request is closed after this (default 3600; clients reconnect)")
+    s.add_argument("--daemon-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="the controller waits this long for a warehouse's answer, e.g. to a clear (default 30)")
     s.add_argument("--warehouse-grace", type=float, default=15.0, metavar="SECONDS",
                    help="controller: a warehouse that dropped its connection has this long to rejoin (default 15)")
     s.add_argument("--log-level", dest="serve_log_level", default=None, help=argparse.SUPPRESS)
@@ -103,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("stats", help="print a dock's stats as JSON")
     st.add_argument("address", help="controller host:port")
+    st.add_argument("--token-file", metavar="FILE", help="the dock's token (default: $DOCKD_TOKEN_FILE)")
     st.set_defaults(fn=_stats)
 
     b = sub.add_parser("bench", help="run the sample-flow benchmarks (from a source checkout); --help for theirs",

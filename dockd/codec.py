@@ -66,10 +66,15 @@ def _from_numpy(name: str, arr: np.ndarray) -> torch.Tensor:
 
 
 def _msgpack_default(obj: Any) -> Any:
+    """What msgpack cannot pack as it is. Only types that come back as themselves are
+    accepted: a tuple or set would come back as a list, so it is refused, not converted."""
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, (tuple, set, frozenset)):
-        return list(obj)
+        raise TypeError(f"{type(obj).__name__} would come back as a list; pass a list")
+    if isinstance(obj, (list, dict, str, bytes, int, float)):  # subclasses (strict_types): their plain base type
+        base = next(t for t in (bool, int, float, str, bytes, list, dict) if isinstance(obj, t))
+        return base(obj)
     raise TypeError(type(obj).__name__)
 
 
@@ -91,7 +96,7 @@ def encode_value(column: str, i: int, v: Any) -> tuple[pb.Value, memoryview]:
         data = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
         return pb.Value(kind=pb.TENSOR, dtype=name, shape=list(t.shape), nbytes=data.nbytes), data
     try:
-        raw = msgpack.packb(v, use_bin_type=True, default=_msgpack_default)
+        raw = msgpack.packb(v, use_bin_type=True, default=_msgpack_default, strict_types=True)
     except (TypeError, ValueError, OverflowError) as e:
         raise DockTypeError(
             f"column {column!r} sample {i}: cannot store a value of type {type(v).__name__} ({e}); use tensors, "

@@ -19,7 +19,22 @@ ENV_VARS = {
     "DOCKD_TRANSPORT": "'auto' (default: shared memory to same-host daemons, TCP otherwise) or 'tcp'",
     "DOCKD_SPIN_US": "microseconds a same-host client call polls for its reply before sleeping (default 200; 0: never)",
     "DOCKD_RECV_POOL_BYTES": "bytes of warm receive buffers a client keeps for large socket replies (default 1 GiB)",
+    "DOCKD_TOKEN": "the dock's token, for clients (prefer DOCKD_TOKEN_FILE)",
+    "DOCKD_TOKEN_FILE": "file holding the dock's token: clients prove it; `dockd serve` uses it like --token-file",
+    "DOCKD_DAEMON_SECRET": "hex per-dock daemon secret handed by start_local to the daemons it starts (tokenless mode)",
 }
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps a daemon on this machine."""
+    import ipaddress
+
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_size(text: str | int) -> int:
@@ -74,6 +89,22 @@ class NodeConfig:
     """Controller: journal its state here and recover it on restart (empty: keep nothing)."""
     shm: bool = True
     """Serve same-host clients over a Unix socket with shared-memory payloads (Linux)."""
+    token_file: str = ""
+    """File holding the dock's token: every connection must prove it (challenge-response)."""
+    daemon_token_file: str = ""
+    """File holding the token daemons prove to each other (default: the dock's token)."""
+    insecure: bool = False
+    """Allow binding a non-loopback address without a token (no authentication at all)."""
+    max_connections: int = 4096
+    """Connections this daemon accepts at once; more are refused."""
+    handshake_timeout: float = 10.0
+    """Seconds a new connection has to authenticate."""
+    stall_timeout: float = 60.0
+    """Seconds a frame may go without a byte before its connection is closed."""
+    idle_timeout: float = 3600.0
+    """Seconds a client connection may make no request before it is closed (clients reconnect)."""
+    daemon_timeout: float = 30.0
+    """Seconds the controller waits for a warehouse to answer (e.g. to free a cleared partition)."""
 
     def __post_init__(self) -> None:
         if self.controller == bool(self.join):
@@ -92,8 +123,19 @@ class NodeConfig:
             raise DockValueError("--no-warehouse needs --controller: a node without a warehouse only runs the controller")
         if self.state_dir and not self.controller:
             raise DockValueError("--state-dir is the controller's journal; give it with --controller")
-        for name in ("controller_grace", "warehouse_grace"):
+        for name in ("controller_grace", "warehouse_grace", "handshake_timeout", "stall_timeout", "idle_timeout",
+                     "daemon_timeout"):
             if getattr(self, name) <= 0:
                 raise DockValueError(f"{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
+        if self.daemon_token_file and not self.token_file:
+            raise DockValueError("--daemon-token-file goes with --token-file (clients need a token of their own)")
+        if not self.token_file and not self.insecure and not is_loopback(self.host):
+            raise DockValueError(
+                f"binding {self.host} exposes the dock beyond this host: give it a token (--token-file FILE, the "
+                "same file on every node; e.g. `openssl rand -hex 32 > FILE`), or pass --insecure to run without "
+                "authentication on a network you trust"
+            )
+        if self.max_connections < 8:
+            raise DockValueError(f"max connections must be >= 8, got {self.max_connections}")
         if self.join_timeout is not None and self.join_timeout <= 0:
             raise DockValueError(f"join timeout must be > 0 seconds, got {self.join_timeout}")

@@ -7,6 +7,8 @@
     ├── DockDataLost           (the warehouse holding some samples is gone)
     ├── DockClosed             (this client or the daemon was closed while waiting)
     ├── DockConnectionError    (a daemon cannot be reached or hung up)
+    ├── DockAuthError          (the token is missing or wrong, or the request needs another role)
+    ├── DockLeaseError         (the lease is not this client's, or expired before its confirm)
     ├── DockProtocolError      (a peer sent a malformed frame)
     ├── DockValueError         (bad argument; also a ValueError)
     ├── DockTypeError          (argument of the wrong type; also a TypeError)
@@ -62,6 +64,17 @@ class DockConnectionError(DockError, ConnectionError):
     """A daemon could not be reached or closed the connection."""
 
 
+class DockAuthError(DockError):
+    """The dock refused this connection or request: no token, a wrong token, or a request
+    that needs another role (daemon-to-daemon messages from a client)."""
+
+
+class DockLeaseError(DockError):
+    """A lease operation that was refused: the lease belongs to another client (and no
+    hand-over ticket came with it), or it expired or was released, so its samples were
+    handed out again."""
+
+
 class DockProtocolError(DockError):
     """A peer sent bytes that are not a valid dockd frame."""
 
@@ -93,6 +106,10 @@ def from_status(status) -> DockError:  # status: dockd_pb2.Status
         return DockValueError(msg)
     if code == pb.PROTOCOL:
         return DockProtocolError(msg)
+    if code in (pb.AUTH, pb.WRONG_ROLE):
+        return DockAuthError(msg)
+    if code == pb.LEASE:
+        return DockLeaseError(msg)
     return DockError(f"{pb.Code.Name(code) if code in pb.Code.values() else code}: {msg}")
 
 
@@ -115,6 +132,10 @@ def to_status(exc: BaseException, status) -> None:
         status.code = pb.CLOSED
     elif isinstance(exc, DockProtocolError):
         status.code = pb.PROTOCOL
+    elif isinstance(exc, DockAuthError):
+        status.code = pb.AUTH
+    elif isinstance(exc, DockLeaseError):
+        status.code = pb.LEASE
     elif isinstance(exc, (ValueError, TypeError)):
         status.code = pb.INVALID_ARGUMENT
     else:

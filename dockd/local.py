@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import selectors
 import subprocess
 import sys
@@ -92,10 +93,12 @@ def read_ready(proc: subprocess.Popen, *, timeout: float = 60.0) -> dict:
         if left <= 0 or not sel.select(left):
             proc.kill()
             proc.wait()
+            proc.stdout.close()
             raise DockConnectionError(f"`{' '.join(cmd)}` did not report ready within {timeout:g}s")
         chunk = proc.stdout.readline()
         if not chunk:
             code = proc.wait()
+            proc.stdout.close()
             raise DockConnectionError(f"`{' '.join(cmd)}` exited unexpectedly with code {code} before it was ready (see its stderr above)")
         line += chunk
     sel.close()
@@ -103,16 +106,24 @@ def read_ready(proc: subprocess.Popen, *, timeout: float = 60.0) -> dict:
 
 
 def start_local(num_warehouses: int = 1, *, capacity: int | str = "4GiB", lease_timeout: float | None = None,
-                host: str = "127.0.0.1", log_level: str = "WARNING", timeout: float = 60.0) -> LocalCluster:
-    """Start a controller and `num_warehouses` warehouses as local processes."""
+                host: str = "127.0.0.1", log_level: str = "WARNING", timeout: float = 60.0,
+                token_file: str | None = None, extra_args: list[str] | None = None) -> LocalCluster:
+    """Start a controller and `num_warehouses` warehouses as local processes.
+
+    Without `token_file` clients need no token (loopback only); the daemons still
+    share a per-dock secret, handed to them here, that proves the daemon role to
+    each other, so a client cannot send daemon-to-daemon messages."""
     if not isinstance(num_warehouses, int) or num_warehouses < 1:
         raise DockValueError(f"num_warehouses must be a positive int, got {num_warehouses!r}")
     cap = parse_size(capacity)
     common = ["--host", host, "--port", "0", "--grpc-port", "0", "--capacity", str(cap), "--log-level", log_level]
     if lease_timeout is not None:
         common += ["--lease-timeout", str(lease_timeout)]
+    if token_file is not None:
+        common += ["--token-file", str(token_file)]
+    common += list(extra_args or ())
     cluster = LocalCluster()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DOCKD_DAEMON_SECRET=secrets.token_hex(32))
     try:
         proc, ready = spawn_node([*common, "--controller"], timeout=timeout, env=env)
         cluster.procs.append(proc)

@@ -7,6 +7,14 @@ A `Handler` decides what to do with requests; replies and requests sent from
 this side are matched by frame id. A body may be held back (`Handler.admit`):
 reading pauses, which pushes back on the sender through TCP, until the
 handler lets it in or rejects it (then the body is read and dropped).
+
+Every connection starts with the handshake of `dockd.auth`: an accepted one
+(`accept=`) sends a Challenge and takes nothing but an Auth frame until the
+peer has proved its role; an outgoing one (`prove=`) answers the daemon's
+Challenge. Until then frames are small, bodiless and must arrive within
+`handshake_timeout`. Afterwards a frame started must keep arriving (no
+`stall_timeout` seconds without a byte inside a frame), and a client
+connection with no request at all for `idle_timeout` is closed.
 """
 
 from __future__ import annotations
@@ -21,14 +29,16 @@ from typing import Protocol
 
 import pyarrow as pa
 
-from dockd import wire
+from dockd import auth, wire
 from dockd._proto import dockd_pb2 as pb
-from dockd.errors import DockConnectionError, DockError, DockProtocolError, from_status, to_status
+from dockd.errors import DockAuthError, DockConnectionError, DockError, DockProtocolError, from_status, to_status
 
 logger = logging.getLogger(__name__)
 
-_SCRATCH = 256 << 10
+_SCRATCH = 64 << 10   # per connection; grows for large headers and shrinks back once they are parsed
 _DISCARD = 1 << 20
+HANDSHAKE_HEADER = 4096       # bytes a frame may have before the peer authenticated
+MAX_QUEUED_FDS = 64           # descriptors received ahead of the frames that claim them
 
 
 class Handler(Protocol):
@@ -42,11 +52,24 @@ class Handler(Protocol):
 
 class Peer(asyncio.BufferedProtocol):
     _ids = itertools.count(1)
+    # seconds: to authenticate; without a byte inside a frame; without any request (set by the daemon)
+    handshake_timeout, stall_timeout, idle_timeout = 10.0, 60.0, 3600.0
 
-    def __init__(self, handler: Handler, *, max_body: int, on_connect=None) -> None:
+    def __init__(self, handler: Handler, *, max_body: int, on_connect=None, accept: auth.ServerAuth | None = None,
+                 instance: int = 0, prove=None) -> None:
         self.handler = handler
         self.max_body = max_body
         self.on_connect = on_connect  # called with the transport once connected (e.g. to set socket options)
+        self._accept = accept          # accepted connection: what the peer must prove
+        self._instance = instance
+        self._prove = prove            # outgoing connection: (role, key or callable giving it, session)
+        self.role: str | None = None   # the peer's proven role ("client"/"daemon"; "server" for an outgoing one)
+        self.session = b""
+        self._challenge: pb.Challenge | None = None
+        self.authed: asyncio.Future | None = None  # outgoing: resolves once both sides proved themselves
+        self._timer: asyncio.TimerHandle | None = None
+        self._last = 0.0  # loop time of the last byte received
+        self.parked = 0   # requests of this peer the handler holds (a waiting get): not idle
         self.id = next(Peer._ids)
         self.transport: asyncio.Transport | None = None
         self.name = "?"
@@ -73,6 +96,8 @@ class Peer(asyncio.BufferedProtocol):
 
     def fds_received(self, fds: list[int]) -> None:
         self._fds.extend(fds)
+        if len(self._fds) > MAX_QUEUED_FDS or self.role is None:
+            self.fail(DockProtocolError(f"{len(self._fds)} descriptors sent ahead of the frames that use them"))
 
     # -- asyncio protocol -----------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -81,9 +106,42 @@ class Peer(asyncio.BufferedProtocol):
         self.name = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         if self.on_connect is not None:
             self.on_connect(transport)
+        loop = asyncio.get_running_loop()
+        self._last = loop.time()
+        if self._accept is not None:
+            self._challenge = self._accept.challenge(self._instance)
+            self.send(pb.Frame(challenge=self._challenge))
+        else:
+            self.authed = loop.create_future()
+        self._timer = loop.call_later(self.handshake_timeout, self._watchdog)
+
+    def _watchdog(self) -> None:
+        """Close connections that never authenticate, stall inside a frame, or sit idle too long."""
+        self._timer = None
+        if self.closed:
+            return
+        now = asyncio.get_running_loop().time()
+        if self.role is None:
+            self.fail(DockAuthError(f"no authentication within {self.handshake_timeout:g}s"))
+            return
+        mid_frame = self._dest is not None or self._hi > self._lo or self._pending is not None
+        if mid_frame and not self._admitting and now - self._last > self.stall_timeout:
+            self.fail(DockProtocolError(f"a frame stalled: no byte for {self.stall_timeout:g}s"))
+            return
+        idle = not mid_frame and not self._calls and not self.parked
+        if idle and self.role == auth.CLIENT and now - self._last > self.idle_timeout:
+            logger.info("[peer] closing idle connection peer=%s idle=%.0fs", self.name, now - self._last)
+            self.close()  # a client reconnects on its next call
+            return
+        self._timer = asyncio.get_running_loop().call_later(min(self.stall_timeout, self.idle_timeout) / 4, self._watchdog)
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.authed is not None and not self.authed.done():
+            self.authed.set_exception(DockConnectionError(f"connection to {self.name} closed during authentication"))
         if self._pending is not None and not self._admitting and self._reject is None and not self._pending[0].reply:
             self.handler.on_abandoned(self, *self._pending)  # mid-body: the body's admission is void
             self._pending = None
@@ -110,15 +168,23 @@ class Peer(asyncio.BufferedProtocol):
         return self._mv[self._hi :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._last = asyncio.get_running_loop().time()
+        self._guarded(self._received, nbytes)
+
+    def _received(self, nbytes: int) -> None:
+        if self._dest is not None:
+            self._dest_pos += nbytes
+            if self._dest_pos == len(self._dest):
+                self._body_filled()
+            return
+        self._hi += nbytes
+        self._parse()
+
+    def _guarded(self, step, *args) -> None:
+        """Run a reading step: bad input closes this connection (saying why), never the daemon."""
         try:
-            if self._dest is not None:
-                self._dest_pos += nbytes
-                if self._dest_pos == len(self._dest):
-                    self._body_filled()
-                return
-            self._hi += nbytes
-            self._parse()
-        except DockProtocolError as e:
+            step(*args)
+        except (DockProtocolError, DockAuthError) as e:
             self.fail(e)
         except Exception as e:  # a bug must not take the daemon down: drop this connection only
             logger.exception("[peer] failed to handle input peer=%s", self.name)
@@ -144,14 +210,19 @@ class Peer(asyncio.BufferedProtocol):
             if avail < wire.PREFIX.size:
                 break
             hlen, blen = wire.parse_prefix(self._buf, self._lo, self.max_body)
+            if self.role is None and (hlen > HANDSHAKE_HEADER or blen):
+                raise DockAuthError("authenticate first: the first frames on a connection are small and bodiless")
             need = wire.PREFIX.size + hlen
             if avail < need:
                 if need > len(self._buf) - self._lo:
-                    self._compact(grow=max(need, len(self._buf)))
+                    # grow with what has arrived, never to what a prefix merely announces
+                    self._compact(grow=min(need, max(2 * len(self._buf), avail + _SCRATCH)))
                 break
             start = self._lo + wire.PREFIX.size
             frame = wire.parse_header(self._mv[start : start + hlen])
             self._lo += need
+            if frame.reply and blen:
+                raise DockProtocolError("a reply to a daemon carries no body")
             if frame.fds:
                 if frame.fds > len(self._fds):
                     raise DockProtocolError(f"frame announces {frame.fds} descriptors but {len(self._fds)} arrived")
@@ -169,8 +240,15 @@ class Peer(asyncio.BufferedProtocol):
             self._start_body()
         if self._lo == self._hi:
             self._lo = self._hi = 0
+            if len(self._buf) > 4 * _SCRATCH and self._dest is None:
+                self._buf = bytearray(_SCRATCH)
+                self._mv = memoryview(self._buf)
 
     def _admitted(self, fut: asyncio.Future) -> None:
+        self._guarded(self._resume, fut)
+
+    def _resume(self, fut: asyncio.Future) -> None:
+        """A held-back body was let in (or rejected): read it, then the frames after it."""
         self._admitting = False
         if self.closed:
             if not fut.cancelled() and fut.exception() is None:
@@ -233,6 +311,9 @@ class Peer(asyncio.BufferedProtocol):
 
     def _dispatch(self, frame: pb.Frame, body) -> None:
         fds, self._frame_fds = self._frame_fds, []
+        if self.role is None and not (frame.reply and self._accept is None):
+            self._handshake(frame)  # (an outgoing connection's replies, the AuthReply among them, go to their calls)
+            return
         if frame.reply:
             for fd in fds:
                 os.close(fd)
@@ -249,6 +330,37 @@ class Peer(asyncio.BufferedProtocol):
             if not isinstance(e, (DockError, ValueError, TypeError)):
                 logger.exception("[peer] handler failed peer=%s kind=%s", self.name, frame.WhichOneof("kind"))
             self.reply_error(frame, e)
+
+    def _handshake(self, frame: pb.Frame) -> None:
+        """The first frames of a connection (see dockd.auth)."""
+        kind = frame.WhichOneof("kind")
+        if self._accept is not None:
+            if kind != "auth":
+                raise DockAuthError(f"authenticate first: got a {kind or 'bare'} frame before the Auth frame")
+            reply = self._accept.verify(self._challenge, frame.auth)  # raises DockAuthError
+            self.role, self.session = frame.auth.role, bytes(frame.auth.session)
+            self.reply(frame, pb.Frame(auth_reply=reply))
+            return
+        if kind != "challenge" or self._challenge is not None:
+            raise DockProtocolError(f"expected the daemon's challenge, got a {kind or 'bare'} frame")
+        self._challenge = frame.challenge
+        role, key, session = self._prove
+        key = key() if callable(key) else key
+        a = auth.answer(frame.challenge, role, key, session=session)
+        self.request(pb.Frame(auth=a)).add_done_callback(lambda f: self._authed(f, a, key))
+
+    def _authed(self, f: asyncio.Future, a: pb.Auth, key: bytes | None) -> None:
+        if self.authed.done():
+            return
+        try:
+            reply, _ = f.result()
+            auth.check_reply(self._challenge, a, reply.auth_reply, key, self.name)
+        except Exception as e:
+            self.authed.set_exception(e)
+            self.close()
+            return
+        self.role = "server"
+        self.authed.set_result(None)
 
     # -- writing --------------------------------------------------------------------
     def send(self, frame: pb.Frame, buffers: Sequence = (), body_size: int = 0, fds: Sequence = ()) -> None:

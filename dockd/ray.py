@@ -33,7 +33,11 @@ and die together:
   the old one.
 
 Actors are detached: the dock outlives the driver that launched it, and every
-process of the Ray cluster finds it by name (`find`, `connect`). Ray must already
+process of the Ray cluster finds it by name (`find`, `connect`). Daemons bind
+their node's address, so the dock needs a token: `launch` draws a random one,
+each daemon actor keeps it in a private file for its daemon (``--token-file``),
+and Ray processes get it from the controller's actor (`token`): a dock launched
+on Ray trusts the processes of that Ray cluster, and nobody else. Ray must already
 be initialised (``ray.init``) in the calling process. Ray is imported on first use,
 so ``import dockd`` and ``import dockd.ray`` work without it (``pip install -e '.[ray]'``).
 """
@@ -43,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -67,6 +72,7 @@ __all__ = [
     "launch",
     "ray_initialized",
     "shutdown",
+    "token",
     "warehouses",
 ]
 
@@ -171,10 +177,11 @@ class _DaemonActor:
         self._proc: subprocess.Popen | None = None
         self._ready: dict[str, Any] = {}
         self._joined = ""  # the controller this daemon belongs to
+        self._token = ""
         self._stopping = False
         self._lock = threading.Lock()
 
-    def start(self, args: list[str], timeout: float) -> dict[str, Any]:
+    def start(self, args: list[str], timeout: float, token: str = "") -> dict[str, Any]:
         """Start the daemon with `args` (bound on this node's IP) unless it runs already; its info."""
         from dockd.local import spawn_node
 
@@ -184,6 +191,9 @@ class _DaemonActor:
             ray = _ray()
             host = ray.util.get_node_ip_address()
             self._stopping = False
+            if token:
+                self._token = token
+                args = [*args, "--token-file", self._token_file(token)]
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             # Forked from the actor's main thread, where Ray runs a default (max_concurrency=1)
             # actor's methods: PR_SET_PDEATHSIG fires when the forking *thread* ends, and that
@@ -195,6 +205,22 @@ class _DaemonActor:
             logger.info("[ray] started %s node=%s address=%s pid=%d warehouse=%s", self._role, self._node_id,
                         self._address(), proc.pid, ready.get("warehouse"))
             return self._info()
+
+    def token(self) -> str:
+        """The dock's token (Ray processes of this cluster are trusted with it)."""
+        return self._token
+
+    def _token_file(self, token: str) -> str:
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="dockd-ray-")  # mode 700
+        path = os.path.join(folder, "token")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, token.encode())
+        finally:
+            os.close(fd)
+        return path
 
     def address(self) -> str | None:
         """The daemon's "host:port" while it runs, else None."""
@@ -280,6 +306,7 @@ class _Spec:
     controller_node: str
     timeout: float
     num_cpus: float
+    token: str = dataclasses.field(default="", repr=False)
 
 
 class _Watcher:
@@ -406,7 +433,7 @@ def _ensure_warehouses(spec: _Spec, *, names: set[str] | None = None, strict: bo
         nid = node["NodeID"]
         try:
             actor = _daemon_actor(spec.namespace, _warehouse_name(nid), "warehouse", node, spec.num_cpus)
-            pending[nid] = (actor, actor.start.remote(args, spec.timeout))
+            pending[nid] = (actor, actor.start.remote(args, spec.timeout, spec.token))
         except ValueError as exc:  # the name still belongs to an actor that is dying
             failed[nid] = str(exc)
     deadline = time.monotonic() + spec.timeout + 30.0  # the actor's own start-up, then the daemon's
@@ -457,13 +484,13 @@ def _retire_stale_warehouses(spec: _Spec) -> None:
 
 
 def _start_controller(namespace: str, node: dict[str, Any], args: list[str], num_cpus: float,
-                      timeout: float) -> dict[str, Any]:
+                      timeout: float, token: str) -> dict[str, Any]:
     """Start (or find started) the controller actor and its daemon on `node`; the daemon's info."""
     ray = _ray()
     for attempt in (1, 2):
         controller = _daemon_actor(namespace, CONTROLLER_NAME, "controller", node, num_cpus)
         try:
-            return ray.get(controller.start.remote(args, timeout), timeout=timeout + 30.0)
+            return ray.get(controller.start.remote(args, timeout, token), timeout=timeout + 30.0)
         except ray.exceptions.RayActorError as exc:  # found a controller actor that was dying: once more
             if attempt == 2:
                 raise DockConnectionError(_start_failure("controller", node["NodeID"], exc, timeout)) from exc
@@ -549,11 +576,13 @@ def launch(
         args.append("--no-shm")
     node0 = _node_zero()
     t0 = time.monotonic()
-    info = _start_controller(namespace, node0, [*args, "--controller"], num_cpus, timeout)
+    token = secrets.token_hex(32)
+    info = _start_controller(namespace, node0, [*args, "--controller"], num_cpus, timeout, token)
     address: str = info["address"]
-    # another launch may have started this controller first: warehouses join whichever runs
+    # another launch may have started this controller first: warehouses join whichever runs, with its token
+    token = ray.get(_get_actor(CONTROLLER_NAME, namespace).token.remote(), timeout=timeout)
     spec = _Spec(namespace=namespace, args=tuple(args), controller=address, controller_node=info["node_id"],
-                 timeout=timeout, num_cpus=num_cpus)
+                 timeout=timeout, num_cpus=num_cpus, token=token)
     logger.info("[ray] started controller node=%s address=%s namespace=%s", info["node_id"], address, namespace)
     try:
         _retire_stale_warehouses(spec)
@@ -612,6 +641,18 @@ def warehouses(namespace: str = "dockd", *, timeout: float = 60.0) -> dict[str, 
     return out
 
 
+def token(namespace: str = "dockd", *, timeout: float = 60.0) -> str | None:
+    """The token of the dock running in `namespace` (None if none runs)."""
+    ray = _initialized_ray("token")
+    actor = _get_actor(CONTROLLER_NAME, namespace)
+    if actor is None:
+        return None
+    try:
+        return ray.get(actor.token.remote(), timeout=timeout) or None
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return None
+
+
 def _node_warehouse(namespace: str) -> str | None:
     """The "host:port" of the warehouse on this process's Ray node, or None."""
     ray = _ray()
@@ -650,6 +691,8 @@ def connect(address: str | None = None, *, namespace: str = "dockd", **kwargs: A
                 "(or pass address='host:port' of a dock started another way)"
             )
         address = running
+    if address == running and kwargs.get("token") is None:
+        kwargs["token"] = token(namespace)
     if kwargs.get("warehouse") is None and not os.environ.get("DOCKD_WAREHOUSE") and address == running:
         home = _node_warehouse(namespace)
         if home is not None:
@@ -659,18 +702,19 @@ def connect(address: str | None = None, *, namespace: str = "dockd", **kwargs: A
     return dockd.connect(address, **kwargs)
 
 
-def home_for(address: str, namespace: str = "dockd") -> str | None:
-    """For `dockd.connect` inside a Ray process: the "host:port" of the warehouse on this
-    Ray node, when the dock at `address` is the one `launch` started in `namespace`; else None."""
+def home_for(address: str, namespace: str = "dockd") -> tuple[str | None, str | None]:
+    """For `dockd.connect` inside a Ray process, when the dock at `address` is the one `launch`
+    started in `namespace`: ("host:port" of the warehouse on this Ray node, the dock's token).
+    (None, None) otherwise."""
     if not ray_initialized():
-        return None
+        return None, None
     try:
         if find(namespace, timeout=10.0) != address:
-            return None
-        return _node_warehouse(namespace)
-    except Exception as exc:  # a preference only: never fail a connect over it
+            return None, None
+        return _node_warehouse(namespace), token(namespace)
+    except Exception as exc:  # a convenience only: never fail a connect over it
         logger.debug("[ray] cannot tell this node's warehouse: %s", exc)
-        return None
+        return None, None
 
 
 def ray_initialized() -> bool:

@@ -6,8 +6,12 @@ the warehouse on its host as file descriptors passed over a Unix socket
 (SCM_RIGHTS). Nothing has a name, so nothing can leak: a segment's memory is
 freed when the last descriptor and mapping of it are gone, whoever crashed.
 
-- put: the client copies its tensors into a fresh memfd (the one copy in) and
-  passes the descriptor; the warehouse maps it and keeps it as the storage.
+- put: the client copies its tensors into a fresh memfd (the one copy in),
+  unmaps it, seals it against writing and resizing, and passes the descriptor;
+  the warehouse checks the seals, maps it read-only and keeps it as the storage.
+  Bodies the warehouse receives into a segment of its own are sealed against
+  future writes once complete. So nothing stored can change under a reader:
+  not through the writer's descriptor, nor through any descriptor a reader got.
 - get: the warehouse passes the descriptors of the segments holding the values;
   the client maps them copy-on-write (MAP_PRIVATE), so the returned tensors
   are zero-copy views that the caller may still write to: a write copies the
@@ -24,11 +28,13 @@ from __future__ import annotations
 import array
 import collections
 import ctypes
+import fcntl
 import logging
 import mmap
 import os
 import resource
 import socket
+import struct
 import sys
 import weakref
 
@@ -61,8 +67,27 @@ def unix_address(name: str) -> str:
     return "\0" + name
 
 
+# fcntl seals (linux/fcntl.h); F_SEAL_FUTURE_WRITE (Linux 5.1) is missing from Python's fcntl module
+F_ADD_SEALS, F_GET_SEALS = 1033, 1034
+F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_WRITE, F_SEAL_FUTURE_WRITE = 0x1, 0x2, 0x4, 0x8, 0x10
+SEALED = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE  # what a writer's put segment must carry
+MFD_FLAGS = os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 2)
+
+
+def seal(fd: int, seals: int) -> None:
+    fcntl.fcntl(fd, F_ADD_SEALS, seals | F_SEAL_SEAL)
+
+
+def seals(fd: int) -> int:
+    try:
+        return fcntl.fcntl(fd, F_GET_SEALS)
+    except OSError:
+        return 0
+
+
 class Segment:
-    """A memfd and one shared read/write mapping of it; `buffer` is an Arrow view.
+    """A memfd and one shared mapping of it (read/write for segments this process fills,
+    read-only for sealed ones it adopted); `buffer` is an Arrow view.
 
     Each live segment holds one descriptor and one mapping of this process;
     `Segment.live` counts them (see `segment_budget`). The mapping itself holds
@@ -71,10 +96,10 @@ class Segment:
     __slots__ = ("fd", "size", "map", "buffer", "__weakref__")
     live = 0
 
-    def __init__(self, fd: int, size: int, used: int | None = None) -> None:
+    def __init__(self, fd: int, size: int, used: int | None = None, *, readonly: bool = False) -> None:
         self.fd = -1  # owned (closed by __del__) only once mapped; until then the caller closes it
         self.size = size
-        self.map = map_shared(fd, size)  # an empty array when size is 0
+        self.map = map_shared(fd, size, readonly=readonly)  # an empty array when size is 0
         full = pa.py_buffer(self.map)
         # the payload; slicing would make an Arrow buffer read-only, so only when there is padding
         self.buffer = full.slice(0, used) if used is not None and used < size else full
@@ -85,9 +110,13 @@ class Segment:
         """The payload bytes as a writable view (a receive destination)."""
         return memoryview(self.map)[: self.buffer.size]
 
+    def seal(self) -> None:
+        """Filled: no descriptor of it (ours, or one a reader gets) can write or resize it any more."""
+        seal(self.fd, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE)
+
     @classmethod
     def create(cls, size: int, name: str = "dockd") -> Segment:
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        fd = os.memfd_create(name, MFD_FLAGS)
         try:
             os.ftruncate(fd, padded(size))
             return cls(fd, padded(size), size)
@@ -97,12 +126,15 @@ class Segment:
 
     @classmethod
     def adopt(cls, fd: int, used: int | None = None) -> Segment:
-        """Take ownership of a received descriptor holding `used` payload bytes (default: all of it)."""
+        """Take ownership of a received, sealed descriptor holding `used` payload bytes (default: all)."""
         try:
+            if seals(fd) & SEALED != SEALED:
+                raise ValueError("a shared-memory put must be sealed against writing and resizing (F_SEAL_WRITE, "
+                                 "F_SEAL_SHRINK, F_SEAL_GROW) so that it cannot change once stored")
             size = os.fstat(fd).st_size
             if used is not None and not 0 < used <= size:
                 raise ValueError(f"payload of {used} bytes announced in a {size}-byte segment")
-            return cls(fd, size, used)
+            return cls(fd, size, used, readonly=True)
         except BaseException:
             os.close(fd)
             raise
@@ -154,8 +186,8 @@ class _Mapped:
     __slots__ = ("__array_interface__", "__weakref__")
 
 
-def _map(fd: int, length: int, offset: int, flags: int) -> np.ndarray:
-    """Map `length` bytes of `fd` from `offset` as a writable uint8 array.
+def _map(fd: int, length: int, offset: int, flags: int, readonly: bool = False) -> np.ndarray:
+    """Map `length` bytes of `fd` from `offset` as a uint8 array (writable unless `readonly`).
 
     Unlike `mmap.mmap`, which keeps a duplicate of the descriptor for as long as the
     mapping lives, this holds none: a process holding thousands of mappings (a
@@ -163,22 +195,23 @@ def _map(fd: int, length: int, offset: int, flags: int) -> np.ndarray:
     descriptors. Tensors made from the array keep it, and so the mapping, alive."""
     if length == 0:
         return np.empty(0, dtype=np.uint8)
-    addr = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, offset)
+    prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
+    addr = _libc.mmap(None, length, prot, flags, fd, offset)
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of {length} bytes failed: {os.strerror(err)}")
     if length >= HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
         _libc.madvise(addr, length, mmap.MADV_HUGEPAGE)
     owner = _Mapped()
-    owner.__array_interface__ = {"data": (addr, False), "shape": (length,), "typestr": "|u1", "version": 3}
+    owner.__array_interface__ = {"data": (addr, readonly), "shape": (length,), "typestr": "|u1", "version": 3}
     weakref.finalize(owner, _libc.munmap, addr, length).atexit = False  # the exit unmaps; tensors may outlive finalizers
     return np.asarray(owner)
 
 
-def map_shared(fd: int, size: int) -> np.ndarray:
-    """A writable shared mapping that asks for transparent huge pages (used where the
-    kernel allows them for shared memory: far fewer page faults for writer and readers)."""
-    return _map(fd, size, 0, mmap.MAP_SHARED)
+def map_shared(fd: int, size: int, *, readonly: bool = False) -> np.ndarray:
+    """A shared mapping that asks for transparent huge pages (used where the kernel
+    allows them for shared memory: far fewer page faults for writer and readers)."""
+    return _map(fd, size, 0, mmap.MAP_SHARED, readonly)
 
 
 def map_private(fd: int, start: int, end: int) -> tuple[np.ndarray, int]:
@@ -196,6 +229,15 @@ def huge_pages_state() -> str:
     except OSError:
         return "unknown"
     return text[text.index("[") + 1 : text.index("]")] if "[" in text else text.strip()
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The user id of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    return struct.unpack("3i", creds)[1]
 
 
 def recv_fds(anc) -> list[int]:

@@ -2,8 +2,9 @@
 
 Each call runs the blocking client on a thread of the dock's own pool (sockets
 release the GIL while they wait), so a coroutine waiting in `get` never blocks
-the event loop. Cancelling a waiting `get` closes the connection it waits on:
-the controller drops the waiter and returns any lease it had granted.
+the event loop. Cancelling a waiting `get` closes only the connection that get
+waits on (the controller drops the waiter); a lease granted at that moment is
+released, not fetched, so nothing is taken for a get nobody will receive.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from dockd.client.batch import Batch
-from dockd.client.connection import Connection
-from dockd.client.dock import Dock
+from dockd.client.dock import Dock, Lease
+from dockd.client.router import CallScope
 
 
 class AsyncDock:
@@ -37,16 +38,33 @@ class AsyncDock:
 
     async def get(self, consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None = None,
                   groups: bool = False, allow_partial: bool = False, shuffle: bool = False, seed: int | None = None) -> Batch:
-        held: list[Connection] = []
+        scope = CallScope()
         fut = self._run(self.dock.get, consumer, columns, count, partition=partition, timeout=timeout, groups=groups,
-                        allow_partial=allow_partial, shuffle=shuffle, seed=seed, _on_conn=held.append)
+                        allow_partial=allow_partial, shuffle=shuffle, seed=seed, _scope=scope)
         task = asyncio.ensure_future(fut)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            for conn in held:
-                conn.close()
+            scope.cancel()
+            task.add_done_callback(_consume)  # its DockClosed is expected; never "exception was never retrieved"
             raise
+
+    async def acquire(self, consumer: str, columns: Sequence[str], count: int, *, partition: str,
+                      timeout: float | None = None, **kwargs) -> Lease:
+        return await self._run(self.dock.acquire, consumer, columns, count, partition=partition, timeout=timeout,
+                               **kwargs)
+
+    async def fetch(self, lease: Lease) -> dict[str, list[Any]]:
+        return await self._run(self.dock.fetch, lease)
+
+    async def confirm(self, lease: Lease) -> None:
+        await self._run(self.dock.confirm, lease)
+
+    async def release(self, lease: Lease) -> int:
+        return await self._run(self.dock.release, lease)
+
+    async def extend(self, lease: Lease, seconds: float | None = None) -> float:
+        return await self._run(self.dock.extend, lease, seconds)
 
     async def read(self, partition: str, indexes: Sequence[int], columns: Sequence[str]) -> Batch:
         return await self._run(self.dock.read, partition, indexes, columns)
@@ -69,6 +87,11 @@ class AsyncDock:
 
     def __repr__(self) -> str:
         return f"Async{self.dock!r}"
+
+
+def _consume(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def connect_async(address: str, *, max_concurrency: int = 64, **kwargs) -> AsyncDock:

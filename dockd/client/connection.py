@@ -8,6 +8,7 @@ allocated uint8 tensor, which the decoded tensors are views of.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import resource
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dockd import shm, wire
+from dockd import auth, shm, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockClosed, DockConnectionError, DockProtocolError, from_status
 
@@ -92,10 +93,25 @@ both sides. TCP connections never spin: on loopback it cost 10-30% of bulk throu
 (docs/design-notes.md)."""
 
 
-class Connection:
-    """A TCP connection, or with `unix` a same-host Unix one that can pass descriptors."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Credentials:
+    """What a client proves when it connects (see dockd.auth)."""
 
-    def __init__(self, host: str, port: int, *, unix: str = "", connect_timeout: float = 10.0, max_body: int = 1 << 40) -> None:
+    key: bytes | None = None     # the dock's token; None in tokenless mode
+    session: bytes = b""         # random per Dock: the leases it takes belong to it
+    name: str = ""
+
+
+class Connection:
+    """A TCP connection, or with `unix` a same-host Unix one that can pass descriptors.
+
+    It authenticates as soon as it is connected (the daemon's challenge, our proof,
+    the daemon's proof). A call interrupted half-way (an exception, Ctrl-C) leaves
+    the connection `busy`: the pool then drops it instead of reusing a stream that
+    is out of step."""
+
+    def __init__(self, host: str, port: int, *, unix: str = "", connect_timeout: float = 10.0, max_body: int = 1 << 40,
+                 creds: Credentials = Credentials()) -> None:
         # errors name the address the user knows, never the internal socket name
         self.address = f"{host}:{port} (same-host socket)" if unix else f"{host}:{port}"
         self.unix = bool(unix)
@@ -127,6 +143,41 @@ class Connection:
         self._next_id = 1
         self.broken = False
         self.closed = False
+        self.busy = False
+        self.instance = 0
+        try:
+            self._handshake(creds, connect_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _handshake(self, creds: Credentials, timeout: float) -> None:
+        self._deadline = time.monotonic() + timeout
+        try:
+            frame, _, fds = self._read_frame()
+            _close_all(fds)
+            if frame.WhichOneof("kind") != "challenge":
+                if frame.status.code != pb.OK:
+                    raise from_status(frame.status)
+                raise DockProtocolError(f"{self.address} did not start with a dockd challenge: is it a dockd daemon "
+                                        "of this version?")
+            ch = frame.challenge
+            wire.check_protocol(ch.protocol, f"dockd at {self.address}")
+            auth.missing_token(ch, creds.key, self.address)
+            a = auth.answer(ch, auth.CLIENT, creds.key, session=creds.session, name=creds.name)
+            self.send(pb.Frame(auth=a))
+            reply, _, fds = self._read_frame()
+            _close_all(fds)
+            if reply.status.code != pb.OK:
+                raise from_status(reply.status)
+            auth.check_reply(ch, a, reply.auth_reply, creds.key, self.address)
+            self.instance = ch.instance
+        except socket.timeout:
+            raise DockConnectionError(f"dockd at {self.address} did not complete the handshake within {timeout:g}s") from None
+        except OSError as e:
+            self._raise_io(e)
+        finally:
+            self._deadline = None
 
     def close(self) -> None:
         """Close; a thread blocked in call() on this connection wakes with an error."""
@@ -156,6 +207,7 @@ class Connection:
         """Send a request and wait for its reply: (frame, body, descriptors). The caller owns the descriptors.
 
         Raises the mapped error on a non-OK status."""
+        self.busy = True
         self.send(frame, buffers, body_size, fds)
         self._deadline = None if timeout is None else time.monotonic() + timeout
         try:
@@ -170,6 +222,7 @@ class Connection:
         if reply.id != frame.id and reply.id != 0:
             self.broken = True
             raise DockProtocolError(f"reply id {reply.id} does not match request id {frame.id} from {self.address}")
+        self.busy = False  # the reply is read whole: the stream is in step again
         if reply.status.code != pb.OK:
             _close_all(got)
             raise from_status(reply.status)
@@ -252,19 +305,22 @@ class Connection:
         fds = [self._fds.popleft() for _ in range(frame.fds)]
         if blen == 0:
             return frame, _NO_BODY, fds
-        body = RECV_POOL.take(blen)
-        dst = memoryview(body)
-        take = min(self._hi - self._lo, blen)
-        dst[:take] = self._mv[self._lo : self._lo + take]
-        self._lo += take
-        pos = take
-        while pos < blen:
-            got = self._recv_into(dst[pos:])
-            if got == 0:
-                self.broken = True
-                _close_all(fds)
-                raise DockConnectionError(f"dockd at {self.address} closed the connection mid-reply")
-            pos += got
+        try:
+            body = RECV_POOL.take(blen)
+            dst = memoryview(body)
+            take = min(self._hi - self._lo, blen)
+            dst[:take] = self._mv[self._lo : self._lo + take]
+            self._lo += take
+            pos = take
+            while pos < blen:
+                got = self._recv_into(dst[pos:])
+                if got == 0:
+                    self.broken = True
+                    raise DockConnectionError(f"dockd at {self.address} closed the connection mid-reply")
+                pos += got
+        except BaseException:  # the reply's descriptors are ours: never leak them, whatever interrupted us
+            _close_all(fds)
+            raise
         return frame, body, fds
 
 
@@ -276,9 +332,11 @@ def _close_all(fds) -> None:
 class Pool:
     """Idle connections to one daemon; a thread checks one out per call."""
 
-    def __init__(self, host: str, port: int, *, connect_timeout: float, unix: str = "") -> None:
+    def __init__(self, host: str, port: int, *, connect_timeout: float, unix: str = "",
+                 creds: Credentials = Credentials()) -> None:
         self.host, self.port, self.unix = host, port, unix
         self.connect_timeout = connect_timeout
+        self.creds = creds
         self._idle: list[Connection] = []
         self._all: set[Connection] = set()
         self._lock = threading.Lock()
@@ -298,7 +356,7 @@ class Pool:
                 raise DockClosed("the dock client is closed; create a new one with dockd.connect()")
             if self._idle:
                 return self._idle.pop()
-        conn = Connection(self.host, self.port, unix=self.unix, connect_timeout=self.connect_timeout)
+        conn = Connection(self.host, self.port, unix=self.unix, connect_timeout=self.connect_timeout, creds=self.creds)
         with self._lock:
             self._all.add(conn)
             if self.closed:
@@ -308,7 +366,7 @@ class Pool:
 
     def put(self, conn: Connection) -> None:
         with self._lock:
-            if conn.broken or conn.closed or self.closed:
+            if conn.broken or conn.closed or conn.busy or self.closed:
                 self._all.discard(conn)
                 conn.close()
             else:

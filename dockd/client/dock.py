@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,13 +26,22 @@ import mmap
 import numpy as np
 import torch
 
-from dockd import codec, shm
+from dockd import auth, codec, shm
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.batch import Batch
-from dockd.client.connection import Connection, Pool
-from dockd.client.router import Router, call_on
+from dockd.client.connection import Credentials, Pool
+from dockd.client.router import CallScope, Router, call_on
 from dockd.config import env_float
-from dockd.errors import DockConnectionError, DockDataLost, DockError, DockProtocolError, DockTypeError, DockValueError
+from dockd.errors import (
+    DockClosed,
+    DockConnectionError,
+    DockDataLost,
+    DockError,
+    DockLeaseError,
+    DockProtocolError,
+    DockTypeError,
+    DockValueError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +59,11 @@ def split_address(address: str) -> tuple[str, int]:
 
 @dataclasses.dataclass(slots=True)
 class Lease:
-    """Samples acquired for a consumer but not fetched yet (low-level API)."""
+    """Samples acquired for a consumer but not fetched yet (low-level API).
+
+    A lease belongs to the client that took it. To let another process confirm,
+    release or extend it, hand it the lease with its `ticket` (it pickles); anyone
+    may fetch its samples."""
 
     id: int
     partition: str
@@ -58,6 +71,7 @@ class Lease:
     indexes: list[int]
     locations: np.ndarray | None  # warehouse id per (column, sample); None when every column came inline
     inline: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # columns that came with the acquire
+    ticket: bytes = b""  # the hand-over proof (see the class docstring)
 
 
 class Dock:
@@ -75,11 +89,14 @@ class Dock:
         reconnect_timeout: seconds to keep retrying a daemon that went away
             (a controller restarting, a warehouse to re-home from) before a call
             fails with DockConnectionError. Default $DOCKD_RECONNECT_TIMEOUT or 30.
+        token: the dock's token, if its daemons were started with one (default:
+            $DOCKD_TOKEN, else the file named by $DOCKD_TOKEN_FILE). It never
+            leaves this process: connections prove it by challenge-response.
         name: a name for this client in the daemons' logs.
     """
 
     def __init__(self, address: str, *, warehouse: int | str | None = None, connect_timeout: float | None = None,
-                 reconnect_timeout: float | None = None, name: str = "") -> None:
+                 reconnect_timeout: float | None = None, token: str | bytes | None = None, name: str = "") -> None:
         self.connect_timeout = connect_timeout if connect_timeout is not None else env_float("DOCKD_CONNECT_TIMEOUT", 10.0)
         self.reconnect_timeout = (reconnect_timeout if reconnect_timeout is not None
                                   else env_float("DOCKD_RECONNECT_TIMEOUT", 30.0))
@@ -95,12 +112,18 @@ class Dock:
         self._warned_recovered: set[str] = set()
         pinned = warehouse if warehouse is not None else os.environ.get("DOCKD_WAREHOUSE")
         prefer = None
-        if not pinned and "ray" in sys.modules:  # inside Ray: prefer this Ray node's warehouse of a dock Ray launched
+        if "ray" in sys.modules and (not pinned or token is None):
+            # inside Ray, for a dock dockd.ray launched: this Ray node's warehouse, and the dock's token
             from dockd import ray as dock_ray
 
-            prefer = dock_ray.home_for(address)
+            prefer, ray_token = dock_ray.home_for(address)
+            if token is None and not os.environ.get("DOCKD_TOKEN") and not os.environ.get("DOCKD_TOKEN_FILE"):
+                token = ray_token
+        # the session owns this client's leases; it is random, so nobody else can claim them
+        self._creds = Credentials(key=auth.client_token(token), session=secrets.token_bytes(16), name=self._name)
         self._router = Router(host, port, warehouse=pinned, connect_timeout=self.connect_timeout,
-                              reconnect_timeout=self.reconnect_timeout, name=self._name, stop=self._stop, prefer=prefer)
+                              reconnect_timeout=self.reconnect_timeout, name=self._name, stop=self._stop, prefer=prefer,
+                              creds=self._creds)
         # a Dock dropped without close() (or failing here) still stops its flusher and closes its sockets
         self._finalizer = weakref.finalize(self, _finalize, self._stop, self._confirm_wake, self._router)
         self._executor: ThreadPoolExecutor | None = None
@@ -126,11 +149,11 @@ class Dock:
         return self._router.home
 
     def _ctrl_call(self, frame: pb.Frame, *, timeout: float | None = None, deadline: float | None = None,
-                   on_conn: Callable[[Connection], None] | None = None) -> tuple[pb.Frame, np.ndarray, list[int]]:
+                   scope: CallScope | None = None) -> tuple[pb.Frame, np.ndarray, list[int]]:
         """A controller request, re-sent after a reconnect if the connection drops. Pending
         confirms are delivered first, so the call sees this client's own gets applied."""
         self._send_confirms(self._take_confirms())
-        return self._router.controller(lambda pool: call_on(pool, frame, timeout=timeout, on_conn=on_conn),
+        return self._router.controller(lambda pool: call_on(pool, frame, timeout=timeout, scope=scope),
                                        deadline=deadline)
 
     # -- public API ---------------------------------------------------------------------------
@@ -182,8 +205,8 @@ class Dock:
         return list(reply.put_reply.indexes)
 
     def _put_shm(self, pool: Pool, req: pb.PutRequest, body: codec.Body) -> pb.Frame:
-        """Copy the payload into a fresh memfd (the one copy) and hand the descriptor to the warehouse."""
-        fd = os.memfd_create("dockd-put", os.MFD_CLOEXEC)
+        """Copy the payload into a fresh memfd (the one copy), seal it, and hand the descriptor to the warehouse."""
+        fd = os.memfd_create("dockd-put", shm.MFD_FLAGS)
         size = shm.padded(body.size)
         try:
             os.ftruncate(fd, size)
@@ -193,7 +216,8 @@ class Dock:
                 src = memoryview(b).cast("B")
                 mm[off : off + src.nbytes] = src
                 off += src.nbytes
-            del mm  # unmapped here: nothing else views it
+            del mm  # unmapped here: nothing else views it (a writable mapping would block the seal)
+            shm.seal(fd, shm.SEALED)  # stored as it is now: not even this process can change it any more
             req.shm_size = body.size
             reply, _, _ = call_on(pool, pb.Frame(put=req), fds=[fd])
         finally:
@@ -202,7 +226,7 @@ class Dock:
 
     def get(self, consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None = None,
             groups: bool = False, allow_partial: bool = False, shuffle: bool = False, seed: int | None = None,
-            _on_conn: Callable[[Connection], None] | None = None) -> Batch:
+            _scope: CallScope | None = None) -> Batch:
         """Take `count` samples ready in `columns` that `consumer` has not had yet.
 
         Blocks until they are ready; after `timeout` seconds raises DockTimeout
@@ -212,7 +236,10 @@ class Dock:
         one sample) instead of waiting for `count`.
         """
         lease = self.acquire(consumer, columns, count, partition=partition, timeout=timeout, groups=groups,
-                             allow_partial=allow_partial, shuffle=shuffle, seed=seed, _on_conn=_on_conn)
+                             allow_partial=allow_partial, shuffle=shuffle, seed=seed, _scope=_scope)
+        if _scope is not None and _scope.cancelled:  # cancelled as the lease arrived: give it back, take nothing
+            self.release(lease)
+            raise DockClosed("the get was cancelled")
         try:
             values = self.fetch(lease)
         except BaseException:
@@ -226,13 +253,18 @@ class Dock:
 
     def acquire(self, consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None = None,
                 groups: bool = False, allow_partial: bool = False, shuffle: bool = False, seed: int | None = None,
-                inline: bool = True, _on_conn: Callable[[Connection], None] | None = None) -> Lease:
+                inline: bool = True, lease_timeout: float | None = None,
+                _scope: CallScope | None = None) -> Lease:
         """Low-level: lease samples without fetching them (see get).
 
         With inline=True (the default) the values held by the controller's own
         warehouse come back with the lease (`lease.inline`), saving their fetch.
         inline=False returns metadata only, with a location for every column:
-        use it to hand the lease to other processes that fetch for themselves."""
+        use it to hand the lease to other processes that fetch for themselves.
+        lease_timeout: seconds this lease stays with this client before its
+        samples return to the pool (default: the daemon's --lease-timeout), for
+        consumers that work on leased samples for long. A lease always returns
+        when its client dies; `extend` moves the deadline later."""
         _check_partition(partition)
         if not isinstance(consumer, str) or not consumer:
             raise DockValueError(f"consumer must be a non-empty string such as 'actor_train', got {consumer!r}")
@@ -249,6 +281,10 @@ class Dock:
                                 timeout=-1.0 if timeout is None else float(timeout))
         if seed is not None:
             req.has_seed, req.seed = True, int(seed)
+        if lease_timeout is not None:
+            if not 0 < lease_timeout <= 7 * 86400:
+                raise DockValueError(f"lease_timeout must be in (0, one week] seconds, got {lease_timeout}")
+            req.lease_seconds = float(lease_timeout)
         req.token = secrets.randbits(63) | 1  # a retried acquire gets the lease its lost reply carried
         confirms = self._take_confirms()
         req.confirm.extend(confirms)
@@ -257,13 +293,17 @@ class Dock:
         def send(pool: Pool):
             if deadline is not None:  # a retry after a reconnect waits only for what is left
                 req.timeout = max(0.0, deadline - time.monotonic())
-            return call_on(pool, pb.Frame(acquire=req), on_conn=_on_conn,
+            return call_on(pool, pb.Frame(acquire=req), scope=_scope,
                            timeout=None if timeout is None else req.timeout + 30.0)
 
         try:
             reply, body, fds = self._router.controller(send, deadline=deadline)
         except DockConnectionError:
             self._return_confirms(confirms)
+            raise
+        except BaseException as e:
+            if not isinstance(e, DockError):  # interrupted (Ctrl-C, cancelled): a lease may be on its way to us
+                self._release_token(req.token)
             raise
         a = reply.acquire_reply
         self._router.learn(a.warehouses)
@@ -278,7 +318,8 @@ class Dock:
         locs = None  # only needed to fetch what did not come inline
         if len(inline) < len(columns):
             locs = np.asarray(a.locations, dtype=np.int64).reshape(len(columns), len(idx))
-        return Lease(a.lease, partition, list(columns), idx, locs, inline)
+        lease = Lease(a.lease, partition, list(columns), idx, locs, inline, bytes(a.ticket))
+        return lease
 
     def fetch(self, lease: Lease) -> dict[str, list[Any]]:
         """Low-level: read a lease's values from the warehouses holding them, in parallel."""
@@ -353,8 +394,31 @@ class Dock:
         return Batch(partition, idx, values)
 
     def confirm(self, lease: Lease) -> None:
-        """Low-level: the lease's samples were fetched; they are taken for good."""
-        self._send_confirms([lease.id, *self._take_confirms()])
+        """Low-level: the lease's samples were fetched; they are taken for good.
+
+        Raises DockLeaseError if the lease expired or was released first (its samples
+        were handed out again), or belongs to another client and `lease.ticket` is missing."""
+        self._send_confirms(self._take_confirms())
+        frame = pb.Frame(confirm=pb.ConfirmRequest(leases=[lease.id], tickets=[lease.ticket]))
+        reply, _, _ = self._router.controller(lambda pool: call_on(pool, frame))
+        r = reply.confirm_reply
+        if r.refused:
+            raise DockLeaseError(f"lease {lease.id} belongs to another client: hand it over with its ticket")
+        if r.unknown:
+            raise DockLeaseError(
+                f"lease {lease.id} expired or was released before this confirm: its {len(lease.indexes)} samples "
+                "were handed out again. Confirm sooner, extend it (dock.extend, or acquire(lease_timeout=...)), or "
+                "raise the daemon's --lease-timeout."
+            )
+
+    def extend(self, lease: Lease, seconds: float | None = None) -> float:
+        """Low-level: keep a lease `seconds` longer from now (default: the dock's lease timeout);
+        returns the seconds it now has. DockLeaseError if it already expired or is another client's."""
+        if seconds is not None and not seconds > 0:
+            raise DockValueError(f"seconds must be > 0, got {seconds}")
+        req = pb.ExtendRequest(lease=lease.id, ticket=lease.ticket, seconds=seconds or 0.0)
+        reply, _, _ = self._ctrl_call(pb.Frame(extend=req))
+        return reply.extend_reply.seconds
 
     # Confirms of gets ride on the next acquire, or go out on their own after
     # _CONFIRM_DELAY: a get then costs one wake-up of the controller, not two.
@@ -388,17 +452,30 @@ class Dock:
         frame = pb.Frame(confirm=pb.ConfirmRequest(leases=leases))
         try:
             if retry:
-                self._router.controller(lambda pool: call_on(pool, frame))
+                reply, _, _ = self._router.controller(lambda pool: call_on(pool, frame))
             else:
-                call_on(self._router.ctrl, frame, timeout=self.connect_timeout)
+                reply, _, _ = call_on(self._router.ctrl, frame, timeout=self.connect_timeout)
         except BaseException:
             self._return_confirms(leases)
             raise
+        late = len(reply.confirm_reply.unknown) + len(reply.confirm_reply.refused)
+        if late:  # the gets already returned: say it, the samples were handed out again
+            logger.warning("[client] %d of %d leases expired before their confirm reached the controller: their "
+                           "samples were handed out again (consider a longer --lease-timeout)", late, len(leases))
 
     def release(self, lease: Lease) -> int:
         """Low-level: give a lease's samples back to the pool for this consumer."""
-        reply, _, _ = self._ctrl_call(pb.Frame(release=pb.ReleaseRequest(lease=lease.id)))
+        reply, _, _ = self._ctrl_call(pb.Frame(release=pb.ReleaseRequest(lease=lease.id, ticket=lease.ticket)))
         return reply.release_reply.released
+
+    def _release_token(self, token: int) -> None:
+        """Give back whatever lease an interrupted acquire got, so no sample stays leased to a call
+        nobody waits for (best effort: otherwise the lease expires)."""
+        frame = pb.Frame(release=pb.ReleaseRequest(token=token))
+        try:
+            call_on(self._router.ctrl, frame, timeout=self.connect_timeout)
+        except BaseException as e:  # noqa: BLE001 - never mask the interruption itself
+            logger.debug("[client] could not release an interrupted acquire: %s", e)
 
     def clear(self, partition: str) -> int:
         """Free a partition's data on every warehouse and forget its metadata; returns its sample count."""

@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 from dockd import shm, wire
 from dockd._proto import dockd_pb2 as pb
-from dockd.client.connection import Connection, Pool
+from dockd.client.connection import Connection, Credentials, Pool
 from dockd.errors import DockClosed, DockConnectionError, DockValueError
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,9 @@ def is_local(host: str) -> bool:
 
 class Router:
     def __init__(self, host: str, port: int, *, warehouse: int | str | None, connect_timeout: float,
-                 reconnect_timeout: float, name: str, stop: threading.Event, prefer: str | None = None) -> None:
+                 reconnect_timeout: float, name: str, stop: threading.Event, prefer: str | None = None,
+                 creds: Credentials = Credentials()) -> None:
+        self.creds = creds
         self.connect_timeout = connect_timeout
         self.reconnect_timeout = reconnect_timeout
         self.name = name
@@ -84,7 +86,7 @@ class Router:
         return f"{self.host}:{self.port}"
 
     def _open_pool(self, host: str, port: int, unix: str = "") -> Pool:
-        pool = Pool(host, port, unix=unix, connect_timeout=self.connect_timeout)
+        pool = Pool(host, port, unix=unix, connect_timeout=self.connect_timeout, creds=self.creds)
         with self.lock:
             self.all_pools.append(pool)
             if self.closed:
@@ -307,13 +309,45 @@ class Router:
             delay = min(delay * 2, BACKOFF_MAX)
 
 
+class CallScope:
+    """The connections one call has checked out right now, so that cancelling the call (an
+    AsyncDock coroutine) closes those and nothing another call is using."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._conns: set[Connection] = set()
+        self.cancelled = False
+
+    def enter(self, conn: Connection) -> None:
+        with self._lock:
+            self._conns.add(conn)
+            if not self.cancelled:
+                return
+        conn.close()
+        raise DockClosed("the call was cancelled")
+
+    def leave(self, conn: Connection) -> None:
+        with self._lock:
+            self._conns.discard(conn)
+
+    def cancel(self) -> None:
+        """Wake the call's thread: its connections close, and it makes no new request."""
+        with self._lock:
+            self.cancelled = True
+            conns = list(self._conns)
+        for conn in conns:
+            conn.close()
+
+
 def call_on(pool: Pool, frame: pb.Frame, buffers=(), size: int = 0, *, fds=(), timeout: float | None = None,
-            on_conn: Callable[[Connection], None] | None = None):
-    """One request on a pooled connection (a broken connection is dropped, never reused)."""
+            scope: CallScope | None = None):
+    """One request on a pooled connection (a broken or interrupted one is dropped, never reused)."""
     conn = pool.get()
-    if on_conn is not None:
-        on_conn(conn)
     try:
+        if scope is not None:
+            scope.enter(conn)
         return conn.call(frame, buffers, size, fds=fds, timeout=timeout)
     finally:
+        if scope is not None:
+            scope.leave(conn)
         pool.put(conn)

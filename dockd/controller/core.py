@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+import secrets
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -227,13 +229,13 @@ def _grown(arr: np.ndarray, cap: int, fill: int = 0) -> np.ndarray:
 
 @dataclasses.dataclass(slots=True)
 class Lease:
-    id: int
+    id: int          # random: a lease id cannot be guessed
     partition: str
     consumer: str
     indexes: np.ndarray
-    owner: int
+    owner: bytes     # the session of the client that took it (b"": none, e.g. handed on or restored)
     deadline: float
-    token: int = 0  # the acquire's retry token (0: none)
+    token: int = 0   # the acquire's retry token (0: none)
 
 
 @dataclasses.dataclass(slots=True)
@@ -260,18 +262,18 @@ class Controller:
             its samples return to the pool (`expire_leases`).
     """
 
-    def __init__(self, *, lease_timeout: float = 120.0) -> None:
+    def __init__(self, *, lease_timeout: float = 120.0, lease_ids: Callable[[], int] | None = None) -> None:
         if lease_timeout <= 0:
             raise DockValueError(f"lease_timeout must be > 0 seconds, got {lease_timeout}")
         self.lease_timeout = lease_timeout
         self.partitions: dict[str, _Partition] = {}
-        # In grant order, which is deadline order (one timeout, a monotonic clock): the first expires first.
-        self.leases: collections.OrderedDict[int, Lease] = collections.OrderedDict()
+        self.leases: dict[int, Lease] = {}
+        self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, lease id); stale entries skipped
+        self._lease_ids = lease_ids or (lambda: secrets.randbits(62) + 1)
         self.lease_tokens: dict[int, int] = {}  # acquire token -> outstanding lease id
         self.dead_warehouses: set[int] = set()
         # per warehouse, put_id -> indexes of its recent commits (a re-sent commit is answered, not re-applied)
         self.put_keys: dict[int, collections.OrderedDict[int, np.ndarray]] = {}
-        self._next_lease = 1
 
     # -- writes -------------------------------------------------------------------
     def commit(
@@ -379,9 +381,10 @@ class Controller:
         allow_partial: bool = False,
         shuffle: bool = False,
         seed: int | None = None,
-        owner: int = 0,
+        owner: bytes = b"",
         now: float = 0.0,
         token: int = 0,
+        lease_timeout: float | None = None,
     ) -> AcquireResult | None:
         """Lease up to `count` samples ready in `columns` for `consumer`, or None to wait.
 
@@ -428,11 +431,14 @@ class Controller:
         locs = np.stack([part.loc[c][idx] for c in columns])
         if self.dead_warehouses:
             self._check_lost(part, cons, columns, idx, locs)
-        lease = self.grant(self._next_lease, partition, consumer, idx, owner=owner, deadline=now + self.lease_timeout,
-                           token=token)
+        lease_id = self._lease_ids()
+        while lease_id in self.leases:
+            lease_id = self._lease_ids()
+        lease = self.grant(lease_id, partition, consumer, idx, owner=owner,
+                           deadline=now + (lease_timeout or self.lease_timeout), token=token)
         return AcquireResult(lease.id, idx, locs)
 
-    def grant(self, lease_id: int, partition: str, consumer: str, indexes: np.ndarray, *, owner: int = 0,
+    def grant(self, lease_id: int, partition: str, consumer: str, indexes: np.ndarray, *, owner: bytes = b"",
               deadline: float, token: int = 0) -> Lease:
         """Lease `indexes` to `consumer` (acquire's last step; also how a journal replays a lease)."""
         part = self.partitions[partition]
@@ -442,8 +448,8 @@ class Controller:
         cons.leased += len(idx)
         part.taken_out(cons, idx)
         lease = Lease(lease_id, partition, consumer, idx, owner, deadline, token)
-        self._next_lease = max(self._next_lease, lease_id + 1)
         self.leases[lease.id] = lease
+        heapq.heappush(self._deadlines, (deadline, lease.id))
         if token:
             self.lease_tokens[token] = lease.id
         return lease
@@ -556,22 +562,38 @@ class Controller:
                 part.refresh(cons, sel)
         return lease
 
-    def release_owner(self, owner: int) -> list[Lease]:
-        """Release every lease held by a client that went away."""
+    def release_owner(self, owner: bytes) -> list[Lease]:
+        """Release every lease held by a client (session) that went away."""
+        if not owner:
+            return []
         return [self.release(lid) for lid in [l.id for l in self.leases.values() if l.owner == owner]]
 
+    def extend(self, lease_id: int, deadline: float) -> Lease | None:
+        """Move a lease's deadline (a consumer still working on it); None if it is gone."""
+        lease = self.leases.get(lease_id)
+        if lease is not None:
+            lease.deadline = deadline
+            heapq.heappush(self._deadlines, (deadline, lease_id))
+        return lease
+
     def expire_leases(self, now: float) -> list[Lease]:
-        """Release leases whose deadline passed (the oldest ones)."""
+        """Release leases whose deadline passed."""
         out = []
-        while self.leases:
-            lease = next(iter(self.leases.values()))
-            if lease.deadline > now:
-                break
-            out.append(self.release(lease.id))
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, lid = heapq.heappop(self._deadlines)
+            lease = self.leases.get(lid)
+            if lease is not None and lease.deadline == deadline:
+                out.append(self.release(lid))
         return out
 
     def next_lease_deadline(self) -> float | None:
-        return next(iter(self.leases.values())).deadline if self.leases else None
+        while self._deadlines:
+            deadline, lid = self._deadlines[0]
+            lease = self.leases.get(lid)
+            if lease is not None and lease.deadline == deadline:
+                return deadline
+            heapq.heappop(self._deadlines)  # stale: the lease ended or was extended
+        return None
 
     # -- partitions and warehouses ------------------------------------------------------
     def clear(self, partition: str) -> int:
@@ -705,10 +727,9 @@ class Controller:
         return {
             "version": 1,
             "lease_timeout": self.lease_timeout,
-            "next_lease": self._next_lease,
             "dead": sorted(self.dead_warehouses),
             "partitions": parts,
-            "leases": [[l.id, l.partition, l.consumer, l.indexes.tobytes(), l.deadline + wall_offset, l.token]
+            "leases": [[l.id, l.partition, l.consumer, l.indexes.tobytes(), l.deadline + wall_offset, l.token, l.owner]
                        for l in self.leases.values()],
             "put_keys": [[w, [[k, v.tobytes()] for k, v in keys.items()]] for w, keys in self.put_keys.items()],
         }
@@ -737,10 +758,9 @@ class Controller:
                 cons.state[:n][cons.state[:n] == LEASED] = FREE  # leases are restored below
                 cons.taken = taken
             c.partitions[p.name] = p
-        for lid, part, consumer, raw, deadline, token in snap["leases"]:
+        for lid, part, consumer, raw, deadline, token, owner in snap["leases"]:
             c.grant(lid, part, consumer, np.frombuffer(raw, dtype=np.int64).copy(), deadline=deadline - wall_offset,
-                    token=token)
-        c._next_lease = max(c._next_lease, snap["next_lease"])
+                    token=token, owner=owner)
         for w, keys in snap["put_keys"]:
             c.put_keys[w] = collections.OrderedDict((k, np.frombuffer(v, dtype=np.int64).copy()) for k, v in keys)
         return c

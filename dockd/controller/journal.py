@@ -19,7 +19,8 @@ Records (the first element names the kind):
 
     W  warehouse entry (id, host, port, unix, capacity, instance, state)
     C  commit          (partition, columns, warehouse, indexes | None, new_count, group_size, nbytes, put_id)
-    G  lease granted   (id, partition, consumer, indexes, wall-clock deadline, token)
+    G  lease granted   (id, partition, consumer, indexes, wall-clock deadline, token, owner session)
+    E  lease extended  (id, wall-clock deadline)
     F  leases confirmed (ids)
     R  lease released  (id): given back, expired, or its client went away
     X  partition cleared
@@ -146,6 +147,24 @@ class Journal:
         self.records += 1
         self.dirty = True
 
+    def secret(self) -> bytes:
+        """The controller's key for lease tickets, kept in the state dir so tickets outlive a restart."""
+        path = self.dir / "lease-secret"
+        try:
+            raw = path.read_bytes()
+            if len(raw) == 32:
+                return raw
+        except OSError:
+            pass
+        raw = os.urandom(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, raw)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return raw
+
     def sync(self) -> None:
         """fsync what was written (called from a worker thread every fsync_interval)."""
         if self.dirty and self._fd >= 0:
@@ -196,7 +215,11 @@ class Journal:
                      new_count, group_size, nbytes, put_id])
 
     def grant(self, lease, wall_deadline: float) -> None:
-        self.append(["G", lease.id, lease.partition, lease.consumer, _pack_idx(lease.indexes), wall_deadline, lease.token])
+        self.append(["G", lease.id, lease.partition, lease.consumer, _pack_idx(lease.indexes), wall_deadline, lease.token,
+                     lease.owner])
+
+    def extend(self, lease_id: int, wall_deadline: float) -> None:
+        self.append(["E", lease_id, wall_deadline])
 
     def confirm(self, ids: list[int]) -> None:
         self.append(["F", ids])
@@ -222,8 +245,10 @@ def apply(core: Controller, warehouses: dict[int, dict], rec: list, wall_offset:
         core.commit(part, cols, warehouse=wid, indexes=None if idx is None else _unpack_idx(idx), new_count=new_count,
                     group_size=gs, nbytes=nbytes, put_id=put_id)
     elif kind == "G":
-        _, lid, part, consumer, idx, wall_deadline, token = rec
-        core.grant(lid, part, consumer, _unpack_idx(idx), deadline=wall_deadline - wall_offset, token=token)
+        _, lid, part, consumer, idx, wall_deadline, token, owner = rec
+        core.grant(lid, part, consumer, _unpack_idx(idx), deadline=wall_deadline - wall_offset, token=token, owner=owner)
+    elif kind == "E":
+        core.extend(rec[1], rec[2] - wall_offset)
     elif kind == "F":
         for lid in rec[1]:
             core.confirm(lid)

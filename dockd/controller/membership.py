@@ -256,14 +256,13 @@ async def probe_instance(host: str, port: int, timeout: float = PROBE_TIMEOUT) -
         return 0
     except (OSError, asyncio.TimeoutError):
         return None
-    try:
-        writer.write(wire.header(pb.Frame(id=1, hello=pb.Hello(client="controller-probe", protocol=wire.PROTOCOL_VERSION))))
+    try:  # every daemon opens a connection with its challenge, which names its instance
         prefix = await asyncio.wait_for(reader.readexactly(wire.PREFIX.size), timeout)
         hlen, blen = wire.parse_prefix(prefix, 0, 0)
-        if hlen > 1 << 20:
+        if hlen > 4096:
             return None
         frame = wire.parse_header(await asyncio.wait_for(reader.readexactly(hlen), timeout))
-        return frame.hello_reply.instance or None
+        return frame.challenge.instance or None
     except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, DockError):
         return None
     finally:

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import hmac
 import logging
+import secrets
 import time
 from collections.abc import Callable
 
@@ -22,7 +25,7 @@ from dockd._proto import dockd_pb2 as pb
 from dockd.controller.core import AcquireResult, Controller
 from dockd.controller.journal import Journal
 from dockd.controller.membership import Membership
-from dockd.errors import DockClosed, DockError, DockTimeout, DockValueError
+from dockd.errors import DockClosed, DockError, DockLeaseError, DockTimeout, DockValueError
 from dockd.peer import Peer
 
 logger = logging.getLogger(__name__)
@@ -47,13 +50,17 @@ class ControllerService:
     """
 
     def __init__(self, core: Controller, *, free_local: Callable[[str], int], inline: Callable | None = None,
-                 state_dir: str | None = None, warehouse_grace: float = 15.0, fsync_interval: float = 0.05) -> None:
+                 state_dir: str | None = None, warehouse_grace: float = 15.0, fsync_interval: float = 0.05,
+                 daemon_timeout: float = 30.0) -> None:
+        self.daemon_timeout = daemon_timeout
         self.core = core
         self.free_local = free_local
         self.inline = inline
         self.journal = Journal(state_dir, fsync_interval=fsync_interval) if state_dir else None
         self.members = Membership(core, self.journal, grace=warehouse_grace, on_change=self._wake_all)
         self.waiters: dict[str, list[_Waiter]] = {}
+        self.sessions: dict[bytes, set[Peer]] = {}  # client session -> its connections (leases belong to sessions)
+        self._ticket_key = secrets.token_bytes(32)
         self._expiry: asyncio.TimerHandle | None = None
         self._expiry_at = float("inf")
         self._sync_timer: asyncio.TimerHandle | None = None
@@ -70,6 +77,7 @@ class ControllerService:
             return
         core, records = self.journal.load(lease_timeout=self.core.lease_timeout, now=self.loop.time())
         self.core = self.members.core = core
+        self._ticket_key = self.journal.secret()
         self.members.restore(records)
         self._schedule_expiry()
         self._sync_timer = self.loop.call_later(self.journal.fsync_interval, self._sync)
@@ -98,10 +106,40 @@ class ControllerService:
     def leave(self, peer: Peer, req: pb.LeaveRequest) -> None:
         self.members.leave(peer, req.id)
 
+    def session(self, peer: Peer) -> bytes:
+        """The session a client connection belongs to (a connection without one is its own)."""
+        sid = peer.session or b"conn:%d" % peer.id
+        conns = self.sessions.get(sid)
+        if conns is None:
+            conns = self.sessions[sid] = set()
+        conns.add(peer)
+        return sid
+
+    def ticket(self, lease_id: int) -> bytes:
+        """The hand-over proof for a lease: whoever holds it may confirm, release or extend it."""
+        return hmac.new(self._ticket_key, b"lease|%d" % lease_id, hashlib.sha256).digest()[:16]
+
+    def _owned(self, peer: Peer, lease_id: int, ticket: bytes):
+        """The lease if this peer may act on it; None if it is gone; raises DockLeaseError if it is another's."""
+        lease = self.core.leases.get(lease_id)
+        if lease is None:
+            return None
+        if lease.owner == self.session(peer) or (ticket and hmac.compare_digest(ticket, self.ticket(lease_id))):
+            return lease
+        raise DockLeaseError(f"lease {lease_id} belongs to another client; hand it over with its ticket "
+                             "(Lease.ticket) to confirm, release or extend it from here")
+
     def on_lost(self, peer: Peer) -> None:
         if self.closing:  # the controller is stopping: what it recorded stands for the next start
             return
-        released = self.core.release_owner(peer.id)
+        released = []
+        sid = peer.session or b"conn:%d" % peer.id
+        conns = self.sessions.get(sid)
+        if conns is not None:
+            conns.discard(peer)
+            if not conns:  # the client's last connection: it is gone, its leases go back to the pool
+                del self.sessions[sid]
+                released = self.core.release_owner(sid)
         if self.journal is not None:
             for lease in released:
                 self.journal.release(lease.id)
@@ -135,7 +173,7 @@ class ControllerService:
 
     def acquire(self, peer: Peer, frame: pb.Frame) -> None:
         r = frame.acquire
-        self._confirm(r.confirm)
+        self._confirm(peer, r.confirm, ())
         Controller.validate_acquire(r.partition, r.consumer, r.columns, r.count, r.groups)
         if self.closing:
             raise DockClosed("the controller is shutting down")
@@ -147,28 +185,58 @@ class ControllerService:
             raise self._timeout_error(r)
         w = _Waiter(peer, frame)
         self.waiters.setdefault(r.partition, []).append(w)
+        peer.parked += 1  # a blocked get: its connection is busy, not idle
         if r.timeout > 0:
             w.timer = self.loop.call_later(r.timeout, self._expire_waiter, r.partition, w)
 
-    def confirm(self, req: pb.ConfirmRequest) -> pb.ConfirmReply:
-        return pb.ConfirmReply(unknown=self._confirm(req.leases))
+    def confirm(self, peer: Peer, req: pb.ConfirmRequest) -> pb.ConfirmReply:
+        out = pb.ConfirmReply()
+        self._confirm(peer, req.leases, req.tickets, out)
+        return out
 
-    def _confirm(self, leases) -> list[int]:
-        """Confirm leases; returns the ids that were no longer outstanding."""
+    def _confirm(self, peer: Peer, leases, tickets, out: pb.ConfirmReply | None = None) -> None:
+        """Confirm leases this peer may act on; the rest are reported in `out`."""
         if not leases:
-            return []
-        done, unknown = [], []
-        for lid in leases:
-            (done if self.core.confirm(lid) else unknown).append(lid)
+            return
+        done, unknown, refused = [], [], []
+        for k, lid in enumerate(leases):
+            try:
+                lease = self._owned(peer, lid, tickets[k] if k < len(tickets) else b"")
+            except DockLeaseError:
+                refused.append(lid)
+                continue
+            if lease is None:
+                unknown.append(lid)
+            else:
+                self.core.confirm(lid)
+                done.append(lid)
         if done and self.journal is not None:
             self.journal.confirm(done)
-        if unknown:
-            logger.warning("[controller] confirms of leases no longer outstanding count=%d (expired or released: "
-                           "their samples were handed out again)", len(unknown))
-        return unknown
+        if unknown or refused:
+            logger.warning("[controller] confirms refused peer=%s expired_or_released=%d another_clients=%d",
+                           peer.name, len(unknown), len(refused))
+        if out is not None:
+            out.unknown.extend(unknown)
+            out.refused.extend(refused)
 
-    def release(self, req: pb.ReleaseRequest) -> int:
-        lease = self.core.release(req.lease)
+    def extend(self, peer: Peer, req: pb.ExtendRequest) -> pb.ExtendReply:
+        lease = self._owned(peer, req.lease, req.ticket)
+        if lease is None:
+            raise DockLeaseError(f"lease {req.lease} expired or was released: its samples were handed out again")
+        seconds = req.seconds if req.seconds > 0 else self.core.lease_timeout
+        if not seconds <= 7 * 86400:
+            raise DockValueError(f"a lease is extended by at most a week, got {req.seconds}s")
+        self.core.extend(lease.id, self.loop.time() + seconds)
+        if self.journal is not None:
+            self.journal.extend(lease.id, time.time() + seconds)
+        self._schedule_expiry()
+        return pb.ExtendReply(seconds=seconds)
+
+    def release(self, peer: Peer, req: pb.ReleaseRequest) -> int:
+        lease_id = req.lease or self.core.lease_tokens.get(req.token, 0)
+        if self._owned(peer, lease_id, req.ticket) is None:
+            return 0
+        lease = self.core.release(lease_id)
         if lease is None:
             return 0
         if self.journal is not None:
@@ -192,7 +260,9 @@ class ControllerService:
                 local += self.free_local(req.partition)
             else:
                 remote.append(entry.peer.request(pb.Frame(free=pb.FreeRequest(partition=req.partition))))
-        for res in await asyncio.gather(*remote, return_exceptions=True):
+        # a wedged warehouse must not hang the clear: it is told again when it rejoins (drop list)
+        wait = [asyncio.ensure_future(asyncio.wait_for(r, self.daemon_timeout)) for r in remote]
+        for res in await asyncio.gather(*wait, return_exceptions=True):
             if isinstance(res, BaseException):
                 logger.warning("[controller] free failed on a warehouse partition=%s error=%s", req.partition, res)
         return n
@@ -232,14 +302,19 @@ class ControllerService:
 
     # -- waiting -----------------------------------------------------------------------------
     def _try(self, peer: Peer, r: pb.AcquireRequest) -> AcquireResult | None:
+        sid = self.session(peer)
         again = self.core.leases.get(self.core.lease_tokens.get(r.token, 0)) if r.token else None
+        if again is not None and again.owner not in (sid, b""):
+            again = None  # another client's token: no replay for it (tokens are random, so this is an attack)
+            r.token = 0
         res = self.core.acquire(
             r.partition, r.consumer, list(r.columns), r.count,
             groups=r.groups, allow_partial=r.allow_partial, shuffle=r.shuffle,
-            seed=r.seed if r.has_seed else None, owner=peer.id, now=self.loop.time(), token=r.token,
+            seed=r.seed if r.has_seed else None, owner=sid, now=self.loop.time(), token=r.token,
+            lease_timeout=min(r.lease_seconds, 7 * 86400.0) if r.lease_seconds > 0 else None,
         )
         if again is not None:
-            again.owner = peer.id  # the client that retried holds it now (a restored lease had no owner)
+            again.owner = sid  # the client that retried holds it (a lease restored from the journal may have had none)
         elif res is not None:
             if self.journal is not None:
                 lease = self.core.leases[res.lease]
@@ -252,6 +327,7 @@ class ControllerService:
         out = pb.Frame()
         reply = out.acquire_reply  # filled in place: building a message and wrapping it would copy it
         reply.lease = res.lease
+        reply.ticket = self.ticket(res.lease)
         reply.indexes.extend(res.indexes.tolist())
         reply.locations.extend(locs)
         reply.warehouses.extend(self.warehouse_infos(sorted(set(locs)), usage=False))
@@ -265,11 +341,19 @@ class ControllerService:
         peer.reply(frame, out)
 
     def _wake(self, partition: str) -> None:
+        """Retry the gets waiting on a partition, in arrival order. Once one finds too few samples,
+        the later ones of the same consumer and columns asking for as many or more are not tried:
+        with many waiters a commit costs one failed try per kind of request, not one per waiter."""
         ws = self.waiters.get(partition)
         if not ws:
             return
+        short: dict[tuple, int] = {}  # (consumer, columns, groups) -> smallest count found unmet
         for w in list(ws):
             r = w.frame.acquire
+            key = (r.consumer, tuple(sorted(r.columns)), r.groups)
+            need = 1 if r.allow_partial else r.count
+            if need >= short.get(key, 1 << 62):
+                continue
             try:
                 res = self._try(w.peer, r)
             except DockError as e:
@@ -279,11 +363,14 @@ class ControllerService:
             if res is not None:
                 self._drop(partition, w)
                 self._reply_acquired(w.peer, w.frame, r, res)
+            else:
+                short[key] = min(short.get(key, 1 << 62), need)
 
     def _drop(self, partition: str, w: _Waiter) -> None:
         ws = self.waiters.get(partition)
         if ws and w in ws:
             ws.remove(w)
+            w.peer.parked -= 1
             if not ws:
                 del self.waiters[partition]
         if w.timer is not None:

@@ -1,19 +1,25 @@
 """gRPC admin surface of a node: the standard grpc.health.v1 service and dockd.v1.Admin/Stats.
 
 It runs on its own threads; requests that need node state hop onto the event loop.
+With a token, every call but the health check must carry `dockd.auth.grpc_metadata`
+(an HMAC over the method and a fresh timestamp and nonce); the health service stays
+open because orchestrators' probes cannot sign. Requests are capped at 64 KiB.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from dockd import auth
 from dockd._proto import dockd_pb2 as pb
 from dockd._proto import dockd_pb2_grpc
+from dockd.errors import DockAuthError
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +40,40 @@ class _Admin(dockd_pb2_grpc.AdminServicer):
         return asyncio.run_coroutine_threadsafe(collect(), self.loop).result(timeout=10)
 
 
+class _TokenCheck(grpc.ServerInterceptor):
+    """Refuses calls without a valid token proof (see dockd.auth.grpc_metadata)."""
+
+    def __init__(self, token: bytes) -> None:
+        self.token = token
+        self.nonces = auth.GrpcNonces()
+        self.lock = threading.Lock()
+
+    def intercept_service(self, continuation, details):
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return continuation(details)
+        value = dict(details.invocation_metadata or ()).get(auth.GRPC_HEADER)
+        try:
+            with self.lock:
+                self.nonces.check(self.token, details.method, value)
+        except DockAuthError as e:
+            logger.warning("[auth] refused a gRPC call method=%s reason=%s", details.method, e)
+            message = f"dockd: {e}; sign calls with dockd.auth.grpc_metadata(token, method)"
+
+            def deny(request, context):
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+            return grpc.unary_unary_rpc_method_handler(deny)
+        return continuation(details)
+
+
 def start_grpc(node, loop: asyncio.AbstractEventLoop) -> tuple[grpc.Server, int]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="dockd-grpc"))
+    token = node.server_auth.client_key
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="dockd-grpc"),
+        interceptors=[_TokenCheck(token)] if token is not None else [],
+        options=[("grpc.max_receive_message_length", 64 << 10)],
+        maximum_concurrent_rpcs=32,
+    )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     dockd_pb2_grpc.add_AdminServicer_to_server(_Admin(node, loop), server)

@@ -27,12 +27,12 @@ from collections.abc import Awaitable
 import numpy as np
 import pyarrow as pa
 
-from dockd import codec, shm
+from dockd import auth, codec, limits, shm
 from dockd._proto import dockd_pb2 as pb
 from dockd.config import NodeConfig
 from dockd.controller.core import Controller
 from dockd.controller.service import ControllerService
-from dockd.errors import DockError, DockFull, DockNotFound, DockProtocolError, DockValueError
+from dockd.errors import DockAuthError, DockError, DockFull, DockNotFound, DockProtocolError, DockValueError
 from dockd.peer import Peer
 from dockd.warehouse.core import Warehouse
 from dockd.warehouse.link import ControllerLink, keepalive
@@ -40,7 +40,9 @@ from dockd.wire import PROTOCOL_VERSION, check_protocol
 
 logger = logging.getLogger(__name__)
 
-_CONTROLLER_KINDS = {"acquire", "confirm", "release", "clear", "stats", "register", "commit", "locate", "leave"}
+_CONTROLLER_KINDS = {"acquire", "confirm", "release", "extend", "clear", "stats", "register", "commit", "locate",
+                     "leave"}
+_DAEMON_KINDS = {"register", "commit", "leave", "free"}  # only daemons of this dock may send these
 _PUT_TOKENS_KEPT = 4096
 
 
@@ -53,16 +55,26 @@ class Node:
         if cfg.controller:
             self.controller = ControllerService(
                 Controller(lease_timeout=cfg.lease_timeout), free_local=self._free, inline=self._inline_values,
-                state_dir=cfg.state_dir or None, warehouse_grace=cfg.warehouse_grace,
+                state_dir=cfg.state_dir or None, warehouse_grace=cfg.warehouse_grace, daemon_timeout=cfg.daemon_timeout,
             )
         self.link: ControllerLink | None = None
+        self._token = auth.load_token(cfg.token_file) if cfg.token_file else None
+        daemon_token = auth.load_token(cfg.daemon_token_file, "daemon token") if cfg.daemon_token_file else self._token
+        self._secret_file = None
+        if daemon_token is None and not cfg.insecure:
+            env = os.environ.get("DOCKD_DAEMON_SECRET")
+            daemon_token = bytes.fromhex(env) if env else (secrets.token_bytes(32) if cfg.controller else None)
+        self._daemon_key = daemon_token  # a joining warehouse without one reads its controller's secret file
+        self.server_auth = auth.ServerAuth(client_key=self._token, daemon_key=daemon_token)
+        Peer.handshake_timeout, Peer.stall_timeout = cfg.handshake_timeout, cfg.stall_timeout
+        Peer.idle_timeout = cfg.idle_timeout
         self.port = 0
         self.grpc_port = 0
         self._puts_done: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # token -> indexes
         self._puts_running: dict[int, list[tuple[Peer, pb.Frame]]] = {}  # token -> retries waiting on it
         self._server: asyncio.base_events.Server | None = None
         self._peers: set[Peer] = set()
-        self._capacity_waiters: list[tuple[int, asyncio.Future]] = []
+        self._capacity_waiters: list[tuple[int, asyncio.Future, Peer]] = []  # (bytes, admitted, whose put)
         self._pending_new: dict[str, int] = {}
         self._landed = asyncio.Condition()
         self._stopping: asyncio.Event | None = None
@@ -75,6 +87,10 @@ class Node:
         self._wid = -1
 
     @property
+    def _link_peer(self) -> Peer | None:
+        return self.link.peer if self.link is not None else None
+
+    @property
     def wid(self) -> int:
         """This node's warehouse id (-1: none, or not joined yet)."""
         return self.link.wid if self.link is not None else self._wid
@@ -85,6 +101,10 @@ class Node:
         self._stopping = asyncio.Event()
         self._server = await loop.create_server(self._make_peer, self.cfg.host, self.cfg.port, reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
+        if self.controller is not None and self._token is None and self._daemon_key is not None \
+                and not os.environ.get("DOCKD_DAEMON_SECRET"):
+            # tokenless: warehouses started by hand on this host prove the daemon role with this secret
+            self._secret_file = auth.write_daemon_secret(self.port, self._daemon_key)
         if self.cfg.shm and shm.available() and self.cfg.warehouse:
             self._listen_unix(loop)
         reg = pb.RegisterWarehouse(host=self.cfg.advertise or self.cfg.host, port=self.port, capacity=self.cfg.capacity,
@@ -94,7 +114,7 @@ class Node:
             if self.cfg.warehouse:
                 self._wid = self.controller.register(None, reg).id
         else:
-            self.link = ControllerLink(self.cfg.join, make_peer=self._make_peer, registration=reg,
+            self.link = ControllerLink(self.cfg.join, make_peer=self._make_link_peer, registration=reg,
                                        inventory=self.warehouse.inventory, on_drop=self._free,
                                        grace=self.cfg.controller_grace)
             await self.link.start(self.cfg.join_timeout)
@@ -136,12 +156,36 @@ class Node:
             except OSError as e:
                 logger.warning("[node] unix accept failed: %s", e)
                 return
+            uid = shm.peer_uid(conn)
+            if uid not in (os.getuid(), 0):  # the abstract socket has no permissions of its own
+                logger.warning("[auth] refused a same-host connection from uid=%s (this daemon runs as uid=%d)",
+                               uid, os.getuid())
+                conn.close()
+                continue
             shm.UnixTransport(asyncio.get_running_loop(), conn, self._make_peer())
 
     def _make_peer(self) -> Peer:
-        peer = Peer(self, max_body=self.cfg.max_frame, on_connect=keepalive)
+        """An accepted connection: it must authenticate first."""
+        peer = Peer(self, max_body=self.cfg.max_frame, on_connect=self._connected, accept=self.server_auth,
+                    instance=self.instance)
         self._peers.add(peer)
         return peer
+
+    def _make_link_peer(self) -> Peer:
+        """This warehouse's connection to its controller: it proves the daemon role."""
+        join_port = int(self.cfg.join.rpartition(":")[2])
+        key = self._daemon_key if self._daemon_key is not None or self.cfg.insecure else (
+            lambda: auth.read_daemon_secret(join_port))
+        peer = Peer(self, max_body=self.cfg.max_frame, on_connect=keepalive, prove=(auth.DAEMON, key, b""))
+        self._peers.add(peer)
+        return peer
+
+    def _connected(self, transport) -> None:
+        keepalive(transport)
+        if len(self._peers) > self.cfg.max_connections:
+            logger.warning("[node] refusing a connection: %d open, the limit is %d (--max-connections)",
+                           len(self._peers) - 1, self.cfg.max_connections)
+            transport.close()
 
     def ready_line(self) -> str:
         return json.dumps(
@@ -159,6 +203,8 @@ class Node:
 
     async def stop(self) -> None:
         logger.info("[shutdown] stopping node warehouse=%d", self.wid)
+        if self._secret_file is not None:
+            self._secret_file.unlink(missing_ok=True)
         if self._grpc is not None:
             self._grpc.stop(grace=0.5)
         if self._unix is not None:
@@ -168,7 +214,7 @@ class Node:
             self.link.close(leave=True)
         if self.controller is not None:
             self.controller.shutdown()
-        for _, fut in self._capacity_waiters:
+        for _, fut, _ in self._capacity_waiters:
             if not fut.done():
                 fut.set_exception(DockError("the warehouse is shutting down"))
         self._server.close()
@@ -179,6 +225,11 @@ class Node:
     # -- Handler ------------------------------------------------------------------------------
     def on_lost(self, peer: Peer) -> None:
         self._peers.discard(peer)
+        if any(p is peer for _, _, p in self._capacity_waiters):  # its waiting puts leave the queue
+            for _, fut, p in self._capacity_waiters:
+                if p is peer and not fut.done():
+                    fut.cancel()
+            self._admit_waiters()
         if self.link is not None:
             self.link.connection_lost(peer)
         if self.controller is not None:
@@ -188,19 +239,20 @@ class Node:
         if frame.WhichOneof("kind") != "put":
             return _failed(DockValueError(f"a {frame.WhichOneof('kind')} request carries no body"))
         try:
+            limits.check(frame)
             self._check_warehouse()
             Warehouse.validate_put(frame.put)
-            return self._reserve(body_size, frame.put.timeout)
+            return self._reserve(peer, body_size, frame.put.timeout)
         except DockError as e:
             return _failed(e)
 
-    def _reserve(self, size: int, timeout: float) -> asyncio.Future | None:
+    def _reserve(self, peer: Peer, size: int, timeout: float) -> asyncio.Future | None:
         """Reserve room for a put: None when done, else a future that resolves once it fits (or DockFull)."""
         self.warehouse.check_fits(size)
         if not self._capacity_waiters and self.warehouse.reserve(size):
             return None
         fut = asyncio.get_running_loop().create_future()
-        self._capacity_waiters.append((size, fut))
+        self._capacity_waiters.append((size, fut, peer))
         if timeout >= 0:
             asyncio.get_running_loop().call_later(timeout, self._capacity_timeout, fut, size)
         return fut
@@ -228,10 +280,13 @@ class Node:
 
     def on_request(self, peer: Peer, frame: pb.Frame, body, fds: list[int]) -> None:
         kind = frame.WhichOneof("kind")
-        if fds and kind != "put":
+        if fds and (kind != "put" or len(fds) > 1):
             for fd in fds:
                 os.close(fd)
-            raise DockProtocolError(f"a {kind} request cannot carry file descriptors")
+            raise DockProtocolError(f"a {kind} request cannot carry {len(fds)} file descriptors")
+        if kind in _DAEMON_KINDS and self.server_auth.roles and peer.role != auth.DAEMON and peer is not self._link_peer:
+            raise DockAuthError(f"a {kind} request is a daemon-to-daemon message; this connection is a client's")
+        limits.check(frame)
         if kind in _CONTROLLER_KINDS:
             self._controller_request(peer, frame, kind)
         elif kind == "put":
@@ -239,6 +294,8 @@ class Node:
         elif kind == "fetch":
             self._fetch(peer, frame)
         elif kind == "free":
+            if peer is not self._link_peer:  # only this warehouse's controller frees its data
+                raise DockAuthError("free requests come from this warehouse's controller only")
             peer.reply(frame, pb.Frame(free_reply=pb.FreeReply(nbytes=self._free(frame.free.partition))))
         elif kind == "hello":
             check_protocol(frame.hello.protocol, f"the client {frame.hello.client or peer.name}")
@@ -274,9 +331,11 @@ class Node:
         if kind == "acquire":
             ctl.acquire(peer, frame)
         elif kind == "confirm":
-            peer.reply(frame, pb.Frame(confirm_reply=ctl.confirm(frame.confirm)))
+            peer.reply(frame, pb.Frame(confirm_reply=ctl.confirm(peer, frame.confirm)))
         elif kind == "release":
-            peer.reply(frame, pb.Frame(release_reply=pb.ReleaseReply(released=ctl.release(frame.release))))
+            peer.reply(frame, pb.Frame(release_reply=pb.ReleaseReply(released=ctl.release(peer, frame.release))))
+        elif kind == "extend":
+            peer.reply(frame, pb.Frame(extend_reply=ctl.extend(peer, frame.extend)))
         elif kind == "commit":
             idx = ctl.commit(frame.commit)
             peer.reply(frame, pb.Frame(commit_reply=pb.CommitReply(indexes=idx.tolist())))
@@ -321,7 +380,7 @@ class Node:
 
     def _admit_waiters(self) -> None:
         while self._capacity_waiters:
-            size, fut = self._capacity_waiters[0]
+            size, fut, _ = self._capacity_waiters[0]
             if fut.done():
                 self._capacity_waiters.pop(0)
                 continue
@@ -348,6 +407,8 @@ class Node:
             for fd in fds:
                 os.close(fd)
             self._check_warehouse()
+        if isinstance(body, shm.Segment):  # a body received into a segment of ours: complete, so seal it
+            body.seal()
         if fds:  # shared-memory put: the payload arrived as a memfd
             if len(fds) != 1 or body is not None:
                 for fd in fds:
@@ -364,7 +425,7 @@ class Node:
                 memoryview(body).cast("B")[:] = memoryview(seg.buffer).cast("B")
                 del seg
             Warehouse.validate_put(frame.put)
-            wait = self._reserve(size, frame.put.timeout)
+            wait = self._reserve(peer, size, frame.put.timeout)
             if wait is not None:
                 _spawn(self._put_when_admitted(wait, peer, frame, body))
                 return
@@ -375,6 +436,12 @@ class Node:
     async def _put_when_admitted(self, wait, peer: Peer, frame: pb.Frame, body) -> None:
         try:
             await wait
+        except asyncio.CancelledError:  # its client went away while it waited for room
+            return
+        except Exception as e:
+            peer.reply_error(frame, e)
+            return
+        try:
             self._put_reserved(peer, frame, body)
         except Exception as e:
             peer.reply_error(frame, e)

@@ -135,12 +135,13 @@ class ControllerLink:
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))
                 delay = min(delay * 2, BACKOFF_MAX)
                 continue
-            keepalive(peer.transport)
             self.peer, self._lost = peer, asyncio.Event()
             try:
+                await asyncio.wait_for(peer.authed, 10.0)
                 await self._register(peer)
-            except (DockError, OSError) as e:
-                logger.warning("[link] joining the controller at %s failed: %s; retrying", self.address, e)
+            except (DockError, OSError, asyncio.TimeoutError) as e:
+                logger.warning("[link] joining the controller at %s failed: %s; retrying", self.address,
+                               e if str(e) else type(e).__name__)
                 peer.close()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, BACKOFF_MAX)

@@ -25,9 +25,10 @@ outputs back into the same samples, and returns only their indexes (a
 
 By default (``assign="driver"``) the driver acquires the samples for the
 request's consumer (one metadata round trip to the controller, no payload),
-slices the indexes over the workers, and confirms the lease when all workers
-have returned; if the call fails the lease expires and the samples go back to
-the pool. With ``assign="workers"`` each worker acquires its own share under
+slices the indexes over the workers, holds the lease while they work (for up
+to `DockRequest.keep_alive`, 10 minutes; if the driver dies it returns at
+once), and confirms it when all workers have returned; if the call fails the
+lease expires after that and the samples go back to the pool. With ``assign="workers"`` each worker acquires its own share under
 the shared consumer name instead. Either way no sample is processed twice.
 """
 
@@ -85,6 +86,10 @@ class DockRequest:
     indexes, and confirms once all workers returned; a failed call leaves the lease to
     expire, so the samples return to the pool. ``"workers"``: each worker acquires its own
     share under the shared consumer name (no driver round trip, shares decided by arrival)."""
+    keep_alive: float = 600.0
+    """assign="driver": seconds the driver holds its lease while the workers run (its lease
+    timeout), so slow workers never see their samples handed to others; a failed call's
+    samples return after it, or at once if the driver dies."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments passed to the method on every worker."""
 
@@ -171,6 +176,7 @@ def _driver_shards(request: DockRequest, world: int) -> list[DockShard]:
         timeout=request.timeout,
         groups=request.groups,
         inline=False,  # metadata only: each worker fetches its own shard
+        lease_timeout=request.keep_alive,  # slow workers must not see their samples handed out again
     )
     n = len(lease.indexes)
     unit = 1

@@ -1,0 +1,222 @@
+"""Who may talk to a dock: tokens, roles, and the challenge-response that proves them.
+
+A dock is one trust domain. With a token (`dockd serve --token-file`), every
+connection proves it holds the token before anything else is accepted:
+
+    daemon -> peer   Challenge{nonce_d}
+    peer -> daemon   Auth{role, nonce_p, mac = HMAC(key, "dockd-auth-v1" | role | nonce_d | nonce_p)}
+    daemon -> peer   AuthReply{HMAC(key, "dockd-auth-ok-v1" | role | nonce_p | nonce_d)}
+
+so the token never crosses the wire, a recorded exchange cannot be replayed
+(fresh nonces on both sides), and the client learns that the daemon holds the
+token too. Roles:
+
+- "client": what every `dockd.connect()` proves, with the dock's token (or
+  nothing in tokenless mode).
+- "daemon": what a warehouse proves to its controller, and what the
+  controller's requests to warehouses ride on. Its key is the daemon token
+  (`--daemon-token-file`, by default the dock's token). Without any token (the
+  embedded default, loopback only) it is a per-dock secret that only the dock's
+  own daemons hold: `start_local` hands it to the daemons it starts, and
+  `dockd serve --controller` writes it to a file of its user's
+  (`daemon_secret_path`) that `dockd serve --join` on the same host reads. A
+  library user cannot send daemon messages by accident.
+
+The gRPC admin surface checks the same token on every call (`grpc_metadata`
+builds the header); the standard health service stays open, as probes need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import logging
+import os
+import pathlib
+import secrets
+import stat
+import time
+
+from dockd._proto import dockd_pb2 as pb
+from dockd.errors import DockAuthError, DockValueError
+
+logger = logging.getLogger(__name__)
+
+CLIENT, DAEMON = "client", "daemon"
+NONCE = 32
+MIN_TOKEN = 16
+GRPC_HEADER = "x-dockd-auth"
+GRPC_WINDOW = 300.0  # seconds a gRPC call's timestamp may be off
+
+
+def load_token(path: str | os.PathLike, what: str = "token") -> bytes:
+    """A token from a file (surrounding whitespace dropped); refuses short or unreadable ones."""
+    p = pathlib.Path(path)
+    try:
+        raw = p.read_bytes().strip()
+        mode = p.stat().st_mode
+    except OSError as e:
+        raise DockValueError(f"cannot read the {what} file {p}: {e.strerror or e}") from None
+    if len(raw) < MIN_TOKEN:
+        raise DockValueError(f"the {what} in {p} is {len(raw)} bytes; use at least {MIN_TOKEN} random bytes, e.g. "
+                             "`openssl rand -hex 32 > FILE`")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        logger.warning("[auth] %s file %s is readable by other users (mode %o); chmod 600 it", what, p, mode & 0o777)
+    return raw
+
+
+def client_token(token: str | bytes | None = None) -> bytes | None:
+    """The token a client proves: the argument, else $DOCKD_TOKEN, else the file $DOCKD_TOKEN_FILE."""
+    if token is None:
+        token = os.environ.get("DOCKD_TOKEN") or None
+    if token is None and os.environ.get("DOCKD_TOKEN_FILE"):
+        return load_token(os.environ["DOCKD_TOKEN_FILE"])
+    if token is None:
+        return None
+    raw = token.encode() if isinstance(token, str) else bytes(token)
+    if len(raw.strip()) < MIN_TOKEN:
+        raise DockValueError(f"a dock token has at least {MIN_TOKEN} bytes")
+    return raw.strip()
+
+
+def _netns() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        return "0"
+
+
+def daemon_secret_path(port: int) -> pathlib.Path:
+    """Where a tokenless controller on `port` keeps its per-dock daemon secret (this user only)."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return pathlib.Path(base) / f"dockd-{os.getuid()}" / f"daemon-{_netns()}-{port}.secret"
+
+
+def write_daemon_secret(port: int, secret: bytes) -> pathlib.Path:
+    path = daemon_secret_path(port)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    st = path.parent.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise DockValueError(f"{path.parent} must belong to this user with mode 700 to hold the dock's daemon secret")
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, secret)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return path
+
+
+def read_daemon_secret(port: int) -> bytes | None:
+    path = daemon_secret_path(port)
+    try:
+        st = path.stat()
+        if st.st_uid != os.getuid():
+            return None
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"|".join(parts), hashlib.sha256).digest()
+
+
+@dataclasses.dataclass(slots=True)
+class ServerAuth:
+    """What a daemon accepts. client_key None: clients need no token; daemon_key None: no
+    role checks (only with --insecure and no token)."""
+
+    client_key: bytes | None
+    daemon_key: bytes | None
+
+    @property
+    def roles(self) -> bool:
+        return self.daemon_key is not None
+
+    def challenge(self, instance: int) -> pb.Challenge:
+        from dockd.wire import PROTOCOL_VERSION
+
+        return pb.Challenge(nonce=secrets.token_bytes(NONCE), protocol=PROTOCOL_VERSION, token=self.client_key is not None,
+                            instance=instance)
+
+    def verify(self, challenge: pb.Challenge, auth: pb.Auth) -> pb.AuthReply:
+        """Check an Auth against the challenge this connection got; the reply proving our key."""
+        from dockd.wire import check_protocol
+
+        check_protocol(auth.protocol, f"the {auth.role or 'peer'} {auth.name or ''}".rstrip())
+        role = auth.role
+        if role not in (CLIENT, DAEMON):
+            raise DockAuthError(f"unknown role {role!r}")
+        key = self.client_key if role == CLIENT else self.daemon_key
+        if key is None:  # tokenless clients; or no roles at all (--insecure without a token)
+            return pb.AuthReply()
+        if len(auth.nonce) != NONCE or not hmac.compare_digest(
+                auth.mac, _mac(key, b"dockd-auth-v1", role.encode(), challenge.nonce, auth.nonce)):
+            raise DockAuthError(
+                "authentication failed: this dock needs the token it was started with"
+                if role == CLIENT else "authentication as a dockd daemon failed: wrong daemon token or secret"
+            )
+        return pb.AuthReply(mac=_mac(key, b"dockd-auth-ok-v1", role.encode(), auth.nonce, challenge.nonce))
+
+
+def answer(challenge: pb.Challenge, role: str, key: bytes | None, *, session: bytes = b"", name: str = "") -> pb.Auth:
+    """The Auth a connecting peer sends in reply to a daemon's Challenge."""
+    from dockd.wire import PROTOCOL_VERSION
+
+    nonce = secrets.token_bytes(NONCE)
+    mac = _mac(key, b"dockd-auth-v1", role.encode(), challenge.nonce, nonce) if key is not None else b""
+    return pb.Auth(role=role, nonce=nonce, mac=mac, session=session, name=name, protocol=PROTOCOL_VERSION)
+
+
+def check_reply(challenge: pb.Challenge, auth: pb.Auth, reply: pb.AuthReply, key: bytes | None, where: str) -> None:
+    """The daemon proved it holds our key too (a fake daemon cannot)."""
+    if key is None:
+        return
+    want = _mac(key, b"dockd-auth-ok-v1", auth.role.encode(), auth.nonce, challenge.nonce)
+    if not hmac.compare_digest(reply.mac, want):
+        raise DockAuthError(f"the daemon at {where} did not prove it holds the dock's token: it is not this dock")
+
+
+def missing_token(challenge: pb.Challenge, key: bytes | None, where: str) -> None:
+    if challenge.token and key is None:
+        raise DockAuthError(
+            f"the dock at {where} requires a token: pass dockd.connect(address, token=...) or set DOCKD_TOKEN_FILE "
+            "to the file the daemons were started with (--token-file)"
+        )
+
+
+# -- gRPC --------------------------------------------------------------------------------------
+def grpc_metadata(token: bytes, method: str) -> tuple[tuple[str, str], ...]:
+    """Metadata that authenticates one call to `method` (e.g. "/dockd.v1.Admin/Stats")."""
+    ts, nonce = f"{time.time():.3f}", secrets.token_hex(16)
+    mac = _mac(token, b"dockd-grpc-v1", method.encode(), ts.encode(), nonce.encode()).hex()
+    return ((GRPC_HEADER, f"{ts}:{nonce}:{mac}"),)
+
+
+class GrpcNonces:
+    """Recently seen gRPC nonces, so a captured call cannot be replayed within the window."""
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self.seen: dict[str, float] = {}
+        self.limit = limit
+
+    def check(self, token: bytes, method: str, value: str | None) -> None:
+        try:
+            ts, nonce, mac = (value or "").split(":")
+            when = float(ts)
+        except ValueError:
+            raise DockAuthError(f"missing or malformed {GRPC_HEADER} metadata") from None
+        now = time.time()
+        if abs(now - when) > GRPC_WINDOW:
+            raise DockAuthError("the call's timestamp is too far from this daemon's clock")
+        want = _mac(token, b"dockd-grpc-v1", method.encode(), ts.encode(), nonce.encode()).hex()
+        if not hmac.compare_digest(mac, want):
+            raise DockAuthError("wrong token")
+        if nonce in self.seen:
+            raise DockAuthError("replayed call")
+        if len(self.seen) >= self.limit:
+            self.seen = {n: t for n, t in self.seen.items() if now - t < GRPC_WINDOW}
+        self.seen[nonce] = now

@@ -1,0 +1,74 @@
+"""Bounds on every request a daemon takes, checked before any memory is committed to it.
+
+A frame's size is bounded by the framing (`wire.MAX_HEADER`, the put's admitted
+capacity); this bounds what a small header can ask for: names, how many
+columns, how many samples in one request. A request past a bound gets a clear
+DockValueError and the connection keeps working.
+"""
+
+from __future__ import annotations
+
+from dockd._proto import dockd_pb2 as pb
+from dockd.errors import DockValueError
+
+MAX_NAME = 256            # characters in a partition, column, consumer or client name
+MAX_COLUMNS = 64          # columns in one request (a partition holds at most 64)
+MAX_SAMPLES = 1 << 22     # samples in one put, get, read or commit
+MAX_LEASES = 1 << 16      # leases in one confirm
+MAX_PARTITIONS = 1 << 16  # partitions in one warehouse's inventory
+
+
+def _name(what: str, value: str) -> None:
+    if len(value) > MAX_NAME:
+        raise DockValueError(f"{what} of {len(value)} characters is too long (at most {MAX_NAME})")
+
+
+def _count(what: str, n: int, limit: int = MAX_SAMPLES) -> None:
+    if n > limit:
+        raise DockValueError(f"{n} {what} in one request is too many (at most {limit}); split it")
+
+
+def _columns(names) -> None:
+    _count("columns", len(names), MAX_COLUMNS)
+    for c in names:
+        _name("column name", c)
+
+
+def check(frame: pb.Frame) -> None:
+    """Raise DockValueError if a request asks for more than a daemon gives one request."""
+    kind = frame.WhichOneof("kind")
+    if kind == "put":
+        r = frame.put
+        _name("partition name", r.partition)
+        _columns([c.name for c in r.columns])
+        _count("samples", max(r.new_count, len(r.indexes), r.group_size))
+    elif kind == "acquire":
+        r = frame.acquire
+        _name("partition name", r.partition)
+        _name("consumer name", r.consumer)
+        _columns(r.columns)
+        _count("samples", r.count)
+        _count("confirms", len(r.confirm), MAX_LEASES)
+    elif kind == "fetch":
+        _name("partition name", frame.fetch.partition)
+        _columns([c.name for c in frame.fetch.columns])
+        for c in frame.fetch.columns:
+            _count("samples", len(c.indexes))
+    elif kind == "locate":
+        _name("partition name", frame.locate.partition)
+        _columns(frame.locate.columns)
+        _count("samples", len(frame.locate.indexes))
+    elif kind == "confirm":
+        _count("confirms", max(len(frame.confirm.leases), len(frame.confirm.tickets)), MAX_LEASES)
+    elif kind == "clear":
+        _name("partition name", frame.clear.partition)
+    elif kind == "commit":
+        r = frame.commit
+        _name("partition name", r.partition)
+        _columns(r.columns)
+        _count("samples", max(r.new_count, len(r.indexes), r.group_size))
+    elif kind == "register":
+        _count("partitions", len(frame.register.inventory), MAX_PARTITIONS)
+        _count("pending commits", len(frame.register.pending), MAX_PARTITIONS)
+    elif kind == "hello":
+        _name("client name", frame.hello.client)
