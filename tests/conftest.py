@@ -49,3 +49,113 @@ def run_client(code: str, *args: str, timeout: float = 120, check: bool = True) 
 @pytest.fixture
 def client():
     return run_client
+
+
+class RawClient:
+    """A plain socket speaking dockd frames by hand: for tests that send what the client never would."""
+
+    def __init__(self, address: str, *, authenticate: bool = True, role: str = "client", key: bytes | None = None,
+                 unix: str = "") -> None:
+        import socket
+
+        from dockd import auth, shm, wire
+        from dockd._proto import dockd_pb2 as pb
+
+        self.wire, self.pb = wire, pb
+        if unix:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(10)
+            self.sock.connect(shm.unix_address(unix))
+        else:
+            host, port = address.rsplit(":", 1)
+            self.sock = socket.create_connection((host, int(port)), timeout=10)
+        try:
+            self.challenge = self.read()
+            assert self.challenge.WhichOneof("kind") == "challenge", self.challenge
+            if authenticate:
+                a = auth.answer(self.challenge.challenge, role, key)
+                self.send(pb.Frame(id=1 << 40, auth=a))
+                reply = self.read()
+                assert reply.status.code == pb.OK, reply.status.message
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def send(self, frame, body: bytes = b"") -> None:
+        self.sock.sendall(self.wire.header(frame, len(body)) + body)
+
+    def read(self):
+        """The next frame (its body, if any, is read and dropped)."""
+        head = self._exactly(self.wire.PREFIX.size)
+        _, hlen, blen = self.wire.PREFIX.unpack(head)
+        frame = self.wire.parse_header(self._exactly(hlen))
+        self._exactly(blen)
+        return frame
+
+    def call(self, frame, body: bytes = b""):
+        self.send(frame, body)
+        return self.read()
+
+    def closed(self) -> bool:
+        """Whether the daemon hung up (reads what is left until EOF)."""
+        try:
+            while self.sock.recv(65536):
+                pass
+        except OSError:  # reset, or timed out (then it was not closed)
+            import socket
+
+            return not isinstance(sys.exc_info()[1], socket.timeout)
+        return True
+
+    def _exactly(self, n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = self.sock.recv(n - len(out))
+            if not chunk:
+                raise ConnectionError("the daemon closed the connection")
+            out += chunk
+        return out
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> "RawClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@pytest.fixture
+def raw():
+    """raw(address, ...) -> RawClient; closed at the end of the test."""
+    made: list[RawClient] = []
+
+    def make(address: str, **kwargs) -> RawClient:
+        made.append(RawClient(address, **kwargs))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+@pytest.fixture
+def proc_stats():
+    """proc_stats(pid) -> {"rss": bytes, "fds": open descriptors} of a process (Linux /proc)."""
+
+    def stats(pid: int) -> dict:
+        with open(f"/proc/{pid}/status") as f:
+            rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        return {"rss": rss, "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+
+    return stats
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    """A fresh dock token in a 0600 file."""
+    path = tmp_path / "dock.token"
+    path.write_text(uuid.uuid4().hex + uuid.uuid4().hex)
+    path.chmod(0o600)
+    return path

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dockd
-from dockd import wire
+from dockd import auth, wire
 from dockd._proto import dockd_pb2 as pb
 
 
@@ -22,9 +22,16 @@ def stored(dock, partition):
     assert torch.equal(torch.stack(b["keep"]), data)
 
 
-def raw_socket(address: str) -> socket.socket:
+def raw_socket(address: str, *, authenticate: bool = True) -> socket.socket:
+    """A plain socket to a daemon, past the handshake (as a tokenless client) unless told otherwise."""
     host, port = address.rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=10)
+    s = socket.create_connection((host, int(port)), timeout=10)
+    challenge = read_reply(s)
+    assert challenge.WhichOneof("kind") == "challenge"
+    if authenticate:
+        s.sendall(wire.header(pb.Frame(id=99, auth=auth.answer(challenge.challenge, auth.CLIENT, None))))
+        assert read_reply(s).status.code == pb.OK
+    return s
 
 
 def read_reply(s: socket.socket) -> pb.Frame:
@@ -86,7 +93,7 @@ def test_rejected_put_leaves_nothing_behind(dock, stored):
 
 
 def test_garbage_bytes_close_the_connection_only(cluster, dock, stored):
-    with raw_socket(cluster.address) as s:
+    with raw_socket(cluster.address, authenticate=False) as s:
         s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 4)
         s.settimeout(10)
         data = b""

@@ -233,18 +233,32 @@ def test_errors_name_the_address_the_user_gave_not_a_socket(procs):
 
 def test_a_peer_of_another_protocol_version_is_refused_clearly(procs):
     """A client or warehouse from another dockd version gets a clear error, not a hang."""
-    from dockd import wire
+    from dockd import auth, wire
     from dockd._proto import dockd_pb2 as pb
-    from dockd.client.connection import Connection
 
     _, ready = procs.start("--controller", "--port", "0")
-    conn = Connection("127.0.0.1", ready["port"])
-    try:
-        with pytest.raises(dockd.DockProtocolError, match="protocol v1, this side v2"):
-            conn.call(pb.Frame(hello=pb.Hello(client="old")), timeout=10)  # an old client sends no version
-        with pytest.raises(dockd.DockProtocolError, match="run the same dockd version"):
-            conn.call(pb.Frame(register=pb.RegisterWarehouse(host="127.0.0.1", port=1, protocol=1)), timeout=10)
-        ok, _, _ = conn.call(pb.Frame(hello=pb.Hello(client="new", protocol=wire.PROTOCOL_VERSION)), timeout=10)
-        assert ok.hello_reply.protocol == wire.PROTOCOL_VERSION and ok.hello_reply.hosts_controller
-    finally:
-        conn.close()
+
+    def frames(payload: bytes) -> list[pb.Frame]:
+        with socket.create_connection(("127.0.0.1", ready["port"]), timeout=10) as s:
+            s.sendall(payload)
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        out = []
+        while data:
+            _, hlen, blen = wire.PREFIX.unpack_from(data)
+            out.append(wire.parse_header(data[wire.PREFIX.size:wire.PREFIX.size + hlen]))
+            data = data[wire.PREFIX.size + hlen + blen:]
+        return out
+
+    # a v1 client opens with a Hello: it is told to authenticate, then the connection closes
+    challenge, refusal = frames(wire.header(pb.Frame(id=1, hello=pb.Hello(client="old"))))
+    assert challenge.challenge.protocol == wire.PROTOCOL_VERSION
+    assert refusal.status.code == pb.AUTH and "authenticate first" in refusal.status.message
+    # a peer that authenticates with another version is told to run the same version
+    old = auth.answer(challenge.challenge, auth.CLIENT, None)
+    old.protocol = 1
+    _, refusal = frames(wire.header(pb.Frame(id=1, auth=old)))
+    assert refusal.status.code == pb.PROTOCOL and "run the same dockd version" in refusal.status.message
+    with dockd.connect(f"127.0.0.1:{ready['port']}") as d:  # this version is fine
+        assert d.stats()["warehouses"][0]["alive"]

@@ -23,6 +23,15 @@ def _sh(cmd: str) -> None:
 
 
 @pytest.fixture
+def token(tmp_path):
+    """Binding addresses beyond loopback takes a token: every daemon and client proves it."""
+    path = tmp_path / "token"
+    path.write_text(uuid.uuid4().hex + uuid.uuid4().hex)
+    path.chmod(0o600)
+    return str(path)
+
+
+@pytest.fixture
 def two_hosts():
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("needs root and iproute2 to create network namespaces")
@@ -53,9 +62,9 @@ def two_hosts():
         subprocess.run(f"ip netns del {a}; ip netns del {b}", shell=True, capture_output=True)
 
 
-def run_in(ns: str, code: str, *args: str) -> str:
+def run_in(ns: str, code: str, *args: str, token: str) -> str:
     out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", textwrap.dedent(code), *args],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, env=dict(os.environ, DOCKD_TOKEN_FILE=token))
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -80,21 +89,23 @@ with dockd.connect(sys.argv[1]) as d:
 """
 
 
-def test_writes_stay_on_the_writers_node_and_reads_cross_the_link(two_hosts):
+def test_writes_stay_on_the_writers_node_and_reads_cross_the_link(two_hosts, token):
     a, b, procs = two_hosts
-    p0, ready0 = spawn_node(["--host", "10.77.0.1", "--port", "0", "--controller"], prefix=["ip", "netns", "exec", a])
+    p0, ready0 = spawn_node(["--host", "10.77.0.1", "--port", "0", "--controller", "--token-file", token],
+                            prefix=["ip", "netns", "exec", a])
     procs.append(p0)
     controller = f"10.77.0.1:{ready0['port']}"
-    p1, ready1 = spawn_node(["--host", "10.77.0.2", "--port", "0", "--join", controller], prefix=["ip", "netns", "exec", b])
+    p1, ready1 = spawn_node(["--host", "10.77.0.2", "--port", "0", "--join", controller, "--token-file", token],
+                            prefix=["ip", "netns", "exec", b])
     procs.append(p1)
 
-    wrote_b = json.loads(run_in(b, WRITE, controller, "new"))      # a rollout worker on host B
+    wrote_b = json.loads(run_in(b, WRITE, controller, "new", token=token))      # a rollout worker on host B
     assert wrote_b == {"home": ready1["warehouse"], "indexes": list(range(64))}
-    wrote_a = json.loads(run_in(a, WRITE, controller, "more"))     # a reward worker on host A
+    wrote_a = json.loads(run_in(a, WRITE, controller, "more", token=token))     # a reward worker on host A
     assert wrote_a["home"] == ready0["warehouse"]
 
     for ns, consumer in ((a, "trainer_on_a"), (b, "trainer_on_b")):
-        got = json.loads(run_in(ns, READ, controller, consumer))
+        got = json.loads(run_in(ns, READ, controller, consumer, token=token))
         assert got["ok"] and got["indexes"] == list(range(64))
     whs = {int(k): v for k, v in got["stats"].items()}
     # each column lives only where it was written: 256 KiB of prompts on B, 512 KiB of responses on A

@@ -16,6 +16,15 @@ import dockd
 
 pytestmark = pytest.mark.timeout(180)
 
+
+def blocked_gets(address: str, n: int = 1, timeout: float = 30.0) -> None:
+    """Wait until the controller holds `n` blocked gets (the precondition of a wake-up test)."""
+    deadline = time.monotonic() + timeout
+    with dockd.connect(address) as probe:
+        while probe.stats()["waiting"] < n:
+            assert time.monotonic() < deadline, f"fewer than {n} gets ever blocked"
+            time.sleep(0.02)
+
 READER = """
 import sys, json, dockd
 address, part, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -95,18 +104,16 @@ def test_dead_warehouse_makes_loss_visible(partition):
             d1.put({"x": torch.arange(4, 8)}, partition=partition)
             c.procs[1].kill()
             c.procs[1].wait()
-            assert d0.get("c", ["x"], 4, partition=partition, timeout=10).indexes == [0, 1, 2, 3]
-            with pytest.raises(dockd.DockDataLost) as e:  # at the client, or from the controller if it knows already
-                d0.get("c", ["x"], 4, partition=partition, timeout=10)
-            assert e.value.indexes == [4, 5, 6, 7] and e.value.columns == ["x"]
             # the controller probes the vanished warehouse's port (refused: gone) and records the loss
             deadline = time.monotonic() + 30
             while d0.stats()["warehouses"][1]["state"] != "lost":
                 assert time.monotonic() < deadline, "the dead warehouse was never declared lost"
                 time.sleep(0.05)
+            assert d0.get("c", ["x"], 4, partition=partition, timeout=10).indexes == [0, 1, 2, 3]
             with pytest.raises(dockd.DockDataLost) as e:
                 d0.get("c", ["x"], 4, partition=partition, timeout=10)
-            assert e.value.indexes == [4, 5, 6, 7] and "left the dock" in str(e.value)
+            assert e.value.indexes == [4, 5, 6, 7] and e.value.columns == ["x"]
+            assert "left the dock" in str(e.value)
 
 
 def test_fetch_from_a_vanished_warehouse_raises_data_lost(partition):
@@ -131,7 +138,7 @@ def test_closing_the_client_wakes_a_blocked_get(dock, partition):
 
     t = threading.Thread(target=wait_forever)
     t.start()
-    time.sleep(0.3)
+    blocked_gets(dock.address)
     dock.close()
     t.join(10)
     assert not t.is_alive() and isinstance(errors[0], dockd.DockClosed)
@@ -145,7 +152,7 @@ def test_controller_death_wakes_a_blocked_get(partition):
         errors = []
         t = threading.Thread(target=lambda: errors.append(pytest.raises(dockd.DockError, d.get, "c", ["x"], 1, partition=partition)))
         t.start()
-        time.sleep(0.3)
+        blocked_gets(c.address)
         c.procs[0].kill()
         t.join(10)
         assert not t.is_alive()
@@ -173,15 +180,19 @@ with dockd.connect(sys.argv[1], warehouse=1) as d:
 def test_async_client(cluster, partition):
     async def main():
         async with await dockd.connect_async(cluster.address) as adock:
+            async def blocked(n: int) -> None:
+                while (await adock.stats())["waiting"] < n:
+                    await asyncio.sleep(0.02)
+
             waiter = asyncio.ensure_future(adock.get("a", ["x"], 4, partition=partition, timeout=30))
-            await asyncio.sleep(0.2)
+            await asyncio.wait_for(blocked(1), 30)
             assert not waiter.done()
             idx = await adock.put({"x": torch.arange(4)}, partition=partition)
             batch = await waiter
             assert batch.indexes == idx == [0, 1, 2, 3]
             # cancelling a waiting get gives nothing away
             stuck = asyncio.ensure_future(adock.get("b", ["x"], 5, partition=partition))
-            await asyncio.sleep(0.2)
+            await asyncio.wait_for(blocked(1), 30)
             stuck.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await stuck

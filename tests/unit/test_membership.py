@@ -146,12 +146,13 @@ def test_a_retried_acquire_gets_the_same_lease():
 
 def _busy_controller(journal: Journal, now: float) -> Controller:
     core, _ = journal.load(lease_timeout=60, now=now)
+    core._lease_ids = iter(range(1, 100)).__next__  # lease ids are random; these tests name them
     idx = core.commit("p", ["x"], warehouse=1, new_count=6, group_size=2, nbytes=100, put_id=1)
     journal.commit("p", ["x"], 1, None, 6, 2, 100, 1)
     core.commit("p", ["y"], warehouse=2, indexes=idx, nbytes=50, put_id=1)
     journal.commit("p", ["y"], 2, idx, 0, 2, 50, 1)
     for consumer, token in (("a", 11), ("b", 12)):
-        res = core.acquire("p", consumer, ["x", "y"], 2, now=now, token=token)
+        res = core.acquire("p", consumer, ["x", "y"], 2, now=now, token=token, owner=consumer.encode())
         journal.grant(core.leases[res.lease], 1e12)
     journal.confirm([1])
     core.confirm(1)
@@ -166,7 +167,7 @@ def test_the_journal_rebuilds_the_controller_it_recorded(tmp_path):
     for k in ("samples", "columns", "consumers", "group_size"):
         assert back.stats()[0][k] == core.stats()[0][k]
     assert back.stats()[0]["consumers"] == {"a": {"taken": 2, "leased": 0}, "b": {"taken": 0, "leased": 2}}
-    assert list(back.leases) == [2] and back.leases[2].token == 12
+    assert list(back.leases) == [2] and back.leases[2].token == 12 and back.leases[2].owner == b"b"
     assert back.acquire("p", "b", ["x", "y"], 2, token=12).lease == 2  # the outstanding lease, found by its token
     assert back.acquire("p", "a", ["x", "y"], 4).indexes.tolist() == [2, 3, 4, 5]
     assert back.commit("p", ["x"], warehouse=1, new_count=2, group_size=2, put_id=1).tolist() == [0, 1, 2, 3, 4, 5]

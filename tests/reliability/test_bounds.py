@@ -1,0 +1,204 @@
+"""No input exhausts a daemon (finding 4): what a frame announces is not what gets
+allocated, replies carry no bodies into a daemon, descriptors and connections are
+capped, silent connections time out, and a client that leaves stops holding its place
+in the capacity queue. After each abuse the daemon keeps serving and loses nothing."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+import dockd
+from dockd import shm, wire
+from dockd._proto import dockd_pb2 as pb
+from dockd.local import spawn_node
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def node():
+    """One controller+warehouse daemon with short timeouts and few connections; yields (address, pid)."""
+    proc, ready = spawn_node(["--controller", "--port", "0", "--capacity", "8MiB", "--max-connections", "32",
+                              "--handshake-timeout", "1", "--stall-timeout", "1", "--idle-timeout", "2",
+                              "--daemon-timeout", "2"])
+    try:
+        yield f"127.0.0.1:{ready['port']}", proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        proc.stdout.close()
+
+
+def still_serves(address: str) -> None:
+    with dockd.connect(address) as d:
+        part = f"alive-{time.monotonic_ns()}"
+        d.put({"x": torch.arange(3)}, partition=part)
+        assert d.get("c", ["x"], 3, partition=part, timeout=10).indexes == [0, 1, 2]
+        d.clear(part)
+
+
+def test_an_announced_header_is_not_allocated_until_it_arrives(node, raw, proc_stats):
+    address, pid = node
+    before = proc_stats(pid)["rss"]
+    conns = []
+    for _ in range(16):  # each announces a maximal header and sends 100 bytes of it
+        c = raw(address)
+        c.sock.sendall(wire.PREFIX.pack(wire.MAGIC, wire.MAX_HEADER, 0) + b"\0" * 100)
+        conns.append(c)
+    time.sleep(0.3)
+    assert proc_stats(pid)["rss"] - before < 32 << 20  # 16 x 8 MiB would be 128 MiB
+    # before authenticating, a frame may not even announce more than 4 KiB
+    c = raw(address, authenticate=False)
+    c.sock.sendall(wire.PREFIX.pack(wire.MAGIC, 1 << 20, 0))
+    reply = c.read()
+    assert reply.status.code == pb.AUTH and c.closed()
+    still_serves(address)
+
+
+def test_a_reply_cannot_smuggle_a_body_past_capacity(node, raw, proc_stats):
+    address, pid = node
+    c = raw(address)
+    c.sock.sendall(wire.header(pb.Frame(id=7, reply=True), 16 << 30) + b"\0" * 4096)
+    reply = c.read()
+    assert reply.status.code == pb.PROTOCOL and "carries no body" in reply.status.message and c.closed()
+    with dockd.connect(address) as d:
+        assert d.stats()["warehouses"][0]["bytes"] == 0
+    still_serves(address)
+
+
+@pytest.mark.skipif(not shm.available(), reason="descriptor passing is Linux-only")
+def test_descriptors_sent_without_frames_close_the_connection(node, proc_stats):
+    address, pid = node
+    with dockd.connect(address) as d:
+        unix = d._router.ctrl.unix
+    base = proc_stats(pid)["fds"]
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(shm.unix_address(unix))
+    s.settimeout(5)
+    s.recv(4096)  # the challenge
+    fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(200)]
+    try:
+        for chunk in range(0, 200, 50):
+            try:
+                s.sendmsg([b"x"], shm.fds_ancillary(fds[chunk:chunk + 50]))
+            except OSError:
+                break
+        try:
+            while s.recv(65536):
+                pass
+        except ConnectionResetError:  # closed on us with our bytes unread: the point
+            pass
+    finally:
+        s.close()
+        for fd in fds:
+            os.close(fd)
+    deadline = time.monotonic() + 10
+    while proc_stats(pid)["fds"] > base + 2:
+        assert time.monotonic() < deadline, "the daemon kept the descriptors"
+        time.sleep(0.05)
+    still_serves(address)
+
+
+def test_connections_are_capped_and_silent_ones_time_out(node, raw, proc_stats):
+    address, pid = node
+    base = proc_stats(pid)["fds"]
+    port = int(address.rsplit(":", 1)[1])
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(60)]
+    try:
+        time.sleep(0.3)
+        assert proc_stats(pid)["fds"] < base + 40  # at most 32 kept
+        # none of them authenticates: all are closed after the handshake timeout (1 s here)
+        deadline = time.monotonic() + 15
+        while proc_stats(pid)["fds"] > base + 2:
+            assert time.monotonic() < deadline, "silent connections were never closed"
+            time.sleep(0.1)
+    finally:
+        for s in socks:
+            s.close()
+    # half a frame, then silence: closed after the stall timeout
+    c = raw(address)
+    c.sock.sendall(wire.PREFIX.pack(wire.MAGIC, 200, 0) + b"\0" * 10)
+    assert c.read().status.code == pb.PROTOCOL and c.closed()
+    # an authenticated client that goes quiet is closed after the idle timeout (2 s); the client reconnects
+    idle = raw(address)
+    idle.sock.settimeout(15)
+    assert idle.closed()
+    still_serves(address)
+
+
+def test_a_client_that_leaves_while_its_put_waits_for_room_leaves_the_queue(node, client):
+    address, _ = node
+    with dockd.connect(address) as d:
+        d.put({"x": [torch.zeros(6 << 20, dtype=torch.uint8)]}, partition="big")  # 6 of 8 MiB
+        code = """
+import sys, torch, dockd
+d = dockd.connect(sys.argv[1])
+print("waiting", flush=True)
+d.put({"x": [torch.zeros(5 << 20, dtype=torch.uint8)]}, partition="huge")  # cannot fit until "big" goes
+"""
+        import subprocess
+        import sys
+        import textwrap
+
+        waiter = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), address], stdout=subprocess.PIPE,
+                                  text=True)
+        try:
+            assert waiter.stdout.readline().strip() == "waiting"
+            time.sleep(1.0)
+            assert waiter.poll() is None, "its put must be waiting for room"
+        finally:
+            waiter.kill()
+            waiter.wait()
+            waiter.stdout.close()
+        # 1 MiB fits now; before the fix the dead 5 MiB put stayed first in line and this one waited behind it
+        assert d.put({"y": [torch.ones(1 << 20, dtype=torch.uint8)]}, partition="small", timeout=5) == [0]
+
+
+def test_a_wedged_warehouse_cannot_hang_a_clear(tmp_path):
+    proc0, r0 = spawn_node(["--controller", "--port", "0", "--daemon-timeout", "2"])
+    proc1, r1 = spawn_node(["--port", "0", "--join", f"127.0.0.1:{r0['port']}"])
+    try:
+        address = f"127.0.0.1:{r0['port']}"
+        with dockd.connect(address, warehouse=r1["warehouse"]) as d:
+            d.put({"x": [1, 2]}, partition="p")
+            os.kill(proc1.pid, 19)  # SIGSTOP: alive, connected, silent
+            try:
+                t0 = time.monotonic()
+                assert d.clear("p") == 2
+                assert time.monotonic() - t0 < 15
+            finally:
+                os.kill(proc1.pid, 18)  # SIGCONT
+    finally:
+        for p in (proc1, proc0):
+            p.terminate()
+            p.wait(20)
+            p.stdout.close()
+
+
+def test_requests_are_bounded_before_anything_is_allocated(cluster, raw):
+    c = raw(cluster.address)
+    for frame, match in (
+        (pb.Frame(id=1, acquire=pb.AcquireRequest(partition="p", consumer="c", columns=["x"], count=1 << 30)), "too many"),
+        (pb.Frame(id=2, acquire=pb.AcquireRequest(partition="p" * 1000, consumer="c", columns=["x"], count=1)),
+         "too long"),
+        (pb.Frame(id=3, locate=pb.LocateRequest(partition="p", columns=[f"c{i}" for i in range(100)], indexes=[0])),
+         "too many"),
+    ):
+        reply = c.call(frame)
+        assert reply.status.code == pb.INVALID_ARGUMENT and match in reply.status.message
+    assert c.call(pb.Frame(id=4, stats=pb.StatsRequest())).status.code == pb.OK  # the connection still works
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_threads():
+    before = threading.active_count()
+    yield
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)

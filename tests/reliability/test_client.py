@@ -1,0 +1,106 @@
+"""A client never desynchronises or leaks (finding 5): an interrupted call drops its
+connection and gives back what it was granted, cancelling one coroutine leaves the
+others alone, descriptors are closed on every path, and values that cannot come back
+as they went in are refused."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+import dockd
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_ctrl_c_during_a_blocking_get_leaves_the_client_usable_and_nothing_leased(cluster, partition, client):
+    code = """
+import signal, sys, threading, time, torch, dockd
+address, part = sys.argv[1], sys.argv[2]
+d = dockd.connect(address)
+def interrupt(*_):
+    raise KeyboardInterrupt
+signal.signal(signal.SIGALRM, interrupt)
+signal.setitimer(signal.ITIMER_REAL, 0.5)
+try:
+    d.get("c", ["x"], 4, partition=part)       # blocks: nothing is there yet
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+# the same client, the same pool: the next calls are answered in step
+d.put({"x": torch.arange(4)}, partition=part)
+print(d.get("c", ["x"], 4, partition=part, timeout=10).indexes)
+"""
+    out = client(code, cluster.address, partition)
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "interrupted"
+    assert lines[1].startswith("[0, 1, 2, 3]")  # in step, and the abandoned get holds none of the samples
+
+
+def test_an_interrupt_right_after_a_lease_was_granted_gives_the_lease_back(cluster, dock, partition):
+    """The reply carrying a lease is lost to an interrupt: the client releases it by the acquire's token."""
+    dock.put({"x": torch.arange(4)}, partition=partition)
+    with dockd.connect(cluster.address) as d:
+        real_call = d._router.controller
+
+        def interrupted(call, **kw):
+            real_call(call, **kw)  # the controller granted the lease and sent the reply...
+            raise KeyboardInterrupt  # ...and the caller never saw it
+
+        d._router.controller = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            d.acquire("c", ["x"], 4, partition=partition, timeout=10)
+        d._router.controller = real_call
+        assert d.stats()["partitions"][partition]["consumers"]["c"] == {"taken": 0, "leased": 0}
+        assert d.get("c", ["x"], 4, partition=partition, timeout=10).indexes == [0, 1, 2, 3]
+
+
+def test_cancelling_one_coroutine_leaves_the_others_alone(cluster, partition):
+    async def main():
+        async with await dockd.connect_async(cluster.address, max_concurrency=8) as adock:
+            async def busy(k: int) -> int:
+                n = 0
+                for i in range(30):
+                    await adock.put({"y": [k, i]}, partition=partition)
+                    await adock.stats()
+                    n += 1
+                return n
+
+            workers = [asyncio.ensure_future(busy(k)) for k in range(3)]
+            for _ in range(20):  # gets that block and are cancelled, while the others use the pool
+                stuck = asyncio.ensure_future(adock.get("never", ["nope"], 1, partition=partition))
+                await asyncio.sleep(0.01)
+                stuck.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await stuck
+            assert await asyncio.gather(*workers) == [30, 30, 30]
+            got = await adock.get("r", ["y"], 90, partition=partition, timeout=10)
+            assert len(got) == 90
+
+    asyncio.run(main())
+
+
+def test_descriptors_are_closed_on_every_path(cluster, partition):
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc")
+    big = torch.ones(4, 1 << 16, dtype=torch.int32)  # values passed by descriptor
+    with dockd.connect(cluster.address, warehouse=0) as d:
+        d.put({"x": big}, partition=partition)
+        d.get("warm", ["x"], 4, partition=partition, timeout=10)  # pools and connections exist now
+        base = len(os.listdir("/proc/self/fd"))
+        for i in range(20):
+            got = d.get(f"c{i}", ["x"], 4, partition=partition, timeout=10)  # zero-copy results: no descriptor kept
+            del got
+            with pytest.raises(dockd.DockNotFound):
+                d.read(partition, [99], ["x"])
+            with pytest.raises(dockd.DockTimeout):
+                d.get(f"c{i}", ["x"], 1, partition=partition, timeout=0)
+        assert len(os.listdir("/proc/self/fd")) <= base + 2
+
+
+@pytest.mark.parametrize("value", [(1, 2), {1, 2}, frozenset([3]), {"a": (1,)}, [[1, (2,)]]])
+def test_values_that_would_change_type_are_refused(dock, partition, value):
+    with pytest.raises(dockd.DockTypeError, match="would come back as a list"):
+        dock.put({"x": [value]}, partition=partition)

@@ -1,0 +1,193 @@
+"""Nobody gets in without the dock's token, and clients cannot act as daemons.
+
+Finding 1 of the trust review: a plain client registered a fake warehouse,
+freed another client's data behind the controller's back and committed samples
+with no data behind them. Each attack is replayed against real daemons."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import dockd
+from dockd import auth, wire
+from dockd._proto import dockd_pb2 as pb
+from dockd._proto import dockd_pb2_grpc
+from dockd.local import read_ready, spawn_node
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_a_client_cannot_send_daemon_messages(cluster, dock, partition, raw):
+    dock.put({"x": torch.arange(4)}, partition=partition)
+    c = raw(cluster.address)
+    attacks = [
+        pb.Frame(id=1, register=pb.RegisterWarehouse(host="127.0.0.1", port=1, capacity=1 << 40,
+                                                     protocol=wire.PROTOCOL_VERSION)),
+        pb.Frame(id=2, commit=pb.CommitRequest(partition=partition, new_count=20_000_000, group_size=1, columns=["x"],
+                                               warehouse=0)),
+        pb.Frame(id=3, commit=pb.CommitRequest(partition=partition, new_count=4, columns=["x"], warehouse=1)),
+        pb.Frame(id=4, leave=pb.LeaveRequest(id=1)),
+    ]
+    for frame in attacks:
+        reply = c.call(frame)
+        assert reply.status.code == pb.AUTH and "daemon-to-daemon" in reply.status.message, reply
+    # a warehouse frees data only when its controller says so
+    w = raw(cluster.warehouses[1])
+    reply = w.call(pb.Frame(id=5, free=pb.FreeRequest(partition=partition)))
+    assert reply.status.code == pb.AUTH
+    # claiming the daemon role without the dock's daemon secret fails at the handshake
+    with pytest.raises(AssertionError, match="daemon failed"):
+        raw(cluster.address, role=auth.DAEMON)
+    # nothing changed: two warehouses, the partition intact
+    stats = dock.stats()
+    assert len(stats["warehouses"]) == 2 and stats["partitions"][partition]["samples"] == 4
+    assert dock.get("c", ["x"], 4, partition=partition, timeout=10).indexes == [0, 1, 2, 3]
+
+
+def test_with_a_token_every_connection_proves_it_and_the_token_never_shows(tmp_path, token_file, raw):
+    log = tmp_path / "daemons.log"
+    token = token_file.read_text()
+    with open(log, "w") as err:
+        cmd = [sys.executable, "-m", "dockd", "--log-level", "DEBUG", "serve", "--controller", "--port", "0",
+               "--token-file", str(token_file)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
+    try:
+        ready = read_ready(proc)
+        address = f"127.0.0.1:{ready['port']}"
+        with pytest.raises(dockd.DockAuthError, match="requires a token.*DOCKD_TOKEN_FILE"):
+            dockd.connect(address)
+        with pytest.raises(dockd.DockAuthError, match="needs the token it was started with"):
+            dockd.connect(address, token="x" * 32)
+        with dockd.connect(address, token=token) as d:
+            d.put({"x": [1, 2]}, partition="p")
+            assert d.get("c", ["x"], 2, partition="p", timeout=10)["x"] == [1, 2]
+            stats = json.dumps(d.stats())
+        # a raw connection that skips the handshake is refused and closed
+        c = raw(address, authenticate=False)
+        reply = c.call(pb.Frame(id=1, stats=pb.StatsRequest()))
+        assert reply.status.code == pb.AUTH and c.closed()
+        # the proof travels, never the token: not in stats, not in the daemon's log even at DEBUG
+        assert token not in stats
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        proc.stdout.close()
+    text = log.read_text()
+    assert "[node] serving" in text and token not in text
+
+
+def test_a_daemon_that_does_not_hold_the_token_is_not_believed():
+    """Mutual authentication: a fake daemon answering the handshake without the token is caught."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+
+    def fake():
+        conn, _ = server.accept()
+        with conn:
+            challenge = pb.Challenge(nonce=b"n" * 32, protocol=wire.PROTOCOL_VERSION, token=True, instance=1)
+            conn.sendall(wire.header(pb.Frame(challenge=challenge)))
+            head = conn.recv(wire.PREFIX.size)
+            _, hlen, _ = wire.PREFIX.unpack(head)
+            request = wire.parse_header(conn.recv(hlen))
+            conn.sendall(wire.header(pb.Frame(id=request.id, reply=True, auth_reply=pb.AuthReply(mac=b"\0" * 32))))
+            conn.recv(1)
+
+    t = threading.Thread(target=fake, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(dockd.DockAuthError, match="did not prove it holds the dock's token"):
+            dockd.connect(f"127.0.0.1:{port}", token="y" * 32, connect_timeout=5)
+    finally:
+        server.close()
+
+
+def test_binding_beyond_loopback_needs_a_token_or_insecure(token_file):
+    out = subprocess.run([sys.executable, "-m", "dockd", "serve", "--controller", "--host", "0.0.0.0", "--port", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--token-file" in out.stderr and "--insecure" in out.stderr, out.stderr
+    for extra in (["--insecure"], ["--token-file", str(token_file)]):
+        proc, ready = spawn_node(["--controller", "--host", "0.0.0.0", "--port", "0", *extra])
+        try:
+            assert ready["controller"]
+        finally:
+            proc.terminate()
+            proc.wait(20)
+            proc.stdout.close()
+
+
+def test_grpc_admin_needs_the_token_but_health_checks_do_not(token_file):
+    token = token_file.read_bytes().strip()
+    proc, ready = spawn_node(["--controller", "--port", "0", "--token-file", str(token_file)])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{ready['grpc_port']}") as ch:
+            health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            admin = dockd_pb2_grpc.AdminStub(ch)
+            with pytest.raises(grpc.RpcError) as e:
+                admin.Stats(pb.StatsRequest(), timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            signed = auth.grpc_metadata(token, "/dockd.v1.Admin/Stats")
+            assert admin.Stats(pb.StatsRequest(), metadata=signed, timeout=10).warehouses[0].alive
+            with pytest.raises(grpc.RpcError) as e:  # a captured call cannot be replayed
+                admin.Stats(pb.StatsRequest(), metadata=signed, timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError):
+                admin.Stats(pb.StatsRequest(), metadata=auth.grpc_metadata(b"z" * 32, "/dockd.v1.Admin/Stats"),
+                            timeout=10)
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        proc.stdout.close()
+
+
+def test_a_separate_daemon_token_keeps_token_holding_clients_out_of_the_daemon_role(tmp_path, token_file, raw):
+    daemon_token = tmp_path / "daemon.token"
+    daemon_token.write_text("d" * 64)
+    daemon_token.chmod(0o600)
+    args = ["--token-file", str(token_file), "--daemon-token-file", str(daemon_token)]
+    p0, r0 = spawn_node(["--controller", "--port", "0", *args])
+    p1, r1 = spawn_node(["--port", "0", "--join", f"127.0.0.1:{r0['port']}", *args])
+    try:
+        address = f"127.0.0.1:{r0['port']}"
+        client_key = token_file.read_bytes().strip()
+        with pytest.raises(AssertionError, match="daemon failed"):  # the client token does not make a daemon
+            raw(address, role=auth.DAEMON, key=client_key)
+        with dockd.connect(address, token=client_key, warehouse=r1["warehouse"]) as d:  # the warehouse joined
+            assert d.put({"x": [1]}, partition="p") == [0]
+    finally:
+        for p in (p1, p0):
+            p.terminate()
+            p.wait(20)
+            p.stdout.close()
+
+
+@pytest.mark.skipif(not hasattr(socket, "SO_PEERCRED"), reason="needs SO_PEERCRED (Linux)")
+def test_the_same_host_socket_refuses_other_users(cluster, client):
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a client as another user")
+    with dockd.connect(cluster.address) as d:
+        unix = d._router.ctrl.unix
+    assert unix, "the controller serves a same-host socket"
+    code = """
+import os, socket, sys
+os.setgid(65534); os.setuid(65534)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(10)
+s.connect("\\0" + sys.argv[1])
+print(len(s.recv(4096)))
+"""
+    out = client(code, unix)
+    assert out.stdout.strip() == "0"  # closed before even the challenge
