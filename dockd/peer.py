@@ -65,6 +65,7 @@ class Peer(asyncio.BufferedProtocol):
         self._prove = prove            # outgoing connection: (role, key or callable giving it, session)
         self.role: str | None = None   # the peer's proven role ("client"/"daemon"; "server" for an outgoing one)
         self.session = b""
+        self.sid: bytes | None = None  # the session the controller files this connection under (once it used one)
         self._challenge: pb.Challenge | None = None
         self.authed: asyncio.Future | None = None  # outgoing: resolves once both sides proved themselves
         self._timer: asyncio.TimerHandle | None = None

@@ -268,7 +268,13 @@ class Controller:
         self.lease_timeout = lease_timeout
         self.partitions: dict[str, _Partition] = {}
         self.leases: dict[int, Lease] = {}
-        self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, lease id); stale entries skipped
+        # Expiry order. Leases with the default timeout expire in grant order (one timeout, a
+        # monotonic clock), so they sit in a FIFO that a confirm leaves in O(1); leases with a
+        # deadline of their own (lease_timeout=, extend, restored) sit in a heap, stale entries
+        # skipped when they surface. Keeping every lease in a heap left a stale entry per
+        # confirmed lease for a whole timeout: ~10^5 tuples for the collector to walk.
+        self._fifo: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._deadlines: list[tuple[float, int]] = []
         self._lease_ids = lease_ids or (lambda: secrets.randbits(62) + 1)
         self.lease_tokens: dict[int, int] = {}  # acquire token -> outstanding lease id
         self.dead_warehouses: set[int] = set()
@@ -435,12 +441,14 @@ class Controller:
         while lease_id in self.leases:
             lease_id = self._lease_ids()
         lease = self.grant(lease_id, partition, consumer, idx, owner=owner,
-                           deadline=now + (lease_timeout or self.lease_timeout), token=token)
+                           deadline=now + (lease_timeout or self.lease_timeout), token=token,
+                           in_order=lease_timeout is None)
         return AcquireResult(lease.id, idx, locs)
 
     def grant(self, lease_id: int, partition: str, consumer: str, indexes: np.ndarray, *, owner: bytes = b"",
-              deadline: float, token: int = 0) -> Lease:
-        """Lease `indexes` to `consumer` (acquire's last step; also how a journal replays a lease)."""
+              deadline: float, token: int = 0, in_order: bool = False) -> Lease:
+        """Lease `indexes` to `consumer` (acquire's last step; also how a journal replays a lease).
+        in_order: the deadline is now + the default timeout, so no earlier lease expires later."""
         part = self.partitions[partition]
         cons = part.consumer(consumer)
         idx = np.asarray(indexes, dtype=np.int64)
@@ -449,7 +457,10 @@ class Controller:
         part.taken_out(cons, idx)
         lease = Lease(lease_id, partition, consumer, idx, owner, deadline, token)
         self.leases[lease.id] = lease
-        heapq.heappush(self._deadlines, (deadline, lease.id))
+        if in_order:
+            self._fifo[lease.id] = None
+        else:
+            self._push_deadline(lease)
         if token:
             self.lease_tokens[token] = lease.id
         return lease
@@ -548,6 +559,7 @@ class Controller:
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return None
+        self._fifo.pop(lease_id, None)
         if lease.token:
             self.lease_tokens.pop(lease.token, None)
         part = self.partitions.get(lease.partition)
@@ -573,27 +585,43 @@ class Controller:
         lease = self.leases.get(lease_id)
         if lease is not None:
             lease.deadline = deadline
-            heapq.heappush(self._deadlines, (deadline, lease_id))
+            self._fifo.pop(lease_id, None)
+            self._push_deadline(lease)
         return lease
+
+    def _push_deadline(self, lease: Lease) -> None:
+        heapq.heappush(self._deadlines, (lease.deadline, lease.id))
+        if len(self._deadlines) > 2 * (len(self.leases) - len(self._fifo)) + 1024:  # mostly stale: rebuild
+            self._deadlines = [(l.deadline, l.id) for l in self.leases.values() if l.id not in self._fifo]
+            heapq.heapify(self._deadlines)
+
+    def _heap_top(self) -> tuple[float, int] | None:
+        while self._deadlines:
+            deadline, lid = self._deadlines[0]
+            lease = self.leases.get(lid)
+            if lease is not None and lease.deadline == deadline and lid not in self._fifo:
+                return deadline, lid
+            heapq.heappop(self._deadlines)  # stale: the lease ended or was extended
+        return None
 
     def expire_leases(self, now: float) -> list[Lease]:
         """Release leases whose deadline passed."""
         out = []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, lid = heapq.heappop(self._deadlines)
-            lease = self.leases.get(lid)
-            if lease is not None and lease.deadline == deadline:
-                out.append(self.release(lid))
+        while self._fifo:
+            lid = next(iter(self._fifo))
+            if self.leases[lid].deadline > now:
+                break
+            out.append(self.release(lid))
+        while (top := self._heap_top()) is not None and top[0] <= now:
+            out.append(self.release(top[1]))
         return out
 
     def next_lease_deadline(self) -> float | None:
-        while self._deadlines:
-            deadline, lid = self._deadlines[0]
-            lease = self.leases.get(lid)
-            if lease is not None and lease.deadline == deadline:
-                return deadline
-            heapq.heappop(self._deadlines)  # stale: the lease ended or was extended
-        return None
+        top = self._heap_top()
+        first = self.leases[next(iter(self._fifo))].deadline if self._fifo else None
+        if top is None:
+            return first
+        return top[0] if first is None else min(first, top[0])
 
     # -- partitions and warehouses ------------------------------------------------------
     def clear(self, partition: str) -> int:
@@ -603,6 +631,7 @@ class Controller:
             raise DockNotFound(f"partition {partition!r} does not exist (already cleared, or never written)")
         for lease in [l for l in self.leases.values() if l.partition == partition]:
             del self.leases[lease.id]
+            self._fifo.pop(lease.id, None)
             if lease.token:
                 self.lease_tokens.pop(lease.token, None)
         return part.size

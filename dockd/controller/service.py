@@ -108,16 +108,15 @@ class ControllerService:
 
     def session(self, peer: Peer) -> bytes:
         """The session a client connection belongs to (a connection without one is its own)."""
-        sid = peer.session or b"conn:%d" % peer.id
-        conns = self.sessions.get(sid)
-        if conns is None:
-            conns = self.sessions[sid] = set()
-        conns.add(peer)
+        sid = peer.sid
+        if sid is None:  # first request on this connection: register it with its session
+            sid = peer.sid = peer.session or b"conn:%d" % peer.id
+            self.sessions.setdefault(sid, set()).add(peer)
         return sid
 
     def ticket(self, lease_id: int) -> bytes:
         """The hand-over proof for a lease: whoever holds it may confirm, release or extend it."""
-        return hmac.new(self._ticket_key, b"lease|%d" % lease_id, hashlib.sha256).digest()[:16]
+        return hashlib.blake2b(lease_id.to_bytes(8, "little"), key=self._ticket_key, digest_size=16).digest()
 
     def _owned(self, peer: Peer, lease_id: int, ticket: bytes):
         """The lease if this peer may act on it; None if it is gone; raises DockLeaseError if it is another's."""
@@ -133,8 +132,8 @@ class ControllerService:
         if self.closing:  # the controller is stopping: what it recorded stands for the next start
             return
         released = []
-        sid = peer.session or b"conn:%d" % peer.id
-        conns = self.sessions.get(sid)
+        sid = peer.sid
+        conns = self.sessions.get(sid) if sid is not None else None
         if conns is not None:
             conns.discard(peer)
             if not conns:  # the client's last connection: it is gone, its leases go back to the pool

@@ -286,7 +286,8 @@ class Node:
             raise DockProtocolError(f"a {kind} request cannot carry {len(fds)} file descriptors")
         if kind in _DAEMON_KINDS and self.server_auth.roles and peer.role != auth.DAEMON and peer is not self._link_peer:
             raise DockAuthError(f"a {kind} request is a daemon-to-daemon message; this connection is a client's")
-        limits.check(frame)
+        if body is None:  # (a frame with a body was checked when it was admitted)
+            limits.check(frame)
         if kind in _CONTROLLER_KINDS:
             self._controller_request(peer, frame, kind)
         elif kind == "put":
