@@ -262,6 +262,7 @@ class Router:
         if self.home < 0:
             give_up = time.monotonic() + self.reconnect_timeout
             self.home = self._retry(lambda: self._rehome(-1), give_up, f"a live warehouse of the dock at {self.address}")
+        fresh = False  # a failure on a pooled connection is first retried on a new one to the same warehouse
         while True:
             wid = self.home
             try:
@@ -271,6 +272,10 @@ class Router:
                     raise DockClosed("the dock client was closed while this call was in flight") from None
                 if not getattr(e, "retry", True):
                     raise
+                self.forget(wid)
+                if not fresh:  # e.g. the daemon closed an idle connection: nothing is wrong with the warehouse
+                    fresh = True
+                    continue
                 info = self.warehouses.get(wid)
                 where = f"{info.host}:{info.port}" if info is not None else f"id {wid}"
                 if give_up is None:
@@ -278,13 +283,15 @@ class Router:
                     logger.warning("[client] lost home warehouse %d at %s (%s); re-homing", wid, where, e)
                 elif time.monotonic() >= give_up:
                     raise DockConnectionError(f"the dockd warehouse at {where} kept failing: {e}") from None
-                self.forget(wid)
                 self.home = self._retry(lambda: self._rehome(wid), give_up, where, e)
 
     def _rehome(self, failed: int) -> int:
         hello, = self.controller(lambda pool: (self._hello(pool),))
         self._adopt(hello)
-        home = self._choose_home(exclude=failed if self.pinned is None else None, retrying=True)
+        try:
+            home = self._choose_home(exclude=failed if self.pinned is None else None, retrying=True)
+        except DockConnectionError:  # no other live warehouse: the failed one, if the dock still lists it live
+            home = self._choose_home(exclude=None, retrying=True)
         if home != failed:
             logger.info("[client] new home warehouse id=%d address=%s:%d", home, self.warehouses[home].host,
                         self.warehouses[home].port)
