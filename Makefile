@@ -1,6 +1,7 @@
 # One entry point for humans and CI.
 #   make run    set up a virtualenv and run the demo on a local dock
 #   make test   set up (frameworks for the plugin tests included) and run the tests
+#   make docs   build the documentation site (API reference from the docstrings) into site/
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,7 @@ STAMP := $(VENV)/.dockd-installed
 # spec would pull a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: setup run test test-fast frameworks proto bench bench-peers check clean
+.PHONY: setup run test test-fast frameworks proto bench bench-peers check docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +38,9 @@ proto: setup
 
 check: setup
 	$(VENV)/bin/ruff check dockd tests benchmarks examples --select F,E9 --exclude dockd/_proto
+
+docs: setup
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 bench: setup
 	$(PY) -m benchmarks

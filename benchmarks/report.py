@@ -366,7 +366,7 @@ def plot(results: dict[str, Any], out_png: str | Path) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        logger.warning("[report] matplotlib is not installed; no plot. Install it with: pip install 'dockd[plot]'")
+        logger.warning("[report] matplotlib is not installed; no plot. Install it with: pip install -e '.[plot]'")
         return None
     cfg = results.get("config", {})
     batch = max(cfg.get("batch_sizes", [64]) or [64])

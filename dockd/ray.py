@@ -105,7 +105,7 @@ def _ray() -> ModuleType:
     except ImportError as exc:
         raise ImportError(
             f"dockd.ray needs Ray, which could not be imported ({exc}). Install it with: "
-            "pip install -e '.[ray]' in a dockd checkout, or pip install 'dockd[ray]'"
+            "pip install -e '.[ray]' from the root of a dockd checkout"
         ) from exc
     return ray
 

@@ -9,7 +9,8 @@ the fraction of its tokens equal to that digit (a random policy scores about
 1/16). Every stage (rollout, reward, reference log-prob, old log-prob,
 advantage, update) reads its inputs from the dock and writes its outputs back,
 in MindSpeed-RL's column/consumer layout. The mean reward per step is printed
-and plotted; it should climb from ~0.06 towards 1.
+(and plotted when matplotlib is installed: pip install -e '.[plot]'); it should
+climb from ~0.06 towards 1.
 """
 
 from __future__ import annotations
@@ -122,8 +123,12 @@ def _worker(rank: int, world: int, port: int, address: str, args: dict[str, Any]
         dist.destroy_process_group()
 
 
-def save_plot(rewards: list[float], path: str) -> None:
-    import matplotlib
+def save_plot(rewards: list[float], path: str) -> bool:
+    """Draw the reward curve into `path`; False (nothing drawn) when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -143,6 +148,7 @@ def save_plot(rewards: list[float], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
 
 
 def run(
@@ -218,8 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
     print(f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}  ({time.perf_counter() - t0:.0f}s)")
     if a.plot:
-        save_plot(rewards, a.plot)
-        print(f"reward curve saved to {a.plot}")
+        if save_plot(rewards, a.plot):
+            print(f"reward curve saved to {a.plot}")
+        else:
+            print("no plot: matplotlib is not installed (pip install -e '.[plot]')")
     return 0
 
 

@@ -17,7 +17,7 @@ nodes, in the order the daemon's controller service makes them:
 Timed separately: commits, acquires that got samples, acquires retried in
 vain, confirms. Their sum is the controller CPU one iteration costs, without
 the daemon's framing and event-loop work around each request (a daemon's
-request round trip adds tens of microseconds, see docs/design-notes.md).
+request round trip adds tens of microseconds, see docs/design.md).
 """
 
 from __future__ import annotations

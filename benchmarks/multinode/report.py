@@ -259,7 +259,7 @@ def plot(results: dict[str, Any], out_png: str | Path) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        logger.warning("[report] matplotlib is not installed; no plot. Install it with: pip install 'dockd[plot]'")
+        logger.warning("[report] matplotlib is not installed; no plot. Install it with: pip install -e '.[plot]'")
         return None
     runs = [r for r in main_runs(results) if r.get("status") == "ok"]
     fig, grid = plt.subplots(2, 2, figsize=(13, 9))

@@ -9,8 +9,8 @@
 
 All three drive :func:`benchmarks.peers.workload.run_workload` through a
 :class:`~benchmarks.peers.workload.PeerAdapter`. Peers install with
-``pip install 'dockd[peers]'``; a missing peer is reported as skipped with
-that hint, and the other scenarios still run.
+``pip install -e '.[peers]'`` from the repository root; a missing peer is
+reported as skipped with that hint, and the other scenarios still run.
 """
 
-PEERS_INSTALL_HINT = "pip install 'dockd[peers]'  (or: pip install transferqueue ray)"
+PEERS_INSTALL_HINT = "pip install -e '.[peers]' from the repository root (or: pip install transferqueue ray)"

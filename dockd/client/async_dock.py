@@ -21,6 +21,9 @@ from dockd.client.router import CallScope
 
 
 class AsyncDock:
+    """The awaitable twin of `Dock`: the same methods, each run on a thread of its own pool.
+    Get one with `await dockd.connect_async(address)`."""
+
     def __init__(self, dock: Dock, executor: ThreadPoolExecutor) -> None:
         self.dock = dock
         self._executor = executor

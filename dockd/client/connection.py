@@ -90,7 +90,7 @@ SPIN_S = float(os.environ.get("DOCKD_SPIN_US", 200)) / 1e6
 """How long a call on a same-host (Unix) connection polls for the start of its reply before
 sleeping in the kernel: a reply that lands while the client is still awake saves a wake-up on
 both sides. TCP connections never spin: on loopback it cost 10-30% of bulk throughput
-(docs/design-notes.md)."""
+(docs/design.md)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

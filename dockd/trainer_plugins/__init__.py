@@ -1,9 +1,9 @@
 """Trainer plugins: put dockd under the RL loops people already run.
 
-    dockd.trainer_plugins.openrlhf       DockReplayBuffer, install()      pip install 'dockd[openrlhf]'
+    dockd.trainer_plugins.openrlhf       DockReplayBuffer, install()      pip install -e '.[openrlhf]'
     dockd.trainer_plugins.verl           DataProto <-> dock, dispatch mode,
-                                         transfer_queue-compatible client pip install 'dockd[verl]'
-    dockd.trainer_plugins.megatron_grpo  GRPO pipeline over the dock       pip install 'dockd[megatron]'
+                                         transfer_queue-compatible client pip install -e '.[verl]'
+    dockd.trainer_plugins.megatron_grpo  GRPO pipeline over the dock       pip install -e '.[megatron]'
 
 Dependencies point one way: a plugin imports the dockd client, the core never
 imports a plugin. Importing a plugin module imports none of its framework;
@@ -33,6 +33,6 @@ def require(module: str, *, extra: str, what: str) -> ModuleType:
         top = module.split(".")[0]
         raise ImportError(
             f"{what} needs the {top!r} package, which could not be imported ({exc}). "
-            f"Install it with: pip install 'dockd[{extra}]' "
+            f"Install it with: pip install -e '.[{extra}]' (from a dockd checkout) "
             f"(or scripts/install_frameworks.sh for the CPU test setup)."
         ) from exc

@@ -124,7 +124,10 @@ class DockReplayBuffer:
         packing_samples: passed to ``make_experience_batch`` like OpenRLHF does.
         dynamic_batch: OpenRLHF's dynamic batching (``setup_dynamic_batch``) as in the original.
         config: where the samples live (`DockBufferConfig`); keyword overrides below win.
-        address, name, shard, consumer: shortcuts for the same `DockBufferConfig` fields.
+        address: shortcut for the same `DockBufferConfig` field.
+        name: shortcut for the same `DockBufferConfig` field.
+        shard: shortcut for the same `DockBufferConfig` field.
+        consumer: shortcut for the same `DockBufferConfig` field.
     """
 
     _default_config: DockBufferConfig | None = None  # set by `install` on the installed subclass

@@ -56,7 +56,7 @@ def _results() -> dict:
                 _row("peer_transferqueue", "transferqueue", "get", sample_bytes=1 * MiB, batch=64,
                      samples_per_s=500.0, gbps=0.5),
             ]),
-            "peer_ray_buffer": {"status": "skipped", "reason": "Ray is not installed; pip install 'dockd[peers]'"},
+            "peer_ray_buffer": {"status": "skipped", "reason": "Ray is not installed; pip install -e '.[peers]'"},
             "controller_scale": ok([
                 _row("controller_scale", "dockd-controller", "acquire", batch=256, p50_us=40.0,
                      extra={"partition_samples": 10_000}),

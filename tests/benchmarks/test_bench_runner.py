@@ -84,14 +84,14 @@ def test_missing_peers_are_skipped_with_install_hint(tmp_path):
     for name in ("peer_transferqueue", "peer_ray_buffer"):
         sc = res["scenarios"][name]
         assert sc["status"] == "skipped"
-        assert "pip install 'dockd[peers]'" in sc["reason"]
+        assert "pip install -e '.[peers]'" in sc["reason"]
     assert "SKIPPED" in proc.stdout
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("ray", "transfer_queue", "tensordict")),
-    reason="peers not installed: pip install 'dockd[peers]'",
+    reason="peers not installed: pip install -e '.[peers]'",
 )
 def test_quick_peers_run(tmp_path):
     out = tmp_path / "r.json"

@@ -97,7 +97,7 @@ def assert_same_data(got: DataProto, want: DataProto) -> None:
 def test_missing_verl_names_the_extra(dock: dockd.Dock) -> None:
     batch = dockd.Batch("p", [0], {"x": [torch.zeros(1)], plugin.META_COLUMN: [torch.zeros(1, dtype=torch.uint8)]})
     with mock.patch.dict(sys.modules, {"verl.protocol": None}):
-        with pytest.raises(ImportError, match=r"pip install 'dockd\[verl\]'"):
+        with pytest.raises(ImportError, match=r"pip install -e '\.\[verl\]'"):
             plugin.batch_to_data_proto(batch, batch_keys=["x"])
 
 

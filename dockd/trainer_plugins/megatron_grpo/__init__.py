@@ -1,4 +1,4 @@
-"""Native Megatron GRPO loop over dockd (pip install 'dockd[megatron]').
+"""Native Megatron GRPO loop over dockd (pip install -e '.[megatron]').
 
 A GRPO pipeline whose stages (rollout, reward, reference log-prob, old
 log-prob, advantage, update) exchange samples only through the dock, in

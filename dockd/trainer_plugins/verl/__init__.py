@@ -7,7 +7,7 @@
                                          (`use_dockd_transfer_queue()` switches verl over)
 
 Importing this package imports neither verl nor tensordict; they are imported on
-first use (pip install 'dockd[verl]').
+first use (pip install -e '.[verl]').
 """
 
 from __future__ import annotations
