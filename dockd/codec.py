@@ -1,16 +1,28 @@
-"""Values <-> wire: tensors travel as raw bytes, everything else as msgpack.
+"""Values <-> wire, by column run: tensors travel as raw bytes, everything else as msgpack.
 
 A column is given as one tensor/array whose first dimension is the sample
-axis, or as a sequence with one value per sample. Each sample's value becomes
-a `Value` (kind, dtype, shape, offset, nbytes) plus a buffer; `Body` lays the
-buffers out back to back, each aligned to `ALIGN` bytes, without copying them.
-Nothing is ever pickled.
+axis, or as a sequence with one value per sample. On the wire a column is a
+list of *runs*: consecutive values stored back to back in one buffer and
+described once (`dockd.v1.Run`):
+
+- a batched tensor is one run with one shape for every value;
+- a ragged list of tensors of one dtype whose values differ only in their
+  first dimension (token ids, log-probs, masks) is one run: the values are
+  packed with one concatenation, and the run carries each value's first
+  dimension (`lengths`);
+- Python values (str, numbers, lists, dicts, None, bytes) are msgpack, one
+  run per stretch of them, with each value's byte length.
+
+So a put of 64 samples x 8 columns is about 8 run descriptions and 8
+buffers, not 512 of each; the warehouse stores each run as one batch, and a
+get turns back into one view per run. Nothing is ever pickled, and a value
+that would not come back as itself (a tuple, a set) is refused.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -22,6 +34,7 @@ from dockd.errors import DockProtocolError, DockTypeError, DockValueError
 
 ALIGN = 64
 _PAD = bytes(ALIGN)
+_CAT_BELOW = 1 << 20  # runs of smaller values are packed with one concatenation; larger ones go as they are
 
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -33,36 +46,157 @@ DTYPES: dict[str, torch.dtype] = {
     if hasattr(torch, name)
 }
 _NAMES = {dt: name for name, dt in DTYPES.items()}
-_ITEMSIZE = {name: torch.empty(0, dtype=dt).element_size() for name, dt in DTYPES.items()}
+ITEMSIZE = {name: torch.empty(0, dtype=dt).element_size() for name, dt in DTYPES.items()}
 
 
-def split_column(name: str, values: Any) -> list[Any]:
-    """One value per sample from a column argument."""
+class Body:
+    """Buffers laid out back to back, each run starting at an ALIGN-byte offset; kept as a
+    list (no concatenation), written with vectored I/O."""
+
+    __slots__ = ("buffers", "size")
+
+    def __init__(self) -> None:
+        self.buffers: list[memoryview | bytes] = []
+        self.size = 0
+
+    def add(self, *parts: memoryview) -> int:
+        """Append parts contiguously at the next aligned offset; returns that offset."""
+        pad = -self.size % ALIGN
+        if pad:
+            self.buffers.append(_PAD[:pad])
+            self.size += pad
+        off = self.size
+        for data in parts:
+            if data.nbytes:
+                self.buffers.append(data)
+                self.size += data.nbytes
+        return off
+
+
+# -- encoding --------------------------------------------------------------------------------
+def batched(values: Any) -> torch.Tensor | None:
+    """The column as one tensor whose first dimension is the sample axis, if it is given that way."""
+    if isinstance(values, np.ndarray) and values.dtype != object and values.ndim >= 1:
+        try:
+            values = torch.from_numpy(np.ascontiguousarray(values))
+        except TypeError:
+            return None  # no torch dtype: the per-value path raises the clear error
+    if isinstance(values, torch.Tensor) and values.dim() >= 1 and values.layout == torch.strided and not values.is_quantized:
+        return values if values.dtype in _NAMES else None
+    return None
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous()
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def _as_tensor(column: str, i: int, v: Any) -> torch.Tensor | None:
+    """A value as a dense CPU-able tensor, None for a msgpack value; refuses what cannot be stored."""
+    if isinstance(v, np.ndarray) and v.dtype != object:
+        try:
+            v = torch.from_numpy(np.ascontiguousarray(v))
+        except TypeError as e:
+            raise DockTypeError(f"column {column!r} sample {i}: numpy dtype {v.dtype} has no torch equivalent ({e})") from None
+    if not isinstance(v, torch.Tensor):
+        return None
+    if v.layout != torch.strided or v.is_quantized:
+        raise DockTypeError(f"column {column!r} sample {i}: only dense tensors can be stored, got layout {v.layout}")
+    if v.dtype not in _NAMES:
+        raise DockTypeError(f"column {column!r} sample {i}: dtype {v.dtype} is not supported; supported: {sorted(DTYPES)}")
+    return v
+
+
+def split_column(name: str, values: Any) -> Sequence[Any]:
+    """One value per sample from a column argument given per sample (or a tensor to unbind)."""
     if isinstance(values, torch.Tensor):
         if values.dim() == 0:
             raise DockValueError(
                 f"column {name!r}: a single 0-d tensor has no sample axis; pass a list with one value per sample"
             )
-        return list(values.unbind(0))
+        return values.unbind(0)
     if isinstance(values, np.ndarray):
-        if values.dtype == object:
-            return list(values)
         if values.ndim == 0:
             raise DockValueError(f"column {name!r}: a 0-d array has no sample axis; pass a list of values")
-        return [_from_numpy(name, v) for v in values]
+        return list(values)
     if isinstance(values, (str, bytes, dict)) or not isinstance(values, Sequence):
         raise DockTypeError(
             f"column {name!r}: expected a list with one value per sample or a tensor/array whose first "
             f"dimension is the sample axis, got {type(values).__name__}"
         )
-    return list(values)
+    return values
 
 
-def _from_numpy(name: str, arr: np.ndarray) -> torch.Tensor:
-    try:
-        return torch.from_numpy(np.ascontiguousarray(arr))
-    except TypeError as e:
-        raise DockTypeError(f"column {name!r}: numpy dtype {arr.dtype} has no torch equivalent ({e})") from None
+def column_length(values: Any) -> int:
+    t = batched(values)
+    return int(t.shape[0]) if t is not None else len(values)
+
+
+def encode_columns(columns: Mapping[str, Any], body: Body) -> list[pb.ColumnData]:
+    """Columns (batched tensors/arrays, or one value per sample) as runs; their bytes go to `body`."""
+    out = []
+    for name, values in columns.items():
+        col = pb.ColumnData(name=name)
+        t = batched(values)
+        if t is not None:
+            _tensor_run(col, [t], body, batched=True)
+        else:
+            _runs(col, name, split_column(name, values), body)
+        out.append(col)
+    return out
+
+
+def _runs(col: pb.ColumnData, name: str, values: Sequence[Any], body: Body) -> None:
+    """Split per-sample values into runs: tensors of one dtype and trailing shape, or msgpack values."""
+    start, key, group = 0, None, []
+    for i, v in enumerate(values):
+        t = _as_tensor(name, i, v)
+        k = ("msgpack",) if t is None else (t.dtype, t.shape[1:] if t.dim() else None)
+        if k != key and group:
+            _flush(col, name, key, group, start, body)
+            group, start = [], i
+        key = k
+        group.append(v if t is None else t)
+    if group:
+        _flush(col, name, key, group, start, body)
+
+
+def _flush(col: pb.ColumnData, name: str, key: tuple, group: list[Any], start: int, body: Body) -> None:
+    if key[0] == "msgpack":
+        _msgpack_run(col, name, group, start, body)
+    else:
+        _tensor_run(col, group, body, batched=False)
+
+
+def _tensor_run(col: pb.ColumnData, tensors: list[torch.Tensor], body: Body, *, batched: bool) -> None:
+    """One run of tensors with one dtype and one trailing shape (or one batched tensor)."""
+    if batched:
+        t = _cpu(tensors[0])
+        run = col.runs.add(kind=pb.TENSOR, count=t.shape[0], dtype=_NAMES[t.dtype], shape=list(t.shape[1:]))
+        data = _bytes(t)
+        run.offset, run.nbytes = body.add(data), data.nbytes
+        return
+    first = tensors[0]
+    shapes = {tuple(v.shape) for v in tensors}
+    run = col.runs.add(kind=pb.TENSOR, count=len(tensors), dtype=_NAMES[first.dtype])
+    if len(shapes) == 1:
+        run.shape.extend(first.shape)
+    else:  # ragged in the first dimension only (the grouping guarantees the rest)
+        run.shape.extend([-1, *first.shape[1:]])
+        run.lengths.extend(v.shape[0] for v in tensors)
+    nbytes = sum(v.numel() for v in tensors) * first.element_size()
+    if nbytes < _CAT_BELOW * len(tensors) and len(tensors) > 1:
+        flat = torch.cat([v.detach().cpu().reshape(-1) for v in tensors])  # one copy instead of one buffer each
+        parts = [_bytes(flat)]
+    else:
+        parts = [_bytes(_cpu(v)) for v in tensors]
+    run.offset, run.nbytes = body.add(*parts), nbytes
 
 
 def _msgpack_default(obj: Any) -> Any:
@@ -78,147 +212,108 @@ def _msgpack_default(obj: Any) -> Any:
     raise TypeError(type(obj).__name__)
 
 
-def encode_value(column: str, i: int, v: Any) -> tuple[pb.Value, memoryview]:
-    """A sample value as (metadata with offset unset, bytes to send)."""
-    if isinstance(v, np.ndarray) and v.dtype != object:
-        v = _from_numpy(column, v)
-    if isinstance(v, torch.Tensor):
-        if v.layout != torch.strided or v.is_quantized:
-            raise DockTypeError(f"column {column!r} sample {i}: only dense tensors can be stored, got layout {v.layout}")
-        name = _NAMES.get(v.dtype)
-        if name is None:
-            raise DockTypeError(f"column {column!r} sample {i}: dtype {v.dtype} is not supported; supported: {sorted(DTYPES)}")
-        t = v.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
-        flat = t.reshape(-1)
-        data = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
-        return pb.Value(kind=pb.TENSOR, dtype=name, shape=list(t.shape), nbytes=data.nbytes), data
-    try:
-        raw = msgpack.packb(v, use_bin_type=True, default=_msgpack_default, strict_types=True)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise DockTypeError(
-            f"column {column!r} sample {i}: cannot store a value of type {type(v).__name__} ({e}); use tensors, "
-            "numpy arrays, or str/int/float/bool/None/bytes and lists/dicts of those"
-        ) from None
-    return pb.Value(kind=pb.MSGPACK, nbytes=len(raw)), memoryview(raw)
-
-
-class Body:
-    """Buffers laid out back to back at ALIGN-byte offsets, kept as a list (no concatenation)."""
-
-    __slots__ = ("buffers", "size")
-
-    def __init__(self) -> None:
-        self.buffers: list[memoryview | bytes] = []
-        self.size = 0
-
-    def add(self, data: memoryview) -> int:
-        pad = -self.size % ALIGN
-        if pad:
-            self.buffers.append(_PAD[:pad])
-            self.size += pad
-        off = self.size
-        if data.nbytes:
-            self.buffers.append(data)
-            self.size += data.nbytes
-        return off
-
-
-def batched(values: Any) -> torch.Tensor | None:
-    """The column as one tensor whose first dimension is the sample axis, if it is given that way."""
-    if isinstance(values, np.ndarray) and values.dtype != object and values.ndim >= 1:
+def _msgpack_run(col: pb.ColumnData, name: str, values: list[Any], start: int, body: Body) -> None:
+    packer = msgpack.Packer(use_bin_type=True, default=_msgpack_default, strict_types=True)
+    blobs = []
+    for i, v in enumerate(values):
         try:
-            values = torch.from_numpy(np.ascontiguousarray(values))
-        except TypeError:
-            return None  # no torch dtype: the per-value path raises the clear error
-    if isinstance(values, torch.Tensor) and values.dim() >= 1 and values.layout == torch.strided and not values.is_quantized:
-        return values if values.dtype in _NAMES else None
-    return None
+            blobs.append(packer.pack(v))
+        except (TypeError, ValueError, OverflowError) as e:
+            raise DockTypeError(
+                f"column {name!r} sample {start + i}: cannot store a value of type {type(v).__name__} ({e}); use "
+                "tensors, numpy arrays, or str/int/float/bool/None/bytes and lists/dicts of those"
+            ) from None
+    data = b"".join(blobs)
+    run = col.runs.add(kind=pb.MSGPACK, count=len(values), lengths=[len(b) for b in blobs])
+    run.offset, run.nbytes = body.add(memoryview(data)), len(data)
 
 
-def encode_batch(name: str, t: torch.Tensor, body: Body) -> pb.ColumnData | None:
-    """A batched tensor column as one buffer (one copy at most, none if contiguous on CPU).
+# -- validation (the one check of a put's columns, made by the warehouse) --------------------
+def check_columns(columns: Sequence[pb.ColumnData], body_size: int) -> int:
+    """Validate columns against the body they point into; returns the number of samples.
 
-    None when its rows are not whole multiples of ALIGN bytes (they could not all
-    be aligned in place): the caller then encodes value by value."""
-    n = t.shape[0]
-    row = (t.numel() // n if n else 0) * _ITEMSIZE[_NAMES[t.dtype]]
-    if n > 1 and row % ALIGN:
-        return None
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-    base = body.add(data)
-    col = pb.ColumnData(name=name)
-    dtype, shape = _NAMES[t.dtype], list(t.shape[1:])
-    add = col.values.add
-    for i in range(n):
-        add(kind=pb.TENSOR, dtype=dtype, shape=shape, offset=base + i * row, nbytes=row)
-    return col
+    Raises DockValueError for a request that is wrong, DockProtocolError for runs that
+    do not describe their bytes."""
+    if not columns:
+        raise DockValueError("a put needs at least one column")
+    names = [c.name for c in columns]
+    if len(set(names)) != len(names) or not all(names):
+        raise DockValueError(f"column names must be non-empty and distinct, got {names}")
+    counts = {}
+    for c in columns:
+        n = 0
+        for run in c.runs:
+            check_run(run, body_size)
+            n += run.count
+        counts[c.name] = n
+    n = next(iter(counts.values()))
+    if n == 0 or any(v != n for v in counts.values()):
+        raise DockValueError(f"every column needs the same positive number of values, got {counts}")
+    return n
 
 
-def encode_columns(columns: dict[str, Any], body: Body) -> list[pb.ColumnData]:
-    """Columns given as batched tensors/arrays or as one value per sample."""
-    out = []
-    for name, values in columns.items():
-        t = batched(values)
-        col = encode_batch(name, t, body) if t is not None else None
-        if col is None:
-            col = pb.ColumnData(name=name)
-            for i, v in enumerate(split_column(name, values) if t is not None else values):
-                meta, data = encode_value(name, i, v)
-                meta.offset = body.add(data)
-                col.values.append(meta)
-        out.append(col)
+def check_run(run: pb.Run, body_size: int) -> None:
+    if run.offset + run.nbytes > body_size:
+        raise DockProtocolError(f"a run at offset {run.offset} with {run.nbytes} bytes runs past the {body_size}-byte body")
+    if run.kind == pb.MSGPACK:
+        if len(run.lengths) != run.count or sum(run.lengths) != run.nbytes:
+            raise DockProtocolError(f"a msgpack run of {run.count} values does not add up to its {run.nbytes} bytes")
+        return
+    if run.kind != pb.TENSOR:
+        raise DockProtocolError(f"unknown value kind {run.kind}")
+    size = ITEMSIZE.get(run.dtype)
+    if size is None:
+        raise DockProtocolError(f"unknown dtype {run.dtype!r}")
+    shape = list(run.shape)
+    if shape and shape[0] == -1:
+        trail = shape[1:]
+        if any(d < 0 for d in trail) or len(run.lengths) != run.count:
+            raise DockProtocolError(f"a ragged run of {run.count} values has {len(run.lengths)} lengths")
+        elems = sum(run.lengths) * math.prod(trail)
+    else:
+        if any(d < 0 for d in shape) or run.lengths:
+            raise DockProtocolError(f"bad shape {shape} for a run of uniform values")
+        elems = math.prod(shape) * run.count
+    if elems * size != run.nbytes:
+        raise DockProtocolError(f"a run of {run.count} x {shape} {run.dtype} does not match its {run.nbytes} bytes")
+
+
+# -- decoding --------------------------------------------------------------------------------
+def decode_run(run: pb.Run, buf, base: int = 0) -> list[Any]:
+    """A run's values, from the buffer holding bytes [base, ...) of its body or segment.
+
+    Tensors are zero-copy views of `buf` (one `frombuffer` per run) and keep it alive."""
+    off = run.offset - base
+    if run.kind == pb.MSGPACK:
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(run.nbytes, 1))
+        unpacker.feed(memoryview(buf)[off : off + run.nbytes])
+        return [unpacker.unpack() for _ in range(run.count)]
+    dtype = DTYPES[run.dtype]
+    shape = list(run.shape)
+    ragged = bool(shape) and shape[0] == -1
+    if run.nbytes == 0:
+        if ragged:
+            return [torch.empty((n, *shape[1:]), dtype=dtype) for n in run.lengths]
+        return [torch.empty(shape, dtype=dtype) for _ in range(run.count)]
+    flat = torch.frombuffer(buf, dtype=dtype, count=run.nbytes // ITEMSIZE[run.dtype], offset=off)
+    if not ragged:
+        if run.count == 1:
+            return [flat.view(shape) if len(shape) != 1 else flat]
+        return list(flat.view(run.count, *shape).unbind(0))
+    trail = shape[1:]
+    unit = math.prod(trail)
+    parts = flat.split([n * unit for n in run.lengths])
+    return [p.view(-1, *trail) for p in parts] if trail else list(parts)
+
+
+def decode_column(col: pb.ColumnData, buffers: Mapping[int, tuple[Any, int]]) -> list[Any]:
+    """A column's values from its runs; `buffers` maps a run's segment (0: the body) to (buffer, base)."""
+    runs = col.runs
+    if len(runs) == 1:
+        buf, base = buffers[runs[0].segment]
+        return decode_run(runs[0], buf, base)
+    out: list[Any] = []
+    for run in runs:
+        buf, base = buffers[run.segment]
+        out.extend(decode_run(run, buf, base))
     return out
-
-
-def check_value(meta: pb.Value, body_size: int) -> None:
-    """Validate a Value against the body it points into (raises DockProtocolError)."""
-    if meta.offset + meta.nbytes > body_size:
-        raise DockProtocolError(f"value at offset {meta.offset} with {meta.nbytes} bytes runs past the {body_size}-byte body")
-    if meta.kind == pb.TENSOR:
-        size = _ITEMSIZE.get(meta.dtype)
-        if size is None:
-            raise DockProtocolError(f"unknown dtype {meta.dtype!r}")
-        if any(d < 0 for d in meta.shape) or math.prod(meta.shape) * size != meta.nbytes:
-            raise DockProtocolError(f"shape {list(meta.shape)} of {meta.dtype} does not match {meta.nbytes} bytes")
-    elif meta.kind != pb.MSGPACK:
-        raise DockProtocolError(f"unknown value kind {meta.kind}")
-
-
-def decode_value(meta: pb.Value, buf, base: int = 0) -> Any:
-    """A value from its metadata and the buffer holding bytes [base, ...) of its body or segment.
-
-    `buf` is any writable buffer (a memoryview of the received body, an mmap):
-    tensors are zero-copy views of it and keep it alive."""
-    off = meta.offset - base
-    if meta.kind == pb.MSGPACK:
-        return msgpack.unpackb(memoryview(buf)[off : off + meta.nbytes], raw=False, strict_map_key=False)
-    dtype = DTYPES[meta.dtype]
-    shape = tuple(meta.shape)
-    if meta.nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    t = torch.frombuffer(buf, dtype=dtype, count=meta.nbytes // _ITEMSIZE[meta.dtype], offset=off)
-    return t if len(shape) == 1 else t.view(shape)  # a view costs more than the frombuffer: skip it for 1-D
-
-
-def decode_run(values: Sequence[pb.Value], buf, base: int = 0) -> list[torch.Tensor] | None:
-    """Tensors laid back to back with one dtype and shape, as views of one buffer (one
-    frombuffer for the run instead of one per value); None when they are not such a run."""
-    first = values[0]
-    if len(values) < 4 or first.kind != pb.TENSOR or first.nbytes == 0:
-        return None
-    step, dtype, shape, seg = first.nbytes, first.dtype, first.shape, first.segment
-    off = first.offset
-    for v in values:
-        if v.offset != off or v.nbytes != step or v.dtype != dtype or v.segment != seg or v.shape != shape:
-            return None
-        off += step
-    t = torch.frombuffer(buf, dtype=DTYPES[dtype], count=len(values) * step // _ITEMSIZE[dtype], offset=first.offset - base)
-    return list(t.view(len(values), *shape).unbind(0))
-

@@ -175,7 +175,7 @@ class Dock:
                 raise DockTypeError(f"column names must be non-empty strings, got {name!r}")
             t = codec.batched(values)  # kept whole: encoded as one buffer
             split[name] = t if t is not None else codec.split_column(name, values)
-        counts = {k: (v.shape[0] if isinstance(v, torch.Tensor) else len(v)) for k, v in split.items()}
+        counts = {k: codec.column_length(v) for k, v in split.items()}
         n = next(iter(counts.values()))
         if n == 0 or len(set(counts.values())) != 1:
             raise DockValueError(f"every column needs the same positive number of values, got {counts}")
@@ -577,35 +577,30 @@ def _finalize(stop: threading.Event, wake: threading.Event, router: Router) -> N
 def decode_reply(columns: Sequence[pb.ColumnData], body: np.ndarray, fds: list[int]) -> list[list[Any]]:
     """Values of a reply: views of its body, or of shared-memory segments mapped copy-on-write.
 
-    Each segment is mapped once (the range its values span) and its descriptor
+    Each segment is mapped once (the range its runs span) and its descriptor
     closed; the tensors keep the mapping, and so the memory, alive."""
-    maps: dict[int, tuple[mmap.mmap, int]] = {}
+    buffers: dict[int, tuple[Any, int]] = {0: (body, 0)}
     try:
         if fds:
             spans: dict[int, list[int]] = {}
             for c in columns:
-                for v in c.values:
-                    if v.segment:
-                        lo_hi = spans.setdefault(v.segment, [v.offset, v.offset + v.nbytes])
-                        lo_hi[0] = min(lo_hi[0], v.offset)
-                        lo_hi[1] = max(lo_hi[1], v.offset + v.nbytes)
+                for r in c.runs:
+                    if r.segment:
+                        lo_hi = spans.setdefault(r.segment, [r.offset, r.offset + r.nbytes])
+                        lo_hi[0] = min(lo_hi[0], r.offset)
+                        lo_hi[1] = max(lo_hi[1], r.offset + r.nbytes)
             for k, (lo, hi) in spans.items():
                 if not 0 < k <= len(fds):
-                    raise DockProtocolError(f"value refers to descriptor {k} of {len(fds)} passed")
+                    raise DockProtocolError(f"a run refers to descriptor {k} of {len(fds)} passed")
                 mm, delta = shm.map_private(fds[k - 1], lo, hi)
-                maps[k] = (mm, lo - delta)
+                buffers[k] = (mm, lo - delta)
     finally:
         for fd in fds:
             os.close(fd)
-    out = []
-    for c in columns:
-        first = c.values[0] if c.values else None
-        run = None
-        if first is not None and (not first.segment or first.segment in maps):
-            run = codec.decode_run(c.values, *(maps[first.segment] if first.segment else (body,)))
-        out.append(run or [codec.decode_value(v, *maps[v.segment]) if v.segment else codec.decode_value(v, body)
-                           for v in c.values])
-    return out
+    try:
+        return [codec.decode_column(c, buffers) for c in columns]
+    except KeyError as e:
+        raise DockProtocolError(f"a run refers to descriptor {e} that was not passed") from None
 
 
 def _check_partition(partition: str) -> None:

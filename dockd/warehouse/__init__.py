@@ -1,5 +1,5 @@
 """The sample store: `core` is the pure logic, `daemon` the node process around it."""
 
-from dockd.warehouse.core import Stored, Warehouse
+from dockd.warehouse.core import Warehouse
 
-__all__ = ["Stored", "Warehouse"]
+__all__ = ["Warehouse"]

@@ -1,40 +1,120 @@
-"""Warehouse: the tensors of the samples written on this node. Pure logic, no I/O.
+"""Warehouse: the tensors of the samples written on this node, by batch. Pure logic, no I/O.
 
-Values are stored as zero-copy slices of the Arrow buffer each put's body was
-received into, so a put costs no copy beyond the socket read, and freeing a
-partition drops its buffers. Memory is counted in bytes per put body: a put
-first `reserve`s its size (backpressure happens there), then `store` turns the
-reservation into usage.
+Each put's column arrives as runs (`dockd.v1.Run`: values back to back in
+one buffer). A run is kept as one `_Batch`: a zero-copy slice of the Arrow
+buffer (or shared-memory segment) the put's body was received into, the
+run's dtype and shape, and, for ragged runs, one end offset per row (uint32
+when the run is under 4 GiB). A sample index maps to its batch through one
+flat int32 array per (partition, column); its row is its index minus the
+batch's first index when the batch's samples have consecutive indexes (a put
+of new samples always), else a per-batch lookup. So a stored value costs 4
+bytes of bookkeeping (8 when ragged) and no Python object, and a get of
+consecutive samples of one put is one slice per column, whatever their
+number.
+
+Memory is counted in bytes per put body: a put first `reserve`s its size
+(backpressure happens there), then `store` turns the reservation into usage.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import pyarrow as pa
 
 from dockd._proto import dockd_pb2 as pb
+from dockd.codec import ITEMSIZE
 from dockd.errors import DockFull, DockNotFound, DockValueError
 
 
-@dataclasses.dataclass(slots=True)
-class Stored:
-    """One sample's value in one column."""
+class _Batch:
+    """One stored run: values back to back in `data`, for the samples `first`.. (consecutive
+    indexes) or, when `order` is set, for the indexes `order` sorts into `keys`."""
 
-    meta: pb.Value  # kind, dtype, shape, nbytes; offset: within the put's body (= within `segment`)
-    data: pa.Buffer
-    segment: object = None  # the shm.Segment the body lives in, when it is shared memory
+    __slots__ = ("kind", "dtype", "shape", "unit", "ends", "data", "segment", "count", "first", "keys", "order")
+
+    def __init__(self, run: pb.Run, data: pa.Buffer, segment: object, rows: np.ndarray) -> None:
+        self.kind = run.kind
+        self.dtype = run.dtype
+        self.shape = tuple(run.shape)
+        self.count = run.count
+        self.data = data
+        self.segment = segment
+        if run.kind == pb.MSGPACK:
+            self.unit = 1
+            self.ends = _ends(np.asarray(run.lengths, dtype=np.uint64), run.nbytes)
+        elif self.shape and self.shape[0] == -1:
+            self.unit = math.prod(self.shape[1:]) * ITEMSIZE[run.dtype]  # bytes per unit of the first dimension
+            self.ends = _ends(np.asarray(run.lengths, dtype=np.uint64) * np.uint64(self.unit), run.nbytes)
+        else:
+            self.unit = math.prod(self.shape) * ITEMSIZE[run.dtype]  # bytes per value
+            self.ends = None
+        self.first = int(rows[0]) if len(rows) else 0
+        if len(rows) and int(rows[-1]) - self.first == len(rows) - 1 and (len(rows) < 3 or (np.diff(rows) == 1).all()):
+            self.keys = self.order = None
+        else:  # indexes in any order (a put of existing samples): look rows up
+            self.order = np.argsort(rows, kind="stable").astype(np.int32)
+            self.keys = rows[self.order]
+
+    def rows(self, idx: np.ndarray) -> np.ndarray:
+        """Rows of samples `idx` (all stored in this batch)."""
+        if self.order is None:
+            return idx - self.first
+        return self.order[np.searchsorted(self.keys, idx)].astype(np.int64)
+
+    def span(self, r0: int, r1: int) -> tuple[int, int]:
+        """Byte range of rows [r0, r1) within the batch."""
+        if self.ends is None:
+            return r0 * self.unit, r1 * self.unit
+        return (int(self.ends[r0 - 1]) if r0 else 0), int(self.ends[r1 - 1])
+
+    def run(self, r0: int, r1: int) -> pb.Run:
+        """Rows [r0, r1) as a run (offset left to the caller)."""
+        lo, hi = self.span(r0, r1)
+        out = pb.Run(kind=self.kind, count=r1 - r0, dtype=self.dtype, shape=self.shape, nbytes=hi - lo)
+        if self.ends is not None:
+            ends = self.ends[r0:r1].astype(np.int64)
+            lengths = np.diff(ends, prepend=lo) // self.unit
+            out.lengths.extend(lengths.tolist())
+        return out
+
+
+class _Column:
+    """Where each sample's value of one column is: its batch id by sample index (-1: none)."""
+
+    __slots__ = ("batch_of", "batches")
+
+    def __init__(self) -> None:
+        self.batch_of = np.full(0, -1, dtype=np.int32)
+        self.batches: list[_Batch | None] = []
+
+    def grow(self, size: int) -> None:
+        if size <= len(self.batch_of):
+            return
+        cap = max(size, len(self.batch_of) + len(self.batch_of) // 2, 1024)
+        b = np.full(cap, -1, dtype=np.int32)
+        b[: len(self.batch_of)] = self.batch_of
+        self.batch_of = b
+
+    def present(self, idx: np.ndarray) -> np.ndarray:
+        ok = idx < len(self.batch_of)
+        ok[ok] = self.batch_of[idx[ok]] >= 0
+        return ok
 
 
 class _Part:
     __slots__ = ("columns", "nbytes", "group_size")
 
     def __init__(self) -> None:
-        self.columns: dict[str, dict[int, Stored]] = {}
+        self.columns: dict[str, _Column] = {}
         self.nbytes = 0
         self.group_size = 0  # known once a put of new samples landed here
+
+
+def _idx(indexes) -> np.ndarray:
+    return np.asarray(indexes, dtype=np.int64).reshape(-1)
 
 
 class Warehouse:
@@ -66,19 +146,22 @@ class Warehouse:
 
     # -- puts ------------------------------------------------------------------------------
     @staticmethod
-    def validate_put(req: pb.PutRequest) -> int:
-        """Check a put's header; returns the number of samples."""
+    def validate_put(req: pb.PutRequest, body_size: int | None = None) -> int:
+        """Check a put's header (and its runs against the body, when its size is known); the
+        number of samples. The one place a put is validated."""
+        from dockd.codec import check_columns
+
         if not req.partition:
             raise DockValueError("partition must be a non-empty string")
-        if not req.columns:
-            raise DockValueError("a put needs at least one column")
-        names = [c.name for c in req.columns]
-        if len(set(names)) != len(names) or not all(names):
-            raise DockValueError(f"column names must be non-empty and distinct, got {names}")
-        counts = {c.name: len(c.values) for c in req.columns}
-        n = len(req.columns[0].values)
-        if n == 0 or any(v != n for v in counts.values()):
-            raise DockValueError(f"every column needs the same positive number of values, got {counts}")
+        if body_size is None:  # before the body is in: only the shape of the request
+            if not req.columns:
+                raise DockValueError("a put needs at least one column")
+            counts = {c.name: sum(r.count for r in c.runs) for c in req.columns}
+            n = next(iter(counts.values()))
+            if n == 0 or any(v != n for v in counts.values()):
+                raise DockValueError(f"every column needs the same positive number of values, got {counts}")
+        else:
+            n = check_columns(req.columns, body_size)
         if req.indexes:
             if len(req.indexes) != n:
                 raise DockValueError(f"{len(req.indexes)} indexes given for {n} values per column")
@@ -96,28 +179,38 @@ class Warehouse:
         part = self.parts.get(partition)
         if part is None:
             return
+        idx = _idx(indexes)
         for c in columns:
             col = part.columns.get(c)
-            if col:
-                dup = [i for i in indexes if i in col]
-                if dup:
+            if col is not None:
+                dup = idx[col.present(idx)]
+                if len(dup):
                     raise DockValueError(
-                        f"column {c!r} is already written for samples {dup[:8]} of partition {partition!r}; "
+                        f"column {c!r} is already written for samples {dup[:8].tolist()} of partition {partition!r}; "
                         "a sample's column is written once"
                     )
 
     def store(self, partition: str, indexes: Sequence[int], columns: Sequence[pb.ColumnData], body: pa.Buffer | None,
               nbytes: int, segment: object = None, group_size: int = 0) -> None:
-        """Keep the values (slices of body) under (partition, column, index); uses the reservation."""
+        """Keep each run as a batch (a slice of body) and file its rows under the indexes; uses the reservation."""
         self.check_absent(partition, indexes, (c.name for c in columns))
         part = self.parts.setdefault(partition, _Part())
         if group_size:
             part.group_size = group_size
+        idx = _idx(indexes)
+        top = int(idx.max()) + 1 if len(idx) else 0
         for c in columns:
-            col = part.columns.setdefault(c.name, {})
-            for i, meta in zip(indexes, c.values):
-                data = body.slice(meta.offset, meta.nbytes) if meta.nbytes else pa.py_buffer(b"")
-                col[int(i)] = Stored(meta, data, segment)
+            col = part.columns.get(c.name)
+            if col is None:
+                col = part.columns[c.name] = _Column()
+            col.grow(top)
+            k = 0
+            for run in c.runs:
+                data = body.slice(run.offset, run.nbytes) if run.nbytes else pa.py_buffer(b"")
+                rows = idx[k : k + run.count]
+                col.batch_of[rows] = len(col.batches)
+                col.batches.append(_Batch(run, data, segment, rows))
+                k += run.count
         self.reserved -= nbytes
         self.used += nbytes
         part.nbytes += nbytes
@@ -127,35 +220,61 @@ class Warehouse:
         part = self.parts.get(partition)
         if part is None:
             return
+        idx = _idx(indexes)
         for c in columns:
-            col = part.columns.get(c, {})
-            for i in indexes:
-                col.pop(int(i), None)
+            col = part.columns.get(c)
+            if col is None:
+                continue
+            here = idx[col.present(idx)]
+            for b in np.unique(col.batch_of[here]).tolist():
+                col.batches[b] = None  # its rows are all among these samples: they came in one put
+            col.batch_of[here] = -1
         part.nbytes -= nbytes
         self.used -= nbytes
 
     # -- reads and frees -----------------------------------------------------------------------
-    def fetch(self, partition: str, wanted: Sequence[tuple[str, Sequence[int]]]) -> list[tuple[str, list[Stored]]]:
+    def fetch(self, partition: str, wanted: Sequence[tuple[str, Sequence[int]]]) -> list[tuple[str, list[tuple]]]:
+        """For each (column, indexes): the stored slices holding them, in order, as (batch, row, row_end)."""
         part = self.parts.get(partition)
         if part is None:
             raise DockNotFound(f"partition {partition!r} is not in this warehouse (cleared?)")
         out = []
         for name, indexes in wanted:
+            idx = _idx(indexes)
             col = part.columns.get(name)
-            try:
-                out.append((name, [col[i] for i in indexes]))
-            except (KeyError, TypeError):
-                missing = [i for i in indexes if col is None or i not in col]
+            ok = col.present(idx) if col is not None else np.zeros(len(idx), dtype=bool)
+            if not ok.all():
                 raise DockNotFound(
-                    f"column {name!r} of samples {missing[:8]} of partition {partition!r} is not in this warehouse"
-                ) from None
+                    f"column {name!r} of samples {idx[~ok][:8].tolist()} of partition {partition!r} is not in this warehouse"
+                )
+            out.append((name, self._slices(col, idx)))
         return out
+
+    @staticmethod
+    def _slices(col: _Column, idx: np.ndarray) -> list[tuple]:
+        """Consecutive rows of one batch become one slice."""
+        if not len(idx):
+            return []
+        b = col.batch_of[idx]
+        bs = np.unique(b)
+        if len(bs) == 1:
+            r = col.batches[int(bs[0])].rows(idx)
+        else:
+            r = np.empty(len(idx), dtype=np.int64)
+            for bid in bs.tolist():
+                sel = b == bid
+                r[sel] = col.batches[bid].rows(idx[sel])
+        breaks = np.flatnonzero((b[1:] != b[:-1]) | (r[1:] != r[:-1] + 1)) + 1
+        starts = np.concatenate(([0], breaks)).tolist()
+        ends = np.concatenate((breaks, [len(idx)])).tolist()
+        bl, rl = b.tolist(), r.tolist()
+        return [(col.batches[bl[s]], rl[s], rl[e - 1] + 1) for s, e in zip(starts, ends)]
 
     def has(self, partition: str, wanted: Sequence[tuple[str, Sequence[int]]]) -> bool:
         part = self.parts.get(partition)
         if part is None:
             return False
-        return all(c in part.columns and all(i in part.columns[c] for i in idx) for c, idx in wanted)
+        return all(c in part.columns and bool(part.columns[c].present(_idx(idx)).all()) for c, idx in wanted)
 
     def free(self, partition: str) -> int:
         part = self.parts.pop(partition, None)
@@ -170,18 +289,21 @@ class Warehouse:
     def inventory(self, uncommitted: Sequence[pb.CommitRequest] = ()) -> list[pb.InventoryPartition]:
         """What this warehouse holds, as sorted index runs per column, leaving out stored values
         whose commit is still pending (`uncommitted`): those are re-committed separately."""
-        skip: dict[tuple[str, str], set[int]] = {}
+        skip: dict[tuple[str, str], np.ndarray] = {}
         for c in uncommitted:
             for name in c.columns:
-                skip.setdefault((c.partition, name), set()).update(c.indexes)
+                prev = skip.get((c.partition, name))
+                new = _idx(c.indexes)
+                skip[(c.partition, name)] = new if prev is None else np.concatenate((prev, new))
         out = []
         for name, part in self.parts.items():
             inv = pb.InventoryPartition(name=name, group_size=part.group_size, nbytes=part.nbytes)
-            for col, values in part.columns.items():
-                drop = skip.get((name, col))
-                idx = np.fromiter((i for i in values if not drop or i not in drop), dtype=np.int64)
-                idx.sort()
-                inv.columns.add(name=col, runs=_runs(idx))
+            for col_name, col in part.columns.items():
+                idx = np.flatnonzero(col.batch_of >= 0)
+                drop = skip.get((name, col_name))
+                if drop is not None:
+                    idx = idx[~np.isin(idx, drop)]
+                inv.columns.add(name=col_name, runs=_runs(idx))
             out.append(inv)
         return out
 
@@ -192,6 +314,12 @@ class Warehouse:
             "reserved": self.reserved,
             "partitions": {name: p.nbytes for name, p in self.parts.items()},
         }
+
+
+def _ends(sizes: np.ndarray, total: int) -> np.ndarray:
+    """Row end offsets, in the narrowest dtype that holds them."""
+    ends = np.cumsum(sizes)
+    return ends.astype(np.uint32) if total < (1 << 32) else ends
 
 
 def _runs(idx: np.ndarray) -> list[int]:

@@ -456,9 +456,7 @@ class Node:
         if req.token and self._put_again(peer, frame, size):
             return
         try:
-            for col in req.columns:
-                for v in col.values:
-                    codec.check_value(v, size)
+            Warehouse.validate_put(req, size)
             if req.indexes:
                 self.warehouse.check_absent(req.partition, req.indexes, (c.name for c in req.columns))
         except Exception as e:
@@ -594,42 +592,32 @@ class Node:
 
     @staticmethod
     def _encode(peer: Peer, found) -> tuple[list[pb.ColumnData], codec.Body, list]:
-        """Values for a reply: big shared-memory values by descriptor to same-host peers, the rest as body bytes.
-
-        Values stored back to back (the samples of one batched put) go out as one
-        buffer, not one per value."""
+        """A reply's columns from stored slices: one run per slice; big slices of shared-memory
+        segments go by descriptor to same-host peers, the rest as body bytes (no copy)."""
         body = codec.Body()
         segs: list = []
         index: dict[int, int] = {}
         by_fd = peer.passes_fds
         out = []
-        run: list = []  # [first Stored, start address, bytes, body offset] of the open run
-        for name, values in found:
+        for name, slices in found:
             col = pb.ColumnData(name=name)
-            for s in values:
-                v = col.values.add()
-                v.CopyFrom(s.meta)
-                n = s.meta.nbytes
-                if by_fd and s.segment is not None and n >= shm.SHM_MIN_VALUE:
-                    k = index.get(id(s.segment))
+            for batch, r0, r1 in slices:
+                run = batch.run(r0, r1)
+                lo, _ = batch.span(r0, r1)
+                seg = batch.segment
+                if by_fd and seg is not None and run.nbytes >= shm.SHM_MIN_VALUE:
+                    k = index.get(id(seg))
                     if k is None and len(segs) < shm.MAX_FDS:
-                        segs.append(s.segment)
-                        k = index[id(s.segment)] = len(segs)
-                    if k is not None:
-                        v.segment = k  # the offset stays: it is the value's place in that segment
+                        segs.append(seg)
+                        k = index[id(seg)] = len(segs)
+                    if k is not None:  # the run's place in that segment: where its batch starts, plus lo
+                        run.segment, run.offset = k, batch.data.address - seg.buffer.address + lo
+                        col.runs.append(run)
                         continue
-                if run and n and n % codec.ALIGN == 0 and s.data.address == run[1] + run[2] and _same_parent(s, run[0]):
-                    v.offset = run[3] + run[2]
-                    run[2] += n
-                    continue
-                _flush_run(body, run)
-                if n and n % codec.ALIGN == 0:
-                    run[:] = [s, s.data.address, n, body.size + (-body.size % codec.ALIGN)]
-                    v.offset = run[3]
-                else:
-                    v.offset = body.add(memoryview(s.data))
+                data = batch.data if run.nbytes == batch.data.size else batch.data.slice(lo, run.nbytes)
+                run.offset = body.add(memoryview(data))
+                col.runs.append(run)
             out.append(col)
-        _flush_run(body, run)
         return out, body, segs
 
     def _inline_values(self, peer: Peer, partition: str, columns: list[str], indexes: np.ndarray, locations: np.ndarray):
@@ -644,22 +632,6 @@ class Node:
         except DockError:
             return [], codec.Body(), []
         return self._encode(peer, found)
-
-
-def _same_parent(a, b) -> bool:
-    """Both values are slices of one received body (so keeping one alive keeps the other)."""
-    pa_, pb_ = a.data.parent, b.data.parent
-    return pa_ is not None and pb_ is not None and pa_.address == pb_.address and pa_.size == pb_.size
-
-
-def _flush_run(body: codec.Body, run: list) -> None:
-    """Add an open run of adjacent stored values to a reply body as one buffer."""
-    if run:
-        first, address, nbytes, offset = run
-        data = first.data if nbytes == first.data.size else pa.foreign_buffer(address, nbytes, base=first.data)
-        got = body.add(memoryview(data))
-        assert got == offset, (got, offset)
-        run.clear()
 
 
 def _failed(exc: BaseException) -> asyncio.Future:

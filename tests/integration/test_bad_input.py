@@ -127,7 +127,7 @@ def test_values_pointing_outside_the_body_are_rejected(cluster, dock, stored):
     partition, _ = stored
     with raw_socket(cluster.address) as s:
         req = pb.PutRequest(partition=partition, new_count=1, group_size=1, timeout=1)
-        req.columns.add(name="x").values.add(kind=pb.TENSOR, dtype="float32", shape=[100], offset=0, nbytes=400)
+        req.columns.add(name="x").runs.add(kind=pb.TENSOR, count=1, dtype="float32", shape=[100], offset=0, nbytes=400)
         s.sendall(wire.header(pb.Frame(id=1, put=req), 64) + bytes(64))
         reply = read_reply(s)
         assert reply.status.code == pb.PROTOCOL and "runs past" in reply.status.message
@@ -142,7 +142,7 @@ def test_client_vanishing_mid_frame_loses_nothing_and_frees_its_reservation(clus
     for _ in range(3):
         s = raw_socket(cluster.address)
         req = pb.PutRequest(partition=stored[0], new_count=1, group_size=1, timeout=1)
-        req.columns.add(name="x").values.add(kind=pb.TENSOR, dtype="uint8", shape=[1 << 20], offset=0, nbytes=1 << 20)
+        req.columns.add(name="x").runs.add(kind=pb.TENSOR, count=1, dtype="uint8", shape=[1 << 20], offset=0, nbytes=1 << 20)
         s.sendall(wire.header(pb.Frame(id=1, put=req), 1 << 20) + bytes(1000))  # then vanish mid-body
         s.close()
     with raw_socket(cluster.address) as s:
@@ -174,7 +174,7 @@ def test_vanished_sender_gives_back_the_room_it_reserved():
         for _ in range(3):  # each would hold 600 kB of the 1 MiB if its reservation leaked
             s = raw_socket(c.address)
             req = pb.PutRequest(partition="p", new_count=1, group_size=1, timeout=5)
-            req.columns.add(name="x").values.add(kind=pb.TENSOR, dtype="uint8", shape=[600_000], offset=0, nbytes=600_000)
+            req.columns.add(name="x").runs.add(kind=pb.TENSOR, count=1, dtype="uint8", shape=[600_000], offset=0, nbytes=600_000)
             s.sendall(wire.header(pb.Frame(id=1, put=req), 600_000) + bytes(1000))
             s.close()
         assert d.put({"x": [torch.zeros(600_000, dtype=torch.uint8)]}, partition="p", timeout=5) == [0]

@@ -23,15 +23,15 @@ u32 = st.one_of(st.integers(0, 16), st.integers(0, 1 << 20), st.integers(0, (1 <
 small_lists = st.lists(ints, max_size=40)
 
 
-def _value():
-    return st.builds(lambda kind, dtype, shape, off, n: pb.Value(kind=kind, dtype=dtype, shape=shape, offset=off,
-                                                                   nbytes=n),
-                     st.integers(0, 3), st.sampled_from(["float32", "int64", "bfloat16", "nonsense", ""]),
-                     st.lists(st.integers(0, 1 << 40), max_size=4), ints, ints)
+def _run():
+    return st.builds(lambda kind, count, dtype, shape, lengths, off, n: pb.Run(
+        kind=kind, count=count, dtype=dtype, shape=shape, lengths=lengths, offset=off, nbytes=n),
+        st.integers(0, 3), u32, st.sampled_from(["float32", "int64", "bfloat16", "nonsense", ""]),
+        st.lists(st.integers(-2, 1 << 40), max_size=4), st.lists(ints, max_size=8), ints, ints)
 
 
 def _columns():
-    return st.lists(st.builds(lambda n, vs: pb.ColumnData(name=n, values=vs), names, st.lists(_value(), max_size=8)),
+    return st.lists(st.builds(lambda n, rs: pb.ColumnData(name=n, runs=rs), names, st.lists(_run(), max_size=4)),
                     max_size=6)
 
 

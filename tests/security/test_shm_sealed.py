@@ -63,7 +63,7 @@ def test_a_writer_cannot_change_a_put_after_it_and_unsealed_puts_are_refused(clu
             if sealed:
                 shm.seal(fd, shm.SEALED)
             req = pb.PutRequest(partition=partition, new_count=1, group_size=1, timeout=5, shm_size=len(payload))
-            req.columns.add(name="x").values.add(kind=pb.TENSOR, dtype="uint8", shape=[len(payload)], offset=0,
+            req.columns.add(name="x").runs.add(kind=pb.TENSOR, count=1, dtype="uint8", shape=[len(payload)], offset=0,
                                                  nbytes=len(payload))
             return fd, lambda: call_on(pool, pb.Frame(put=req), fds=[fd])
 

@@ -1,4 +1,4 @@
-"""Values to wire buffers and back, bit-exact, without pickle."""
+"""Values to wire runs and back, bit-exact, without pickle."""
 
 from __future__ import annotations
 
@@ -11,16 +11,20 @@ from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockProtocolError, DockTypeError, DockValueError
 
 
-def roundtrip(values: list):
+def encode(values) -> tuple[pb.ColumnData, bytearray]:
     body = codec.Body()
     (col,) = codec.encode_columns({"c": values}, body)
     raw = b"".join(bytes(memoryview(b).cast("B")) for b in body.buffers)
     assert len(raw) == body.size
-    for v in col.values:
-        assert v.offset % codec.ALIGN == 0
-        codec.check_value(v, body.size)
-    buf = bytearray(raw) or bytearray(1)
-    return [codec.decode_value(v, buf) for v in col.values]
+    for run in col.runs:
+        assert run.offset % codec.ALIGN == 0
+    codec.check_columns([col], body.size)
+    return col, bytearray(raw) or bytearray(1)
+
+
+def roundtrip(values):
+    col, buf = encode(values)
+    return codec.decode_column(col, {0: (buf, 0)})
 
 
 @pytest.mark.parametrize("dtype", sorted(codec.DTYPES, key=str))
@@ -66,30 +70,48 @@ def test_split_column_forms():
         codec.split_column("x", "abc")
 
 
-def test_check_value_rejects_inconsistent_metadata():
+def test_check_columns_rejects_runs_that_do_not_describe_their_bytes():
+    def col(**run):
+        return [pb.ColumnData(name="x", runs=[pb.Run(**run)])]
+
     with pytest.raises(DockProtocolError, match="runs past"):
-        codec.check_value(pb.Value(kind=pb.TENSOR, dtype="float32", shape=[4], offset=64, nbytes=16), 70)
+        codec.check_columns(col(kind=pb.TENSOR, count=1, dtype="float32", shape=[4], offset=64, nbytes=16), 70)
     with pytest.raises(DockProtocolError, match="does not match"):
-        codec.check_value(pb.Value(kind=pb.TENSOR, dtype="float32", shape=[5], offset=0, nbytes=16), 64)
+        codec.check_columns(col(kind=pb.TENSOR, count=1, dtype="float32", shape=[5], offset=0, nbytes=16), 64)
     with pytest.raises(DockProtocolError, match="unknown dtype"):
-        codec.check_value(pb.Value(kind=pb.TENSOR, dtype="float13", shape=[1], nbytes=2), 64)
+        codec.check_columns(col(kind=pb.TENSOR, count=1, dtype="float13", shape=[1], nbytes=2), 64)
+    with pytest.raises(DockProtocolError, match="lengths"):
+        codec.check_columns(col(kind=pb.TENSOR, count=2, dtype="int8", shape=[-1], lengths=[1], nbytes=1), 64)
+    with pytest.raises(DockProtocolError, match="does not add up"):
+        codec.check_columns(col(kind=pb.MSGPACK, count=2, lengths=[1, 2], nbytes=4), 64)
+    with pytest.raises(DockValueError, match="same positive number"):
+        codec.check_columns([pb.ColumnData(name="x", runs=[pb.Run(kind=pb.MSGPACK, count=1, lengths=[1], nbytes=1)]),
+                             pb.ColumnData(name="y")], 64)
 
 
-def test_batched_columns_are_one_buffer_and_come_back_as_views_of_one():
-    src = torch.randn(8, 32).to(torch.bfloat16)  # 64-byte rows: laid out in place
-    body = codec.Body()
-    (col,) = codec.encode_columns({"c": src}, body)
-    assert len(body.buffers) == 1 and body.size == src.numel() * 2
-    assert [v.offset for v in col.values] == [64 * i for i in range(8)]
-    buf = bytearray(b"".join(bytes(memoryview(b).cast("B")) for b in body.buffers))
-    run = codec.decode_run(col.values, buf)
-    assert run is not None and all(torch.equal(r.view(torch.int16), s.view(torch.int16)) for r, s in zip(run, src))
-    assert run[0].untyped_storage().data_ptr() == run[7].untyped_storage().data_ptr()
-    # rows that cannot all be aligned in place fall back to one buffer per value
-    odd = torch.arange(15, dtype=torch.float32).reshape(5, 3)
-    body = codec.Body()
-    (col,) = codec.encode_columns({"c": odd}, body)
-    assert all(v.offset % codec.ALIGN == 0 for v in col.values) and len(col.values) == 5
-    buf = bytearray(b"".join(bytes(memoryview(b).cast("B")) for b in body.buffers))
-    assert codec.decode_run(col.values, buf) is None
-    assert [codec.decode_value(v, buf).tolist() for v in col.values] == odd.tolist()
+def test_a_batched_tensor_is_one_run_and_comes_back_as_views_of_one_buffer():
+    src = torch.randn(8, 5).to(torch.bfloat16)  # rows of 10 bytes: no alignment needed any more
+    col, buf = encode(src)
+    assert len(col.runs) == 1 and list(col.runs[0].shape) == [5] and col.runs[0].count == 8
+    out = codec.decode_column(col, {0: (buf, 0)})
+    assert all(torch.equal(r.view(torch.int16), s.view(torch.int16)) for r, s in zip(out, src))
+    assert out[0].untyped_storage().data_ptr() == out[7].untyped_storage().data_ptr()
+
+
+def test_ragged_tensors_of_one_dtype_are_one_run_with_lengths():
+    values = [torch.arange(n, dtype=torch.int64) for n in (3, 0, 7, 1)] + [torch.ones(2, 4), torch.ones(5, 4)]
+    col, buf = encode(values)
+    assert [r.count for r in col.runs] == [4, 2]  # int64 1-D, then float32 [*, 4]
+    assert list(col.runs[0].shape) == [-1] and list(col.runs[0].lengths) == [3, 0, 7, 1]
+    assert list(col.runs[1].shape) == [-1, 4] and list(col.runs[1].lengths) == [2, 5]
+    out = codec.decode_column(col, {0: (buf, 0)})
+    assert [t.shape for t in out] == [v.shape for v in values]
+    assert all(torch.equal(a, b) for a, b in zip(out, values))
+
+
+def test_msgpack_values_are_one_run_per_stretch_between_tensors():
+    values = ["a", {"k": 1}, torch.ones(2), 3, None]
+    col, buf = encode(values)
+    assert [(r.kind, r.count) for r in col.runs] == [(pb.MSGPACK, 2), (pb.TENSOR, 1), (pb.MSGPACK, 2)]
+    out = codec.decode_column(col, {0: (buf, 0)})
+    assert out[:2] == ["a", {"k": 1}] and torch.equal(out[2], torch.ones(2)) and out[3:] == [3, None]

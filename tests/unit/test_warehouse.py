@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import pytest
 import torch
@@ -19,21 +20,59 @@ def encoded(values: list, name: str = "x"):
     return cols, buf
 
 
+def fetched(w: Warehouse, partition: str, name: str, indexes) -> list:
+    """Values a fetch would send, decoded from the stored slices."""
+    (_, slices), = w.fetch(partition, [(name, indexes)])
+    out = []
+    for batch, r0, r1 in slices:
+        run = batch.run(r0, r1)
+        lo, _ = batch.span(r0, r1)
+        out += codec.decode_run(run, bytearray(batch.data.slice(lo, run.nbytes).to_pybytes()) or bytearray(1))
+    return out
+
+
 def test_store_fetch_free_and_accounting():
     w = Warehouse(1 << 20)
     cols, buf = encoded([torch.arange(4), torch.ones(2, 3)])
     assert w.reserve(buf.size)
     w.store("p", [0, 1], cols, buf, buf.size)
     assert (w.used, w.reserved) == (buf.size, 0)
-    (name, vals), = w.fetch("p", [("x", [1, 0])])
-    body = bytearray(buf.to_pybytes())
-    for s in vals:  # stored values are zero-copy slices of the put's body
-        assert s.data.address == buf.address + s.meta.offset
-    got = [codec.decode_value(s.meta, body) for s in vals]
+    (_, slices), = w.fetch("p", [("x", [1, 0])])
+    for batch, _, _ in slices:  # stored runs are zero-copy slices of the put's body
+        assert buf.address <= batch.data.address < buf.address + buf.size
+    got = fetched(w, "p", "x", [1, 0])
     assert torch.equal(got[0], torch.ones(2, 3)) and torch.equal(got[1], torch.arange(4))
     assert w.free("p") == buf.size and w.used == 0
     with pytest.raises(DockNotFound):
         w.fetch("p", [("x", [0])])
+
+
+def test_consecutive_samples_of_a_put_are_one_slice_whatever_their_number():
+    w = Warehouse(1 << 30)
+    src = [torch.arange(n) for n in range(1, 1001)]
+    cols, buf = encoded(src)
+    w.reserve(buf.size)
+    w.store("p", list(range(1000)), cols, buf, buf.size)
+    (_, slices), = w.fetch("p", [("x", list(range(100, 900)))])
+    assert len(slices) == 1 and slices[0][1:] == (100, 900)
+    (_, slices), = w.fetch("p", [("x", [5, 6, 7, 50, 51, 3])])
+    assert [s[1:] for s in slices] == [(5, 8), (50, 52), (3, 4)]
+    got = fetched(w, "p", "x", [5, 6, 7, 50, 51, 3])
+    assert [int(t[-1]) for t in got] == [5, 6, 7, 50, 51, 3]
+
+
+def test_no_python_object_per_stored_value():
+    import gc
+
+    w = Warehouse(1 << 30)
+    cols, buf = encoded(torch.zeros(20_000, 4))
+    gc.collect()
+    before = len(gc.get_objects())
+    for k in range(10):  # 200,000 values in 10 puts
+        w.reserve(buf.size)
+        w.store("p", list(range(k * 20_000, (k + 1) * 20_000)), cols, buf, buf.size)
+    gc.collect()
+    assert len(gc.get_objects()) - before < 200  # a few objects per put, none per value
 
 
 def test_capacity_reservations_and_never_fitting_puts():
@@ -57,16 +96,32 @@ def test_duplicate_columns_and_unstore():
     assert w.used == 0 and not w.has("p", [("x", [3])])
 
 
+def _col(name: str, n: int) -> pb.ColumnData:
+    return pb.ColumnData(name=name, runs=[pb.Run(kind=pb.MSGPACK, count=n, lengths=[1] * n, nbytes=n)])
+
+
 @pytest.mark.parametrize(
     "req, match",
     [
-        (pb.PutRequest(partition="", columns=[pb.ColumnData(name="x", values=[pb.Value()])], new_count=1), "partition"),
+        (pb.PutRequest(partition="", columns=[_col("x", 1)], new_count=1), "partition"),
         (pb.PutRequest(partition="p", new_count=1), "at least one column"),
-        (pb.PutRequest(partition="p", columns=[pb.ColumnData(name="x", values=[pb.Value()]), pb.ColumnData(name="y")], new_count=1), "same positive number"),
-        (pb.PutRequest(partition="p", columns=[pb.ColumnData(name="x", values=[pb.Value()] * 3)], new_count=3, group_size=2), "multiple of group_size"),
-        (pb.PutRequest(partition="p", columns=[pb.ColumnData(name="x", values=[pb.Value()] * 2)], indexes=[1]), "1 indexes given for 2"),
+        (pb.PutRequest(partition="p", columns=[_col("x", 1), pb.ColumnData(name="y")], new_count=1), "same positive number"),
+        (pb.PutRequest(partition="p", columns=[_col("x", 3)], new_count=3, group_size=2), "multiple of group_size"),
+        (pb.PutRequest(partition="p", columns=[_col("x", 2)], indexes=[1]), "1 indexes given for 2"),
     ],
 )
 def test_put_header_validation(req, match):
     with pytest.raises(DockValueError, match=match):
         Warehouse.validate_put(req)
+
+
+def test_a_put_of_existing_samples_in_any_order_is_found_by_index():
+    w = Warehouse(1 << 20)
+    order = [7, 2, 9, 4, 0]
+    cols, buf = encoded([torch.full((k + 1,), i) for k, i in enumerate(order)])  # ragged: the row holds its index
+    w.reserve(buf.size)
+    w.store("p", order, cols, buf, buf.size)
+    got = fetched(w, "p", "x", [0, 2, 4, 7, 9])
+    assert [int(t[0]) for t in got] == [0, 2, 4, 7, 9]
+    assert [len(t) for t in got] == [5, 2, 4, 1, 3]
+    assert [row.tolist() for row in [w.parts["p"].columns["x"].batches[0].rows(np.array([9, 7]))]] == [[2, 0]]

@@ -1,0 +1,204 @@
+"""The columnar data plane: many columns, ragged values, small to medium samples.
+
+Cases (real local daemons, one client, the public API only):
+
+- memory: ``mem_samples`` samples x 4 columns x 16 B, put as batched tensors
+  of ``mem_put`` samples; the warehouse process's RSS growth minus the payload,
+  per stored value, and the whole dock's per sample (controller included:
+  it runs in the same process here).
+- put rate of that workload (samples/s).
+- multi-column gets: 4 columns x 4 KiB against 1 column x 16 KiB (the same
+  bytes per sample), 256 samples per get: time per sample, and their ratio.
+- a GRPO-shaped sample: prompt and response token ids (int64), old and
+  reference log-probs and advantages (float32), a response mask (bool), each
+  a ragged 1-D tensor of 128..2048 elements, a float reward and a string uid
+  (~26 KiB on average); puts and gets of 64. Next to it, a single-thread
+  memcpy of the same bytes in the same run (the ceiling).
+- same-host puts of 1 MiB and 16 MiB samples (one per put, warm: after a
+  few puts of the same size), against memcpy into warm memory.
+
+Each figure is the median of ``repeats`` repeats.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+NAME = "columnar"
+TITLE = "Columnar data plane: memory per value, multi-column and GRPO-shaped samples vs memcpy"
+
+
+def requirements() -> str | None:
+    try:
+        import dockd  # noqa: F401
+    except ImportError as exc:
+        return f"dockd is not importable ({exc})"
+    return None
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def grpo_samples(n: int, seed: int = 0) -> dict[str, list[Any]]:
+    """n GRPO-shaped samples: six ragged 1-D tensors of 128..2048 elements, a reward, a uid."""
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    plen = rng.integers(128, 2049, n)
+    rlen = rng.integers(128, 2049, n)
+    out: dict[str, list[Any]] = {k: [] for k in ("prompts", "responses", "old_log_probs", "ref_log_probs",
+                                                 "advantages", "response_mask", "reward", "uid")}
+    for i in range(n):
+        out["prompts"].append(torch.randint(0, 32000, (int(plen[i]),), generator=g))
+        out["responses"].append(torch.randint(0, 32000, (int(rlen[i]),), generator=g))
+        for k in ("old_log_probs", "ref_log_probs", "advantages"):
+            out[k].append(torch.randn(int(rlen[i]), generator=g))
+        out["response_mask"].append(torch.ones(int(rlen[i]), dtype=torch.bool))
+        out["reward"].append(float(rng.random()))
+        out["uid"].append(f"prompt-{i // 8}-resp-{i % 8}")
+    return out
+
+
+def sample_bytes(cols: dict[str, list[Any]]) -> int:
+    return sum(v.numel() * v.element_size() for vs in cols.values() for v in vs if isinstance(v, torch.Tensor))
+
+
+def memcpy_gbps(nbytes: int, repeats: int = 5, working_set: int = 256 << 20) -> float:
+    """Single-thread copy of `nbytes` into warm (already faulted) memory, cycling through a
+    working set larger than the caches, as a stream of samples does."""
+    k = max(2, working_set // max(nbytes, 1))
+    srcs = [torch.empty(nbytes, dtype=torch.uint8).fill_(1) for _ in range(k)]
+    dsts = [torch.empty_like(s).fill_(0) for s in srcs]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for s, d in zip(srcs, dsts):
+            d.copy_(s)
+        times.append((time.perf_counter() - t0) / k)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def measure(*, quick: bool = False, repeats: int = 3) -> dict[str, Any]:
+    import dockd
+
+    torch.set_num_threads(1)
+    res: dict[str, Any] = {}
+    mem_samples, mem_put = (20_000, 1000) if quick else (200_000, 1000)
+    with dockd.start_local(1, capacity="8GiB") as cluster, dockd.connect(cluster.address) as d:
+        pid = cluster.procs[0].pid
+        # -- memory per value and put rate ------------------------------------------------
+        cols = {f"c{k}": torch.full((mem_put, 4), k, dtype=torch.float32) for k in range(4)}  # 16 B per value
+        d.put(cols, partition="warm")
+        d.clear("warm")
+        time.sleep(0.5)
+        before = _rss(pid)
+        t0 = time.perf_counter()
+        for _ in range(mem_samples // mem_put):
+            d.put(cols, partition="mem")
+        put_s = time.perf_counter() - t0
+        time.sleep(0.5)
+        grown = _rss(pid) - before
+        payload = mem_samples * 4 * 16
+        res["mem_overhead_per_value_B"] = (grown - payload) / (mem_samples * 4)
+        res["mem_dock_per_sample_B"] = (grown - payload) / mem_samples
+        res["mem_put_samples_per_s"] = mem_samples / put_s
+        d.clear("mem")
+
+        # -- multi-column vs single-column gets -------------------------------------------
+        n_get, per = (1024 if quick else 8192), 256
+        multi = {f"m{k}": torch.randn(n_get, 1024) for k in range(4)}  # 4 x 4 KiB
+        single = {"s": torch.randn(n_get, 4096)}                          # 1 x 16 KiB
+        for name, src in (("multi", multi), ("single", single)):
+            times = []
+            for r in range(repeats):
+                part = f"{name}-{r}"
+                for s in range(0, n_get, per):
+                    d.put({k: v[s:s + per] for k, v in src.items()}, partition=part)
+                t0 = time.perf_counter()
+                for _ in range(n_get // per):
+                    b = d.get("c", list(src), per, partition=part, timeout=60)
+                    assert len(b) == per
+                times.append((time.perf_counter() - t0) / n_get)
+                d.clear(part)
+            res[f"get_{name}_us_per_sample"] = statistics.median(times) * 1e6
+        res["get_multi_vs_single"] = res["get_multi_us_per_sample"] / res["get_single_us_per_sample"]
+
+        # -- GRPO-shaped samples ------------------------------------------------------------
+        n_grpo, batch = (256 if quick else 2048), 64
+        data = grpo_samples(n_grpo)
+        nbytes = sample_bytes(data)
+        res["grpo_bytes_per_sample"] = nbytes / n_grpo
+        put_t, get_t = [], []
+        for r in range(repeats):
+            part = f"grpo-{r}"
+            t0 = time.perf_counter()
+            for s in range(0, n_grpo, batch):
+                d.put({k: v[s:s + batch] for k, v in data.items()}, partition=part)
+            put_t.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            got = 0
+            for _ in range(n_grpo // batch):
+                b = d.get("trainer", list(data), batch, partition=part, timeout=60)
+                got += len(b)
+            get_t.append(time.perf_counter() - t0)
+            assert got == n_grpo
+            d.clear(part)
+        res["grpo_put_samples_per_s"] = n_grpo / statistics.median(put_t)
+        res["grpo_get_samples_per_s"] = n_grpo / statistics.median(get_t)
+        res["grpo_put_GBps"] = nbytes / statistics.median(put_t) / 1e9
+        res["grpo_get_GBps"] = nbytes / statistics.median(get_t) / 1e9
+        res["memcpy_grpo_batch_GBps"] = memcpy_gbps(int(nbytes / n_grpo * batch))
+        res["grpo_put_vs_memcpy"] = res["grpo_put_GBps"] / res["memcpy_grpo_batch_GBps"]
+        res["grpo_get_vs_memcpy"] = res["grpo_get_GBps"] / res["memcpy_grpo_batch_GBps"]
+
+        # -- same-host puts of large samples ------------------------------------------------
+        for mib in (1, 16):
+            size = mib << 20
+            x = torch.randint(0, 255, (1, size), dtype=torch.uint8)
+            n = 8 if quick else (64 if mib == 1 else 16)
+            for _ in range(4):
+                d.put({"x": x}, partition=f"big{mib}-warm")
+            d.clear(f"big{mib}-warm")
+            times = []
+            for r in range(repeats):
+                part = f"big{mib}-{r}"
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    d.put({"x": x}, partition=part)
+                times.append((time.perf_counter() - t0) / n)
+                d.clear(part)
+            res[f"put_{mib}MiB_GBps"] = size / statistics.median(times) / 1e9
+            res[f"memcpy_{mib}MiB_GBps"] = memcpy_gbps(size)
+            res[f"put_{mib}MiB_vs_memcpy"] = res[f"put_{mib}MiB_GBps"] / res[f"memcpy_{mib}MiB_GBps"]
+    return res
+
+
+def run(config) -> dict:
+    from .common import Row
+
+    res = measure(quick=config.quick, repeats=config.repeats)
+    rows = []
+    for key, v in res.items():
+        system = "memcpy" if key.startswith("memcpy") else "dockd"
+        op = "put" if "put" in key else "get" if "get" in key else "copy" if system == "memcpy" else "metadata"
+        unit = key.rsplit("_", 1)[-1] if key.rsplit("_", 1)[-1] in ("B", "us", "GBps", "s") else "ratio"
+        rows.append(Row(scenario=NAME, system=system, op=op, path=key, value=float(v), unit=unit).to_dict())
+    return {"rows": rows, "measured": res}
+
+
+if __name__ == "__main__":  # a standalone run: python benchmarks/columnar.py [--quick]
+    import json
+    import sys
+
+    print(json.dumps(measure(quick="--quick" in sys.argv), indent=1))
+    os._exit(0)
