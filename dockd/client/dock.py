@@ -21,10 +21,8 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import mmap
 
 import numpy as np
-import torch
 
 from dockd import auth, codec, shm
 from dockd._proto import dockd_pb2 as pb
