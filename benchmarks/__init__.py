@@ -49,6 +49,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("peer_transferqueue", "benchmarks.peers.transferqueue"),
     Scenario("peer_ray_buffer", "benchmarks.peers.ray_buffer"),
     Scenario("controller_scale", "benchmarks.controller_scale"),
+    Scenario("columnar", "benchmarks.columnar"),
     # Owned by the resharding module; runs only when named with --only.
     Scenario("resharding", "benchmarks.resharding", default=False),
 )

@@ -8,11 +8,15 @@ Cases (real local daemons, one client, the public API only):
   it runs in the same process here).
 - put rate of that workload (samples/s).
 - multi-column gets: 4 columns x 4 KiB against 1 column x 16 KiB (the same
-  bytes per sample), 256 samples per get: time per sample, and their ratio.
+  bytes per sample), 256 samples per get: time per sample and their ratio,
+  once taking every value as its own tensor (`batch[column]`: 4x the objects
+  for the multi-column case) and once each column as one tensor
+  (`batch.stacked(column)`).
 - a GRPO-shaped sample: prompt and response token ids (int64), old and
   reference log-probs and advantages (float32), a response mask (bool), each
   a ragged 1-D tensor of 128..2048 elements, a float reward and a string uid
-  (~26 KiB on average); puts and gets of 64. Next to it, a single-thread
+  (~31 KiB on average); puts and gets of 64, every value of every column
+  taken as its own object (`batch[column]`). Next to it, a single-thread
   memcpy of the same bytes in the same run (the ceiling).
 - same-host puts of 1 MiB and 16 MiB samples (one per put, warm: after a
   few puts of the same size), against memcpy into warm memory.
@@ -48,6 +52,9 @@ def requirements() -> str | None:
 def _rss(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+TENSORS = ("prompts", "responses", "old_log_probs", "ref_log_probs", "advantages", "response_mask")
 
 
 def grpo_samples(n: int, seed: int = 0) -> dict[str, list[Any]]:
@@ -118,20 +125,23 @@ def measure(*, quick: bool = False, repeats: int = 3) -> dict[str, Any]:
         n_get, per = (1024 if quick else 8192), 256
         multi = {f"m{k}": torch.randn(n_get, 1024) for k in range(4)}  # 4 x 4 KiB
         single = {"s": torch.randn(n_get, 4096)}                          # 1 x 16 KiB
-        for name, src in (("multi", multi), ("single", single)):
-            times = []
-            for r in range(repeats):
-                part = f"{name}-{r}"
-                for s in range(0, n_get, per):
-                    d.put({k: v[s:s + per] for k, v in src.items()}, partition=part)
-                t0 = time.perf_counter()
-                for _ in range(n_get // per):
-                    b = d.get("c", list(src), per, partition=part, timeout=60)
-                    assert len(b) == per
-                times.append((time.perf_counter() - t0) / n_get)
-                d.clear(part)
-            res[f"get_{name}_us_per_sample"] = statistics.median(times) * 1e6
-        res["get_multi_vs_single"] = res["get_multi_us_per_sample"] / res["get_single_us_per_sample"]
+        for how in ("lists", "stacked"):  # one tensor per value (the list API), or one per column
+            for name, src in (("multi", multi), ("single", single)):
+                times = []
+                for r in range(repeats):
+                    part = f"{name}-{how}-{r}"
+                    for s in range(0, n_get, per):
+                        d.put({k: v[s:s + per] for k, v in src.items()}, partition=part)
+                    t0 = time.perf_counter()
+                    for _ in range(n_get // per):
+                        b = d.get("c", list(src), per, partition=part, timeout=60)
+                        for k in src:
+                            assert (len(b[k]) if how == "lists" else b.stacked(k).shape[0]) == per
+                    times.append((time.perf_counter() - t0) / n_get)
+                    d.clear(part)
+                res[f"get_{name}_{how}_us_per_sample"] = statistics.median(times) * 1e6
+            res[f"get_multi_vs_single_{how}"] = (res[f"get_multi_{how}_us_per_sample"]
+                                                 / res[f"get_single_{how}_us_per_sample"])
 
         # -- GRPO-shaped samples ------------------------------------------------------------
         n_grpo, batch = (256 if quick else 2048), 64
@@ -149,6 +159,8 @@ def measure(*, quick: bool = False, repeats: int = 3) -> dict[str, Any]:
             got = 0
             for _ in range(n_grpo // batch):
                 b = d.get("trainer", list(data), batch, partition=part, timeout=60)
+                for k in data:  # every value of every column as its own object (the list API)
+                    assert len(b[k]) == batch
                 got += len(b)
             get_t.append(time.perf_counter() - t0)
             assert got == n_grpo

@@ -211,9 +211,34 @@ def compute_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 unit="B",
             )
         )
+    out.extend(_columnar_targets(results))
     for t in out:
         t["needs"] = _needs(t["id"])
     return out
+
+
+def _columnar_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The columnar data plane's targets, from the figures benchmarks/columnar.py measured."""
+    sc = results.get("scenarios", {}).get("columnar", {})
+    m = sc.get("info", {}).get("measured") if sc.get("status") == "ok" else None
+    if not m:
+        return []
+
+    def t(tid: str, what: str, key: str, bound: float, *, upper: bool = False, unit: str = "x") -> dict[str, Any]:
+        return _target(tid, what, m.get(key), None, bound, upper=upper, ratio=False, unit=unit)
+
+    return [
+        t("columnar_memory_per_value", "warehouse memory per stored value (RSS growth - payload)",
+          "mem_overhead_per_value_B", 32.0, upper=True, unit="B"),
+        t("columnar_dock_per_sample", "whole dock's memory per 4-column sample", "mem_dock_per_sample_B", 64.0,
+          upper=True, unit="B"),
+        t("columnar_grpo_put", "GRPO-shaped put vs memcpy of the same bytes", "grpo_put_vs_memcpy", 0.15),
+        t("columnar_grpo_get", "GRPO-shaped get vs memcpy of the same bytes", "grpo_get_vs_memcpy", 0.15),
+        t("columnar_multi_column_get", "4 x 4 KiB vs 1 x 16 KiB per-sample get time (columns as tensors)",
+          "get_multi_vs_single_stacked", 1.5, upper=True),
+        t("columnar_put_1MiB", "same-host put of 1 MiB samples vs memcpy", "put_1MiB_vs_memcpy", 0.5),
+        t("columnar_put_16MiB", "same-host put of 16 MiB samples vs memcpy", "put_16MiB_vs_memcpy", 0.5),
+    ]
 
 
 _NEEDS = (
@@ -223,6 +248,7 @@ _NEEDS = (
     ("vs_transferqueue", ("peer_dockd_central", "peer_transferqueue")),
     ("vs_ray-actor", ("peer_dockd_central", "peer_ray_buffer")),
     ("controller_", ("controller_scale",)),
+    ("columnar_", ("columnar",)),
 )
 
 

@@ -154,6 +154,8 @@ def encode_columns(columns: Mapping[str, Any], body: Body) -> list[pb.ColumnData
 
 def _runs(col: pb.ColumnData, name: str, values: Sequence[Any], body: Body) -> None:
     """Split per-sample values into runs: tensors of one dtype and trailing shape, or msgpack values."""
+    if _one_ragged_run(col, values, body):
+        return
     start, key, group = 0, None, []
     for i, v in enumerate(values):
         t = _as_tensor(name, i, v)
@@ -165,6 +167,26 @@ def _runs(col: pb.ColumnData, name: str, values: Sequence[Any], body: Body) -> N
         group.append(v if t is None else t)
     if group:
         _flush(col, name, key, group, start, body)
+
+
+def _one_ragged_run(col: pb.ColumnData, values: Sequence[Any], body: Body) -> bool:
+    """The common case in one pass of C-level iteration: 1-D tensors of one dtype (token ids,
+    log-probs, masks). False when the column is anything else."""
+    if not values or not all(type(v) is torch.Tensor for v in values):
+        return False
+    first = values[0]
+    if first.dtype not in _NAMES or first.layout != torch.strided or first.is_quantized:
+        return False
+    if {(v.dtype, v.dim()) for v in values} != {(first.dtype, 1)}:
+        return False
+    lengths = [v.numel() for v in values]
+    run = col.runs.add(kind=pb.TENSOR, count=len(values), dtype=_NAMES[first.dtype], shape=[-1], lengths=lengths)
+    flat = torch.cat(values).detach()
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    data = _bytes(flat)
+    run.offset, run.nbytes = body.add(data), data.nbytes
+    return True
 
 
 def _flush(col: pb.ColumnData, name: str, key: tuple, group: list[Any], start: int, body: Body) -> None:
@@ -308,12 +330,78 @@ def decode_run(run: pb.Run, buf, base: int = 0) -> list[Any]:
 
 def decode_column(col: pb.ColumnData, buffers: Mapping[int, tuple[Any, int]]) -> list[Any]:
     """A column's values from its runs; `buffers` maps a run's segment (0: the body) to (buffer, base)."""
-    runs = col.runs
-    if len(runs) == 1:
-        buf, base = buffers[runs[0].segment]
-        return decode_run(runs[0], buf, base)
-    out: list[Any] = []
-    for run in runs:
-        buf, base = buffers[run.segment]
-        out.extend(decode_run(run, buf, base))
-    return out
+    return Runs.of(col, buffers).values()
+
+
+class Runs:
+    """A received column, not yet split into one object per value: its runs and the buffers
+    they live in. `values()` makes the list; `stacked()` and `padded()` build one tensor for
+    the whole column without a Python object per value."""
+
+    __slots__ = ("runs", "count")
+
+    def __init__(self, runs: list[tuple[pb.Run, Any, int]]) -> None:
+        self.runs = runs
+        self.count = sum(r.count for r, _, _ in runs)
+
+    @classmethod
+    def of(cls, col: pb.ColumnData, buffers: Mapping[int, tuple[Any, int]]) -> Runs:
+        return cls([(run, *buffers[run.segment]) for run in col.runs])
+
+    def __len__(self) -> int:
+        return self.count
+
+    def values(self) -> list[Any]:
+        if len(self.runs) == 1:
+            return decode_run(*self.runs[0])
+        out: list[Any] = []
+        for run, buf, base in self.runs:
+            out.extend(decode_run(run, buf, base))
+        return out
+
+    def _flat(self) -> tuple[torch.Tensor, list[int], list[int]] | None:
+        """(all values' elements back to back, each value's first dimension, the common trailing
+        shape) when the column is tensors of one dtype and trailing shape; else None."""
+        if not self.runs or any(r.kind != pb.TENSOR for r, _, _ in self.runs):
+            return None
+        dtypes = {r.dtype for r, _, _ in self.runs}
+        trails = {tuple(r.shape[1:]) for r, _, _ in self.runs}
+        if len(dtypes) != 1 or len(trails) != 1 or any(not r.shape for r, _, _ in self.runs):
+            return None
+        dtype = DTYPES[dtypes.pop()]
+        trail = list(trails.pop())
+        flats, lengths = [], []
+        for run, buf, base in self.runs:
+            n = run.nbytes // ITEMSIZE[run.dtype]
+            flats.append(torch.frombuffer(buf, dtype=dtype, count=n, offset=run.offset - base) if n
+                         else torch.empty(0, dtype=dtype))
+            lengths.extend(run.lengths if run.shape[0] == -1 else [run.shape[0]] * run.count)
+        return (flats[0] if len(flats) == 1 else torch.cat(flats)), lengths, trail
+
+    def stacked(self) -> torch.Tensor:
+        """The column as one [n, *shape] tensor: a zero-copy view when it came as one run of
+        equal shapes."""
+        if len(self.runs) == 1:
+            run, buf, base = self.runs[0]
+            if run.kind == pb.TENSOR and run.shape and run.shape[0] != -1 and run.nbytes:
+                flat = torch.frombuffer(buf, dtype=DTYPES[run.dtype], count=run.nbytes // ITEMSIZE[run.dtype],
+                                        offset=run.offset - base)
+                return flat.view(run.count, *run.shape)
+        return torch.stack(self.values())
+
+    def padded(self, pad_value: float | int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """[n, max_len, *trailing] padded on the right, and the lengths; None when the column is
+        not tensors of one dtype and trailing shape. The rows are views made by one split of
+        the received bytes, copied once into the padded tensor."""
+        flat = self._flat()
+        if flat is None:
+            return None
+        data, lengths, trail = flat
+        unit = math.prod(trail)
+        rows = data.split([n * unit for n in lengths])
+        if trail:
+            rows = [r.view(-1, *trail) for r in rows]
+        lens = torch.tensor(lengths, dtype=torch.int64)
+        if not rows:
+            return torch.empty((0, 0, *trail), dtype=data.dtype), lens
+        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad_value), lens

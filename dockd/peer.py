@@ -66,6 +66,7 @@ class Peer(asyncio.BufferedProtocol):
         self.role: str | None = None   # the peer's proven role ("client"/"daemon"; "server" for an outgoing one)
         self.session = b""
         self.sid: bytes | None = None  # the session the controller files this connection under (once it used one)
+        self.pid: int | None = None    # the peer's process, on a same-host (Unix) connection
         self._challenge: pb.Challenge | None = None
         self.authed: asyncio.Future | None = None  # outgoing: resolves once both sides proved themselves
         self._timer: asyncio.TimerHandle | None = None

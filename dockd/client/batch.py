@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from dockd.codec import Runs
 from dockd.errors import DockTypeError, DockValueError
 
 
@@ -16,20 +17,33 @@ class Batch:
     `batch.indexes` lists the sample indexes; `batch["col"]` is a list with one
     value per sample in the same order (tensors for tensor columns, Python
     values for msgpack columns). `len(batch)` is the number of samples.
+    `batch.stacked("col")` and `batch.padded("col")` build one tensor for a
+    whole column without making the per-sample list first (the list is made
+    on first access, then kept).
     """
 
     __slots__ = ("partition", "indexes", "_columns")
 
-    def __init__(self, partition: str, indexes: list[int], columns: dict[str, list[Any]]) -> None:
+    def __init__(self, partition: str, indexes: list[int], columns: dict[str, list[Any] | Runs]) -> None:
         self.partition = partition
         self.indexes = indexes
         self._columns = columns
 
     def __getitem__(self, column: str) -> list[Any]:
         try:
-            return self._columns[column]
+            values = self._columns[column]
         except KeyError:
             raise KeyError(f"column {column!r} is not in this batch; it has {list(self._columns)}") from None
+        if isinstance(values, Runs):
+            values = self._columns[column] = values.values()
+        return values
+
+    def stacked(self, column: str) -> torch.Tensor:
+        """A column of equal-shaped tensors as one [n, *shape] tensor (zero-copy where it can be)."""
+        values = self._columns.get(column)
+        if isinstance(values, Runs):
+            return values.stacked()
+        return torch.stack(self[column])
 
     def __contains__(self, column: object) -> bool:
         return column in self._columns
@@ -45,13 +59,18 @@ class Batch:
         return list(self._columns)
 
     def items(self):
-        return self._columns.items()
+        return ((c, self[c]) for c in self._columns)
 
     def to_dict(self) -> dict[str, list[Any]]:
-        return dict(self._columns)
+        return {c: self[c] for c in self._columns}
 
     def padded(self, column: str, pad_value: float | int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """A 1-D ragged column as one [n, max_len] tensor plus the int64 lengths."""
+        runs = self._columns.get(column)
+        if isinstance(runs, Runs):
+            out = runs.padded(pad_value)
+            if out is not None and out[0].dim() == 2:
+                return out
         values = self[column]
         if not all(isinstance(v, torch.Tensor) for v in values):
             raise DockTypeError(f"column {column!r} holds non-tensor values; padded() needs tensors")

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dockd import auth, shm, wire
+from dockd.client.staging import Staging
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockClosed, DockConnectionError, DockProtocolError, from_status
 
@@ -337,6 +338,8 @@ class Pool:
         self.host, self.port, self.unix = host, port, unix
         self.connect_timeout = connect_timeout
         self.creds = creds
+        self.staging = Staging() if unix else None  # same-host puts write here
+        self._unpins: list[int] = []  # segments of this daemon we no longer map, to tell it
         self._idle: list[Connection] = []
         self._all: set[Connection] = set()
         self._lock = threading.Lock()
@@ -377,9 +380,21 @@ class Pool:
             self._all.discard(conn)
         conn.close()
 
+    def unpin(self, sid: int) -> None:
+        """A zero-copy mapping of this daemon's segment `sid` is gone (runs in a finalizer)."""
+        with self._lock:
+            self._unpins.append(sid)
+
+    def take_unpins(self) -> list[int]:
+        with self._lock:
+            out, self._unpins = self._unpins, []
+        return out
+
     def close(self) -> None:
         with self._lock:
             self.closed = True
             conns, self._all, self._idle = list(self._all), set(), []
         for c in conns:
             c.close()
+        if self.staging is not None:
+            self.staging.close()

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import secrets
@@ -17,7 +18,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -36,6 +37,7 @@ from dockd.errors import (
     DockDataLost,
     DockError,
     DockLeaseError,
+    DockNotFound,
     DockProtocolError,
     DockTypeError,
     DockValueError,
@@ -203,23 +205,28 @@ class Dock:
         return list(reply.put_reply.indexes)
 
     def _put_shm(self, pool: Pool, req: pb.PutRequest, body: codec.Body) -> pb.Frame:
-        """Copy the payload into a fresh memfd (the one copy), seal it, and hand the descriptor to the warehouse."""
-        fd = os.memfd_create("dockd-put", shm.MFD_FLAGS)
-        size = shm.padded(body.size)
+        """Copy the payload into a warm staging buffer (the one copy here) and name it; the warehouse
+        copies it into its own storage before it answers (see dockd.client.staging)."""
+        buf = pool.staging.take(body.size)
         try:
-            os.ftruncate(fd, size)
-            mm = memoryview(shm.map_shared(fd, size))
+            dst = memoryview(buf.view)
             off = 0
             for b in body.buffers:
                 src = memoryview(b).cast("B")
-                mm[off : off + src.nbytes] = src
+                dst[off : off + src.nbytes] = src
                 off += src.nbytes
-            del mm  # unmapped here: nothing else views it (a writable mapping would block the seal)
-            shm.seal(fd, shm.SEALED)  # stored as it is now: not even this process can change it any more
-            req.shm_size = body.size
-            reply, _, _ = call_on(pool, pb.Frame(put=req), fds=[fd])
+            req.staging, req.shm_size = buf.id, body.size
+            for attempt in (0, 1):
+                try:
+                    reply, _, _ = call_on(pool, pb.Frame(put=req), fds=[] if buf.registered else [buf.fd])
+                    break
+                except DockNotFound as e:  # the warehouse dropped our registration (many buffers, a restart)
+                    if attempt or "staging buffer" not in str(e):
+                        raise
+                    buf.registered = False
+            buf.registered = True
         finally:
-            os.close(fd)
+            pool.staging.give(buf)
         return reply
 
     def get(self, consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None = None,
@@ -234,12 +241,12 @@ class Dock:
         one sample) instead of waiting for `count`.
         """
         lease = self.acquire(consumer, columns, count, partition=partition, timeout=timeout, groups=groups,
-                             allow_partial=allow_partial, shuffle=shuffle, seed=seed, _scope=_scope)
+                             allow_partial=allow_partial, shuffle=shuffle, seed=seed, _scope=_scope, _lazy=True)
         if _scope is not None and _scope.cancelled:  # cancelled as the lease arrived: give it back, take nothing
             self.release(lease)
             raise DockClosed("the get was cancelled")
         try:
-            values = self.fetch(lease)
+            values = self._fetch(lease, lazy=True)
         except BaseException:
             try:
                 self.release(lease)
@@ -252,7 +259,7 @@ class Dock:
     def acquire(self, consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None = None,
                 groups: bool = False, allow_partial: bool = False, shuffle: bool = False, seed: int | None = None,
                 inline: bool = True, lease_timeout: float | None = None,
-                _scope: CallScope | None = None) -> Lease:
+                _scope: CallScope | None = None, _lazy: bool = False) -> Lease:
         """Low-level: lease samples without fetching them (see get).
 
         With inline=True (the default) the values held by the controller's own
@@ -288,9 +295,12 @@ class Dock:
         req.confirm.extend(confirms)
         deadline = None if timeout is None else time.monotonic() + timeout
 
+        used: list[Pool] = []
+
         def send(pool: Pool):
             if deadline is not None:  # a retry after a reconnect waits only for what is left
                 req.timeout = max(0.0, deadline - time.monotonic())
+            used[:] = [pool]
             return call_on(pool, pb.Frame(acquire=req), scope=_scope,
                            timeout=None if timeout is None else req.timeout + 30.0)
 
@@ -312,7 +322,8 @@ class Dock:
                 "consumer took before the restart can be handed out again (start the controller with --state-dir "
                 "to keep consumer progress)", partition)
         idx = list(a.indexes)
-        inline = dict(zip((c.name for c in a.inline), decode_reply(a.inline, body, fds)))
+        inline = dict(zip((c.name for c in a.inline),
+                          decode_reply(a.inline, body, fds, reply.pins, self._unpinner(used[0]), lazy=_lazy)))
         locs = None  # only needed to fetch what did not come inline
         if len(inline) < len(columns):
             locs = np.asarray(a.locations, dtype=np.int64).reshape(len(columns), len(idx))
@@ -321,6 +332,11 @@ class Dock:
 
     def fetch(self, lease: Lease) -> dict[str, list[Any]]:
         """Low-level: read a lease's values from the warehouses holding them, in parallel."""
+        return self._fetch(lease, lazy=False)
+
+    def _fetch(self, lease: Lease, *, lazy: bool) -> dict[str, Any]:
+        """Values per column: lists, or with `lazy` the received runs where a column came whole
+        from one place (made into a list only when asked for; see Batch)."""
         n = len(lease.indexes)
         idx = np.asarray(lease.indexes, dtype=np.int64)
         plan: dict[int, list[tuple[str, np.ndarray]]] = {}
@@ -341,10 +357,12 @@ class Dock:
                 req.columns.add(name=col, indexes=lease.indexes if pos is None else idx[pos].tolist())
             try:
                 try:
-                    reply, body, fds = call_on(self._router.pool(wid), pb.Frame(fetch=req))
+                    pool = self._router.pool(wid)
+                    reply, body, fds = call_on(pool, pb.Frame(fetch=req))
                 except DockConnectionError:  # a stale pooled connection: one more try on a fresh one
                     self._router.forget(wid)
-                    reply, body, fds = call_on(self._router.pool(wid), pb.Frame(fetch=req))
+                    pool = self._router.pool(wid)
+                    reply, body, fds = call_on(pool, pb.Frame(fetch=req))
             except DockConnectionError as e:
                 cols = [c for c, _ in plan[wid]]
                 lost = sorted({i for c, pos in plan[wid] for i in (lease.indexes if pos is None else idx[pos].tolist())})
@@ -352,7 +370,7 @@ class Dock:
                     f"cannot read columns {cols} of {len(lost)} samples from warehouse {wid}: {e}",
                     indexes=lost, columns=cols,
                 ) from None
-            return decode_reply(reply.fetch_reply.columns, body, fds)
+            return decode_reply(reply.fetch_reply.columns, body, fds, reply.pins, self._unpinner(pool), lazy=lazy)
 
         wids = list(plan)
         if not wids:
@@ -361,14 +379,16 @@ class Dock:
             results = [one(wids[0])]
         else:
             results = list(self._pool_executor().map(one, wids))
-        out: dict[str, list[Any]] = dict(lease.inline)
+        out: dict[str, Any] = dict(lease.inline)
+        if not lazy:
+            out = {c: v.values() if isinstance(v, codec.Runs) else v for c, v in out.items()}
         for wid, cols in zip(wids, results):
             for (col, pos), values in zip(plan[wid], cols):
                 if pos is None:
                     out[col] = values
-                else:
+                else:  # a column spread over warehouses: put each part in its place
                     dst = out.setdefault(col, [None] * n)
-                    for p, v in zip(pos.tolist(), values):
+                    for p, v in zip(pos.tolist(), values.values() if isinstance(values, codec.Runs) else values):
                         dst[p] = v
         return {c: out[c] for c in lease.columns}
 
@@ -388,7 +408,7 @@ class Dock:
         loc = reply.locate_reply
         self._router.learn(loc.warehouses)
         locs = np.asarray(loc.locations, dtype=np.int64).reshape(len(columns), len(idx))
-        values = self.fetch(Lease(0, partition, list(columns), idx, locs))
+        values = self._fetch(Lease(0, partition, list(columns), idx, locs), lazy=True)
         return Batch(partition, idx, values)
 
     def confirm(self, lease: Lease) -> None:
@@ -465,6 +485,35 @@ class Dock:
         """Low-level: give a lease's samples back to the pool for this consumer."""
         reply, _, _ = self._ctrl_call(pb.Frame(release=pb.ReleaseRequest(lease=lease.id, ticket=lease.ticket)))
         return reply.release_reply.released
+
+    def _send_unpins(self) -> None:
+        """Tell same-host warehouses which of their segments this process no longer maps (one-way;
+        a lost one only keeps a segment from being reused until this process exits)."""
+        for pool in list(self._router.all_pools):
+            if not pool.unix:
+                continue
+            sids = pool.take_unpins()
+            if not sids:
+                continue
+            try:
+                conn = pool.get()
+                try:
+                    conn.send(pb.Frame(oneway=True, unpin=sids))
+                finally:
+                    pool.put(conn)
+            except DockError as e:
+                logger.debug("[client] could not send unpins: %s", e)
+
+    def _unpinner(self, pool: Pool) -> Callable[[int], None]:
+        """What a zero-copy mapping of `pool`'s daemon calls when it is gone: queue the unpin (it
+        rides on the next request to that daemon, or the flusher sends it)."""
+        wake = self._confirm_wake
+
+        def unpin(sid: int) -> None:
+            pool.unpin(sid)
+            wake.set()
+
+        return unpin
 
     def _release_token(self, token: int) -> None:
         """Give back whatever lease an interrupted acquire got, so no sample stays leased to a call
@@ -563,6 +612,7 @@ def _flush_loop(ref: weakref.ref, wake: threading.Event, stop: threading.Event) 
             dock._send_confirms(dock._take_confirms())  # reconnects if the controller restarted
         except DockError as e:  # gone for good, or closing: unconfirmed leases expire and are handed out again
             logger.warning("[client] could not confirm fetched leases: %s", e)
+        dock._send_unpins()
         del dock
 
 
@@ -572,12 +622,17 @@ def _finalize(stop: threading.Event, wake: threading.Event, router: Router) -> N
     router.close()
 
 
-def decode_reply(columns: Sequence[pb.ColumnData], body: np.ndarray, fds: list[int]) -> list[list[Any]]:
+def decode_reply(columns: Sequence[pb.ColumnData], body: np.ndarray, fds: list[int], pins: Sequence[int] = (),
+                 unpin: Callable[[int], None] | None = None, *, lazy: bool = False) -> list[Any]:
     """Values of a reply: views of its body, or of shared-memory segments mapped copy-on-write.
 
     Each segment is mapped once (the range its runs span) and its descriptor
-    closed; the tensors keep the mapping, and so the memory, alive."""
+    closed; the tensors keep the mapping, and so the memory, alive. When the
+    mapping goes, the segment is unpinned (`pins` names the passed segments), so
+    the warehouse may fill it again; one that was passed but not mapped is
+    unpinned at once."""
     buffers: dict[int, tuple[Any, int]] = {0: (body, 0)}
+    mapped: set[int] = set()
     try:
         if fds:
             spans: dict[int, list[int]] = {}
@@ -590,12 +645,21 @@ def decode_reply(columns: Sequence[pb.ColumnData], body: np.ndarray, fds: list[i
             for k, (lo, hi) in spans.items():
                 if not 0 < k <= len(fds):
                     raise DockProtocolError(f"a run refers to descriptor {k} of {len(fds)} passed")
-                mm, delta = shm.map_private(fds[k - 1], lo, hi)
+                sid = pins[k - 1] if k <= len(pins) else 0
+                on_free = functools.partial(unpin, sid) if unpin is not None and sid else None
+                mm, delta = shm.map_private(fds[k - 1], lo, hi, on_free=on_free)
                 buffers[k] = (mm, lo - delta)
+                mapped.add(k)
     finally:
         for fd in fds:
             os.close(fd)
+        if unpin is not None:
+            for k, sid in enumerate(pins, 1):
+                if k not in mapped:
+                    unpin(sid)
     try:
+        if lazy:
+            return [codec.Runs.of(c, buffers) for c in columns]
         return [codec.decode_column(c, buffers) for c in columns]
     except KeyError as e:
         raise DockProtocolError(f"a run refers to descriptor {e} that was not passed") from None

@@ -350,6 +350,9 @@ def call_on(pool: Pool, frame: pb.Frame, buffers=(), size: int = 0, *, fds=(), t
             scope: CallScope | None = None):
     """One request on a pooled connection (a broken or interrupted one is dropped, never reused)."""
     conn = pool.get()
+    unpins = pool.take_unpins() if pool.unix else ()
+    if unpins:
+        frame.unpin.extend(unpins)
     try:
         if scope is not None:
             scope.enter(conn)

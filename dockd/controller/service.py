@@ -335,6 +335,7 @@ class ControllerService:
         if r.inline and self.inline is not None:
             cols, body, segs = self.inline(peer, r.partition, list(r.columns), res.indexes, res.locations)
             reply.inline.extend(cols)
+            out.pins.extend(s.sid for s in segs)
             peer.reply(frame, out, body.buffers, body.size, segs)
             return
         peer.reply(frame, out)

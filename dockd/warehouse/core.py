@@ -33,7 +33,8 @@ class _Batch:
     """One stored run: values back to back in `data`, for the samples `first`.. (consecutive
     indexes) or, when `order` is set, for the indexes `order` sorts into `keys`."""
 
-    __slots__ = ("kind", "dtype", "shape", "unit", "ends", "data", "segment", "count", "first", "keys", "order")
+    __slots__ = ("kind", "dtype", "shape", "unit", "ends", "lengths", "data", "segment", "count", "first", "keys",
+                 "order")
 
     def __init__(self, run: pb.Run, data: pa.Buffer, segment: object, rows: np.ndarray) -> None:
         self.kind = run.kind
@@ -42,17 +43,24 @@ class _Batch:
         self.count = run.count
         self.data = data
         self.segment = segment
+        self.lengths = self.ends = None
         if run.kind == pb.MSGPACK:
             self.unit = 1
-            self.ends = _ends(np.asarray(run.lengths, dtype=np.uint64), run.nbytes)
         elif self.shape and self.shape[0] == -1:
             self.unit = math.prod(self.shape[1:]) * ITEMSIZE[run.dtype]  # bytes per unit of the first dimension
-            self.ends = _ends(np.asarray(run.lengths, dtype=np.uint64) * np.uint64(self.unit), run.nbytes)
         else:
             self.unit = math.prod(self.shape) * ITEMSIZE[run.dtype]  # bytes per value
-            self.ends = None
+        if run.kind == pb.MSGPACK or (self.shape and self.shape[0] == -1):
+            small = run.nbytes < (1 << 32)
+            self.lengths = np.asarray(run.lengths, dtype=np.uint32 if small else np.uint64)
+            self.ends = np.cumsum(self.lengths, dtype=np.uint64)
+            if self.unit != 1:
+                self.ends *= np.uint64(self.unit)
+            if small:
+                self.ends = self.ends.astype(np.uint32)
         self.first = int(rows[0]) if len(rows) else 0
-        if len(rows) and int(rows[-1]) - self.first == len(rows) - 1 and (len(rows) < 3 or (np.diff(rows) == 1).all()):
+        if not len(rows) or (int(rows[-1]) - self.first == len(rows) - 1
+                             and (len(rows) < 3 or bool((rows[1:] - rows[:-1] == 1).all()))):
             self.keys = self.order = None
         else:  # indexes in any order (a put of existing samples): look rows up
             self.order = np.argsort(rows, kind="stable").astype(np.int32)
@@ -74,10 +82,8 @@ class _Batch:
         """Rows [r0, r1) as a run (offset left to the caller)."""
         lo, hi = self.span(r0, r1)
         out = pb.Run(kind=self.kind, count=r1 - r0, dtype=self.dtype, shape=self.shape, nbytes=hi - lo)
-        if self.ends is not None:
-            ends = self.ends[r0:r1].astype(np.int64)
-            lengths = np.diff(ends, prepend=lo) // self.unit
-            out.lengths.extend(lengths.tolist())
+        if self.lengths is not None:
+            out.lengths.extend(self.lengths[r0:r1].tolist())
         return out
 
 
@@ -105,12 +111,13 @@ class _Column:
 
 
 class _Part:
-    __slots__ = ("columns", "nbytes", "group_size")
+    __slots__ = ("columns", "nbytes", "group_size", "segments")
 
     def __init__(self) -> None:
         self.columns: dict[str, _Column] = {}
         self.nbytes = 0
         self.group_size = 0  # known once a put of new samples landed here
+        self.segments: list = []  # shared-memory segments its puts landed in
 
 
 def _idx(indexes) -> np.ndarray:
@@ -197,6 +204,8 @@ class Warehouse:
         part = self.parts.setdefault(partition, _Part())
         if group_size:
             part.group_size = group_size
+        if segment is not None:
+            part.segments.append(segment)
         idx = _idx(indexes)
         top = int(idx.max()) + 1 if len(idx) else 0
         for c in columns:
@@ -215,22 +224,28 @@ class Warehouse:
         self.used += nbytes
         part.nbytes += nbytes
 
-    def unstore(self, partition: str, indexes: Sequence[int], columns: Iterable[str], nbytes: int) -> None:
-        """Undo a store whose commit the controller refused."""
+    def unstore(self, partition: str, indexes: Sequence[int], columns: Iterable[str], nbytes: int) -> list:
+        """Undo a store whose commit the controller refused; the segments it no longer uses."""
         part = self.parts.get(partition)
         if part is None:
-            return
+            return []
         idx = _idx(indexes)
+        gone = []
         for c in columns:
             col = part.columns.get(c)
             if col is None:
                 continue
             here = idx[col.present(idx)]
             for b in np.unique(col.batch_of[here]).tolist():
+                seg = col.batches[b].segment
+                if seg is not None and seg not in gone:
+                    gone.append(seg)
                 col.batches[b] = None  # its rows are all among these samples: they came in one put
             col.batch_of[here] = -1
+        part.segments = [s for s in part.segments if s not in gone]
         part.nbytes -= nbytes
         self.used -= nbytes
+        return gone
 
     # -- reads and frees -----------------------------------------------------------------------
     def fetch(self, partition: str, wanted: Sequence[tuple[str, Sequence[int]]]) -> list[tuple[str, list[tuple]]]:
@@ -256,10 +271,10 @@ class Warehouse:
         if not len(idx):
             return []
         b = col.batch_of[idx]
-        bs = np.unique(b)
-        if len(bs) == 1:
-            r = col.batches[int(bs[0])].rows(idx)
+        if b[0] == b[-1] and (b == b[0]).all():  # the common case: all from one put
+            r = col.batches[int(b[0])].rows(idx)
         else:
+            bs = np.unique(b)
             r = np.empty(len(idx), dtype=np.int64)
             for bid in bs.tolist():
                 sel = b == bid
@@ -282,6 +297,11 @@ class Warehouse:
             return 0
         self.used -= part.nbytes
         return part.nbytes
+
+    def segments_of(self, partition: str) -> list:
+        """The shared-memory segments a partition's data lives in."""
+        part = self.parts.get(partition)
+        return list(part.segments) if part is not None else []
 
     def free_all(self) -> int:
         return sum(self.free(p) for p in list(self.parts))
@@ -314,12 +334,6 @@ class Warehouse:
             "reserved": self.reserved,
             "partitions": {name: p.nbytes for name, p in self.parts.items()},
         }
-
-
-def _ends(sizes: np.ndarray, total: int) -> np.ndarray:
-    """Row end offsets, in the narrowest dtype that holds them."""
-    ends = np.cumsum(sizes)
-    return ends.astype(np.uint32) if total < (1 << 32) else ends
 
 
 def _runs(idx: np.ndarray) -> list[int]:

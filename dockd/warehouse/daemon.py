@@ -36,6 +36,7 @@ from dockd.errors import DockAuthError, DockError, DockFull, DockNotFound, DockP
 from dockd.peer import Peer
 from dockd.warehouse.core import Warehouse
 from dockd.warehouse.link import ControllerLink, keepalive
+from dockd.warehouse.segments import Segments
 from dockd.wire import PROTOCOL_VERSION, check_protocol
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class Node:
         self.cfg = cfg
         self.instance = secrets.randbits(63) | 1
         self.warehouse = Warehouse(cfg.capacity)
+        self.segments = Segments(keep_bytes=min(cfg.capacity // 4, 4 << 30), watch=self._watch_pid)
         self.controller: ControllerService | None = None
         if cfg.controller:
             self.controller = ControllerService(
@@ -133,6 +135,7 @@ class Node:
         if soft < hard:  # every shared-memory put body holds one descriptor
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         self._segment_budget = shm.segment_budget()
+        self.segments.keep_count = max(4, self._segment_budget // 8)  # idle segments hold descriptors too
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         name = shm.unix_name(self.port)
         sock.bind(shm.unix_address(name))
@@ -156,13 +159,31 @@ class Node:
             except OSError as e:
                 logger.warning("[node] unix accept failed: %s", e)
                 return
-            uid = shm.peer_uid(conn)
+            pid, uid = shm.peer_cred(conn) or (None, None)
             if uid not in (os.getuid(), 0):  # the abstract socket has no permissions of its own
                 logger.warning("[auth] refused a same-host connection from uid=%s (this daemon runs as uid=%d)",
                                uid, os.getuid())
                 conn.close()
                 continue
-            shm.UnixTransport(asyncio.get_running_loop(), conn, self._make_peer())
+            peer = self._make_peer()
+            peer.pid = pid  # who pins the segments lent on this connection
+            shm.UnixTransport(asyncio.get_running_loop(), conn, peer)
+
+    def _watch_pid(self, pid: int, exited) -> None:
+        """Call `exited` when process `pid` ends (a pidfd becomes readable)."""
+        loop = asyncio.get_running_loop()
+        try:
+            fd = os.pidfd_open(pid)
+        except (OSError, AttributeError):  # gone already (or no pidfd): treat as exited
+            loop.call_soon(exited)
+            return
+
+        def done() -> None:
+            loop.remove_reader(fd)
+            os.close(fd)
+            exited()
+
+        loop.add_reader(fd, done)
 
     def _make_peer(self) -> Peer:
         """An accepted connection: it must authenticate first."""
@@ -260,7 +281,7 @@ class Node:
     def allocate(self, size: int):
         """Where a frame body is received: shared memory when big enough to be worth passing by descriptor."""
         if self._unix is not None and size >= shm.SHM_MIN_BODY and self._segment_room():
-            return shm.Segment.create(size, "dockd-put")
+            return self.segments.take(size)
         return pa.allocate_buffer(size)
 
     def _segment_room(self) -> bool:
@@ -280,6 +301,10 @@ class Node:
 
     def on_request(self, peer: Peer, frame: pb.Frame, body, fds: list[int]) -> None:
         kind = frame.WhichOneof("kind")
+        if frame.unpin:
+            self.segments.unpin(peer.pid, frame.unpin)
+            if kind is None:  # a frame that only gives pins back
+                return
         if fds and (kind != "put" or len(fds) > 1):
             for fd in fds:
                 os.close(fd)
@@ -362,7 +387,10 @@ class Node:
 
     # -- capacity -------------------------------------------------------------------------------
     def _free(self, partition: str) -> int:
+        segs = self.warehouse.segments_of(partition)
         n = self.warehouse.free(partition)
+        for seg in segs:  # back to the pool once no reader maps them
+            self.segments.release(seg)
         self._admit_waiters()
         return n
 
@@ -371,7 +399,8 @@ class Node:
         if unreserve:
             self.warehouse.unreserve(unreserve)
         if unstore is not None:
-            self.warehouse.unstore(*unstore)
+            for seg in self.warehouse.unstore(*unstore):
+                self.segments.release(seg)
         self._admit_waiters()
 
     def on_abandoned(self, peer: Peer, frame: pb.Frame, body_size: int) -> None:
@@ -408,33 +437,40 @@ class Node:
             for fd in fds:
                 os.close(fd)
             self._check_warehouse()
+        req = frame.put
         if isinstance(body, shm.Segment):  # a body received into a segment of ours: complete, so seal it
             body.seal()
-        if fds:  # shared-memory put: the payload arrived as a memfd
-            if len(fds) != 1 or body is not None:
-                for fd in fds:
-                    os.close(fd)
-                raise DockProtocolError("a shared-memory put passes exactly one descriptor and no body")
-            try:
-                seg = shm.Segment.adopt(fds[0], frame.put.shm_size or None)
-            except ValueError as e:
-                raise DockProtocolError(str(e)) from None
-            size = seg.buffer.size
-            body = seg
-            if not self._segment_room():  # keep the descriptor limit out of reach: copy, let the segment go
-                body = pa.allocate_buffer(size)
-                memoryview(body).cast("B")[:] = memoryview(seg.buffer).cast("B")
-                del seg
-            Warehouse.validate_put(frame.put)
-            wait = self._reserve(peer, size, frame.put.timeout)
+        if req.staging:  # a same-host put: the payload waits in the writer's staging buffer
+            if body is not None:
+                raise DockProtocolError("a staged put carries no body")
+            staged = self.segments.staging(peer.pid, req.staging, fds[0] if fds else None, req.shm_size)
+            Warehouse.validate_put(req)
+            wait = self._reserve(peer, req.shm_size, req.timeout)
             if wait is not None:
-                _spawn(self._put_when_admitted(wait, peer, frame, body))
+                _spawn(self._put_when_admitted(wait, peer, frame, staged))
                 return
+            body = self._copy_in(staged, req.shm_size)
+        elif fds:
+            for fd in fds:
+                os.close(fd)
+            raise DockProtocolError("a put passes a descriptor only to register a staging buffer")
         elif body is None:  # admit() (validation, reservation) only runs for frames with a body
-            Warehouse.validate_put(frame.put)
+            Warehouse.validate_put(req)
         self._put_reserved(peer, frame, body)
 
-    async def _put_when_admitted(self, wait, peer: Peer, frame: pb.Frame, body) -> None:
+    def _copy_in(self, staged, size: int):
+        """Copy a staged payload into storage of ours: a warm pool segment (or private memory past
+        the descriptor budget)."""
+        if size >= shm.SHM_MIN_BODY and self._segment_room():
+            seg = self.segments.take(size)
+            seg.writable()[:] = memoryview(staged)[:size]
+            seg.seal()
+            return seg
+        buf = pa.allocate_buffer(size)
+        memoryview(buf).cast("B")[:] = memoryview(staged)[:size]
+        return buf
+
+    async def _put_when_admitted(self, wait, peer: Peer, frame: pb.Frame, staged) -> None:
         try:
             await wait
         except asyncio.CancelledError:  # its client went away while it waited for room
@@ -443,7 +479,7 @@ class Node:
             peer.reply_error(frame, e)
             return
         try:
-            self._put_reserved(peer, frame, body)
+            self._put_reserved(peer, frame, self._copy_in(staged, frame.put.shm_size))
         except Exception as e:
             peer.reply_error(frame, e)
 
@@ -520,7 +556,7 @@ class Node:
             except Exception:
                 self._release_room(unreserve=size)
                 raise
-            self.warehouse.store(req.partition, idx.tolist(), req.columns, buf, size, seg, req.group_size or 1)
+            self.warehouse.store(req.partition, idx, req.columns, buf, size, seg, req.group_size or 1)
         out = idx.tolist()
         self._put_done(req.token, out)
         peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=out)))
@@ -586,14 +622,14 @@ class Node:
 
     def _reply_fetch(self, peer: Peer, frame: pb.Frame, found) -> None:
         cols, body, segs = self._encode(peer, found)
-        out = pb.Frame()
+        out = pb.Frame(pins=[s.sid for s in segs])
         out.fetch_reply.columns.extend(cols)
         peer.reply(frame, out, body.buffers, body.size, segs)
 
-    @staticmethod
-    def _encode(peer: Peer, found) -> tuple[list[pb.ColumnData], codec.Body, list]:
+    def _encode(self, peer: Peer, found) -> tuple[list[pb.ColumnData], codec.Body, list]:
         """A reply's columns from stored slices: one run per slice; big slices of shared-memory
-        segments go by descriptor to same-host peers, the rest as body bytes (no copy)."""
+        segments go by descriptor to same-host peers (pinned for the peer's process), the rest
+        as body bytes (no copy)."""
         body = codec.Body()
         segs: list = []
         index: dict[int, int] = {}
@@ -618,6 +654,8 @@ class Node:
                 run.offset = body.add(memoryview(data))
                 col.runs.append(run)
             out.append(col)
+        if segs:
+            self.segments.lend(peer.pid, segs)
         return out, body, segs
 
     def _inline_values(self, peer: Peer, partition: str, columns: list[str], indexes: np.ndarray, locations: np.ndarray):

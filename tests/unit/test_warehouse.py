@@ -125,3 +125,29 @@ def test_a_put_of_existing_samples_in_any_order_is_found_by_index():
     assert [int(t[0]) for t in got] == [0, 2, 4, 7, 9]
     assert [len(t) for t in got] == [5, 2, 4, 1, 3]
     assert [row.tolist() for row in [w.parts["p"].columns["x"].batches[0].rows(np.array([9, 7]))]] == [[2, 0]]
+
+
+def test_bookkeeping_stays_within_the_memory_budget():
+    """10^5 samples x 4 columns of 16 B: the warehouse's bookkeeping stays under 32 B per value and
+    the controller's and warehouse's together under 64 B per sample (traced allocations)."""
+    import tracemalloc
+
+    from dockd.controller.core import Controller
+
+    n, per = 100_000, 1000
+    cols, buf = encoded(torch.zeros(per, 4))
+    cols = [type(cols[0])(name=f"c{k}", runs=cols[0].runs) for k in range(4)]
+    ctl, w = Controller(), Warehouse(1 << 40)
+    tracemalloc.start()
+    try:
+        t0 = tracemalloc.get_traced_memory()[0]
+        puts = [ctl.commit("p", [c.name for c in cols], warehouse=0, new_count=per) for _ in range(n // per)]
+        t1 = tracemalloc.get_traced_memory()[0]
+        for idx in puts:
+            w.reserve(buf.size)
+            w.store("p", idx, cols, buf, buf.size)
+        t2 = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert (t2 - t1) / (4 * n) <= 32, f"{(t2 - t1) / (4 * n):.1f} B per value in the warehouse"
+    assert (t2 - t0) / n <= 64, f"{(t2 - t0) / n:.1f} B per sample for controller and warehouse"

@@ -1,0 +1,93 @@
+"""A same-host writer's staging buffers: memfds kept warm and registered with a warehouse once.
+
+A put to a warehouse on this host copies its payload into a staging buffer and
+names it; the warehouse (which maps each buffer once, when its descriptor
+first rides on a put) copies the payload into its own storage before it
+answers, so the buffer is free again as soon as the put returns. Writing into
+memory that is already mapped and faulted in runs at memcpy speed, where a
+fresh memfd per put ran at the speed the kernel hands out pages (about
+1 GB/s on the development VM). Each buffer is sealed against shrinking, so a
+warehouse never reads a mapping that vanished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import threading
+
+import numpy as np
+
+from dockd import shm
+
+MIN_SIZE = 4 << 20
+
+
+@dataclasses.dataclass(eq=False)
+class StagingBuffer:
+    id: int                  # random: names it to the warehouse, unique in this process
+    fd: int
+    size: int
+    view: np.ndarray         # our writable mapping
+    registered: bool = False  # the warehouse has its descriptor
+
+
+class Staging:
+    """The staging buffers of one connection pool (one warehouse).
+
+    Args:
+        max_bytes: idle buffers kept; a put needing more gets a buffer that is dropped after it.
+        max_buffers: buffers kept at most (the warehouse keeps a few per process mapped).
+    """
+
+    def __init__(self, *, max_bytes: int = 1 << 30, max_buffers: int = 8) -> None:
+        self.max_bytes = max_bytes
+        self.max_buffers = max_buffers
+        self._free: list[StagingBuffer] = []
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def take(self, n: int) -> StagingBuffer:
+        """A buffer of at least `n` bytes (the smallest idle one that fits, else a new one)."""
+        with self._lock:
+            fits = [b for b in self._free if b.size >= n]
+            if fits:
+                buf = min(fits, key=lambda b: b.size)
+                self._free.remove(buf)
+                return buf
+        size = max(MIN_SIZE, 1 << (n - 1).bit_length()) if n < (1 << 30) else shm.padded(n)
+        fd = os.memfd_create("dockd-staging", shm.MFD_FLAGS)
+        try:
+            os.ftruncate(fd, size)
+            shm.seal(fd, shm.STAGING_SEALS | shm.F_SEAL_GROW)
+            view = shm.map_shared(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return StagingBuffer(secrets.randbits(62) + 1, fd, size, view)
+
+    def give(self, buf: StagingBuffer) -> None:
+        """The put is done: keep the buffer for the next one (or drop it past the limits)."""
+        with self._lock:
+            if not self.closed:
+                self._free.append(buf)
+                self._free.sort(key=lambda b: b.size)
+                while len(self._free) > self.max_buffers or sum(b.size for b in self._free) > self.max_bytes:
+                    _drop(self._free.pop(0 if len(self._free) > self.max_buffers else -1))
+                return
+        _drop(buf)
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            free, self._free = self._free, []
+        for buf in free:
+            _drop(buf)
+
+
+def _drop(buf: StagingBuffer) -> None:
+    if buf.fd >= 0:
+        os.close(buf.fd)
+        buf.fd = -1
+    buf.view = None  # the mapping goes with the last reference

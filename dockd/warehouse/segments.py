@@ -1,0 +1,191 @@
+"""Shared memory a warehouse stores in and lends out: warm segments, readers' pins, writers' staging.
+
+Fresh shared pages are slow to come by (the kernel zeroes and maps them at
+about 1 GB/s on the development VM, against 10-20 GB/s for a copy into warm
+memory), so a warehouse recycles its segments instead of creating one per put:
+
+- **Storage.** A put body big enough for shared memory lands in a segment taken
+  from the pool (warm once it has been used) and sealed against writes through
+  any descriptor once filled; the warehouse keeps its own writable mapping.
+- **Pins.** Every descriptor lent to a same-host reader (a fetch or inline
+  reply) pins its segment for that reader's process, known from the Unix
+  socket (SO_PEERCRED). The reader maps it copy-on-write and unpins it when the
+  last tensor viewing the mapping is gone; a process that exits unpins all it
+  held (a pidfd tells the event loop). A segment goes back to the pool only
+  when its data was cleared *and* nobody pins it: a private mapping still shows
+  the shared page until its owner writes to it, so refilling a segment a
+  reader maps would change that reader's tensors.
+- **Staging.** A same-host writer keeps a few memfds of its own warm, registers
+  each once (its descriptor passes once, sealed against shrinking so that it
+  cannot vanish under our mapping) and names one per put; the warehouse keeps
+  them mapped read-only and copies the payload out into a pool segment. The
+  writer's later writes never reach stored data.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import weakref
+
+import numpy as np
+
+from dockd import shm
+from dockd.errors import DockNotFound, DockProtocolError
+
+logger = logging.getLogger(__name__)
+
+STAGING_PER_PROCESS = 16
+
+
+def size_class(n: int) -> int:
+    """Segment size for a payload: whole huge pages, rounded up to 4 classes per doubling."""
+    n = shm.padded(n)
+    if n < shm.HUGE:
+        return n
+    step = max(shm.HUGE, 1 << max(0, n.bit_length() - 3))
+    return -(-n // step) * step
+
+
+class Segments:
+    """The segment pool, pins and staging buffers of one warehouse.
+
+    Args:
+        keep_bytes: idle segments kept for reuse; beyond it, freed segments are closed.
+        keep_count: at most this many idle segments (each holds a descriptor).
+        watch: called with a pid and a callback, to call back when that process exits
+            (the daemon's event loop watches a pidfd); may be None (no watching).
+    """
+
+    def __init__(self, *, keep_bytes: int, keep_count: int = 1 << 30, watch=None) -> None:
+        self.keep_bytes = keep_bytes
+        self.keep_count = keep_count
+        self.idle_count = 0
+        self.watch = watch
+        self._idle: dict[int, list[shm.Segment]] = {}
+        self.idle_bytes = 0
+        # sid -> segment taken from the pool (weak: one dropped before it was stored just goes away)
+        self._live: weakref.WeakValueDictionary[int, shm.Segment] = weakref.WeakValueDictionary()
+        self._freed: dict[int, shm.Segment] = {}  # data gone, waiting for its pins
+        self.pins: dict[int, collections.Counter] = {}  # pid -> sid -> descriptors lent
+        self._pinned: collections.Counter = collections.Counter()  # sid -> all pins
+        self._staging: dict[int, collections.OrderedDict] = {}  # pid -> staging id -> read-only mapping
+        self.created = self.reused = 0
+
+    # -- storage --------------------------------------------------------------------------------
+    def take(self, size: int) -> shm.Segment:
+        """A segment for `size` payload bytes: a warm one from the pool if there is one."""
+        cls = size_class(size)
+        idle = self._idle.get(cls)
+        if idle:
+            seg = idle.pop()
+            self.idle_bytes -= seg.size
+            self.idle_count -= 1
+            seg.use(size)
+            self.reused += 1
+        else:
+            seg = shm.Segment.create(size, "dockd-store", capacity=cls)
+            self.created += 1
+        self._live[seg.sid] = seg
+        return seg
+
+    def release(self, seg: shm.Segment) -> None:
+        """Its data is gone (cleared, or the put failed): back to the pool once nobody maps it."""
+        if seg.sid not in self._live:
+            return
+        if self._pinned[seg.sid]:
+            if len(self._freed) < self.keep_count:
+                self._freed[seg.sid] = seg
+            else:  # too many waiting already: let it go (readers keep its memory, not its descriptor)
+                self._live.pop(seg.sid, None)
+        else:
+            self._recycle(seg)
+
+    def _recycle(self, seg: shm.Segment) -> None:
+        self._live.pop(seg.sid, None)
+        self._freed.pop(seg.sid, None)
+        self._pinned.pop(seg.sid, None)
+        if self.idle_bytes + seg.size > self.keep_bytes or self.idle_count >= self.keep_count:
+            return  # dropped: its descriptor and mapping go with the last reference
+        self._idle.setdefault(seg.size, []).append(seg)
+        self.idle_bytes += seg.size
+        self.idle_count += 1
+
+    # -- pins ------------------------------------------------------------------------------------
+    def lend(self, pid: int | None, segs: list[shm.Segment]) -> None:
+        """Descriptors of `segs` go to process `pid`: pinned until it unpins them or exits."""
+        if pid is None:  # unknown reader (not on a Unix socket): never recycle what it may map
+            for seg in segs:
+                self._pinned[seg.sid] += 1 << 40
+            return
+        held = self.pins.get(pid)
+        if held is None:
+            held = self.pins[pid] = collections.Counter()
+            if self.watch is not None:
+                self.watch(pid, lambda: self.process_exited(pid))
+        for seg in segs:
+            held[seg.sid] += 1
+            self._pinned[seg.sid] += 1
+
+    def unpin(self, pid: int | None, sids) -> None:
+        """Process `pid` no longer maps these segments (once per descriptor it was lent)."""
+        held = self.pins.get(pid) if pid is not None else None
+        if held is None:
+            return
+        for sid in sids:
+            if held[sid] <= 0:  # a process can only give back what it was lent
+                continue
+            held[sid] -= 1
+            if not held[sid]:
+                del held[sid]
+            self._drop_pin(sid, 1)
+
+    def _drop_pin(self, sid: int, n: int) -> None:
+        self._pinned[sid] -= n
+        if self._pinned[sid] <= 0:
+            self._pinned.pop(sid, None)
+            if sid in self._freed:
+                self._recycle(self._freed[sid])
+
+    def process_exited(self, pid: int) -> None:
+        held = self.pins.pop(pid, None)
+        self._staging.pop(pid, None)
+        if held:
+            logger.debug("[shm] reader exited pid=%d pinned_segments=%d", pid, len(held))
+            for sid, n in held.items():
+                self._drop_pin(sid, n)
+
+    # -- staging ---------------------------------------------------------------------------------
+    def staging(self, pid: int | None, sid: int, fd: int | None, size: int) -> np.ndarray:
+        """The read-only mapping of a writer's staging buffer (registered now if `fd` is given)."""
+        if pid is None:
+            raise DockProtocolError("staging buffers are for same-host writers (a Unix socket)")
+        bufs = self._staging.setdefault(pid, collections.OrderedDict())
+        if fd is not None:
+            try:
+                if shm.seals(fd) & shm.STAGING_SEALS != shm.STAGING_SEALS:
+                    raise DockProtocolError("a staging buffer must be sealed against shrinking (F_SEAL_SHRINK)")
+                total = os.fstat(fd).st_size
+                if not 0 < total <= 1 << 40:
+                    raise DockProtocolError(f"a staging buffer of {total} bytes")
+                bufs[sid] = shm.map_shared(fd, total, readonly=True)
+            finally:
+                os.close(fd)
+            if len(bufs) > STAGING_PER_PROCESS:
+                bufs.popitem(last=False)
+            if pid not in self.pins:
+                self.pins[pid] = collections.Counter()
+                if self.watch is not None:
+                    self.watch(pid, lambda: self.process_exited(pid))
+        view = bufs.get(sid)
+        if view is None:
+            raise DockNotFound(f"unknown staging buffer {sid}: send its descriptor again")
+        if size > len(view):
+            raise DockProtocolError(f"a put of {size} bytes from a {len(view)}-byte staging buffer")
+        bufs.move_to_end(sid)
+        return view
+
+    def stats(self) -> dict:
+        return {"live": len(self._live), "idle": sum(map(len, self._idle.values())), "idle_bytes": self.idle_bytes,
+                "pinned": len(self._pinned), "created": self.created, "reused": self.reused}
