@@ -22,9 +22,8 @@ from dockd.errors import (
     DockTypeError,
     DockValueError,
 )
+from dockd._version import __version__
 from dockd.local import LocalCluster, start_local
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AsyncDock",

@@ -48,6 +48,9 @@ NONCE = 32
 MIN_TOKEN = 16
 GRPC_HEADER = "x-dockd-auth"
 GRPC_WINDOW = 300.0  # seconds a gRPC call's timestamp may be off
+#: Why a daemon refused someone: a wrong token proof, an unknown role, no proof in time, a
+#: same-host connection of another user, a client sending daemon messages, an unsigned gRPC call.
+FAILURE_REASONS = ("bad_proof", "role", "timeout", "uid", "daemon_message", "grpc")
 
 
 def load_token(path: str | os.PathLike, what: str = "token") -> bytes:
@@ -131,6 +134,11 @@ class ServerAuth:
 
     client_key: bytes | None
     daemon_key: bytes | None
+    failures: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(FAILURE_REASONS, 0))
+    """Refusals by reason (for metrics; see FAILURE_REASONS)."""
+
+    def failed(self, reason: str) -> None:
+        self.failures[reason] = self.failures.get(reason, 0) + 1
 
     @property
     def roles(self) -> bool:
@@ -149,12 +157,14 @@ class ServerAuth:
         check_protocol(auth.protocol, f"the {auth.role or 'peer'} {auth.name or ''}".rstrip())
         role = auth.role
         if role not in (CLIENT, DAEMON):
+            self.failed("role")
             raise DockAuthError(f"unknown role {role!r}")
         key = self.client_key if role == CLIENT else self.daemon_key
         if key is None:  # tokenless clients; or no roles at all (--insecure without a token)
             return pb.AuthReply()
         if len(auth.nonce) != NONCE or not hmac.compare_digest(
                 auth.mac, _mac(key, b"dockd-auth-v1", role.encode(), challenge.nonce, auth.nonce)):
+            self.failed("bad_proof")
             raise DockAuthError(
                 "authentication failed: this dock needs the token it was started with"
                 if role == CLIENT else "authentication as a dockd daemon failed: wrong daemon token or secret"

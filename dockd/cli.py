@@ -1,4 +1,4 @@
-"""The `dockd` command: serve a node, run the demo, show stats, run benchmarks."""
+"""The `dockd` command: serve a node, run the demo, watch a dock, run benchmarks."""
 
 from __future__ import annotations
 
@@ -6,17 +6,49 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
+import time
 
-from dockd.errors import DockError
+from dockd._version import __version__
+from dockd.errors import DockError, DockValueError
+
+_FIELD = re.compile(r"""(\w+)=('[^']*'|"[^"]*"|\S+)""")
+_TAG = re.compile(r"\[(\w+)\]\s*")
+_RESERVED = {"ts", "level", "logger", "pid", "component", "event", "msg", "exc"}
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s",
-        stream=sys.stderr,
-    )
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line for log shippers: the message's [component], its event (the
+    words before the first key=value) and every key=value field, next to the whole message."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        out: dict = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(), "logger": record.name, "pid": record.process,
+        }
+        tag = _TAG.match(msg)
+        if tag:
+            out["component"] = tag.group(1)
+        rest = msg[tag.end():] if tag else msg
+        first = _FIELD.search(rest)
+        out["event"] = (rest[: first.start()] if first else rest).strip().rstrip(":;,") or None
+        for key, value in _FIELD.findall(rest):
+            if key not in _RESERVED:
+                value = value.strip("'\"").rstrip(";,")
+                out[key] = int(value) if re.fullmatch(r"-?\d+", value) else value
+        out["msg"] = msg
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def _setup_logging(level: str, fmt: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
 
 
 def _serve(args) -> int:
@@ -31,7 +63,7 @@ def _serve(args) -> int:
         warehouse_grace=args.warehouse_grace, token_file=args.token_file or os.environ.get("DOCKD_TOKEN_FILE", ""),
         daemon_token_file=args.daemon_token_file or "", insecure=args.insecure, max_connections=args.max_connections,
         handshake_timeout=args.handshake_timeout, stall_timeout=args.stall_timeout, idle_timeout=args.idle_timeout,
-        daemon_timeout=args.daemon_timeout,
+        daemon_timeout=args.daemon_timeout, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
     )
     if cfg.insecure and not cfg.token_file:
         logging.getLogger("dockd").warning(
@@ -40,14 +72,33 @@ def _serve(args) -> int:
     return serve(cfg)
 
 
-def _stats(args) -> int:
+def _connect(args):
     import dockd
-
     from dockd.auth import load_token
 
     token = load_token(args.token_file) if args.token_file else None
-    with dockd.connect(args.address, token=token) as dock:
+    return dockd.connect(args.address, token=token, connect_timeout=args.connect_timeout)
+
+
+def _stats(args) -> int:
+    with _connect(args) as dock:
         print(json.dumps(dock.stats(), indent=2, default=str))
+    return 0
+
+
+def _status(args) -> int:
+    from dockd.status import run
+
+    if args.interval < 0 or (args.watch and args.interval == 0):
+        raise DockValueError(f"--interval must be > 0 seconds with --watch (>= 0 without), got {args.interval:g}")
+    with _connect(args) as dock:
+        return run(dock, address=args.address, watch=args.watch, interval=args.interval, as_json=args.json)
+
+
+def _clear(args) -> int:
+    with _connect(args) as dock:
+        n = dock.clear(args.partition)
+    print(f"cleared partition {args.partition!r}: {n} samples")
     return 0
 
 
@@ -75,7 +126,11 @@ def _bench(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dockd", description="dockd: a distributed transfer dock for RL post-training")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    p.add_argument("--version", action="version", version=f"dockd {__version__}")
+    p.add_argument("--log-level", default=None,
+                   help="DEBUG, INFO, WARNING or ERROR (default INFO for serve and demo, WARNING otherwise)")
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="text (default) or json: one JSON object per line, with the key=value fields split out")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("serve", help="run a node daemon (a warehouse; --controller also hosts the controller)")
@@ -114,7 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the controller waits this long for a warehouse's answer, e.g. to a clear (default 30)")
     s.add_argument("--warehouse-grace", type=float, default=15.0, metavar="SECONDS",
                    help="controller: a warehouse that dropped its connection has this long to rejoin (default 15)")
+    s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: pick a free one; default: off)")
+    s.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the metrics endpoint binds (default 127.0.0.1; it needs no token)")
     s.add_argument("--log-level", dest="serve_log_level", default=None, help=argparse.SUPPRESS)
+    s.add_argument("--log-format", dest="serve_log_format", choices=("text", "json"), default=None,
+                   help=argparse.SUPPRESS)
     s.set_defaults(fn=_serve)
 
     d = sub.add_parser("demo", help="start a local dock and run a synthetic GRPO pipeline through it")
@@ -124,10 +185,28 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--warehouses", type=int, default=2)
     d.set_defaults(fn=_demo)
 
+    def client_args(q: argparse.ArgumentParser) -> None:
+        q.add_argument("address", help="the controller's host:port (a warehouse's works too)")
+        q.add_argument("--token-file", metavar="FILE", help="the dock's token (default: $DOCKD_TOKEN_FILE)")
+        q.add_argument("--connect-timeout", type=float, default=5.0, metavar="SECONDS",
+                       help="how long to wait for the dock (default 5)")
+
     st = sub.add_parser("stats", help="print a dock's stats as JSON")
-    st.add_argument("address", help="controller host:port")
-    st.add_argument("--token-file", metavar="FILE", help="the dock's token (default: $DOCKD_TOKEN_FILE)")
+    client_args(st)
     st.set_defaults(fn=_stats)
+
+    sv = sub.add_parser("status", help="a dock at a glance: warehouses, traffic, each consumer's progress")
+    client_args(sv)
+    sv.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    sv.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
+                    help="seconds between snapshots; traffic rates are measured over it (default 1; 0: no rates)")
+    sv.add_argument("--json", action="store_true", help="print JSON (one object per snapshot) instead of the view")
+    sv.set_defaults(fn=_status)
+
+    cl = sub.add_parser("clear", help="free a partition's data on every warehouse and forget it")
+    client_args(cl)
+    cl.add_argument("partition", help="the partition to clear")
+    cl.set_defaults(fn=_clear)
 
     b = sub.add_parser("bench", help="run the sample-flow benchmarks (from a source checkout); --help for theirs",
                        add_help=False)
@@ -141,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         args.rest = extra  # everything after `bench` belongs to the benchmark runner
     elif extra:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
-    _setup_logging(getattr(args, "serve_log_level", None) or args.log_level)
+    level = getattr(args, "serve_log_level", None) or args.log_level
+    _setup_logging(level or ("INFO" if args.cmd in ("serve", "demo") else "WARNING"),
+                   getattr(args, "serve_log_format", None) or args.log_format)
     try:
         return args.fn(args)
     except DockError as e:

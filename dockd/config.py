@@ -105,6 +105,10 @@ class NodeConfig:
     """Seconds a client connection may make no request before it is closed (clients reconnect)."""
     daemon_timeout: float = 30.0
     """Seconds the controller waits for a warehouse to answer (e.g. to free a cleared partition)."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics over HTTP on this port (0 picks a free one; None: off)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint binds (it needs no token: keep it off untrusted networks)."""
 
     def __post_init__(self) -> None:
         if self.controller == bool(self.join):
@@ -115,6 +119,8 @@ class NodeConfig:
             raise DockValueError(f"--join expects HOST:PORT, got {self.join!r}")
         if not 0 <= self.port < 65536 or not 0 <= self.grpc_port < 65536:
             raise DockValueError(f"ports must be in 0..65535, got {self.port} and {self.grpc_port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise DockValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
         if self.capacity <= 0:
             raise DockValueError(f"capacity must be > 0 bytes, got {self.capacity}")
         if self.lease_timeout <= 0:

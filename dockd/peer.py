@@ -24,6 +24,7 @@ import collections
 import itertools
 import logging
 import os
+import time
 from collections.abc import Awaitable, Sequence
 from typing import Protocol
 
@@ -39,6 +40,7 @@ _SCRATCH = 64 << 10   # per connection; grows for large headers and shrinks back
 _DISCARD = 1 << 20
 HANDSHAKE_HEADER = 4096       # bytes a frame may have before the peer authenticated
 MAX_QUEUED_FDS = 64           # descriptors received ahead of the frames that claim them
+_TIMED_MAX = 4096             # requests of one connection timed at once (the rest go untimed)
 
 
 class Handler(Protocol):
@@ -90,6 +92,8 @@ class Peer(asyncio.BufferedProtocol):
         self._next_id = itertools.count(1)
         self._fds: collections.deque[int] = collections.deque()  # received, not yet claimed by a frame
         self._frame_fds: list[int] = []
+        self.metrics = getattr(handler, "metrics", None)  # a dockd.metrics.Metrics: requests are timed
+        self._started: dict[int, tuple[str, float]] = {}  # request id -> (kind, arrival), until its reply
 
     @property
     def passes_fds(self) -> bool:
@@ -124,6 +128,8 @@ class Peer(asyncio.BufferedProtocol):
             return
         now = asyncio.get_running_loop().time()
         if self.role is None:
+            if self._accept is not None:
+                self._accept.failed("timeout")
             self.fail(DockAuthError(f"no authentication within {self.handshake_timeout:g}s"))
             return
         mid_frame = self._dest is not None or self._hi > self._lo or self._pending is not None
@@ -225,6 +231,11 @@ class Peer(asyncio.BufferedProtocol):
             self._lo += need
             if frame.reply and blen:
                 raise DockProtocolError("a reply to a daemon carries no body")
+            if self.metrics is not None and not frame.reply and not frame.oneway and self.role is not None \
+                    and len(self._started) < _TIMED_MAX:
+                kind = frame.WhichOneof("kind")
+                if kind is not None:  # (a bare frame only gives pins back: it has no reply)
+                    self._started[frame.id] = (kind, time.perf_counter())
             if frame.fds:
                 if frame.fds > len(self._fds):
                     raise DockProtocolError(f"frame announces {frame.fds} descriptors but {len(self._fds)} arrived")
@@ -381,11 +392,17 @@ class Peer(asyncio.BufferedProtocol):
         frame.id = request.id
         frame.reply = True
         self.send(frame, buffers, body_size, fds)
+        if self._started:
+            started = self._started.pop(request.id, None)
+            if started is not None:
+                self.metrics.request(started[0], time.perf_counter() - started[1])
 
     def reply_error(self, request: pb.Frame, exc: BaseException) -> None:
         if request.oneway:
             logger.warning("[peer] one-way request failed peer=%s error=%s", self.name, exc)
             return
+        if self.metrics is not None and self.role is not None:
+            self.metrics.error(request.WhichOneof("kind") or "unpin", exc)
         frame = pb.Frame()
         to_status(exc, frame.status)
         self.reply(request, frame)

@@ -75,8 +75,8 @@ class AsyncDock:
     async def clear(self, partition: str) -> int:
         return await self._run(self.dock.clear, partition)
 
-    async def stats(self) -> dict[str, Any]:
-        return await self._run(self.dock.stats)
+    async def stats(self, *, traffic: bool = False) -> dict[str, Any]:
+        return await self._run(functools.partial(self.dock.stats, traffic=traffic))
 
     async def close(self) -> None:
         self.dock.close()

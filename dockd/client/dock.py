@@ -530,8 +530,15 @@ class Dock:
         reply, _, _ = self._ctrl_call(pb.Frame(clear=pb.ClearRequest(partition=partition)))
         return reply.clear_reply.samples
 
-    def stats(self) -> dict[str, Any]:
-        """Samples per partition, per-consumer taken counts, bytes per warehouse."""
+    def stats(self, *, traffic: bool = False) -> dict[str, Any]:
+        """The dock as its controller sees it: samples per partition, per consumer how many it
+        has taken, holds under lease, could take now (`ready`, for the columns it asked for)
+        and how many of its gets wait; bytes per warehouse.
+
+        With `traffic=True` each live warehouse is also asked (one round trip each) for its
+        version and its byte counters since it started (`put_bytes`, `get_bytes`); one that
+        does not answer gets an `error` instead.
+        """
         reply, _, _ = self._ctrl_call(pb.Frame(stats=pb.StatsRequest()))
         s = reply.stats_reply
         parts = {
@@ -539,7 +546,8 @@ class Dock:
                 "samples": p.samples,
                 "group_size": p.group_size,
                 "columns": dict(zip(p.columns, p.column_ready)),
-                "consumers": {c.name: {"taken": c.taken, "leased": c.leased} for c in p.consumers},
+                "consumers": {c.name: {"taken": c.taken, "leased": c.leased, "ready": c.ready, "waiting": c.waiting}
+                              for c in p.consumers},
                 "recovered": p.recovered,
             }
             for p in s.partitions
@@ -549,7 +557,20 @@ class Dock:
                    "capacity": w.capacity, "bytes": w.used}
             for w in s.warehouses
         }
+        if traffic:
+            self._router.learn(s.warehouses)
+            for wid, w in whs.items():
+                if not w["alive"]:
+                    continue
+                try:
+                    hello = self._router.hello(wid)
+                except DockError as e:
+                    w["error"] = str(e)
+                    continue
+                w.update(version=hello.version, put_bytes=hello.put_bytes, get_bytes=hello.get_bytes)
         return {
+            "version": s.version,
+            "controller": self._router.address,
             "samples": sum(p["samples"] for p in parts.values()),
             "bytes": sum(w["bytes"] for w in whs.values()),
             "waiting": s.waiting,

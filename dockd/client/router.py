@@ -206,6 +206,15 @@ class Router:
             self._close_pool(new)
         return pool
 
+    def hello(self, wid: int) -> pb.HelloReply:
+        """Ask warehouse `wid` about itself (one attempt: an unreachable one raises at once)."""
+        pool = self.pool(wid)
+        try:
+            return self._hello(pool)
+        except DockConnectionError:
+            self.forget(wid)
+            raise
+
     def forget(self, wid: int) -> None:
         """Drop the connections to a warehouse that failed (the next call reconnects)."""
         with self.lock:

@@ -158,6 +158,10 @@ class _Partition:
                 sub.eligible.grow(cap // self.group_size if sub.groups else cap)
         self.capacity = cap
 
+    def ready_for(self, cons: _Consumer) -> int:
+        """Samples `cons` could take now: the most of any column set it has asked for."""
+        return max((s.eligible.total * (self.group_size if s.groups else 1) for s in cons.subs.values()), default=0)
+
     def bit(self, column: str) -> int:
         b = self.columns.get(column)
         if b is None:
@@ -733,7 +737,8 @@ class Controller:
                     "columns": {
                         c: int(np.count_nonzero((ready >> np.uint64(b)) & np.uint64(1))) for c, b in part.columns.items()
                     },
-                    "consumers": {name: {"taken": c.taken, "leased": c.leased} for name, c in part.consumers.items()},
+                    "consumers": {name: {"taken": c.taken, "leased": c.leased, "ready": part.ready_for(c)}
+                                  for name, c in part.consumers.items()},
                     "recovered": part.recovered,
                 }
             )

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
+from dockd._version import __version__
 from dockd.controller.core import AcquireResult, Controller
 from dockd.controller.journal import Journal
 from dockd.controller.membership import Membership
@@ -66,6 +67,7 @@ class ControllerService:
         self._sync_timer: asyncio.TimerHandle | None = None
         self._syncing = False
         self.closing = False
+        self.leases_expired = 0
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -245,6 +247,7 @@ class ControllerService:
 
     async def clear(self, req: pb.ClearRequest) -> int:
         n = self.core.clear(req.partition)
+        logger.info("[controller] partition cleared partition=%s samples=%d", req.partition, n)
         if self.journal is not None:
             self.journal.clear(req.partition)
         for w in list(self.waiters.get(req.partition, ())):
@@ -274,7 +277,13 @@ class ControllerService:
         return out
 
     def stats(self) -> pb.StatsReply:
-        out = pb.StatsReply(warehouses=self.warehouse_infos(), waiting=sum(map(len, self.waiters.values())))
+        out = pb.StatsReply(warehouses=self.warehouse_infos(), waiting=sum(map(len, self.waiters.values())),
+                            version=__version__)
+        waiting: dict[tuple[str, str], int] = {}
+        for part, ws in self.waiters.items():
+            for w in ws:
+                key = (part, w.frame.acquire.consumer)
+                waiting[key] = waiting.get(key, 0) + 1
         for p in self.core.stats():
             ps = pb.PartitionStats(name=p["name"], samples=p["samples"], group_size=p["group_size"],
                                    recovered=p["recovered"])
@@ -282,7 +291,8 @@ class ControllerService:
                 ps.columns.append(c)
                 ps.column_ready.append(n)
             for name, c in p["consumers"].items():
-                ps.consumers.append(pb.ConsumerStats(name=name, taken=c["taken"], leased=c["leased"]))
+                ps.consumers.append(pb.ConsumerStats(name=name, taken=c["taken"], leased=c["leased"], ready=c["ready"],
+                                                     waiting=waiting.get((p["name"], name), 0)))
             out.partitions.append(ps)
         return out
 
@@ -407,6 +417,7 @@ class ControllerService:
         if self.journal is not None:
             for lease in expired:
                 self.journal.release(lease.id)
+        self.leases_expired += len(expired)
         if expired:
             logger.warning("[controller] leases expired unconfirmed count=%d; their samples return to the pool", len(expired))
         for part in {l.partition for l in expired}:

@@ -1,4 +1,5 @@
 """gRPC admin surface of a node: the standard grpc.health.v1 service and dockd.v1.Admin/Stats.
+Every answer carries the daemon's version in the `x-dockd-version` header.
 
 It runs on its own threads; requests that need node state hop onto the event loop.
 With a token, every call but the health check must carry `dockd.auth.grpc_metadata`
@@ -19,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from dockd import auth
 from dockd._proto import dockd_pb2 as pb
 from dockd._proto import dockd_pb2_grpc
+from dockd._version import __version__
 from dockd.errors import DockAuthError
 
 logger = logging.getLogger(__name__)
@@ -34,7 +36,7 @@ class _Admin(dockd_pb2_grpc.AdminServicer):
             if self.node.controller is not None:
                 return self.node.controller.stats()
             w = self.node.warehouse
-            return pb.StatsReply(warehouses=[pb.WarehouseInfo(
+            return pb.StatsReply(version=__version__, warehouses=[pb.WarehouseInfo(
                 id=self.node.wid, host=self.node.cfg.host, port=self.node.port, alive=True, capacity=w.capacity, used=w.used)])
 
         return asyncio.run_coroutine_threadsafe(collect(), self.loop).result(timeout=10)
@@ -43,8 +45,9 @@ class _Admin(dockd_pb2_grpc.AdminServicer):
 class _TokenCheck(grpc.ServerInterceptor):
     """Refuses calls without a valid token proof (see dockd.auth.grpc_metadata)."""
 
-    def __init__(self, token: bytes) -> None:
+    def __init__(self, token: bytes, server_auth: auth.ServerAuth) -> None:
         self.token = token
+        self.server_auth = server_auth
         self.nonces = auth.GrpcNonces()
         self.lock = threading.Lock()
 
@@ -56,6 +59,8 @@ class _TokenCheck(grpc.ServerInterceptor):
             with self.lock:
                 self.nonces.check(self.token, details.method, value)
         except DockAuthError as e:
+            with self.lock:
+                self.server_auth.failed("grpc")
             logger.warning("[auth] refused a gRPC call method=%s reason=%s", details.method, e)
             message = f"dockd: {e}; sign calls with dockd.auth.grpc_metadata(token, method)"
 
@@ -66,11 +71,31 @@ class _TokenCheck(grpc.ServerInterceptor):
         return continuation(details)
 
 
+class _VersionHeader(grpc.ServerInterceptor):
+    """Every answer (the health check's too) carries `x-dockd-version` in its initial metadata."""
+
+    HEADER = (("x-dockd-version", __version__),)
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or handler.request_streaming:
+            return handler
+        inner = handler.unary_unary or handler.unary_stream
+
+        def tagged(request, context):
+            context.send_initial_metadata(self.HEADER)
+            return inner(request, context)
+
+        make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.unary_stream_rpc_method_handler
+        return make(tagged, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
+
+
 def start_grpc(node, loop: asyncio.AbstractEventLoop) -> tuple[grpc.Server, int]:
     token = node.server_auth.client_key
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="dockd-grpc"),
-        interceptors=[_TokenCheck(token)] if token is not None else [],
+        interceptors=[_VersionHeader(), *([_TokenCheck(token, node.server_auth)] if token is not None else [])],
         options=[("grpc.max_receive_message_length", 64 << 10)],
         maximum_concurrent_rpcs=32,
     )

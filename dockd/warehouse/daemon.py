@@ -28,11 +28,13 @@ import numpy as np
 import pyarrow as pa
 
 from dockd import auth, codec, limits, shm
+from dockd._version import __version__
 from dockd._proto import dockd_pb2 as pb
 from dockd.config import NodeConfig
 from dockd.controller.core import Controller
 from dockd.controller.service import ControllerService
 from dockd.errors import DockAuthError, DockError, DockFull, DockNotFound, DockProtocolError, DockValueError
+from dockd.metrics import MetricsServer, Metrics
 from dockd.peer import Peer
 from dockd.warehouse.core import Warehouse
 from dockd.warehouse.link import ControllerLink, keepalive
@@ -51,6 +53,9 @@ class Node:
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
         self.instance = secrets.randbits(63) | 1
+        self.metrics = Metrics()
+        self._metrics_server: MetricsServer | None = None
+        self.metrics_port = 0
         self.warehouse = Warehouse(cfg.capacity)
         self.segments = Segments(keep_bytes=min(cfg.capacity // 4, 4 << 30), watch=self._watch_pid)
         self.controller: ControllerService | None = None
@@ -93,6 +98,10 @@ class Node:
         return self.link.peer if self.link is not None else None
 
     @property
+    def connections(self) -> int:
+        return len(self._peers)
+
+    @property
     def wid(self) -> int:
         """This node's warehouse id (-1: none, or not joined yet)."""
         return self.link.wid if self.link is not None else self._wid
@@ -123,10 +132,14 @@ class Node:
         from dockd.warehouse.admin import start_grpc
 
         self._grpc, self.grpc_port = start_grpc(self, loop)
+        if self.cfg.metrics_port is not None:
+            self._metrics_server = MetricsServer(self)
+            await self._metrics_server.start(self.cfg.metrics_host, self.cfg.metrics_port)
+            self.metrics_port = self._metrics_server.port
         logger.info(
-            "[node] serving address=%s:%d grpc_port=%d controller=%s warehouse=%d capacity=%d state_dir=%s",
-            self.cfg.host, self.port, self.grpc_port, self.controller is not None, self.wid, self.cfg.capacity,
-            self.cfg.state_dir or "-",
+            "[node] serving address=%s:%d grpc_port=%d metrics_port=%s controller=%s warehouse=%d capacity=%d "
+            "state_dir=%s", self.cfg.host, self.port, self.grpc_port, self.metrics_port or "-",
+            self.controller is not None, self.wid, self.cfg.capacity, self.cfg.state_dir or "-",
         )
 
     def _listen_unix(self, loop) -> None:
@@ -161,6 +174,7 @@ class Node:
                 return
             pid, uid = shm.peer_cred(conn) or (None, None)
             if uid not in (os.getuid(), 0):  # the abstract socket has no permissions of its own
+                self.server_auth.failed("uid")
                 logger.warning("[auth] refused a same-host connection from uid=%s (this daemon runs as uid=%d)",
                                uid, os.getuid())
                 conn.close()
@@ -211,7 +225,8 @@ class Node:
     def ready_line(self) -> str:
         return json.dumps(
             {"event": "ready", "host": self.cfg.host, "port": self.port, "grpc_port": self.grpc_port,
-             "warehouse": self.wid, "controller": self.controller is not None}
+             "metrics_port": self.metrics_port or None, "warehouse": self.wid, "controller": self.controller is not None,
+             "version": __version__}
         )
 
     async def serve_until_stopped(self) -> None:
@@ -228,6 +243,8 @@ class Node:
             self._secret_file.unlink(missing_ok=True)
         if self._grpc is not None:
             self._grpc.stop(grace=0.5)
+        if self._metrics_server is not None:
+            self._metrics_server.close()
         if self._unix is not None:
             asyncio.get_running_loop().remove_reader(self._unix.fileno())
             self._unix.close()
@@ -310,6 +327,7 @@ class Node:
                 os.close(fd)
             raise DockProtocolError(f"a {kind} request cannot carry {len(fds)} file descriptors")
         if kind in _DAEMON_KINDS and self.server_auth.roles and peer.role != auth.DAEMON and peer is not self._link_peer:
+            self.server_auth.failed("daemon_message")
             raise DockAuthError(f"a {kind} request is a daemon-to-daemon message; this connection is a client's")
         if body is None:  # (a frame with a body was checked when it was admitted)
             limits.check(frame)
@@ -337,9 +355,12 @@ class Node:
             )
 
     def _hello(self) -> pb.HelloReply:
+        m = self.metrics
         out = pb.HelloReply(protocol=PROTOCOL_VERSION, hosts_controller=self.controller is not None, warehouse_id=self.wid,
                             unix=self.unix_name, instance=self.instance,
-                            joined=self.link.joined.is_set() if self.link is not None else self.wid >= 0)
+                            joined=self.link.joined.is_set() if self.link is not None else self.wid >= 0,
+                            version=__version__, used=self.warehouse.used, capacity=self.warehouse.capacity,
+                            put_bytes=sum(m.put_bytes.values()), get_bytes=sum(m.get_bytes.values()))
         if self.controller is not None:
             out.warehouses.extend(self.controller.warehouse_infos())
             out.controller = f"{self.cfg.advertise or self.cfg.host}:{self.port}"
@@ -559,6 +580,7 @@ class Node:
             self.warehouse.store(req.partition, idx, req.columns, buf, size, seg, req.group_size or 1)
         out = idx.tolist()
         self._put_done(req.token, out)
+        self.metrics.put(peer.passes_fds, len(out), size)
         peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=out)))
 
     async def _put_remote(self, peer, frame, buf, seg, commit, size) -> None:
@@ -593,6 +615,7 @@ class Node:
             peer.reply_error(frame, e)
             return
         self._put_done(req.token, idx)
+        self.metrics.put(peer.passes_fds, len(idx), size)
         peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=idx)))
 
     def _fetch(self, peer: Peer, frame: pb.Frame) -> None:
@@ -621,24 +644,26 @@ class Node:
         self._reply_fetch(peer, frame, found)
 
     def _reply_fetch(self, peer: Peer, frame: pb.Frame, found) -> None:
-        cols, body, segs = self._encode(peer, found)
+        cols, body, segs = self._encode(peer, found, max((len(c.indexes) for c in frame.fetch.columns), default=0))
         out = pb.Frame(pins=[s.sid for s in segs])
         out.fetch_reply.columns.extend(cols)
         peer.reply(frame, out, body.buffers, body.size, segs)
 
-    def _encode(self, peer: Peer, found) -> tuple[list[pb.ColumnData], codec.Body, list]:
-        """A reply's columns from stored slices: one run per slice; big slices of shared-memory
-        segments go by descriptor to same-host peers (pinned for the peer's process), the rest
-        as body bytes (no copy)."""
+    def _encode(self, peer: Peer, found, samples: int) -> tuple[list[pb.ColumnData], codec.Body, list]:
+        """A reply's columns (of `samples` samples) from stored slices: one run per slice; big slices
+        of shared-memory segments go by descriptor to same-host peers (pinned for the peer's
+        process), the rest as body bytes (no copy)."""
         body = codec.Body()
         segs: list = []
         index: dict[int, int] = {}
         by_fd = peer.passes_fds
         out = []
+        nbytes = 0
         for name, slices in found:
             col = pb.ColumnData(name=name)
             for batch, r0, r1 in slices:
                 run = batch.run(r0, r1)
+                nbytes += run.nbytes
                 lo, _ = batch.span(r0, r1)
                 seg = batch.segment
                 if by_fd and seg is not None and run.nbytes >= shm.SHM_MIN_VALUE:
@@ -656,6 +681,7 @@ class Node:
             out.append(col)
         if segs:
             self.segments.lend(peer.pid, segs)
+        self.metrics.get(by_fd, samples, nbytes)
         return out, body, segs
 
     def _inline_values(self, peer: Peer, partition: str, columns: list[str], indexes: np.ndarray, locations: np.ndarray):
@@ -669,7 +695,7 @@ class Node:
             found = self.warehouse.fetch(partition, wanted)
         except DockError:
             return [], codec.Body(), []
-        return self._encode(peer, found)
+        return self._encode(peer, found, len(indexes))
 
 
 def _failed(exc: BaseException) -> asyncio.Future:
@@ -701,6 +727,9 @@ def serve(cfg: NodeConfig, *, announce=sys.stdout) -> int:
     import torch
 
     torch.set_num_threads(1)
+
+    logger.info("[node] starting version=%s python=%s torch=%s pid=%d", __version__, sys.version.split()[0],
+                torch.__version__, os.getpid())
 
     async def main() -> int:
         node = Node(cfg)

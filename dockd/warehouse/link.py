@@ -178,6 +178,7 @@ class ControllerLink:
             logger.warning("[link] the controller gave this warehouse a new id old=%d new=%d", self.wid, out.id)
         self.wid = out.id
         self.registration.id = out.id
+        logger.info("[link] joined controller=%s warehouse=%d rejoin=%s", self.address, out.id, rejoin)
         for name in out.drop:
             logger.info("[link] freeing partition=%s: the dock cleared it while the controller was away", name)
             self.on_drop(name)

@@ -53,7 +53,8 @@ def test_an_interrupt_right_after_a_lease_was_granted_gives_the_lease_back(clust
         with pytest.raises(KeyboardInterrupt):
             d.acquire("c", ["x"], 4, partition=partition, timeout=10)
         d._router.controller = real_call
-        assert d.stats()["partitions"][partition]["consumers"]["c"] == {"taken": 0, "leased": 0}
+        progress = d.stats()["partitions"][partition]["consumers"]["c"]
+        assert (progress["taken"], progress["leased"], progress["ready"]) == (0, 0, 4)
         assert d.get("c", ["x"], 4, partition=partition, timeout=10).indexes == [0, 1, 2, 3]
 
 

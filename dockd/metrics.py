@@ -1,0 +1,247 @@
+"""Prometheus metrics of a daemon (`dockd serve --metrics-port PORT`).
+
+The hot path only does integer arithmetic on a `Metrics` object: no locks, no
+label lookups, no prometheus_client call per request. The registry is private
+to the daemon and filled at scrape time by `NodeCollector`, which reads these
+counters and the node's live state, so a cleared partition's series vanish by
+themselves and the series count stays bounded. The endpoint is served on the
+daemon's own event loop, so a scrape never reads state while the loop changes
+it (and a wedged loop shows as a failed scrape, which is what it is).
+
+Series (all prefixed `dockd_`):
+
+    build_info{version,controller,warehouse}            1
+    put_samples_total / put_bytes_total{transport}      stored by this warehouse
+    get_samples_total / get_bytes_total{transport}      served by this warehouse
+    request_seconds{op}                                 histogram: request in to reply out
+    request_errors_total{op,error}                      requests answered with an error
+    warehouse_used_bytes / _capacity_bytes / _reserved_bytes
+    connections                                         open connections
+    auth_failures_total{reason}
+    controller only:
+    warehouses{state}                                   joined / rejoining / lost / left
+    waiters{consumer}                                   gets blocked in the controller
+    leases_expired_total
+    partitions                                          partitions held
+    partition_samples{partition}
+    consumer_taken_samples / _leased_samples / _ready_samples{partition,consumer}
+
+`transport` is `shm` for same-host clients (Unix socket, shared memory) and
+`tcp` otherwise. A get whose columns live on two warehouses counts on both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+import time
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from dockd._version import __version__
+
+logger = logging.getLogger(__name__)
+
+#: Upper bounds (seconds) of the request histogram's buckets: sub-millisecond small requests
+#: up to gets that wait minutes for data.
+BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+           30.0, 60.0, 120.0)
+#: Partitions (most recently created first) whose progress series the controller exports.
+MAX_PARTITIONS = 32
+TRANSPORTS = ("shm", "tcp")
+
+
+class Histogram:
+    """Counts per bucket and a sum, as plain numbers."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(BUCKETS) + 1)
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(BUCKETS, seconds)] += 1
+        self.total += seconds
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, run = [], 0
+        for bound, n in zip((*map(repr, BUCKETS), "+Inf"), self.counts):
+            run += n
+            out.append((bound, run))
+        return out
+
+
+class Metrics:
+    """What a daemon counts as it serves (see the module docstring for the exported names)."""
+
+    def __init__(self) -> None:
+        self.put_samples = dict.fromkeys(TRANSPORTS, 0)
+        self.put_bytes = dict.fromkeys(TRANSPORTS, 0)
+        self.get_samples = dict.fromkeys(TRANSPORTS, 0)
+        self.get_bytes = dict.fromkeys(TRANSPORTS, 0)
+        self.requests: dict[str, Histogram] = {}
+        self.errors: dict[tuple[str, str], int] = {}
+
+    def put(self, shm: bool, samples: int, nbytes: int) -> None:
+        t = "shm" if shm else "tcp"
+        self.put_samples[t] += samples
+        self.put_bytes[t] += nbytes
+
+    def get(self, shm: bool, samples: int, nbytes: int) -> None:
+        t = "shm" if shm else "tcp"
+        self.get_samples[t] += samples
+        self.get_bytes[t] += nbytes
+
+    def request(self, op: str, seconds: float) -> None:
+        h = self.requests.get(op)
+        if h is None:
+            h = self.requests[op] = Histogram()
+        h.observe(seconds)
+
+    def error(self, op: str, exc: BaseException) -> None:
+        key = (op, type(exc).__name__)
+        self.errors[key] = self.errors.get(key, 0) + 1
+
+
+class NodeCollector:
+    """Turns a node's counters and state into metric families at scrape time."""
+
+    def __init__(self, node) -> None:
+        self.node = node
+
+    def collect(self):
+        node, m = self.node, self.node.metrics
+        info = GaugeMetricFamily("dockd_build_info", "dockd version and the roles of this daemon",
+                                 labels=["version", "controller", "warehouse"])
+        info.add_metric([__version__, str(node.controller is not None).lower(), str(node.wid)], 1)
+        yield info
+        for name, values, what in (
+            ("put_samples", m.put_samples, "samples stored by this warehouse"),
+            ("put_bytes", m.put_bytes, "payload bytes stored by this warehouse"),
+            ("get_samples", m.get_samples, "samples served by this warehouse (a get spanning warehouses counts on each)"),
+            ("get_bytes", m.get_bytes, "payload bytes served by this warehouse"),
+        ):
+            fam = CounterMetricFamily(f"dockd_{name}", what, labels=["transport"])
+            for transport, v in values.items():
+                fam.add_metric([transport], v)
+            yield fam
+        hist = HistogramMetricFamily("dockd_request_seconds", "time from a request's arrival to its reply, by operation",
+                                     labels=["op"])
+        for op, h in sorted(m.requests.items()):
+            hist.add_metric([op], h.cumulative(), h.total)
+        yield hist
+        errs = CounterMetricFamily("dockd_request_errors", "requests answered with an error", labels=["op", "error"])
+        for (op, err), n in sorted(m.errors.items()):
+            errs.add_metric([op, err], n)
+        yield errs
+        w = node.warehouse
+        if node.cfg.warehouse:
+            yield GaugeMetricFamily("dockd_warehouse_used_bytes", "payload bytes stored", value=w.used)
+            yield GaugeMetricFamily("dockd_warehouse_capacity_bytes", "bytes stored before puts wait", value=w.capacity)
+            yield GaugeMetricFamily("dockd_warehouse_reserved_bytes", "bytes of puts in flight", value=w.reserved)
+        yield GaugeMetricFamily("dockd_connections", "open connections", value=node.connections)
+        fails = CounterMetricFamily("dockd_auth_failures", "connections or calls refused for want of a valid proof",
+                                    labels=["reason"])
+        for reason, n in sorted(node.server_auth.failures.items()):
+            fails.add_metric([reason], n)
+        yield fails
+        if node.controller is not None:
+            yield from _controller_families(node.controller)
+
+
+def _controller_families(ctl):
+    states = {"joined": 0, "rejoining": 0, "lost": 0, "left": 0}
+    for info in ctl.warehouse_infos(usage=False):
+        state = info.state or "joined"
+        states[state] = states.get(state, 0) + 1
+    fam = GaugeMetricFamily("dockd_warehouses", "warehouses known to the controller, by state", labels=["state"])
+    for state, n in states.items():
+        fam.add_metric([state], n)
+    yield fam
+    waiting: dict[str, int] = {}
+    for ws in ctl.waiters.values():
+        for w in ws:
+            c = w.frame.acquire.consumer
+            waiting[c] = waiting.get(c, 0) + 1
+    fam = GaugeMetricFamily("dockd_waiters", "gets blocked in the controller, by consumer", labels=["consumer"])
+    for c, n in sorted(waiting.items()):
+        fam.add_metric([c], n)
+    yield fam
+    yield CounterMetricFamily("dockd_leases_expired", "leases that expired unconfirmed (their samples went back)",
+                              value=ctl.leases_expired)
+    parts = ctl.core.partitions
+    yield GaugeMetricFamily("dockd_partitions", "partitions the controller holds", value=len(parts))
+    shown = list(parts.values())[-MAX_PARTITIONS:]
+    samples = GaugeMetricFamily("dockd_partition_samples", "samples in a partition (the most recent "
+                                f"{MAX_PARTITIONS} partitions)", labels=["partition"])
+    taken = GaugeMetricFamily("dockd_consumer_taken_samples", "samples a consumer has taken for good",
+                              labels=["partition", "consumer"])
+    leased = GaugeMetricFamily("dockd_consumer_leased_samples", "samples a consumer holds under lease",
+                               labels=["partition", "consumer"])
+    ready = GaugeMetricFamily("dockd_consumer_ready_samples",
+                              "samples a consumer could take now (for the columns it asked for)",
+                              labels=["partition", "consumer"])
+    for part in shown:
+        samples.add_metric([part.name], part.size)
+        for name, cons in part.consumers.items():
+            taken.add_metric([part.name, name], cons.taken)
+            leased.add_metric([part.name, name], cons.leased)
+            ready.add_metric([part.name, name], part.ready_for(cons))
+    yield from (samples, taken, leased, ready)
+
+
+class MetricsServer:
+    """A minimal HTTP endpoint for Prometheus on the daemon's event loop: GET /metrics."""
+
+    MAX_REQUEST = 16 << 10
+    TIMEOUT = 10.0
+
+    def __init__(self, node) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(NodeCollector(node))
+        self._server: asyncio.base_events.Server | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> None:
+        try:
+            self._server = await asyncio.start_server(self._handle, host, port, reuse_address=True,
+                                                limit=self.MAX_REQUEST)
+        except OSError as e:
+            raise OSError(f"cannot serve metrics on {host}:{port} (--metrics-port): {e.strerror or e}") from None
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.TIMEOUT)
+            method, path, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ") + ["", ""]
+            path = path.split("?", 1)[0]
+            if method not in ("GET", "HEAD"):
+                status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET /metrics\n"
+            elif path in ("/metrics", "/"):
+                t0 = time.perf_counter()
+                status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, self.render()
+                logger.debug("[metrics] scrape bytes=%d seconds=%.4f", len(body), time.perf_counter() - t0)
+            else:
+                status, ctype, body = "404 Not Found", "text/plain", b"dockd serves its metrics at /metrics\n"
+            writer.write(
+                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n".encode() + (body if method != "HEAD" else b"")
+            )
+            await asyncio.wait_for(writer.drain(), self.TIMEOUT)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ConnectionError):
+            pass  # a client that hung up, sent garbage or too much: nothing to answer
+        except Exception:  # a bug in a collector must not take the daemon down
+            logger.exception("[metrics] scrape failed")
+        finally:
+            writer.close()
