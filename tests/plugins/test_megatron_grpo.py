@@ -104,7 +104,7 @@ def worker(rank, address, port):
     dist.barrier()
     if rank == 0:  # one TP group is one consumer: 8 taken, none leased, 4 left
         part = dock.stats()["partitions"]["tp"]
-        assert part["consumers"]["stage"] == {"taken": 8, "leased": 0}, part
+        assert part["consumers"]["stage"] == {"taken": 8, "leased": 0, "ready": 4, "waiting": 0}, part
         print("OK")
     dock.close()
     dist.destroy_process_group()
