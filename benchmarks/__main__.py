@@ -55,7 +55,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default=None, help="JSON file with BenchConfig overrides")
     p.add_argument("--timeout", type=float, default=None, help="seconds per scenario process")
     p.add_argument("--versions", action="store_true", help="print machine and package versions as JSON and exit")
-    p.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    p.add_argument("--list", action="store_true", help="list the scenarios, whether each can run here, and exit")
     p.add_argument("-v", "--verbose", action="store_true", help="show scenario logs as they run")
     return p.parse_args(argv)
 
@@ -140,6 +140,19 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
+def _readiness(module: str) -> str:
+    """'runnable', or why the scenario would be skipped here (its ``requirements()``)."""
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+        check = getattr(mod, "requirements", None)
+        reason = check() if callable(check) else None
+    except Exception as exc:  # noqa: BLE001 - reported, as the child process would
+        reason = f"cannot import {module}: {type(exc).__name__}: {exc}"
+    return "runnable" if not reason else f"would be skipped: {reason}"
+
+
 def _tail(path: Path, n: int = 4000) -> str:
     try:
         data = path.read_bytes()
@@ -154,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.list:
         for s in SCENARIOS:
-            print(f"{s.name:22s} {s.module}{'' if s.default else '  (only with --only)'}")
+            print(f"{s.name:22s} {s.module:34s} {_readiness(s.module)}{'' if s.default else '  (only with --only)'}")
         return 0
     if args.versions:
         print(json.dumps({"machine": machine(), "versions": versions()}, indent=2))

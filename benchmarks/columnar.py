@@ -195,6 +195,15 @@ def measure(*, quick: bool = False, repeats: int = 3) -> dict[str, Any]:
     return res
 
 
+_UNITS = (("_us_per_sample", "us/sample"), ("_samples_per_s", "samples/s"), ("_bytes_per_sample", "B/sample"),
+          ("_GBps", "GB/s"), ("_B", "B"))
+
+
+def _unit(key: str) -> str:
+    """The unit of one measured figure, from its key's suffix; anything else is a ratio."""
+    return next((unit for suffix, unit in _UNITS if key.endswith(suffix)), "x")
+
+
 def run(config) -> dict:
     from .common import Row
 
@@ -203,7 +212,7 @@ def run(config) -> dict:
     for key, v in res.items():
         system = "memcpy" if key.startswith("memcpy") else "dockd"
         op = "put" if "put" in key else "get" if "get" in key else "copy" if system == "memcpy" else "metadata"
-        unit = key.rsplit("_", 1)[-1] if key.rsplit("_", 1)[-1] in ("B", "us", "GBps", "s") else "ratio"
+        unit = _unit(key)
         rows.append(Row(scenario=NAME, system=system, op=op, path=key, value=float(v), unit=unit).to_dict())
     return {"rows": rows, "measured": res}
 

@@ -58,6 +58,9 @@ class BenchConfig:
     """Samples per put / get in the shared peer workload."""
     peer_ops_per_repeat: int = 16
     """Put / get calls per repeat in the peer workload."""
+    peer_grpo_batches: int = 16
+    """Puts (and gets) of ``peer_batch`` GRPO-shaped samples per repeat of the peer workload's
+    GRPO case (``benchmarks.columnar.grpo_samples``: 8 columns, ~31 KiB per sample); 0 skips it."""
     controller_partition_sizes: tuple[int, ...] = (10_000, 100_000, 1_000_000)
     """Samples per partition for the controller-scale scenario."""
     controller_columns: int = 8
@@ -76,6 +79,8 @@ class BenchConfig:
             values = getattr(self, name)
             if not values or any(int(v) <= 0 for v in values):
                 raise ValueError(f"{name} must be non-empty positive integers, got {values!r}")
+        if self.peer_grpo_batches < 0:
+            raise ValueError(f"peer_grpo_batches must be >= 0, got {self.peer_grpo_batches}")
         unknown = set(self.paths) - {"shm", "socket"}
         if unknown:
             raise ValueError(f"Unknown dockd path(s) {sorted(unknown)}. Valid paths are: ['shm', 'socket']")
@@ -97,6 +102,7 @@ class BenchConfig:
             peer_sample_sizes=(4 * KiB, 64 * KiB),
             peer_batch=4,
             peer_ops_per_repeat=2,
+            peer_grpo_batches=2,
             controller_partition_sizes=(1_000, 4_000),
             controller_acquires_per_consumer=2,
             scenario_timeout_s=300.0,

@@ -16,6 +16,9 @@ from .common import MiB, KiB, human_bytes
 
 logger = logging.getLogger(__name__)
 
+GRPO_WORKLOAD = "grpo"
+"""``Row.extra["workload"]`` of the peer workload's GRPO-shaped rows (``peers.workload.GRPO_WORKLOAD``)."""
+
 PEER_SYSTEMS = {
     "transferqueue": "TransferQueue",
     "ray-actor": "Ray-actor buffer",
@@ -27,6 +30,11 @@ def _rows(results: dict[str, Any], scenario: str) -> list[dict[str, Any]]:
     if sc.get("status") != "ok":
         return []
     return list(sc.get("rows", []))
+
+
+def _grpo_row(rows: Iterable[dict[str, Any]], op: str, **match: Any) -> dict[str, Any] | None:
+    """The peer workload's GRPO-shaped row for ``op`` (see benchmarks/peers/workload.py)."""
+    return _find((r for r in rows if (r.get("extra") or {}).get("workload") == GRPO_WORKLOAD), op=op, **match)
 
 
 def _find(rows: Iterable[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
@@ -165,6 +173,25 @@ def compute_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                         ),
                     )
                 )
+        # The GRPO-shaped case (8 columns, 6 of them ragged tensors, peer_batch samples per call): dockd should beat each peer.
+        # Both sides move the same tensor bytes per sample, so the GB/s ratio is the same number.
+        for op in ("get", "put"):
+            mine = _grpo_row(dockd_rows, op, path="auto")
+            theirs = _grpo_row(peer_rows, op)
+            out.append(
+                _target(
+                    f"vs_{system}_grpo_{op}_samples_per_s",
+                    f"dockd central {op} samples/s of GRPO-shaped samples (8 columns, 6 ragged) vs {label}",
+                    mine.get("samples_per_s") if mine else None,
+                    theirs.get("samples_per_s") if theirs else None,
+                    1.0,
+                    primary=op == "get",
+                    detail=(
+                        "dockd central GRPO case not measured (see scenario peer_dockd_central)" if not mine
+                        else "" if theirs else f"{label} GRPO case not measured (see scenario {scen})"
+                    ),
+                )
+            )
 
     # 5: controller scale.
     ctl = _rows(results, "controller_scale")
@@ -304,11 +331,16 @@ def _row_cells(r: dict[str, Any]) -> list[str]:
         other = "phases us: " + ", ".join(f"{k} {v * 1e6:,.0f}" for k, v in phases.items())
     if r.get("extra", {}).get("data_on"):
         other = f"data on {r['extra']['data_on']}" + (f"; {other}" if other else "")
+    sample = human_bytes(r.get("sample_bytes"))
+    if r.get("extra", {}).get("workload") == GRPO_WORKLOAD:
+        sample = f"GRPO ~{r['extra'].get('mean_sample_bytes', 0) / KiB:.0f} KiB"
+        what = f"{len(r['extra'].get('columns') or [])} columns, ragged"
+        other = f"{what}; {other}" if other else what
     return [
         r["system"],
         r["op"],
         path_label(r.get("path")) if r.get("path") else "-",
-        human_bytes(r.get("sample_bytes")),
+        sample,
         _fmt(r.get("batch")),
         _fmt(r.get("clients")),
         _fmt(r.get("gbps")),
@@ -405,7 +437,15 @@ def plot(results: dict[str, Any], out_png: str | Path) -> Path | None:
         "TransferQueue": (_rows(results, "peer_transferqueue"), {}),
         "Ray-actor buffer": (_rows(results, "peer_ray_buffer"), {}),
     }
-    fig, axes = plt.subplots(1, 2, figsize=(13, 6), sharey=True)
+    grpo = [(label, op, r) for label, (rows, match) in peers.items() for op in ("get", "put")
+            if (r := _grpo_row(rows, op, **match)) is not None and r.get("samples_per_s")]
+    if grpo:
+        fig, all_axes = plt.subplots(1, 3, figsize=(18, 6), gridspec_kw={"width_ratios": [1, 1, 0.8]})
+        all_axes[1].sharey(all_axes[0])
+        axes = list(all_axes[:2])
+        _plot_grpo(all_axes[2], grpo, peer_batch)
+    else:
+        fig, axes = plt.subplots(1, 2, figsize=(13, 6), sharey=True)
     for ax, op in zip(axes, ("get", "put")):
         series: list[tuple[str, list[tuple[int, float]], dict[str, Any]]] = []
         for path in ("shm", "socket"):
@@ -421,7 +461,8 @@ def plot(results: dict[str, Any], out_png: str | Path) -> Path | None:
             pts = [
                 (r["sample_bytes"], r["gbps"])
                 for r in rows
-                if r["op"] == op and r.get("gbps") and all(r.get(k) == v for k, v in match.items())
+                if r["op"] == op and r.get("gbps") and r.get("sample_bytes")
+                and all(r.get(k) == v for k, v in match.items())
             ]
             series.append((f"{label}, batch {peer_batch}", pts, {"marker": "s", "alpha": 0.8}))
         sizes = sorted({r["sample_bytes"] for r in flow if r.get("sample_bytes") and r.get("gbps")} | {
@@ -446,7 +487,7 @@ def plot(results: dict[str, Any], out_png: str | Path) -> Path | None:
             ax.minorticks_off()
             ax.set_yscale("log")
         ax.set_xlabel("sample size (bytes)")
-        ax.set_title(f"{op}")
+        ax.set_title(f"{op}, one column")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("GB/s (payload, median of repeats)")
     handles: dict[str, Any] = {}
@@ -463,6 +504,33 @@ def plot(results: dict[str, Any], out_png: str | Path) -> Path | None:
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
     return out_png
+
+
+def _plot_grpo(ax: Any, grpo: list[tuple[str, str, dict[str, Any]]], batch: int) -> None:
+    """Grouped bars: samples/s of the GRPO-shaped case per system, get and put, GB/s written on top."""
+    systems = list(dict.fromkeys(label for label, _, _ in grpo))
+    width = 0.38
+    for k, (op, color) in enumerate((("get", "tab:blue"), ("put", "tab:orange"))):
+        xs, ys, gb = [], [], []
+        for i, label in enumerate(systems):
+            r = next((r for lab, o, r in grpo if lab == label and o == op), None)
+            if r is not None:
+                xs.append(i + (k - 0.5) * width)
+                ys.append(r["samples_per_s"])
+                gb.append(r.get("gbps"))
+        bars = ax.bar(xs, ys, width, label=op, color=color)
+        for bar, g in zip(bars, gb):
+            ax.annotate(f"{bar.get_height():,.0f}\n{g:.2f} GB/s" if g else f"{bar.get_height():,.0f}",
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=6.5)
+    ax.set_xticks(range(len(systems)))
+    ax.set_xticklabels([s.replace(" (", "\n(") for s in systems], fontsize=8)
+    ax.set_yscale("log")
+    top = max(r["samples_per_s"] for _, _, r in grpo)
+    ax.set_ylim(top=top * 2.5)  # room for the labels
+    ax.set_ylabel("samples/s (median of repeats)")
+    ax.set_title(f"GRPO-shaped samples (6 ragged tensors, reward, uid), batch {batch}", fontsize=9)
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
 
 
 # ---------------------------------------------------------------- Markdown report

@@ -5,6 +5,11 @@ the only warehouse, the layout of a central replay buffer, so the comparison
 with TransferQueue and the Ray-actor buffer is layout for layout. Measured
 twice: with the client's default same-host path (``auto``) and forced onto
 the socket path when the client offers that choice.
+
+GRPO-shaped case: ``dock.put({column: values})`` with every column a list of
+per-sample values (ragged 1-D tensors, floats, strings), as
+``benchmarks.columnar`` does; a get takes every column and reads each one
+as its per-sample list (``batch[column]``).
 """
 
 from __future__ import annotations
@@ -46,6 +51,13 @@ class DockdCentralAdapter(PeerAdapter):
 
     def get(self, partition: str, consumer: str, count: int) -> Any:
         return self.dock.get(consumer, [COLUMN], count, partition=partition, timeout=GET_TIMEOUT_S)[COLUMN]
+
+    def put_columns(self, partition: str, batch: Any) -> None:
+        self.dock.put(batch, partition=partition)
+
+    def get_columns(self, partition: str, consumer: str, columns: list[str], count: int) -> dict[str, Any]:
+        got = self.dock.get(consumer, columns, count, partition=partition, timeout=GET_TIMEOUT_S)
+        return {c: got[c] for c in columns}
 
     def clear(self, partition: str) -> None:
         self.dock.clear(partition)

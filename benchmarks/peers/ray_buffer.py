@@ -16,6 +16,11 @@ Deviation, so puts are measured like dockd's acknowledged puts: each put is
 ``ray.get``-ed before the next (MindSpeed-RL fires and forgets).
 One dock holds one partition (MindSpeed-RL builds a dock per iteration);
 ``clear`` drops a partition's dock state.
+
+GRPO-shaped case: a fresh actor whose columns are the eight GRPO columns
+(the first one is killed; MindSpeed-RL builds its dock with the columns of
+the algorithm), fed per-column lists of per-sample values (ragged 1-D
+tensors, floats, strings) and read back the same way, every column per get.
 """
 
 from __future__ import annotations
@@ -123,15 +128,25 @@ class RayBufferAdapter(PeerAdapter):
 
     def __init__(self) -> None:
         self.actor: Any = None
+        self.columns: list[str] = []
 
     def start(self) -> dict[str, Any]:
         import ray
 
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
-        actor_cls = ray.remote(num_cpus=1, max_concurrency=4)(TransferDockState)
-        self.actor = actor_cls.remote([COLUMN])
-        ray.get(self.actor.clear.remote("__ping__"))
+        self._new_actor([COLUMN])
         return {"ray": ray.__version__, "actor": "1 threaded actor (max_concurrency=4)", "columns": [COLUMN]}
+
+    def _new_actor(self, columns: list[str]) -> None:
+        """One actor whose dock has ``columns`` (the previous one, if any, is killed first)."""
+        import ray
+
+        if self.actor is not None:
+            ray.kill(self.actor)
+        actor_cls = ray.remote(num_cpus=1, max_concurrency=4)(TransferDockState)
+        self.actor = actor_cls.remote(list(columns))
+        self.columns = list(columns)
+        ray.get(self.actor.clear.remote("__ping__"))
 
     def prepare(self, batch: Any) -> Any:
         # Separate 1-D tensors, one per sample, as a rollout worker hands them over.
@@ -152,6 +167,25 @@ class RayBufferAdapter(PeerAdapter):
             if out is not None:
                 _, cols = out
                 return cols[COLUMN]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ray-actor buffer: {count} samples not ready within {GET_TIMEOUT_S} s")
+            time.sleep(POLL_INTERVAL_S)
+
+    def put_columns(self, partition: str, batch: Any) -> None:
+        import ray
+
+        if set(batch) != set(self.columns):
+            self._new_actor(list(batch))
+        ray.get(self.actor.put_experience.remote(partition, batch))
+
+    def get_columns(self, partition: str, consumer: str, columns: list[str], count: int) -> dict[str, Any]:
+        import ray
+
+        deadline = time.monotonic() + GET_TIMEOUT_S
+        while True:
+            out = ray.get(self.actor.get_experience.remote(partition, consumer, list(columns), count))
+            if out is not None:
+                return out[1]
             if time.monotonic() > deadline:
                 raise TimeoutError(f"ray-actor buffer: {count} samples not ready within {GET_TIMEOUT_S} s")
             time.sleep(POLL_INTERVAL_S)

@@ -9,6 +9,16 @@ followed by ``client.get_data(meta)``. In polling mode ``get_meta`` returns an
 empty batch when too few samples are ready, so the adapter polls (the data
 is always ready before the gets start, so the first call normally succeeds).
 
+GRPO-shaped case: one ``TensorDict`` per batch with each ragged column as a
+jagged nested tensor (``torch.nested.as_nested_tensor(values,
+layout=torch.jagged)``, built once, untimed), the reward as a dense float32
+``[B]`` tensor and the uid as a ``NonTensorStack`` of strings. That is the
+ragged input TransferQueue's own storage manager builds (it packs per-sample
+tensors the same way when it assembles a get) and what it hands back: a get
+returns the ragged columns as jagged nested tensors, which the consumer
+unbinds into per-sample views, the reward as a ``[B]`` tensor, the uids as a
+list.
+
 Ray is given 4 logical CPUs: TransferQueue's controller and each storage
 unit reserve one, so ``num_cpus=2`` (this machine's core count) would leave
 the second storage unit unschedulable and ``init`` would wait forever.
@@ -82,18 +92,43 @@ class TransferQueueAdapter(PeerAdapter):
         self.client.put(batch, partition_id=partition)
 
     def get(self, partition: str, consumer: str, count: int) -> Any:
+        data = self.client.get_data(self._meta(partition, consumer, [COLUMN], count))
+        return list(data[COLUMN].unbind(0))  # one tensor per sample (the column may come back nested)
+
+    def prepare_columns(self, columns: dict[str, list[Any]]) -> Any:
+        import torch
+        from tensordict import NonTensorStack, TensorDict
+
+        out: dict[str, Any] = {}
+        n = 0
+        for name, values in columns.items():
+            n = len(values)
+            if all(isinstance(v, torch.Tensor) for v in values):
+                out[name] = torch.nested.as_nested_tensor(list(values), layout=torch.jagged)
+            elif all(isinstance(v, float) for v in values):
+                out[name] = torch.tensor(values, dtype=torch.float32)
+            else:
+                out[name] = NonTensorStack(*values)
+        return TensorDict(out, batch_size=[n])
+
+    def put_columns(self, partition: str, batch: Any) -> None:
+        self.client.put(batch, partition_id=partition)
+
+    def get_columns(self, partition: str, consumer: str, columns: list[str], count: int) -> dict[str, Any]:
+        data = self.client.get_data(self._meta(partition, consumer, columns, count))
+        return {c: data[c] for c in columns}  # nested columns are unbound into per-sample views by the touch
+
+    def _meta(self, partition: str, consumer: str, columns: list[str], count: int) -> Any:
         deadline = time.monotonic() + GET_TIMEOUT_S
         while True:
             meta = self.client.get_meta(
-                data_fields=[COLUMN], batch_size=count, partition_id=partition, task_name=consumer
+                data_fields=columns, batch_size=count, partition_id=partition, task_name=consumer
             )
             if meta.size >= count:
-                break
+                return meta
             if time.monotonic() > deadline:
                 raise TimeoutError(f"TransferQueue: {count} samples not ready within {GET_TIMEOUT_S} s")
             time.sleep(POLL_SLEEP_S)
-        data = self.client.get_data(meta)
-        return list(data[COLUMN].unbind(0))  # one tensor per sample (the column may come back nested)
 
     def clear(self, partition: str) -> None:
         self.client.clear_partition(partition)

@@ -13,6 +13,20 @@ Put and get are timed separately; each figure is the median over
 The payload is a ``[B, S]`` uint8 tensor, converted once, outside the timed
 region, into the form each system takes natively (a batched tensor, a
 TensorDict, or a list of separate per-sample 1-D tensors).
+
+Then the GRPO-shaped case (``config.peer_grpo_batches`` > 0): the samples of
+``benchmarks.columnar.grpo_samples`` -- six ragged 1-D tensors of 128..2048
+elements (prompt and response token ids int64; old and reference log-probs
+and advantages float32; a bool response mask), a float reward and a string
+uid, ~31 KiB of tensors per sample. One repeat puts ``peer_grpo_batches``
+distinct batches of B samples, every column in one call, into a fresh
+partition, then one consumer takes them back B at a time, every column;
+every value of every column is handed over as its own object (per-sample
+tensors, floats or strings; a scalar column may come back as one [B] tensor)
+and every tensor value is touched like above. The batches are converted once,
+untimed, into each system's native input (:meth:`PeerAdapter.prepare_columns`).
+GB/s counts the tensor bytes only (as ``benchmarks.columnar`` does), the same
+bytes for every system.
 """
 
 from __future__ import annotations
@@ -29,6 +43,10 @@ logger = logging.getLogger(__name__)
 CONSUMER = "bench"
 COLUMN = "x"
 PEER_LATENCY_OPS_CAP = 300
+GRPO_WORKLOAD = "grpo"
+"""``Row.extra["workload"]`` of the GRPO-shaped case's rows (their ``sample_bytes`` is None: ragged)."""
+GRPO_TENSOR_COLUMNS = ("prompts", "responses", "old_log_probs", "ref_log_probs", "advantages", "response_mask")
+GRPO_COLUMNS = GRPO_TENSOR_COLUMNS + ("reward", "uid")
 
 
 class PeerAdapter(abc.ABC):
@@ -54,6 +72,20 @@ class PeerAdapter(abc.ABC):
     @abc.abstractmethod
     def get(self, partition: str, consumer: str, count: int) -> Any:
         """Take ``count`` ready samples for ``consumer``; return their tensors (one per sample, or batched)."""
+
+    def prepare_columns(self, columns: dict[str, list[Any]]) -> Any:
+        """Turn one batch of the GRPO-shaped case (column -> one value per sample: 1-D tensors,
+        floats, strings) into the form this system takes natively (untimed)."""
+        return columns
+
+    def put_columns(self, partition: str, batch: Any) -> None:
+        """Write one prepared multi-column batch of new samples; return once acknowledged."""
+        raise NotImplementedError(f"{type(self).__name__} has no multi-column put")
+
+    def get_columns(self, partition: str, consumer: str, columns: list[str], count: int) -> dict[str, Any]:
+        """Take ``count`` samples ready in every one of ``columns``; return column -> values
+        (one object per sample; a scalar column may be one [count] tensor)."""
+        raise NotImplementedError(f"{type(self).__name__} has no multi-column get")
 
     @abc.abstractmethod
     def clear(self, partition: str) -> None:
@@ -111,6 +143,8 @@ def run_workload(adapter: PeerAdapter, config: BenchConfig, scenario: str) -> di
                             adapter.system, op, size, b, row.gbps, row.samples_per_s)
                 rows.append(row)
         rows += _latency(adapter, config, scenario)
+        if config.peer_grpo_batches > 0:
+            rows += _grpo(adapter, config, scenario)
     finally:
         adapter.close()
     return {"rows": [r.to_dict() for r in rows], "layout": layout}
@@ -143,4 +177,67 @@ def _latency(adapter: PeerAdapter, config: BenchConfig, scenario: str) -> list[R
     ]
     for r in rows:
         logger.info("[peers] system=%s op=%s latency p50_us=%.1f p99_us=%.1f", r.system, r.op, r.p50_us, r.p99_us)
+    return rows
+
+
+def touch_columns(cols: dict[str, Any], columns: tuple[str, ...] | list[str], count: int, system: str) -> int:
+    """Touch every tensor value of every column (``touch``) and check each column has ``count`` values."""
+    import torch
+
+    for name in columns:
+        values = cols[name]
+        if isinstance(values, torch.Tensor):  # a nested (ragged) or dense [count, ...] column
+            n = values.size(0)
+            touch(values)
+        else:
+            values = list(values)
+            n = len(values)
+            tensors = [v for v in values if isinstance(v, torch.Tensor)]
+            if tensors:
+                touch(tensors)
+        if n != count:
+            raise RuntimeError(f"{system}: column {name!r} came back with {n} values, expected {count}")
+    return count
+
+
+def _grpo(adapter: PeerAdapter, config: BenchConfig, scenario: str) -> list[Row]:
+    """The GRPO-shaped case: multi-column puts and gets of B ragged samples (see the module docstring)."""
+    from ..columnar import grpo_samples, sample_bytes
+
+    b = config.peer_batch
+    n = config.peer_grpo_batches
+    cols = list(GRPO_COLUMNS)
+    data = grpo_samples(n * b)
+    nbytes = sample_bytes(data)
+    batches = [adapter.prepare_columns({k: v[i * b:(i + 1) * b] for k, v in data.items()}) for i in range(n)]
+    # warm-up: one batch on a throwaway partition
+    adapter.put_columns("warm-grpo", batches[0])
+    touch_columns(adapter.get_columns("warm-grpo", CONSUMER, cols, b), cols, b, adapter.system)
+    adapter.clear("warm-grpo")
+    put_s, get_s = [], []
+    for rep in range(config.repeats):
+        part = f"grpo-{rep}"
+        t0 = time.perf_counter()
+        for batch in batches:
+            adapter.put_columns(part, batch)
+        put_s.append(time.perf_counter() - t0)
+        received = 0
+        t0 = time.perf_counter()
+        for _ in range(n):
+            received += touch_columns(adapter.get_columns(part, CONSUMER, cols, b), cols, b, adapter.system)
+        get_s.append(time.perf_counter() - t0)
+        if received != n * b:
+            raise RuntimeError(f"{adapter.system}: got {received} GRPO samples back, expected {n * b}")
+        adapter.clear(part)
+    rows = []
+    for op, secs in (("put", put_s), ("get", get_s)):
+        row = throughput_row(
+            scenario=scenario, system=adapter.system, op=op, path=adapter.path, seconds=secs,
+            nbytes=nbytes, samples=n * b, sample_bytes=None, batch=b,
+            extra={"workload": GRPO_WORKLOAD, "calls_per_repeat": n, "columns": cols,
+                   "mean_sample_bytes": nbytes / (n * b)},
+        )
+        logger.info("[peers] system=%s op=%s workload=grpo batch=%d gbps=%.3f samples_per_s=%.0f",
+                    adapter.system, op, b, row.gbps, row.samples_per_s)
+        rows.append(row)
     return rows

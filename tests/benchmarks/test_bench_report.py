@@ -49,12 +49,18 @@ def _results() -> dict:
                      samples_per_s=50_000.0, gbps=0.2),
                 _row("peer_dockd_central", "dockd-central", "get", path="auto", sample_bytes=1 * MiB, batch=64,
                      samples_per_s=2_000.0, gbps=2.0),
+                _row("peer_dockd_central", "dockd-central", "get", path="auto", batch=64, samples_per_s=6_000.0,
+                     gbps=0.19, extra={"workload": "grpo", "mean_sample_bytes": 31 * KiB, "columns": ["a"] * 8}),
+                _row("peer_dockd_central", "dockd-central", "get", path="socket", batch=64, samples_per_s=9_000.0,
+                     gbps=0.28, extra={"workload": "grpo", "mean_sample_bytes": 31 * KiB, "columns": ["a"] * 8}),
             ]),
             "peer_transferqueue": ok([
                 _row("peer_transferqueue", "transferqueue", "get", sample_bytes=4 * KiB, batch=64,
                      samples_per_s=2_500.0, gbps=0.01),
                 _row("peer_transferqueue", "transferqueue", "get", sample_bytes=1 * MiB, batch=64,
                      samples_per_s=500.0, gbps=0.5),
+                _row("peer_transferqueue", "transferqueue", "get", batch=64, samples_per_s=1_500.0, gbps=0.05,
+                     extra={"workload": "grpo", "mean_sample_bytes": 31 * KiB, "columns": ["a"] * 8}),
             ]),
             "peer_ray_buffer": {"status": "skipped", "reason": "Ray is not installed; pip install -e '.[peers]'"},
             "controller_scale": ok([
@@ -91,6 +97,12 @@ def test_ratios_are_measured_over_reference():
     assert tq_s["value"] == pytest.approx(20.0) and tq_s["bound"] == 10.0 and tq_s["met"] is True
     tq_b = _by(t, "vs_transferqueue_get_gbps")
     assert tq_b["value"] == pytest.approx(4.0) and tq_b["bound"] == 3.0 and tq_b["met"] is True
+    grpo = _by(t, "vs_transferqueue_grpo_get_samples_per_s")
+    assert grpo["measured"] == 6_000.0  # the default path, not the socket row
+    assert grpo["value"] == pytest.approx(4.0) and grpo["bound"] == 1.0 and grpo["met"] is True
+    assert grpo["primary"] is True
+    assert _by(t, "vs_transferqueue_get_samples_per_s")["measured"] == 50_000.0  # GRPO rows never match a size
+    assert _by(t, "vs_transferqueue_grpo_put_samples_per_s")["met"] is None  # no put rows here
     flat = _by(t, "controller_acquire_flat")
     assert flat["value"] == pytest.approx(1.5) and flat["met"] is True
     assert _by(t, "controller_acquire_under_1ms")["met"] is True
@@ -102,6 +114,8 @@ def test_missing_inputs_give_no_verdict():
     ray = _by(t, "vs_ray-actor_get_samples_per_s")
     assert ray["value"] is None and ray["met"] is None
     assert "not measured" in ray["detail"]
+    ray_grpo = _by(t, "vs_ray-actor_grpo_get_samples_per_s")
+    assert ray_grpo["met"] is None and "not measured" in ray_grpo["detail"]
     empty = compute_targets({"config": {}, "scenarios": {}})
     assert empty and all(x["met"] is None for x in empty)
 
@@ -122,6 +136,7 @@ def test_render_and_plot(tmp_path):
     assert "dockd_flow" in text and "Targets" in text and "SKIPPED" in text
     md = render(res, markdown=True)
     assert "| system |" in md
+    assert "GRPO ~31 KiB" in md and "8 columns, ragged" in md
     png = plot(res, tmp_path / "p.png")
     assert png is not None and png.stat().st_size > 1000
     json.dumps(compute_targets(res))  # JSON-serialisable
@@ -145,3 +160,20 @@ def test_percentile_and_registry():
     names = scenario_names()
     assert len(names) == len(set(names)) == len(SCENARIOS)
     assert "resharding" not in scenario_names(include_optional=False)
+
+
+def test_grpo_touch_columns_counts_every_column():
+    import torch
+
+    from benchmarks.columnar import TENSORS, grpo_samples
+    from benchmarks.peers.workload import GRPO_COLUMNS, GRPO_TENSOR_COLUMNS, touch_columns
+
+    assert GRPO_TENSOR_COLUMNS == TENSORS
+    data = grpo_samples(4)
+    assert set(data) == set(GRPO_COLUMNS)
+    assert touch_columns(data, GRPO_COLUMNS, 4, "t") == 4
+    nested = dict(data, prompts=torch.nested.as_nested_tensor(data["prompts"], layout=torch.jagged),
+                  reward=torch.tensor(data["reward"]))
+    assert touch_columns(nested, GRPO_COLUMNS, 4, "t") == 4
+    with pytest.raises(RuntimeError, match="'uid' came back with 3 values"):
+        touch_columns(dict(data, uid=data["uid"][:3]), GRPO_COLUMNS, 4, "t")

@@ -58,6 +58,9 @@ def test_quick_run_writes_json_table_and_plot(tmp_path):
     for r in flow:
         if r["gbps"] is not None:
             assert len(r["raw"]) == 2 and r["gbps"] > 0
+    grpo = [r for r in res["scenarios"]["peer_dockd_central"]["rows"] if r["extra"].get("workload") == "grpo"]
+    assert {(r["op"], r["path"]) for r in grpo} >= {("put", "auto"), ("get", "auto")}
+    assert all(r["samples_per_s"] > 0 and r["gbps"] > 0 and r["sample_bytes"] is None for r in grpo)
     # every target with a value is the ratio of the two measured numbers it names
     with_values = [t for t in res["targets"] if t["value"] is not None]
     assert with_values
@@ -102,6 +105,8 @@ def test_quick_peers_run(tmp_path):
         sc = res["scenarios"][name]
         assert sc["status"] == "ok", sc
         assert {(r["system"], r["op"]) for r in sc["rows"]} == {(system, "put"), (system, "get")}
+        grpo = {r["op"] for r in sc["rows"] if r["extra"].get("workload") == "grpo"}
+        assert grpo == {"put", "get"}, name
 
 
 def test_versions_list_and_bad_name():
@@ -112,5 +117,6 @@ def test_versions_list_and_bad_name():
     proc = _bench("--list")
     _ok(proc)
     assert "ceilings" in proc.stdout and "resharding" in proc.stdout
+    assert "runnable" in proc.stdout or "would be skipped" in proc.stdout
     proc = _bench("--only", "no-such-scenario")
     assert proc.returncode != 0 and "Valid scenarios are" in proc.stderr
