@@ -13,6 +13,7 @@ from dockd.errors import (
     DockClosed,
     DockConnectionError,
     DockDataLost,
+    DockDrained,
     DockError,
     DockFull,
     DockLeaseError,
@@ -22,7 +23,7 @@ from dockd.errors import (
     DockTypeError,
     DockValueError,
 )
-from dockd._version import __version__
+from dockd._version import __version__ as __version__
 from dockd.local import LocalCluster, start_local
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "DockClosed",
     "DockConnectionError",
     "DockDataLost",
+    "DockDrained",
     "DockError",
     "DockFull",
     "DockLeaseError",

@@ -9,6 +9,7 @@
     ├── DockConnectionError    (a daemon cannot be reached or hung up)
     ├── DockAuthError          (the token is missing or wrong, or the request needs another role)
     ├── DockLeaseError         (the lease is not this client's, or expired before its confirm)
+    ├── DockDrained            (the partition is sealed and nothing is left for this get)
     ├── DockProtocolError      (a peer sent a malformed frame)
     ├── DockValueError         (bad argument; also a ValueError)
     ├── DockTypeError          (argument of the wrong type; also a TypeError)
@@ -75,6 +76,11 @@ class DockLeaseError(DockError):
     handed out again."""
 
 
+class DockDrained(DockError):
+    """The partition is sealed (no new samples) and nothing more can come for this get: every
+    sample the consumer could have was handed out. The end of a stream."""
+
+
 class DockProtocolError(DockError):
     """A peer sent bytes that are not a valid dockd frame."""
 
@@ -110,6 +116,8 @@ def from_status(status) -> DockError:  # status: dockd_pb2.Status
         return DockAuthError(msg)
     if code == pb.LEASE:
         return DockLeaseError(msg)
+    if code == pb.DRAINED:
+        return DockDrained(msg)
     return DockError(f"{pb.Code.Name(code) if code in pb.Code.values() else code}: {msg}")
 
 
@@ -136,6 +144,8 @@ def to_status(exc: BaseException, status) -> None:
         status.code = pb.AUTH
     elif isinstance(exc, DockLeaseError):
         status.code = pb.LEASE
+    elif isinstance(exc, DockDrained):
+        status.code = pb.DRAINED
     elif isinstance(exc, (ValueError, TypeError)):
         status.code = pb.INVALID_ARGUMENT
     else:

@@ -16,6 +16,8 @@ MAX_COLUMNS = 64          # columns in one request (a partition holds at most 64
 MAX_SAMPLES = 1 << 22     # samples in one put, get, read or commit
 MAX_LEASES = 1 << 16      # leases in one confirm
 MAX_PARTITIONS = 1 << 16  # partitions in one warehouse's inventory
+MAX_TAGS = 16             # tags in one request (a partition holds at most 16)
+MAX_RANKS = 1 << 16       # data-parallel ranks of one rank-aware get
 
 
 def _name(what: str, value: str) -> None:
@@ -34,6 +36,13 @@ def _columns(names) -> None:
         _name("column name", c)
 
 
+def _tags(tags) -> None:
+    _count("tags", len(tags), MAX_TAGS)
+    for t in tags:
+        _name("tag name", t.name)
+        _count("tag values", len(t.values))
+
+
 def check(frame: pb.Frame) -> None:
     """Raise DockValueError if a request asks for more than a daemon gives one request."""
     kind = frame.WhichOneof("kind")
@@ -42,6 +51,7 @@ def check(frame: pb.Frame) -> None:
         _name("partition name", r.partition)
         _columns([c.name for c in r.columns])
         _count("samples", max(r.new_count, len(r.indexes), r.group_size))
+        _tags(r.tags)
     elif kind == "acquire":
         r = frame.acquire
         _name("partition name", r.partition)
@@ -49,6 +59,13 @@ def check(frame: pb.Frame) -> None:
         _columns(r.columns)
         _count("samples", r.count)
         _count("confirms", len(r.confirm), MAX_LEASES)
+        _count("data-parallel ranks", r.dp_size, MAX_RANKS)
+        _count("samples", r.count * max(r.dp_size, 1))
+        _columns(r.balance_by)
+        _name("order_by", r.order_by)
+        _count("tag filters", len(r.where), MAX_TAGS)
+        for t in r.where:
+            _name("tag name", t.name)
     elif kind == "fetch":
         _name("partition name", frame.fetch.partition)
         _columns([c.name for c in frame.fetch.columns])
@@ -67,6 +84,17 @@ def check(frame: pb.Frame) -> None:
         _name("partition name", r.partition)
         _columns(r.columns)
         _count("samples", max(r.new_count, len(r.indexes), r.group_size))
+        _tags(r.tags)
+    elif kind == "partition":
+        r = frame.partition
+        _name("partition name", r.partition)
+        _count("samples", max(len(r.delete.indexes), r.reserve.count, r.reserve.group_size, len(r.set_tags.indexes)))
+        _tags(r.set_tags.tags)
+        _columns(r.create.retire_when_consumed_by)
+    elif kind in ("free", "measure"):
+        m = getattr(frame, kind)
+        _name("partition name", m.partition)
+        _count("samples", len(m.indexes))
     elif kind == "register":
         _count("partitions", len(frame.register.inventory), MAX_PARTITIONS)
         _count("pending commits", len(frame.register.pending), MAX_PARTITIONS)

@@ -36,14 +36,18 @@ class AsyncDock:
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
     async def put(self, columns: Mapping[str, Any], *, partition: str, indexes: Sequence[int] | None = None,
-                  group_size: int = 1, timeout: float | None = None) -> list[int]:
-        return await self._run(self.dock.put, columns, partition=partition, indexes=indexes, group_size=group_size, timeout=timeout)
+                  group_size: int = 1, timeout: float | None = None,
+                  tags: Mapping[str, int | Sequence[int]] | None = None) -> list[int]:
+        return await self._run(self.dock.put, columns, partition=partition, indexes=indexes, group_size=group_size,
+                               timeout=timeout, tags=tags)
 
     async def get(self, consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None = None,
-                  groups: bool = False, allow_partial: bool = False, shuffle: bool = False, seed: int | None = None) -> Batch:
+                  groups: bool = False, allow_partial: bool = False, shuffle: bool = False, seed: int | None = None,
+                  **rank_and_tags) -> Batch:
+        """As Dock.get (rank_and_tags: dp_rank, dp_size, mp_group, step, balance_by, where, order_by)."""
         scope = CallScope()
         fut = self._run(self.dock.get, consumer, columns, count, partition=partition, timeout=timeout, groups=groups,
-                        allow_partial=allow_partial, shuffle=shuffle, seed=seed, _scope=scope)
+                        allow_partial=allow_partial, shuffle=shuffle, seed=seed, _scope=scope, **rank_and_tags)
         task = asyncio.ensure_future(fut)
         try:
             return await asyncio.shield(task)
@@ -74,6 +78,27 @@ class AsyncDock:
 
     async def clear(self, partition: str) -> int:
         return await self._run(self.dock.clear, partition)
+
+    async def create_partition(self, partition: str, **options) -> None:
+        await self._run(self.dock.create_partition, partition, **options)
+
+    async def delete(self, partition: str, indexes: Sequence[int]) -> int:
+        return await self._run(self.dock.delete, partition, indexes)
+
+    async def seal(self, partition: str) -> None:
+        await self._run(self.dock.seal, partition)
+
+    async def reserve(self, partition: str, count: int, *, group_size: int = 1) -> list[int]:
+        return await self._run(self.dock.reserve, partition, count, group_size=group_size)
+
+    async def set_tags(self, partition: str, indexes: Sequence[int], tags: Mapping[str, Any]) -> None:
+        await self._run(self.dock.set_tags, partition, indexes, tags)
+
+    async def save(self, partition: str, path) -> dict[str, int]:
+        return await self._run(self.dock.save, partition, path)
+
+    async def load(self, path, *, partition: str) -> dict[str, int]:
+        return await self._run(self.dock.load, path, partition=partition)
 
     async def stats(self, *, traffic: bool = False) -> dict[str, Any]:
         return await self._run(functools.partial(self.dock.stats, traffic=traffic))

@@ -22,12 +22,15 @@ class Batch:
     on first access, then kept).
     """
 
-    __slots__ = ("partition", "indexes", "_columns")
+    __slots__ = ("partition", "indexes", "_columns", "step", "rank_weights")
 
-    def __init__(self, partition: str, indexes: list[int], columns: dict[str, list[Any] | Runs]) -> None:
+    def __init__(self, partition: str, indexes: list[int], columns: dict[str, list[Any] | Runs], *, step: int = 0,
+                 rank_weights: list[float] | None = None) -> None:
         self.partition = partition
         self.indexes = indexes
         self._columns = columns
+        self.step = step  # rank-aware gets: the step this batch belongs to
+        self.rank_weights = rank_weights or []  # ... with balance_by: each rank's sum of the weights
 
     def __getitem__(self, column: str) -> list[Any]:
         try:

@@ -72,6 +72,8 @@ class Lease:
     locations: np.ndarray | None  # warehouse id per (column, sample); None when every column came inline
     inline: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # columns that came with the acquire
     ticket: bytes = b""  # the hand-over proof (see the class docstring)
+    step: int = 0        # rank-aware gets: the step this share belongs to
+    rank_weights: list[float] = dataclasses.field(default_factory=list)  # ... each rank's sum of balance_by
 
 
 class Dock:
@@ -158,13 +160,18 @@ class Dock:
 
     # -- public API ---------------------------------------------------------------------------
     def put(self, columns: Mapping[str, Any], *, partition: str, indexes: Sequence[int] | None = None,
-            group_size: int = 1, timeout: float | None = None) -> list[int]:
+            group_size: int = 1, timeout: float | None = None,
+            tags: Mapping[str, int | Sequence[int]] | None = None) -> list[int]:
         """Write samples; returns their indexes. Returns once the data is stored and visible.
 
         Without `indexes`, creates new samples (a multiple of `group_size`, each
         run of `group_size` consecutive samples one group). With `indexes`, adds
-        columns to existing samples. `timeout` bounds the wait for warehouse
-        capacity (None: wait as long as it takes), then DockFull.
+        columns to existing samples (also those `reserve` handed out). `timeout`
+        bounds the wait for warehouse capacity (None: wait as long as it takes),
+        then DockFull. `tags`: integer tags of these samples, such as
+        ``{"age": 0}`` (one value for all, or a list with one per sample), that
+        gets can filter (`where`) and order (`order_by`) by; `set_tags` changes
+        them later.
         """
         _check_partition(partition)
         if not isinstance(columns, Mapping) or not columns:
@@ -191,6 +198,8 @@ class Dock:
             if len(idx) != n:
                 raise DockValueError(f"{len(idx)} indexes given for {n} values per column")
             req.indexes.extend(idx)
+        if tags:
+            req.tags.extend(_tag_list(tags, n))
         body = codec.Body()
         req.columns.extend(codec.encode_columns(split, body))
         req.token = secrets.randbits(63) | 1  # a re-sent put (after a dropped connection) is applied once
@@ -231,6 +240,9 @@ class Dock:
 
     def get(self, consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None = None,
             groups: bool = False, allow_partial: bool = False, shuffle: bool = False, seed: int | None = None,
+            dp_rank: int | None = None, dp_size: int | None = None, mp_group: tuple[int, int, int] | None = None,
+            step: int | None = None, balance_by: str | Sequence[str] | None = None,
+            where: Mapping[str, Any] | None = None, order_by: str | None = None,
             _scope: CallScope | None = None) -> Batch:
         """Take `count` samples ready in `columns` that `consumer` has not had yet.
 
@@ -238,10 +250,32 @@ class Dock:
         saying how many were ready (None: wait as long as it takes). FIFO by
         index unless shuffle=True (seeded by `seed`). groups=True hands out
         whole groups only. allow_partial=True returns what is ready (at least
-        one sample) instead of waiting for `count`.
+        one sample) instead of waiting for `count`. Once the partition is
+        sealed (`seal`) a get takes what is left, and raises DockDrained when
+        nothing is.
+
+        Tags: `where={"age": (lo, hi)}` (or a single value) takes only samples
+        whose tag lies in [lo, hi] (None for an open end); `order_by="age"`
+        hands out the smallest values first ("-age": the largest).
+
+        Rank-aware gets (see docs/rl.md): with `dp_rank` and `dp_size`, the
+        dp_size data-parallel ranks of one step together take one global batch
+        of count * dp_size samples and this rank gets its `count` of them:
+        balanced so that the per-rank sums of `balance_by` (a tag, a column of
+        numbers, or a tensor column whose per-sample numel counts; or a list of
+        those, summed) are as equal as possible, else split by position. A rank
+        asking again before its share is confirmed gets the same share (`step`:
+        a given step; default the next one this rank has not finished).
+        `mp_group=(group_id, rank_in_group, group_size)`: all ranks of one
+        model-parallel group get the same samples, and they are taken once
+        every rank of the group read them (group_id is the group's data-parallel
+        rank when dp_size is given; without it, each group takes its own batches).
+        `batch.step` is the step, `batch.rank_weights` the ranks' weight sums.
         """
         lease = self.acquire(consumer, columns, count, partition=partition, timeout=timeout, groups=groups,
-                             allow_partial=allow_partial, shuffle=shuffle, seed=seed, _scope=_scope, _lazy=True)
+                             allow_partial=allow_partial, shuffle=shuffle, seed=seed, dp_rank=dp_rank,
+                             dp_size=dp_size, mp_group=mp_group, step=step, balance_by=balance_by, where=where,
+                             order_by=order_by, _scope=_scope, _lazy=True)
         if _scope is not None and _scope.cancelled:  # cancelled as the lease arrived: give it back, take nothing
             self.release(lease)
             raise DockClosed("the get was cancelled")
@@ -253,13 +287,16 @@ class Dock:
             except Exception as e:  # the controller also frees it when this client goes away
                 logger.warning("[client] could not release lease=%d after a failed fetch: %s", lease.id, e)
             raise
-        self._confirm_soon(lease.id)
-        return Batch(partition, lease.indexes, values)
+        if lease.id:  # (0: a share every reader of it already confirmed; nothing to confirm)
+            self._confirm_soon(lease.id)
+        return Batch(partition, lease.indexes, values, step=lease.step, rank_weights=lease.rank_weights)
 
     def acquire(self, consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None = None,
                 groups: bool = False, allow_partial: bool = False, shuffle: bool = False, seed: int | None = None,
-                inline: bool = True, lease_timeout: float | None = None,
-                _scope: CallScope | None = None, _lazy: bool = False) -> Lease:
+                inline: bool = True, lease_timeout: float | None = None, dp_rank: int | None = None,
+                dp_size: int | None = None, mp_group: tuple[int, int, int] | None = None, step: int | None = None,
+                balance_by: str | Sequence[str] | None = None, where: Mapping[str, Any] | None = None,
+                order_by: str | None = None, _scope: CallScope | None = None, _lazy: bool = False) -> Lease:
         """Low-level: lease samples without fetching them (see get).
 
         With inline=True (the default) the values held by the controller's own
@@ -269,7 +306,8 @@ class Dock:
         lease_timeout: seconds this lease stays with this client before its
         samples return to the pool (default: the daemon's --lease-timeout), for
         consumers that work on leased samples for long. A lease always returns
-        when its client dies; `extend` moves the deadline later."""
+        when its client dies; `extend` moves the deadline later. The rank-aware
+        and tag arguments are get's."""
         _check_partition(partition)
         if not isinstance(consumer, str) or not consumer:
             raise DockValueError(f"consumer must be a non-empty string such as 'actor_train', got {consumer!r}")
@@ -286,6 +324,13 @@ class Dock:
                                 timeout=-1.0 if timeout is None else float(timeout))
         if seed is not None:
             req.has_seed, req.seed = True, int(seed)
+        _rank_fields(req, dp_rank, dp_size, mp_group, step, balance_by)
+        if where:
+            req.where.extend(_where_list(where))
+        if order_by:
+            if not isinstance(order_by, str):
+                raise DockTypeError(f"order_by names a tag such as 'age' (or '-age' for largest first), got {order_by!r}")
+            req.order_by = order_by
         if lease_timeout is not None:
             if not 0 < lease_timeout <= 7 * 86400:
                 raise DockValueError(f"lease_timeout must be in (0, one week] seconds, got {lease_timeout}")
@@ -327,8 +372,7 @@ class Dock:
         locs = None  # only needed to fetch what did not come inline
         if len(inline) < len(columns):
             locs = np.asarray(a.locations, dtype=np.int64).reshape(len(columns), len(idx))
-        lease = Lease(a.lease, partition, list(columns), idx, locs, inline, bytes(a.ticket))
-        return lease
+        return Lease(a.lease, partition, list(columns), idx, locs, inline, bytes(a.ticket), a.step, list(a.rank_weights))
 
     def fetch(self, lease: Lease) -> dict[str, list[Any]]:
         """Low-level: read a lease's values from the warehouses holding them, in parallel."""
@@ -530,6 +574,76 @@ class Dock:
         reply, _, _ = self._ctrl_call(pb.Frame(clear=pb.ClearRequest(partition=partition)))
         return reply.clear_reply.samples
 
+    # -- partitions and their samples --------------------------------------------------------------
+    def _partition_op(self, partition: str, **op) -> pb.PartitionReply:
+        _check_partition(partition)
+        reply, _, _ = self._ctrl_call(pb.Frame(partition=pb.PartitionRequest(partition=partition, **op)))
+        return reply.partition_reply
+
+    def create_partition(self, partition: str, *, group_size: int = 1,
+                         retire_when_consumed_by: Sequence[str] = ()) -> None:
+        """Make a partition ahead of its first put, or set its options.
+
+        retire_when_consumed_by: consumers that must all have confirmed a sample
+        before it is deleted by itself (all its columns freed on every
+        warehouse): a long-running partition then holds only live samples.
+        Samples all of them already took go at once."""
+        retire = [retire_when_consumed_by] if isinstance(retire_when_consumed_by, str) else list(retire_when_consumed_by)
+        if not all(isinstance(c, str) and c for c in retire):
+            raise DockTypeError(f"retire_when_consumed_by lists consumer names, got {retire_when_consumed_by!r}")
+        if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+            raise DockValueError(f"group_size must be a positive int, got {group_size!r}")
+        self._partition_op(partition, create=pb.CreatePartition(group_size=group_size,
+                                                                retire_when_consumed_by=retire))
+
+    def delete(self, partition: str, indexes: Sequence[int]) -> int:
+        """Delete samples: all their columns are freed on every warehouse, and no consumer gets
+        them again (gets waiting for them stop waiting). Deleting a group's samples drops the group
+        (DAPO-style filtering). Returns how many were not deleted before."""
+        idx = _int_list("indexes", indexes)
+        return self._partition_op(partition, delete=pb.DeleteSamples(indexes=idx)).samples
+
+    def seal(self, partition: str) -> None:
+        """No new samples from now on (columns of existing ones can still be written). Gets that
+        can no longer be met then take what is left, and raise DockDrained when nothing is: the
+        end of a stream (see dockd.data.StreamingDataset)."""
+        self._partition_op(partition, seal=True)
+
+    def reserve(self, partition: str, count: int, *, group_size: int = 1) -> list[int]:
+        """Hand out `count` new sample indexes ahead of writing them (a rollout fills them later with
+        put(..., indexes=...)); a multiple of `group_size`. Gets see them once their columns are put."""
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise DockValueError(f"count must be a positive int, got {count!r}")
+        return list(self._partition_op(partition, reserve=pb.ReserveSamples(count=count, group_size=group_size)).indexes)
+
+    def set_tags(self, partition: str, indexes: Sequence[int], tags: Mapping[str, int | Sequence[int]]) -> None:
+        """Set integer tags of samples (one value for all, or one per sample), e.g. to age the
+        samples a partial rollout left unfinished: ``dock.set_tags("p", idx, {"age": 1})``."""
+        idx = _int_list("indexes", indexes)
+        if not tags:
+            raise DockValueError("tags is empty; give e.g. {'age': 1}")
+        self._partition_op(partition, set_tags=pb.SetTags(indexes=idx, tags=_tag_list(tags, len(idx))))
+
+    def save(self, partition: str, path: str | os.PathLike) -> dict[str, int]:
+        """Checkpoint a partition into directory `path`: its data, indexes, groups, tags, options and
+        consumer progress. Each warehouse writes the samples it holds to its own Arrow IPC file
+        (`warehouse-<id>.arrow`), in parallel, and the controller writes the metadata
+        (`partition.msgpack`): nothing funnels through this client. `path` must be reachable by
+        every daemon of the dock under the same name (one host, or a shared filesystem).
+        Samples leased but not confirmed count as not taken. Puts made while a save runs may or
+        may not be in it. Returns {"samples": ..., "bytes": ...}."""
+        path = _abs_dir(path)
+        r = self._partition_op(partition, save=pb.SavePartition(path=path))
+        return {"samples": r.samples, "bytes": r.nbytes}
+
+    def load(self, path: str | os.PathLike, *, partition: str) -> dict[str, int]:
+        """Restore a partition saved with `save` as `partition` (which must not exist). Each file
+        is loaded by the warehouse of the same id when it is live, else by another one.
+        Returns {"samples": ..., "bytes": ...}."""
+        path = _abs_dir(path)
+        r = self._partition_op(partition, load=pb.LoadPartition(path=path))
+        return {"samples": r.samples, "bytes": r.nbytes}
+
     def stats(self, *, traffic: bool = False) -> dict[str, Any]:
         """The dock as its controller sees it: samples per partition, per consumer how many it
         has taken, holds under lease, could take now (`ready`, for the columns it asked for)
@@ -549,6 +663,10 @@ class Dock:
                 "consumers": {c.name: {"taken": c.taken, "leased": c.leased, "ready": c.ready, "waiting": c.waiting}
                               for c in p.consumers},
                 "recovered": p.recovered,
+                "deleted": p.deleted,
+                "sealed": p.sealed,
+                "retire_when_consumed_by": list(p.retire_when_consumed_by),
+                "tags": list(p.tags),
             }
             for p in s.partitions
         }
@@ -701,3 +819,90 @@ def _int_list(name: str, values: Sequence[int]) -> list[int]:
     if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
         raise DockTypeError(f"{name} must be a flat sequence of ints, got dtype {arr.dtype} shape {arr.shape}")
     return arr.astype(np.int64).tolist()
+
+
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _tag_list(tags: Mapping[str, Any], n: int) -> list[pb.Tag]:
+    if not isinstance(tags, Mapping):
+        raise DockTypeError(f"tags must be a dict of tag name -> int or list of ints, got {type(tags).__name__}")
+    out = []
+    for name, v in tags.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise DockValueError(f"a tag name is an identifier such as 'age', got {name!r}")
+        values = [v] if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else _int_list(f"tag {name!r}", v)
+        if len(values) not in (1, n):
+            raise DockValueError(f"tag {name!r} has {len(values)} values for {n} samples; give one, or one per sample")
+        out.append(pb.Tag(name=name, values=[int(x) for x in values]))
+    return out
+
+
+def _where_list(where: Mapping[str, Any]) -> list[pb.TagRange]:
+    if not isinstance(where, Mapping):
+        raise DockTypeError(f"where must be a dict of tag name -> value or (lo, hi), got {type(where).__name__}")
+    out = []
+    for name, rng in where.items():
+        if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
+            lo = hi = int(rng)
+        elif isinstance(rng, (tuple, list)) and len(rng) == 2:
+            lo = _INT64[0] if rng[0] is None else int(rng[0])
+            hi = _INT64[1] if rng[1] is None else int(rng[1])
+        else:
+            raise DockTypeError(f"where[{name!r}] must be an int or a (lo, hi) pair (None: open end), got {rng!r}")
+        out.append(pb.TagRange(name=name, lo=lo, hi=hi))
+    return out
+
+
+def _rank_fields(req: pb.AcquireRequest, dp_rank, dp_size, mp_group, step, balance_by) -> None:
+    """Fill an acquire's rank-aware fields (see Dock.get)."""
+    def whole(name, v, lo):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo:
+            raise DockValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        return int(v)
+
+    if dp_size is None and dp_rank is not None:
+        raise DockValueError("dp_rank needs dp_size (the number of data-parallel ranks)")
+    if dp_size is None and mp_group is None:
+        if step is not None or balance_by:
+            raise DockValueError("step and balance_by belong to rank-aware gets: pass dp_rank and dp_size "
+                                 "(or mp_group)")
+        return
+    if dp_size is not None:
+        req.dp_size = whole("dp_size", dp_size, 1)
+        if dp_rank is None:
+            if mp_group is None:
+                raise DockValueError("a rank-aware get needs dp_rank (this rank, 0..dp_size-1) with dp_size")
+            dp_rank = mp_group[0]
+        req.dp_rank = whole("dp_rank", dp_rank, 0)
+        if req.dp_rank >= req.dp_size:
+            raise DockValueError(f"dp_rank must be below dp_size={req.dp_size}, got {req.dp_rank}")
+    else:
+        req.dp_size, req.dp_rank = 1, 0
+    if mp_group is not None:
+        if not isinstance(mp_group, (tuple, list)) or len(mp_group) != 3:
+            raise DockTypeError(f"mp_group is (group_id, rank_in_group, group_size), got {mp_group!r}")
+        gid, rank, size = (whole(n, v, lo) for n, v, lo in
+                           (("mp_group's group_id", mp_group[0], 0), ("mp_group's rank", mp_group[1], 0),
+                            ("mp_group's size", mp_group[2], 1)))
+        if rank >= size or size > 64:
+            raise DockValueError(f"mp_group needs 0 <= rank_in_group < group_size <= 64, got {mp_group!r}")
+        if dp_size is not None and gid != req.dp_rank:
+            raise DockValueError(f"with dp_size, mp_group's group_id is the group's data-parallel rank "
+                                 f"({req.dp_rank}), got {gid}")
+        req.mp_rank, req.mp_size = rank, size
+        if dp_size is None:
+            req.mp_group = gid
+    if step is not None:
+        req.has_step, req.step = True, whole("step", step, 0)
+    if balance_by:
+        names = [balance_by] if isinstance(balance_by, str) else list(balance_by)
+        if not all(isinstance(n, str) and n for n in names):
+            raise DockTypeError(f"balance_by names tags or columns, got {balance_by!r}")
+        req.balance_by.extend(names)
+
+
+def _abs_dir(path) -> str:
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise DockTypeError(f"path must be a directory name, got {path!r}")
+    return os.path.abspath(os.fspath(path))

@@ -7,13 +7,23 @@ Per partition the controller keeps flat numpy arrays indexed by sample index:
     loc[col]   uint16   warehouse id holding that column of the sample
     state[c]   uint8    per consumer: FREE, LEASED, TAKEN or LOST
 
+    gone       bool     deleted (by delete or retirement): never handed out again
+    tags[name] int64    per-sample integer tags (e.g. a rollout's age)
+
 and, per consumer and requested column set (a *subscription*), an `_Eligible`
 bitmap of the samples (or whole groups) that request could take right now,
 with a count per block of 1024. An acquire walks the non-empty blocks in
 order, so its cost grows with the batch size and n/1024, not with the
 partition (at 10^6 samples that is under a thousand counters to skip).
 Eligibility is kept exact on every commit, lease, confirm and release, so the
-number of ready samples is always known without a scan.
+number of ready samples is always known without a scan. A get that filters
+or orders by tags scans the eligible bitmap instead (O(n)).
+
+Rank-aware gets form *rounds*: the dp_size data-parallel ranks of one step
+share one global batch of count * dp_size samples, chosen when the first of
+them asks, held under one lease, then split into one share (lease) per rank,
+balanced by sample weights when asked (`dockd.balance`). A share is confirmed
+once each of the mp_size model-parallel ranks reading it has confirmed it.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from dockd.errors import DockDataLost, DockNotFound, DockValueError
+from dockd.errors import DockDataLost, DockDrained, DockNotFound, DockValueError
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +45,8 @@ FREE, LEASED, TAKEN, LOST = 0, 1, 2, 3
 NO_WAREHOUSE = 0xFFFF
 LOST_WAREHOUSE = 0xFFFE  # a (sample, column) whose warehouse rejoined without it
 MAX_COLUMNS = 64
+MAX_TAGS = 16
+ROUNDS_KEPT = 256  # per (partition, consumer, columns, ranks): finished rounds remembered for late ranks
 PUT_KEYS_KEPT = 4096  # per warehouse: recent commits remembered so a re-sent one is applied once
 _BLOCK_SHIFT = 10
 
@@ -140,6 +152,11 @@ class _Partition:
         self.consumers: dict[str, _Consumer] = {}
         self.nbytes: dict[int, int] = {}
         self.recovered = False  # rebuilt from warehouse inventories: consumer progress before it is unknown
+        self.gone = np.zeros(self.capacity, dtype=bool)
+        self.deleted = 0
+        self.tags: dict[str, np.ndarray] = {}
+        self.sealed = False
+        self.retire: tuple[str, ...] = ()
 
     # -- layout ---------------------------------------------------------------
     def reserve(self, n: int) -> None:
@@ -150,6 +167,9 @@ class _Partition:
         while cap < need:
             cap *= 2
         self.ready = _grown(self.ready, cap)
+        self.gone = _grown(self.gone, cap)
+        for name, arr in self.tags.items():
+            self.tags[name] = _grown(arr, cap)
         for col, arr in self.loc.items():
             self.loc[col] = _grown(arr, cap, fill=NO_WAREHOUSE)
         for cons in self.consumers.values():
@@ -161,6 +181,18 @@ class _Partition:
     def ready_for(self, cons: _Consumer) -> int:
         """Samples `cons` could take now: the most of any column set it has asked for."""
         return max((s.eligible.total * (self.group_size if s.groups else 1) for s in cons.subs.values()), default=0)
+
+    def tag(self, name: str, *, create: bool = False) -> np.ndarray:
+        arr = self.tags.get(name)
+        if arr is None:
+            if not create:
+                raise DockValueError(f"partition {self.name!r} has no tag {name!r}; its tags: {sorted(self.tags)}")
+            if len(self.tags) >= MAX_TAGS:
+                raise DockValueError(f"partition {self.name!r} already has {MAX_TAGS} tags; cannot add {name!r}")
+            if not isinstance(name, str) or not name.isidentifier():
+                raise DockValueError(f"a tag name is an identifier such as 'age', got {name!r}")
+            arr = self.tags[name] = np.zeros(self.capacity, dtype=np.int64)
+        return arr
 
     def bit(self, column: str) -> int:
         b = self.columns.get(column)
@@ -225,6 +257,51 @@ class _Partition:
         return cons
 
 
+def _check_tags(tags: Mapping[str, Sequence[int]], n: int) -> None:
+    """Tag values: one for all n samples, or one each."""
+    for name, values in tags.items():
+        k = len(values)
+        if k not in (1, n):
+            raise DockValueError(f"tag {name!r} has {k} values for {n} samples; give one value, or one per sample")
+
+
+def _export(p: _Partition) -> dict:
+    n = p.size
+    return {
+        "name": p.name, "group_size": p.group_size, "size": n, "recovered": p.recovered,
+        "ready": p.ready[:n].tobytes(), "columns": list(p.columns),
+        "loc": [p.loc[c][:n].tobytes() for c in p.columns],
+        "nbytes": [[w, b] for w, b in p.nbytes.items()],
+        "consumers": [[name, c.state[:n].tobytes(), c.taken] for name, c in p.consumers.items()],
+        "gone": p.gone[:n].tobytes(), "deleted": p.deleted, "sealed": p.sealed, "retire": list(p.retire),
+        "tags": [[name, arr[:n].tobytes()] for name, arr in p.tags.items()],
+    }
+
+
+def _import(d: dict) -> _Partition:
+    p = _Partition(d["name"], d["group_size"])
+    p.recovered = d["recovered"]
+    n = d["size"]
+    p.reserve(n)
+    p.size = n
+    p.ready[:n] = np.frombuffer(d["ready"], dtype=np.uint64)
+    for col, raw in zip(d["columns"], d["loc"]):
+        p.bit(col)
+        p.loc[col][:n] = np.frombuffer(raw, dtype=np.uint16)
+    p.nbytes = {w: b for w, b in d["nbytes"]}
+    if "gone" in d:
+        p.gone[:n] = np.frombuffer(d["gone"], dtype=bool)
+        p.deleted, p.sealed, p.retire = d["deleted"], d["sealed"], tuple(d["retire"])
+        for name, raw in d["tags"]:
+            p.tag(name, create=True)[:n] = np.frombuffer(raw, dtype=np.int64)
+    for name, state, taken in d["consumers"]:
+        cons = p.consumer(name)
+        cons.state[:n] = np.frombuffer(state, dtype=np.uint8)
+        cons.state[:n][cons.state[:n] == LEASED] = FREE  # leases are restored by the caller, or end here
+        cons.taken = taken
+    return p
+
+
 def _grown(arr: np.ndarray, cap: int, fill: int = 0) -> np.ndarray:
     out = np.full(cap, fill, dtype=arr.dtype)
     out[: len(arr)] = arr
@@ -240,6 +317,31 @@ class Lease:
     owner: bytes     # the session of the client that took it (b"": none, e.g. handed on or restored)
     deadline: float
     token: int = 0   # the acquire's retry token (0: none)
+    # a rank-aware get's share: (round key, step, dp rank; -1 for the lease holding a round before
+    # its split), the sessions reading it -> their model-parallel rank, and which of the `need`
+    # model-parallel ranks confirmed it (a bit each)
+    round: tuple | None = None
+    holders: dict[bytes, int] | None = None
+    need: int = 1
+    confirmed: int = 0
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Round:
+    """One step of a rank-aware get: a global batch split into one share per data-parallel rank."""
+
+    key: tuple        # (partition, consumer, columns, groups, dp_size, mp_size, mp_group)
+    step: int
+    indexes: np.ndarray  # the round's samples, before the split (in hand-out order)
+    hold: int         # the lease holding them until the split (0 once split)
+    shares: list[int] = dataclasses.field(default_factory=list)  # per rank: its lease (0: expired, or none)
+    share_idx: list[np.ndarray] = dataclasses.field(default_factory=list)
+    done: list[bool] = dataclasses.field(default_factory=list)   # per rank: confirmed by all its readers
+    weights: list[float] = dataclasses.field(default_factory=list)  # per rank: sum of balance weights
+
+    @property
+    def partition(self) -> str:
+        return self.key[0]
 
 
 @dataclasses.dataclass(slots=True)
@@ -256,6 +358,8 @@ class AcquireResult:
     lease: int
     indexes: np.ndarray
     locations: np.ndarray  # uint16, shape (len(columns), len(indexes))
+    step: int = 0          # rank-aware gets: the step this share belongs to
+    weights: list[float] = dataclasses.field(default_factory=list)  # ... and each rank's sum of balance weights
 
 
 class Controller:
@@ -284,6 +388,15 @@ class Controller:
         self.dead_warehouses: set[int] = set()
         # per warehouse, put_id -> indexes of its recent commits (a re-sent commit is answered, not re-applied)
         self.put_keys: dict[int, collections.OrderedDict[int, np.ndarray]] = {}
+        # rank-aware gets: rounds by key and step; per (key, dp rank, mp rank) the first step it has
+        # not confirmed; per key the newest step forgotten (older ones cannot be asked for again)
+        self.rounds: dict[tuple, collections.OrderedDict[int, Round]] = {}
+        self.next_step: dict[tuple, int] = {}
+        self.forgotten: dict[tuple, int] = {}
+        # deleted samples whose data a warehouse still holds: partition -> warehouse -> index arrays
+        # (the service sends the frees; replaying a journal refills it, and a second free is harmless)
+        self.pending_frees: dict[str, dict[int, list[np.ndarray]]] = {}
+        self.new_shares: list[Lease] = []  # shares made since the service last took them (to journal)
 
     # -- writes -------------------------------------------------------------------
     def commit(
@@ -297,6 +410,7 @@ class Controller:
         group_size: int = 1,
         nbytes: int = 0,
         put_id: int = 0,
+        tags: Mapping[str, Sequence[int]] | None = None,
     ) -> np.ndarray:
         """Record that `warehouse` now holds `columns` of some samples; returns their indexes.
 
@@ -305,13 +419,17 @@ class Controller:
         none of `columns` may already be written for them. A commit whose
         (warehouse, put_id) was applied recently is not applied again: the
         indexes it got are returned (a warehouse re-sends commits whose reply it
-        lost to a controller restart).
+        lost to a controller restart). `tags`: per-sample integer tags (one value for all, or one each).
         """
         if put_id:
             done = self.put_keys.get(warehouse, {}).get(put_id)
             if done is not None:
                 return done
+        if tags:
+            _check_tags(tags, new_count if indexes is None else len(indexes))
         idx = self._commit(partition, columns, warehouse, indexes, new_count, group_size, nbytes)
+        if tags:
+            self._set_tags(self.partitions[partition], idx, tags)
         if put_id:
             keys = self.put_keys.setdefault(warehouse, collections.OrderedDict())
             keys[put_id] = idx
@@ -328,23 +446,9 @@ class Controller:
             raise DockValueError(f"duplicate column names in {list(columns)}")
         part = self.partitions.get(partition)
         if indexes is None:
-            if group_size < 1:
-                raise DockValueError(f"group_size must be >= 1, got {group_size}")
-            if new_count < 1 or new_count % group_size:
-                raise DockValueError(
-                    f"a put of new samples needs a positive multiple of group_size={group_size} values, got {new_count}"
-                )
-            if part is None:
-                part = self.partitions[partition] = _Partition(partition, group_size)
-            elif part.group_size != group_size:
-                raise DockValueError(
-                    f"partition {partition!r} holds groups of {part.group_size}; new samples must use "
-                    f"group_size={part.group_size}, got {group_size}. Use another partition for another group size."
-                )
+            part = self._for_new(partition, new_count, group_size)
             bits = [part.bit(c) for c in columns]
-            part.reserve(new_count)
-            idx = np.arange(part.size, part.size + new_count, dtype=np.int64)
-            part.size += new_count
+            idx = self._allocate(part, new_count)
         else:
             if part is None:
                 raise DockNotFound(f"partition {partition!r} does not exist; put new samples first (without indexes)")
@@ -359,6 +463,10 @@ class Controller:
                 )
             if len(np.unique(idx)) != len(idx):
                 raise DockValueError("indexes contain duplicates; each sample can appear once per put")
+            if part.deleted:
+                gone = idx[part.gone[idx]]
+                if len(gone):
+                    raise DockNotFound(f"samples {gone[:8].tolist()} of partition {partition!r} were deleted")
             bits = [part.bit(c) for c in columns]
             for c, b in zip(columns, bits):
                 dup = idx[(part.ready[idx] >> np.uint64(b)) & np.uint64(1) == 1]
@@ -379,6 +487,134 @@ class Controller:
                 part.refresh(cons, idx, subs)
         return idx
 
+    def _for_new(self, partition: str, count: int, group_size: int) -> _Partition:
+        """The partition new samples go to (made if need be), after checking they may."""
+        if group_size < 1:
+            raise DockValueError(f"group_size must be >= 1, got {group_size}")
+        if count < 1 or count % group_size:
+            raise DockValueError(
+                f"a put of new samples needs a positive multiple of group_size={group_size} values, got {count}"
+            )
+        part = self.partitions.get(partition)
+        if part is None:
+            part = self.partitions[partition] = _Partition(partition, group_size)
+        elif part.group_size != group_size:
+            raise DockValueError(
+                f"partition {partition!r} holds groups of {part.group_size}; new samples must use "
+                f"group_size={part.group_size}, got {group_size}. Use another partition for another group size."
+            )
+        if part.sealed:
+            raise DockValueError(f"partition {partition!r} is sealed: it takes no new samples (columns of its "
+                                 "existing samples can still be written)")
+        return part
+
+    @staticmethod
+    def _allocate(part: _Partition, count: int) -> np.ndarray:
+        part.reserve(count)
+        idx = np.arange(part.size, part.size + count, dtype=np.int64)
+        part.size += count
+        return idx
+
+    # -- partitions and their samples -----------------------------------------------------
+    def _part(self, partition: str) -> _Partition:
+        part = self.partitions.get(partition)
+        if part is None:
+            raise DockNotFound(f"partition {partition!r} does not exist (already cleared, or never written)")
+        return part
+
+    @staticmethod
+    def _existing(part: _Partition, indexes) -> np.ndarray:
+        idx = np.asarray(indexes, dtype=np.int64).reshape(-1)
+        bad = idx[(idx < 0) | (idx >= part.size)]
+        if len(bad):
+            raise DockNotFound(f"sample indexes {bad[:8].tolist()} do not exist in partition {part.name!r} "
+                               f"(it holds indexes 0..{part.size - 1})")
+        return idx
+
+    def create_partition(self, partition: str, *, group_size: int = 1, retire: Sequence[str] = ()) -> None:
+        """Make a partition (or set the options of an existing one with the same group size).
+        retire: consumers that must all have confirmed a sample before it is deleted by itself."""
+        if not partition:
+            raise DockValueError("partition must be a non-empty string")
+        if group_size < 1:
+            raise DockValueError(f"group_size must be >= 1, got {group_size}")
+        if any(not c for c in retire) or len(set(retire)) != len(retire):
+            raise DockValueError(f"retire_when_consumed_by names distinct non-empty consumers, got {list(retire)}")
+        part = self.partitions.get(partition)
+        if part is None:
+            part = self.partitions[partition] = _Partition(partition, group_size)
+        elif part.group_size != group_size:
+            raise DockValueError(f"partition {partition!r} already holds groups of {part.group_size}, "
+                                 f"not {group_size}")
+        part.retire = tuple(retire)
+        if part.retire:  # samples every named consumer already took go now
+            self._retire(part, np.arange(part.size, dtype=np.int64))
+
+    def reserve(self, partition: str, count: int, *, group_size: int = 1) -> np.ndarray:
+        """New samples with no column written yet (a rollout fills them later, by index)."""
+        return self._allocate(self._for_new(partition, count, group_size), count)
+
+    def seal(self, partition: str) -> None:
+        """No new samples from now on; gets that then cannot be met end (DockDrained)."""
+        part = self.partitions.get(partition)
+        if part is None:
+            part = self.partitions[partition] = _Partition(partition, 1)
+        part.sealed = True
+
+    def set_tags(self, partition: str, indexes, tags: Mapping[str, Sequence[int]]) -> None:
+        part = self._part(partition)
+        idx = self._existing(part, indexes)
+        _check_tags(tags, len(idx))
+        self._set_tags(part, idx, tags)
+
+    @staticmethod
+    def _set_tags(part: _Partition, idx: np.ndarray, tags: Mapping[str, Sequence[int]]) -> None:
+        for name, values in tags.items():
+            part.tag(name, create=True)[idx] = np.asarray(values, dtype=np.int64)
+
+    def delete(self, partition: str, indexes) -> int:
+        """Delete samples: all their columns are freed (the frees wait in pending_frees) and no
+        consumer gets them again. Returns how many were not deleted already."""
+        part = self._part(partition)
+        return self._delete(part, np.unique(self._existing(part, indexes)))
+
+    def _delete(self, part: _Partition, idx: np.ndarray) -> int:
+        idx = idx[~part.gone[idx]]
+        if not len(idx):
+            return 0
+        frees = self.pending_frees.setdefault(part.name, {})
+        for loc in part.loc.values():
+            where = loc[idx]
+            held = where < LOST_WAREHOUSE
+            for w in np.unique(where[held]).tolist():
+                frees.setdefault(w, []).append(idx[where == w])
+            loc[idx] = NO_WAREHOUSE
+        if not frees:
+            del self.pending_frees[part.name]
+        part.gone[idx] = True
+        part.ready[idx] = 0
+        part.deleted += len(idx)
+        for cons in part.consumers.values():
+            part.refresh(cons, idx)
+        return len(idx)
+
+    def _retire(self, part: _Partition, idx: np.ndarray) -> None:
+        """Delete the samples of idx that every consumer named by the partition has taken."""
+        conss = [part.consumers.get(c) for c in part.retire]
+        if any(c is None for c in conss):
+            return
+        ok = np.ones(len(idx), dtype=bool)
+        for cons in conss:
+            ok &= cons.state[idx] == TAKEN
+        if ok.any():
+            self._delete(part, idx[ok])
+
+    def take_frees(self) -> dict[str, dict[int, np.ndarray]]:
+        """The frees deletes left for warehouses: partition -> warehouse -> sample indexes."""
+        out = {p: {w: np.unique(np.concatenate(a)) for w, a in ws.items()} for p, ws in self.pending_frees.items()}
+        self.pending_frees = {}
+        return out
+
     # -- reads --------------------------------------------------------------------
     def acquire(
         self,
@@ -395,14 +631,21 @@ class Controller:
         now: float = 0.0,
         token: int = 0,
         lease_timeout: float | None = None,
+        where: Mapping[str, tuple[int, int]] | None = None,
+        order_by: str = "",
     ) -> AcquireResult | None:
         """Lease up to `count` samples ready in `columns` for `consumer`, or None to wait.
 
         Returns None when fewer than `count` are ready (or none, with
-        allow_partial). Raises DockDataLost when chosen samples live on a dead
+        allow_partial). Once the partition is sealed and nothing more can come
+        for this request, returns what is left, or raises DockDrained when
+        nothing is. Raises DockDataLost when chosen samples live on a dead
         warehouse; those are then marked lost for this consumer. An acquire
         whose `token` names a lease still outstanding gets that lease again (a
-        client retrying after a lost reply), not a second one.
+        client retrying after a lost reply), not a second one. `where` keeps
+        samples whose tags lie in [lo, hi]; `order_by` hands out the smallest
+        values of a tag first ("-tag": the largest); a group goes by its first
+        sample's tags.
         """
         self.validate_acquire(partition, consumer, columns, count, groups)
         if token:
@@ -428,26 +671,238 @@ class Controller:
         sub = part.subscription(cons, mask, groups)
         gs = part.group_size if groups else 1
         want = count // gs
-        have = sub.eligible.total
+        units, have = self._choose(part, sub, want, gs, shuffle=shuffle, seed=seed, where=where, order_by=order_by)
         if have == 0 or (have < want and not allow_partial):
-            return None
-        if shuffle:
-            if sub.rng is None:
-                sub.rng = np.random.default_rng(seed)
-            units = sub.eligible.sample(want, sub.rng)
-        else:
-            units = sub.eligible.first(want)
+            if not self._drained(part, cons, mask, where):
+                return None
+            if have == 0:
+                raise DockDrained(f"partition {partition!r} is sealed and has nothing left for consumer "
+                                  f"{consumer!r} (columns {list(columns)})")
         idx = (units[:, None] * gs + np.arange(gs)).ravel() if groups else units
         locs = np.stack([part.loc[c][idx] for c in columns])
         if self.dead_warehouses:
             self._check_lost(part, cons, columns, idx, locs)
-        lease_id = self._lease_ids()
-        while lease_id in self.leases:
-            lease_id = self._lease_ids()
-        lease = self.grant(lease_id, partition, consumer, idx, owner=owner,
+        lease = self.grant(self._new_lease_id(), partition, consumer, idx, owner=owner,
                            deadline=now + (lease_timeout or self.lease_timeout), token=token,
                            in_order=lease_timeout is None)
         return AcquireResult(lease.id, idx, locs)
+
+    def _new_lease_id(self) -> int:
+        lease_id = self._lease_ids()
+        while lease_id in self.leases:
+            lease_id = self._lease_ids()
+        return lease_id
+
+    def _choose(self, part: _Partition, sub: _Sub, want: int, gs: int, *, shuffle: bool = False,
+                seed: int | None = None, where=None, order_by: str = "") -> tuple[np.ndarray, int]:
+        """Up to `want` units (samples, or groups of gs) `sub` could take, in hand-out order, and
+        how many it could take in all."""
+        if not where and not order_by:
+            have = sub.eligible.total
+            n = min(want, have)
+            if shuffle:
+                if sub.rng is None:
+                    sub.rng = np.random.default_rng(seed)
+                return sub.eligible.sample(n, sub.rng), have
+            return sub.eligible.first(n), have
+        units = np.flatnonzero(sub.eligible.bits)
+        if where:
+            units = units[self._where(part, units * gs, where)]
+        if order_by:
+            desc = order_by.startswith("-")
+            key = part.tag(order_by.lstrip("-"))[units * gs]
+            units = units[np.argsort(-key if desc else key, kind="stable")]
+        elif shuffle:
+            if sub.rng is None:
+                sub.rng = np.random.default_rng(seed)
+            units = sub.rng.permutation(units)
+        return units[:want], len(units)
+
+    @staticmethod
+    def _where(part: _Partition, idx: np.ndarray, where: Mapping[str, tuple[int, int]]) -> np.ndarray:
+        ok = np.ones(len(idx), dtype=bool)
+        for name, (lo, hi) in where.items():
+            vals = part.tag(name)[idx]
+            ok &= (vals >= lo) & (vals <= hi)
+        return ok
+
+    def _drained(self, part: _Partition, cons: _Consumer, mask: int, where=None) -> bool:
+        """Whether nothing more can become eligible for `cons` and these columns: the partition is
+        sealed, none of the consumer's samples is leased (it could come back), and every sample
+        still free for it is either deleted or ready already."""
+        if not part.sealed:
+            return False
+        n = part.size
+        state = cons.state[:n]
+        if cons.leased and (state == LEASED).any():
+            return False
+        m = np.uint64(mask)
+        pending = ~part.gone[:n] & (state == FREE) & ((part.ready[:n] & m) != m)
+        if where and pending.any():
+            pending &= self._where(part, np.arange(n, dtype=np.int64), where)
+        return not pending.any()
+
+    # -- rank-aware gets --------------------------------------------------------------------
+    def share(self, partition: str, consumer: str, columns: Sequence[str], count: int, *, dp_rank: int, dp_size: int,
+              mp_rank: int = 0, mp_size: int = 1, mp_group: int = 0, step: int | None = None, groups: bool = False,
+              where=None,
+              order_by: str = "", balance: bool = False, owner: bytes = b"", now: float = 0.0,
+              lease_timeout: float | None = None) -> AcquireResult | Round | None:
+        """Rank `dp_rank`'s share of one step of a rank-aware get (its step and the ranks' weights in it).
+
+        The dp_size ranks of a step share one global batch of count * dp_size
+        samples (whole groups with groups=True), formed when the first of them
+        asks. Without `balance` it is split by position; with it, the new Round
+        is returned instead (its samples held) for the caller to weigh and
+        `split_round`. Returns None to wait (too few samples ready, or the
+        round is being weighed). `step` None: the first step this (dp_rank,
+        mp_rank) has not confirmed, so a rank asking again before it confirms
+        gets the same share. The mp_size ranks of one model-parallel group get
+        the same share, which is taken once each of them confirmed it. A share
+        that expired unconfirmed (its rank died) is replaced by a fresh one
+        when its rank asks again; the other ranks' shares are not affected.
+        """
+        self.validate_acquire(partition, consumer, columns, count, groups)
+        if not 0 <= dp_rank < dp_size or not 0 <= mp_rank < mp_size or mp_size > 64:
+            raise DockValueError(f"need 0 <= dp_rank < dp_size and 0 <= mp_rank < mp_size <= 64, got dp_rank={dp_rank}, "
+                                 f"dp_size={dp_size}, mp_rank={mp_rank}, mp_size={mp_size}")
+        key = (partition, consumer, tuple(sorted(columns)), groups, dp_size, mp_size, mp_group)
+        if step is None:
+            step = self.next_step.get((key, dp_rank, mp_rank), 0)
+        elif step <= self.forgotten.get(key, -1):
+            raise DockValueError(f"step {step} of this rank-aware get is finished and no longer remembered "
+                                 f"(steps up to {self.forgotten[key]} are); ask for a later step")
+        part = self.partitions.get(partition)
+        if part is None:
+            return None
+        rounds = self.rounds.get(key)
+        rnd = rounds.get(step) if rounds is not None else None
+        if rnd is None:
+            rnd = self._form_round(part, key, step, columns, count, owner=b"", now=now, lease_timeout=lease_timeout,
+                                   where=where, order_by=order_by)
+            if rnd is None:
+                return None
+            if balance:
+                return rnd
+            self.split_round(rnd, None)
+        if rnd.hold:
+            return None  # another rank formed it and it is being weighed
+        cons = part.consumer(consumer)
+        if rnd.done[dp_rank]:  # all its readers confirmed it: a late reader sees it again, nothing to confirm
+            idx = rnd.share_idx[dp_rank]
+            return AcquireResult(0, idx, np.stack([part.loc[c][idx] for c in columns]), step, rnd.weights)
+        lease = self.leases.get(rnd.shares[dp_rank])
+        if lease is None:  # expired before all its readers confirmed: a fresh share, from the pool
+            mask = part.mask_of(columns)
+            if mask is None:
+                return None
+            gs = part.group_size if groups else 1
+            sub = part.subscription(cons, mask, groups)
+            units, have = self._choose(part, sub, count // gs, gs, where=where, order_by=order_by)
+            if have < count // gs:
+                if not self._drained(part, cons, mask, where):
+                    return None
+                if have == 0:
+                    raise DockDrained(f"partition {partition!r} is sealed and has nothing left for consumer "
+                                      f"{consumer!r} (columns {list(columns)})")
+            idx = (units[:, None] * gs + np.arange(gs)).ravel() if groups else units
+            lease = self.grant(self._new_lease_id(), partition, consumer, idx,
+                               deadline=now + (lease_timeout or self.lease_timeout), in_order=lease_timeout is None)
+            self._make_share(lease, rnd, dp_rank)
+        if lease.holders is not None and owner and owner not in lease.holders:
+            if not lease.holders:  # its first reader: the share's lease runs from now (it may be a late rank)
+                deadline = now + (lease_timeout or self.lease_timeout)
+                if deadline > lease.deadline:
+                    self.extend(lease.id, deadline)
+            lease.holders[owner] = mp_rank
+        idx = lease.indexes
+        locs = np.stack([part.loc[c][idx] for c in columns])
+        if self.dead_warehouses:
+            self._check_lost(part, cons, columns, idx, locs)
+        return AcquireResult(lease.id, idx, locs, step, rnd.weights)
+
+    def _form_round(self, part: _Partition, key: tuple, step: int, columns, count: int, *, owner: bytes, now: float,
+                    lease_timeout: float | None, where, order_by: str) -> Round | None:
+        _, consumer, _, groups, dp_size, *_ = key
+        mask = part.mask_of(columns)
+        if mask is None:
+            return None
+        cons = part.consumer(consumer)
+        sub = part.subscription(cons, mask, groups)
+        gs = part.group_size if groups else 1
+        want = count // gs * dp_size
+        units, have = self._choose(part, sub, want, gs, where=where, order_by=order_by)
+        if have < want:
+            if not self._drained(part, cons, mask, where):
+                return None
+            units = units[: have // dp_size * dp_size]  # the end of a sealed partition: equal shares of what is left
+            if not len(units):
+                raise DockDrained(f"partition {part.name!r} is sealed and has fewer than {dp_size} "
+                                  f"{'groups' if groups else 'samples'} left for consumer {consumer!r}: one each for "
+                                  f"{dp_size} ranks")
+        idx = (units[:, None] * gs + np.arange(gs)).ravel() if groups else units
+        if self.dead_warehouses:
+            self._check_lost(part, cons, columns, idx, np.stack([part.loc[c][idx] for c in columns]))
+        hold = self.grant(self._new_lease_id(), part.name, consumer, idx, owner=owner,
+                          deadline=now + (lease_timeout or self.lease_timeout), in_order=lease_timeout is None)
+        rnd = Round(key, step, idx, hold.id)
+        hold.round = (key, step, -1)
+        rounds = self.rounds.setdefault(key, collections.OrderedDict())
+        rounds[step] = rnd
+        while len(rounds) > ROUNDS_KEPT:
+            old, gone = rounds.popitem(last=False)
+            self.forgotten[key] = max(self.forgotten.get(key, -1), old)
+            for lid in gone.shares:
+                lease = self.leases.get(lid)
+                if lease is not None:
+                    lease.round = None
+        return rnd
+
+    def split_round(self, rnd: Round, weights: np.ndarray | None) -> bool:
+        """Split a formed round among its ranks: by position, or balancing `weights` (one per
+        sample of rnd.indexes). False if its samples went back meanwhile (its hold expired)."""
+        hold = self.leases.pop(rnd.hold, None)
+        if hold is None:
+            return False
+        in_order = self._fifo.pop(hold.id, False) is None  # (the FIFO maps lease ids to None)
+        key = rnd.key
+        _, consumer, _, groups, dp_size, mp_size, *_ = key
+        part = self.partitions[key[0]]
+        gs = part.group_size if groups else 1
+        n = len(rnd.indexes)
+        if weights is None:
+            units = np.arange(n // gs, dtype=np.int64)
+            parts = [(u[:, None] * gs + np.arange(gs)).ravel() for u in np.array_split(units, dp_size)]
+        else:
+            from dockd.balance import balance
+
+            w = np.asarray(weights, dtype=np.float64)
+            parts = balance(w, dp_size, group_size=gs)
+            rnd.weights = [float(w[p].sum()) for p in parts]
+        rnd.shares, rnd.share_idx, rnd.done = [0] * dp_size, [None] * dp_size, [False] * dp_size
+        for r, pos in enumerate(parts):
+            lease = Lease(self._new_lease_id(), part.name, consumer, rnd.indexes[pos], b"", hold.deadline)
+            self.leases[lease.id] = lease
+            if in_order:  # (a weighed round's shares expire a few ms late at most: the FIFO stays ordered enough)
+                self._fifo[lease.id] = None
+            else:
+                self._push_deadline(lease)
+            self._make_share(lease, rnd, r)
+        rnd.hold = 0
+        return True
+
+    def _make_share(self, lease: Lease, rnd: Round, rank: int) -> None:
+        lease.round, lease.holders, lease.need = (rnd.key, rnd.step, rank), {}, rnd.key[5]
+        rnd.shares[rank], rnd.share_idx[rank] = lease.id, lease.indexes
+        self.new_shares.append(lease)
+
+    def drop_round(self, rnd: Round) -> None:
+        """Give up a round that could not be weighed: its samples go back to the pool."""
+        rounds = self.rounds.get(rnd.key)
+        if rounds is not None and rounds.get(rnd.step) is rnd:
+            del rounds[rnd.step]
+        if rnd.hold:
+            self.release(rnd.hold)
 
     def grant(self, lease_id: int, partition: str, consumer: str, indexes: np.ndarray, *, owner: bytes = b"",
               deadline: float, token: int = 0, in_order: bool = False) -> Lease:
@@ -551,9 +1006,25 @@ class Controller:
         return ""
 
     # -- leases -------------------------------------------------------------------
-    def confirm(self, lease_id: int) -> bool:
-        """The fetch of a lease succeeded: its samples are taken for good."""
+    def confirm(self, lease_id: int, member: int | None = None) -> bool:
+        """The fetch of a lease succeeded: its samples are taken for good. Returns whether the lease
+        ended: a share read by several model-parallel ranks ends once each of them confirmed it
+        (`member`: which one this is; None: all of them, e.g. a confirm by ticket)."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return False
+        if lease.need > 1 and member is not None:
+            lease.confirmed |= 1 << member
+            self._advance(lease, member)
+            if lease.confirmed.bit_count() < lease.need:
+                return False
         return self._end_lease(lease_id, TAKEN) is not None
+
+    def _advance(self, lease: Lease, member: int) -> None:
+        """A reader of a share confirmed it: its next default step is the one after."""
+        key, step, rank = lease.round
+        k = (key, rank, member)
+        self.next_step[k] = max(self.next_step.get(k, 0), step + 1)
 
     def release(self, lease_id: int) -> Lease | None:
         """Give a lease's samples back to the pool; returns the lease (None if unknown)."""
@@ -574,9 +1045,28 @@ class Controller:
             cons.leased -= len(sel)
             if state == TAKEN:
                 cons.taken += len(sel)
+                if part.retire and lease.consumer in part.retire:
+                    self._retire(part, sel)
             else:
                 part.refresh(cons, sel)
+        if lease.round is not None:
+            self._share_ended(lease, state)
         return lease
+
+    def _share_ended(self, lease: Lease, state: int) -> None:
+        key, step, rank = lease.round
+        rnd = self.rounds.get(key, {}).get(step)
+        if rnd is None:
+            return
+        if rank < 0:  # the hold of a round not split yet: the round is void, its samples are back
+            if rnd.hold == lease.id:
+                del self.rounds[key][step]
+            return
+        if state == TAKEN and rnd.shares[rank] == lease.id:
+            rnd.done[rank] = True
+            for m in range(lease.need):
+                if not lease.confirmed >> m & 1:
+                    self._advance(lease, m)
 
     def release_owner(self, owner: bytes) -> list[Lease]:
         """Release every lease held by a client (session) that went away."""
@@ -633,6 +1123,12 @@ class Controller:
         part = self.partitions.pop(partition, None)
         if part is None:
             raise DockNotFound(f"partition {partition!r} does not exist (already cleared, or never written)")
+        self.pending_frees.pop(partition, None)  # (a clear frees everything)
+        for key in [k for k in self.rounds if k[0] == partition]:
+            del self.rounds[key]
+            self.forgotten.pop(key, None)
+        for k in [k for k in self.next_step if k[0][0] == partition]:
+            del self.next_step[k]
         for lease in [l for l in self.leases.values() if l.partition == partition]:
             del self.leases[lease.id]
             self._fifo.pop(lease.id, None)
@@ -675,6 +1171,13 @@ class Controller:
                                        "partition %r; they are lost", warehouse, len(mine), col, name)
                 if held is not None:
                     part.nbytes[warehouse] = held.nbytes
+                    if part.deleted:  # samples deleted while it was away: it frees them now
+                        ix = [np.asarray(v, dtype=np.int64) for v in held.columns.values()]
+                        stale = np.unique(np.concatenate(ix)) if ix else np.empty(0, dtype=np.int64)
+                        stale = stale[stale < part.size]
+                        stale = stale[part.gone[stale]]
+                        if len(stale):
+                            self.pending_frees.setdefault(name, {}).setdefault(warehouse, []).append(stale)
                 else:
                     part.nbytes.pop(warehouse, None)
             drop = [name for name in inventory if name not in self.partitions]
@@ -740,6 +1243,10 @@ class Controller:
                     "consumers": {name: {"taken": c.taken, "leased": c.leased, "ready": part.ready_for(c)}
                                   for name, c in part.consumers.items()},
                     "recovered": part.recovered,
+                    "deleted": part.deleted,
+                    "sealed": part.sealed,
+                    "retire_when_consumed_by": list(part.retire),
+                    "tags": sorted(part.tags),
                 }
             )
         return out
@@ -748,21 +1255,11 @@ class Controller:
     def snapshot(self, wall_offset: float) -> dict:
         """Everything needed to rebuild this controller. Lease deadlines are stored on the
         wall clock (`deadline + wall_offset`) so another process can restore them."""
-        parts = []
-        for p in self.partitions.values():
-            n = p.size
-            parts.append({
-                "name": p.name, "group_size": p.group_size, "size": n, "recovered": p.recovered,
-                "ready": p.ready[:n].tobytes(), "columns": list(p.columns),
-                "loc": [p.loc[c][:n].tobytes() for c in p.columns],
-                "nbytes": [[w, b] for w, b in p.nbytes.items()],
-                "consumers": [[name, c.state[:n].tobytes(), c.taken] for name, c in p.consumers.items()],
-            })
         return {
-            "version": 1,
+            "version": 2,
             "lease_timeout": self.lease_timeout,
             "dead": sorted(self.dead_warehouses),
-            "partitions": parts,
+            "partitions": [_export(p) for p in self.partitions.values()],
             "leases": [[l.id, l.partition, l.consumer, l.indexes.tobytes(), l.deadline + wall_offset, l.token, l.owner]
                        for l in self.leases.values()],
             "put_keys": [[w, [[k, v.tobytes()] for k, v in keys.items()]] for w, keys in self.put_keys.items()],
@@ -771,26 +1268,12 @@ class Controller:
     @classmethod
     def restore(cls, snap: dict, *, wall_offset: float, lease_timeout: float | None = None) -> Controller:
         """The controller a snapshot describes; lease deadlines are moved onto this process's clock."""
-        if snap.get("version") != 1:
+        if snap.get("version") not in (1, 2):
             raise DockValueError(f"controller snapshot version {snap.get('version')!r} is not supported")
         c = cls(lease_timeout=lease_timeout or snap["lease_timeout"])
         c.dead_warehouses = set(snap["dead"])
         for d in snap["partitions"]:
-            p = _Partition(d["name"], d["group_size"])
-            p.recovered = d["recovered"]
-            n = d["size"]
-            p.reserve(n)
-            p.size = n
-            p.ready[:n] = np.frombuffer(d["ready"], dtype=np.uint64)
-            for col, raw in zip(d["columns"], d["loc"]):
-                p.bit(col)
-                p.loc[col][:n] = np.frombuffer(raw, dtype=np.uint16)
-            p.nbytes = {w: b for w, b in d["nbytes"]}
-            for name, state, taken in d["consumers"]:
-                cons = p.consumer(name)
-                cons.state[:n] = np.frombuffer(state, dtype=np.uint8)
-                cons.state[:n][cons.state[:n] == LEASED] = FREE  # leases are restored below
-                cons.taken = taken
+            p = _import(d)
             c.partitions[p.name] = p
         for lid, part, consumer, raw, deadline, token, owner in snap["leases"]:
             c.grant(lid, part, consumer, np.frombuffer(raw, dtype=np.int64).copy(), deadline=deadline - wall_offset,
@@ -799,10 +1282,31 @@ class Controller:
             c.put_keys[w] = collections.OrderedDict((k, np.frombuffer(v, dtype=np.int64).copy()) for k, v in keys)
         return c
 
+    # -- checkpoints ----------------------------------------------------------------------------
+    def export_partition(self, partition: str) -> dict:
+        """One partition's metadata for a checkpoint (leased samples count as not taken)."""
+        return _export(self._part(partition))
+
+    def import_partition(self, d: dict, name: str, warehouses: Mapping[int, int]) -> None:
+        """Make partition `name` from an exported one whose data the warehouses now hold under new
+        ids (`warehouses`: old id -> new id)."""
+        if name in self.partitions:
+            raise DockValueError(f"partition {name!r} exists; clear it or load the checkpoint under another name")
+        p = _import(dict(d, name=name, nbytes=[]))
+        n = p.size
+        for col, loc in p.loc.items():
+            held = loc[:n]
+            new = held.copy()
+            for old, wid in warehouses.items():
+                new[held == old] = wid
+            loc[:n] = new
+        self.partitions[name] = p
+
     def metadata_bytes(self, partition: str) -> int:
         """Bytes of metadata the controller holds for a partition (all arrays)."""
         part = self.partitions[partition]
-        total = part.ready.nbytes + sum(a.nbytes for a in part.loc.values())
+        total = part.ready.nbytes + part.gone.nbytes + sum(a.nbytes for a in part.loc.values())
+        total += sum(a.nbytes for a in part.tags.values())
         for cons in part.consumers.values():
             total += cons.state.nbytes
             for sub in cons.subs.values():

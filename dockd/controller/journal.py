@@ -18,7 +18,7 @@ When the journal grows past `compact_bytes` a new snapshot replaces it.
 Records (the first element names the kind):
 
     W  warehouse entry (id, host, port, unix, capacity, instance, state)
-    C  commit          (partition, columns, warehouse, indexes | None, new_count, group_size, nbytes, put_id)
+    C  commit          (partition, columns, warehouse, indexes | None, new_count, group_size, nbytes, put_id[, tags])
     G  lease granted   (id, partition, consumer, indexes, wall-clock deadline, token, owner session)
     E  lease extended  (id, wall-clock deadline)
     F  leases confirmed (ids)
@@ -26,6 +26,17 @@ Records (the first element names the kind):
     X  partition cleared
     L  warehouse lost  (id)
     J  warehouse rejoined (id, inventory, known)
+    P  partition created or its options set (partition, group_size, retire_when_consumed_by)
+    D  samples deleted (partition, indexes)
+    S  partition sealed
+    V  samples reserved (partition, count, group_size)
+    T  tags set        (partition, indexes, {name: values})
+    K  partition loaded from a checkpoint (partition, its exported metadata)
+
+A rank-aware get's shares are journaled as plain leases (G) when a round is
+split; the lease holding a round before its split, and which rank holds which
+share, are not recorded: after a restart a rank's next get forms a new round
+while unconfirmed old shares expire back to the pool.
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ from collections.abc import Iterator, Mapping
 import msgpack
 import numpy as np
 
-from dockd.controller.core import Controller, Inventory
+from dockd.controller.core import Controller, Inventory, _import
 from dockd.errors import DockError
 
 logger = logging.getLogger(__name__)
@@ -63,6 +74,14 @@ def _unpack_idx(raw) -> np.ndarray:
     if isinstance(raw, list):
         return np.arange(raw[0], raw[0] + raw[1], dtype=np.int64)
     return np.frombuffer(raw, dtype=np.int64).copy()
+
+
+def _pack_tags(tags) -> dict:
+    return {name: np.asarray(v, dtype=np.int64).tobytes() for name, v in tags.items()}
+
+
+def _unpack_tags(raw: dict) -> dict:
+    return {name: np.frombuffer(v, dtype=np.int64).copy() for name, v in raw.items()}
 
 
 def _pack_inventory(inv: Mapping[str, Inventory]) -> dict:
@@ -210,9 +229,31 @@ class Journal:
     def warehouse(self, entry: dict) -> None:
         self.append(["W", entry])
 
-    def commit(self, partition, columns, warehouse, indexes, new_count, group_size, nbytes, put_id) -> None:
-        self.append(["C", partition, list(columns), warehouse, None if indexes is None else _pack_idx(indexes),
-                     new_count, group_size, nbytes, put_id])
+    def commit(self, partition, columns, warehouse, indexes, new_count, group_size, nbytes, put_id,
+               tags=None) -> None:
+        rec = ["C", partition, list(columns), warehouse, None if indexes is None else _pack_idx(indexes),
+               new_count, group_size, nbytes, put_id]
+        if tags:
+            rec.append(_pack_tags(tags))
+        self.append(rec)
+
+    def create(self, partition: str, group_size: int, retire) -> None:
+        self.append(["P", partition, group_size, list(retire)])
+
+    def delete(self, partition: str, indexes) -> None:
+        self.append(["D", partition, _pack_idx(indexes)])
+
+    def seal(self, partition: str) -> None:
+        self.append(["S", partition])
+
+    def reserve(self, partition: str, count: int, group_size: int) -> None:
+        self.append(["V", partition, count, group_size])
+
+    def loaded(self, partition: str, exported: dict) -> None:
+        self.append(["K", partition, exported])
+
+    def tags(self, partition: str, indexes, tags) -> None:
+        self.append(["T", partition, _pack_idx(indexes), _pack_tags(tags)])
 
     def grant(self, lease, wall_deadline: float) -> None:
         self.append(["G", lease.id, lease.partition, lease.consumer, _pack_idx(lease.indexes), wall_deadline, lease.token,
@@ -241,9 +282,21 @@ def apply(core: Controller, warehouses: dict[int, dict], rec: list, wall_offset:
     """Replay one record onto a controller and its warehouse registry."""
     kind = rec[0]
     if kind == "C":
-        _, part, cols, wid, idx, new_count, gs, nbytes, put_id = rec
+        _, part, cols, wid, idx, new_count, gs, nbytes, put_id, *tags = rec
         core.commit(part, cols, warehouse=wid, indexes=None if idx is None else _unpack_idx(idx), new_count=new_count,
-                    group_size=gs, nbytes=nbytes, put_id=put_id)
+                    group_size=gs, nbytes=nbytes, put_id=put_id, tags=_unpack_tags(tags[0]) if tags else None)
+    elif kind == "P":
+        core.create_partition(rec[1], group_size=rec[2], retire=rec[3])
+    elif kind == "D":
+        core.partitions.get(rec[1]) and core.delete(rec[1], _unpack_idx(rec[2]))
+    elif kind == "S":
+        core.seal(rec[1])
+    elif kind == "V":
+        core.reserve(rec[1], rec[2], group_size=rec[3])
+    elif kind == "K":
+        core.partitions[rec[1]] = _import(rec[2])
+    elif kind == "T":
+        core.set_tags(rec[1], _unpack_idx(rec[2]), _unpack_tags(rec[3]))
     elif kind == "G":
         _, lid, part, consumer, idx, wall_deadline, token, owner = rec
         core.grant(lid, part, consumer, _unpack_idx(idx), deadline=wall_deadline - wall_offset, token=token, owner=owner)

@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import hmac
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -23,10 +24,10 @@ import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
 from dockd._version import __version__
-from dockd.controller.core import AcquireResult, Controller
+from dockd.controller.core import AcquireResult, Controller, Round
 from dockd.controller.journal import Journal
 from dockd.controller.membership import Membership
-from dockd.errors import DockClosed, DockError, DockLeaseError, DockTimeout, DockValueError
+from dockd.errors import DockClosed, DockDataLost, DockError, DockLeaseError, DockNotFound, DockTimeout, DockValueError
 from dockd.peer import Peer
 
 logger = logging.getLogger(__name__)
@@ -44,18 +45,27 @@ class ControllerService:
 
     Args:
         core: the pure controller (a fresh one, or none to rebuild from `state_dir`).
-        free_local: frees a partition in the warehouse hosted in this process.
+        free_local: frees a partition (or some of its samples) in the warehouse hosted in this process;
+            returns the bytes freed.
+        measure_local: per sample, a column's number or size, from the warehouse hosted in this process.
+        dump_local: writes (or loads) a checkpoint file of the warehouse hosted in this process
+            (a coroutine function taking a DumpRequest, returning a DumpReply).
         inline: values of the local warehouse for acquire replies (see AcquireRequest.inline).
         state_dir: journal decisions there and rebuild from it on start (None: keep nothing).
         warehouse_grace: seconds a warehouse whose connection dropped has to rejoin.
     """
 
-    def __init__(self, core: Controller, *, free_local: Callable[[str], int], inline: Callable | None = None,
+    def __init__(self, core: Controller, *, free_local: Callable[..., int], measure_local: Callable | None = None,
+                 dump_local: Callable | None = None,
+                 inline: Callable | None = None,
                  state_dir: str | None = None, warehouse_grace: float = 15.0, fsync_interval: float = 0.05,
                  daemon_timeout: float = 30.0) -> None:
         self.daemon_timeout = daemon_timeout
         self.core = core
         self.free_local = free_local
+        self.measure_local = measure_local
+        self.dump_local = dump_local
+        self._frees_soon = False
         self.inline = inline
         self.journal = Journal(state_dir, fsync_interval=fsync_interval) if state_dir else None
         self.members = Membership(core, self.journal, grace=warehouse_grace, on_change=self._wake_all)
@@ -125,7 +135,9 @@ class ControllerService:
         lease = self.core.leases.get(lease_id)
         if lease is None:
             return None
-        if lease.owner == self.session(peer) or (ticket and hmac.compare_digest(ticket, self.ticket(lease_id))):
+        sid = self.session(peer)
+        if lease.owner == sid or (lease.holders is not None and sid in lease.holders) or (
+                ticket and hmac.compare_digest(ticket, self.ticket(lease_id))):
             return lease
         raise DockLeaseError(f"lease {lease_id} belongs to another client; hand it over with its ticket "
                              "(Lease.ticket) to confirm, release or extend it from here")
@@ -153,6 +165,7 @@ class ControllerService:
             self._wake(part)
 
     def _wake_all(self) -> None:
+        self._schedule_frees()
         for part in list(self.waiters):
             self._wake(part)
 
@@ -163,11 +176,12 @@ class ControllerService:
             raise DockValueError(f"warehouse {req.warehouse} is not a live member of this dock")
         indexes = list(req.indexes) if req.indexes else None
         gs = req.group_size or 1
+        tags = {t.name: list(t.values) for t in req.tags} or None
         idx = self.core.commit(req.partition, list(req.columns), warehouse=req.warehouse, indexes=indexes,
-                               new_count=req.new_count, group_size=gs, nbytes=req.nbytes, put_id=req.put_id)
+                               new_count=req.new_count, group_size=gs, nbytes=req.nbytes, put_id=req.put_id, tags=tags)
         if self.journal is not None:
             self.journal.commit(req.partition, req.columns, req.warehouse, indexes, req.new_count, gs, req.nbytes,
-                                req.put_id)
+                                req.put_id, tags)
         if req.partition in self.waiters:
             self._wake(req.partition)
         return idx
@@ -199,7 +213,7 @@ class ControllerService:
         """Confirm leases this peer may act on; the rest are reported in `out`."""
         if not leases:
             return
-        done, unknown, refused = [], [], []
+        done, unknown, refused, sealed = [], [], [], set()
         for k, lid in enumerate(leases):
             try:
                 lease = self._owned(peer, lid, tickets[k] if k < len(tickets) else b"")
@@ -208,11 +222,17 @@ class ControllerService:
                 continue
             if lease is None:
                 unknown.append(lid)
-            else:
-                self.core.confirm(lid)
+            elif self.core.confirm(lid, lease.holders.get(self.session(peer)) if lease.holders else None):
                 done.append(lid)
+                part = self.core.partitions.get(lease.partition)
+                if part is not None and part.sealed and lease.partition in self.waiters:
+                    sealed.add(lease.partition)  # the last leased samples taken: waiting gets may be at the end
         if done and self.journal is not None:
             self.journal.confirm(done)
+        if done:
+            self._schedule_frees()  # (retirement)
+        for name in sealed:
+            self._wake(name)
         if unknown or refused:
             logger.warning("[controller] confirms refused peer=%s expired_or_released=%d another_clients=%d",
                            peer.name, len(unknown), len(refused))
@@ -235,7 +255,8 @@ class ControllerService:
 
     def release(self, peer: Peer, req: pb.ReleaseRequest) -> int:
         lease_id = req.lease or self.core.lease_tokens.get(req.token, 0)
-        if self._owned(peer, lease_id, req.ticket) is None:
+        lease = self._owned(peer, lease_id, req.ticket)
+        if lease is None or lease.need > 1:  # (a share other model-parallel ranks read: it expires if unconfirmed)
             return 0
         lease = self.core.release(lease_id)
         if lease is None:
@@ -269,6 +290,170 @@ class ControllerService:
                 logger.warning("[controller] free failed on a warehouse partition=%s error=%s", req.partition, res)
         return n
 
+    def partition(self, req: pb.PartitionRequest) -> pb.PartitionReply:
+        """Operations on a partition's samples: create (options), delete, seal, reserve, set tags."""
+        name, op, out = req.partition, req.WhichOneof("op"), pb.PartitionReply()
+        if not name:
+            raise DockValueError("partition must be a non-empty string")
+        j = self.journal
+        if op == "create":
+            c = req.create
+            gs, retire = c.group_size or 1, list(c.retire_when_consumed_by)
+            self.core.create_partition(name, group_size=gs, retire=retire)
+            if j is not None:
+                j.create(name, gs, retire)
+            logger.info("[controller] partition options partition=%s group_size=%d retire_when_consumed_by=%s",
+                        name, gs, ",".join(retire) or "-")
+        elif op == "delete":
+            idx = np.asarray(req.delete.indexes, dtype=np.int64)
+            out.samples = self.core.delete(name, idx)
+            if j is not None and out.samples:
+                j.delete(name, idx)
+        elif op == "seal":
+            self.core.seal(name)
+            if j is not None:
+                j.seal(name)
+            logger.info("[controller] partition sealed partition=%s", name)
+        elif op == "reserve":
+            r = req.reserve
+            gs = r.group_size or 1
+            idx = self.core.reserve(name, r.count, group_size=gs)
+            if j is not None:
+                j.reserve(name, r.count, gs)
+            out.indexes.extend(idx.tolist())
+        elif op == "set_tags":
+            tags = {t.name: list(t.values) for t in req.set_tags.tags}
+            self.core.set_tags(name, list(req.set_tags.indexes), tags)
+            if j is not None:
+                j.tags(name, list(req.set_tags.indexes), tags)
+        else:
+            raise DockValueError(f"partition operation {op!r} is not supported by this controller (version "
+                                 f"{__version__})")
+        self._schedule_frees()
+        self._wake(name)  # a delete, a seal or new tags can end or serve waiting gets
+        return out
+
+    # -- checkpoints -------------------------------------------------------------------------
+    async def save(self, req: pb.PartitionRequest) -> pb.PartitionReply:
+        """Write a partition to a directory every daemon can reach: its metadata (this controller)
+        and one Arrow IPC file per warehouse holding its data (the warehouses, in parallel)."""
+        name, path = req.partition, req.save.path
+        _check_dir(path)
+        meta = self.core.export_partition(name)
+        part = self.core.partitions[name]
+        n = part.size
+        held = set()
+        for loc in part.loc.values():
+            held.update(np.unique(loc[:n][loc[:n] < 0xFFFE]).tolist())
+        for wid in sorted(held):
+            entry = self.members.get(wid)
+            if entry is None or not entry.alive:
+                raise DockDataLost(f"cannot save partition {name!r}: warehouse {wid}, which holds some of its data, "
+                                   "is not reachable; save once it is back, or delete what it held")
+        files = {wid: f"warehouse-{wid}.arrow" for wid in sorted(held)}
+        replies = await asyncio.gather(*(self._dump(wid, pb.DumpRequest(partition=name, path=os.path.join(path, f)))
+                                         for wid, f in files.items()))
+        meta = {"format": "dockd-checkpoint", "version": 1, "dockd": __version__, "partition": meta,
+                "files": [[wid, f] for wid, f in files.items()]}
+        await self.loop.run_in_executor(None, _write_meta, path, meta)
+        out = pb.PartitionReply(samples=n - part.deleted, nbytes=sum(r.nbytes for r in replies))
+        logger.info("[controller] partition saved partition=%s path=%s samples=%d bytes=%d warehouses=%d", name, path,
+                    out.samples, out.nbytes, len(files))
+        return out
+
+    async def load(self, req: pb.PartitionRequest) -> pb.PartitionReply:
+        """Restore a partition saved by `save`, under req.partition: each warehouse file goes to the
+        warehouse of the same id if it is live, else to another live one."""
+        name, path = req.partition, req.load.path
+        meta = await self.loop.run_in_executor(None, _read_meta, path)
+        if name in self.core.partitions:
+            raise DockValueError(f"partition {name!r} exists; clear it or load the checkpoint under another name")
+        live = sorted(e.id for e in self.members.entries.values() if e.alive)
+        if meta["files"] and not live:
+            raise DockValueError("no live warehouse to load the checkpoint into")
+        targets, k = {}, 0
+        for wid, _ in meta["files"]:
+            if wid in live:
+                targets[wid] = wid
+            else:  # spread the files of warehouses that are not here over the live ones
+                targets[wid] = live[k % len(live)]
+                k += 1
+        d = meta["partition"]
+        limit = d["size"]
+        try:
+            replies = await asyncio.gather(*(self._dump(targets[wid], pb.DumpRequest(
+                partition=name, path=os.path.join(path, f), load=True, limit=limit))
+                for wid, f in meta["files"]))
+        except BaseException:
+            await self._free_everywhere(name)  # (a warehouse that ran out of room: nothing half-loaded stays)
+            raise
+        self.core.import_partition(d, name, targets)
+        part = self.core.partitions[name]
+        for (wid, _), r in zip(meta["files"], replies):
+            part.nbytes[targets[wid]] = part.nbytes.get(targets[wid], 0) + r.nbytes
+        if self.journal is not None:
+            self.journal.loaded(name, self.core.export_partition(name))
+        out = pb.PartitionReply(samples=limit - part.deleted, nbytes=sum(r.nbytes for r in replies))
+        logger.info("[controller] partition loaded partition=%s path=%s samples=%d bytes=%d", name, path,
+                    out.samples, out.nbytes)
+        self._wake(name)
+        return out
+
+    async def _dump(self, wid: int, req: pb.DumpRequest) -> pb.DumpReply:
+        entry = self.members.get(wid)
+        if entry is None or not entry.alive:
+            raise DockDataLost(f"warehouse {wid} is not reachable")
+        if entry.local:
+            return await self.dump_local(req)
+        reply, _ = await entry.peer.request(pb.Frame(dump=req))
+        return reply.dump_reply
+
+    async def _free_everywhere(self, partition: str) -> None:
+        for entry in self.members.entries.values():
+            if not entry.alive:
+                continue
+            if entry.local:
+                self.free_local(partition)
+                continue
+            try:
+                await asyncio.wait_for(entry.peer.request(pb.Frame(free=pb.FreeRequest(partition=partition))),
+                                       self.daemon_timeout)
+            except Exception as e:  # noqa: BLE001 - best effort; the clear of the partition frees it too
+                logger.warning("[controller] free after a failed load failed warehouse=%d error=%s", entry.id, e)
+
+    def _schedule_frees(self) -> None:
+        if self.core.pending_frees and not self._frees_soon:
+            self._frees_soon = True
+            self.loop.call_soon(self._flush_frees)
+
+    def _flush_frees(self) -> None:
+        """Tell warehouses to free the samples deletes and retirement left (one request per warehouse
+        and partition). A warehouse that is away frees them when it rejoins (its inventory shows them)."""
+        self._frees_soon = False
+        for partition, ws in self.core.take_frees().items():
+            for wid, idx in ws.items():
+                entry = self.members.get(wid)
+                if entry is None or not entry.alive:
+                    continue
+                if entry.local:
+                    self._freed(partition, wid, self.free_local(partition, idx))
+                    continue
+                fut = entry.peer.request(pb.Frame(free=pb.FreeRequest(partition=partition, indexes=idx.tolist())))
+                fut.add_done_callback(lambda f, p=partition, w=wid: self._remote_freed(p, w, f))
+
+    def _remote_freed(self, partition: str, wid: int, fut: asyncio.Future) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            logger.warning("[controller] free of deleted samples failed warehouse=%d partition=%s error=%s", wid,
+                           partition, None if fut.cancelled() else fut.exception())
+            return
+        reply, _ = fut.result()
+        self._freed(partition, wid, reply.free_reply.nbytes)
+
+    def _freed(self, partition: str, wid: int, nbytes: int) -> None:
+        part = self.core.partitions.get(partition)
+        if part is not None and wid in part.nbytes:
+            part.nbytes[wid] = max(0, part.nbytes[wid] - nbytes)
+
     def locate(self, req: pb.LocateRequest) -> pb.Frame:
         locs = self.core.locate(req.partition, list(req.indexes), list(req.columns)).ravel().tolist()
         out = pb.Frame()
@@ -286,7 +471,8 @@ class ControllerService:
                 waiting[key] = waiting.get(key, 0) + 1
         for p in self.core.stats():
             ps = pb.PartitionStats(name=p["name"], samples=p["samples"], group_size=p["group_size"],
-                                   recovered=p["recovered"])
+                                   recovered=p["recovered"], deleted=p["deleted"], sealed=p["sealed"],
+                                   retire_when_consumed_by=p["retire_when_consumed_by"], tags=p["tags"])
             for c, n in p["columns"].items():
                 ps.columns.append(c)
                 ps.column_ready.append(n)
@@ -312,6 +498,8 @@ class ControllerService:
     # -- waiting -----------------------------------------------------------------------------
     def _try(self, peer: Peer, r: pb.AcquireRequest) -> AcquireResult | None:
         sid = self.session(peer)
+        if r.dp_size:
+            return self._try_share(r, sid)
         again = self.core.leases.get(self.core.lease_tokens.get(r.token, 0)) if r.token else None
         if again is not None and again.owner not in (sid, b""):
             again = None  # another client's token: no replay for it (tokens are random, so this is an attack)
@@ -321,6 +509,7 @@ class ControllerService:
             groups=r.groups, allow_partial=r.allow_partial, shuffle=r.shuffle,
             seed=r.seed if r.has_seed else None, owner=sid, now=self.loop.time(), token=r.token,
             lease_timeout=min(r.lease_seconds, 7 * 86400.0) if r.lease_seconds > 0 else None,
+            where=_where(r), order_by=r.order_by,
         )
         if again is not None:
             again.owner = sid  # the client that retried holds it (a lease restored from the journal may have had none)
@@ -331,12 +520,101 @@ class ControllerService:
             self._schedule_expiry()
         return res
 
+    def _try_share(self, r: pb.AcquireRequest, sid: bytes) -> AcquireResult | None:
+        """A rank-aware get (see Controller.share); a round to balance is weighed in the background."""
+        if r.shuffle:
+            raise DockValueError("a rank-aware get (dp_size) hands out in order; use order_by or where, not shuffle")
+        for name in r.balance_by:
+            if name not in r.columns and not self._is_tag(r.partition, name):
+                raise DockValueError(f"balance_by={name!r} is neither a tag of partition {r.partition!r} nor one of "
+                                     f"the columns this get reads ({list(r.columns)})")
+        res = self.core.share(
+            r.partition, r.consumer, list(r.columns), r.count, dp_rank=r.dp_rank, dp_size=r.dp_size,
+            mp_rank=r.mp_rank, mp_size=r.mp_size or 1, mp_group=r.mp_group, step=r.step if r.has_step else None, groups=r.groups,
+            where=_where(r), order_by=r.order_by, balance=bool(r.balance_by), owner=sid, now=self.loop.time(),
+            lease_timeout=min(r.lease_seconds, 7 * 86400.0) if r.lease_seconds > 0 else None,
+        )
+        if isinstance(res, Round):
+            asyncio.ensure_future(self._weigh(res, list(r.balance_by)))
+            res = None
+        self._journal_shares()
+        return res
+
+    def _is_tag(self, partition: str, name: str) -> bool:
+        part = self.core.partitions.get(partition)
+        return part is not None and name in part.tags
+
+    def _journal_shares(self) -> None:
+        shares, self.core.new_shares = self.core.new_shares, []
+        if not shares:
+            return
+        if self.journal is not None:
+            offset = time.time() - self.loop.time()
+            for lease in shares:
+                self.journal.grant(lease, lease.deadline + offset)
+        self._schedule_expiry()
+
+    async def _weigh(self, rnd: Round, names: list[str]) -> None:
+        """Weigh a round's samples by `names` (tags, or columns measured where they are stored), split it
+        among its ranks, and serve the ranks waiting for it. A failure gives the round's samples back and
+        fails the gets waiting for it."""
+        try:
+            part = self.core.partitions.get(rnd.partition)
+            if part is None:
+                raise DockDataLost(f"partition {rnd.partition!r} was cleared while a balanced round was weighed")
+            idx = rnd.indexes
+            weights = np.zeros(len(idx), dtype=np.float64)
+            for name in names:
+                if name in part.tags:
+                    weights += part.tags[name][idx]
+                else:
+                    weights += await self._measure(part, name, idx)
+            if not np.isfinite(weights).all() or (weights < 0).any():
+                raise DockValueError(f"balance_by={names} gave negative or non-finite weights; balance by "
+                                     "non-negative numbers (lengths, token counts)")
+            self.core.split_round(rnd, weights)
+            self._journal_shares()
+        except Exception as e:  # noqa: BLE001 - reported to the gets that wait for this round
+            self.core.drop_round(rnd)
+            logger.warning("[controller] balanced round failed partition=%s error=%s", rnd.partition, e)
+            _, consumer, cols, groups, dp_size, *_ = rnd.key
+            for w in list(self.waiters.get(rnd.partition, ())):
+                a = w.frame.acquire
+                if a.consumer == consumer and a.dp_size == dp_size and tuple(sorted(a.columns)) == cols:
+                    self._drop(rnd.partition, w)
+                    w.peer.reply_error(w.frame, e)
+        self._wake(rnd.partition)
+
+    async def _measure(self, part, column: str, idx: np.ndarray) -> np.ndarray:
+        """Per sample of idx, the number in `column` (or a tensor's numel), asked of the warehouses holding it."""
+        locs = part.loc[column][idx]
+        out = np.empty(len(idx), dtype=np.float64)
+        asks = []
+        for wid in np.unique(locs).tolist():
+            sel = np.flatnonzero(locs == wid)
+            entry = self.members.get(wid)
+            if entry is None or not entry.alive:
+                raise DockDataLost(f"column {column!r} of samples {idx[sel][:8].tolist()} of partition {part.name!r} "
+                                   f"is on warehouse {wid}, which is not reachable; cannot balance by it")
+            if entry.local:
+                out[sel] = self.measure_local(part.name, column, idx[sel])
+            else:
+                req = pb.MeasureRequest(partition=part.name, column=column, indexes=idx[sel].tolist())
+                asks.append((sel, entry.peer.request(pb.Frame(measure=req))))
+        for sel, fut in asks:
+            reply, _ = await asyncio.wait_for(fut, self.daemon_timeout)
+            out[sel] = reply.measure_reply.values
+        return out
+
     def _reply_acquired(self, peer: Peer, frame: pb.Frame, r: pb.AcquireRequest, res: AcquireResult) -> None:
         locs = res.locations.ravel().tolist()
         out = pb.Frame()
         reply = out.acquire_reply  # filled in place: building a message and wrapping it would copy it
         reply.lease = res.lease
-        reply.ticket = self.ticket(res.lease)
+        if res.lease:
+            reply.ticket = self.ticket(res.lease)
+        reply.step = res.step
+        reply.rank_weights.extend(res.weights)
         reply.indexes.extend(res.indexes.tolist())
         reply.locations.extend(locs)
         reply.warehouses.extend(self.warehouse_infos(sorted(set(locs)), usage=False))
@@ -360,7 +638,8 @@ class ControllerService:
         short: dict[tuple, int] = {}  # (consumer, columns, groups) -> smallest count found unmet
         for w in list(ws):
             r = w.frame.acquire
-            key = (r.consumer, tuple(sorted(r.columns)), r.groups)
+            # (a rank-aware or filtered get is tried on its own: its needs differ from its neighbours')
+            key = (r.consumer, tuple(sorted(r.columns)), r.groups) if not (r.dp_size or r.where or r.order_by) else w
             need = 1 if r.allow_partial else r.count
             if need >= short.get(key, 1 << 62):
                 continue
@@ -423,3 +702,46 @@ class ControllerService:
         for part in {l.partition for l in expired}:
             self._wake(part)
         self._schedule_expiry()
+
+
+def _where(r: pb.AcquireRequest) -> dict[str, tuple[int, int]] | None:
+    return {t.name: (t.lo, t.hi) for t in r.where} or None
+
+
+_META = "partition.msgpack"
+
+
+def _check_dir(path: str) -> None:
+    if not path or not os.path.isabs(path):
+        raise DockValueError(f"a checkpoint path is an absolute directory every daemon of the dock can reach, "
+                             f"got {path!r}")
+
+
+def _write_meta(path: str, meta: dict) -> None:
+    import msgpack
+
+    os.makedirs(path, exist_ok=True)
+    tmp = os.path.join(path, _META + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(msgpack.packb(meta, use_bin_type=True))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, _META))
+
+
+def _read_meta(path: str) -> dict:
+    import msgpack
+
+    _check_dir(path)
+    try:
+        with open(os.path.join(path, _META), "rb") as f:
+            meta = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
+    except FileNotFoundError:
+        raise DockNotFound(f"{path} holds no dockd checkpoint ({_META} is missing); save one with "
+                           "dock.save(partition, path)") from None
+    if not isinstance(meta, dict) or meta.get("format") != "dockd-checkpoint":
+        raise DockValueError(f"{os.path.join(path, _META)} is not a dockd checkpoint")
+    if meta.get("version") != 1:
+        raise DockValueError(f"checkpoint format version {meta.get('version')!r} in {path} is not supported by "
+                             f"dockd {__version__}")
+    return meta

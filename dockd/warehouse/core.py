@@ -14,19 +14,42 @@ number.
 
 Memory is counted in bytes per put body: a put first `reserve`s its size
 (backpressure happens there), then `store` turns the reservation into usage.
+Deleting samples (`free_samples`) releases a put's body once every sample it
+holds is deleted: memory goes back per put, not per sample.
+
+`dump` writes what a warehouse holds of a partition to an Arrow IPC file (one
+record batch per stored run: the column, each sample's index and its value as
+bytes, and which dtype/shape descriptor the run has); `load` reads such a file
+back as runs to store.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.codec import ITEMSIZE
 from dockd.errors import DockFull, DockNotFound, DockValueError
+
+
+class _Body:
+    """One put's body: its bytes are in use until every sample it holds is deleted."""
+
+    __slots__ = ("nbytes", "segment", "live", "first_column", "batches")
+
+    def __init__(self, nbytes: int, segment: object, live: int, first_column: str) -> None:
+        self.nbytes = nbytes
+        self.segment = segment
+        self.live = live                  # samples of this put not deleted yet
+        self.first_column = first_column  # deletes are counted on this column's rows
+        self.batches: list[tuple[str, int]] = []  # (column, batch id) of each of its runs
 
 
 class _Batch:
@@ -34,9 +57,10 @@ class _Batch:
     indexes) or, when `order` is set, for the indexes `order` sorts into `keys`."""
 
     __slots__ = ("kind", "dtype", "shape", "unit", "ends", "lengths", "data", "segment", "count", "first", "keys",
-                 "order")
+                 "order", "body")
 
-    def __init__(self, run: pb.Run, data: pa.Buffer, segment: object, rows: np.ndarray) -> None:
+    def __init__(self, run: pb.Run, data: pa.Buffer, segment: object, rows: np.ndarray, body: _Body | None = None) -> None:
+        self.body = body
         self.kind = run.kind
         self.dtype = run.dtype
         self.shape = tuple(run.shape)
@@ -65,6 +89,20 @@ class _Batch:
         else:  # indexes in any order (a put of existing samples): look rows up
             self.order = np.argsort(rows, kind="stable").astype(np.int32)
             self.keys = rows[self.order]
+
+    def indexes(self) -> np.ndarray:
+        """The sample index of each row."""
+        if self.order is None:
+            return np.arange(self.first, self.first + self.count, dtype=np.int64)
+        out = np.empty(self.count, dtype=np.int64)
+        out[self.order] = self.keys
+        return out
+
+    def offsets(self) -> np.ndarray:
+        """Byte offset of each row's start, and the end (count + 1 values)."""
+        if self.ends is None:
+            return np.arange(self.count + 1, dtype=np.int64) * self.unit
+        return np.concatenate(([0], self.ends.astype(np.int64)))
 
     def rows(self, idx: np.ndarray) -> np.ndarray:
         """Rows of samples `idx` (all stored in this batch)."""
@@ -208,6 +246,7 @@ class Warehouse:
             part.segments.append(segment)
         idx = _idx(indexes)
         top = int(idx.max()) + 1 if len(idx) else 0
+        owner = _Body(nbytes, segment, len(idx), columns[0].name if columns else "")
         for c in columns:
             col = part.columns.get(c.name)
             if col is None:
@@ -218,7 +257,8 @@ class Warehouse:
                 data = body.slice(run.offset, run.nbytes) if run.nbytes else pa.py_buffer(b"")
                 rows = idx[k : k + run.count]
                 col.batch_of[rows] = len(col.batches)
-                col.batches.append(_Batch(run, data, segment, rows))
+                owner.batches.append((c.name, len(col.batches)))  # (names, not objects: no reference cycle)
+                col.batches.append(_Batch(run, data, segment, rows, owner))
                 k += run.count
         self.reserved -= nbytes
         self.used += nbytes
@@ -291,6 +331,150 @@ class Warehouse:
             return False
         return all(c in part.columns and bool(part.columns[c].present(_idx(idx)).all()) for c, idx in wanted)
 
+    def free_samples(self, partition: str, indexes: Sequence[int]) -> tuple[int, list]:
+        """Delete samples (all their columns). Returns the bytes released and the segments no
+        longer used: a put's body goes once all of its samples are deleted."""
+        part = self.parts.get(partition)
+        if part is None:
+            return 0, []
+        idx = np.unique(_idx(indexes))
+        done: list[_Body] = []
+        for name, col in part.columns.items():
+            here = idx[col.present(idx)]
+            if not len(here):
+                continue
+            bids = col.batch_of[here]
+            col.batch_of[here] = -1
+            ids, counts = np.unique(bids, return_counts=True)
+            for bid, k in zip(ids.tolist(), counts.tolist()):
+                b = col.batches[bid]
+                if b is None or b.body is None or b.body.first_column != name:
+                    continue
+                b.body.live -= k
+                if b.body.live <= 0:
+                    done.append(b.body)
+        freed, segs = 0, []
+        for body in done:
+            for name, bid in body.batches:
+                part.columns[name].batches[bid] = None
+            freed += body.nbytes
+            if body.segment is not None and body.segment in part.segments:
+                part.segments.remove(body.segment)
+                segs.append(body.segment)
+        part.nbytes -= freed
+        self.used -= freed
+        return freed, segs
+
+    def measure(self, partition: str, column: str, indexes: Sequence[int]) -> np.ndarray:
+        """Per sample: the column's value when it holds numbers (one per sample), else its size
+        (elements of the tensor; a ragged tensor's own length times its row size)."""
+        import torch
+
+        from dockd.codec import DTYPES
+
+        idx = _idx(indexes)
+        (_, slices), = self.fetch(partition, [(column, idx)])
+        out = []
+        for b, r0, r1 in slices:
+            if b.kind == pb.MSGPACK:  # Python values: numbers count as themselves
+                out.append(_numbers(column, b, r0, r1))
+                continue
+            if b.ends is not None:  # ragged: the first dimension varies
+                out.append(b.lengths[r0:r1].astype(np.float64) * math.prod(b.shape[1:]))
+            elif b.shape == ():  # one number per sample: its value
+                lo, hi = b.span(r0, r1)
+                vals = torch.frombuffer(bytearray(b.data.slice(lo, hi - lo)), dtype=DTYPES[b.dtype]) if hi > lo else None
+                out.append(vals.double().numpy() if vals is not None else np.zeros(0))
+            else:
+                out.append(np.full(r1 - r0, float(math.prod(b.shape))))
+        return np.concatenate(out) if out else np.zeros(0)
+
+    def dump(self, partition: str) -> Dump:
+        """What this warehouse holds of a partition, as record batches to write with `Dump.write`
+        (in another thread if need be: the batches view stored buffers, whose segments
+        `Dump.segments` lists for the caller to keep from reuse meanwhile)."""
+        part = self.parts.get(partition)
+        if part is None:
+            raise DockNotFound(f"partition {partition!r} is not in this warehouse")
+        descs: list[dict] = []
+        desc_of: dict[tuple, int] = {}
+        names = list(part.columns)
+        schema = pa.schema([("column", pa.int32()), ("index", pa.int64()), ("desc", pa.int32()),
+                            ("value", pa.large_binary())])
+        batches, samples, nbytes = [], set(), 0
+        for ci, name in enumerate(names):
+            col = part.columns[name]
+            for bid, b in enumerate(col.batches):
+                if b is None:
+                    continue
+                idx = b.indexes()
+                live = np.flatnonzero(col.batch_of[idx] == bid) if len(idx) else idx
+                if not len(live):
+                    continue
+                d = (int(b.kind), b.dtype, b.shape)
+                k = desc_of.get(d)
+                if k is None:
+                    k = desc_of[d] = len(descs)
+                    descs.append({"kind": d[0], "dtype": d[1], "shape": list(d[2])})
+                off = b.offsets()
+                values = pa.LargeBinaryArray.from_buffers(pa.large_binary(), b.count,
+                                                          [None, pa.py_buffer(off.tobytes()), b.data])
+                rb = pa.record_batch([pa.array(np.full(b.count, ci, np.int32)), pa.array(idx),
+                                      pa.array(np.full(b.count, k, np.int32)), values], schema=schema)
+                if len(live) < b.count:
+                    rb = rb.take(pa.array(live))
+                batches.append(rb)
+                samples.update(idx[live].tolist())
+                nbytes += int((off[live + 1] - off[live]).sum())
+        meta = {b"dockd": json.dumps({"partition": partition, "columns": names, "descs": descs,
+                                      "group_size": part.group_size}).encode()}
+        return Dump(schema.with_metadata(meta), batches, len(samples), nbytes, list(part.segments))
+
+    @staticmethod
+    def load(path: str, limit: int | None = None) -> tuple[list[tuple[np.ndarray, pb.ColumnData, pa.Buffer, int]], int]:
+        """Read a file written by `dump`: per stored run, (indexes, the column as one run, a fresh
+        buffer holding its values, bytes) ready to `store`, and the partition's group size.
+        Samples with index >= limit are skipped."""
+        try:
+            src = pa.memory_map(path)
+        except FileNotFoundError:
+            raise DockNotFound(f"checkpoint file {path} is missing") from None
+        with src:
+            try:
+                reader = pa.ipc.open_file(src)
+            except pa.ArrowInvalid as e:
+                raise DockValueError(f"{path} is not a dockd checkpoint file: {e}") from None
+            raw = (reader.schema.metadata or {}).get(b"dockd")
+            if raw is None:
+                raise DockValueError(f"{path} is not a dockd checkpoint file")
+            meta = json.loads(raw)
+            out = []
+            for i in range(reader.num_record_batches):
+                rb = reader.get_batch(i)
+                if limit is not None:
+                    rb = rb.filter(pc.less(rb.column(1), pa.scalar(limit, pa.int64())))
+                if not rb.num_rows:
+                    continue
+                ci = rb.column(0).to_numpy()
+                di = rb.column(2).to_numpy()
+                if (ci != ci[0]).any() or (di != di[0]).any():
+                    raise DockValueError(f"{path}: a record batch mixes columns or descriptors")
+                d = meta["descs"][int(di[0])]
+                values = rb.column(3)
+                off = np.frombuffer(values.buffers()[1], dtype=np.int64)[values.offset: values.offset + len(values) + 1]
+                lo, hi = int(off[0]), int(off[-1])
+                data = pa.allocate_buffer(hi - lo)
+                if hi > lo:
+                    memoryview(data).cast("B")[:] = memoryview(values.buffers()[2]).cast("B")[lo:hi]
+                run = pb.Run(kind=d["kind"], count=len(values), dtype=d["dtype"], shape=d["shape"], offset=0,
+                             nbytes=hi - lo)
+                if d["kind"] == pb.MSGPACK or (d["shape"] and d["shape"][0] == -1):
+                    unit = 1 if d["kind"] == pb.MSGPACK else math.prod(d["shape"][1:]) * ITEMSIZE[d["dtype"]]
+                    run.lengths.extend((np.diff(off) // max(unit, 1)).tolist())
+                col = pb.ColumnData(name=meta["columns"][int(ci[0])], runs=[run])
+                out.append((rb.column(1).to_numpy().astype(np.int64), col, data, hi - lo))
+        return out, int(meta.get("group_size") or 1)
+
     def free(self, partition: str) -> int:
         part = self.parts.pop(partition, None)
         if part is None:
@@ -334,6 +518,40 @@ class Warehouse:
             "reserved": self.reserved,
             "partitions": {name: p.nbytes for name, p in self.parts.items()},
         }
+
+
+def _numbers(column: str, b: _Batch, r0: int, r1: int) -> np.ndarray:
+    import msgpack
+
+    offs = b.offsets()
+    data = memoryview(b.data)
+    out = np.empty(r1 - r0, dtype=np.float64)
+    for k, r in enumerate(range(r0, r1)):
+        try:
+            v = msgpack.unpackb(data[offs[r]:offs[r + 1]])
+        except Exception:  # noqa: BLE001 - an extension type (not a plain number)
+            v = None
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise DockValueError(f"column {column!r} holds Python values that are not numbers ({type(v).__name__}): "
+                                 "it cannot weigh samples (balance_by); put the lengths as a tag or a numeric column")
+        out[k] = v
+    return out
+
+
+class Dump:
+    """A partition's data on one warehouse, ready to be written as an Arrow IPC file."""
+
+    def __init__(self, schema: pa.Schema, batches: list, samples: int, nbytes: int, segments: list) -> None:
+        self.schema, self.batches, self.samples, self.nbytes, self.segments = schema, batches, samples, nbytes, segments
+
+    def write(self, path: str) -> None:
+        """Write the file (its directory made if need be), whole or not at all."""
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.tmp"
+        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, self.schema) as writer:
+            for rb in self.batches:
+                writer.write_batch(rb)
+        os.replace(tmp, path)
 
 
 def _runs(idx: np.ndarray) -> list[int]:

@@ -44,8 +44,8 @@ from dockd.wire import PROTOCOL_VERSION, check_protocol
 logger = logging.getLogger(__name__)
 
 _CONTROLLER_KINDS = {"acquire", "confirm", "release", "extend", "clear", "stats", "register", "commit", "locate",
-                     "leave"}
-_DAEMON_KINDS = {"register", "commit", "leave", "free"}  # only daemons of this dock may send these
+                     "leave", "partition"}
+_DAEMON_KINDS = {"register", "commit", "leave", "free", "measure", "dump"}  # only daemons of this dock may send these
 _PUT_TOKENS_KEPT = 4096
 
 
@@ -61,7 +61,9 @@ class Node:
         self.controller: ControllerService | None = None
         if cfg.controller:
             self.controller = ControllerService(
-                Controller(lease_timeout=cfg.lease_timeout), free_local=self._free, inline=self._inline_values,
+                Controller(lease_timeout=cfg.lease_timeout), free_local=self._free, measure_local=self.warehouse.measure,
+                dump_local=self._dump,
+                inline=self._inline_values,
                 state_dir=cfg.state_dir or None, warehouse_grace=cfg.warehouse_grace, daemon_timeout=cfg.daemon_timeout,
             )
         self.link: ControllerLink | None = None
@@ -340,7 +342,18 @@ class Node:
         elif kind == "free":
             if peer is not self._link_peer:  # only this warehouse's controller frees its data
                 raise DockAuthError("free requests come from this warehouse's controller only")
-            peer.reply(frame, pb.Frame(free_reply=pb.FreeReply(nbytes=self._free(frame.free.partition))))
+            freed = self._free(frame.free.partition, frame.free.indexes or None)
+            peer.reply(frame, pb.Frame(free_reply=pb.FreeReply(nbytes=freed)))
+        elif kind == "measure":
+            if peer is not self._link_peer:
+                raise DockAuthError("measure requests come from this warehouse's controller only")
+            m = frame.measure
+            values = self.warehouse.measure(m.partition, m.column, m.indexes)
+            peer.reply(frame, pb.Frame(measure_reply=pb.MeasureReply(values=values.tolist())))
+        elif kind == "dump":
+            if peer is not self._link_peer:
+                raise DockAuthError("dump requests come from this warehouse's controller only")
+            _spawn(self._reply_async(peer, frame, self._dump(frame.dump), "dump_reply"))
         elif kind == "hello":
             check_protocol(frame.hello.protocol, f"the client {frame.hello.client or peer.name}")
             peer.reply(frame, pb.Frame(hello_reply=self._hello()))
@@ -397,6 +410,12 @@ class Node:
             peer.reply(frame, pb.Frame(register_reply=ctl.register(peer, frame.register)))
         elif kind == "clear":
             _spawn(self._clear(peer, frame))
+        elif kind == "partition":
+            op = frame.partition.WhichOneof("op")
+            if op in ("save", "load"):
+                _spawn(self._reply_async(peer, frame, getattr(ctl, op)(frame.partition), "partition_reply"))
+            else:
+                peer.reply(frame, pb.Frame(partition_reply=ctl.partition(frame.partition)))
 
     async def _clear(self, peer: Peer, frame: pb.Frame) -> None:
         try:
@@ -406,10 +425,51 @@ class Node:
         else:
             peer.reply(frame, pb.Frame(clear_reply=pb.ClearReply(samples=n)))
 
+    @staticmethod
+    async def _reply_async(peer: Peer, frame: pb.Frame, work, field: str) -> None:
+        try:
+            out = await work
+        except Exception as e:
+            peer.reply_error(frame, e)
+        else:
+            peer.reply(frame, pb.Frame(**{field: out}))
+
+    async def _dump(self, req: pb.DumpRequest) -> pb.DumpReply:
+        """Write what this warehouse holds of a partition to a checkpoint file, or (load) store a
+        file's samples; the file work runs in a thread, stored buffers kept from reuse meanwhile."""
+        loop = asyncio.get_running_loop()
+        if not req.load:
+            dump = self.warehouse.dump(req.partition)
+            self.segments.hold(dump.segments)
+            try:
+                await loop.run_in_executor(None, dump.write, req.path)
+            finally:
+                self.segments.unhold(dump.segments)
+            return pb.DumpReply(samples=dump.samples, nbytes=dump.nbytes)
+        self._check_warehouse()
+        entries, group_size = await loop.run_in_executor(None, Warehouse.load, req.path, req.limit or None)
+        total = sum(n for *_, n in entries)
+        if not self.warehouse.reserve(total):
+            raise DockFull(f"warehouse {self.wid} has no room for the {total} bytes of {req.path}: "
+                           f"{self.warehouse.used} of {self.warehouse.capacity} bytes are in use")
+        samples = set()
+        for idx, col, buf, n in entries:
+            self.warehouse.store(req.partition, idx, [col], buf, n, None, group_size)
+            samples.update(idx.tolist())
+        logger.info("[warehouse] checkpoint loaded partition=%s file=%s samples=%d bytes=%d", req.partition,
+                    req.path, len(samples), total)
+        return pb.DumpReply(samples=len(samples), nbytes=total)
+
     # -- capacity -------------------------------------------------------------------------------
-    def _free(self, partition: str) -> int:
-        segs = self.warehouse.segments_of(partition)
-        n = self.warehouse.free(partition)
+    def _free(self, partition: str, indexes=None) -> int:
+        """Free a partition, or some of its samples; returns the bytes freed."""
+        if indexes is not None:
+            n, segs = self.warehouse.free_samples(partition, indexes)
+            if n:
+                logger.debug("[warehouse] samples freed partition=%s samples=%d bytes=%d", partition, len(indexes), n)
+        else:
+            segs = self.warehouse.segments_of(partition)
+            n = self.warehouse.free(partition)
         for seg in segs:  # back to the pool once no reader maps them
             self.segments.release(seg)
         self._admit_waiters()
@@ -522,7 +582,7 @@ class Node:
             raise
         commit = pb.CommitRequest(
             partition=req.partition, indexes=req.indexes, new_count=req.new_count, group_size=req.group_size or 1,
-            columns=[c.name for c in req.columns], warehouse=self.wid, nbytes=size,
+            columns=[c.name for c in req.columns], warehouse=self.wid, nbytes=size, tags=req.tags,
         )
         if self.controller is not None:
             try:

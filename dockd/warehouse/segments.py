@@ -128,6 +128,15 @@ class Segments:
             held[seg.sid] += 1
             self._pinned[seg.sid] += 1
 
+    def hold(self, segs) -> None:
+        """Keep segments from being reused while the warehouse itself reads them (a checkpoint)."""
+        for seg in segs:
+            self._pinned[seg.sid] += 1
+
+    def unhold(self, segs) -> None:
+        for seg in segs:
+            self._drop_pin(seg.sid, 1)
+
     def unpin(self, pid: int | None, sids) -> None:
         """Process `pid` no longer maps these segments (once per descriptor it was lent)."""
         held = self.pins.get(pid) if pid is not None else None

@@ -42,8 +42,12 @@ def test_a_client_cannot_send_daemon_messages(cluster, dock, partition, raw):
         assert reply.status.code == pb.AUTH and "daemon-to-daemon" in reply.status.message, reply
     # a warehouse frees data only when its controller says so
     w = raw(cluster.warehouses[1])
-    reply = w.call(pb.Frame(id=5, free=pb.FreeRequest(partition=partition)))
-    assert reply.status.code == pb.AUTH
+    for k, frame in enumerate((pb.Frame(free=pb.FreeRequest(partition=partition)),
+                               pb.Frame(free=pb.FreeRequest(partition=partition, indexes=[0, 1])),
+                               pb.Frame(measure=pb.MeasureRequest(partition=partition, column="x", indexes=[0])))):
+        frame.id = 5 + k
+        reply = w.call(frame)
+        assert reply.status.code == pb.AUTH, reply
     # claiming the daemon role without the dock's daemon secret fails at the handshake
     with pytest.raises(AssertionError, match="daemon failed"):
         raw(cluster.address, role=auth.DAEMON)
