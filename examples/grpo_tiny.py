@@ -159,7 +159,7 @@ def run(
     response_length: int = 6,
     lr: float = 5e-3,
     kl_coef: float = 0.0,
-    tp_fetch: str = "shared",
+    tp_fetch: str = "group",
     seed: int = 1234,
     json_path: str | None = None,
     address: str | None = None,
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--response-length", type=int, default=6)
     p.add_argument("--lr", type=float, default=5e-3)
     p.add_argument("--kl-coef", type=float, default=0.0)
-    p.add_argument("--tp-fetch", choices=["broadcast", "shared"], default="shared")
+    p.add_argument("--tp-fetch", choices=["broadcast", "shared", "group"], default="group")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--address", default=None, help="use a running dock instead of starting a local one")
     p.add_argument("--plot", default="grpo_tiny.png", help="where to save the reward curve (PNG)")

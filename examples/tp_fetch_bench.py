@@ -3,11 +3,13 @@
     python examples/tp_fetch_bench.py [--repeats 20]
 
 Two processes form one TP group (gloo on CPU). For each batch shape, rank 0 puts
-the batch, then the group reads it both ways (`TPReader`):
+the batch, then the group reads it three ways (`TPReader`):
 
   broadcast   the group's first rank fetches, then broadcasts header + payload
   shared      the first rank acquires and broadcasts the lease (metadata only),
               every rank fetches the data itself (same-host warehouse)
+  group       every rank gets the batch itself with a model-parallel get
+              (mp_group): no collective
 
 and prints the median wall time of one group read (the slower rank counts),
 next to a plain `dock.get` on one rank as the baseline.
@@ -48,7 +50,7 @@ def _worker(rank: int, world: int, port: int, address: str, repeats: int, out: A
     rows = []
     for n, length, dtype in SHAPES:
         mib = n * length * torch.empty(0, dtype=dtype).element_size() / 2**20
-        for mode in ("one-rank", "broadcast", "shared"):
+        for mode in ("one-rank", "broadcast", "shared", "group"):
             reader = TPReader(
                 dock, mode="broadcast" if mode == "one-rank" else mode, tp_group=group, tp_src=0, tp_rank=rank
             )

@@ -93,18 +93,19 @@ def worker(rank, address, port):
     if rank == 0:
         dock.put({"x": [expected(i) for i in range(12)], "n": torch.arange(12)}, partition="tp", group_size=4)
     dist.barrier()
-    for mode in ("broadcast", "shared"):
+    for mode, want in (("broadcast", [0, 1, 2, 3]), ("shared", [4, 5, 6, 7]), ("group", [8, 9, 10, 11])):
         reader = TPReader(dock, mode=mode, tp_group=group, tp_src=0, tp_rank=rank)
         b = reader.get(consumer="stage", columns=["x", "n"], count=4, partition="tp", groups=True, timeout=10)
-        want = list(range(0, 4)) if mode == "broadcast" else list(range(4, 8))
         assert b.indexes == want, (mode, b.indexes)
         for i, x, n in zip(b.indexes, b["x"], b["n"]):
             e = expected(i)
             assert x.dtype == torch.bfloat16 and torch.equal(x, e) and int(n) == i
     dist.barrier()
-    if rank == 0:  # one TP group is one consumer: 8 taken, none leased, 4 left
+    dock.stats()  # (this rank's confirms go out with it)
+    dist.barrier()
+    if rank == 0:  # one TP group is one consumer: all 12 taken once, none leased
         part = dock.stats()["partitions"]["tp"]
-        assert part["consumers"]["stage"] == {"taken": 8, "leased": 0, "ready": 4, "waiting": 0}, part
+        assert part["consumers"]["stage"] == {"taken": 12, "leased": 0, "ready": 0, "waiting": 0}, part
         print("OK")
     dock.close()
     dist.destroy_process_group()

@@ -2,16 +2,20 @@
 
 Backend follows the device: gloo on CPU, NCCL on CUDA, HCCL on Ascend NPU
 (``torch_npu``). Within a tensor-parallel group every rank needs the same
-batch. Two ways, both here, chosen by ``GRPOConfig.tp_fetch`` (``"shared"`` is
-the default: it measured faster on CPU, see examples/tp_fetch_bench.py and
-docs/plugins.md):
+batch. Three ways, all here, chosen by ``GRPOConfig.tp_fetch`` (``"group"`` is
+the default: it needs no collective and measured fastest on CPU, see
+examples/tp_fetch_bench.py and docs/plugins.md):
 
 * ``"broadcast"``: the group's first rank fetches from the dock and broadcasts
   the batch (three collectives: header length, header, one flat payload);
 * ``"shared"``: the group's first rank acquires the samples (metadata only)
   and broadcasts the lease (indexes + warehouse locations only); every rank then
   fetches the data itself, through same-host shared memory where the
-  warehouse is local.
+  warehouse is local;
+* ``"group"``: no collective at all: every rank gets the batch itself with a
+  model-parallel get (``mp_group=(group, tp_rank, tp_size)``); the dock hands
+  all ranks of the group the same samples and counts them taken once every
+  rank confirmed them.
 
 The batch crosses the collective as raw bytes plus a msgpack header, never as Python objects.
 """
@@ -181,7 +185,8 @@ class TPReader:
         mode: ``"broadcast"`` (the first rank fetches and broadcasts the data) or
             ``"shared"`` (the first rank acquires, broadcasts only the lease — indexes and
             warehouse locations — and every rank fetches the data itself from the
-            warehouses, through same-host shared memory where it is local).
+            warehouses, through same-host shared memory where it is local) or ``"group"``
+            (every rank gets the batch with a model-parallel get; no collective).
         tp_group: the TP process group (``parallel_state.get_tensor_model_parallel_group()``).
         tp_src: global rank of the group's first rank (``get_tensor_model_parallel_src_rank()``).
         tp_rank: this rank's position in the group.
@@ -198,8 +203,8 @@ class TPReader:
         tp_rank: int,
         device: torch.device | str = "cpu",
     ) -> None:
-        if mode not in ("broadcast", "shared"):
-            raise ValueError(f"TPReader mode must be 'broadcast' or 'shared', got {mode!r}")
+        if mode not in ("broadcast", "shared", "group"):
+            raise ValueError(f"TPReader mode must be 'broadcast', 'shared' or 'group', got {mode!r}")
         self.dock = dock
         self.mode = mode
         self.tp_group = tp_group
@@ -211,6 +216,13 @@ class TPReader:
         """Every rank of the group returns the same batch (``dock.get`` semantics per group)."""
         if self.mode == "shared":
             return self._get_shared(consumer, columns, get_kwargs)
+        if self.mode == "group":
+            # the group is named by its data-parallel rank in a rank-aware get, else by its first rank
+            gid = get_kwargs["dp_rank"] if get_kwargs.get("dp_size") is not None else self.tp_src
+            size = dist.get_world_size(self.tp_group)
+            batch = self.dock.get(consumer=consumer, columns=list(columns), mp_group=(gid, self.tp_rank, size),
+                                  **get_kwargs)
+            return to_local(batch, columns)
         local = None
         if dist.get_rank() == self.tp_src:
             local = to_local(self.dock.get(consumer=consumer, columns=list(columns), **get_kwargs), columns)

@@ -55,11 +55,12 @@ class GRPOConfig:
     """Passes of the update stage over each step's samples."""
     micro_batch_size: int = 0
     """Samples per forward/backward in the update stage; 0 = the whole step at once."""
-    tp_fetch: Literal["broadcast", "shared"] = "shared"
-    """How a tensor-parallel group reads a batch: ``"shared"`` (the group's first rank
-    acquires, broadcasts only the lease, every rank fetches the data itself from the
-    warehouses; measured faster, see docs/plugins.md) or ``"broadcast"`` (the first rank
-    fetches and broadcasts the data over the collective backend)."""
+    tp_fetch: Literal["broadcast", "shared", "group"] = "group"
+    """How a tensor-parallel group reads a batch: ``"group"`` (every rank gets the batch
+    itself with a model-parallel get, no collective; measured fastest, see docs/plugins.md),
+    ``"shared"`` (the group's first rank acquires, broadcasts only the lease, every rank
+    fetches the data itself) or ``"broadcast"`` (the first rank fetches and broadcasts the
+    data over the collective backend)."""
     get_timeout: float = 120.0
     """Seconds a stage waits for its samples before DockTimeout."""
     seed: int = 1234
@@ -77,8 +78,8 @@ class GRPOConfig:
             )
         if self.temperature <= 0:
             raise ValueError(f"GRPOConfig.temperature must be > 0, got {self.temperature}")
-        if self.tp_fetch not in ("broadcast", "shared"):
-            raise ValueError(f"GRPOConfig.tp_fetch must be 'broadcast' or 'shared', got {self.tp_fetch!r}")
+        if self.tp_fetch not in ("broadcast", "shared", "group"):
+            raise ValueError(f"GRPOConfig.tp_fetch must be 'broadcast', 'shared' or 'group', got {self.tp_fetch!r}")
         if self.micro_batch_size < 0:
             raise ValueError(f"GRPOConfig.micro_batch_size must be >= 0, got {self.micro_batch_size}")
 
