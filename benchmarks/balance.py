@@ -10,7 +10,9 @@ balancing uses (``heapq_partition(..., equal_size=True)``): sort the lengths
 descending and give each to the rank with the smallest token sum (ties: fewer
 samples, then lower rank) that still has room. With groups (``group_size``
 8, GRPO: the responses to one prompt) both methods split whole groups; the
-greedy heap then runs on the group sums.
+greedy heap then runs on the group sums. The "by position" column is the
+split without balancing (rank r takes the r-th consecutive slice: a
+rank-aware get without ``balance_by``).
 
 Workloads (sample weight = prompt + response tokens):
 
@@ -54,7 +56,7 @@ NAME = "balance"
 TITLE = "Token balance across DP ranks: dockd.balance (Karmarkar-Karp + refinement) vs greedy heap"
 
 WORKLOADS = ("longtail", "uniform")
-METHODS = ("dockd", "greedy")
+METHODS = ("dockd", "greedy", "position")
 
 PROMPT_RANGE = (64, 1024)
 RESPONSE_MU, RESPONSE_SIGMA = 6.5, 1.0
@@ -114,6 +116,11 @@ def greedy_split(weights: np.ndarray, k: int, group_size: int) -> list[np.ndarra
 # ------------------------------------------------------------------ measurement
 
 
+def position_split(n: int, k: int) -> list[np.ndarray]:
+    """No balancing: rank r takes the r-th consecutive slice (a rank-aware get without balance_by)."""
+    return list(np.arange(n, dtype=np.int64).reshape(k, n // k))
+
+
 def _stats(weights: np.ndarray, parts: list[np.ndarray]) -> tuple[int, float]:
     sums = np.array([int(weights[p].sum()) for p in parts])
     hi, lo = int(sums.max()), int(sums.min())
@@ -140,6 +147,7 @@ def measure_case(workload: str, group_size: int, dp: int, count: int, *, batches
             "dockd": functools.partial(balance, w, dp, group_size=group_size),
             "greedy": functools.partial(greedy_heap, w_list, dp) if group_size == 1 else
                       functools.partial(greedy_split, w, dp, group_size),
+            "position": functools.partial(position_split, n, dp),
         }
         for method in METHODS:
             parts = [np.asarray(p, dtype=np.int64) for p in calls[method]()]  # also the warm-up call
@@ -197,14 +205,14 @@ def _fmt_tokens(x: float) -> str:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    head = ("| workload | group | dp | per rank | dockd max/min | greedy max/min | dockd spread (worst) "
-            "| greedy spread (worst) | dockd ms | greedy ms |")
-    lines = [head, "|" + "---|" * 4 + "---:|" * 6]
+    head = ("| workload | group | dp | per rank | by position max/min | dockd max/min | greedy max/min "
+            "| dockd spread (worst) | greedy spread (worst) | dockd ms | greedy ms |")
+    lines = [head, "|" + "---|" * 4 + "---:|" * 7]
     for r in rows:
         d, g = r["dockd"], r["greedy"]
         lines.append(
             f"| {r['workload']} | {r['group_size']} | {r['dp']} | {r['count']} "
-            f"| {_fmt_ratio(d['ratio'])} | {_fmt_ratio(g['ratio'])} "
+            f"| {_fmt_ratio(r['position']['ratio'])} | {_fmt_ratio(d['ratio'])} | {_fmt_ratio(g['ratio'])} "
             f"| {_fmt_tokens(d['spread'])} ({_fmt_tokens(d['spread_max'])}) "
             f"| {_fmt_tokens(g['spread'])} ({_fmt_tokens(g['spread_max'])}) "
             f"| {d['ms']:.3f} | {g['ms']:.3f} |"
