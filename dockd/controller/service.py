@@ -522,8 +522,10 @@ class ControllerService:
 
     def _try_share(self, r: pb.AcquireRequest, sid: bytes) -> AcquireResult | None:
         """A rank-aware get (see Controller.share); a round to balance is weighed in the background."""
-        if r.shuffle:
-            raise DockValueError("a rank-aware get (dp_size) hands out in order; use order_by or where, not shuffle")
+        if r.shuffle or r.allow_partial:
+            raise DockValueError("a rank-aware get (dp_size or mp_group) hands out `count` samples per rank in order; "
+                                 "shuffle and allow_partial do not apply (order_by and where do; a sealed partition "
+                                 "ends with a smaller last step)")
         for name in r.balance_by:
             if name not in r.columns and not self._is_tag(r.partition, name):
                 raise DockValueError(f"balance_by={name!r} is neither a tag of partition {r.partition!r} nor one of "
