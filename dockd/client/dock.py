@@ -850,6 +850,8 @@ def _where_list(where: Mapping[str, Any]) -> list[pb.TagRange]:
             hi = _INT64[1] if rng[1] is None else int(rng[1])
         else:
             raise DockTypeError(f"where[{name!r}] must be an int or a (lo, hi) pair (None: open end), got {rng!r}")
+        if lo > hi:
+            raise DockValueError(f"where[{name!r}] = {rng!r} matches nothing: give lo <= hi")
         out.append(pb.TagRange(name=name, lo=lo, hi=hi))
     return out
 
@@ -896,8 +898,8 @@ def _rank_fields(req: pb.AcquireRequest, dp_rank, dp_size, mp_group, step, balan
     if step is not None:
         req.has_step, req.step = True, whole("step", step, 0)
     if balance_by:
-        names = [balance_by] if isinstance(balance_by, str) else list(balance_by)
-        if not all(isinstance(n, str) and n for n in names):
+        names = [balance_by] if isinstance(balance_by, str) else balance_by
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) and n for n in names):
             raise DockTypeError(f"balance_by names tags or columns, got {balance_by!r}")
         req.balance_by.extend(names)
 
