@@ -263,3 +263,32 @@ def test_a_peer_of_another_protocol_version_is_refused_clearly(procs):
     assert refusal.status.code == pb.PROTOCOL and "run the same dockd version" in refusal.status.message
     with dockd.connect(f"127.0.0.1:{ready['port']}") as d:  # this version is fine
         assert d.stats()["warehouses"][0]["alive"]
+
+
+def test_rl_partition_state_survives_a_controller_sigkill_with_a_state_dir(procs, tmp_path):
+    """Deletes, retirement, tags, reserves and seals are journaled: a restarted controller knows them."""
+    port = free_port()
+    state = str(tmp_path / "state")
+    ctl, address = _two_warehouse_dock(procs, port, "--state-dir", state)
+    with dockd.connect(address, warehouse=1, reconnect_timeout=60) as d:
+        d.create_partition("p", retire_when_consumed_by=["train"])
+        d.put({"x": torch.ones(4, 1024)}, partition="p", tags={"age": [3, 2, 1, 0]})
+        d.put({"x": torch.ones(4, 1024)}, partition="p", tags={"age": 9})
+        idx = d.reserve("p", 2)
+        assert idx == [8, 9]
+        assert d.get("train", ["x"], 4, partition="p", order_by="age", timeout=10).indexes == [3, 2, 1, 0]
+        d.delete("p", [4, 5, 6, 7])
+        d.seal("p")
+        used = d.stats()  # (also delivers the get's confirm: the first put retires)
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait()
+        procs.start(*controller_args(port, "--state-dir", state))
+        st = wait_for(lambda: (s := d.stats()) and s["partitions"]["p"], what="the controller back")
+        assert (st["deleted"], st["sealed"], st["tags"], st["retire_when_consumed_by"]) == (8, True, ["age"], ["train"])
+        assert wait_for(lambda: d.stats()["warehouses"][1]["bytes"] == 0, what="warehouse 1 freed"), used
+        with pytest.raises(dockd.DockValueError, match="sealed"):
+            d.put({"x": torch.ones(1, 1024)}, partition="p")
+        d.put({"x": torch.ones(2, 1024)}, partition="p", indexes=idx)  # reserved before the restart
+        assert d.get("train", ["x"], 4, partition="p", timeout=10).indexes == [8, 9]
+        with pytest.raises(dockd.DockDrained):
+            d.get("train", ["x"], 1, partition="p", timeout=10)
