@@ -1,12 +1,17 @@
 """OpenRLHF plugin: a replay buffer whose samples live in dockd.
 
 `DockReplayBuffer` is a drop-in for ``openrlhf.trainer.ppo_utils.NaiveReplayBuffer``
-(OpenRLHF 0.11): same constructor arguments, same methods, same batching (it
-uses OpenRLHF's own ``split_experience_batch`` / ``make_experience_batch``), so
-``DataLoader(buffer, batch_size=..., collate_fn=buffer.collate_fn)`` works as
-in OpenRLHF's actor and critic training loops. One difference: OpenRLHF's
-``split_experience_batch`` drops ``Experience.index``; this buffer keeps it
-per sample, so batches carry the indexes of their samples. `append` splits an
+(OpenRLHF 0.11) and, when OpenRLHF is importable, a subclass of it (so
+``isinstance(buffer, NaiveReplayBuffer)`` holds; the class is built on first
+access of ``dockd.trainer_plugins.openrlhf.DockReplayBuffer``, so importing this
+module imports no OpenRLHF). Same constructor arguments, same methods, same
+batching (it uses OpenRLHF's own ``split_experience_batch`` /
+``make_experience_batch``), so ``DataLoader(buffer, batch_size=...,
+collate_fn=buffer.collate_fn)`` works as in OpenRLHF's actor and critic
+training loops. Two differences: OpenRLHF's ``split_experience_batch`` drops
+``Experience.index``; this buffer keeps it per sample, so batches carry the
+indexes of their samples. And `append` returns the dock indexes of the new
+samples where the original returns None. `append` splits an
 ``Experience`` per sample and puts the samples into the dock; reads pull the
 samples the buffer's consumer has not seen yet into a local view that the
 DataLoader indexes. Experience makers on any node append, trainer ranks on any
@@ -22,8 +27,10 @@ Called without an address (and without ``DOCKD_ADDRESS``) after ``ray.init()``,
 `install` uses the dock running on the Ray cluster, launching one with
 `dockd.ray.launch` if there is none.
 
-Layout in the dock: partition ``"{name}/{shard}/{generation}"`` (the generation
-advances on every `clear`), one tensor column per ``Experience`` tensor field
+Layout in the dock: partition ``"{name}/{shard}"`` (one per shard for the
+buffer's whole life: `clear` deletes the samples it drops with `dockd.Dock.delete`,
+so every buffer object sharing the name keeps sharing the same samples after any of
+them clears), one tensor column per ``Experience`` tensor field
 (``"exp/sequences"``, ...) and one ``"exp/meta"`` column carrying the
 non-tensor fields (``index``, ``prompts``, ``labels``, ``images``,
 ``mm_train_inputs``, ``info``) msgpack-encoded, with tensors inside them kept
@@ -32,6 +39,7 @@ bit-exact.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -85,8 +93,9 @@ class DockBufferConfig:
     put_timeout: float = 60.0
     """Seconds an append waits for warehouse capacity before DockFull."""
     clear_remote: bool = True
-    """`clear` also frees the current partition in the dock (turn off when several readers
-    share a shard and one must not drop samples the others still need)."""
+    """`clear` also deletes from the dock the samples it drops (those this buffer pulled),
+    freeing their memory; turn off when several consumers read one shard and one must not
+    delete samples another has not read yet."""
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -114,8 +123,13 @@ def _rank() -> int:
     return 0
 
 
-class DockReplayBuffer:
+class _DockReplayBufferImpl:
     """Drop-in for OpenRLHF's ``NaiveReplayBuffer`` backed by dockd.
+
+    ``DockReplayBuffer`` (this module's attribute) is this class with OpenRLHF's
+    ``NaiveReplayBuffer`` as a further base when OpenRLHF is importable, so
+    ``isinstance(buffer, NaiveReplayBuffer)`` holds. `append` returns the dock indexes of
+    the new samples (the original returns None).
 
     Args:
         sample_batch_size: batch size of `sample` and of OpenRLHF's DataLoader.
@@ -168,7 +182,7 @@ class DockReplayBuffer:
         self.dynamic_batch_num_tokens: list[float] = []
         self.dynamic_global_batch_size: list[float] = []
         self.dynamic_optimizer_step: list[int] = []
-        self.generation = 0
+        self._held: list[int] = []  # dock indexes pulled since the last clear (dropped by `limit` too)
         self._shard = self.config.shard or f"rank{_rank()}"
         self._dock: Any = None
         tensor_fields, other_fields = [], []
@@ -191,8 +205,8 @@ class DockReplayBuffer:
 
     @property
     def partition(self) -> str:
-        """The dock partition appends go to and reads come from right now."""
-        return f"{self.config.name}/{self._shard}/{self.generation}"
+        """The dock partition appends go to and reads come from (fixed for the buffer's life)."""
+        return f"{self.config.name}/{self._shard}"
 
     def close(self) -> None:
         """Close this buffer's connection (the samples stay in the dock)."""
@@ -249,14 +263,23 @@ class DockReplayBuffer:
         return list(indexes)
 
     def clear(self) -> None:
-        """Drop the local view, free the current partition in the dock, start a new generation."""
+        """Drop every sample ready for this buffer's consumer now, locally and in the dock.
+
+        Pulls what is ready first (so ``append`` then ``clear`` leaves nothing behind, as
+        with ``NaiveReplayBuffer``), then empties the local view and, with
+        ``config.clear_remote``, deletes those samples from the dock (`dockd.Dock.delete`).
+        Samples appended after this call, by this buffer or by any other buffer with the
+        same name and shard, are seen by the next read: the partition never changes.
+        """
+        self.pull(timeout=0.0)
+        held, self._held = self._held, []
         self.items.clear()
-        if self.config.clear_remote:
+        self.dynamic_indices = []
+        if self.config.clear_remote and held:
             try:
-                self.dock.clear(self.partition)
-            except dockd.DockError as exc:  # already cleared by a peer sharing the shard
-                logger.debug("[openrlhf] clear partition=%s: %s", self.partition, exc)
-        self.generation += 1
+                self.dock.delete(self.partition, held)
+            except dockd.DockNotFound as exc:  # the partition was cleared by someone else
+                logger.debug("[openrlhf] delete partition=%s: %s", self.partition, exc)
 
     @torch.no_grad()
     def sample(self) -> Experience:
@@ -291,10 +314,18 @@ class DockReplayBuffer:
         return self._exp_mod.make_experience_batch(batch, self.packing_samples)
 
     def setup_dynamic_batch(self, strategy: Any) -> None:
-        """OpenRLHF's own dynamic batching, run on the samples pulled from the dock."""
+        """OpenRLHF's own dynamic batching, run on the samples pulled from the dock.
+
+        It uses the strategy's ``args``, ``ds_device_mesh["dp"].get_group()`` and
+        ``all_reduce``, and ``torch.distributed`` collectives over that group. OpenRLHF puts
+        its counters on ``torch.cuda.current_device()``; on a machine without CUDA this
+        runs them on the CPU instead (``torch.cuda.current_device`` answers ``"cpu"`` for
+        the duration of the call), so a gloo group works.
+        """
         self.pull()
         naive = getattr(_openrlhf("openrlhf.trainer.ppo_utils.replay_buffer"), "NaiveReplayBuffer")
-        naive.setup_dynamic_batch(self, strategy)
+        with _cpu_as_cuda_device():
+            naive.setup_dynamic_batch(self, strategy)
 
     # -- reading from the dock -----------------------------------------------------
     def pull(self, timeout: float | None = None) -> int:
@@ -317,7 +348,7 @@ class DockReplayBuffer:
                 )
             except dockd.DockTimeout:
                 break
-            except dockd.DockNotFound:  # nothing was ever appended to this generation
+            except dockd.DockNotFound:  # nothing was ever appended to this partition
                 break
             got += self._ingest(batch)
         return got
@@ -346,9 +377,54 @@ class DockReplayBuffer:
             for name in self._tensor_fields:
                 kwargs[name] = None if name in none else tensors[name][i]
             self.items.append(self._Experience(**kwargs))
+        self._held.extend(int(i) for i in batch.indexes)
         if self.limit > 0 and len(self.items) > self.limit:
             del self.items[: len(self.items) - self.limit]
         return n
+
+
+@contextlib.contextmanager
+def _cpu_as_cuda_device() -> Any:
+    """Without CUDA, let ``torch.cuda.current_device()`` name the CPU while OpenRLHF code runs."""
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = original  # type: ignore[assignment]
+
+
+_buffer_class: type | None = None
+
+
+def _dock_replay_buffer_class() -> type:
+    """`_DockReplayBufferImpl` with OpenRLHF's ``NaiveReplayBuffer`` as a base when importable."""
+    global _buffer_class
+    if _buffer_class is not None:
+        return _buffer_class
+    try:
+        naive = _openrlhf("openrlhf.trainer.ppo_utils.replay_buffer").NaiveReplayBuffer
+    except ImportError:  # no OpenRLHF: the plain class (its constructor names the extra)
+        return _DockReplayBufferImpl
+    _buffer_class = type(
+        "DockReplayBuffer",
+        (_DockReplayBufferImpl, naive),
+        {"__module__": __name__, "__qualname__": "DockReplayBuffer", "__doc__": _DockReplayBufferImpl.__doc__},
+    )
+    return _buffer_class
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DockReplayBuffer":
+        return _dock_replay_buffer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    DockReplayBuffer = _DockReplayBufferImpl
 
 
 # -- switching OpenRLHF over ---------------------------------------------------------
@@ -407,9 +483,11 @@ def _dock_on_ray() -> str | None:
     return address
 
 
-def _install_local(cfg: DockBufferConfig) -> type[DockReplayBuffer]:
+def _install_local(cfg: DockBufferConfig) -> type:
     ppo_utils = _openrlhf("openrlhf.trainer.ppo_utils")
-    installed = type("DockReplayBuffer", (DockReplayBuffer,), {"_default_config": cfg, "__module__": __name__})
+    installed = type(
+        "DockReplayBuffer", (_dock_replay_buffer_class(),), {"_default_config": cfg, "__module__": __name__}
+    )
     for site in _PATCH_SITES:
         module = ppo_utils if site == "openrlhf.trainer.ppo_utils" else sys.modules.get(site)
         if module is None and site.endswith("replay_buffer"):
@@ -417,7 +495,7 @@ def _install_local(cfg: DockBufferConfig) -> type[DockReplayBuffer]:
         if module is None:  # imported later: it reads the patched ppo_utils attribute then
             continue
         current = getattr(module, "NaiveReplayBuffer", None)
-        if current is not None and not issubclass(current, DockReplayBuffer):
+        if current is not None and not issubclass(current, _DockReplayBufferImpl):
             _originals.setdefault(site, current)
         setattr(module, "NaiveReplayBuffer", installed)
     logger.info("[openrlhf] NaiveReplayBuffer -> DockReplayBuffer address=%s name=%s", cfg.address, cfg.name)

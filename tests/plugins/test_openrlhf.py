@@ -206,12 +206,163 @@ def test_sample_clear_and_limit(make_buffer: Any, dock_cluster: dockd.LocalClust
     exp = buf.sample()
     assert exp.sequences.shape[0] == 3 and exp.sequences.device.type == "cpu"
     partition = buf.partition
-    assert partition in dock.stats()["partitions"]
+    assert partition == "lim/s0"
+    assert dock.stats()["partitions"][partition]["deleted"] == 0
     buf.clear()
-    assert len(buf) == 0 and buf.partition != partition
-    assert partition not in dock.stats()["partitions"]
+    assert len(buf) == 0 and buf.partition == partition
+    # every sample the buffer pulled is deleted in the dock, those `limit` dropped included
+    assert dock.stats()["partitions"][partition]["deleted"] == 8
     with pytest.raises(ValueError, match="needs 3 samples"):
         buf.sample()
+    # append then clear without a read in between leaves nothing behind, as NaiveReplayBuffer
+    buf.append(make_experience(33))
+    buf.clear()
+    assert len(buf) == 0
+    assert dock.stats()["partitions"][partition]["deleted"] == 12
+
+
+def test_buffers_sharing_a_name_keep_sharing_after_clear(
+    make_buffer: Any, dock_cluster: dockd.LocalCluster, run_python: Any
+) -> None:
+    """Regression: each object kept its own generation, so after a reader's clear it read an
+    empty partition while the writer kept appending to the old one."""
+    writer = make_buffer(2, name="shared", shard="rank0")
+    reader = make_buffer(2, name="shared", shard="rank0")
+    writer.append(make_experience(71))
+    assert len(reader) == 4
+    reader.clear()
+    assert len(reader) == 0
+    writer.append(make_experience(72))  # the same writer object, appending after the reader cleared
+    assert reader.items == []
+    assert len(reader) == 4
+    assert [e.index for e in reader.items] == [[7200], [7201], [7202], [7203]]
+    reader.clear()
+    # a writer in another process that never saw the clear
+    run_python(
+        MAKE_EXPERIENCES
+        + f"""
+from dockd.trainer_plugins.openrlhf import DockReplayBuffer
+buf = DockReplayBuffer(2, address={dock_cluster.address!r}, name="shared", shard="rank0")
+buf.append(make_experience(73))
+buf.close()
+"""
+    )
+    assert len(reader) == 4
+    assert [e.index for e in reader.items] == [[7300], [7301], [7302], [7303]]
+    # and a reader in another process, after this process's reader cleared, sees new appends
+    reader.clear()
+    out = run_python(
+        MAKE_EXPERIENCES
+        + f"""
+from dockd.trainer_plugins.openrlhf import DockReplayBuffer
+buf = DockReplayBuffer(2, address={dock_cluster.address!r}, name="shared", shard="rank0", consumer="other")
+n = len(buf)          # everything still in the dock for a new consumer: only the uncleared samples
+buf.clear()
+print(n)
+buf.close()
+"""
+    )
+    assert out.strip() == "0"  # all 12 samples were deleted by the clears above
+    writer.append(make_experience(74))
+    assert len(reader) == 4
+
+
+def test_is_a_naive_replay_buffer(make_buffer: Any, dock_cluster: dockd.LocalCluster) -> None:
+    buf = make_buffer(2, name="isinst", shard="s0")
+    assert isinstance(buf, NaiveReplayBuffer)
+    assert issubclass(plugin.DockReplayBuffer, NaiveReplayBuffer)
+    assert plugin.DockReplayBuffer is plugin.DockReplayBuffer  # built once
+    assert buf.append(make_experience(81)) is not None  # documented difference: the dock indexes
+    assert len(buf) == 4
+
+
+class _Args:
+    """The slice of OpenRLHF's args that NaiveReplayBuffer.setup_dynamic_batch reads."""
+
+    def __init__(self, **sections: dict[str, Any]) -> None:
+        for name, values in sections.items():
+            setattr(self, name, type(name, (), values)())
+
+
+class CpuStrategy:
+    """CPU stand-in for the calls setup_dynamic_batch makes on OpenRLHF's DeepspeedStrategy:
+    ``args``, ``ds_device_mesh["dp"].get_group()``, ``all_reduce(tensor, op)`` (the same body as
+    DeepspeedStrategy.all_reduce, without the move to CUDA)."""
+
+    def __init__(self, args: _Args) -> None:
+        import torch.distributed as dist
+
+        self.args = args
+        self.world_size = dist.get_world_size()
+        group = dist.group.WORLD
+        self.ds_device_mesh = {"dp": type("Mesh", (), {"get_group": staticmethod(lambda: group)})()}
+
+    def all_reduce(self, data: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        import torch.distributed as dist
+
+        assert op in ("mean", "max", "sum")
+        if op == "mean":
+            data /= self.world_size
+        dist.all_reduce(data, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        return data
+
+
+@pytest.fixture()
+def gloo_world() -> Any:
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_setup_dynamic_batch_matches_naive(
+    make_buffer: Any, dock_cluster: dockd.LocalCluster, gloo_world: Any
+) -> None:
+    args = _Args(
+        train={"batch_size": 8, "max_tokens_per_gpu": 20},
+        rollout={"batch_size": 4, "n_samples_per_prompt": 2},
+        ds={"ring_attn_size": 1, "tensor_parallel_size": 1},
+    )
+    strategy = CpuStrategy(args)
+    buf = make_buffer(1, name="dyn", shard="s0", dynamic_batch=True)
+    with mock.patch("torch.cuda.current_device", return_value=0):  # OpenRLHF's buffer needs a CUDA index
+        naive = NaiveReplayBuffer(1, 0, True, False, True)
+    for seed in (91, 92):
+        buf.append(make_experience(seed))
+        naive.append(make_experience(seed))
+    assert not torch.cuda.is_available()  # the plugin runs OpenRLHF's counters on the CPU itself
+    current_device = torch.cuda.current_device
+    buf.setup_dynamic_batch(strategy)
+    assert torch.cuda.current_device is current_device  # restored after the call
+    with mock.patch("torch.cuda.current_device", return_value="cpu"):  # its counters, on the CPU
+        naive.setup_dynamic_batch(strategy)
+    assert buf.sample_batch_size == 1
+    assert len(buf.dynamic_indices) > 1  # 20 tokens per micro-batch forces several
+    assert buf.dynamic_indices == naive.dynamic_indices
+    assert sorted(i for mb in buf.dynamic_indices for i in mb) == list(range(8))
+    assert buf.dynamic_sample_loss_scale == naive.dynamic_sample_loss_scale
+    assert buf.dynamic_batch_num_tokens == naive.dynamic_batch_num_tokens
+    assert buf.dynamic_global_batch_size == naive.dynamic_global_batch_size
+    assert buf.dynamic_optimizer_step == naive.dynamic_optimizer_step
+    for mb in buf.dynamic_indices:  # each micro-batch stays within the token budget (or is one sample)
+        assert len(mb) == 1 or sum(int(buf.items[i].total_length.item()) for i in mb) <= 20
+    # the DataLoader pattern OpenRLHF's actor uses with dynamic batching: one micro-batch per item
+    loader = DataLoader(buf, batch_size=buf.sample_batch_size, shuffle=False, collate_fn=buf.collate_fn)
+    naive_loader = DataLoader(naive, batch_size=1, shuffle=False, collate_fn=naive.collate_fn)
+    got, want = list(loader), list(naive_loader)
+    assert len(got) == len(want) == len(buf.dynamic_indices)
+    for g, w in zip(got, want):
+        assert_same_experience(g, w)
+    buf.clear()
+    assert len(buf) == 0
 
 
 def test_wait_blocks_then_times_out_clearly(make_buffer: Any, dock_cluster: dockd.LocalCluster) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import torch
 import dockd
 
 pytest.importorskip("verl.protocol")
-from tensordict import TensorDict  # noqa: E402
+from tensordict import NonTensorStack, TensorDict  # noqa: E402
 from verl import DataProto  # noqa: E402
 
 from dockd.trainer_plugins import verl as plugin  # noqa: E402
@@ -129,6 +130,47 @@ def test_data_proto_round_trip_bit_exact(dock: dockd.Dock) -> None:
     assert list(sub.non_tensor_batch["uid"]) == ["uid-1-0", "uid-1-0", "uid-1-1", "uid-1-1"]
     assert torch.equal(sub.batch["input_ids"], data.batch["input_ids"][:4])
     dock.clear("verl-rt")
+
+
+def test_object_arrays_of_arrays_stay_object_arrays(dock: dockd.Dock) -> None:
+    """Regression: an object array holding equal-shape numpy arrays came back as an int64[4, 2]."""
+    n = 4
+    pairs = np.empty(n, dtype=object)
+    for i in range(n):
+        pairs[i] = np.array([i, 10 * i], dtype=np.int64)
+    scalars = np.empty(n, dtype=object)  # numpy scalars inside an object array stay elements too
+    for i in range(n):
+        scalars[i] = np.float32(i) / 2
+    grid = np.empty((n, 2), dtype=object)  # a 2-D object array keeps its shape
+    for i in range(n):
+        grid[i, 0], grid[i, 1] = f"q{i}", [i]
+    nested = np.empty(n, dtype=object)  # object arrays inside an object array
+    for i in range(n):
+        nested[i] = np.array([f"a{i}", None], dtype=object)
+    data = DataProto.from_dict(
+        tensors={"x": torch.arange(n)},
+        non_tensors={
+            "pairs": pairs,
+            "scalars": scalars,
+            "grid": grid,
+            "nested": nested,
+            "numeric2d": np.arange(2 * n, dtype=np.int64).reshape(n, 2),  # rows of a numeric array: stacked
+            "numeric1d": np.arange(n, dtype=np.int32),
+        },
+    )
+    keys = ("pairs", "scalars", "grid", "nested", "numeric2d", "numeric1d")
+    plugin.put_data_proto(dock, data, partition="verl-objarr")
+    back = plugin.get_data_proto(
+        dock, consumer="t", count=n, partition="verl-objarr", batch_keys=["x"], non_tensor_batch_keys=keys, timeout=5.0
+    )
+    got = back.non_tensor_batch
+    assert got["pairs"].dtype == object and got["pairs"].shape == (n,)
+    for i in range(n):
+        assert isinstance(got["pairs"][i], np.ndarray) and got["pairs"][i].dtype == np.int64
+        assert got["pairs"][i].tolist() == [i, 10 * i]
+    assert got["numeric2d"].dtype == np.int64 and got["numeric2d"].shape == (n, 2)
+    assert_same_data(back, data)
+    dock.clear("verl-objarr")
 
 
 def test_put_from_another_process_get_here(dock_cluster: dockd.LocalCluster, dock: dockd.Dock, run_python: Any) -> None:
@@ -372,18 +414,156 @@ def test_transfer_queue_switch_across_processes(
     assert "tq/train/g1" in dock.stats()["partitions"]
 
 
-def test_transfer_queue_ragged_fields_and_unsupported_calls(dockd_tq: Any) -> None:
+def test_transfer_queue_ragged_fields_and_data_parser(dockd_tq: Any) -> None:
     tq = dockd_tq
     nested = torch.nested.nested_tensor([torch.arange(2), torch.arange(5)], layout=torch.jagged)
     tq.kv_batch_put(keys=["a", "b"], partition_id="ragged", fields=TensorDict({"r": nested}, batch_size=2))
     got = tq.kv_batch_get(keys=["a", "b"], partition_id="ragged")["r"]
     assert [t.tolist() for t in got.unbind(0)] == [[0, 1], [0, 1, 2, 3, 4]]
-    with pytest.raises(NotImplementedError, match="key-value interface"):
-        tq.save_checkpoint("/tmp/x")
-    with pytest.raises(NotImplementedError, match="data_parser"):
-        tq.kv_batch_put(
-            keys=["c"],
-            partition_id="ragged",
-            fields=TensorDict({"r": torch.ones(1, 2)}, batch_size=1),
-            data_parser=lambda d: d,
-        )
+    seen: dict[str, Any] = {}
+
+    def parser(d: dict[str, Any]) -> None:  # TransferQueue's contract: a plain dict, edited in place
+        seen.update({k: type(v).__name__ for k, v in d.items()})
+        d["url"] = [f"fetched:{u}" for u in d["url"]]
+        d["r"] = [t * 10 for t in d["r"]]
+
+    fields = TensorDict(
+        {
+            "r": torch.nested.nested_tensor([torch.arange(3), torch.arange(1)], layout=torch.jagged),
+            "x": torch.ones(2, 2),
+            "url": NonTensorStack("s3://a", "s3://b"),
+        },
+        batch_size=2,
+    )
+    tq.kv_batch_put(keys=["c", "d"], partition_id="parsed", fields=fields, data_parser=parser)
+    assert seen == {"r": "list", "x": "Tensor", "url": "list"}
+    back = tq.kv_batch_get(keys=["c", "d"], partition_id="parsed")
+    assert back["url"] == ["fetched:s3://a", "fetched:s3://b"]
+    assert [t.tolist() for t in back["r"].unbind(0)] == [[0, 10, 20], [0]]
+    with pytest.raises(ValueError, match="keep the fields"):
+        tq.kv_put(key="e", partition_id="parsed", fields={"x": torch.ones(2)}, data_parser=lambda d: {})
+
+
+def test_transfer_queue_batch_meta_is_strict(dockd_tq: Any) -> None:
+    tq = dockd_tq
+    with pytest.raises(TypeError, match="global_indexes"):
+        tq.BatchMeta()  # TransferQueue's BatchMeta needs them too; no silent placeholder
+    empty = tq.BatchMeta.empty(extra_info={"a": 1})
+    assert empty.size == 0 and len(empty) == 0 and empty.extra_info == {"a": 1} and not empty.is_ready
+    with pytest.raises(ValueError, match="Length mismatch"):
+        tq.BatchMeta(global_indexes=[0, 1], partition_ids=["p"])
+
+
+def test_tqbridge_runs_a_worker_method_on_dockd(dockd_tq: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl's own tqbridge: KVBatchMeta in, data fetched through get_client, outputs written back."""
+    tq = dockd_tq
+    from verl.utils import transferqueue_utils as tqu
+
+    # verl bound `transfer_queue` (and its classes) when it was first imported; point it at the switch
+    monkeypatch.setattr(tqu, "tq", tq)
+    monkeypatch.setattr(tqu, "BatchMeta", tq.BatchMeta)
+    monkeypatch.setattr(tqu, "KVBatchMeta", tq.KVBatchMeta)
+    keys = [f"k{i}" for i in range(4)]
+    fields = TensorDict(
+        {"responses": torch.arange(12).view(4, 3), "prompt": NonTensorStack(*[f"q{i}" for i in range(4)])},
+        batch_size=4,
+    )
+    kv_meta = tq.kv_batch_put(keys=keys, partition_id="bridge", fields=fields, tags=[{"s": i} for i in range(4)])
+    kv_meta.extra_info = {"temperature": 0.5}
+    calls: list[Any] = []
+
+    @tqu.tqbridge()
+    def compute_score(data: TensorDict) -> TensorDict:
+        calls.append(data)
+        return TensorDict({"score": data["responses"].sum(-1).float()}, batch_size=data.batch_size)
+
+    out = compute_score(kv_meta)
+    assert isinstance(out, tq.KVBatchMeta) and out.keys == keys and out.partition_id == "bridge"
+    assert out.tags == [{"s": i} for i in range(4)]
+    got = calls[0]
+    assert torch.equal(got["responses"], torch.arange(12).view(4, 3))
+    assert got["prompt"] == [f"q{i}" for i in range(4)]
+    score = tq.kv_batch_get(keys=["k2", "k0"], partition_id="bridge", select_fields="score")["score"]
+    assert torch.equal(score, torch.tensor([21.0, 3.0]))
+    # the conversions themselves, and the low-level calls verl makes
+    meta = tqu.kv_batch_meta2batch_meta(tq.KVBatchMeta(keys=["k1"], tags=[{}], partition_id="bridge",
+                                                       fields=["score"]))
+    assert isinstance(meta, tq.BatchMeta) and meta.field_names == ["score"] and meta.size == 1
+    client = tq.get_client()
+    assert client.kv_retrieve_keys(meta.global_indexes, partition_id="bridge") == ["k1"]
+    assert torch.equal(client.get_data(meta)["score"], torch.tensor([12.0]))
+    created = client.kv_retrieve_meta(["new"], partition_id="bridge", create=True)
+    assert created.size == 1 and not created.is_ready and "new" in tq.kv_list("bridge")["bridge"]
+    put_meta = client.put(TensorDict({"score": torch.tensor([7.0])}, batch_size=1), metadata=created)
+    assert put_meta.is_ready and tq.kv_batch_get(keys="new", partition_id="bridge")["score"].tolist() == [7.0]
+    with pytest.raises(NotImplementedError, match="StreamingDataset"):
+        client.get_meta(data_fields=["score"], batch_size=1, partition_id="bridge")
+
+
+def test_transfer_queue_checkpoint_round_trip(dockd_tq: Any, tmp_path: Any) -> None:
+    tq = dockd_tq
+    want = torch.linspace(-1, 1, 12).view(4, 3).to(torch.bfloat16)
+    fields = TensorDict({"lp": want, "p": NonTensorStack(*[f"p{i} ✓" for i in range(4)])}, batch_size=4)
+    tq.kv_batch_put(keys=[f"c{i}" for i in range(4)], partition_id="ckpt", fields=fields,
+                    tags=[{"status": "running"}] * 4)
+    tq.kv_batch_put(keys=["c1"], partition_id="ckpt", tags=[{"status": "success"}])
+    path = tmp_path / "transfer_queue"
+    tq.save_checkpoint(str(path), metadata={"global_steps": 7})
+    tq.save_checkpoint(str(path), metadata={"global_steps": 8})  # replaced atomically
+    assert json.loads((path / "metadata.json").read_text())["user_metadata"] == {"global_steps": 8}
+    assert not (tmp_path / "transfer_queue.tmp").exists() and not (tmp_path / "transfer_queue.old").exists()
+    tq.kv_clear(keys=["c0", "c1", "c2", "c3"], partition_id="ckpt")
+    tq.kv_put(key="later", partition_id="ckpt", fields={"lp": want[0]})
+    assert list(tq.kv_list("ckpt")["ckpt"]) == ["later"]
+    tq.load_checkpoint(str(path))
+    listed = tq.kv_list("ckpt")["ckpt"]
+    assert listed == {"c0": {"status": "running"}, "c1": {"status": "success"},
+                      "c2": {"status": "running"}, "c3": {"status": "running"}}
+    back = tq.kv_batch_get(keys=["c3", "c0"], partition_id="ckpt")
+    assert back["lp"].dtype == torch.bfloat16 and torch.equal(back["lp"], want[[3, 0]])
+    assert back["p"] == ["p3 ✓", "p0 ✓"]
+    with pytest.raises(FileNotFoundError):
+        tq.load_checkpoint(str(tmp_path / "missing"))
+
+
+def test_transfer_queue_metrics_endpoint(dockd_tq: Any, dock_cluster: dockd.LocalCluster,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    tq = dockd_tq
+    monkeypatch.delenv(tq.ENV_METRICS, raising=False)
+    with pytest.raises(RuntimeError, match="--metrics-port"):
+        tq.get_metrics_endpoint()
+    tq.init({"dockd": {"address": dock_cluster.address, "metrics_endpoint": "10.0.0.1:7452"}})
+    assert tq.get_metrics_endpoint() == "10.0.0.1:7452"
+
+
+def test_transfer_queue_streaming_dataloader(dockd_tq: Any, dock_cluster: dockd.LocalCluster) -> None:
+    tq = dockd_tq
+    keys = [f"s{i}" for i in range(6)]
+    fields = TensorDict({"x": torch.arange(12).view(6, 2), "q": NonTensorStack(*[f"q{i}" for i in range(6)])},
+                        batch_size=6)
+    tq.kv_batch_put(keys=keys, partition_id="stream", fields=fields)
+    ds = tq.StreamingDataset(
+        config={"dockd": {"address": dock_cluster.address}},
+        batch_size=4,
+        micro_batch_size=2,
+        data_fields=["x", "q"],
+        partition_id="stream",
+        task_name="actor",
+        dp_rank=0,
+        should_check_consumption_status=True,
+        poll_interval=0.2,
+    )
+    loader = tq.StreamingDataLoader(ds)
+    got = list(loader)
+    assert [td.batch_size[0] for td, _ in got] == [2, 2, 2]
+    seen = [k for _, meta in got for k in meta.keys]
+    assert sorted(seen) == keys
+    for td, meta in got:
+        assert isinstance(meta, tq.BatchMeta) and meta.field_names == ["q", "x"]
+        for row, key in enumerate(meta.keys):
+            i = int(key[1:])
+            assert td["x"][row].tolist() == [2 * i, 2 * i + 1] and td["q"][row] == f"q{i}"
+    assert len(loader.get_buffer()) == 2  # a batch of 4, then the last 2
+    with pytest.raises(NotImplementedError, match="fetch_batch_fn"):
+        tq.StreamingDataset({"dockd": {"address": dock_cluster.address}}, 2, 1, ["x"], "stream", "t", 0,
+                            fetch_batch_fn=lambda **kw: None)

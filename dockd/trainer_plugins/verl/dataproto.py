@@ -4,7 +4,11 @@ Layout in the dock, per sample:
 
     batch key ``k`` (TensorDict entry)        -> tensor column ``k``
     non_tensor_batch key ``k`` (numpy array)  -> column ``"nt/k"``: the sample's element,
-                                                msgpack-encoded as a uint8 tensor
+                                                msgpack-encoded as a uint8 tensor (in a 1-D
+                                                object array, an element that is itself a numpy
+                                                array or scalar is stored inside a 0-d object
+                                                array, so that reads can tell it from a row of
+                                                a numeric array)
     meta_info (one dict per put)              -> column ``"verl/meta_info"``
 
 so other consumers of the same partition (a MindSpeed-style stage, an OpenRLHF
@@ -77,7 +81,10 @@ def put_data_proto(
     for key, arr in (data.non_tensor_batch or {}).items():
         if not isinstance(arr, np.ndarray) or arr.shape[:1] != (n,):
             raise ValueError(f"put_data_proto: non_tensor_batch[{key!r}] must be a numpy array with {n} rows")
-        columns[NON_TENSOR_PREFIX + key] = [_codec.encode(arr[i]) for i in range(n)]
+        if arr.dtype == object and arr.ndim == 1:
+            columns[NON_TENSOR_PREFIX + key] = [_codec.encode(_wrap_element(arr[i])) for i in range(n)]
+        else:
+            columns[NON_TENSOR_PREFIX + key] = [_codec.encode(arr[i]) for i in range(n)]
     if with_meta_info:
         blob = _codec.encode(dict(data.meta_info or {}))
         columns[META_COLUMN] = [blob] * n
@@ -133,12 +140,33 @@ def batch_to_data_proto(
     return data
 
 
+def _wrap_element(value: Any) -> Any:
+    """An element of a 1-D object array as stored: numpy arrays and scalars go inside a
+    0-d object array, so `_stack_rows` keeps them as elements (not rows of a numeric array)."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        wrapped = np.empty((), dtype=object)
+        wrapped[()] = value
+        return wrapped
+    return value
+
+
+def _is_wrapped(value: Any) -> bool:
+    return isinstance(value, np.ndarray) and value.dtype == object and value.ndim == 0
+
+
 def _stack_rows(items: list[Any]) -> np.ndarray:
-    """Rebuild a non_tensor_batch array from per-sample rows without numpy reshaping lists."""
-    if items and all(isinstance(v, np.ndarray) and v.dtype != object for v in items):
+    """Rebuild a non_tensor_batch array from per-sample rows without numpy reshaping lists.
+
+    Rows of a numeric array (numpy arrays, or numpy scalars for 1-D) are stacked back; rows of
+    an n-D object array (object arrays of one shape) too; anything else, and any batch holding
+    an element `_wrap_element` wrapped, becomes a 1-D object array of the elements.
+    """
+    if any(_is_wrapped(v) for v in items):
+        items = [v[()] if _is_wrapped(v) else v for v in items]
+    elif items and all(isinstance(v, np.ndarray) for v in items):
         if len({(v.dtype, v.shape) for v in items}) == 1:
             return np.stack(items)
-    if items and all(isinstance(v, np.generic) for v in items) and len({v.dtype for v in items}) == 1:
+    elif items and all(isinstance(v, np.generic) for v in items) and len({v.dtype for v in items}) == 1:
         return np.array(items, dtype=items[0].dtype)
     arr = np.empty(len(items), dtype=object)
     for i, v in enumerate(items):

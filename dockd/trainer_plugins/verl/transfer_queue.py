@@ -23,9 +23,14 @@ controller as well removes that floor.
 
 Supported: ``init``, ``close``, ``kv_put``, ``kv_batch_put``, ``kv_batch_get``,
 ``kv_batch_get_by_meta``, ``kv_list``, ``kv_clear`` and their ``async_``
-twins, ``KVBatchMeta``. Not supported (raise NotImplementedError): the
-low-level ``get_client``/``BatchMeta`` path, ``save_checkpoint`` /
-``load_checkpoint``, ``StreamingDataLoader``, ``data_parser``.
+twins (``data_parser=`` included), ``KVBatchMeta``, ``BatchMeta``, the
+low-level ``get_client()`` (the calls verl's ``tqbridge`` makes; see
+`DockTQClient`), ``async_kv_batch_meta2batch_meta``, ``save_checkpoint`` /
+``load_checkpoint`` (on `dockd.Dock.save` / ``load``), ``StreamingDataset`` /
+``StreamingDataLoader``, and ``get_metrics_endpoint`` (when told the endpoint).
+Not supported: TransferQueue's sampler-driven client calls (``get_meta``,
+consumption/production status) and ``StreamingDataset(fetch_batch_fn=...)``,
+which raise NotImplementedError.
 
 Layout: TQ partition ``p`` keeps its samples in dock partition ``"tq/p/g{n}"``,
 one dock sample per key, one column per field (non-tensor fields as
@@ -41,12 +46,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
+import shutil
 import sys
 import threading
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -60,6 +69,7 @@ logger = logging.getLogger(__name__)
 __version__ = "0.1.10+dockd"
 ENV_ADDRESS = "DOCKD_ADDRESS"
 ENV_ENABLE = "DOCKD_TRANSFER_QUEUE"
+ENV_METRICS = "DOCKD_METRICS_ENDPOINT"
 NT = "nt/"
 LOG_COLUMN = "entry"
 
@@ -88,8 +98,110 @@ class KVBatchMeta:
         return len(self.keys)
 
 
-class BatchMeta:  # placeholder so `from transfer_queue import BatchMeta` works; never instantiated here
-    """Not supported on dockd: verl's low-level TQ path (tqbridge) is not available."""
+class BatchMeta:
+    """Metadata of a batch of samples (the low-level ``transfer_queue.BatchMeta`` surface).
+
+    Same constructor as TransferQueue's: ``global_indexes`` and ``partition_ids`` are
+    required (``BatchMeta()`` raises TypeError, as in TransferQueue; `BatchMeta.empty()`
+    builds an empty one). On dockd a global index is the sample's index in the dock
+    partition holding the TQ partition's data; ``_custom_backend_meta`` carries each
+    sample's key (``"_key"``).
+    """
+
+    def __init__(
+        self,
+        global_indexes: list[int],
+        partition_ids: list[str],
+        field_schema: dict[str, dict[str, Any]] | None = None,
+        production_status: Any = None,
+        extra_info: dict[str, Any] | None = None,
+        custom_meta: list[dict[str, Any]] | None = None,
+        _custom_backend_meta: list[dict[str, Any]] | None = None,
+    ) -> None:
+        self.global_indexes = [int(i) for i in global_indexes]
+        self.partition_ids = list(partition_ids)
+        if len(self.global_indexes) != len(self.partition_ids):
+            raise ValueError(
+                f"Length mismatch: global_indexes has {len(self.global_indexes)}, "
+                f"partition_ids has {len(self.partition_ids)}"
+            )
+        n = len(self.global_indexes)
+        self.field_schema = {k: dict(v) for k, v in (field_schema or {}).items()}
+        self.production_status = (
+            np.array(production_status, dtype=np.int8) if production_status is not None else np.zeros(n, np.int8)
+        )
+        self.extra_info = dict(extra_info or {})
+        self.custom_meta = [dict(d) for d in custom_meta] if custom_meta else [{} for _ in range(n)]
+        self._custom_backend_meta = (
+            [dict(d) for d in _custom_backend_meta] if _custom_backend_meta else [{} for _ in range(n)]
+        )
+        for name, what in (("production_status", self.production_status), ("custom_meta", self.custom_meta),
+                           ("_custom_backend_meta", self._custom_backend_meta)):
+            if len(what) != n:
+                raise ValueError(f"{name} length {len(what)} != batch_size {n}")
+
+    @classmethod
+    def empty(cls, extra_info: dict[str, Any] | None = None) -> BatchMeta:
+        return cls(global_indexes=[], partition_ids=[], extra_info=extra_info)
+
+    @property
+    def size(self) -> int:
+        return len(self.global_indexes)
+
+    def __len__(self) -> int:
+        return len(self.global_indexes)
+
+    @property
+    def field_names(self) -> list[str]:
+        return sorted(self.field_schema)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.size > 0 and bool(np.all(self.production_status == 1))
+
+    @property
+    def keys(self) -> list[str]:
+        """The TQ keys of the samples (dockd extension)."""
+        return [m.get("_key") for m in self._custom_backend_meta]  # type: ignore[misc]
+
+    def select_fields(self, field_names: list[str]) -> BatchMeta:
+        out = self.copy()
+        out.field_schema = {f: dict(self.field_schema[f]) for f in field_names if f in self.field_schema}
+        return out
+
+    def select_samples(self, sample_indices: list[int]) -> BatchMeta:
+        return BatchMeta(
+            [self.global_indexes[i] for i in sample_indices],
+            [self.partition_ids[i] for i in sample_indices],
+            self.field_schema,
+            self.production_status[list(sample_indices)],
+            self.extra_info,
+            [self.custom_meta[i] for i in sample_indices],
+            [self._custom_backend_meta[i] for i in sample_indices],
+        )
+
+    def chunk(self, chunks: int) -> list[BatchMeta]:
+        bounds = np.linspace(0, self.size, chunks + 1).astype(int)
+        return [self.select_samples(list(range(bounds[i], bounds[i + 1]))) for i in range(chunks)]
+
+    def copy(self) -> BatchMeta:
+        return self.select_samples(list(range(self.size)))
+
+    def get_extra_info(self, key: str, default: Any = None) -> Any:
+        return self.extra_info.get(key, default)
+
+    def set_extra_info(self, key: str, value: Any) -> None:
+        self.extra_info[key] = value
+
+    def update_extra_info(self, info_dict: dict[str, Any]) -> None:
+        self.extra_info.update(info_dict)
+
+    def get_all_custom_meta(self) -> list[dict[str, Any]]:
+        return [dict(d) for d in self.custom_meta]
+
+    def __repr__(self) -> str:
+        return (f"BatchMeta(size={self.size}, partition_ids={sorted(set(self.partition_ids))}, "
+                f"fields={self.field_names}, extra_info={self.extra_info})")
 
 
 @dataclasses.dataclass(slots=True)
@@ -157,9 +269,18 @@ class _Client:
             logger.warning("[tq] unknown log entry op=%s ignored", op)
 
     # -- the KV interface -----------------------------------------------------------
-    def put(self, keys: list[str], pid: str, fields: Any, tags: list[dict[str, Any]] | None) -> KVBatchMeta:
+    def put(
+        self,
+        keys: list[str],
+        pid: str,
+        fields: Any,
+        tags: list[dict[str, Any]] | None,
+        data_parser: Callable[[Any], Any] | None = None,
+    ) -> KVBatchMeta:
         if fields is None and tags is None:
             raise ValueError("kv_batch_put needs fields or tags")
+        if data_parser is not None and fields is not None:
+            fields = _parse_fields(fields, data_parser)
         if tags is not None and len(tags) != len(keys):
             raise ValueError(f"tags has {len(tags)} entries for {len(keys)} keys")
         with self.lock:
@@ -231,6 +352,8 @@ class _Client:
                 lacking = [f for f in names if f not in r.fields]  # type: ignore[union-attr]
                 if lacking:
                     raise ValueError(f"key {k!r} of partition {pid!r} has no fields {lacking}")
+        if not names:
+            return tensordict.TensorDict({}, batch_size=[len(keys)])
         cols = [f if recs[0].fields[f][1] else NT + f for f in names]  # type: ignore[union-attr]
         lease = dockd.Lease(
             0,
@@ -239,7 +362,14 @@ class _Client:
             [r.index for r in recs],  # type: ignore[union-attr]
             np.array([[r.fields[f][0] for r in recs] for f in names], dtype=np.int64),  # type: ignore[union-attr]
         )
-        values = self.dock.fetch(lease) if keys else {c: [] for c in cols}
+        if not keys:
+            values: dict[str, list[Any]] = {c: [] for c in cols}
+        else:
+            try:
+                values = self.dock.fetch(lease)
+            except dockd.DockError:  # the log's locations are stale (a loaded checkpoint): ask the controller
+                read = self.dock.read(lease.partition, lease.indexes, cols)
+                values = {c: read[c] for c in cols}
         out: dict[str, Any] = {}
         for f, c in zip(names, cols):
             if c.startswith(NT):
@@ -251,6 +381,46 @@ class _Client:
                 else:
                     out[f] = torch.nested.nested_tensor(vals, layout=torch.jagged)
         return tensordict.TensorDict(out, batch_size=[len(keys)])
+
+    def meta(self, pid: str, keys: list[str], create: bool = False) -> BatchMeta:
+        """The BatchMeta of `keys` (with `create`, keys without data get reserved samples)."""
+        with self.lock:
+            part = self.sync(pid)
+            missing = [k for k in keys if k not in part.keys]
+            if missing and not create:
+                raise ValueError(f"keys or partition were not found! partition={pid!r} missing={missing[:5]}")
+            if missing:
+                indexes = self.dock.reserve(self._data(pid, part.gen), len(missing))
+                entry = {"op": "put", "keys": missing, "indexes": indexes, "gen": part.gen, "fields": {},
+                         "wid": int(self.dock.home), "tags": None}
+                self._log(pid, entry)
+                self._apply(part, entry)
+            recs = [part.keys[k] for k in keys]
+            names = sorted(set.intersection(*(set(r.fields) for r in recs))) if recs else []
+            schema = {f: {"is_non_tensor": not recs[0].fields[f][1]} for f in names}
+            return BatchMeta(
+                [r.index for r in recs],
+                [pid] * len(keys),
+                field_schema=schema,
+                production_status=[1 if r.fields else 0 for r in recs],
+                custom_meta=[dict(r.tags) for r in recs],
+                _custom_backend_meta=[{"_key": k, "_gen": r.gen} for k, r in zip(keys, recs)],
+            )
+
+    def keys_for(self, pid: str, indexes: list[int], wait: float = 5.0) -> list[str]:
+        """The keys of samples `indexes` of the partition's current generation."""
+        deadline = time.monotonic() + wait
+        while True:
+            with self.lock:
+                part = self.sync(pid)
+                by_index = {r.index: k for k, r in part.keys.items() if r.gen == part.gen}
+                keys = [by_index.get(int(i)) for i in indexes]
+            if all(k is not None for k in keys):
+                return keys  # type: ignore[return-value]
+            if time.monotonic() >= deadline:  # a put logs its keys right after its data
+                missing = [i for i, k in zip(indexes, keys) if k is None][:5]
+                raise RuntimeError(f"Some global_indexes have no corresponding keys! partition={pid!r} {missing}")
+            time.sleep(0.01)
 
     def list_keys(self, pid: str | None) -> dict[str, dict[str, Any]]:
         if pid is not None:
@@ -286,8 +456,75 @@ class _Client:
     def _data(pid: str, gen: int) -> str:
         return f"tq/{pid}/g{gen}"
 
+    def partitions(self) -> list[str]:
+        return sorted(p.removeprefix("tq-meta/") for p in self.dock.stats()["partitions"] if p.startswith("tq-meta/"))
+
+    # -- checkpoints ------------------------------------------------------------------
+    def save(self, directory: str) -> dict[str, Any]:
+        """Save every TQ partition (its key log and its data) under `directory` with Dock.save."""
+        present = set(self.dock.stats()["partitions"])
+        saved: dict[str, Any] = {}
+        with self.lock:
+            for i, pid in enumerate(self.partitions()):
+                part = self.sync(pid)
+                entry: dict[str, Any] = {"meta": f"p{i}-meta", "data": None, "gen": part.gen}
+                self.dock.save(f"tq-meta/{pid}", os.path.join(directory, entry["meta"]))
+                if self._data(pid, part.gen) in present:
+                    entry["data"] = f"p{i}-data"
+                    self.dock.save(self._data(pid, part.gen), os.path.join(directory, entry["data"]))
+                saved[pid] = entry
+        return saved
+
+    def load(self, directory: str, saved: dict[str, Any]) -> None:
+        """Replace the TQ partitions named in `saved` by the ones saved under `directory`."""
+        with self.lock:
+            present = list(self.dock.stats()["partitions"])
+            for pid, entry in saved.items():
+                for name in present:
+                    if name == f"tq-meta/{pid}" or name.startswith(f"tq/{pid}/g"):
+                        try:
+                            self.dock.clear(name)
+                        except dockd.DockNotFound:
+                            pass
+                self.dock.load(os.path.join(directory, entry["meta"]), partition=f"tq-meta/{pid}")
+                if entry["data"] is not None:
+                    self.dock.load(os.path.join(directory, entry["data"]), partition=self._data(pid, entry["gen"]))
+            # replay every log from its start under a fresh name (the saved logs carry old progress)
+            self.viewer = f"tqview-{uuid.uuid4().hex[:12]}"
+            self.parts.clear()
+
     def close(self) -> None:
         self.dock.close()
+
+
+def _parse_fields(fields: Any, data_parser: Callable[[Any], Any]) -> dict[str, Any]:
+    """Run a TQ ``data_parser`` on a plain dict of the fields, as TransferQueue does: a batched
+    tensor per regular tensor field, a list per nested-tensor or non-tensor field."""
+    plain: dict[str, Any] = {}
+    nested: set[str] = set()
+    for name, values in fields.items():
+        if isinstance(values, torch.Tensor) and values.is_nested:
+            plain[name] = list(values.unbind(0))
+            nested.add(name)
+        elif isinstance(values, torch.Tensor):
+            plain[name] = values
+        elif hasattr(values, "tolist") and not isinstance(values, np.ndarray):  # NonTensorStack
+            plain[name] = values.tolist()
+        else:
+            plain[name] = list(values)
+    before = {k: (len(v) if isinstance(v, list) else v.shape[0]) for k, v in plain.items()}
+    returned = data_parser(plain)
+    if isinstance(returned, dict):
+        plain = returned
+    after = {k: (len(v) if isinstance(v, list) else v.shape[0]) for k, v in plain.items()}
+    if before != after:
+        raise ValueError(
+            f"data_parser must keep the fields and their number of values; before {before}, after {after}"
+        )
+    for name in nested:
+        if all(isinstance(v, torch.Tensor) for v in plain[name]):
+            plain[name] = torch.nested.nested_tensor(plain[name], layout=torch.jagged)
+    return plain
 
 
 def _field_items(fields: Any, n: int) -> list[tuple[str, Any]]:
@@ -335,6 +572,8 @@ def init(conf: Any = None, *, address: str | None = None) -> Any:
         dockd_conf = conf.get("dockd", None) if hasattr(conf, "get") else None
         if dockd_conf is not None:
             address = dockd_conf.get("address", None)
+            if dockd_conf.get("metrics_endpoint", None):
+                os.environ[ENV_METRICS] = str(dockd_conf.get("metrics_endpoint"))
     if address:
         os.environ[ENV_ADDRESS] = address
     with _client_lock:
@@ -357,13 +596,6 @@ def _keys(keys: list[str] | str) -> list[str]:
     return [keys] if isinstance(keys, str) else list(keys)
 
 
-def _no_parser(data_parser: Any) -> None:
-    if data_parser is not None:
-        raise NotImplementedError(
-            "data_parser is a SimpleStorage-only TransferQueue feature; dockd does not support it"
-        )
-
-
 def kv_put(
     key: str,
     partition_id: str,
@@ -371,10 +603,9 @@ def kv_put(
     tag: dict[str, Any] | None = None,
     data_parser: Callable[[Any], Any] | None = None,
 ) -> KVBatchMeta:
-    _no_parser(data_parser)
     if isinstance(fields, dict):
         fields = {k: (v.unsqueeze(0) if isinstance(v, torch.Tensor) else [v]) for k, v in fields.items()}
-    return _get().put([key], partition_id, fields, [tag] if tag is not None else None)
+    return _get().put([key], partition_id, fields, [tag] if tag is not None else None, data_parser)
 
 
 def kv_batch_put(
@@ -384,8 +615,7 @@ def kv_batch_put(
     tags: list[dict[str, Any]] | None = None,
     data_parser: Callable[[Any], Any] | None = None,
 ) -> KVBatchMeta:
-    _no_parser(data_parser)
-    return _get().put(_keys(keys), partition_id, fields, tags)
+    return _get().put(_keys(keys), partition_id, fields, tags, data_parser)
 
 
 def kv_batch_get(keys: list[str] | str, partition_id: str, select_fields: list[str] | str | None = None) -> Any:
@@ -431,22 +661,407 @@ async def async_kv_clear(*args: Any, **kwargs: Any) -> None:
     return await asyncio.to_thread(kv_clear, *args, **kwargs)
 
 
-def _unsupported(name: str) -> Callable[..., Any]:
-    def fn(*args: Any, **kwargs: Any) -> Any:
+# -- metrics --------------------------------------------------------------------------------
+def get_metrics_endpoint() -> str:
+    """The dock's Prometheus endpoint (``host:port``), as configured.
+
+    dockd daemons serve metrics when started with ``dockd serve --metrics-port N`` (see
+    docs/operations.md); a client cannot discover that port, so name it: ``conf.dockd.
+    metrics_endpoint`` at `init`, or the ``DOCKD_METRICS_ENDPOINT`` environment variable.
+    Raises RuntimeError when neither is set (TransferQueue returns None when its metrics
+    are disabled; verl logs the error and registers no endpoint either way).
+    """
+    endpoint = os.environ.get(ENV_METRICS)
+    if not endpoint:
+        raise RuntimeError(
+            "dockd transfer_queue does not know the dock's metrics endpoint: start the daemons with "
+            "`dockd serve --metrics-port PORT` (docs/operations.md) and pass the endpoint as "
+            f"conf.dockd.metrics_endpoint='host:PORT' to transfer_queue.init(), or set {ENV_METRICS}=host:PORT"
+        )
+    return endpoint
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+_METADATA_FILE = "metadata.json"
+
+
+def save_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    *,
+    include_storage: bool = True,
+    metadata: dict[str, Any] | None = None,
+) -> None:
+    """Save every TQ partition (keys, tags, fields, data, consumer progress) into `checkpoint_dir`.
+
+    Each TQ partition's key log and data go through `dockd.Dock.save` (each daemon writes its
+    own files), plus ``metadata.json`` with `metadata` under ``"user_metadata"``. Like
+    TransferQueue, the directory is replaced atomically (written as ``<dir>.tmp``, then renamed)
+    and must be reachable by every dock daemon under the same name (one host, or a shared
+    filesystem). dockd keeps its data in memory, so ``include_storage=False`` is ignored with a
+    warning, as TransferQueue does for its in-memory SimpleStorage.
+    """
+    if not include_storage:
+        logger.warning("[tq] include_storage=False has no effect on dockd (in-memory data); saving the data too")
+    client = _get()
+    final = Path(os.path.abspath(os.fspath(checkpoint_dir)))
+    tmp = final.parent / f"{final.name}.tmp"
+    old = final.parent / f"{final.name}.old"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        saved = client.save(str(tmp))
+        with open(tmp / _METADATA_FILE, "w") as f:
+            json.dump({"storage_saved": True, "user_metadata": metadata or {}, "dockd_partitions": saved}, f, indent=2)
+        if final.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            final.rename(old)
+        tmp.rename(final)
+        if old.exists():
+            shutil.rmtree(old)
+    except BaseException:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        if old.exists() and not final.exists():
+            old.rename(final)
+        raise
+    logger.info("[tq] checkpoint saved to %s (partitions=%s)", final, sorted(saved))
+
+
+def load_checkpoint(checkpoint_dir: str | os.PathLike) -> None:
+    """Restore the TQ partitions saved by `save_checkpoint`, replacing partitions of the same names.
+
+    Call it before other processes use those partitions (verl calls it when resuming): a process
+    that already read a replaced partition keeps its old view of the keys.
+    """
+    final = Path(os.path.abspath(os.fspath(checkpoint_dir)))
+    old = final.parent / f"{final.name}.old"
+    if not final.exists() and old.exists():
+        old.rename(final)
+    if not final.exists():
+        raise FileNotFoundError(f"Checkpoint directory not found: {final}")
+    meta_path = final / _METADATA_FILE
+    if not meta_path.exists():
+        raise FileNotFoundError(f"{_METADATA_FILE} not found in {final}")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    if "dockd_partitions" not in meta:
+        raise ValueError(f"{final} is not a checkpoint written by dockd's transfer_queue.save_checkpoint")
+    _get().load(str(final), meta["dockd_partitions"])
+    logger.info("[tq] checkpoint loaded from %s", final)
+
+
+# -- the low-level client ---------------------------------------------------------------------
+class DockTQClient:
+    """What `get_client` returns: the parts of ``TransferQueueClient`` verl's ``tqbridge`` uses.
+
+    ``kv_retrieve_meta`` / ``kv_retrieve_keys`` / ``get_data`` / ``put`` / ``clear_samples`` /
+    ``clear_partition`` / ``kv_list`` and their ``async_`` forms. TransferQueue's sampler-driven
+    calls (``get_meta``, consumption and production status, ``reset_consumption``,
+    ``set_custom_meta``) raise NotImplementedError: on dockd, consumers take samples with
+    `StreamingDataset` or ``dockd.Dock.get`` instead.
+    """
+
+    def __init__(self, client: _Client) -> None:
+        self._client = client
+        self.client_id = client.viewer
+
+    def kv_retrieve_meta(self, keys: list[str] | str, partition_id: str, create: bool = False) -> BatchMeta:
+        keys = _keys(keys)
+        if not keys:
+            raise ValueError("Received an empty list as keys.")
+        return self._client.meta(partition_id, keys, create=create)
+
+    def kv_retrieve_keys(self, global_indexes: list[int] | int, partition_id: str) -> list[str]:
+        idx = [global_indexes] if isinstance(global_indexes, int) else list(global_indexes)
+        if not idx:
+            raise ValueError("Received an empty list as `global_indexes`.")
+        return self._client.keys_for(partition_id, idx)
+
+    def get_data(self, metadata: BatchMeta) -> Any:
+        pid = _one_partition(metadata)
+        keys = metadata.keys if all(metadata.keys) else self._client.keys_for(pid, metadata.global_indexes)
+        return self._client.get(keys, pid, metadata.field_names)
+
+    def put(
+        self,
+        data: Any,
+        metadata: BatchMeta | None = None,
+        partition_id: str | None = None,
+        data_parser: Callable[[Any], Any] | None = None,
+    ) -> BatchMeta:
+        n = int(data.batch_size[0])
+        if metadata is None:
+            if partition_id is None:
+                raise ValueError("put needs metadata or partition_id")
+            keys = [f"auto-{uuid.uuid4().hex}" for _ in range(n)]
+            pid = partition_id
+        else:
+            pid = _one_partition(metadata)
+            keys = metadata.keys if all(metadata.keys) else self._client.keys_for(pid, metadata.global_indexes)
+            if len(keys) != n:
+                raise ValueError(f"put: data has {n} rows for a BatchMeta of {len(keys)} samples")
+        self._client.put(keys, pid, data, None, data_parser)
+        out = self._client.meta(pid, keys)
+        if metadata is not None:
+            out.extra_info = dict(metadata.extra_info)
+            out.custom_meta = [dict(d) for d in metadata.custom_meta]
+        return out
+
+    def clear_samples(self, metadata: BatchMeta) -> None:
+        if metadata.size:
+            pid = _one_partition(metadata)
+            self._client.clear(self._client.keys_for(pid, metadata.global_indexes), pid)
+
+    def clear_partition(self, partition_id: str) -> None:
+        keys = list(self._client.list_keys(partition_id)[partition_id])
+        self._client.clear(keys, partition_id)
+
+    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
+        return self._client.list_keys(partition_id)
+
+    def get_partition_list(self) -> list[str]:
+        return self._client.partitions()
+
+    def close(self) -> None:  # the module's connection is closed by transfer_queue.close()
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        base = name.removeprefix("async_")
+        if base != name and base in _CLIENT_SYNC:
+            sync = getattr(self, base)
+
+            async def call(*args: Any, **kwargs: Any) -> Any:
+                return await asyncio.to_thread(sync, *args, **kwargs)
+
+            call.__name__ = name
+            return call
         raise NotImplementedError(
-            f"transfer_queue.{name} is not supported by dockd's compatible client (only the key-value "
-            "interface is); keep TransferQueue itself for this feature"
+            f"TransferQueueClient.{name} is not supported by dockd's transfer_queue client (supported: "
+            f"{', '.join(sorted(_CLIENT_SYNC))} and their async_ forms); consumers take samples with "
+            "transfer_queue.StreamingDataset or dockd.Dock.get"
         )
 
-    fn.__name__ = name
-    return fn
+
+_CLIENT_SYNC = frozenset(
+    {"kv_retrieve_meta", "kv_retrieve_keys", "get_data", "put", "clear_samples", "clear_partition", "kv_list",
+     "get_partition_list"}
+)
 
 
-get_client = _unsupported("get_client")
-get_metrics_endpoint = _unsupported("get_metrics_endpoint")
-save_checkpoint = _unsupported("save_checkpoint")
-load_checkpoint = _unsupported("load_checkpoint")
-async_kv_batch_meta2batch_meta = _unsupported("async_kv_batch_meta2batch_meta")
+def _one_partition(meta: BatchMeta) -> str:
+    pids = set(meta.partition_ids)
+    if len(pids) != 1:
+        raise ValueError(f"a BatchMeta spanning partitions {sorted(pids)} must be split first (chunk_by_partition)")
+    return pids.pop()
+
+
+def get_client() -> DockTQClient:
+    """The low-level client (see `DockTQClient`); `init` must have been called (or DOCKD_ADDRESS set)."""
+    return DockTQClient(_get())
+
+
+async def async_kv_batch_meta2batch_meta(meta: KVBatchMeta) -> BatchMeta:
+    """verl's KVBatchMeta -> BatchMeta conversion (``verl.utils.transferqueue_utils`` has the same)."""
+    client = get_client()
+    batch_meta = await client.async_kv_retrieve_meta(keys=meta.keys, partition_id=meta.partition_id, create=False)
+    if meta.fields is not None:
+        batch_meta = batch_meta.select_fields([meta.fields] if isinstance(meta.fields, str) else list(meta.fields))
+    batch_meta.extra_info = dict(meta.extra_info or {})
+    return batch_meta
+
+
+# -- streaming --------------------------------------------------------------------------------
+def chunk_batch_fn(td: Any, batch_meta: BatchMeta, micro_batch_size: int = 1) -> list[tuple[Any, BatchMeta]]:
+    """TransferQueue's default ``process_batch_fn``: micro-batches of `micro_batch_size` rows."""
+    n = int(td.batch_size[0])
+    out = []
+    for start in range(0, n, micro_batch_size):
+        rows = list(range(start, min(start + micro_batch_size, n)))
+        out.append((td[start: rows[-1] + 1], batch_meta.select_samples(rows)))
+    return out
+
+
+class StreamingDataset(torch.utils.data.IterableDataset):
+    """``transfer_queue.StreamingDataset`` on dockd: yields ``(TensorDict, BatchMeta)`` micro-batches.
+
+    Same constructor as TransferQueue's. Each iteration step gets `batch_size` samples of TQ
+    partition `partition_id` that hold all `data_fields` for consumer `task_name` (one
+    ``dockd.Dock.get``; each sample goes to one reader of the task), then yields them in
+    micro-batches of `micro_batch_size` through `process_batch_fn` (default `chunk_batch_fn`).
+    Without `should_check_consumption_status` it streams forever (as in TransferQueue); with it,
+    it ends once every key of the partition has been taken by `task_name`. It also ends when the
+    dock partition holding the data is sealed (`dockd.Dock.seal`) and drained.
+
+    Differences from TransferQueue: `config` only needs the dock address (``config.dockd.address``;
+    default ``DOCKD_ADDRESS``); ranks that share a `dp_rank` do *not* receive identical samples
+    (every reader takes its own): read once per data-parallel group and broadcast, or use
+    ``dockd.Dock.get(..., mp_group=...)``. `fetch_batch_fn` (which drives TransferQueue's own
+    client) raises NotImplementedError.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        batch_size: int,
+        micro_batch_size: int,
+        data_fields: list[str],
+        partition_id: str,
+        task_name: str,
+        dp_rank: int,
+        should_check_consumption_status: bool = False,
+        fetch_batch_fn: Callable[..., Any] | None = None,
+        process_batch_fn: Callable[..., Any] | None = None,
+        poll_interval: float = 1.0,
+    ) -> None:
+        super().__init__()
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if len(data_fields) < 1:
+            raise ValueError(f"data_fields must be a list with at least one field name, got {data_fields}")
+        if dp_rank < 0:
+            raise ValueError(f"dp_rank {dp_rank} must be greater than or equal to 0")
+        if fetch_batch_fn is not None:
+            raise NotImplementedError(
+                "StreamingDataset(fetch_batch_fn=...) drives TransferQueue's own client and sampler; dockd's "
+                "dataset gets each batch from the dock itself (pass process_batch_fn to shape the batches)"
+            )
+        address = None
+        dockd_conf = config.get("dockd", None) if hasattr(config, "get") else None
+        if dockd_conf is not None:
+            address = dockd_conf.get("address", None)
+        self.address = address or os.environ.get(ENV_ADDRESS)
+        if not self.address:
+            raise ValueError(f"StreamingDataset needs the dock address: config.dockd.address or {ENV_ADDRESS}")
+        self.config = config
+        self.batch_size, self.micro_batch_size = batch_size, micro_batch_size
+        self.data_fields, self.partition_id, self.task_name = list(data_fields), partition_id, task_name
+        self.dp_rank = dp_rank
+        self.should_check_consumption_status = should_check_consumption_status
+        self.process_batch_fn = process_batch_fn or chunk_batch_fn
+        self.poll_interval = poll_interval
+        self.buffer: list[tuple[Any, BatchMeta]] = []
+        self.batch_index = 0
+
+    def _columns(self, client: _Client) -> tuple[list[str], int] | None:
+        part = client.sync(self.partition_id)
+        kinds: dict[str, bool] = {}
+        for rec in part.keys.values():
+            for f, (_, is_tensor) in rec.fields.items():
+                kinds.setdefault(f, is_tensor)
+        if any(f not in kinds for f in self.data_fields):
+            return None  # not produced yet
+        return [f if kinds[f] else NT + f for f in self.data_fields], part.gen
+
+    def _finished(self, client: _Client, data_partition: str) -> bool:
+        part = client.sync(self.partition_id)
+        stats = client.dock.stats()["partitions"].get(data_partition)
+        if stats is None:
+            return not part.keys
+        taken = stats["consumers"].get(self.task_name, {}).get("taken", 0)
+        return bool(part.keys) and taken >= len(part.keys)
+
+    def __iter__(self) -> Iterator[tuple[Any, BatchMeta]]:
+        tensordict = require("tensordict", extra="verl", what="dockd transfer_queue.StreamingDataset")
+        client = _Client(self.address)
+        try:
+            while True:
+                if self.batch_index < len(self.buffer):
+                    td, meta = self.buffer[self.batch_index]
+                    self.batch_index += 1
+                    yield from self.process_batch_fn(td, meta, micro_batch_size=self.micro_batch_size)
+                    continue
+                found = self._columns(client)
+                if found is None:  # no key holds every field yet
+                    time.sleep(min(self.poll_interval, 0.05))
+                    continue
+                cols, gen = found
+                data_partition = client._data(self.partition_id, gen)
+                try:
+                    batch = client.dock.get(self.task_name, cols, self.batch_size, partition=data_partition,
+                                            timeout=self.poll_interval)
+                except dockd.DockDrained:
+                    return
+                except (dockd.DockTimeout, dockd.DockNotFound):
+                    if not self.should_check_consumption_status:
+                        continue
+                    try:  # finite mode: the last batch may be smaller
+                        batch = client.dock.get(self.task_name, cols, self.batch_size, partition=data_partition,
+                                                allow_partial=True, timeout=0)
+                    except (dockd.DockTimeout, dockd.DockNotFound, dockd.DockDrained):
+                        if self._finished(client, data_partition):
+                            return
+                        continue
+                idx = list(batch.indexes)
+                keys = client.keys_for(self.partition_id, idx)
+                out: dict[str, Any] = {}
+                for f, c in zip(self.data_fields, cols):
+                    if c.startswith(NT):
+                        out[f] = tensordict.NonTensorStack.from_list([_codec.decode(v) for v in batch[c]])
+                    else:
+                        vals = batch[c]
+                        same = len({tuple(v.shape) for v in vals}) <= 1
+                        out[f] = torch.stack(vals) if same else torch.nested.nested_tensor(vals, layout=torch.jagged)
+                td = tensordict.TensorDict(out, batch_size=[len(idx)])
+                meta = client.meta(self.partition_id, keys).select_fields(self.data_fields)
+                self.buffer.append((td, meta))
+        finally:
+            client.close()
+
+    def reset(self) -> None:
+        """Replay the buffered batches from the start (TransferQueue's multi-pass reuse)."""
+        self.batch_index = 0
+
+    def step(self, partition_id: str) -> None:
+        """Switch to another partition and drop the buffer."""
+        self.buffer, self.batch_index, self.partition_id = [], 0, partition_id
+
+
+def _identity_collate_fn(data: Any) -> Any:
+    return data
+
+
+class StreamingDataLoader(torch.utils.data.DataLoader):
+    """``transfer_queue.StreamingDataLoader``: a DataLoader over `StreamingDataset` yielding
+    ``(TensorDict, BatchMeta)`` pairs as they are (``batch_size=None``)."""
+
+    def __init__(
+        self,
+        dataset: StreamingDataset,
+        num_workers: int = 0,
+        collate_fn: Callable[..., Any] | None = None,
+        pin_memory: bool = False,
+        worker_init_fn: Callable[..., Any] | None = None,
+        multiprocessing_context: Any = None,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+    ) -> None:
+        self.dataset: StreamingDataset = dataset
+        super().__init__(
+            dataset=dataset,
+            batch_size=None,
+            num_workers=num_workers,
+            collate_fn=collate_fn or _identity_collate_fn,
+            pin_memory=pin_memory,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+        )
+
+    def reset(self) -> None:
+        self.dataset.reset()
+
+    def step(self, partition_id: str) -> None:
+        self.dataset.step(partition_id)
+
+    def get_buffer(self) -> list[tuple[Any, BatchMeta]]:
+        return self.dataset.buffer
 
 
 def install(address: str | None = None) -> dict[str, Any]:
@@ -501,7 +1116,13 @@ def uninstall() -> None:
 
 __all__ = [
     "BatchMeta",
+    "DockTQClient",
     "KVBatchMeta",
+    "StreamingDataLoader",
+    "StreamingDataset",
+    "async_kv_batch_meta2batch_meta",
+    "chunk_batch_fn",
+    "get_metrics_endpoint",
     "async_kv_batch_get",
     "async_kv_batch_get_by_meta",
     "async_kv_batch_put",
