@@ -26,6 +26,9 @@ run: setup
 
 frameworks: setup
 	@if [ -f scripts/install_frameworks.sh ]; then bash scripts/install_frameworks.sh $(PY); fi
+	@# the real libnccl.so.2 the device-binding tests load (the CPU torch build has none)
+	@if [ "$$(uname -sm)" = "Linux x86_64" ] && ! $(PY) -c "import nvidia.nccl" 2>/dev/null; then \
+		$(PY) -m pip install -q 'nvidia-nccl-cu13>=2.20'; fi
 
 test: frameworks
 	$(PY) -m pytest

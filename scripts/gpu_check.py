@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""One prepared GPU check of the NCCL bindings (dockd.client.device); finishes in about 3 minutes.
+
+    python scripts/gpu_check.py [--budget 180] [--size-mib 256] [--iters 5]
+
+1. prints the machine: torch, CUDA, GPUs, driver, the libnccl.so.2 that discovery picks and its version;
+2. runs `pytest -m gpu tests/gpu -q` (send/recv, broadcast, all_gather between two processes);
+3. times a 256 MiB NCCL send/recv between two processes (two GPUs, or both on GPU 0) against a
+   device-to-device copy of the same buffer in the same run, and prints both in GB/s.
+
+Exit status: 0 all passed; 1 a check failed; 2 no usable GPU / NCCL; 124 the time budget ran out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def say(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budget", type=float, default=180.0, help="seconds for the whole check (default 180)")
+    ap.add_argument("--size-mib", type=int, default=256)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--skip-pytest", action="store_true", help="only the figures")
+    args = ap.parse_args()
+    deadline = time.monotonic() + args.budget
+    left = lambda: deadline - time.monotonic()  # noqa: E731
+
+    say("== dockd GPU check: NCCL bindings ==")
+    import torch
+
+    say(f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuda available: {torch.cuda.is_available()}")
+    if not torch.cuda.is_available():
+        say("FAIL: needs an NVIDIA GPU with a CUDA build of torch")
+        return 2
+    n = torch.cuda.device_count()
+    for i in range(n):
+        say(f"  GPU {i}: {torch.cuda.get_device_name(i)}")
+    if shutil.which("nvidia-smi"):
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        say(f"  driver: {smi.stdout.strip().splitlines()[0] if smi.stdout.strip() else smi.stderr.strip()}")
+    from dockd.client.device import DockDeviceError, NcclLibrary
+
+    try:
+        lib = NcclLibrary()
+        v = lib.version()
+    except DockDeviceError as e:
+        say(f"FAIL: {e}")
+        return 2
+    say(f"  libnccl: {lib.path} (NCCL {v // 10000}.{v // 100 % 100}.{v % 100}, code {v})")
+    for dist in ("nvidia-nccl-cu13", "nvidia-nccl-cu12"):
+        try:
+            from importlib.metadata import version
+
+            say(f"  wheel {dist} {version(dist)}")
+        except Exception:
+            pass
+    say(f"  ranks share GPU 0: {n < 2}" + (" (NCCL_MULTI_RANK_GPU_ENABLE=1)" if n < 2 else ""))
+
+    failed = False
+    if not args.skip_pytest:
+        say("\n== pytest -m gpu tests/gpu -q ==")
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider"]
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, timeout=max(10.0, min(150.0, left() - 40)),
+                                  capture_output=True, text=True)
+        except subprocess.TimeoutExpired as e:
+            say((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""))
+            say("FAIL: pytest ran out of time")
+            return 124
+        say(proc.stdout.rstrip())
+        if proc.stderr.strip():
+            say(proc.stderr.rstrip()[-4000:])
+        tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+        if proc.returncode != 0 or "passed" not in tail or "skipped" in tail:
+            say(f"FAIL: pytest exit {proc.returncode}, summary: {tail!r} (skips count as failures here)")
+            failed = True
+        else:
+            say("pytest: OK")
+
+    say(f"\n== {args.size_mib} MiB send/recv between 2 processes vs device-to-device copy ==")
+    if left() < 20:
+        say("FAIL: no time left for the bandwidth figures")
+        return 124
+    from dockd.client.device._selftest import run_ranks
+
+    try:
+        res = run_ranks("bandwidth", 2, timeout=max(10.0, left() - 5), size_mib=args.size_mib, iters=args.iters)
+    except TimeoutError as e:
+        say(f"FAIL: {e}")
+        return 124
+    except Exception as e:  # a failed rank: its traceback is in the exception text
+        say(f"FAIL: bandwidth run: {type(e).__name__}: {e}")
+        return 1
+    r0, r1 = res
+    say(f"  ranks on GPUs {r0['device']} -> {r1['device']}, {r0['iters']} x {r0['bytes'] >> 20} MiB, "
+        f"NCCL {r0['nccl_version']}")
+    say(f"  NCCL send/recv (sender clock):   {r0['nccl_gbps']:8.1f} GB/s  ({r0['nccl_s'] * 1e3:.1f} ms)")
+    say(f"  NCCL send/recv (receiver clock): {r1['nccl_gbps']:8.1f} GB/s  ({r1['nccl_s'] * 1e3:.1f} ms)")
+    say(f"  device-to-device copy (GPU {r0['device']}):  {r0['copy_gbps']:8.1f} GB/s  ({r0['copy_s'] * 1e3:.1f} ms; "
+        "bytes copied, each read once and written once)")
+    say(f"  NCCL / copy: {min(r0['nccl_gbps'], r1['nccl_gbps']) / r0['copy_gbps']:.2f}")
+    say("\nRESULT: " + ("FAIL" if failed else "OK"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
