@@ -51,7 +51,7 @@ class Agent:
             workers = int(msg.get("consumer_workers", 1))
             slots = ["rollout"] + [worker_slot(c, w) for c in CONSUMERS for w in range(workers)]
             self.backend = DockdBackend(msg["controller"], warehouse=msg.get("warehouse"), node=self.node,
-                                        slots=slots)
+                                        slots=slots, prefer_local=bool(msg.get("prefer_local")))
         elif msg["backend"] == "ray":
             from .backends import RayBackend
 

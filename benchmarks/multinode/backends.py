@@ -29,9 +29,11 @@ RAY_POLL_S = 0.1  # MindSpeed-RL's consumers poll the TransferDock this often wh
 class DockdBackend:
     layout_kinds = ("central", "distributed")
 
-    def __init__(self, controller: str, *, warehouse: int | None, node: int, slots: list[str]) -> None:
+    def __init__(self, controller: str, *, warehouse: int | None, node: int, slots: list[str],
+                 prefer_local: bool = False) -> None:
         import dockd
 
+        self.prefer_local = prefer_local
         self.docks: dict[str, Any] = {}
         try:
             for slot in slots:
@@ -42,14 +44,15 @@ class DockdBackend:
         self.homes = {slot: d.home for slot, d in self.docks.items()}
 
     def describe(self) -> dict[str, Any]:
-        return {"homes": self.homes}
+        return {"homes": self.homes, "prefer_local": self.prefer_local}
 
     def put(self, slot: str, partition: str, columns: dict[str, Any]) -> list[int]:
         return self.docks[slot].put(columns, partition=partition)
 
     def get(self, slot: str, partition: str, consumer: str, columns: tuple[str, ...], count: int,
             timeout: float) -> tuple[list[int], dict[str, list[Any]]]:
-        batch = self.docks[slot].get(consumer, list(columns), count, partition=partition, timeout=timeout)
+        batch = self.docks[slot].get(consumer, list(columns), count, partition=partition, timeout=timeout,
+                                     **({"prefer_local": True} if self.prefer_local else {}))
         return batch.indexes, {c: batch[c] for c in columns}
 
     def stats(self) -> dict[str, Any]:

@@ -37,6 +37,9 @@ class MultinodeConfig:
     consumer_workers: int = 2
     """Workers per consumer stage on every node (threads of the node's agent, each with its own connection and
     an equal share of the node's quota), like the data-parallel ranks of a trainer."""
+    prefer_local: bool = True
+    """distributed layout: consumers take their own node's samples first (``Dock.get(prefer_local=True)``),
+    then others; False: strict FIFO by index, so (N-1)/N of the reads cross links."""
     put_chunk: int = 8
     """Samples per rollout put."""
     get_chunk: int = 8

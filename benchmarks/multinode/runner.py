@@ -93,7 +93,8 @@ def _run_dockd(topo: Topology, n: int, cfg: MultinodeConfig, workdir: Path, tag:
         for layout in layouts:
             home = wids[0] if layout == "central" else None
             setup = {"cmd": "setup", "backend": "dockd", "controller": daemons.controller, "warehouse": home,
-                     "consumer_workers": cfg.consumer_workers}
+                     "consumer_workers": cfg.consumer_workers,
+                     "prefer_local": bool(cfg.prefer_local and layout == "distributed")}
             expect = [wids[0]] * n if layout == "central" else wids
 
             def check_homes(replies: list[dict[str, Any]], expect: list[int] = expect) -> None:

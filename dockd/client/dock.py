@@ -242,7 +242,7 @@ class Dock:
             groups: bool = False, allow_partial: bool = False, shuffle: bool = False, seed: int | None = None,
             dp_rank: int | None = None, dp_size: int | None = None, mp_group: tuple[int, int, int] | None = None,
             step: int | None = None, balance_by: str | Sequence[str] | None = None,
-            where: Mapping[str, Any] | None = None, order_by: str | None = None,
+            where: Mapping[str, Any] | None = None, order_by: str | None = None, prefer_local: bool = False,
             _scope: CallScope | None = None) -> Batch:
         """Take `count` samples ready in `columns` that `consumer` has not had yet.
 
@@ -250,7 +250,11 @@ class Dock:
         saying how many were ready (None: wait as long as it takes). FIFO by
         index unless shuffle=True (seeded by `seed`). groups=True hands out
         whole groups only. allow_partial=True returns what is ready (at least
-        one sample) instead of waiting for `count`. Once the partition is
+        one sample) instead of waiting for `count`. prefer_local=True hands out
+        first the ready samples whose columns are all on this client's home
+        warehouse (its own node's, by default), then the others in the usual
+        order: reads stay on the node where they can, at the price of strict
+        FIFO (and a scan of the partition per get). Once the partition is
         sealed (`seal`) a get takes what is left, and raises DockDrained when
         nothing is.
 
@@ -275,7 +279,7 @@ class Dock:
         lease = self.acquire(consumer, columns, count, partition=partition, timeout=timeout, groups=groups,
                              allow_partial=allow_partial, shuffle=shuffle, seed=seed, dp_rank=dp_rank,
                              dp_size=dp_size, mp_group=mp_group, step=step, balance_by=balance_by, where=where,
-                             order_by=order_by, _scope=_scope, _lazy=True)
+                             order_by=order_by, prefer_local=prefer_local, _scope=_scope, _lazy=True)
         if _scope is not None and _scope.cancelled:  # cancelled as the lease arrived: give it back, take nothing
             self.release(lease)
             raise DockClosed("the get was cancelled")
@@ -296,7 +300,8 @@ class Dock:
                 inline: bool = True, lease_timeout: float | None = None, dp_rank: int | None = None,
                 dp_size: int | None = None, mp_group: tuple[int, int, int] | None = None, step: int | None = None,
                 balance_by: str | Sequence[str] | None = None, where: Mapping[str, Any] | None = None,
-                order_by: str | None = None, _scope: CallScope | None = None, _lazy: bool = False) -> Lease:
+                order_by: str | None = None, prefer_local: bool = False, _scope: CallScope | None = None,
+                _lazy: bool = False) -> Lease:
         """Low-level: lease samples without fetching them (see get).
 
         With inline=True (the default) the values held by the controller's own
@@ -327,6 +332,11 @@ class Dock:
         _rank_fields(req, dp_rank, dp_size, mp_group, step, balance_by)
         if where:
             req.where.extend(_where_list(where))
+        if prefer_local and self._router.home >= 0:
+            if req.dp_size:
+                raise DockValueError("prefer_local does not apply to rank-aware gets (dp_size or mp_group): a "
+                                     "step's batch is one for all ranks")
+            req.near = self._router.home + 1
         if order_by:
             if not isinstance(order_by, str):
                 raise DockTypeError(f"order_by names a tag such as 'age' (or '-age' for largest first), got {order_by!r}")

@@ -633,6 +633,7 @@ class Controller:
         lease_timeout: float | None = None,
         where: Mapping[str, tuple[int, int]] | None = None,
         order_by: str = "",
+        near: int | None = None,
     ) -> AcquireResult | None:
         """Lease up to `count` samples ready in `columns` for `consumer`, or None to wait.
 
@@ -645,7 +646,8 @@ class Controller:
         client retrying after a lost reply), not a second one. `where` keeps
         samples whose tags lie in [lo, hi]; `order_by` hands out the smallest
         values of a tag first ("-tag": the largest); a group goes by its first
-        sample's tags.
+        sample's tags. `near`: samples whose requested columns are all on this
+        warehouse go first (then the rest, in the usual order).
         """
         self.validate_acquire(partition, consumer, columns, count, groups)
         if token:
@@ -671,7 +673,8 @@ class Controller:
         sub = part.subscription(cons, mask, groups)
         gs = part.group_size if groups else 1
         want = count // gs
-        units, have = self._choose(part, sub, want, gs, shuffle=shuffle, seed=seed, where=where, order_by=order_by)
+        units, have = self._choose(part, sub, want, gs, shuffle=shuffle, seed=seed, where=where, order_by=order_by,
+                                   near=near, columns=columns)
         if have == 0 or (have < want and not allow_partial):
             if not self._drained(part, cons, mask, where):
                 return None
@@ -694,9 +697,17 @@ class Controller:
         return lease_id
 
     def _choose(self, part: _Partition, sub: _Sub, want: int, gs: int, *, shuffle: bool = False,
-                seed: int | None = None, where=None, order_by: str = "") -> tuple[np.ndarray, int]:
+                seed: int | None = None, where=None, order_by: str = "", near: int | None = None,
+                columns: Sequence[str] = ()) -> tuple[np.ndarray, int]:
         """Up to `want` units (samples, or groups of gs) `sub` could take, in hand-out order, and
         how many it could take in all."""
+        if near is not None and sub.eligible.total > want:  # (fewer: all of them go anyway)
+            units, have = self._choose(part, sub, sub.eligible.total, gs, shuffle=shuffle, seed=seed, where=where,
+                                       order_by=order_by)
+            local = np.ones(len(units), dtype=bool)
+            for c in columns:  # (a group goes by its first sample: a group is put in one piece)
+                local &= part.loc[c][units * gs] == near
+            return np.concatenate([units[local], units[~local]])[:want], have
         if not where and not order_by:
             have = sub.eligible.total
             n = min(want, have)

@@ -509,7 +509,7 @@ class ControllerService:
             groups=r.groups, allow_partial=r.allow_partial, shuffle=r.shuffle,
             seed=r.seed if r.has_seed else None, owner=sid, now=self.loop.time(), token=r.token,
             lease_timeout=min(r.lease_seconds, 7 * 86400.0) if r.lease_seconds > 0 else None,
-            where=_where(r), order_by=r.order_by,
+            where=_where(r), order_by=r.order_by, near=r.near - 1 if r.near else None,
         )
         if again is not None:
             again.owner = sid  # the client that retried holds it (a lease restored from the journal may have had none)

@@ -341,3 +341,15 @@ def test_checkpoint_round_trip_across_a_restart_of_the_dock(tmp_path):
             d.load(tmp_path / "nothing", partition="other")
         with pytest.raises(DockNotFound):
             d.save("missing", tmp_path / "x")
+
+
+def test_prefer_local_hands_out_the_home_warehouses_samples_first(cluster, partition):
+    with dockd.connect(cluster.address, warehouse=0) as d0, dockd.connect(cluster.address, warehouse=1) as d1:
+        assert d1.put({"x": torch.arange(4)}, partition=partition) == [0, 1, 2, 3]  # on warehouse 1
+        assert d0.put({"x": torch.arange(4, 8)}, partition=partition) == [4, 5, 6, 7]  # on warehouse 0
+        assert d0.get("c", ["x"], 2, partition=partition, prefer_local=True, timeout=5).indexes == [4, 5]
+        assert d0.get("c", ["x"], 4, partition=partition, prefer_local=True, timeout=5).indexes == [6, 7, 0, 1]
+        assert d0.get("c", ["x"], 2, partition=partition, timeout=5).indexes == [2, 3]
+        assert d1.get("fifo", ["x"], 2, partition=partition, timeout=5).indexes == [0, 1]
+        with pytest.raises(DockValueError, match="prefer_local"):
+            d0.get("r", ["x"], 1, partition=partition, dp_rank=0, dp_size=1, prefer_local=True)
