@@ -701,12 +701,13 @@ class Controller:
                 columns: Sequence[str] = ()) -> tuple[np.ndarray, int]:
         """Up to `want` units (samples, or groups of gs) `sub` could take, in hand-out order, and
         how many it could take in all."""
-        if near is not None and sub.eligible.total > want:  # (fewer: all of them go anyway)
+        # (fewer eligible than wanted: all of them go anyway; data on one warehouse: nothing to prefer)
+        if near is not None and sub.eligible.total > want and len(part.nbytes) > 1:
+            if not where and not order_by and not shuffle:
+                return self._near_first(part, sub, want, gs, near, columns), sub.eligible.total
             units, have = self._choose(part, sub, sub.eligible.total, gs, shuffle=shuffle, seed=seed, where=where,
                                        order_by=order_by)
-            local = np.ones(len(units), dtype=bool)
-            for c in columns:  # (a group goes by its first sample: a group is put in one piece)
-                local &= part.loc[c][units * gs] == near
+            local = self._on(part, units * gs, near, columns)
             return np.concatenate([units[local], units[~local]])[:want], have
         if not where and not order_by:
             have = sub.eligible.total
@@ -728,6 +729,36 @@ class Controller:
                 sub.rng = np.random.default_rng(seed)
             units = sub.rng.permutation(units)
         return units[:want], len(units)
+
+    @staticmethod
+    def _on(part: _Partition, idx: np.ndarray, wid: int, columns: Sequence[str]) -> np.ndarray:
+        """Which of idx have every one of `columns` on warehouse `wid` (a group goes by its first
+        sample: a group is put in one piece)."""
+        ok = np.ones(len(idx), dtype=bool)
+        for c in columns:
+            ok &= part.loc[c][idx] == wid
+        return ok
+
+    def _near_first(self, part: _Partition, sub: _Sub, want: int, gs: int, near: int,
+                    columns: Sequence[str]) -> np.ndarray:
+        """`want` eligible units, those held on `near` first (in index order), then the first others.
+        Scans the bitmap in chunks and stops once enough local units are found."""
+        bits, step, need, got = sub.eligible.bits, 1 << 16, want, []
+        for start in range(0, len(bits), step):
+            u = np.flatnonzero(bits[start:start + step])
+            if not len(u):
+                continue
+            u += start
+            sel = u[self._on(part, u * gs, near, columns)][:need]
+            got.append(sel)
+            need -= len(sel)
+            if not need:
+                break
+        local = np.concatenate(got) if got else np.empty(0, dtype=np.int64)
+        if need:
+            rest = sub.eligible.first(want + len(local))
+            local = np.concatenate([local, rest[~np.isin(rest, local)][:need]])
+        return local
 
     @staticmethod
     def _where(part: _Partition, idx: np.ndarray, where: Mapping[str, tuple[int, int]]) -> np.ndarray:

@@ -178,3 +178,14 @@ def test_an_imported_partition_maps_warehouses_and_is_journaled(tmp_path):
     j.close()
     back, _ = Journal(tmp_path).load(lease_timeout=60, now=0.0)
     assert back.stats()[0]["tags"] == ["age"] and back.locate("q", [3], ["x"]).tolist() == [[0]]
+
+
+def test_near_hands_out_the_warehouses_samples_first_then_the_oldest_others():
+    c = Controller(lease_timeout=60)
+    c.commit("p", ["x"], warehouse=1, new_count=200_000, nbytes=1)   # 0..199999 on warehouse 1
+    c.commit("p", ["x"], warehouse=2, new_count=4, nbytes=1)         # 200000..200003 on warehouse 2
+    assert c.acquire("p", "a", ["x"], 3, near=2).indexes.tolist() == [200000, 200001, 200002]
+    assert c.acquire("p", "a", ["x"], 3, near=2).indexes.tolist() == [200003, 0, 1]  # local ran out
+    assert c.acquire("p", "a", ["x"], 2).indexes.tolist() == [2, 3]  # without near: FIFO
+    c.commit("q", ["x"], warehouse=1, new_count=4, nbytes=1)
+    assert c.acquire("q", "a", ["x"], 2, near=2).indexes.tolist() == [0, 1]  # nothing on 2: FIFO
