@@ -243,7 +243,7 @@ class Dock:
             dp_rank: int | None = None, dp_size: int | None = None, mp_group: tuple[int, int, int] | None = None,
             step: int | None = None, balance_by: str | Sequence[str] | None = None,
             where: Mapping[str, Any] | None = None, order_by: str | None = None, prefer_local: bool = False,
-            _scope: CallScope | None = None) -> Batch:
+            device: str | Any | None = None, _scope: CallScope | None = None) -> Batch:
         """Take `count` samples ready in `columns` that `consumer` has not had yet.
 
         Blocks until they are ready; after `timeout` seconds raises DockTimeout
@@ -275,7 +275,12 @@ class Dock:
         every rank of the group read them (group_id is the group's data-parallel
         rank when dp_size is given; without it, each group takes its own batches).
         `batch.step` is the step, `batch.rank_weights` the ranks' weight sums.
+
+        `device` (e.g. "cuda:0"): tensors come back on that device; each tensor
+        column is copied host-to-device in one piece through a pinned buffer
+        (the data is held in host memory by the warehouses).
         """
+        target = _device(device)
         lease = self.acquire(consumer, columns, count, partition=partition, timeout=timeout, groups=groups,
                              allow_partial=allow_partial, shuffle=shuffle, seed=seed, dp_rank=dp_rank,
                              dp_size=dp_size, mp_group=mp_group, step=step, balance_by=balance_by, where=where,
@@ -293,7 +298,11 @@ class Dock:
             raise
         if lease.id:  # (0: a share every reader of it already confirmed; nothing to confirm)
             self._confirm_soon(lease.id)
-        return Batch(partition, lease.indexes, values, step=lease.step, rank_weights=lease.rank_weights)
+        batch = Batch(partition, lease.indexes, values, step=lease.step, rank_weights=lease.rank_weights)
+        if target is not None:
+            batch = Batch(partition, lease.indexes, {c: _to_device(batch[c], target) for c in columns},
+                          step=lease.step, rank_weights=lease.rank_weights)
+        return batch
 
     def acquire(self, consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None = None,
                 groups: bool = False, allow_partial: bool = False, shuffle: bool = False, seed: int | None = None,
@@ -918,3 +927,45 @@ def _abs_dir(path) -> str:
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise DockTypeError(f"path must be a directory name, got {path!r}")
     return os.path.abspath(os.fspath(path))
+
+
+def _device(device) -> Any:
+    """The torch device a get's results go to (None: leave them where they are), checked here."""
+    if device is None:
+        return None
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise DockValueError(f"device={device!r} is not a device name such as 'cuda:0': {e}") from None
+    if dev.type != "cpu":
+        backend = getattr(torch, dev.type, None)
+        if backend is None or not backend.is_available():
+            raise DockValueError(f"device={device!r}, but this process has no {dev.type} device "
+                                 f"(torch.{dev.type}.is_available() is False)")
+    return dev
+
+
+def _to_device(values: list[Any], dev) -> list[Any]:
+    """A column's tensors on `dev`: one pinned host buffer and one copy per dtype, then views.
+    Non-tensor values stay as they are."""
+    import torch
+
+    if dev.type == "cpu":
+        return [v.to(dev) if isinstance(v, torch.Tensor) else v for v in values]
+    out = list(values)
+    by_dtype: dict[Any, list[int]] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            by_dtype.setdefault(v.dtype, []).append(i)
+    for dtype, pos in by_dtype.items():
+        sizes = [values[i].numel() for i in pos]
+        host = torch.empty(sum(sizes), dtype=dtype, pin_memory=True)
+        torch.cat([values[i].reshape(-1) for i in pos], out=host)
+        flat = host.to(dev, non_blocking=True)
+        for i, part in zip(pos, torch.split(flat, sizes)):
+            out[i] = part.view(values[i].shape)
+    if by_dtype:
+        getattr(torch, dev.type).current_stream(dev).synchronize()  # (the pinned buffers may go now)
+    return out

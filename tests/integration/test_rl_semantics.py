@@ -353,3 +353,13 @@ def test_prefer_local_hands_out_the_home_warehouses_samples_first(cluster, parti
         assert d1.get("fifo", ["x"], 2, partition=partition, timeout=5).indexes == [0, 1]
         with pytest.raises(DockValueError, match="prefer_local"):
             d0.get("r", ["x"], 1, partition=partition, dp_rank=0, dp_size=1, prefer_local=True)
+
+
+def test_get_on_a_device_checks_the_device(dock, partition):
+    dock.put({"x": [torch.arange(n) for n in (1, 3)], "s": ["a", "b"]}, partition=partition)
+    with pytest.raises(DockValueError, match="no cuda device|not a device"):
+        dock.get("c", ["x"], 2, partition=partition, device="cuda:0" if not torch.cuda.is_available() else "nope")
+    with pytest.raises(DockValueError, match="not a device"):
+        dock.get("c", ["x"], 2, partition=partition, device="nope")
+    b = dock.get("c", ["x", "s"], 2, partition=partition, device="cpu", timeout=5)
+    assert [t.tolist() for t in b["x"]] == [[0], [0, 1, 2]] and b["s"] == ["a", "b"]
