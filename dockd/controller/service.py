@@ -66,6 +66,7 @@ class ControllerService:
         self.measure_local = measure_local
         self.dump_local = dump_local
         self._frees_soon = False
+        self._loading: set[str] = set()  # partitions a load is filling
         self.inline = inline
         self.journal = Journal(state_dir, fsync_interval=fsync_interval) if state_dir else None
         self.members = Membership(core, self.journal, grace=warehouse_grace, on_change=self._wake_all)
@@ -176,6 +177,9 @@ class ControllerService:
             raise DockValueError(f"warehouse {req.warehouse} is not a live member of this dock")
         indexes = list(req.indexes) if req.indexes else None
         gs = req.group_size or 1
+        if req.partition in self._loading:
+            raise DockValueError(f"partition {req.partition!r} is being loaded from a checkpoint; put to it once "
+                                 "the load returned")
         tags = {t.name: list(t.values) for t in req.tags} or None
         idx = self.core.commit(req.partition, list(req.columns), warehouse=req.warehouse, indexes=indexes,
                                new_count=req.new_count, group_size=gs, nbytes=req.nbytes, put_id=req.put_id, tags=tags)
@@ -295,6 +299,9 @@ class ControllerService:
         name, op, out = req.partition, req.WhichOneof("op"), pb.PartitionReply()
         if not name:
             raise DockValueError("partition must be a non-empty string")
+        if name in self._loading:
+            raise DockValueError(f"partition {name!r} is being loaded from a checkpoint; try again once the load "
+                                 "returned")
         j = self.journal
         if op == "create":
             c = req.create
@@ -366,8 +373,16 @@ class ControllerService:
         warehouse of the same id if it is live, else to another live one."""
         name, path = req.partition, req.load.path
         meta = await self.loop.run_in_executor(None, _read_meta, path)
-        if name in self.core.partitions:
-            raise DockValueError(f"partition {name!r} exists; clear it or load the checkpoint under another name")
+        if name in self.core.partitions or name in self._loading:
+            raise DockValueError(f"partition {name!r} exists (or is being loaded); clear it or load the checkpoint "
+                                 "under another name")
+        self._loading.add(name)
+        try:
+            return await self._load(name, path, meta)
+        finally:
+            self._loading.discard(name)
+
+    async def _load(self, name: str, path: str, meta: dict) -> pb.PartitionReply:
         live = sorted(e.id for e in self.members.entries.values() if e.alive)
         if meta["files"] and not live:
             raise DockValueError("no live warehouse to load the checkpoint into")
