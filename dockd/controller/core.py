@@ -672,16 +672,10 @@ class Controller:
         cons = part.consumer(consumer)
         sub = part.subscription(cons, mask, groups)
         gs = part.group_size if groups else 1
-        want = count // gs
-        units, have = self._choose(part, sub, want, gs, shuffle=shuffle, seed=seed, where=where, order_by=order_by,
-                                   near=near, columns=columns)
-        if have == 0 or (have < want and not allow_partial):
-            if not self._drained(part, cons, mask, where):
-                return None
-            if have == 0:
-                raise DockDrained(f"partition {partition!r} is sealed and has nothing left for consumer "
-                                  f"{consumer!r} (columns {list(columns)})")
-        idx = (units[:, None] * gs + np.arange(gs)).ravel() if groups else units
+        idx = self._pick(part, consumer, mask, sub, count // gs, gs, columns, partial=allow_partial, shuffle=shuffle,
+                         seed=seed, where=where, order_by=order_by, near=near)
+        if idx is None:
+            return None
         locs = np.stack([part.loc[c][idx] for c in columns])
         if self.dead_warehouses:
             self._check_lost(part, cons, columns, idx, locs)
@@ -689,6 +683,19 @@ class Controller:
                            deadline=now + (lease_timeout or self.lease_timeout), token=token,
                            in_order=lease_timeout is None)
         return AcquireResult(lease.id, idx, locs)
+
+    def _pick(self, part: _Partition, consumer: str, mask: int, sub: _Sub, want: int, gs: int,
+              columns: Sequence[str], *, partial: bool = False, where=None, **choose) -> np.ndarray | None:
+        """The sample indexes of up to `want` units to hand out; None to wait. Fewer than `want`
+        only with `partial` or at the end of a sealed partition; DockDrained when nothing is left."""
+        units, have = self._choose(part, sub, want, gs, where=where, columns=columns, **choose)
+        if have == 0 or (have < want and not partial):
+            if not self._drained(part, part.consumers[consumer], mask, where):
+                return None
+            if have == 0:
+                raise DockDrained(f"partition {part.name!r} is sealed and has nothing left for consumer "
+                                  f"{consumer!r} (columns {list(columns)})")
+        return (units[:, None] * gs + np.arange(gs)).ravel() if gs > 1 else units
 
     def _new_lease_id(self) -> int:
         lease_id = self._lease_ids()
@@ -839,15 +846,10 @@ class Controller:
             if mask is None:
                 return None
             gs = part.group_size if groups else 1
-            sub = part.subscription(cons, mask, groups)
-            units, have = self._choose(part, sub, count // gs, gs, where=where, order_by=order_by)
-            if have < count // gs:
-                if not self._drained(part, cons, mask, where):
-                    return None
-                if have == 0:
-                    raise DockDrained(f"partition {partition!r} is sealed and has nothing left for consumer "
-                                      f"{consumer!r} (columns {list(columns)})")
-            idx = (units[:, None] * gs + np.arange(gs)).ravel() if groups else units
+            idx = self._pick(part, consumer, mask, part.subscription(cons, mask, groups), count // gs, gs, columns,
+                             where=where, order_by=order_by)
+            if idx is None:
+                return None
             lease = self.grant(self._new_lease_id(), partition, consumer, idx,
                                deadline=now + (lease_timeout or self.lease_timeout), in_order=lease_timeout is None)
             self._make_share(lease, rnd, dp_rank)
