@@ -397,6 +397,7 @@ class Controller:
         # (the service sends the frees; replaying a journal refills it, and a second free is harmless)
         self.pending_frees: dict[str, dict[int, list[np.ndarray]]] = {}
         self.new_shares: list[Lease] = []  # shares made since the service last took them (to journal)
+        self.dropped_shares: list[int] = []  # ... and shares given back to the pool (to journal as released)
 
     # -- writes -------------------------------------------------------------------
     def commit(
@@ -846,8 +847,10 @@ class Controller:
             if mask is None:
                 return None
             gs = part.group_size if groups else 1
-            idx = self._pick(part, consumer, mask, part.subscription(cons, mask, groups), count // gs, gs, columns,
-                             where=where, order_by=order_by)
+            sub = part.subscription(cons, mask, groups)
+            idx = self._pick(part, consumer, mask, sub, count // gs, gs, columns, where=where, order_by=order_by)
+            if idx is None and self._reclaim_later(key, step, dp_rank):
+                idx = self._pick(part, consumer, mask, sub, count // gs, gs, columns, where=where, order_by=order_by)
             if idx is None:
                 return None
             lease = self.grant(self._new_lease_id(), partition, consumer, idx,
@@ -864,6 +867,21 @@ class Controller:
         if self.dead_warehouses:
             self._check_lost(part, cons, columns, idx, locs)
         return AcquireResult(lease.id, idx, locs, step, rnd.weights)
+
+    def _reclaim_later(self, key: tuple, step: int, rank: int) -> bool:
+        """Give back this rank's unclaimed shares of later steps (other ranks ran ahead and formed
+        them), so that its replacement share of `step` can be made from them instead of waiting
+        for them to expire; those steps make the rank a fresh share when it gets there."""
+        freed = False
+        for st, rnd in self.rounds.get(key, {}).items():
+            if st <= step or rnd.hold or not rnd.shares:
+                continue
+            lease = self.leases.get(rnd.shares[rank])
+            if lease is not None and not lease.holders and not lease.confirmed:
+                self.release(lease.id)
+                self.dropped_shares.append(lease.id)
+                freed = True
+        return freed
 
     def _form_round(self, part: _Partition, key: tuple, step: int, columns, count: int, *, owner: bytes, now: float,
                     lease_timeout: float | None, where, order_by: str) -> Round | None:

@@ -563,13 +563,15 @@ class ControllerService:
 
     def _journal_shares(self) -> None:
         shares, self.core.new_shares = self.core.new_shares, []
-        if not shares:
-            return
+        dropped, self.core.dropped_shares = self.core.dropped_shares, []
         if self.journal is not None:
+            for lid in dropped:
+                self.journal.release(lid)
             offset = time.time() - self.loop.time()
             for lease in shares:
                 self.journal.grant(lease, lease.deadline + offset)
-        self._schedule_expiry()
+        if shares:
+            self._schedule_expiry()
 
     async def _weigh(self, rnd: Round, names: list[str]) -> None:
         """Weigh a round's samples by `names` (tags, or columns measured where they are stored), split it

@@ -189,3 +189,70 @@ def test_near_hands_out_the_warehouses_samples_first_then_the_oldest_others():
     assert c.acquire("p", "a", ["x"], 2).indexes.tolist() == [2, 3]  # without near: FIFO
     c.commit("q", ["x"], warehouse=1, new_count=4, nbytes=1)
     assert c.acquire("q", "a", ["x"], 2, near=2).indexes.tolist() == [0, 1]  # nothing on 2: FIFO
+
+
+def test_rank_rounds_under_random_asks_confirms_and_expiries_hand_each_sample_out_once():
+    """Ranks ask, re-ask, confirm, die (their shares expire) in random order: no sample is taken
+    twice, a step's shares never overlap, and once every rank has confirmed everything the
+    partition is drained with every sample taken exactly once."""
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        dp, count, n = int(rng.integers(2, 5)), int(rng.integers(1, 4)), 0
+        c = Controller(lease_timeout=10)
+        n = dp * count * int(rng.integers(3, 7))
+        c.commit("p", ["x", "w"], warehouse=1, new_count=n, nbytes=1)
+        balance = bool(rng.integers(0, 2))
+        now, held, taken = 0.0, {}, []  # held: rank -> (lease id, step, indexes) not yet confirmed
+        for _ in range(400):
+            rank = int(rng.integers(0, dp))
+            act = rng.random()
+            now += 0.5
+            if act < 0.15 and rank in held:  # the rank dies: its share expires
+                now += 20
+                c.expire_leases(now)
+                held.clear()
+                continue
+            if act < 0.55 and rank in held:
+                lid, step, idx = held.pop(rank)
+                if c.confirm(lid):
+                    taken.extend(idx)
+                continue
+            res = c.share("p", "t", ["x", "w"], count, dp_rank=rank, dp_size=dp, balance=balance, now=now,
+                          owner=b"r%d" % rank)
+            if isinstance(res, Round):
+                c.split_round(res, np.asarray(rng.integers(1, 100, len(res.indexes)), dtype=float))
+                res = c.share("p", "t", ["x", "w"], count, dp_rank=rank, dp_size=dp, balance=balance, now=now,
+                              owner=b"r%d" % rank)
+            if res is None or res.lease == 0:
+                continue
+            assert len(res.indexes) == count
+            if rank in held:
+                assert held[rank][0] == res.lease  # asked again: the same share
+            held[rank] = (res.lease, res.step, res.indexes.tolist())
+            for key, rounds in c.rounds.items():
+                for rnd in rounds.values():
+                    live = [ix for r, ix in enumerate(rnd.share_idx)  # (an expired share's samples are free again)
+                            if ix is not None and (rnd.done[r] or rnd.shares[r] in c.leases)]
+                    if live:
+                        flat = np.concatenate(live)
+                        assert len(np.unique(flat)) == len(flat)
+        for lid, _, idx in held.values():
+            if c.confirm(lid):
+                taken.extend(idx)
+        assert len(taken) == len(set(taken)), seed  # nothing taken twice
+        cons = c.partitions["p"].consumers["t"]
+        assert cons.taken == len(taken)
+        # the rest goes out to the ranks, each confirming at once, until all of it is taken
+        for _ in range(10 * n):
+            if cons.taken == n:
+                break
+            for rank in range(dp):
+                res = c.share("p", "t", ["x", "w"], count, dp_rank=rank, dp_size=dp, now=now, owner=b"r%d" % rank)
+                if isinstance(res, Round):
+                    c.split_round(res, None)
+                    res = c.share("p", "t", ["x", "w"], count, dp_rank=rank, dp_size=dp, now=now,
+                                  owner=b"r%d" % rank)
+                if res is not None and res.lease:
+                    assert c.confirm(res.lease)
+                    taken.extend(res.indexes.tolist())
+        assert sorted(taken) == list(range(n)), seed
