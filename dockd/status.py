@@ -100,6 +100,8 @@ def render(snap: dict[str, Any], *, address: str, error: str = "") -> Group:
         p = snap["partitions"][name]
         pt = Table(title=f"partition {name}: {p['samples']:,} samples"
                    + (f", groups of {p['group_size']}" if p["group_size"] > 1 else "")
+                   + (f", {p['deleted']:,} deleted" if p.get("deleted") else "")
+                   + (" (sealed)" if p.get("sealed") else "")
                    + (" (recovered)" if p["recovered"] else ""), title_justify="left")
         for col in ("consumer", "taken", "", "ready", "leased", "waiting"):
             pt.add_column(col, justify="left" if col in ("consumer", "") else "right", no_wrap=True)

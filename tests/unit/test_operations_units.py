@@ -68,3 +68,7 @@ def test_the_view_marks_the_slowest_consumer_and_unreachable_warehouses():
     assert "unreachable" in text and "controller away" in text
     assert "partition step-1: 10 samples, groups of 2" in text
     assert "b  (slowest)" in text and "a  (slowest)" not in text
+    snap["partitions"]["step-1"].update(deleted=4, sealed=True)
+    console = Console(file=io.StringIO(), width=100)
+    console.print(render(snap, address="h:1"))
+    assert "partition step-1: 10 samples, groups of 2, 4 deleted (sealed)" in console.file.getvalue()
