@@ -24,6 +24,7 @@ Series (all prefixed `dockd_`):
     leases_expired_total
     partitions                                          partitions held
     partition_samples{partition}
+    partition_deleted_samples{partition}
     consumer_taken_samples / _leased_samples / _ready_samples{partition,consumer}
 
 `transport` is `shm` for same-host clients (Unix socket, shared memory) and
@@ -185,13 +186,16 @@ def _controller_families(ctl):
     ready = GaugeMetricFamily("dockd_consumer_ready_samples",
                               "samples a consumer could take now (for the columns it asked for)",
                               labels=["partition", "consumer"])
+    deleted = GaugeMetricFamily("dockd_partition_deleted_samples", "samples of a partition deleted (by delete or "
+                                "retirement; their data is freed)", labels=["partition"])
     for part in shown:
         samples.add_metric([part.name], part.size)
+        deleted.add_metric([part.name], part.deleted)
         for name, cons in part.consumers.items():
             taken.add_metric([part.name, name], cons.taken)
             leased.add_metric([part.name, name], cons.leased)
             ready.add_metric([part.name, name], part.ready_for(cons))
-    yield from (samples, taken, leased, ready)
+    yield from (samples, deleted, taken, leased, ready)
 
 
 class MetricsServer:

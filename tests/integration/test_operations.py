@@ -64,6 +64,9 @@ def test_metrics_equal_a_known_workload(metered, partition, monkeypatch):
         time.sleep(1.0)  # the lease expires unconfirmed
         m = scrape(wh["metrics_port"])
         c = scrape(ctl["metrics_port"])
+        assert value(c, "dockd_partition_deleted_samples", partition=partition) == 0
+        d.delete(partition, [170, 171, 172])
+        assert value(scrape(ctl["metrics_port"]), "dockd_partition_deleted_samples", partition=partition) == 3
 
     def delta(name, **labels):
         return value(m, name, **labels) - value(before[1], name, **labels)
