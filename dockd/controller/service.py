@@ -687,9 +687,17 @@ class ControllerService:
     def _timeout_error(self, r: pb.AcquireRequest) -> DockTimeout:
         ready = self.core.ready_count(r.partition, r.consumer, list(r.columns), r.groups)
         unit = "samples in whole groups" if r.groups else "samples"
+        what = f"get(consumer={r.consumer!r}, partition={r.partition!r}, columns={list(r.columns)})"
+        if r.dp_size:  # a rank-aware get waits for a whole step's batch, or for its share of one being weighed
+            return DockTimeout(
+                f"{what} of rank {r.dp_rank} of {r.dp_size} timed out after {r.timeout:g}s: a step needs "
+                f"{r.count} x {r.dp_size} = {r.count * r.dp_size} {unit} ready at once, {ready} were."
+                + self.core.why_not_ready(r.partition, list(r.columns))
+                + " Put more samples per step, lower count, or give a longer timeout.",
+                ready=ready,
+            )
         return DockTimeout(
-            f"get(consumer={r.consumer!r}, partition={r.partition!r}, columns={list(r.columns)}) timed out after "
-            f"{r.timeout:g}s: {ready} of {r.count} {unit} were ready."
+            f"{what} timed out after {r.timeout:g}s: {ready} of {r.count} {unit} were ready."
             + self.core.why_not_ready(r.partition, list(r.columns))
             + " Pass allow_partial=True to take what is ready, or a longer timeout.",
             ready=ready,

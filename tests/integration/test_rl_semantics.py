@@ -245,6 +245,8 @@ def test_rank_aware_get_checks_its_arguments(dock, partition):
         dock.get("c", ["x"], 1, partition=partition, mp_group=(0, 2, 2))
     with pytest.raises(DockValueError, match="allow_partial"):
         dock.get("c", ["x"], 1, partition=partition, dp_rank=0, dp_size=2, allow_partial=True, timeout=1)
+    with pytest.raises(DockTimeout, match=r"rank 1 of 2 .* a step needs 3 x 2 = 6 samples ready at once, 4 were"):
+        dock.get("c", ["x"], 3, partition=partition, dp_rank=1, dp_size=2, timeout=0.3)
     # the failed round gave its samples back
     assert dock.get("c", ["x"], 4, partition=partition, timeout=5).indexes == [0, 1, 2, 3]
     with pytest.raises(DockLeaseError):
