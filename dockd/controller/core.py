@@ -660,19 +660,10 @@ class Controller:
                     c in part.loc for c in columns) else np.full((len(columns), len(lease.indexes)), NO_WAREHOUSE, np.uint16)
                 return AcquireResult(lease.id, lease.indexes, locs)
         part = self.partitions.get(partition)
-        if part is None:
+        view = self._view(part, consumer, columns, count, groups) if part is not None else None
+        if view is None:
             return None
-        if groups and count % part.group_size:
-            raise DockValueError(
-                f"groups=True needs count to be a multiple of the group size {part.group_size} "
-                f"of partition {partition!r}, got {count}"
-            )
-        mask = part.mask_of(columns)
-        if mask is None:
-            return None
-        cons = part.consumer(consumer)
-        sub = part.subscription(cons, mask, groups)
-        gs = part.group_size if groups else 1
+        mask, cons, sub, gs = view
         idx = self._pick(part, consumer, mask, sub, count // gs, gs, columns, partial=allow_partial, shuffle=shuffle,
                          seed=seed, where=where, order_by=order_by, near=near)
         if idx is None:
@@ -684,6 +675,21 @@ class Controller:
                            deadline=now + (lease_timeout or self.lease_timeout), token=token,
                            in_order=lease_timeout is None)
         return AcquireResult(lease.id, idx, locs)
+
+    @staticmethod
+    def _view(part: _Partition, consumer: str, columns: Sequence[str], count: int, groups: bool):
+        """What a get of `columns` sees of a partition: (column mask, the consumer, its
+        subscription, samples per unit), or None while one of the columns does not exist yet."""
+        if groups and count % part.group_size:
+            raise DockValueError(
+                f"groups=True needs count to be a multiple of the group size {part.group_size} "
+                f"of partition {part.name!r}, got {count}"
+            )
+        mask = part.mask_of(columns)
+        if mask is None:
+            return None
+        cons = part.consumer(consumer)
+        return mask, cons, part.subscription(cons, mask, groups), part.group_size if groups else 1
 
     def _pick(self, part: _Partition, consumer: str, mask: int, sub: _Sub, want: int, gs: int,
               columns: Sequence[str], *, partial: bool = False, where=None, **choose) -> np.ndarray | None:
@@ -828,7 +834,7 @@ class Controller:
         rounds = self.rounds.get(key)
         rnd = rounds.get(step) if rounds is not None else None
         if rnd is None:
-            rnd = self._form_round(part, key, step, columns, count, owner=b"", now=now, lease_timeout=lease_timeout,
+            rnd = self._form_round(part, key, step, columns, count, now=now, lease_timeout=lease_timeout,
                                    where=where, order_by=order_by)
             if rnd is None:
                 return None
@@ -843,11 +849,10 @@ class Controller:
             return AcquireResult(0, idx, np.stack([part.loc[c][idx] for c in columns]), step, rnd.weights)
         lease = self.leases.get(rnd.shares[dp_rank])
         if lease is None:  # expired before all its readers confirmed: a fresh share, from the pool
-            mask = part.mask_of(columns)
-            if mask is None:
+            view = self._view(part, consumer, columns, count, groups)
+            if view is None:
                 return None
-            gs = part.group_size if groups else 1
-            sub = part.subscription(cons, mask, groups)
+            mask, _, sub, gs = view
             idx = self._pick(part, consumer, mask, sub, count // gs, gs, columns, where=where, order_by=order_by)
             if idx is None and self._reclaim_later(key, step, dp_rank):
                 idx = self._pick(part, consumer, mask, sub, count // gs, gs, columns, where=where, order_by=order_by)
@@ -883,15 +888,13 @@ class Controller:
                 freed = True
         return freed
 
-    def _form_round(self, part: _Partition, key: tuple, step: int, columns, count: int, *, owner: bytes, now: float,
+    def _form_round(self, part: _Partition, key: tuple, step: int, columns, count: int, *, now: float,
                     lease_timeout: float | None, where, order_by: str) -> Round | None:
         _, consumer, _, groups, dp_size, *_ = key
-        mask = part.mask_of(columns)
-        if mask is None:
+        view = self._view(part, consumer, columns, count, groups)
+        if view is None:
             return None
-        cons = part.consumer(consumer)
-        sub = part.subscription(cons, mask, groups)
-        gs = part.group_size if groups else 1
+        mask, cons, sub, gs = view
         want = count // gs * dp_size
         units, have = self._choose(part, sub, want, gs, where=where, order_by=order_by)
         if have < want:
@@ -905,7 +908,7 @@ class Controller:
         idx = (units[:, None] * gs + np.arange(gs)).ravel() if groups else units
         if self.dead_warehouses:
             self._check_lost(part, cons, columns, idx, np.stack([part.loc[c][idx] for c in columns]))
-        hold = self.grant(self._new_lease_id(), part.name, consumer, idx, owner=owner,
+        hold = self.grant(self._new_lease_id(), part.name, consumer, idx,
                           deadline=now + (lease_timeout or self.lease_timeout), in_order=lease_timeout is None)
         rnd = Round(key, step, idx, hold.id)
         hold.round = (key, step, -1)
