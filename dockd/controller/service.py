@@ -278,20 +278,7 @@ class ControllerService:
         for w in list(self.waiters.get(req.partition, ())):
             self._drop(req.partition, w)
             w.peer.reply_error(w.frame, DockClosed(f"partition {req.partition!r} was cleared while this get waited"))
-        local = 0
-        remote = []
-        for entry in self.members.entries.values():
-            if not entry.alive:
-                continue  # one that rejoins later is told to drop the partition
-            if entry.local:
-                local += self.free_local(req.partition)
-            else:
-                remote.append(entry.peer.request(pb.Frame(free=pb.FreeRequest(partition=req.partition))))
-        # a wedged warehouse must not hang the clear: it is told again when it rejoins (drop list)
-        wait = [asyncio.ensure_future(asyncio.wait_for(r, self.daemon_timeout)) for r in remote]
-        for res in await asyncio.gather(*wait, return_exceptions=True):
-            if isinstance(res, BaseException):
-                logger.warning("[controller] free failed on a warehouse partition=%s error=%s", req.partition, res)
+        await self._free_everywhere(req.partition)
         return n
 
     def partition(self, req: pb.PartitionRequest) -> pb.PartitionReply:
@@ -424,17 +411,21 @@ class ControllerService:
         return reply.dump_reply
 
     async def _free_everywhere(self, partition: str) -> None:
+        """Free a partition on every live warehouse, in parallel. One that is away is told when it
+        rejoins (its inventory shows a partition the dock no longer has); a wedged one must not
+        hang the caller: it gets daemon_timeout."""
+        remote = []
         for entry in self.members.entries.values():
             if not entry.alive:
                 continue
             if entry.local:
                 self.free_local(partition)
-                continue
-            try:
-                await asyncio.wait_for(entry.peer.request(pb.Frame(free=pb.FreeRequest(partition=partition))),
-                                       self.daemon_timeout)
-            except Exception as e:  # noqa: BLE001 - best effort; the clear of the partition frees it too
-                logger.warning("[controller] free after a failed load failed warehouse=%d error=%s", entry.id, e)
+            else:
+                remote.append(entry.peer.request(pb.Frame(free=pb.FreeRequest(partition=partition))))
+        wait = [asyncio.ensure_future(asyncio.wait_for(r, self.daemon_timeout)) for r in remote]
+        for res in await asyncio.gather(*wait, return_exceptions=True):
+            if isinstance(res, BaseException):
+                logger.warning("[controller] free failed on a warehouse partition=%s error=%s", partition, res)
 
     def _schedule_frees(self) -> None:
         if self.core.pending_frees and not self._frees_soon:
