@@ -401,7 +401,7 @@ class Warehouse:
         names = list(part.columns)
         schema = pa.schema([("column", pa.int32()), ("index", pa.int64()), ("desc", pa.int32()),
                             ("value", pa.large_binary())])
-        batches, samples, nbytes = [], set(), 0
+        batches, held, nbytes = [], [], 0
         for ci, name in enumerate(names):
             col = part.columns[name]
             for bid, b in enumerate(col.batches):
@@ -424,11 +424,12 @@ class Warehouse:
                 if len(live) < b.count:
                     rb = rb.take(pa.array(live))
                 batches.append(rb)
-                samples.update(idx[live].tolist())
+                held.append(idx[live])
                 nbytes += int((off[live + 1] - off[live]).sum())
         meta = {b"dockd": json.dumps({"partition": partition, "columns": names, "descs": descs,
                                       "group_size": part.group_size}).encode()}
-        return Dump(schema.with_metadata(meta), batches, len(samples), nbytes, list(part.segments))
+        samples = len(np.unique(np.concatenate(held))) if held else 0
+        return Dump(schema.with_metadata(meta), batches, samples, nbytes, list(part.segments))
 
     @staticmethod
     def load(path: str, limit: int | None = None) -> tuple[list[tuple[np.ndarray, pb.ColumnData, pa.Buffer, int]], int]:

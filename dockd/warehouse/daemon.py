@@ -452,13 +452,12 @@ class Node:
         if not self.warehouse.reserve(total):
             raise DockFull(f"warehouse {self.wid} has no room for the {total} bytes of {req.path}: "
                            f"{self.warehouse.used} of {self.warehouse.capacity} bytes are in use")
-        samples = set()
         for idx, col, buf, n in entries:
             self.warehouse.store(req.partition, idx, [col], buf, n, None, group_size)
-            samples.update(idx.tolist())
+        samples = len(np.unique(np.concatenate([idx for idx, *_ in entries]))) if entries else 0
         logger.info("[warehouse] checkpoint loaded partition=%s file=%s samples=%d bytes=%d", req.partition,
-                    req.path, len(samples), total)
-        return pb.DumpReply(samples=len(samples), nbytes=total)
+                    req.path, samples, total)
+        return pb.DumpReply(samples=samples, nbytes=total)
 
     # -- capacity -------------------------------------------------------------------------------
     def _free(self, partition: str, indexes=None) -> int:
