@@ -25,7 +25,7 @@ import os
 import sys
 import threading
 
-from dockd.client.device.errors import DeviceLibraryNotFound
+from dockd.client.device.errors import DeviceArgumentError, DeviceLibraryNotFound
 
 NCCL_ENV = "DOCKD_NCCL_LIB"
 HCCL_ENV = "DOCKD_HCCL_LIB"
@@ -126,3 +126,20 @@ def load_hccl_library(path: str | None = None) -> tuple[ctypes.CDLL, str]:
     cands += [("LD_LIBRARY_PATH", os.path.join(d, n)) for d in _ld_library_dirs() for n in HCCL_NAMES]
     cands.append(("default CANN location", os.path.join(ASCEND_DEFAULT, "lib64", "libhccl.so")))
     return _load_first("libhccl.so", path, HCCL_ENV, cands, "libhccl.so", "hccl", HCCL_INSTALL_HINT)
+
+
+def bind(lib: ctypes.CDLL, path: str, signatures, too_old: str) -> dict[str, ctypes._CFuncPtr]:
+    """The library's functions typed by `signatures` ((name, restype, argtypes, required) each);
+    a missing required one raises DeviceArgumentError saying `path` is not the library, or `too_old`."""
+    fns = {}
+    for fname, restype, argtypes, required in signatures:
+        try:
+            f = getattr(lib, fname)
+        except AttributeError:
+            if required:
+                raise DeviceArgumentError(f"{path} has no symbol {fname}: {too_old}") from None
+            continue
+        f.restype = restype
+        f.argtypes = argtypes
+        fns[fname] = f
+    return fns

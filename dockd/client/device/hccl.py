@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 
 from dockd.client.device import _torch_dtypes
-from dockd.client.device.discovery import load_hccl_library
+from dockd.client.device.discovery import bind, load_hccl_library
 from dockd.client.device.errors import DeviceArgumentError, DeviceDTypeError, HcclError
 
 HCCL_ROOT_INFO_BYTES = 4108   # hccl_types.h: const uint32_t HCCL_ROOT_INFO_BYTES = 4108
@@ -103,18 +103,7 @@ class HcclLibrary:
 
     def __init__(self, path: str | None = None) -> None:
         self.lib, self.path = load_hccl_library(path)
-        self._fn: dict[str, ctypes._CFuncPtr] = {}
-        for fname, restype, argtypes, required in _SIGNATURES:
-            try:
-                f = getattr(self.lib, fname)
-            except AttributeError:
-                if required:
-                    raise DeviceArgumentError(f"{self.path} has no symbol {fname}: not an HCCL library, "
-                                              "or one too old") from None
-                continue
-            f.restype = restype
-            f.argtypes = argtypes
-            self._fn[fname] = f
+        self._fn = bind(self.lib, self.path, _SIGNATURES, "not an HCCL library, or one too old")
 
     def has(self, fname: str) -> bool:
         return fname in self._fn

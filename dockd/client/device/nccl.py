@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 
 from dockd.client.device import _torch_dtypes
-from dockd.client.device.discovery import load_nccl_library
+from dockd.client.device.discovery import bind, load_nccl_library
 from dockd.client.device.errors import DeviceArgumentError, DeviceDTypeError, NcclError
 
 NCCL_UNIQUE_ID_BYTES = 128
@@ -100,18 +100,8 @@ class NcclLibrary:
 
     def __init__(self, path: str | None = None) -> None:
         self.lib, self.path = load_nccl_library(path)
-        self._fn: dict[str, ctypes._CFuncPtr] = {}
-        for fname, restype, argtypes, required in _SIGNATURES:
-            try:
-                f = getattr(self.lib, fname)
-            except AttributeError:
-                if required:
-                    raise DeviceArgumentError(f"{self.path} has no symbol {fname}: not an NCCL library, "
-                                              "or one too old (dockd needs NCCL >= 2.7)") from None
-                continue
-            f.restype = restype
-            f.argtypes = argtypes
-            self._fn[fname] = f
+        self._fn = bind(self.lib, self.path, _SIGNATURES,
+                        "not an NCCL library, or one too old (dockd needs NCCL >= 2.7)")
 
     def has(self, fname: str) -> bool:
         return fname in self._fn
