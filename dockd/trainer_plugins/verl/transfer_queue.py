@@ -232,16 +232,21 @@ class _Client:
     def _log(self, pid: str, entry: dict[str, Any]) -> None:
         self.dock.put({LOG_COLUMN: [_codec.encode(entry)]}, partition=f"tq-meta/{pid}")
 
-    def sync(self, pid: str) -> _Partition:
+    def sync(self, pid: str, wait: float = 0.0) -> _Partition:
+        """Apply the partition's new key-log entries; with `wait`, block up to that many seconds
+        for one when there is none yet (woken by the entry's put, not by a timer)."""
         with self.lock:
             part = self.parts.setdefault(pid, _Partition())
+            timeout = wait
             while True:
                 try:
                     batch = self.dock.get(
-                        self.viewer, [LOG_COLUMN], 1 << 20, partition=f"tq-meta/{pid}", allow_partial=True, timeout=0
+                        self.viewer, [LOG_COLUMN], 1 << 20, partition=f"tq-meta/{pid}", allow_partial=True,
+                        timeout=timeout,
                     )
                 except dockd.DockTimeout:
                     return part
+                timeout = 0
                 for blob in batch[LOG_COLUMN]:
                     self._apply(part, _codec.decode(blob))
 
@@ -410,17 +415,19 @@ class _Client:
     def keys_for(self, pid: str, indexes: list[int], wait: float = 5.0) -> list[str]:
         """The keys of samples `indexes` of the partition's current generation."""
         deadline = time.monotonic() + wait
+        left = 0.0
         while True:
             with self.lock:
-                part = self.sync(pid)
+                # (a put logs its keys right after its data: wait for the log, at most 0.2 s per hold of the lock)
+                part = self.sync(pid, wait=min(left, 0.2))
                 by_index = {r.index: k for k, r in part.keys.items() if r.gen == part.gen}
                 keys = [by_index.get(int(i)) for i in indexes]
             if all(k is not None for k in keys):
                 return keys  # type: ignore[return-value]
-            if time.monotonic() >= deadline:  # a put logs its keys right after its data
+            left = deadline - time.monotonic()
+            if left <= 0:
                 missing = [i for i, k in zip(indexes, keys) if k is None][:5]
                 raise RuntimeError(f"Some global_indexes have no corresponding keys! partition={pid!r} {missing}")
-            time.sleep(0.01)
 
     def list_keys(self, pid: str | None) -> dict[str, dict[str, Any]]:
         if pid is not None:
@@ -946,8 +953,8 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         self.buffer: list[tuple[Any, BatchMeta]] = []
         self.batch_index = 0
 
-    def _columns(self, client: _Client) -> tuple[list[str], int] | None:
-        part = client.sync(self.partition_id)
+    def _columns(self, client: _Client, wait: float = 0.0) -> tuple[list[str], int] | None:
+        part = client.sync(self.partition_id, wait=wait)
         kinds: dict[str, bool] = {}
         for rec in part.keys.values():
             for f, (_, is_tensor) in rec.fields.items():
@@ -974,9 +981,9 @@ class StreamingDataset(torch.utils.data.IterableDataset):
                     self.batch_index += 1
                     yield from self.process_batch_fn(td, meta, micro_batch_size=self.micro_batch_size)
                     continue
-                found = self._columns(client)
-                if found is None:  # no key holds every field yet
-                    time.sleep(min(self.poll_interval, 0.05))
+                # no key holding every field yet: wait for the key log to change
+                found = self._columns(client) or self._columns(client, wait=self.poll_interval)
+                if found is None:
                     continue
                 cols, gen = found
                 data_partition = client._data(self.partition_id, gen)
