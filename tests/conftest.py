@@ -159,3 +159,12 @@ def token_file(tmp_path):
     path.write_text(uuid.uuid4().hex + uuid.uuid4().hex)
     path.chmod(0o600)
     return path
+
+
+def pytest_unconfigure(config):
+    """The run is over: if this process has not exited two minutes from now, something it left
+    behind (a thread stuck in a call, a child it waits for) holds it. Print every thread's stack
+    and exit non-zero rather than hang the caller."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(120, exit=True)

@@ -145,6 +145,11 @@ class Connection:
         self.broken = False
         self.closed = False
         self.busy = False
+        # close() from another thread only shuts the socket down while a call is reading it: the
+        # descriptor is released by the calling thread on its way out, so its number cannot be
+        # reused by a new socket under a poll() that would then wait on the wrong one forever.
+        self._close_lock = threading.Lock()
+        self._in_call = False
         self.instance = 0
         try:
             self._handshake(creds, connect_timeout)
@@ -182,13 +187,18 @@ class Connection:
 
     def close(self) -> None:
         """Close; a thread blocked in call() on this connection wakes with an error."""
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        with self._close_lock:
+            if self.closed:
+                return
+            self.closed = True
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)  # wakes a reader (poll sees the hang-up)
+            except OSError:
+                pass
+            if not self._in_call:
+                self._release()
+
+    def _release(self) -> None:
         self.sock.close()
         _close_all(self._fds)
         self._fds.clear()
@@ -208,10 +218,11 @@ class Connection:
         """Send a request and wait for its reply: (frame, body, descriptors). The caller owns the descriptors.
 
         Raises the mapped error on a non-OK status."""
+        self._enter()
         self.busy = True
-        self.send(frame, buffers, body_size, fds)
-        self._deadline = None if timeout is None else time.monotonic() + timeout
         try:
+            self.send(frame, buffers, body_size, fds)
+            self._deadline = None if timeout is None else time.monotonic() + timeout
             reply, body, got = self._read_frame()
         except socket.timeout:
             self.broken = True
@@ -220,6 +231,7 @@ class Connection:
             self._raise_io(e)
         finally:
             self._deadline = None
+            self._leave()
         if reply.id != frame.id and reply.id != 0:
             self.broken = True
             raise DockProtocolError(f"reply id {reply.id} does not match request id {frame.id} from {self.address}")
@@ -228,6 +240,26 @@ class Connection:
             _close_all(got)
             raise from_status(reply.status)
         return reply, body, got
+
+    def post(self, frame: pb.Frame) -> None:
+        """Send a one-way frame (no reply)."""
+        self._enter()
+        try:
+            self.send(frame)
+        finally:
+            self._leave()
+
+    def _enter(self) -> None:
+        with self._close_lock:
+            if self.closed:
+                raise DockClosed("the dock client was closed while this call was in flight")
+            self._in_call = True
+
+    def _leave(self) -> None:
+        with self._close_lock:
+            self._in_call = False
+            if self.closed:
+                self._release()
 
     def _raise_io(self, e: OSError):
         self.broken = True

@@ -561,7 +561,7 @@ class Dock:
             try:
                 conn = pool.get()
                 try:
-                    conn.send(pb.Frame(oneway=True, unpin=sids))
+                    conn.post(pb.Frame(oneway=True, unpin=sids))
                 finally:
                     pool.put(conn)
             except DockError as e:

@@ -83,6 +83,34 @@ def test_cancelling_one_coroutine_leaves_the_others_alone(cluster, partition):
     asyncio.run(main())
 
 
+def test_a_connection_closed_mid_call_keeps_its_descriptor_until_the_call_ends(cluster, partition):
+    """Closing a connection another thread waits on must not free its descriptor number under
+    that thread's poll(): a new socket would take the number and the call would wait on it
+    forever. The close only shuts the socket down; the waiting call wakes and releases it."""
+    from dockd._proto import dockd_pb2 as pb
+    from dockd.client.connection import Connection
+
+    host, port = cluster.address.rsplit(":", 1)
+    conn = Connection(host, int(port))
+    fd = conn.sock.fileno()
+    real_poll, seen = conn._poll.poll, {}
+
+    def poll(ms):  # runs inside the blocked call: close from "another thread", then open a socket
+        conn.close()
+        with __import__("socket").socket() as s:
+            seen["new_fd"] = s.fileno()
+        return real_poll(2000)  # the old bug: waits here on whatever now holds the number
+
+    conn._poll = type("P", (), {"poll": staticmethod(poll)})()
+    req = pb.AcquireRequest(partition=partition, consumer="c", count=1, timeout=30)
+    req.columns.append("x")
+    with pytest.raises(dockd.DockClosed):
+        conn.call(pb.Frame(acquire=req))
+    assert seen["new_fd"] != fd  # the number stayed taken while the call used it
+    with pytest.raises(OSError):
+        os.fstat(fd)  # and was released when the call returned
+
+
 def test_descriptors_are_closed_on_every_path(cluster, partition):
     if not os.path.isdir("/proc/self/fd"):
         pytest.skip("needs /proc")
