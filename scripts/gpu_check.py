@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""One prepared GPU check of the NCCL bindings (dockd.client.device); finishes in about 3 minutes.
+"""One prepared GPU check of the NCCL bindings (dockd.client.device); finishes in about 4 minutes.
 
-    python scripts/gpu_check.py [--budget 180] [--size-mib 256] [--iters 5]
+    python scripts/gpu_check.py [--budget 240] [--size-mib 256] [--iters 5]
 
 1. prints the machine: torch, CUDA, GPUs, driver, the libnccl.so.2 that discovery picks and its version;
-2. runs `pytest -m gpu tests/gpu -q` (send/recv, broadcast, all_gather between two processes);
+2. runs `pytest -m gpu tests/gpu tests/resharding -q` (send/recv, broadcast, all_gather between two
+   processes; device gets; allgather-swap with collectives="device" on the bindings);
 3. times a 256 MiB NCCL send/recv between two processes (two GPUs, or both on GPU 0) against a
    device-to-device copy of the same buffer in the same run, and prints both in GB/s.
 
@@ -30,7 +31,7 @@ def say(msg: str = "") -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--budget", type=float, default=180.0, help="seconds for the whole check (default 180)")
+    ap.add_argument("--budget", type=float, default=240.0, help="seconds for the whole check (default 240)")
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--skip-pytest", action="store_true", help="only the figures")
@@ -72,8 +73,8 @@ def main() -> int:
 
     failed = False
     if not args.skip_pytest:
-        say("\n== pytest -m gpu tests/gpu -q ==")
-        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider"]
+        say("\n== pytest -m gpu tests/gpu tests/resharding -q ==")
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "tests/resharding", "-q", "-rs", "-p", "no:cacheprovider"]
         try:
             proc = subprocess.run(cmd, cwd=ROOT, timeout=max(10.0, min(150.0, left() - 40)),
                                   capture_output=True, text=True)

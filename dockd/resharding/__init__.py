@@ -22,6 +22,7 @@ See ``docs/resharding.md`` for the algorithm and the memory model.
 """
 
 from .allgather_swap import AllGatherSwap, ReshardConfig, ReshardReport, ReshardState
+from .collectives import Collectives, DeviceCollectives, TorchCollectives
 from .device import DeviceInfo, detect_device
 from .errors import BackendError, LayoutError, ReshardError, ReshardStateError
 from .groups import ReshardGroups, build_groups
@@ -38,6 +39,8 @@ from .memory import MemoryModel, predict_memory
 __all__ = [
     "AllGatherSwap",
     "BackendError",
+    "Collectives",
+    "DeviceCollectives",
     "DeviceInfo",
     "LayoutError",
     "MemoryModel",
@@ -49,6 +52,7 @@ __all__ = [
     "ReshardReport",
     "ReshardState",
     "ReshardStateError",
+    "TorchCollectives",
     "build_groups",
     "detect_device",
     "generation_local_shape",

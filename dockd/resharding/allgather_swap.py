@@ -36,8 +36,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from .collectives import Collectives, DeviceCollectives, TorchCollectives
 from .device import DeviceInfo, device_of
-from .errors import LayoutError, ReshardStateError
+from .errors import BackendError, LayoutError, ReshardStateError
 from .groups import ReshardGroups, build_groups
 from .layout import (
     DEFAULT_GATHER_CHUNK_BYTES,
@@ -135,15 +136,6 @@ class _Placement:
     shape: tuple[int, ...]
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(_as_bytes(out), _as_bytes(inp), group=group)
-
-
 class AllGatherSwap:
     """Reshard this rank's training shards into generation weights and back.
 
@@ -152,6 +144,13 @@ class AllGatherSwap:
     remain the caller's, and are emptied (storage size 0) during generation
     in ``"swap"`` mode.  ``torch.distributed`` must be initialised with the
     backend matching the weights' device (gloo/cpu, nccl/cuda, hccl/npu).
+
+    ``collectives="device"`` moves the bytes through dockd's own NCCL/HCCL
+    bindings instead (weights on CUDA or NPU; ``torch.distributed`` may then be
+    any backend, gloo included: it only hands out the communicators' unique
+    ids). A :class:`~dockd.resharding.collectives.Collectives` object of the
+    caller's (e.g. ``DeviceCollectives(groups, comms)`` over communicators it
+    made) is used as given and not closed.
     """
 
     def __init__(
@@ -163,10 +162,20 @@ class AllGatherSwap:
         gen: ParallelLayout,
         config: ReshardConfig | None = None,
         groups: ReshardGroups | None = None,
+        collectives: Collectives | Literal["torch", "device"] = "torch",
     ) -> None:
+        if not isinstance(collectives, Collectives) and collectives not in ("torch", "device"):
+            raise LayoutError(f"collectives must be 'torch', 'device' or a Collectives object, got {collectives!r}")
         self.config = config or ReshardConfig()
         self.device: DeviceInfo = device_of(list(update_weights.values()))
-        self.device.check_backend()
+        if collectives == "torch":
+            self.device.check_backend()
+        elif not dist.is_available() or not dist.is_initialized():
+            raise BackendError("torch.distributed is not initialised; allgather-swap takes ranks and groups from "
+                               "it (any backend will do with collectives='device')")
+        if collectives == "device" and not self.device.is_accelerator:
+            raise BackendError(f"collectives='device' moves weights through NCCL/HCCL, but they are on "
+                               f"{self.device.type}; use collectives='torch' (gloo) for CPU weights")
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         validate_layouts(specs, train, gen, self.world_size)
@@ -190,6 +199,13 @@ class AllGatherSwap:
                     f"({dim} rank {pos} in tp-dp-pp order); list the group's ranks in {dim}-rank order"
                 )
         self._ep_peer_gen_ranks = [r % gen.tp for r in self.groups.ep_ranks]
+        self._owns_coll = not isinstance(collectives, Collectives)
+        if collectives == "torch":
+            self.coll: Collectives = TorchCollectives(self.groups)
+        elif collectives == "device":
+            self.coll = DeviceCollectives.connect(self.groups, self.device.torch_device)
+        else:
+            self.coll = collectives
         # Fast path: all members of a pipeline group share one generation TP
         # rank, so each stage's finished buckets can simply be broadcast.
         same = len({r % gen.tp for r in self.groups.pp_ranks}) == 1
@@ -377,7 +393,7 @@ class AllGatherSwap:
             return src.unsqueeze(0), 0
         gathered = self._temp((self.train.tp, *src.shape), src.dtype)
         temps.append(gathered)
-        _all_gather(gathered, src, self.groups.tp)
+        self.coll.all_gather("tp", gathered, src)
         return gathered, gathered.nbytes
 
     def _slice_dense(self, spec: ParamSpec, gathered: torch.Tensor, dst: torch.Tensor) -> None:
@@ -417,7 +433,7 @@ class AllGatherSwap:
         for a in range(0, rows, step):
             b = min(rows, a + step)
             gathered = self._temp((tp, b - a, *src.shape[1:]), src.dtype)
-            _all_gather(gathered, src.narrow(0, a, b - a), self.groups.tp)
+            self.coll.all_gather("tp", gathered, src.narrow(0, a, b - a))
             moved += gathered.nbytes
             if d == 0:  # the chunk covers shard rows [a, b): clip each segment to it
                 for seg in segments:
@@ -445,7 +461,6 @@ class AllGatherSwap:
         experts: all experts via an EP all-gather) in a temporary, broadcasts
         it over the PP group, and every member copies out its own slice."""
         for stage in range(self.train.pp):
-            owner = self.groups.pp_ranks[stage]
             mine = stage == self.coords.pp_rank
             for spec in (s for s in self.specs if s.stage == stage):
                 temps: list[torch.Tensor] = []
@@ -459,7 +474,7 @@ class AllGatherSwap:
                         local = self._update[spec.name].contiguous()
                         buf = self._temp(shape, spec.dtype)
                         temps.append(buf)
-                        _all_gather(buf, local, self.groups.ep)
+                        self.coll.all_gather("ep", buf, local)
                         report.gathered_bytes += buf.nbytes
                     else:
                         buf = self._update[spec.name].contiguous()
@@ -471,7 +486,7 @@ class AllGatherSwap:
                         rows = self.train.tp if spec.tp_dim is not None else 1
                         buf = self._temp((rows, *training_local_shape(spec, self.train)), spec.dtype)
                         temps.append(buf)
-                dist.broadcast(_as_bytes(buf), src=owner, group=self.groups.pp)
+                self.coll.broadcast("pp", buf, stage)
                 report.broadcast_bytes += buf.nbytes
                 if spec.experts:
                     self._fill_expert_slice(spec, buf, dst, self.gen_tp_rank)
@@ -502,7 +517,7 @@ class AllGatherSwap:
             self._fill_expert_slice(spec, local, send[peer], gen_rank)
         # Peer p's chunk holds experts [p*E_local, (p+1)*E_local): exactly
         # where they belong in the [experts, ...] generation tensor.
-        dist.all_to_all_single(_as_bytes(dst), _as_bytes(send), group=self.groups.ep)
+        self.coll.all_to_all("ep", dst, send)
         self._release(send)
         return dst.nbytes
 
@@ -512,7 +527,7 @@ class AllGatherSwap:
         moved = 0
         for (stage, dtype), (offset, numel) in sorted(self._regions.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
             region = self._buckets[dtype].narrow(0, offset, numel)
-            dist.broadcast(_as_bytes(region), src=self.groups.pp_ranks[stage], group=self.groups.pp)
+            self.coll.broadcast("pp", region, stage)
             moved += region.nbytes
         return moved
 
@@ -592,6 +607,8 @@ class AllGatherSwap:
         if self.state is ReshardState.GENERATION:
             self.exit_generation()
         self._swapper.release_pool()
+        if self._owns_coll:
+            self.coll.close()
         if self._owns_groups:
             for group in (self.groups.tp, self.groups.pp, self.groups.ep):
                 if group is not None:

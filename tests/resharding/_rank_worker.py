@@ -10,7 +10,9 @@ reported in "errors", not raised, so the test can print them all.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -18,7 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dockd.resharding import AllGatherSwap, ParallelLayout, ReshardConfig, predict_memory
+from dockd.resharding import AllGatherSwap, ParallelLayout, ReshardConfig, build_groups, predict_memory
+from dockd.resharding import DeviceCollectives
 from dockd.resharding.reference import (
     build_full_weights,
     generation_shard,
@@ -43,7 +46,7 @@ def flatten_into_one_storage(shards: dict[str, torch.Tensor]) -> dict[str, torch
     for name, t in shards.items():
         by_dtype.setdefault(t.dtype, []).append(name)
     for dtype, names in by_dtype.items():
-        flat = torch.empty(sum(shards[n].numel() for n in names), dtype=dtype)
+        flat = torch.empty(sum(shards[n].numel() for n in names), dtype=dtype, device=shards[names[0]].device)
         off = 0
         for n in names:
             t = shards[n]
@@ -51,6 +54,59 @@ def flatten_into_one_storage(shards: dict[str, torch.Tensor]) -> dict[str, torch
             out[n].copy_(t)
             off += t.numel()
     return out
+
+
+class GlooComm:
+    """The `dockd.client.device.Communicator` interface on a gloo group, so that
+    DeviceCollectives' own logic (byte views, group positions, all-to-all as grouped
+    send/recv) runs on CPU; on a GPU the scenario uses the real NCCL communicators."""
+
+    initialized = True
+
+    def __init__(self, group, ranks: list[int]) -> None:
+        self.pg, self.ranks = group, ranks
+        self.rank, self.world = ranks.index(dist.get_rank()), len(ranks)
+        self._ops: list | None = None
+
+    def all_gather(self, out, inp) -> None:
+        dist.all_gather_into_tensor(out, inp, group=self.pg)
+
+    def broadcast(self, t, root: int) -> None:
+        dist.broadcast(t, src=self.ranks[root], group=self.pg)
+
+    def _p2p(self, op, t, peer: int) -> None:
+        assert self._ops is not None, "send/recv outside group(): NCCL would deadlock on a two-way exchange"
+        self._ops.append(dist.P2POp(op, t, self.ranks[peer], self.pg))
+
+    def send(self, t, peer: int) -> None:
+        self._p2p(dist.isend, t, peer)
+
+    def recv(self, t, peer: int) -> None:
+        self._p2p(dist.irecv, t, peer)
+
+    @contextlib.contextmanager
+    def group(self):
+        self._ops = []
+        yield
+        ops, self._ops = self._ops, None
+        for req in dist.batch_isend_irecv(ops) if ops else ():
+            req.wait()
+
+    def destroy(self) -> None:
+        pass
+
+
+def collectives_for(sc: dict, train: ParallelLayout) -> dict:
+    """AllGatherSwap's collectives argument(s) for the scenario."""
+    kind = sc.get("collectives", "torch")
+    if kind == "torch":
+        return {}
+    if kind == "device":  # the real NCCL/HCCL bindings (GPU machines)
+        return {"collectives": "device"}
+    groups = build_groups(train)
+    comms = {dim: GlooComm(getattr(groups, dim), getattr(groups, f"{dim}_ranks"))
+             for dim in ("tp", "pp", "ep") if len(getattr(groups, f"{dim}_ranks")) > 1}
+    return {"groups": groups, "collectives": DeviceCollectives(groups, comms)}
 
 
 def run(sc: dict, rank: int, errors: list[str]) -> dict:
@@ -62,13 +118,19 @@ def run(sc: dict, rank: int, errors: list[str]) -> dict:
     specs = toy_transformer_specs(pp=train.pp, **model)
     full = build_full_weights(specs, seed=sc.get("seed", 0))
     shards = training_shards(full, specs, train, world, rank)
+    device = sc.get("device", "cpu")
+    if device != "cpu":  # ranks share the machine's first GPU when there are fewer GPUs than ranks
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = f"cuda:{torch.cuda.current_device()}"
+        shards = {n: t.to(device) for n, t in shards.items()}
+        full = {n: t.to(device) for n, t in full.items()}
     if sc.get("flat"):
         shards = flatten_into_one_storage(shards)
     else:  # what a trainer passes: parameters that require grad
         shards = {n: torch.nn.Parameter(t) for n, t in shards.items()}
     chunk = sc.get("gather_chunk_bytes", ReshardConfig().gather_chunk_bytes)
     config = ReshardConfig(mode=sc.get("mode", "swap"), gather_chunk_bytes=chunk)
-    ags = AllGatherSwap(specs, shards, train=train, gen=gen, config=config)
+    ags = AllGatherSwap(specs, shards, train=train, gen=gen, config=config, **collectives_for(sc, train))
     start_bytes = ags.device_bytes
     reports, host_ptrs, checked = [], [], 0
     for cycle in range(sc.get("cycles", 2)):
@@ -127,6 +189,8 @@ def main() -> None:
     sc = json.loads(sys.argv[1])
     rank, port, out_dir = int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
     torch.set_num_threads(1)
+    if sc.get("device", "cpu") != "cpu":
+        os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
     store = dist.TCPStore("127.0.0.1", port, sc["world"], is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=sc["world"])
     errors: list[str] = []
