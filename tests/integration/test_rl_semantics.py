@@ -282,27 +282,37 @@ def test_streaming_dataset_with_workers_delivers_each_sample_once(cluster, parti
 
 
 def test_streaming_dataset_with_dp_ranks_and_workers(cluster, partition):
-    from concurrent.futures import ThreadPoolExecutor
-
-    from torch.utils.data import DataLoader
-
-    from dockd.data import StreamingDataset
+    import json
+    import subprocess
+    import sys
+    import textwrap
 
     with dockd.connect(cluster.address) as dock:
         dock.put({"x": torch.arange(64), "n": list(range(64))}, partition=partition)
         dock.seal(partition)
 
-    def rank(r):  # two data-parallel ranks with two loader workers each: four readers per step
-        ds = StreamingDataset(cluster.address, "trainer", ["x", "n"], 4, partition=partition, dp_rank=r,
-                              dp_size=2, balance_by="n", timeout=60)
+    # two data-parallel ranks, each its own process as in training, with two loader workers
+    # each: four readers per step
+    rank = textwrap.dedent("""
+        import json, sys
+        from torch.utils.data import DataLoader
+        from dockd.data import StreamingDataset
+        address, partition, r = sys.argv[1], sys.argv[2], int(sys.argv[3])
+        ds = StreamingDataset(address, "trainer", ["x", "n"], 4, partition=partition, dp_rank=r, dp_size=2,
+                              balance_by="n", timeout=60)
         out = []
         for batch in DataLoader(ds, batch_size=None, num_workers=2, timeout=90):
             assert len(batch["indexes"]) == 4
-            out += list(batch["indexes"])
-        return out
-
-    with ThreadPoolExecutor(2) as pool:
-        seen = [i for part in pool.map(rank, range(2)) for i in part]
+            out += [int(i) for i in batch["indexes"]]
+        print(json.dumps(out))
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", rank, cluster.address, partition, str(r)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    seen = []
+    for p in procs:
+        out, err = p.communicate(timeout=150)
+        assert p.returncode == 0, err[-3000:]
+        seen += json.loads(out.strip().splitlines()[-1])
     assert sorted(seen) == list(range(64))
 
 
