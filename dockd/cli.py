@@ -58,7 +58,7 @@ def _serve(args) -> int:
     cfg = NodeConfig(
         host=args.host, port=args.port, grpc_port=args.grpc_port, advertise=args.advertise,
         controller=args.controller, warehouse=not args.no_warehouse, join=args.join or "",
-        capacity=parse_size(args.capacity), lease_timeout=args.lease_timeout, shm=not args.no_shm,
+        capacity=parse_size(args.capacity), device_capacity=parse_size(args.device_capacity), lease_timeout=args.lease_timeout, shm=not args.no_shm,
         state_dir=args.state_dir or "", join_timeout=args.join_timeout, controller_grace=args.controller_grace,
         warehouse_grace=args.warehouse_grace, token_file=args.token_file or os.environ.get("DOCKD_TOKEN_FILE", ""),
         daemon_token_file=args.daemon_token_file or "", insecure=args.insecure, max_connections=args.max_connections,
@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--controller", action="store_true", help="also host the controller")
     s.add_argument("--join", metavar="HOST:PORT", help="join the controller at HOST:PORT as a warehouse")
     s.add_argument("--capacity", default="8GiB", help="bytes this warehouse holds before puts wait (default 8GiB)")
+    s.add_argument("--device-capacity", default="0",
+                   help="bytes of accelerator memory the device tier holds for put(device='keep'), all of this "
+                        "node's devices together (default 0: no device tier; such puts are stored in host memory)")
     s.add_argument("--lease-timeout", type=float, default=120.0, help="seconds a leased sample waits for its fetch")
     s.add_argument("--no-shm", action="store_true", help="serve same-host clients over TCP only (no shared memory)")
     s.add_argument("--no-warehouse", action="store_true",

@@ -152,6 +152,40 @@ def encode_columns(columns: Mapping[str, Any], body: Body) -> list[pb.ColumnData
     return out
 
 
+def device_column(name: str, values: Any, keep: Any) -> tuple[pb.ColumnData, torch.Tensor] | None:
+    """put(device="keep"): a column of tensors for which `keep(tensor)` holds, as one run over one
+    tensor left where it is (a batched tensor as it is, made contiguous; per-sample tensors of one
+    dtype and trailing shape concatenated on their device). None: the column goes to the body."""
+    t = batched(values)
+    if t is not None:
+        if not keep(t):
+            return None
+        t = t.detach().contiguous()
+        col = pb.ColumnData(name=name)
+        col.runs.add(kind=pb.TENSOR, count=t.shape[0], dtype=_NAMES[t.dtype], shape=list(t.shape[1:]),
+                     nbytes=t.numel() * t.element_size())
+        return col, t
+    if isinstance(values, (str, bytes, dict)) or not isinstance(values, Sequence) or not values:
+        return None
+    if not all(type(v) is torch.Tensor for v in values):
+        return None
+    first = values[0]
+    if first.dim() == 0 or first.dtype not in _NAMES or first.layout != torch.strided or not keep(first):
+        return None
+    if {(v.dtype, v.device, tuple(v.shape[1:])) for v in values} != {(first.dtype, first.device, tuple(first.shape[1:]))}:
+        return None
+    col = pb.ColumnData(name=name)
+    run = col.runs.add(kind=pb.TENSOR, count=len(values), dtype=_NAMES[first.dtype])
+    if len({v.shape[0] for v in values}) == 1:
+        run.shape.extend(first.shape)
+    else:
+        run.shape.extend([-1, *first.shape[1:]])
+        run.lengths.extend(v.shape[0] for v in values)
+    flat = torch.cat([v.detach().reshape(-1) for v in values])
+    run.nbytes = flat.numel() * flat.element_size()
+    return col, flat
+
+
 def _runs(col: pb.ColumnData, name: str, values: Sequence[Any], body: Body) -> None:
     """Split per-sample values into runs: tensors of one dtype and trailing shape, or msgpack values."""
     if _one_ragged_run(col, values, body):
@@ -251,8 +285,9 @@ def _msgpack_run(col: pb.ColumnData, name: str, values: list[Any], start: int, b
 
 
 # -- validation (the one check of a put's columns, made by the warehouse) --------------------
-def check_columns(columns: Sequence[pb.ColumnData], body_size: int) -> int:
-    """Validate columns against the body they point into; returns the number of samples.
+def check_columns(columns: Sequence[pb.ColumnData], body_size: int, device_sizes: Sequence[int] = ()) -> int:
+    """Validate columns against the body (or device buffers, sizes `device_sizes`) they point
+    into; returns the number of samples.
 
     Raises DockValueError for a request that is wrong, DockProtocolError for runs that
     do not describe their bytes."""
@@ -265,7 +300,14 @@ def check_columns(columns: Sequence[pb.ColumnData], body_size: int) -> int:
     for c in columns:
         n = 0
         for run in c.runs:
-            check_run(run, body_size)
+            if run.device_buffer:
+                if run.device_buffer > len(device_sizes):
+                    raise DockProtocolError(f"a run in device buffer {run.device_buffer} of {len(device_sizes)}")
+                if run.segment:
+                    raise DockProtocolError("a run is either in a device buffer or in a segment")
+                check_run(run, device_sizes[run.device_buffer - 1])
+            else:
+                check_run(run, body_size)
             n += run.count
         counts[c.name] = n
     n = next(iter(counts.values()))
@@ -314,10 +356,11 @@ def decode_run(run: pb.Run, buf, base: int = 0) -> list[Any]:
     shape = list(run.shape)
     ragged = bool(shape) and shape[0] == -1
     if run.nbytes == 0:
+        dev = buf.device if isinstance(buf, torch.Tensor) else None
         if ragged:
-            return [torch.empty((n, *shape[1:]), dtype=dtype) for n in run.lengths]
-        return [torch.empty(shape, dtype=dtype) for _ in range(run.count)]
-    flat = torch.frombuffer(buf, dtype=dtype, count=run.nbytes // ITEMSIZE[run.dtype], offset=off)
+            return [torch.empty((n, *shape[1:]), dtype=dtype, device=dev) for n in run.lengths]
+        return [torch.empty(shape, dtype=dtype, device=dev) for _ in range(run.count)]
+    flat = _view(buf, dtype, run.nbytes // ITEMSIZE[run.dtype], off)
     if not ragged:
         if run.count == 1:
             return [flat.view(shape) if len(shape) != 1 else flat]
@@ -326,6 +369,18 @@ def decode_run(run: pb.Run, buf, base: int = 0) -> list[Any]:
     unit = math.prod(trail)
     parts = flat.split([n * unit for n in run.lengths])
     return [p.view(-1, *trail) for p in parts] if trail else list(parts)
+
+
+def _view(buf, dtype: torch.dtype, count: int, off: int) -> torch.Tensor:
+    """`count` elements at byte `off` of a received buffer, or of a uint8 tensor (device-tier bytes)."""
+    if isinstance(buf, torch.Tensor):
+        return buf[off : off + count * torch.empty(0, dtype=dtype).element_size()].view(dtype)
+    return torch.frombuffer(buf, dtype=dtype, count=count, offset=off)
+
+
+def buffer_key(run: pb.Run) -> int:
+    """Where a run's bytes are among a reply's buffers: 0 the body, k a passed segment, -k device buffer k."""
+    return -run.device_buffer if run.device_buffer else run.segment
 
 
 def decode_column(col: pb.ColumnData, buffers: Mapping[int, tuple[Any, int]]) -> list[Any]:
@@ -346,7 +401,7 @@ class Runs:
 
     @classmethod
     def of(cls, col: pb.ColumnData, buffers: Mapping[int, tuple[Any, int]]) -> Runs:
-        return cls([(run, *buffers[run.segment]) for run in col.runs])
+        return cls([(run, *buffers[buffer_key(run)]) for run in col.runs])
 
     def __len__(self) -> int:
         return self.count
@@ -373,8 +428,7 @@ class Runs:
         flats, lengths = [], []
         for run, buf, base in self.runs:
             n = run.nbytes // ITEMSIZE[run.dtype]
-            flats.append(torch.frombuffer(buf, dtype=dtype, count=n, offset=run.offset - base) if n
-                         else torch.empty(0, dtype=dtype))
+            flats.append(_view(buf, dtype, n, run.offset - base) if n else torch.empty(0, dtype=dtype))
             lengths.extend(run.lengths if run.shape[0] == -1 else [run.shape[0]] * run.count)
         return (flats[0] if len(flats) == 1 else torch.cat(flats)), lengths, trail
 
@@ -384,8 +438,7 @@ class Runs:
         if len(self.runs) == 1:
             run, buf, base = self.runs[0]
             if run.kind == pb.TENSOR and run.shape and run.shape[0] != -1 and run.nbytes:
-                flat = torch.frombuffer(buf, dtype=DTYPES[run.dtype], count=run.nbytes // ITEMSIZE[run.dtype],
-                                        offset=run.offset - base)
+                flat = _view(buf, DTYPES[run.dtype], run.nbytes // ITEMSIZE[run.dtype], run.offset - base)
                 return flat.view(run.count, *run.shape)
         return torch.stack(self.values())
 

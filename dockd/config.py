@@ -75,6 +75,8 @@ class NodeConfig:
     """host:port of the controller to join as a warehouse (required without controller)."""
     capacity: int = 8 << 30
     """Bytes this warehouse holds before puts wait (backpressure)."""
+    device_capacity: int = 0
+    """Bytes of device memory the device tier holds (put(device="keep")); 0: no device tier."""
     lease_timeout: float = 120.0
     """Seconds an acquired sample stays leased without a confirmed fetch."""
     max_frame: int = 1 << 36
@@ -123,6 +125,8 @@ class NodeConfig:
             raise DockValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
         if self.capacity <= 0:
             raise DockValueError(f"capacity must be > 0 bytes, got {self.capacity}")
+        if self.device_capacity < 0:
+            raise DockValueError(f"--device-capacity must be >= 0 bytes (0: no device tier), got {self.device_capacity}")
         if self.lease_timeout <= 0:
             raise DockValueError(f"lease timeout must be > 0 seconds, got {self.lease_timeout}")
         if not self.warehouse and not self.controller:

@@ -52,6 +52,7 @@ def check(frame: pb.Frame) -> None:
         _columns([c.name for c in r.columns])
         _count("samples", max(r.new_count, len(r.indexes), r.group_size))
         _tags(r.tags)
+        _count("device buffers", len(r.device_buffers), MAX_COLUMNS)
     elif kind == "acquire":
         r = frame.acquire
         _name("partition name", r.partition)

@@ -16,6 +16,9 @@ Series (all prefixed `dockd_`):
     request_seconds{op}                                 histogram: request in to reply out
     request_errors_total{op,error}                      requests answered with an error
     warehouse_used_bytes / _capacity_bytes / _reserved_bytes
+    warehouse_device_used_bytes / _capacity_bytes       the device tier (when it has one)
+    device_spilled_bytes_total                          put(device="keep") bytes stored in host memory instead
+    device_shared_bytes_total                           device-tier bytes read through shared device memory
     connections                                         open connections
     auth_failures_total{reason}
     controller only:
@@ -86,6 +89,8 @@ class Metrics:
         self.get_bytes = dict.fromkeys(TRANSPORTS, 0)
         self.requests: dict[str, Histogram] = {}
         self.errors: dict[tuple[str, str], int] = {}
+        self.spilled_bytes = 0  # device-tier puts stored in host memory instead
+        self.device_shared_bytes = 0  # device-tier bytes fetched as shared device memory
 
     def put(self, shm: bool, samples: int, nbytes: int) -> None:
         t = "shm" if shm else "tcp"
@@ -144,6 +149,15 @@ class NodeCollector:
             yield GaugeMetricFamily("dockd_warehouse_used_bytes", "payload bytes stored", value=w.used)
             yield GaugeMetricFamily("dockd_warehouse_capacity_bytes", "bytes stored before puts wait", value=w.capacity)
             yield GaugeMetricFamily("dockd_warehouse_reserved_bytes", "bytes of puts in flight", value=w.reserved)
+            if w.device_capacity:
+                yield GaugeMetricFamily("dockd_warehouse_device_used_bytes", "device-tier bytes stored",
+                                        value=w.device_used)
+                yield GaugeMetricFamily("dockd_warehouse_device_capacity_bytes", "device-tier bytes it holds",
+                                        value=w.device_capacity)
+            yield CounterMetricFamily("dockd_device_spilled_bytes", "device-run bytes stored in host memory "
+                                      "instead (device tier full or absent)", value=node.metrics.spilled_bytes)
+            yield CounterMetricFamily("dockd_device_shared_bytes", "device-tier bytes read by same-node readers "
+                                      "through shared device memory", value=node.metrics.device_shared_bytes)
         yield GaugeMetricFamily("dockd_connections", "open connections", value=node.connections)
         fails = CounterMetricFamily("dockd_auth_failures", "connections or calls refused for want of a valid proof",
                                     labels=["reason"])

@@ -22,7 +22,7 @@ from dockd.errors import DockProtocolError
 MAGIC = b"DKD1"
 PREFIX = struct.Struct("<4sIQ")
 MAX_HEADER = 8 << 20  # a header (not a body) this big is a batch to split, or an attack
-PROTOCOL_VERSION = 4  # 4: rank-aware gets, tags, deletes, checkpoints; 3: columns as runs; 2: answered confirms, tokens, rejoin. Other versions are refused
+PROTOCOL_VERSION = 5  # 5: the device tier; 4: rank-aware gets, tags, deletes, checkpoints; 3: columns as runs; 2: answered confirms, tokens, rejoin. Other versions are refused
 IOV_MAX = 512
 
 

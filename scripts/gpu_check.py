@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""One prepared GPU check of the NCCL bindings (dockd.client.device); finishes in about 4 minutes.
+"""One prepared GPU check of the NCCL bindings (dockd.client.device); finishes in about 5 minutes.
 
-    python scripts/gpu_check.py [--budget 240] [--size-mib 256] [--iters 5]
+    python scripts/gpu_check.py [--budget 300] [--size-mib 256] [--iters 5]
 
 1. prints the machine: torch, CUDA, GPUs, driver, the libnccl.so.2 that discovery picks and its version;
 2. runs `pytest -m gpu tests/gpu tests/resharding -q` (send/recv, broadcast, all_gather between two
    processes; device gets; allgather-swap with collectives="device" on the bindings);
 3. times a 256 MiB NCCL send/recv between two processes (two GPUs, or both on GPU 0) against a
-   device-to-device copy of the same buffer in the same run, and prints both in GB/s.
+   device-to-device copy of the same buffer in the same run, and prints both in GB/s;
+4. times a get(device="cuda:0") of a 2 GiB sample held in a warehouse's device tier (CUDA IPC
+   and one device-to-device copy) against the same copy.
 
 Exit status: 0 all passed; 1 a check failed; 2 no usable GPU / NCCL; 124 the time budget ran out.
 """
@@ -31,9 +33,12 @@ def say(msg: str = "") -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--budget", type=float, default=240.0, help="seconds for the whole check (default 240)")
+    ap.add_argument("--budget", type=float, default=300.0, help="seconds for the whole check (default 300)")
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--tier-mib", type=int, default=2048,
+                    help="sample size for the device-tier get figure (default 2048: a get's fixed round trips, "
+                         "about a millisecond, must not dominate a copy that takes that long)")
     ap.add_argument("--skip-pytest", action="store_true", help="only the figures")
     args = ap.parse_args()
     deadline = time.monotonic() + args.budget
@@ -114,8 +119,53 @@ def main() -> int:
     say(f"  device-to-device copy (GPU {r0['device']}):  {r0['copy_gbps']:8.1f} GB/s  ({r0['copy_s'] * 1e3:.1f} ms; "
         "bytes copied, each read once and written once)")
     say(f"  NCCL / copy: {min(r0['nccl_gbps'], r1['nccl_gbps']) / r0['copy_gbps']:.2f}")
+    say(f"\n== device tier: get(device='cuda:0') of {args.tier_mib} MiB held in a warehouse's device memory ==")
+    if left() < 20:
+        say("FAIL: no time left for the device-tier figure")
+        return 124
+    try:
+        tier = device_tier_figure(args.tier_mib, args.iters)
+    except Exception as e:  # noqa: BLE001 - report and fail, the other figures stand
+        say(f"FAIL: device tier: {type(e).__name__}: {e}")
+        failed = True
+    else:
+        say(f"  get (CUDA IPC, one device-to-device copy): {tier['get_gbps']:8.1f} GB/s  ({tier['get_s'] * 1e3:.1f} ms)")
+        say(f"  device-to-device copy:                     {tier['copy_gbps']:8.1f} GB/s  ({tier['copy_s'] * 1e3:.1f} ms)")
+        say(f"  get / copy: {tier['get_gbps'] / tier['copy_gbps']:.2f} (target >= 0.8)")
     say("\nRESULT: " + ("FAIL" if failed else "OK"))
     return 1 if failed else 0
+
+
+def device_tier_figure(size_mib: int, iters: int) -> dict:
+    """Best-of-`iters` seconds of a get(device="cuda:0") of one device-tier sample of `size_mib`
+    MiB (acquire, CUDA IPC map, one copy), against a device-to-device copy of the same bytes."""
+    import torch
+
+    import dockd
+
+    n = size_mib << 20
+    src = torch.ones(n, dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty_like(src)
+    copy_s = float("inf")
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        copy_s = min(copy_s, time.perf_counter() - t0)
+    get_s = float("inf")
+    cap = f"{2 * size_mib + 64}MiB"
+    with dockd.start_local(1, capacity=cap, extra_args=["--device-capacity", cap]) as c, dockd.connect(c.address) as d:
+        for i in range(iters):
+            d.put({"x": src.view(1, n)}, partition="p", device="keep")
+            assert d.stats(traffic=True)["warehouses"][0]["device_bytes"] >= n, "the sample is not in the device tier"
+            t0 = time.perf_counter()
+            got = d.get(f"c{i}", ["x"], 1, partition="p", device="cuda:0", timeout=60)
+            torch.cuda.synchronize()
+            get_s = min(get_s, time.perf_counter() - t0)
+            assert got["x"][0].device.type == "cuda" and got["x"][0].numel() == n
+            d.clear("p")
+    return {"get_s": get_s, "copy_s": copy_s, "get_gbps": n / get_s / 1e9, "copy_gbps": n / copy_s / 1e9}
 
 
 if __name__ == "__main__":

@@ -37,9 +37,9 @@ class AsyncDock:
 
     async def put(self, columns: Mapping[str, Any], *, partition: str, indexes: Sequence[int] | None = None,
                   group_size: int = 1, timeout: float | None = None,
-                  tags: Mapping[str, int | Sequence[int]] | None = None) -> list[int]:
+                  tags: Mapping[str, int | Sequence[int]] | None = None, device: str | None = None) -> list[int]:
         return await self._run(self.dock.put, columns, partition=partition, indexes=indexes, group_size=group_size,
-                               timeout=timeout, tags=tags)
+                               timeout=timeout, tags=tags, device=device)
 
     async def get(self, consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None = None,
                   groups: bool = False, allow_partial: bool = False, shuffle: bool = False, seed: int | None = None,

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from dockd import auth, codec, shm
+from dockd import auth, codec, device_share, shm
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.batch import Batch
 from dockd.client.connection import Credentials, Pool
@@ -112,6 +112,7 @@ class Dock:
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
         self._warned_recovered: set[str] = set()
+        self._warned: set[str] = set()  # one-time warnings given
         pinned = warehouse if warehouse is not None else os.environ.get("DOCKD_WAREHOUSE")
         prefer = None
         if "ray" in sys.modules and (not pinned or token is None):
@@ -161,7 +162,7 @@ class Dock:
     # -- public API ---------------------------------------------------------------------------
     def put(self, columns: Mapping[str, Any], *, partition: str, indexes: Sequence[int] | None = None,
             group_size: int = 1, timeout: float | None = None,
-            tags: Mapping[str, int | Sequence[int]] | None = None) -> list[int]:
+            tags: Mapping[str, int | Sequence[int]] | None = None, device: str | None = None) -> list[int]:
         """Write samples; returns their indexes. Returns once the data is stored and visible.
 
         Without `indexes`, creates new samples (a multiple of `group_size`, each
@@ -172,6 +173,13 @@ class Dock:
         ``{"age": 0}`` (one value for all, or a list with one per sample), that
         gets can filter (`where`) and order (`order_by`) by; `set_tags` changes
         them later.
+
+        `device="keep"`: tensor columns on an accelerator (CUDA) stay in device
+        memory: the home warehouse, on the same node, copies them device to device
+        into its device tier (`dockd serve --device-capacity`) instead of receiving
+        them through host memory. When its device tier is full or off they are
+        stored in host memory (spilled: logged, counted in the metric
+        dockd_device_spilled_bytes_total). Other columns are put as usual.
         """
         _check_partition(partition)
         if not isinstance(columns, Mapping) or not columns:
@@ -200,17 +208,51 @@ class Dock:
             req.indexes.extend(idx)
         if tags:
             req.tags.extend(_tag_list(tags, n))
+        if device not in (None, "keep"):
+            raise DockValueError(f"put(device=...) takes 'keep' (leave accelerator tensors in device memory) or "
+                                 f"None, got {device!r}")
+        kept: dict[str, tuple[pb.ColumnData, Any]] = {}
+        if device == "keep":
+            for name, values in split.items():
+                got = codec.device_column(name, values, _keeps)
+                if got is not None:
+                    kept[name] = got
         body = codec.Body()
-        req.columns.extend(codec.encode_columns(split, body))
+        req.columns.extend(codec.encode_columns({k: v for k, v in split.items() if k not in kept}, body))
+        tensors = []  # referenced until the put is answered: the warehouse copies out of them
+        for col, t in kept.values():
+            desc, base = device_share.export(t)
+            req.device_buffers.append(desc)
+            tensors.append(t)
+            col.runs[0].device_buffer, col.runs[0].offset = len(req.device_buffers), base
+            req.columns.append(col)
         req.token = secrets.randbits(63) | 1  # a re-sent put (after a dropped connection) is applied once
 
         def send(wid: int, pool: Pool):
+            if kept and not pool.unix:  # device memory is shared by handle on one node only: send it as bytes
+                host = pb.PutRequest()
+                host.CopyFrom(req)
+                del host.device_buffers[:], host.columns[:]
+                hbody = codec.Body()
+                host.columns.extend(codec.encode_columns(split, hbody))
+                if "tcp-keep" not in self._warned:
+                    self._warned.add("tcp-keep")
+                    logger.warning("[client] put(device='keep') to warehouse %d over TCP (not the same node, or "
+                                   "DOCKD_TRANSPORT=tcp): its device columns are sent and stored as host bytes", wid)
+                reply, _, _ = call_on(pool, pb.Frame(put=host), hbody.buffers, hbody.size)
+                return reply
             if pool.unix and body.size >= shm.SHM_MIN_BODY:
                 return self._put_shm(pool, req, body)
             reply, _, _ = call_on(pool, pb.Frame(put=req), body.buffers, body.size)
             return reply
 
         reply = self._router.warehouse(send)
+        del tensors
+        if reply.put_reply.spilled_bytes and "spill" not in self._warned:
+            self._warned.add("spill")
+            logger.warning("[client] put(device='keep'): %d bytes were stored in host memory: the warehouse's device "
+                           "tier is full or off (dockd serve --device-capacity); see dockd_device_spilled_bytes_total",
+                           reply.put_reply.spilled_bytes)
         return list(reply.put_reply.indexes)
 
     def _put_shm(self, pool: Pool, req: pb.PutRequest, body: codec.Body) -> pb.Frame:
@@ -289,7 +331,7 @@ class Dock:
             self.release(lease)
             raise DockClosed("the get was cancelled")
         try:
-            values = self._fetch(lease, lazy=True)
+            values = self._fetch(lease, lazy=True, device=target if _maps_device(target) else None)
         except BaseException:
             try:
                 self.release(lease)
@@ -397,7 +439,7 @@ class Dock:
         """Low-level: read a lease's values from the warehouses holding them, in parallel."""
         return self._fetch(lease, lazy=False)
 
-    def _fetch(self, lease: Lease, *, lazy: bool) -> dict[str, Any]:
+    def _fetch(self, lease: Lease, *, lazy: bool, device=None) -> dict[str, Any]:
         """Values per column: lists, or with `lazy` the received runs where a column came whole
         from one place (made into a list only when asked for; see Batch)."""
         n = len(lease.indexes)
@@ -414,17 +456,19 @@ class Dock:
             for wid in np.unique(row).tolist():
                 plan.setdefault(wid, []).append((col, np.flatnonzero(row == wid)))
 
-        def one(wid: int) -> list[list[Any]]:
+        def one(wid: int, device=device) -> list[list[Any]]:
             req = pb.FetchRequest(partition=lease.partition)
             for col, pos in plan[wid]:
                 req.columns.add(name=col, indexes=lease.indexes if pos is None else idx[pos].tolist())
             try:
                 try:
                     pool = self._router.pool(wid)
+                    req.device = device is not None and bool(pool.unix)
                     reply, body, fds = call_on(pool, pb.Frame(fetch=req))
                 except DockConnectionError:  # a stale pooled connection: one more try on a fresh one
                     self._router.forget(wid)
                     pool = self._router.pool(wid)
+                    req.device = device is not None and bool(pool.unix)
                     reply, body, fds = call_on(pool, pb.Frame(fetch=req))
             except DockConnectionError as e:
                 cols = [c for c, _ in plan[wid]]
@@ -433,7 +477,15 @@ class Dock:
                     f"cannot read columns {cols} of {len(lost)} samples from warehouse {wid}: {e}",
                     indexes=lost, columns=cols,
                 ) from None
-            return decode_reply(reply.fetch_reply.columns, body, fds, reply.pins, self._unpinner(pool), lazy=lazy)
+            r = reply.fetch_reply
+            try:
+                return decode_reply(r.columns, body, fds, reply.pins, self._unpinner(pool), lazy=lazy,
+                                    shared=r.device_buffers, device=device)
+            except DockValueError as e:  # device memory this process cannot map: take it as bytes instead
+                if not r.device_buffers:
+                    raise
+                logger.warning("[client] cannot map warehouse %d's device memory (%s); reading it as host bytes", wid, e)
+                return one(wid, None)
 
         wids = list(plan)
         if not wids:
@@ -704,7 +756,8 @@ class Dock:
                 except DockError as e:
                     w["error"] = str(e)
                     continue
-                w.update(version=hello.version, put_bytes=hello.put_bytes, get_bytes=hello.get_bytes)
+                w.update(version=hello.version, put_bytes=hello.put_bytes, get_bytes=hello.get_bytes,
+                         device_bytes=hello.device_used, device_capacity=hello.device_capacity)
         return {
             "version": s.version,
             "controller": self._router.address,
@@ -781,7 +834,8 @@ def _finalize(stop: threading.Event, wake: threading.Event, router: Router) -> N
 
 
 def decode_reply(columns: Sequence[pb.ColumnData], body: np.ndarray, fds: list[int], pins: Sequence[int] = (),
-                 unpin: Callable[[int], None] | None = None, *, lazy: bool = False) -> list[Any]:
+                 unpin: Callable[[int], None] | None = None, *, lazy: bool = False, shared=(),
+                 device=None) -> list[Any]:
     """Values of a reply: views of its body, or of shared-memory segments mapped copy-on-write.
 
     Each segment is mapped once (the range its runs span) and its descriptor
@@ -815,6 +869,8 @@ def decode_reply(columns: Sequence[pb.ColumnData], body: np.ndarray, fds: list[i
             for k, sid in enumerate(pins, 1):
                 if k not in mapped:
                     unpin(sid)
+    if shared:
+        buffers.update(_copy_shared(columns, shared, device))
     try:
         if lazy:
             return [codec.Runs.of(c, buffers) for c in columns]
@@ -947,9 +1003,25 @@ def _device(device) -> Any:
     return dev
 
 
+def _keeps(t) -> bool:
+    """put(device="keep"): whether a tensor stays in device memory (an accelerator's; a CPU tensor
+    only with DOCKD_CPU_DEVICE_TIER=1, which runs the device tier's paths on machines without one)."""
+    return t.device.type == "cuda" or (t.device.type == "cpu" and device_share.cpu_stand_in())
+
+
+def _maps_device(target) -> bool:
+    """Whether a get for `target` takes device-tier data as shared device memory (copied once, device
+    to device) rather than as host bytes."""
+    return target is not None and (target.type == "cuda" or (target.type == "cpu" and device_share.cpu_stand_in()))
+
+
+def _on(t, dev) -> bool:
+    return t.device.type == dev.type and (dev.index is None or t.device.index == dev.index)
+
+
 def _to_device(values: list[Any], dev) -> list[Any]:
     """A column's tensors on `dev`: one pinned host buffer and one copy per dtype, then views.
-    Non-tensor values stay as they are."""
+    Non-tensor values, and tensors already there (from the device tier), stay as they are."""
     import torch
 
     if dev.type == "cpu":
@@ -957,7 +1029,7 @@ def _to_device(values: list[Any], dev) -> list[Any]:
     out = list(values)
     by_dtype: dict[Any, list[int]] = {}
     for i, v in enumerate(values):
-        if isinstance(v, torch.Tensor):
+        if isinstance(v, torch.Tensor) and not _on(v, dev):
             by_dtype.setdefault(v.dtype, []).append(i)
     for dtype, pos in by_dtype.items():
         sizes = [values[i].numel() for i in pos]
@@ -968,4 +1040,34 @@ def _to_device(values: list[Any], dev) -> list[Any]:
             out[i] = part.view(values[i].shape)
     if by_dtype:
         getattr(torch, dev.type).current_stream(dev).synchronize()  # (the pinned buffers may go now)
+    return out
+
+
+def _copy_shared(columns: Sequence[pb.ColumnData], shared: Sequence[pb.DeviceBuffer], device) -> dict[int, tuple]:
+    """Device-tier bytes a fetch reply shares (warehouse memory): each buffer's span that the runs
+    use, copied once onto `device` and unmapped at once. Keys as codec.buffer_key gives them."""
+    import torch
+
+    spans: dict[int, list[int]] = {}
+    for c in columns:
+        for r in c.runs:
+            if r.device_buffer:
+                lo_hi = spans.setdefault(r.device_buffer, [r.offset, r.offset + r.nbytes])
+                lo_hi[0] = min(lo_hi[0], r.offset)
+                lo_hi[1] = max(lo_hi[1], r.offset + r.nbytes)
+    out: dict[int, tuple] = {}
+    copies = []
+    for k, (lo, hi) in spans.items():
+        if not 0 < k <= len(shared):
+            raise DockProtocolError(f"a run refers to device buffer {k} of {len(shared)} shared")
+        src = device_share.open_buffer(shared[k - 1])
+        if hi > src.numel():
+            raise DockProtocolError(f"device runs end at byte {hi} of a {src.numel()}-byte device buffer")
+        dst = torch.empty(hi - lo, dtype=torch.uint8, device=device)
+        dst.copy_(src[lo:hi])
+        copies.append(dst)
+        out[-k] = (dst, lo)
+        del src
+    for dst in copies:
+        device_share.synchronize(dst)
     return out

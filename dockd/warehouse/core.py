@@ -14,6 +14,13 @@ number.
 
 Memory is counted in bytes per put body: a put first `reserve`s its size
 (backpressure happens there), then `store` turns the reservation into usage.
+
+The device tier (`device_capacity` > 0) keeps runs a writer put with
+`device="keep"` in device memory of the warehouse's own (a flat uint8
+tensor per put's device buffer, on the writer's device): the same batches,
+with `device` holding the bytes instead of `data`. Its bytes are counted
+apart from host memory (`device_reserve`, `device_used`); a put whose device
+bytes do not fit is stored in host memory instead (the daemon spills it).
 Deleting samples (`free_samples`) releases a put's body once every sample it
 holds is deleted: memory goes back per put, not per sample.
 
@@ -42,10 +49,11 @@ from dockd.errors import DockFull, DockNotFound, DockValueError
 class _Body:
     """One put's body: its bytes are in use until every sample it holds is deleted."""
 
-    __slots__ = ("nbytes", "segment", "live", "first_column", "batches")
+    __slots__ = ("nbytes", "device_nbytes", "segment", "live", "first_column", "batches")
 
-    def __init__(self, nbytes: int, segment: object, live: int, first_column: str) -> None:
+    def __init__(self, nbytes: int, segment: object, live: int, first_column: str, device_nbytes: int = 0) -> None:
         self.nbytes = nbytes
+        self.device_nbytes = device_nbytes
         self.segment = segment
         self.live = live                  # samples of this put not deleted yet
         self.first_column = first_column  # deletes are counted on this column's rows
@@ -56,11 +64,13 @@ class _Batch:
     """One stored run: values back to back in `data`, for the samples `first`.. (consecutive
     indexes) or, when `order` is set, for the indexes `order` sorts into `keys`."""
 
-    __slots__ = ("kind", "dtype", "shape", "unit", "ends", "lengths", "data", "segment", "count", "first", "keys",
-                 "order", "body")
+    __slots__ = ("kind", "dtype", "shape", "unit", "ends", "lengths", "data", "device", "segment", "count", "first",
+                 "keys", "order", "body")
 
-    def __init__(self, run: pb.Run, data: pa.Buffer, segment: object, rows: np.ndarray, body: _Body | None = None) -> None:
+    def __init__(self, run: pb.Run, data: pa.Buffer | None, segment: object, rows: np.ndarray, body: _Body | None = None,
+                 device=None) -> None:
         self.body = body
+        self.device = device  # device tier: the run's bytes as a uint8 tensor (then data is None)
         self.kind = run.kind
         self.dtype = run.dtype
         self.shape = tuple(run.shape)
@@ -116,6 +126,12 @@ class _Batch:
             return r0 * self.unit, r1 * self.unit
         return (int(self.ends[r0 - 1]) if r0 else 0), int(self.ends[r1 - 1])
 
+    def host(self, lo: int, n: int) -> pa.Buffer:
+        """Bytes [lo, lo + n) in host memory (a view; a copy for a device-tier batch)."""
+        if self.device is None:
+            return self.data if lo == 0 and n == self.data.size else self.data.slice(lo, n)
+        return pa.py_buffer(self.device[lo : lo + n].cpu().numpy())
+
     def run(self, r0: int, r1: int) -> pb.Run:
         """Rows [r0, r1) as a run (offset left to the caller)."""
         lo, hi = self.span(r0, r1)
@@ -149,11 +165,12 @@ class _Column:
 
 
 class _Part:
-    __slots__ = ("columns", "nbytes", "group_size", "segments")
+    __slots__ = ("columns", "nbytes", "device_nbytes", "group_size", "segments")
 
     def __init__(self) -> None:
         self.columns: dict[str, _Column] = {}
         self.nbytes = 0
+        self.device_nbytes = 0
         self.group_size = 0  # known once a put of new samples landed here
         self.segments: list = []  # shared-memory segments its puts landed in
 
@@ -163,12 +180,17 @@ def _idx(indexes) -> np.ndarray:
 
 
 class Warehouse:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, device_capacity: int = 0) -> None:
         if capacity <= 0:
             raise DockValueError(f"warehouse capacity must be > 0 bytes, got {capacity}")
+        if device_capacity < 0:
+            raise DockValueError(f"device capacity must be >= 0 bytes (0: no device tier), got {device_capacity}")
         self.capacity = capacity
         self.used = 0
         self.reserved = 0
+        self.device_capacity = device_capacity
+        self.device_used = 0
+        self.device_reserved = 0
         self.parts: dict[str, _Part] = {}
 
     # -- capacity -------------------------------------------------------------------------
@@ -189,9 +211,20 @@ class Warehouse:
         self.reserved -= nbytes
         assert self.reserved >= 0
 
+    def device_reserve(self, nbytes: int) -> bool:
+        """Room in the device tier for a put's device bytes (no waiting: what does not fit is spilled)."""
+        if self.device_used + self.device_reserved + nbytes > self.device_capacity:
+            return False
+        self.device_reserved += nbytes
+        return True
+
+    def device_unreserve(self, nbytes: int) -> None:
+        self.device_reserved -= nbytes
+        assert self.device_reserved >= 0
+
     # -- puts ------------------------------------------------------------------------------
     @staticmethod
-    def validate_put(req: pb.PutRequest, body_size: int | None = None) -> int:
+    def validate_put(req: pb.PutRequest, body_size: int | None = None, device_sizes: Sequence[int] | None = None) -> int:
         """Check a put's header (and its runs against the body, when its size is known); the
         number of samples. The one place a put is validated."""
         from dockd.codec import check_columns
@@ -206,7 +239,8 @@ class Warehouse:
             if n == 0 or any(v != n for v in counts.values()):
                 raise DockValueError(f"every column needs the same positive number of values, got {counts}")
         else:
-            n = check_columns(req.columns, body_size)
+            n = check_columns(req.columns, body_size,
+                              [d.nbytes for d in req.device_buffers] if device_sizes is None else device_sizes)
         if req.indexes:
             if len(req.indexes) != n:
                 raise DockValueError(f"{len(req.indexes)} indexes given for {n} values per column")
@@ -236,8 +270,12 @@ class Warehouse:
                     )
 
     def store(self, partition: str, indexes: Sequence[int], columns: Sequence[pb.ColumnData], body: pa.Buffer | None,
-              nbytes: int, segment: object = None, group_size: int = 0) -> None:
-        """Keep each run as a batch (a slice of body) and file its rows under the indexes; uses the reservation."""
+              nbytes: int, segment: object = None, group_size: int = 0, device: Sequence | None = None) -> None:
+        """Keep each run as a batch (a slice of body, or of `device[k - 1]` for a run in device
+        buffer k: the warehouse's own copies, whose bytes `device_reserve` reserved) and file its
+        rows under the indexes; uses the reservations."""
+        device = device or ()
+        device_nbytes = sum(int(t.numel()) for t in device)
         self.check_absent(partition, indexes, (c.name for c in columns))
         part = self.parts.setdefault(partition, _Part())
         if group_size:
@@ -246,7 +284,7 @@ class Warehouse:
             part.segments.append(segment)
         idx = _idx(indexes)
         top = int(idx.max()) + 1 if len(idx) else 0
-        owner = _Body(nbytes, segment, len(idx), columns[0].name if columns else "")
+        owner = _Body(nbytes, segment, len(idx), columns[0].name if columns else "", device_nbytes)
         for c in columns:
             col = part.columns.get(c.name)
             if col is None:
@@ -254,17 +292,25 @@ class Warehouse:
             col.grow(top)
             k = 0
             for run in c.runs:
-                data = body.slice(run.offset, run.nbytes) if run.nbytes else pa.py_buffer(b"")
+                dev = None
+                if run.device_buffer:
+                    data, dev = None, device[run.device_buffer - 1][run.offset : run.offset + run.nbytes]
+                else:
+                    data = body.slice(run.offset, run.nbytes) if run.nbytes else pa.py_buffer(b"")
                 rows = idx[k : k + run.count]
                 col.batch_of[rows] = len(col.batches)
                 owner.batches.append((c.name, len(col.batches)))  # (names, not objects: no reference cycle)
-                col.batches.append(_Batch(run, data, segment, rows, owner))
+                col.batches.append(_Batch(run, data, None if dev is not None else segment, rows, owner, dev))
                 k += run.count
         self.reserved -= nbytes
         self.used += nbytes
         part.nbytes += nbytes
+        self.device_reserved -= device_nbytes
+        self.device_used += device_nbytes
+        part.device_nbytes += device_nbytes
 
-    def unstore(self, partition: str, indexes: Sequence[int], columns: Iterable[str], nbytes: int) -> list:
+    def unstore(self, partition: str, indexes: Sequence[int], columns: Iterable[str], nbytes: int,
+                device_nbytes: int = 0) -> list:
         """Undo a store whose commit the controller refused; the segments it no longer uses."""
         part = self.parts.get(partition)
         if part is None:
@@ -285,6 +331,8 @@ class Warehouse:
         part.segments = [s for s in part.segments if s not in gone]
         part.nbytes -= nbytes
         self.used -= nbytes
+        part.device_nbytes -= device_nbytes
+        self.device_used -= device_nbytes
         return gone
 
     # -- reads and frees -----------------------------------------------------------------------
@@ -358,6 +406,8 @@ class Warehouse:
             for name, bid in body.batches:
                 part.columns[name].batches[bid] = None
             freed += body.nbytes
+            part.device_nbytes -= body.device_nbytes
+            self.device_used -= body.device_nbytes
             if body.segment is not None and body.segment in part.segments:
                 part.segments.remove(body.segment)
                 segs.append(body.segment)
@@ -383,7 +433,7 @@ class Warehouse:
                 out.append(b.lengths[r0:r1].astype(np.float64) * math.prod(b.shape[1:]))
             elif b.shape == ():  # one number per sample: its value
                 lo, hi = b.span(r0, r1)
-                vals = torch.frombuffer(bytearray(b.data.slice(lo, hi - lo)), dtype=DTYPES[b.dtype]) if hi > lo else None
+                vals = torch.frombuffer(bytearray(b.host(lo, hi - lo)), dtype=DTYPES[b.dtype]) if hi > lo else None
                 out.append(vals.double().numpy() if vals is not None else np.zeros(0))
             else:
                 out.append(np.full(r1 - r0, float(math.prod(b.shape))))
@@ -418,7 +468,7 @@ class Warehouse:
                     descs.append({"kind": d[0], "dtype": d[1], "shape": list(d[2])})
                 off = b.offsets()
                 values = pa.LargeBinaryArray.from_buffers(pa.large_binary(), b.count,
-                                                          [None, pa.py_buffer(off.tobytes()), b.data])
+                                                          [None, pa.py_buffer(off.tobytes()), b.host(0, int(off[-1]))])
                 rb = pa.record_batch([pa.array(np.full(b.count, ci, np.int32)), pa.array(idx),
                                       pa.array(np.full(b.count, k, np.int32)), values], schema=schema)
                 if len(live) < b.count:
@@ -481,6 +531,7 @@ class Warehouse:
         if part is None:
             return 0
         self.used -= part.nbytes
+        self.device_used -= part.device_nbytes
         return part.nbytes
 
     def segments_of(self, partition: str) -> list:
@@ -517,6 +568,8 @@ class Warehouse:
             "capacity": self.capacity,
             "used": self.used,
             "reserved": self.reserved,
+            "device_capacity": self.device_capacity,
+            "device_used": self.device_used,
             "partitions": {name: p.nbytes for name, p in self.parts.items()},
         }
 
@@ -525,7 +578,7 @@ def _numbers(column: str, b: _Batch, r0: int, r1: int) -> np.ndarray:
     import msgpack
 
     offs = b.offsets()
-    data = memoryview(b.data)
+    data = memoryview(b.host(0, int(offs[-1])))
     out = np.empty(r1 - r0, dtype=np.float64)
     for k, r in enumerate(range(r0, r1)):
         try:

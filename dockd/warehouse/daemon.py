@@ -27,7 +27,7 @@ from collections.abc import Awaitable
 import numpy as np
 import pyarrow as pa
 
-from dockd import auth, codec, limits, shm
+from dockd import auth, codec, device_share, limits, shm
 from dockd._version import __version__
 from dockd._proto import dockd_pb2 as pb
 from dockd.config import NodeConfig
@@ -56,7 +56,7 @@ class Node:
         self.metrics = Metrics()
         self._metrics_server: MetricsServer | None = None
         self.metrics_port = 0
-        self.warehouse = Warehouse(cfg.capacity)
+        self.warehouse = Warehouse(cfg.capacity, cfg.device_capacity)
         self.segments = Segments(keep_bytes=min(cfg.capacity // 4, 4 << 30), watch=self._watch_pid)
         self.controller: ControllerService | None = None
         if cfg.controller:
@@ -373,7 +373,8 @@ class Node:
                             unix=self.unix_name, instance=self.instance,
                             joined=self.link.joined.is_set() if self.link is not None else self.wid >= 0,
                             version=__version__, used=self.warehouse.used, capacity=self.warehouse.capacity,
-                            put_bytes=sum(m.put_bytes.values()), get_bytes=sum(m.get_bytes.values()))
+                            put_bytes=sum(m.put_bytes.values()), get_bytes=sum(m.get_bytes.values()),
+                            device_used=self.warehouse.device_used, device_capacity=self.warehouse.device_capacity)
         if self.controller is not None:
             out.warehouses.extend(self.controller.warehouse_infos())
             out.controller = f"{self.cfg.advertise or self.cfg.host}:{self.port}"
@@ -474,10 +475,12 @@ class Node:
         self._admit_waiters()
         return n
 
-    def _release_room(self, *, unreserve: int = 0, unstore: tuple | None = None) -> None:
+    def _release_room(self, *, unreserve: int = 0, unreserve_device: int = 0, unstore: tuple | None = None) -> None:
         """Give back room a failed put held, and let waiting puts in."""
         if unreserve:
             self.warehouse.unreserve(unreserve)
+        if unreserve_device:
+            self.warehouse.device_unreserve(unreserve_device)
         if unstore is not None:
             for seg in self.warehouse.unstore(*unstore):
                 self.segments.release(seg)
@@ -571,12 +574,15 @@ class Node:
         size = buf.size if buf is not None else 0  # payload bytes (a segment's buffer excludes its padding)
         if req.token and self._put_again(peer, frame, size):
             return
+        dev, spilled = [], 0
         try:
-            Warehouse.validate_put(req, size)
+            if req.device_buffers:
+                buf, seg, size, dev, spilled = self._take_device(peer, req, buf, seg, size)
+            Warehouse.validate_put(req, size, [int(t.numel()) for t in dev])
             if req.indexes:
                 self.warehouse.check_absent(req.partition, req.indexes, (c.name for c in req.columns))
         except Exception as e:
-            self._release_room(unreserve=size)
+            self._release_room(unreserve=size, unreserve_device=sum(int(t.numel()) for t in dev))
             self._put_done(req.token, None, e)
             raise
         commit = pb.CommitRequest(
@@ -585,12 +591,81 @@ class Node:
         )
         if self.controller is not None:
             try:
-                self._put_local(peer, frame, buf, seg, commit, size)
+                self._put_local(peer, frame, buf, seg, commit, size, dev, spilled)
             except Exception as e:
                 self._put_done(req.token, None, e)
                 raise
         else:
-            _spawn(self._put_remote(peer, frame, buf, seg, commit, size))
+            _spawn(self._put_remote(peer, frame, buf, seg, commit, size, dev, spilled))
+
+    def _take_device(self, peer: Peer, req: pb.PutRequest, buf, seg, size: int):
+        """A put's device runs (put(device="keep")), out of the writer's memory before the put is
+        answered: into the device tier (copies of the warehouse's own, on the writer's device),
+        or, when it is full or absent, into host memory after the body (spilled, counted, said
+        in the reply). Returns the body, its segment, its size, the device copies, the bytes spilled."""
+        if not peer.passes_fds:
+            raise DockValueError("put(device='keep') shares device memory by handle, which needs a same-host "
+                                 "connection to the warehouse (this one is TCP); put host tensors instead")
+        opened = [device_share.open_buffer(d) for d in req.device_buffers]
+        spans = []
+        for k, src in enumerate(opened, 1):
+            runs = [r for c in req.columns for r in c.runs if r.device_buffer == k]
+            lo = min((r.offset for r in runs), default=0)
+            hi = max((r.offset + r.nbytes for r in runs), default=0)
+            if hi > src.numel():
+                raise DockProtocolError(f"device runs end at byte {hi} of a {src.numel()}-byte device buffer")
+            spans.append((lo, hi))
+        total = sum(hi - lo for lo, hi in spans)
+        w = self.warehouse
+        if w.device_capacity and w.device_reserve(total):
+            dev = []
+            try:
+                for src, (lo, hi) in zip(opened, spans):
+                    own = device_share.allocate(hi - lo, src.device)
+                    own.copy_(src[lo:hi])
+                    dev.append(own)
+                for own in dev:
+                    device_share.synchronize(own)
+            except BaseException:
+                w.device_unreserve(total)
+                raise
+            for c in req.columns:
+                for r in c.runs:
+                    if r.device_buffer:
+                        r.offset -= spans[r.device_buffer - 1][0]
+            return buf, seg, size, dev, 0
+        at, end = [], size
+        for lo, hi in spans:  # each spilled buffer 64-byte aligned after the body
+            start = -(-end // 64) * 64
+            at.append(start)
+            end = start + hi - lo
+        if not w.reserve(end - size):
+            why = "is full" if w.device_capacity else "is off (--device-capacity 0)"
+            raise DockFull(f"the device tier {why} and host memory has no room for the {total} bytes it would "
+                           f"spill ({w.used} of {w.capacity} bytes in use)")
+        try:
+            out = pa.allocate_buffer(end)
+            mv = memoryview(out).cast("B")
+            if size:
+                mv[:size] = memoryview(buf).cast("B")[:size]
+            for src, (lo, hi), start in zip(opened, spans, at):
+                if hi > lo:
+                    mv[start : start + hi - lo] = src[lo:hi].cpu().numpy().data
+        except BaseException:
+            w.unreserve(end - size)
+            raise
+        for c in req.columns:
+            for r in c.runs:
+                if r.device_buffer:
+                    r.offset = at[r.device_buffer - 1] + r.offset - spans[r.device_buffer - 1][0]
+                    r.device_buffer = 0
+        del req.device_buffers[:]
+        if seg is not None:  # the body now lives in `out`
+            self.segments.release(seg)
+        self.metrics.spilled_bytes += total
+        logger.info("[warehouse] device put spilled to host partition=%s bytes=%d reason=%s", req.partition, total,
+                    "device tier full" if w.device_capacity else "no device tier")
+        return out, None, end, [], total
 
     def _put_again(self, peer: Peer, frame: pb.Frame, size: int) -> bool:
         """A put re-sent with a token already seen (the client lost the reply): answer it, store nothing."""
@@ -621,37 +696,39 @@ class Node:
             if len(self._puts_done) > _PUT_TOKENS_KEPT:
                 self._puts_done.popitem(last=False)
 
-    def _put_local(self, peer, frame, buf, seg, commit, size) -> None:
+    def _put_local(self, peer, frame, buf, seg, commit, size, dev=(), spilled=0) -> None:
         req = frame.put
+        dev_n = sum(int(t.numel()) for t in dev)
         if req.indexes:
-            self.warehouse.store(req.partition, req.indexes, req.columns, buf, size, seg)
+            self.warehouse.store(req.partition, req.indexes, req.columns, buf, size, seg, device=dev)
             try:
                 idx = self.controller.commit(commit)
             except Exception:
-                self._release_room(unstore=(req.partition, req.indexes, [c.name for c in req.columns], size))
+                self._release_room(unstore=(req.partition, req.indexes, [c.name for c in req.columns], size, dev_n))
                 raise
         else:
             try:
                 idx = self.controller.commit(commit)
             except Exception:
-                self._release_room(unreserve=size)
+                self._release_room(unreserve=size, unreserve_device=dev_n)
                 raise
-            self.warehouse.store(req.partition, idx, req.columns, buf, size, seg, req.group_size or 1)
+            self.warehouse.store(req.partition, idx, req.columns, buf, size, seg, req.group_size or 1, device=dev)
         out = idx.tolist()
         self._put_done(req.token, out)
-        self.metrics.put(peer.passes_fds, len(out), size)
-        peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=out)))
+        self.metrics.put(peer.passes_fds, len(out), size + dev_n)
+        peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=out, spilled_bytes=spilled)))
 
-    async def _put_remote(self, peer, frame, buf, seg, commit, size) -> None:
+    async def _put_remote(self, peer, frame, buf, seg, commit, size, dev=(), spilled=0) -> None:
         req = frame.put
         names = [c.name for c in req.columns]
+        dev_n = sum(int(t.numel()) for t in dev)
         try:
             if req.indexes:
-                self.warehouse.store(req.partition, req.indexes, req.columns, buf, size, seg)
+                self.warehouse.store(req.partition, req.indexes, req.columns, buf, size, seg, device=dev)
                 try:
                     await self.link.commit(commit, req.timeout)
                 except Exception:
-                    self._release_room(unstore=(req.partition, req.indexes, names, size))
+                    self._release_room(unstore=(req.partition, req.indexes, names, size, dev_n))
                     raise
                 idx = list(req.indexes)
             else:
@@ -659,10 +736,11 @@ class Node:
                 try:
                     idx = await self.link.commit(commit, req.timeout)
                 except Exception:
-                    self._release_room(unreserve=size)
+                    self._release_room(unreserve=size, unreserve_device=dev_n)
                     raise
                 else:
-                    self.warehouse.store(req.partition, idx, req.columns, buf, size, seg, req.group_size or 1)
+                    self.warehouse.store(req.partition, idx, req.columns, buf, size, seg, req.group_size or 1,
+                                         device=dev)
                 finally:
                     self._pending_new[req.partition] -= 1
                     if not self._pending_new[req.partition]:
@@ -674,8 +752,8 @@ class Node:
             peer.reply_error(frame, e)
             return
         self._put_done(req.token, idx)
-        self.metrics.put(peer.passes_fds, len(idx), size)
-        peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=idx)))
+        self.metrics.put(peer.passes_fds, len(idx), size + dev_n)
+        peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=idx, spilled_bytes=spilled)))
 
     def _fetch(self, peer: Peer, frame: pb.Frame) -> None:
         req = frame.fetch
@@ -703,18 +781,24 @@ class Node:
         self._reply_fetch(peer, frame, found)
 
     def _reply_fetch(self, peer: Peer, frame: pb.Frame, found) -> None:
-        cols, body, segs = self._encode(peer, found, max((len(c.indexes) for c in frame.fetch.columns), default=0))
+        shared: list[pb.DeviceBuffer] = []
+        cols, body, segs = self._encode(peer, found, max((len(c.indexes) for c in frame.fetch.columns), default=0),
+                                        shared if frame.fetch.device and peer.passes_fds else None)
         out = pb.Frame(pins=[s.sid for s in segs])
         out.fetch_reply.columns.extend(cols)
+        out.fetch_reply.device_buffers.extend(shared)
         peer.reply(frame, out, body.buffers, body.size, segs)
 
-    def _encode(self, peer: Peer, found, samples: int) -> tuple[list[pb.ColumnData], codec.Body, list]:
+    def _encode(self, peer: Peer, found, samples: int,
+                shared: list | None = None) -> tuple[list[pb.ColumnData], codec.Body, list]:
         """A reply's columns (of `samples` samples) from stored slices: one run per slice; big slices
         of shared-memory segments go by descriptor to same-host peers (pinned for the peer's
-        process), the rest as body bytes (no copy)."""
+        process), the rest as body bytes (no copy). Device-tier slices are shared by handle
+        (appended to `shared`) when the reader maps device memory, else copied to host bytes."""
         body = codec.Body()
         segs: list = []
         index: dict[int, int] = {}
+        exported: dict[tuple, int] = {}
         by_fd = peer.passes_fds
         out = []
         nbytes = 0
@@ -724,6 +808,16 @@ class Node:
                 run = batch.run(r0, r1)
                 nbytes += run.nbytes
                 lo, _ = batch.span(r0, r1)
+                if batch.device is not None and shared is not None:
+                    key = (str(batch.device.device), batch.device.untyped_storage().data_ptr())
+                    k = exported.get(key)
+                    if k is None:  # one handle per storage, whatever the number of its slices
+                        shared.append(device_share.export(batch.device)[0])
+                        k = exported[key] = len(shared)
+                    run.device_buffer, run.offset = k, batch.device.storage_offset() + lo
+                    col.runs.append(run)
+                    self.metrics.device_shared_bytes += run.nbytes
+                    continue
                 seg = batch.segment
                 if by_fd and seg is not None and run.nbytes >= shm.SHM_MIN_VALUE:
                     k = index.get(id(seg))
@@ -734,8 +828,7 @@ class Node:
                         run.segment, run.offset = k, batch.data.address - seg.buffer.address + lo
                         col.runs.append(run)
                         continue
-                data = batch.data if run.nbytes == batch.data.size else batch.data.slice(lo, run.nbytes)
-                run.offset = body.add(memoryview(data))
+                run.offset = body.add(memoryview(batch.host(lo, run.nbytes)))
                 col.runs.append(run)
             out.append(col)
         if segs:
@@ -754,6 +847,8 @@ class Node:
             found = self.warehouse.fetch(partition, wanted)
         except DockError:
             return [], codec.Body(), []
+        # device-tier columns are fetched: the reader then chooses device memory or host bytes
+        found = [(name, slices) for name, slices in found if all(b.device is None for b, _, _ in slices)]
         return self._encode(peer, found, len(indexes))
 
 

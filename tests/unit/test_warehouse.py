@@ -151,3 +151,41 @@ def test_bookkeeping_stays_within_the_memory_budget():
         tracemalloc.stop()
     assert (t2 - t1) / (4 * n) <= 32, f"{(t2 - t1) / (4 * n):.1f} B per value in the warehouse"
     assert (t2 - t0) / n <= 64, f"{(t2 - t0) / n:.1f} B per sample for controller and warehouse"
+
+
+def test_device_tier_batches_are_counted_apart_and_freed_with_their_samples():
+    """Device-tier runs (a CPU tensor stands in for device memory: the bookkeeping is the same)
+    are sliced like host runs, counted in device_used, and released by deletes, unstore and free."""
+    w = Warehouse(1 << 20, device_capacity=4096)
+    host_cols, buf = encoded([1.5, 2.5, 3.5], name="r")
+    t = torch.arange(12, dtype=torch.float32).view(3, 4)
+    own = t.reshape(-1).view(torch.uint8).clone()  # the warehouse's copy of the writer's buffer
+    dev_col = pb.ColumnData(name="x")
+    dev_col.runs.add(kind=pb.TENSOR, count=3, dtype="float32", shape=[4], nbytes=48, offset=0, device_buffer=1)
+    assert w.reserve(buf.size) and w.device_reserve(48)
+    assert not w.device_reserve(4096)  # no room left for this one: the daemon spills it
+    w.store("p", [0, 1, 2], [*host_cols, dev_col], buf, buf.size, device=[own])
+    assert (w.used, w.device_used, w.device_reserved) == (buf.size, 48, 0)
+    (_, slices), = w.fetch("p", [("x", [1, 2])])
+    (batch, r0, r1), = slices
+    assert batch.device is not None and batch.data is None and batch.segment is None
+    lo, hi = batch.span(r0, r1)
+    got = torch.frombuffer(bytearray(batch.host(lo, hi - lo)), dtype=torch.float32).view(2, 4)
+    assert torch.equal(got, t[1:])
+    assert w.measure("p", "x", [0, 2]).tolist() == [4.0, 4.0]
+    assert w.stats()["device_used"] == 48
+    w.free_samples("p", [0, 1])
+    assert w.device_used == 48  # a put's memory goes once all its samples are deleted
+    w.free_samples("p", [2])
+    assert (w.used, w.device_used) == (0, 0)
+
+    assert w.reserve(buf.size) and w.device_reserve(48)
+    w.store("q", [0, 1, 2], [*host_cols, dev_col], buf, buf.size, device=[own])
+    w.unstore("q", [0, 1, 2], ["r", "x"], buf.size, 48)  # the controller refused the commit
+    assert (w.used, w.device_used) == (0, 0)
+    assert w.reserve(buf.size) and w.device_reserve(48)
+    w.store("q", [0, 1, 2], [*host_cols, dev_col], buf, buf.size, device=[own])
+    w.free("q")
+    assert (w.used, w.device_used) == (0, 0)
+    with pytest.raises(DockValueError, match="device capacity"):
+        Warehouse(1 << 20, device_capacity=-1)
