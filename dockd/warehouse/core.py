@@ -15,14 +15,15 @@ number.
 Memory is counted in bytes per put body: a put first `reserve`s its size
 (backpressure happens there), then `store` turns the reservation into usage.
 
+Deleting samples (`free_samples`) releases a put's body once every sample it
+holds is deleted: memory goes back per put, not per sample.
+
 The device tier (`device_capacity` > 0) keeps runs a writer put with
 `device="keep"` in device memory of the warehouse's own (a flat uint8
 tensor per put's device buffer, on the writer's device): the same batches,
 with `device` holding the bytes instead of `data`. Its bytes are counted
 apart from host memory (`device_reserve`, `device_used`); a put whose device
 bytes do not fit is stored in host memory instead (the daemon spills it).
-Deleting samples (`free_samples`) releases a put's body once every sample it
-holds is deleted: memory goes back per put, not per sample.
 
 `dump` writes what a warehouse holds of a partition to an Arrow IPC file (one
 record batch per stored run: the column, each sample's index and its value as
