@@ -378,6 +378,19 @@ def _view(buf, dtype: torch.dtype, count: int, off: int) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype, count=count, offset=off)
 
 
+def spans(columns: Sequence[pb.ColumnData], where: str) -> dict[int, tuple[int, int]]:
+    """For each buffer k > 0 the runs point into (`where`: "segment" or "device_buffer"), the
+    byte range [lo, hi) its runs use."""
+    out: dict[int, tuple[int, int]] = {}
+    for c in columns:
+        for r in c.runs:
+            k = getattr(r, where)
+            if k:
+                lo, hi = out.get(k, (r.offset, r.offset + r.nbytes))
+                out[k] = (min(lo, r.offset), max(hi, r.offset + r.nbytes))
+    return out
+
+
 def buffer_key(run: pb.Run) -> int:
     """Where a run's bytes are among a reply's buffers: 0 the body, k a passed segment, -k device buffer k."""
     return -run.device_buffer if run.device_buffer else run.segment

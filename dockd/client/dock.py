@@ -847,14 +847,7 @@ def decode_reply(columns: Sequence[pb.ColumnData], body: np.ndarray, fds: list[i
     mapped: set[int] = set()
     try:
         if fds:
-            spans: dict[int, list[int]] = {}
-            for c in columns:
-                for r in c.runs:
-                    if r.segment:
-                        lo_hi = spans.setdefault(r.segment, [r.offset, r.offset + r.nbytes])
-                        lo_hi[0] = min(lo_hi[0], r.offset)
-                        lo_hi[1] = max(lo_hi[1], r.offset + r.nbytes)
-            for k, (lo, hi) in spans.items():
+            for k, (lo, hi) in codec.spans(columns, "segment").items():
                 if not 0 < k <= len(fds):
                     raise DockProtocolError(f"a run refers to descriptor {k} of {len(fds)} passed")
                 sid = pins[k - 1] if k <= len(pins) else 0
@@ -1048,16 +1041,9 @@ def _copy_shared(columns: Sequence[pb.ColumnData], shared: Sequence[pb.DeviceBuf
     use, copied once onto `device` and unmapped at once. Keys as codec.buffer_key gives them."""
     import torch
 
-    spans: dict[int, list[int]] = {}
-    for c in columns:
-        for r in c.runs:
-            if r.device_buffer:
-                lo_hi = spans.setdefault(r.device_buffer, [r.offset, r.offset + r.nbytes])
-                lo_hi[0] = min(lo_hi[0], r.offset)
-                lo_hi[1] = max(lo_hi[1], r.offset + r.nbytes)
     out: dict[int, tuple] = {}
     copies = []
-    for k, (lo, hi) in spans.items():
+    for k, (lo, hi) in codec.spans(columns, "device_buffer").items():
         if not 0 < k <= len(shared):
             raise DockProtocolError(f"a run refers to device buffer {k} of {len(shared)} shared")
         src = device_share.open_buffer(shared[k - 1])

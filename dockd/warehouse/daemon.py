@@ -607,14 +607,11 @@ class Node:
             raise DockValueError("put(device='keep') shares device memory by handle, which needs a same-host "
                                  "connection to the warehouse (this one is TCP); put host tensors instead")
         opened = [device_share.open_buffer(d) for d in req.device_buffers]
-        spans = []
-        for k, src in enumerate(opened, 1):
-            runs = [r for c in req.columns for r in c.runs if r.device_buffer == k]
-            lo = min((r.offset for r in runs), default=0)
-            hi = max((r.offset + r.nbytes for r in runs), default=0)
+        used = codec.spans(req.columns, "device_buffer")
+        spans = [used.get(k, (0, 0)) for k in range(1, len(opened) + 1)]
+        for src, (_, hi) in zip(opened, spans):
             if hi > src.numel():
                 raise DockProtocolError(f"device runs end at byte {hi} of a {src.numel()}-byte device buffer")
-            spans.append((lo, hi))
         total = sum(hi - lo for lo, hi in spans)
         w = self.warehouse
         if w.device_capacity and w.device_reserve(total):
