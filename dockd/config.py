@@ -19,6 +19,7 @@ ENV_VARS = {
     "DOCKD_TRANSPORT": "'auto' (default: shared memory to same-host daemons, TCP otherwise) or 'tcp'",
     "DOCKD_SPIN_US": "microseconds a same-host client call polls for its reply before sleeping (default 200; 0: never)",
     "DOCKD_RECV_POOL_BYTES": "bytes of warm receive buffers a client keeps for large socket replies (default 1 GiB)",
+    "DOCKD_DEVICE_LINK_TIMEOUT": "seconds a device link's join or transfer may take before it is aborted (default 60)",
     "DOCKD_TOKEN": "the dock's token, for clients (prefer DOCKD_TOKEN_FILE)",
     "DOCKD_TOKEN_FILE": "file holding the dock's token: clients prove it; `dockd serve` uses it like --token-file",
     "DOCKD_DAEMON_SECRET": "hex per-dock daemon secret handed by start_local to the daemons it starts (tokenless mode)",

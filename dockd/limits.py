@@ -18,6 +18,9 @@ MAX_LEASES = 1 << 16      # leases in one confirm
 MAX_PARTITIONS = 1 << 16  # partitions in one warehouse's inventory
 MAX_TAGS = 16             # tags in one request (a partition holds at most 16)
 MAX_RANKS = 1 << 16       # data-parallel ranks of one rank-aware get
+MAX_LINKS = 256           # device links one warehouse keeps open (cross-node device reads)
+LINK_ID_BYTES = 16
+MAX_RENDEZVOUS = 4108     # bytes of a device link's rendezvous (HcclRootInfo, the largest)
 
 
 def _name(what: str, value: str) -> None:
@@ -72,6 +75,14 @@ def check(frame: pb.Frame) -> None:
         _columns([c.name for c in frame.fetch.columns])
         for c in frame.fetch.columns:
             _count("samples", len(c.indexes))
+        if frame.fetch.HasField("link"):
+            link = frame.fetch.link
+            if len(link.id) != LINK_ID_BYTES:
+                raise DockValueError(f"a device link id is {LINK_ID_BYTES} bytes, got {len(link.id)}")
+            if len(link.rendezvous) > MAX_RENDEZVOUS:
+                raise DockValueError(f"a device link rendezvous of {len(link.rendezvous)} bytes is too long "
+                                     f"(at most {MAX_RENDEZVOUS})")
+            _name("device link backend", link.backend)
     elif kind == "locate":
         _name("partition name", frame.locate.partition)
         _columns(frame.locate.columns)

@@ -19,6 +19,8 @@ Series (all prefixed `dockd_`):
     warehouse_device_used_bytes / _capacity_bytes       the device tier (when it has one)
     device_spilled_bytes_total                          put(device="keep") bytes stored in host memory instead
     device_shared_bytes_total                           device-tier bytes read through shared device memory
+    device_linked_bytes_total                           device-tier bytes sent over device links (other nodes)
+    device_links                                        device links open (cross-node device reads)
     connections                                         open connections
     auth_failures_total{reason}
     controller only:
@@ -91,6 +93,7 @@ class Metrics:
         self.errors: dict[tuple[str, str], int] = {}
         self.spilled_bytes = 0  # device-tier puts stored in host memory instead
         self.device_shared_bytes = 0  # device-tier bytes fetched as shared device memory
+        self.device_linked_bytes = 0  # device-tier bytes sent over device links
 
     def put(self, shm: bool, samples: int, nbytes: int) -> None:
         t = "shm" if shm else "tcp"
@@ -158,6 +161,10 @@ class NodeCollector:
                                       "instead (device tier full or absent)", value=node.metrics.spilled_bytes)
             yield CounterMetricFamily("dockd_device_shared_bytes", "device-tier bytes read by same-node readers "
                                       "through shared device memory", value=node.metrics.device_shared_bytes)
+            yield CounterMetricFamily("dockd_device_linked_bytes", "device-tier bytes sent to readers on other nodes "
+                                      "over device links", value=node.metrics.device_linked_bytes)
+            yield GaugeMetricFamily("dockd_device_links", "device links open (cross-node device reads)",
+                                    value=node.device_links)
         yield GaugeMetricFamily("dockd_connections", "open connections", value=node.connections)
         fails = CounterMetricFamily("dockd_auth_failures", "connections or calls refused for want of a valid proof",
                                     labels=["reason"])

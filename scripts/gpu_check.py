@@ -5,7 +5,8 @@
 
 1. prints the machine: torch, CUDA, GPUs, driver, the libnccl.so.2 that discovery picks and its version;
 2. runs `pytest -m gpu tests/gpu tests/resharding -q` (send/recv, broadcast, all_gather between two
-   processes; device gets; allgather-swap with collectives="device" on the bindings);
+   processes; device gets; a cross-node device read over an NCCL device link, the reader on TCP;
+   allgather-swap with collectives="device" on the bindings);
 3. times a 256 MiB NCCL send/recv between two processes (two GPUs, or both on GPU 0) against a
    device-to-device copy of the same buffer in the same run, and prints both in GB/s;
 4. times a get(device="cuda:0") of a 2 GiB sample held in a warehouse's device tier (CUDA IPC

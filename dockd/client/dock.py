@@ -29,6 +29,7 @@ from dockd import auth, codec, device_share, shm
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.batch import Batch
 from dockd.client.connection import Credentials, Pool
+from dockd.client.links import LinkFailed, ReaderLinks
 from dockd.client.router import CallScope, Router, call_on
 from dockd.config import env_float
 from dockd.errors import (
@@ -113,6 +114,8 @@ class Dock:
         self._flusher: threading.Thread | None = None
         self._warned_recovered: set[str] = set()
         self._warned: set[str] = set()  # one-time warnings given
+        self._links = ReaderLinks()  # device links to warehouses on other nodes (get(device=...))
+        self._device_tiers: dict[int, bool] = {}  # warehouse -> whether it has a device tier
         pinned = warehouse if warehouse is not None else os.environ.get("DOCKD_WAREHOUSE")
         prefer = None
         if "ray" in sys.modules and (not pinned or token is None):
@@ -318,9 +321,10 @@ class Dock:
         rank when dp_size is given; without it, each group takes its own batches).
         `batch.step` is the step, `batch.rank_weights` the ranks' weight sums.
 
-        `device` (e.g. "cuda:0"): tensors come back on that device; each tensor
-        column is copied host-to-device in one piece through a pinned buffer
-        (the data is held in host memory by the warehouses).
+        `device` (e.g. "cuda:0"): tensors come back on that device. Host-tier
+        columns are copied host-to-device in one piece through a pinned buffer;
+        device-tier data is copied device to device from a warehouse on this
+        node, and received over a device link (NCCL) from one on another node.
         """
         target = _device(device)
         lease = self.acquire(consumer, columns, count, partition=partition, timeout=timeout, groups=groups,
@@ -435,6 +439,26 @@ class Dock:
             locs = np.asarray(a.locations, dtype=np.int64).reshape(len(columns), len(idx))
         return Lease(a.lease, partition, list(columns), idx, locs, inline, bytes(a.ticket), a.step, list(a.rank_weights))
 
+    def _call_fetch(self, wid: int, pool, req: pb.FetchRequest, device) -> tuple:
+        """A fetch on `pool`: reply, body, descriptors, and the device buffers received over a device link
+        (None without one). A reader that maps device memory takes device-tier data by handle from a
+        same-node warehouse, and over a device link from one on another node with a device tier."""
+        req.device = device is not None and bool(pool.unix)
+        call = functools.partial(call_on, pool)
+        if device is None or pool.unix or not self._has_device_tier(wid):
+            return (*call(pb.Frame(fetch=req)), None)
+        if device.type != "cpu" and device.index is None:  # a link is bound to one device
+            import torch
+
+            device = torch.device(device.type, getattr(torch, device.type).current_device())
+        return self._links.fetch(wid, pool.host, device, req, call)
+
+    def _has_device_tier(self, wid: int) -> bool:
+        tier = self._device_tiers.get(wid)
+        if tier is None:
+            tier = self._device_tiers[wid] = self._router.hello(wid).device_capacity > 0
+        return tier
+
     def fetch(self, lease: Lease) -> dict[str, list[Any]]:
         """Low-level: read a lease's values from the warehouses holding them, in parallel."""
         return self._fetch(lease, lazy=False)
@@ -463,13 +487,14 @@ class Dock:
             try:
                 try:
                     pool = self._router.pool(wid)
-                    req.device = device is not None and bool(pool.unix)
-                    reply, body, fds = call_on(pool, pb.Frame(fetch=req))
+                    reply, body, fds, received = self._call_fetch(wid, pool, req, device)
                 except DockConnectionError:  # a stale pooled connection: one more try on a fresh one
                     self._router.forget(wid)
                     pool = self._router.pool(wid)
-                    req.device = device is not None and bool(pool.unix)
-                    reply, body, fds = call_on(pool, pb.Frame(fetch=req))
+                    reply, body, fds, received = self._call_fetch(wid, pool, req, device)
+            except LinkFailed as e:
+                logger.warning("[client] %s; reading that data through host memory", e)
+                return one(wid, None)
             except DockConnectionError as e:
                 cols = [c for c, _ in plan[wid]]
                 lost = sorted({i for c, pos in plan[wid] for i in (lease.indexes if pos is None else idx[pos].tolist())})
@@ -480,9 +505,10 @@ class Dock:
             r = reply.fetch_reply
             try:
                 return decode_reply(r.columns, body, fds, reply.pins, self._unpinner(pool), lazy=lazy,
-                                    shared=r.device_buffers, device=device)
+                                    shared=r.device_buffers if received is None else (), received=received,
+                                    device=device)
             except DockValueError as e:  # device memory this process cannot map: take it as bytes instead
-                if not r.device_buffers:
+                if not r.device_buffers or received is not None:
                     raise
                 logger.warning("[client] cannot map warehouse %d's device memory (%s); reading it as host bytes", wid, e)
                 return one(wid, None)
@@ -787,6 +813,7 @@ class Dock:
         except DockError as e:
             logger.warning("[client] could not confirm fetched leases while closing: %s", e)
         self._finalizer()
+        self._links.close()
         if self._executor is not None:
             self._executor.shutdown(wait=False)
 
@@ -835,7 +862,7 @@ def _finalize(stop: threading.Event, wake: threading.Event, router: Router) -> N
 
 def decode_reply(columns: Sequence[pb.ColumnData], body: np.ndarray, fds: list[int], pins: Sequence[int] = (),
                  unpin: Callable[[int], None] | None = None, *, lazy: bool = False, shared=(),
-                 device=None) -> list[Any]:
+                 received: dict | None = None, device=None) -> list[Any]:
     """Values of a reply: views of its body, or of shared-memory segments mapped copy-on-write.
 
     Each segment is mapped once (the range its runs span) and its descriptor
@@ -864,6 +891,8 @@ def decode_reply(columns: Sequence[pb.ColumnData], body: np.ndarray, fds: list[i
                     unpin(sid)
     if shared:
         buffers.update(_copy_shared(columns, shared, device))
+    if received:  # device buffers that came over a device link
+        buffers.update(received)
     try:
         if lazy:
             return [codec.Runs.of(c, buffers) for c in columns]

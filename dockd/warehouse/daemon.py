@@ -38,6 +38,7 @@ from dockd.metrics import MetricsServer, Metrics
 from dockd.peer import Peer
 from dockd.warehouse.core import Warehouse
 from dockd.warehouse.link import ControllerLink, keepalive
+from dockd.warehouse.links import Links
 from dockd.warehouse.segments import Segments
 from dockd.wire import PROTOCOL_VERSION, check_protocol
 
@@ -94,6 +95,11 @@ class Node:
         self._over_budget_warned = False
         self.exit_code = 0
         self._wid = -1
+        self.links = Links()  # device links to readers on other nodes
+
+    @property
+    def device_links(self) -> int:
+        return len(self.links)
 
     @property
     def _link_peer(self) -> Peer | None:
@@ -112,6 +118,7 @@ class Node:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
+        self.links = Links(loop)
         self._server = await loop.create_server(self._make_peer, self.cfg.host, self.cfg.port, reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
         if self.controller is not None and self._token is None and self._daemon_key is not None \
@@ -260,11 +267,13 @@ class Node:
         self._server.close()
         for peer in list(self._peers):
             peer.close()
+        self.links.close()
         await self._server.wait_closed()
 
     # -- Handler ------------------------------------------------------------------------------
     def on_lost(self, peer: Peer) -> None:
         self._peers.discard(peer)
+        self.links.lost(peer)
         if any(p is peer for _, _, p in self._capacity_waiters):  # its waiting puts leave the queue
             for _, fut, p in self._capacity_waiters:
                 if p is peer and not fut.done():
@@ -778,20 +787,34 @@ class Node:
         self._reply_fetch(peer, frame, found)
 
     def _reply_fetch(self, peer: Peer, frame: pb.Frame, found) -> None:
-        shared: list[pb.DeviceBuffer] = []
-        cols, body, segs = self._encode(peer, found, max((len(c.indexes) for c in frame.fetch.columns), default=0),
-                                        shared if frame.fetch.device and peer.passes_fds else None)
-        out = pb.Frame(pins=[s.sid for s in segs])
-        out.fetch_reply.columns.extend(cols)
-        out.fetch_reply.device_buffers.extend(shared)
-        peer.reply(frame, out, body.buffers, body.size, segs)
+        req = frame.fetch
+        reply = pb.FetchReply()
+        link = None
+        shared: list | None = None
+        if req.device and peer.passes_fds:
+            shared = []
+        elif req.HasField("link"):
+            devices = list({b.device.device: 0 for _, slices in found for b, _, _ in slices if b.device is not None})
+            if devices:
+                link = self.links.open(peer, req.link, devices, reply)
+                shared = [] if link is not None else None
+        cols, body, segs = self._encode(peer, found, max((len(c.indexes) for c in req.columns), default=0),
+                                        shared, link)
+        reply.columns.extend(cols)
+        reply.device_buffers.extend(d for d, _ in shared or ())
+        peer.reply(frame, pb.Frame(pins=[s.sid for s in segs], fetch_reply=reply), body.buffers, body.size, segs)
+        if link is not None and shared:  # each buffer's used span, in buffer order, after the reply
+            spans = codec.spans(reply.columns, "device_buffer")
+            self.links.send(bytes(req.link.id), [_flat(shared[k - 1][1])[lo:hi] for k, (lo, hi) in sorted(spans.items())])
 
-    def _encode(self, peer: Peer, found, samples: int,
-                shared: list | None = None) -> tuple[list[pb.ColumnData], codec.Body, list]:
+    def _encode(self, peer: Peer, found, samples: int, shared: list | None = None,
+                link=None) -> tuple[list[pb.ColumnData], codec.Body, list]:
         """A reply's columns (of `samples` samples) from stored slices: one run per slice; big slices
         of shared-memory segments go by descriptor to same-host peers (pinned for the peer's
-        process), the rest as body bytes (no copy). Device-tier slices are shared by handle
-        (appended to `shared`) when the reader maps device memory, else copied to host bytes."""
+        process), the rest as body bytes (no copy). Device-tier slices, when `shared` is given,
+        are shared by handle with a same-node reader, or with `link` named for sending over that
+        device link (those on its device): (descriptor, tensor) pairs appended to `shared`.
+        Otherwise they are copied to host bytes."""
         body = codec.Body()
         segs: list = []
         index: dict[int, int] = {}
@@ -805,15 +828,20 @@ class Node:
                 run = batch.run(r0, r1)
                 nbytes += run.nbytes
                 lo, _ = batch.span(r0, r1)
-                if batch.device is not None and shared is not None:
+                if batch.device is not None and shared is not None and (link is None or batch.device.device == link.device):
                     key = (str(batch.device.device), batch.device.untyped_storage().data_ptr())
                     k = exported.get(key)
-                    if k is None:  # one handle per storage, whatever the number of its slices
-                        shared.append(device_share.export(batch.device)[0])
+                    if k is None:  # one buffer per storage, whatever the number of its slices
+                        desc = device_share.export(batch.device)[0] if link is None else \
+                            pb.DeviceBuffer(type=link.backend, nbytes=batch.device.untyped_storage().nbytes())
+                        shared.append((desc, batch.device))
                         k = exported[key] = len(shared)
                     run.device_buffer, run.offset = k, batch.device.storage_offset() + lo
                     col.runs.append(run)
-                    self.metrics.device_shared_bytes += run.nbytes
+                    if link is None:
+                        self.metrics.device_shared_bytes += run.nbytes
+                    else:
+                        self.metrics.device_linked_bytes += run.nbytes
                     continue
                 seg = batch.segment
                 if by_fd and seg is not None and run.nbytes >= shm.SHM_MIN_VALUE:
@@ -847,6 +875,13 @@ class Node:
         # device-tier columns are fetched: the reader then chooses device memory or host bytes
         found = [(name, slices) for name, slices in found if all(b.device is None for b, _, _ in slices)]
         return self._encode(peer, found, len(indexes))
+
+
+def _flat(t):
+    """The whole storage under a device-tier tensor, as flat bytes (run offsets index into it)."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
 def _failed(exc: BaseException) -> asyncio.Future:

@@ -80,6 +80,9 @@ except NcclError as e:
     out["init"] = {"code": e.code, "code_name": e.code_name, "library_message": e.library_message,
                    "last_error": e.last_error, "function": e.function, "str": str(e),
                    "known_name": RESULT_NAMES.get(e.code)}
+import torch
+from dockd.device_link import Link
+out["link_rendezvous"] = len(Link.offer("nccl", torch.device("cuda", 0), "127.0.0.1").rendezvous)
 print("PROBE" + json.dumps(out))
 """
 
@@ -115,6 +118,12 @@ def test_unique_ids_are_128_fresh_bytes(probe):
     assert len(a) == len(b) == NCCL_UNIQUE_ID_BYTES == 128
     assert a != b
     assert any(a)
+
+
+@needs_nccl
+def test_a_device_links_rendezvous_is_an_nccl_unique_id(probe):
+    """A reader's end of a cross-node device link: made without a GPU, as the bindings' unique id."""
+    assert probe["link_rendezvous"] == 128
 
 
 @needs_nccl

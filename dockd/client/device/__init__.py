@@ -4,8 +4,8 @@
 per-library bindings under it. Nothing here imports torch.cuda or torch_npu until
 a stream or device is actually needed, and no library is loaded until asked for.
 
-Only the bindings exist so far: the warehouse's device tier, same-node CUDA IPC reads,
-cross-node device reads and `get(device=...)` are not implemented (see docs/device.md).
+The warehouse's device tier, same-node CUDA IPC reads and cross-node device links
+(`dockd.device_link`) build on them; see docs/device.md.
 """
 
 from dockd.client.device.communicator import BACKENDS, Communicator, backend_for_device, load_backend

@@ -1,0 +1,206 @@
+"""Cross-node device reads: a two-rank collective link between a reader and a warehouse.
+
+A reader on another node that asks for device-tier data on its accelerator
+(`get(device="cuda:0")`) opens one link per warehouse and keeps it: it makes
+the rendezvous (an ncclUniqueId / HcclRootInfo; for the CPU stand-in, the
+address of a TCPStore it hosts), sends it with its fetch, and the warehouse
+joins as the link's second rank. Every later device fetch on the link is one
+request and one reply over dockd's wire (metadata only) plus one send/recv
+of each device buffer's used span over the link: device to device, no host
+copy.
+
+    reader = Link.offer("nccl", torch.device("cuda:0"), host)   # reader: makes the rendezvous
+    holder = Link("nccl", torch.device("cuda:1"))                # warehouse: joins with it
+    holder.join(reader.rendezvous, HOLDER)  /  reader.join(reader.rendezvous, READER)
+    holder.send([t1, t2])                   /  reader.recv([d1, d2])
+
+- **nccl / hccl**: dockd's own bindings (`dockd.client.device.Communicator`), on a
+  stream of the link's own, waited for with a deadline; on a timeout or error
+  the communicator is aborted and the link is dropped (both sides).
+- **gloo**: torch's gloo process group over a TCPStore the reader hosts. It
+  stands in for a device link on machines without an accelerator
+  (DOCKD_CPU_DEVICE_TIER=1), so that the protocol runs in tests.
+
+A join that the other side never answers cannot be cancelled in NCCL or HCCL
+(`ncclCommInitRank` blocks); it runs in a thread of its own and is abandoned
+after the deadline, its resources with it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+
+import torch
+
+from dockd.errors import DockConnectionError, DockTimeout, DockValueError
+
+READER, HOLDER = 0, 1
+BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+
+
+def timeout() -> float:
+    """Seconds a link's join or transfer may take (DOCKD_DEVICE_LINK_TIMEOUT, default 60)."""
+    return float(os.environ.get("DOCKD_DEVICE_LINK_TIMEOUT", "60"))
+
+
+def backend_for(device: torch.device) -> str:
+    try:
+        return BACKENDS[device.type]
+    except KeyError:
+        raise DockValueError(f"no device link for {device.type} devices (known: {', '.join(BACKENDS)})") from None
+
+
+class Link:
+    """One end of a two-rank link; `backend` is "nccl", "hccl" or "gloo"."""
+
+    def __init__(self, backend: str, device: torch.device) -> None:
+        if backend not in BACKENDS.values():
+            raise DockValueError(f"unknown device link backend {backend!r} (known: {', '.join(BACKENDS.values())})")
+        if BACKENDS[device.type] != backend:
+            raise DockValueError(f"a {backend} link cannot move tensors on {device}")
+        self.backend, self.device = backend, device
+        self.rendezvous = b""
+        self.joined = False
+        self._store = None
+        self._pg = None
+        self._comm = None
+        self._stream = None
+        if backend != "gloo":
+            from dockd.client.device import Communicator
+
+            self._comm = Communicator(backend)  # loads the library: DeviceLibraryNotFound when it is missing
+
+    @classmethod
+    def offer(cls, backend: str, device: torch.device, host: str) -> Link:
+        """The reader's end, with a fresh rendezvous (gloo: a TCPStore listening on `host`)."""
+        link = cls(backend, device)
+        if backend == "gloo":
+            import torch.distributed as dist
+
+            link._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                        timeout=datetime.timedelta(seconds=timeout()))
+            link.rendezvous = f"{host}:{link._store.port}".encode()
+        else:
+            link.rendezvous = link._comm.unique_id()
+        return link
+
+    # --- setup -------------------------------------------------------------------------------
+    def join(self, rendezvous: bytes, rank: int) -> None:
+        """Become rank `rank` (READER or HOLDER); returns once both ends have joined."""
+        if self.backend == "gloo":
+            self._join_gloo(rendezvous, rank)
+        else:
+            _bounded(lambda: self._comm.init(rendezvous, rank, 2, device=self.device),
+                     f"joining a {self.backend} device link")
+            self._stream = _module(self.device).Stream(device=self.device)
+        self.joined = True
+
+    def _join_gloo(self, rendezvous: bytes, rank: int) -> None:
+        import torch.distributed as dist
+
+        limit = datetime.timedelta(seconds=timeout())
+        host, _, port = rendezvous.decode(errors="replace").rpartition(":")
+        if not host or not port.isdigit():
+            raise DockValueError(f"a gloo link rendezvous is host:port, got {rendezvous[:64]!r}")
+        try:
+            if self._store is None:
+                self._store = dist.TCPStore(host, int(port), is_master=False, timeout=limit)
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = limit
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host if rank == READER else local_address(host))]
+            self._pg = dist.ProcessGroupGloo(dist.PrefixStore("dockd-link", self._store), rank, 2, opts)
+        except RuntimeError as e:
+            raise DockConnectionError(f"joining a gloo device link at {host}:{port}: {e}") from None
+
+    # --- transfers ---------------------------------------------------------------------------
+    def send(self, tensors: list[torch.Tensor]) -> None:
+        """Send each (contiguous) tensor to the reader, in order; returns when all have gone."""
+        self._move(tensors, send=True)
+
+    def recv(self, tensors: list[torch.Tensor]) -> None:
+        """Receive into each tensor from the holder, in order; returns when all have arrived."""
+        self._move(tensors, send=False)
+
+    def _move(self, tensors: list[torch.Tensor], *, send: bool) -> None:
+        if not self.joined:
+            raise DockValueError("the device link has not been joined yet")
+        what = "sending over" if send else "receiving over"
+        peer = READER if send else HOLDER
+        if self.backend == "gloo":
+            deadline = time.monotonic() + timeout()
+            works = [(self._pg.send if send else self._pg.recv)([t], peer, i) for i, t in enumerate(tensors)]
+            try:
+                for w in works:
+                    w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            except RuntimeError as e:
+                raise DockConnectionError(f"{what} a gloo device link: {e}") from None
+            return
+        mod = _module(self.device)
+        stream = self._stream
+        with mod.device(self.device):  # the communicator's device, whichever this thread's is
+            stream.wait_stream(mod.current_stream(self.device))  # the tensors' producers first
+            with self._comm.group():
+                for t in tensors:
+                    (self._comm.send if send else self._comm.recv)(t, peer, stream=stream)
+            done = mod.Event()
+            done.record(stream)
+        deadline = time.monotonic() + timeout()
+        while not done.query():
+            if time.monotonic() > deadline:
+                self.close()
+                raise DockTimeout(f"{what} a {self.backend} device link took more than {timeout():g}s "
+                                  "(DOCKD_DEVICE_LINK_TIMEOUT); the link was aborted")
+            time.sleep(0.0005)
+        if not send:  # the caller reads the results on its current stream
+            mod.current_stream(self.device).wait_stream(stream)
+
+    def close(self) -> None:
+        """Abort pending work and free the link (either end; the other end then fails or times out)."""
+        comm, self._comm = self._comm, None
+        if comm is not None and comm.initialized:
+            try:
+                comm.abort()
+            except Exception:  # noqa: BLE001 - a failed abort leaves nothing more to free
+                pass
+        self._pg = self._store = None
+        self.joined = False
+
+
+def _bounded(fn, what: str) -> None:
+    """Run `fn` in a thread of its own and wait at most timeout() for it (NCCL/HCCL joins cannot be
+    cancelled: a join that times out is abandoned)."""
+    out: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            fn()
+            out.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            out.append(e)
+
+    t = threading.Thread(target=run, name="dockd-link-join", daemon=True)
+    t.start()
+    t.join(timeout())
+    if not out:
+        raise DockTimeout(f"{what}: the other end did not join within {timeout():g}s (DOCKD_DEVICE_LINK_TIMEOUT)")
+    if out[0] is not None:
+        raise out[0]
+
+
+def _module(device: torch.device):
+    return getattr(torch, device.type)  # torch.cuda, or torch.npu once torch_npu is imported
+
+
+def local_address(host: str) -> str:
+    """This machine's address on the route to `host` (the address a gloo holder announces)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return host
