@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from dockd.errors import DockConnectionError, DockTimeout, DockValueError
+from dockd.errors import DockConnectionError, DockError, DockTimeout, DockValueError
 
 READER, HOLDER = 0, 1
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
@@ -59,7 +59,7 @@ class Link:
     def __init__(self, backend: str, device: torch.device) -> None:
         if backend not in BACKENDS.values():
             raise DockValueError(f"unknown device link backend {backend!r} (known: {', '.join(BACKENDS.values())})")
-        if BACKENDS[device.type] != backend:
+        if BACKENDS.get(device.type) != backend:
             raise DockValueError(f"a {backend} link cannot move tensors on {device}")
         self.backend, self.device = backend, device
         self.rendezvous = b""
@@ -186,8 +186,10 @@ def _bounded(fn, what: str) -> None:
     t.join(timeout())
     if not out:
         raise DockTimeout(f"{what}: the other end did not join within {timeout():g}s (DOCKD_DEVICE_LINK_TIMEOUT)")
-    if out[0] is not None:
+    if isinstance(out[0], DockError):
         raise out[0]
+    if out[0] is not None:  # e.g. a CUDA error setting the device
+        raise DockConnectionError(f"{what}: {type(out[0]).__name__}: {out[0]}") from out[0]
 
 
 def _module(device: torch.device):

@@ -10,7 +10,8 @@
 3. times a 256 MiB NCCL send/recv between two processes (two GPUs, or both on GPU 0) against a
    device-to-device copy of the same buffer in the same run, and prints both in GB/s;
 4. times a get(device="cuda:0") of a 2 GiB sample held in a warehouse's device tier (CUDA IPC
-   and one device-to-device copy) against the same copy.
+   and one device-to-device copy) against the same copy, and the same get by a reader that
+   reaches the warehouse over TCP, as one on another node does (an NCCL device link).
 
 Exit status: 0 all passed; 1 a check failed; 2 no usable GPU / NCCL; 124 the time budget ran out.
 """
@@ -133,6 +134,8 @@ def main() -> int:
         say(f"  get (CUDA IPC, one device-to-device copy): {tier['get_gbps']:8.1f} GB/s  ({tier['get_s'] * 1e3:.1f} ms)")
         say(f"  device-to-device copy:                     {tier['copy_gbps']:8.1f} GB/s  ({tier['copy_s'] * 1e3:.1f} ms)")
         say(f"  get / copy: {tier['get_gbps'] / tier['copy_gbps']:.2f} (target >= 0.8)")
+        say(f"  get over an NCCL device link (reader on TCP, {tier['far']}): {tier['link_gbps']:8.1f} GB/s  "
+            f"({tier['link_s'] * 1e3:.1f} ms); link / copy: {tier['link_gbps'] / tier['copy_gbps']:.2f}")
     say("\nRESULT: " + ("FAIL" if failed else "OK"))
     return 1 if failed else 0
 
@@ -154,19 +157,37 @@ def device_tier_figure(size_mib: int, iters: int) -> dict:
         dst.copy_(src)
         torch.cuda.synchronize()
         copy_s = min(copy_s, time.perf_counter() - t0)
-    get_s = float("inf")
+    get_s = link_s = float("inf")
     cap = f"{2 * size_mib + 64}MiB"
+    ndev = torch.cuda.device_count()
+    if ndev < 2:
+        os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")  # the link's two ends share the one GPU
+    far = f"cuda:{min(1, ndev - 1)}"
     with dockd.start_local(1, capacity=cap, extra_args=["--device-capacity", cap]) as c, dockd.connect(c.address) as d:
-        for i in range(iters):
-            d.put({"x": src.view(1, n)}, partition="p", device="keep")
-            assert d.stats(traffic=True)["warehouses"][0]["device_bytes"] >= n, "the sample is not in the device tier"
-            t0 = time.perf_counter()
-            got = d.get(f"c{i}", ["x"], 1, partition="p", device="cuda:0", timeout=60)
-            torch.cuda.synchronize()
-            get_s = min(get_s, time.perf_counter() - t0)
-            assert got["x"][0].device.type == "cuda" and got["x"][0].numel() == n
-            d.clear("p")
-    return {"get_s": get_s, "copy_s": copy_s, "get_gbps": n / get_s / 1e9, "copy_gbps": n / copy_s / 1e9}
+        os.environ["DOCKD_TRANSPORT"] = "tcp"  # a reader as on another node: device link, no CUDA IPC
+        try:
+            remote = dockd.connect(c.address)
+        finally:
+            del os.environ["DOCKD_TRANSPORT"]
+        with remote:
+            d.put({"x": src[:1024].view(1, 1024)}, partition="warm", device="keep")
+            remote.get("warm", ["x"], 1, partition="warm", device=far, timeout=120)  # opens the link
+            for i in range(iters):
+                for reader, dev, best in ((d, "cuda:0", "get"), (remote, far, "link")):
+                    d.put({"x": src.view(1, n)}, partition="p", device="keep")
+                    assert d.stats(traffic=True)["warehouses"][0]["device_bytes"] >= n, "not in the device tier"
+                    t0 = time.perf_counter()
+                    got = reader.get(f"c{i}", ["x"], 1, partition="p", device=dev, timeout=120)
+                    torch.cuda.synchronize()
+                    took = time.perf_counter() - t0
+                    if best == "get":
+                        get_s = min(get_s, took)
+                    else:
+                        link_s = min(link_s, took)
+                    assert got["x"][0].device == torch.device(dev) and got["x"][0].numel() == n
+                    d.clear("p")
+    return {"get_s": get_s, "copy_s": copy_s, "get_gbps": n / get_s / 1e9, "copy_gbps": n / copy_s / 1e9,
+            "link_s": link_s, "link_gbps": n / link_s / 1e9, "far": far}
 
 
 if __name__ == "__main__":
