@@ -556,7 +556,8 @@ class Dock:
         """Low-level: the lease's samples were fetched; they are taken for good.
 
         Raises DockLeaseError if the lease expired or was released first (its samples
-        were handed out again), or belongs to another client and `lease.ticket` is missing."""
+        were handed out again), or belongs to another client and `lease.ticket` is missing.
+        A lease whose partition was cleared meanwhile confirms quietly (nothing was handed out)."""
         self._send_confirms(self._take_confirms())
         frame = pb.Frame(confirm=pb.ConfirmRequest(leases=[lease.id], tickets=[lease.ticket]))
         reply, _, _ = self._router.controller(lambda pool: call_on(pool, frame))

@@ -39,6 +39,8 @@ import numpy as np
 
 from dockd.errors import DockDataLost, DockDrained, DockNotFound, DockValueError
 
+_CLEARED_KEPT = 1 << 16  # ids of leases ended by a clear, remembered for their late confirms
+
 logger = logging.getLogger(__name__)
 
 FREE, LEASED, TAKEN, LOST = 0, 1, 2, 3
@@ -376,6 +378,8 @@ class Controller:
         self.lease_timeout = lease_timeout
         self.partitions: dict[str, _Partition] = {}
         self.leases: dict[int, Lease] = {}
+        # leases that ended with their partition (clear): a late confirm of one is no news
+        self.cleared_leases: collections.OrderedDict[int, None] = collections.OrderedDict()
         # Expiry order. Leases with the default timeout expire in grant order (one timeout, a
         # monotonic clock), so they sit in a FIFO that a confirm leaves in O(1); leases with a
         # deadline of their own (lease_timeout=, extend, restored) sit in a heap, stale entries
@@ -1199,6 +1203,9 @@ class Controller:
             self._fifo.pop(lease.id, None)
             if lease.token:
                 self.lease_tokens.pop(lease.token, None)
+            self.cleared_leases[lease.id] = None
+        while len(self.cleared_leases) > _CLEARED_KEPT:
+            self.cleared_leases.popitem(last=False)
         return part.size
 
     def warehouse_lost(self, warehouse: int) -> None:

@@ -225,7 +225,8 @@ class ControllerService:
                 refused.append(lid)
                 continue
             if lease is None:
-                unknown.append(lid)
+                if lid not in self.core.cleared_leases:  # (a clear took its samples: nothing was handed out again)
+                    unknown.append(lid)
             elif self.core.confirm(lid, lease.holders.get(self.session(peer)) if lease.holders else None):
                 done.append(lid)
                 part = self.core.partitions.get(lease.partition)
@@ -247,6 +248,8 @@ class ControllerService:
     def extend(self, peer: Peer, req: pb.ExtendRequest) -> pb.ExtendReply:
         lease = self._owned(peer, req.lease, req.ticket)
         if lease is None:
+            if req.lease in self.core.cleared_leases:
+                raise DockLeaseError(f"lease {req.lease} ended when its partition was cleared")
             raise DockLeaseError(f"lease {req.lease} expired or was released: its samples were handed out again")
         seconds = req.seconds if req.seconds > 0 else self.core.lease_timeout
         if not seconds <= 7 * 86400:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 import threading
@@ -221,3 +222,20 @@ with dockd.connect(sys.argv[1]) as d:
     assert all(p.wait(60) == 0 for p in procs)
     assert sorted(set(got)) == sorted((w, k) for w in range(3) for k in range(25))
     assert len(got) == 300
+
+
+def test_a_confirm_after_its_partition_was_cleared_is_not_a_lost_lease(cluster, partition, caplog):
+    """A driver clears a step's partition while a reader's confirm is still on its way: the samples
+    went with the clear, nothing was handed out again, so nobody warns that they were."""
+    with dockd.connect(cluster.address) as w, dockd.connect(cluster.address) as r:
+        w.put({"x": torch.arange(6)}, partition=partition)
+        lease = r.acquire("c", ["x"], 3, partition=partition, timeout=10)
+        assert sorted(r.fetch(lease)["x"]) == lease.indexes == [0, 1, 2]
+        r.get("c", ["x"], 3, partition=partition, timeout=10)  # its confirm is batched: still pending
+        w.clear(partition)
+        with caplog.at_level(logging.WARNING, logger="dockd"):
+            r.confirm(lease)  # no error: the clear took the samples
+            r.stats()  # (delivers the batched confirm)
+        assert "handed out again" not in caplog.text
+        with pytest.raises(dockd.DockLeaseError, match="ended when its partition was cleared"):
+            r.extend(lease)

@@ -144,6 +144,8 @@ def test_clear_forgets_the_partition_and_its_leases():
     r = c.acquire("p", "a", ["x"], 1)
     assert c.clear("p") == 3
     assert r.lease not in c.leases
+    assert r.lease in c.cleared_leases  # its late confirm is no news (see ControllerService._confirm)
+    assert not c.confirm(r.lease)
     with pytest.raises(DockNotFound):
         c.clear("p")
 
