@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import uuid
 
@@ -62,11 +63,22 @@ def two_hosts():
         subprocess.run(f"ip netns del {a}; ip netns del {b}", shell=True, capture_output=True)
 
 
-def run_in(ns: str, code: str, *args: str, token: str) -> str:
-    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", textwrap.dedent(code), *args],
-                         capture_output=True, text=True, timeout=120, env=dict(os.environ, DOCKD_TOKEN_FILE=token))
-    assert out.returncode == 0, out.stderr
-    return out.stdout
+def run_in(ns: str, code: str, *args: str, token: str, to_files: bool = False) -> str:
+    """Run `code` in namespace `ns`; its stdout. `to_files`: collect the output through files, not
+    pipes (a process sharing CPU tensors starts torch's shared-memory manager, which inherits the
+    pipes and would hold them open after the process ends)."""
+    cmd = ["ip", "netns", "exec", ns, sys.executable, "-c", textwrap.dedent(code), *args]
+    env = dict(os.environ, DOCKD_TOKEN_FILE=token)
+    if not to_files:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+    with tempfile.TemporaryFile("w+") as so, tempfile.TemporaryFile("w+") as se:
+        rc = subprocess.run(cmd, stdout=so, stderr=se, text=True, timeout=120, env=env).returncode
+        so.seek(0)
+        se.seek(0)
+        assert rc == 0, se.read()
+        return so.read()
 
 
 WRITE = """
@@ -111,3 +123,40 @@ def test_writes_stay_on_the_writers_node_and_reads_cross_the_link(two_hosts, tok
     # each column lives only where it was written: 256 KiB of prompts on B, 512 KiB of responses on A
     assert 256 * 1024 <= whs[ready1["warehouse"]]["bytes"] < 300 * 1024
     assert 512 * 1024 <= whs[ready0["warehouse"]]["bytes"] < 560 * 1024
+
+
+DEVICE_WRITE = """
+import sys, torch, dockd
+with dockd.connect(sys.argv[1]) as d:
+    d.put({"logp": (torch.arange(64 * 2048) % 977).float().view(64, 2048)}, partition="dev", device="keep")
+    assert d.stats(traffic=True)["warehouses"][d.home]["device_bytes"] == 64 * 2048 * 4
+"""
+
+DEVICE_READ = """
+import sys, json, torch, dockd
+with dockd.connect(sys.argv[1]) as d:
+    out = []
+    for k in range(2):  # the first read opens the link, the second reuses it
+        b = d.get("trainer", ["logp"], 32, partition="dev", device="cpu", timeout=30)
+        want = (torch.arange(64 * 2048) % 977).float().view(64, 2048)[b.indexes]
+        out.append(bool(torch.equal(b.stacked("logp"), want)))
+    print(json.dumps({"ok": out, "links": len(d._links._links), "off": d._links._off}))
+"""
+
+
+def test_a_reader_on_another_node_gets_device_tier_data_over_a_device_link(two_hosts, token):
+    """The device link across a real network link (gloo, the CPU stand-in: DOCKD_CPU_DEVICE_TIER=1):
+    the rendezvous and the holder's address are the nodes' own addresses, not loopback."""
+    a, b, procs = two_hosts
+    env = dict(os.environ, DOCKD_CPU_DEVICE_TIER="1", DOCKD_DEVICE_LINK_TIMEOUT="30")
+    p0, ready0 = spawn_node(["--host", "10.77.0.1", "--port", "0", "--controller", "--token-file", token,
+                             "--device-capacity", "8MiB"], prefix=["ip", "netns", "exec", a], env=env)
+    procs.append(p0)
+    controller = f"10.77.0.1:{ready0['port']}"
+    os.environ["DOCKD_CPU_DEVICE_TIER"] = "1"   # (run_in passes the environment on)
+    try:
+        run_in(a, DEVICE_WRITE, controller, token=token, to_files=True)            # a rollout worker on host A
+        got = json.loads(run_in(b, DEVICE_READ, controller, token=token, to_files=True))  # the trainer on host B
+    finally:
+        del os.environ["DOCKD_CPU_DEVICE_TIER"]
+    assert got == {"ok": [True, True], "links": 1, "off": {}}
