@@ -1,4 +1,5 @@
-"""Multi-process checks of the NCCL bindings on a real GPU: used by tests/gpu and scripts/gpu_check.py.
+"""Multi-process checks of the collective bindings on a real device: used by tests/gpu and
+scripts/gpu_check.py. NCCL on CUDA GPUs, or HCCL on Ascend NPUs (`backend="hccl"`, with torch_npu).
 
 `run_ranks(op, world)` spawns `world` processes (torch.multiprocessing, spawn), rank 0 makes the
 unique id and passes it through a queue, each rank runs `OPS[op]` on its own Communicator and
@@ -14,10 +15,21 @@ import queue
 import time
 
 
-def _sync(dev) -> None:
+_DEVICE_TYPE = {"nccl": "cuda", "hccl": "npu"}
+
+
+def device_module(kind: str):
+    """torch.cuda, or torch.npu (registered by importing torch_npu)."""
     import torch
 
-    torch.cuda.synchronize(dev)
+    if kind == "npu":
+        import torch_npu  # noqa: F401
+
+    return getattr(torch, kind)
+
+
+def _sync(dev) -> None:
+    device_module(dev.type).synchronize(dev)
 
 
 def _sendrecv(comm, dev, n: int = 1 << 20) -> dict:
@@ -118,16 +130,19 @@ OPS = {"sendrecv": _sendrecv, "broadcast": _broadcast, "all_gather": _all_gather
 def _worker(rank: int, world: int, op: str, uid_q, res_q, kwargs: dict) -> None:
     import torch
 
-    ndev = torch.cuda.device_count()
+    backend = kwargs.pop("backend", "nccl")
+    kind = _DEVICE_TYPE[backend]
+    mod = device_module(kind)
+    ndev = mod.device_count()
     if ndev == 0:
-        raise RuntimeError("no CUDA device visible to this process")
+        raise RuntimeError(f"no {kind} device visible to this process")
     if ndev < world:
         os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
-    dev = rank % ndev
-    torch.cuda.set_device(dev)
+    dev = torch.device(kind, rank % ndev)
+    mod.set_device(dev)
     from dockd.client.device import Communicator
 
-    comm = Communicator("nccl", library_path=kwargs.pop("library_path", None))
+    comm = Communicator(backend, library_path=kwargs.pop("library_path", None))
     if rank == 0:
         uid = comm.unique_id()
         for _ in range(world - 1):
@@ -142,11 +157,13 @@ def _worker(rank: int, world: int, op: str, uid_q, res_q, kwargs: dict) -> None:
         comm.abort()
         raise
     comm.destroy()
-    res_q.put((rank, {**result, "device": dev, "nccl_version": comm.lib.version(), "library": comm.lib.path}))
+    version = comm.lib.version() if backend == "nccl" else 0  # (HCCL has no version call)
+    res_q.put((rank, {**result, "device": dev.index, "nccl_version": version, "library": comm.lib.path}))
 
 
 def run_ranks(op: str, world: int = 2, *, timeout: float = 120.0, **kwargs) -> list[dict]:
-    """Run OPS[op] on `world` spawned ranks; the per-rank results, rank order. Raises on failure or timeout."""
+    """Run OPS[op] on `world` spawned ranks; the per-rank results, rank order. Raises on failure or
+    timeout. `backend="hccl"` runs it on Ascend NPUs (default "nccl", CUDA GPUs)."""
     import torch.multiprocessing as mp
 
     if op not in OPS:
