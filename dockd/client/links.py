@@ -23,7 +23,7 @@ import torch
 from dockd import codec
 from dockd._proto import dockd_pb2 as pb
 from dockd.device_link import READER, Link, backend_for, local_address
-from dockd.errors import DockError, DockProtocolError
+from dockd.errors import DockConnectionError, DockError, DockProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,12 @@ class ReaderLinks:
             link = mine.link
             req.link.CopyFrom(pb.DeviceLink(id=mine.id, backend=link.backend,
                                             rendezvous=b"" if link.joined else link.rendezvous))
-            reply, body, fds = call(pb.Frame(fetch=req))
+            try:
+                reply, body, fds = call(pb.Frame(fetch=req))
+            except DockConnectionError:
+                if not link.joined:  # the warehouse may have started joining: never offer that rendezvous again
+                    self.drop(wid, mine)
+                raise
             r = reply.fetch_reply
             if r.link_unknown or r.link_refused:
                 self.drop(wid, mine)
