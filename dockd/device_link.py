@@ -63,7 +63,7 @@ class Link:
             raise DockValueError(f"a {backend} link cannot move tensors on {device}")
         self.backend, self.device = backend, device
         self.rendezvous = b""
-        self.joined = False
+        self.joined = self.closed = False
         self._store = None
         self._pg = None
         self._comm = None
@@ -90,6 +90,8 @@ class Link:
     # --- setup -------------------------------------------------------------------------------
     def join(self, rendezvous: bytes, rank: int) -> None:
         """Become rank `rank` (READER or HOLDER); returns once both ends have joined."""
+        if self.closed:
+            raise DockConnectionError("the device link was closed")
         if self.backend == "gloo":
             self._join_gloo(rendezvous, rank)
         else:
@@ -125,6 +127,8 @@ class Link:
         self._move(tensors, send=False)
 
     def _move(self, tensors: list[torch.Tensor], *, send: bool) -> None:
+        if self.closed:
+            raise DockConnectionError("the device link was closed")
         if not self.joined:
             raise DockValueError("the device link has not been joined yet")
         what = "sending over" if send else "receiving over"
@@ -159,6 +163,7 @@ class Link:
 
     def close(self) -> None:
         """Abort pending work and free the link (either end; the other end then fails or times out)."""
+        self.closed = True
         comm, self._comm = self._comm, None
         if comm is not None and comm.initialized:
             try:

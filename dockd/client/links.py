@@ -49,35 +49,41 @@ class ReaderLinks:
               call: Callable[[pb.Frame], tuple]) -> tuple[pb.Frame, object, list[int], dict | None]:
         """`call(frame)` for a fetch whose device runs are to come over warehouse `wid`'s link:
         the reply, its body and descriptors, and the received device buffers (None: no link was used)."""
-        mine = self._get(wid, host, device)
-        if mine is None:
-            return (*call(pb.Frame(fetch=req)), None)
-        with mine.lock:
-            link = mine.link
-            req.link.CopyFrom(pb.DeviceLink(id=mine.id, backend=link.backend,
-                                            rendezvous=b"" if link.joined else link.rendezvous))
-            try:
-                reply, body, fds = call(pb.Frame(fetch=req))
-            except DockConnectionError:
-                if not link.joined:  # the warehouse may have started joining: never offer that rendezvous again
-                    self.drop(wid, mine)
-                raise
-            r = reply.fetch_reply
-            if r.link_unknown or r.link_refused:
+        while True:
+            mine = self._get(wid, host, device)
+            if mine is None:
+                return (*call(pb.Frame(fetch=req)), None)
+            with mine.lock:
+                if self._links.get(wid) is mine:  # (not dropped while this fetch waited for it)
+                    return self._fetch_on(wid, mine, req, call)
+
+    def _fetch_on(self, wid: int, mine: _Mine, req: pb.FetchRequest, call) -> tuple:
+        """One fetch on a link, its lock held."""
+        link = mine.link
+        req.link.CopyFrom(pb.DeviceLink(id=mine.id, backend=link.backend,
+                                        rendezvous=b"" if link.joined else link.rendezvous))
+        try:
+            reply, body, fds = call(pb.Frame(fetch=req))
+        except DockConnectionError:
+            if not link.joined:  # the warehouse may have started joining: never offer that rendezvous again
                 self.drop(wid, mine)
-                if r.link_refused:
-                    self._off[wid] = r.link_refused
-                    logger.warning("[client] warehouse %d refused a device link (%s): its device-tier data "
-                                   "comes through host memory", wid, r.link_refused)
-                return reply, body, fds, None
-            try:
-                if r.link_opened:
-                    link.join(link.rendezvous, READER)
-                received = receive(r.columns, r.device_buffers, link) if r.device_buffers else None
-            except DockError as e:
-                self.drop(wid, mine)
-                raise LinkFailed(f"device link to warehouse {wid}: {e}") from e
-            return reply, body, fds, received
+            raise
+        r = reply.fetch_reply
+        if r.link_unknown or r.link_refused:
+            self.drop(wid, mine)
+            if r.link_refused:
+                self._off[wid] = r.link_refused
+                logger.warning("[client] warehouse %d refused a device link (%s): its device-tier data "
+                               "comes through host memory", wid, r.link_refused)
+            return reply, body, fds, None
+        try:
+            if r.link_opened:
+                link.join(link.rendezvous, READER)
+            received = receive(r.columns, r.device_buffers, link) if r.device_buffers else None
+        except DockError as e:
+            self.drop(wid, mine)
+            raise LinkFailed(f"device link to warehouse {wid}: {e}") from e
+        return reply, body, fds, received
 
     def _get(self, wid: int, host: str, device: torch.device) -> _Mine | None:
         with self._lock:
