@@ -177,7 +177,7 @@ class Dock:
         gets can filter (`where`) and order (`order_by`) by; `set_tags` changes
         them later.
 
-        `device="keep"`: tensor columns on an accelerator (CUDA) stay in device
+        `device="keep"`: tensor columns on an accelerator (CUDA, or NPU with torch_npu) stay in device
         memory: the home warehouse, on the same node, copies them device to device
         into its device tier (`dockd serve --device-capacity`) instead of receiving
         them through host memory. When its device tier is full or off they are
@@ -224,6 +224,7 @@ class Dock:
         req.columns.extend(codec.encode_columns({k: v for k, v in split.items() if k not in kept}, body))
         tensors = []  # referenced until the put is answered: the warehouse copies out of them
         for col, t in kept.values():
+            t = device_share.base_layout(t)
             desc, base = device_share.export(t)
             req.device_buffers.append(desc)
             tensors.append(t)
@@ -324,7 +325,7 @@ class Dock:
         `device` (e.g. "cuda:0"): tensors come back on that device. Host-tier
         columns are copied host-to-device in one piece through a pinned buffer;
         device-tier data is copied device to device from a warehouse on this
-        node, and received over a device link (NCCL) from one on another node.
+        node, and received over a device link (NCCL; HCCL on NPUs) from one on another node.
         """
         target = _device(device)
         lease = self.acquire(consumer, columns, count, partition=partition, timeout=timeout, groups=groups,
@@ -1027,15 +1028,15 @@ def _device(device) -> Any:
 
 
 def _keeps(t) -> bool:
-    """put(device="keep"): whether a tensor stays in device memory (an accelerator's; a CPU tensor
+    """put(device="keep"): whether a tensor stays in device memory (a CUDA or NPU tensor; a CPU tensor
     only with DOCKD_CPU_DEVICE_TIER=1, which runs the device tier's paths on machines without one)."""
-    return t.device.type == "cuda" or (t.device.type == "cpu" and device_share.cpu_stand_in())
+    return device_share.tiered(t.device.type)
 
 
 def _maps_device(target) -> bool:
     """Whether a get for `target` takes device-tier data as shared device memory (copied once, device
     to device) rather than as host bytes."""
-    return target is not None and (target.type == "cuda" or (target.type == "cpu" and device_share.cpu_stand_in()))
+    return target is not None and device_share.tiered(target.type)
 
 
 def _on(t, dev) -> bool:

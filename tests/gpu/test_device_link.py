@@ -1,9 +1,10 @@
-"""Cross-node device reads on NCCL: a reader that reaches the warehouse over TCP (as one on another
-node does) gets device-tier data on its GPU over a device link made with dockd's NCCL bindings.
+"""Cross-node device reads: a reader that reaches the warehouse over TCP (as one on another node
+does) gets device-tier data on its device over a device link made with dockd's bindings (NCCL on
+NVIDIA GPUs, HCCL on Ascend NPUs).
 
-The reader uses a second GPU when there is one; with one GPU both ends of the link share it
-(NCCL_MULTI_RANK_GPU_ENABLE=1, which NCCL 2.2x+ asks for before it puts two ranks on one GPU).
-On an Ascend machine the same path runs on HCCL (npu devices).
+The reader uses a second device when there is one; with one GPU both ends of an NCCL link share
+it (NCCL_MULTI_RANK_GPU_ENABLE=1, which NCCL 2.2x+ asks for before it puts two ranks on one GPU).
+HCCL needs two NPUs.
 """
 
 from __future__ import annotations
@@ -13,21 +14,20 @@ import torch
 
 import dockd
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with CUDA torch"),
-    pytest.mark.timeout(300),
-]
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 
-def test_remote_device_get_over_an_nccl_link(monkeypatch):
-    x = torch.randn(256, 1024, device="cuda:0").bfloat16()
-    rag = [torch.arange(n, dtype=torch.int64, device="cuda:0") for n in (1, 5, 1000, 3)] * 16
-    monkeypatch.setenv("DOCKD_DEVICE_LINK_TIMEOUT", "120")
-    ndev = torch.cuda.device_count()
+def test_remote_device_get_over_a_device_link(accel, monkeypatch):
+    kind = accel
+    ndev = getattr(torch, kind).device_count()  # torch.cuda, or torch.npu
     if ndev < 2:
+        if kind == "npu":
+            pytest.skip("an HCCL link needs two NPUs")
         monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")  # the warehouse inherits it
-    dev = torch.device("cuda", min(1, ndev - 1))
+    x = torch.randn(256, 1024, device=f"{kind}:0").bfloat16()
+    rag = [torch.arange(n, dtype=torch.int64, device=f"{kind}:0") for n in (1, 5, 1000, 3)] * 16
+    monkeypatch.setenv("DOCKD_DEVICE_LINK_TIMEOUT", "120")
+    dev = torch.device(kind, min(1, ndev - 1))
     with dockd.start_local(1, extra_args=["--device-capacity", "64MiB"]) as c, dockd.connect(c.address) as w:
         w.put({"x": x, "r": rag}, partition="p", device="keep")
         w.put({"x": x + 1, "r": rag}, partition="q", device="keep")
