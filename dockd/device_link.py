@@ -119,7 +119,8 @@ class Link:
 
     # --- transfers ---------------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor]) -> None:
-        """Send each (contiguous) tensor to the reader, in order; returns when all have gone."""
+        """Send each (contiguous) tensor to the reader, in order; returns when all have gone. Tensors
+        on another device of this node are copied onto the link's device first (device to device)."""
         self._move(tensors, send=True)
 
     def recv(self, tensors: list[torch.Tensor]) -> None:
@@ -145,6 +146,8 @@ class Link:
         mod = _module(self.device)
         stream = self._stream
         with mod.device(self.device):  # the communicator's device, whichever this thread's is
+            if send:  # peer copies, ordered with both devices' current streams (kept until `done`)
+                tensors = [t if t.device == self.device else t.to(self.device) for t in tensors]
             stream.wait_stream(mod.current_stream(self.device))  # the tensors' producers first
             with self._comm.group():
                 for t in tensors:

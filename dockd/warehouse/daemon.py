@@ -813,7 +813,8 @@ class Node:
         of shared-memory segments go by descriptor to same-host peers (pinned for the peer's
         process), the rest as body bytes (no copy). Device-tier slices, when `shared` is given,
         are shared by handle with a same-node reader, or with `link` named for sending over that
-        device link (those on its device): (descriptor, tensor) pairs appended to `shared`.
+        device link (those on its kind of device; the link stages the others onto its own device):
+        (descriptor, tensor) pairs appended to `shared`.
         Otherwise they are copied to host bytes."""
         body = codec.Body()
         segs: list = []
@@ -828,7 +829,7 @@ class Node:
                 run = batch.run(r0, r1)
                 nbytes += run.nbytes
                 lo, _ = batch.span(r0, r1)
-                if batch.device is not None and shared is not None and (link is None or batch.device.device == link.device):
+                if batch.device is not None and shared is not None and (link is None or batch.device.device.type == link.device.type):
                     key = (str(batch.device.device), batch.device.untyped_storage().data_ptr())
                     k = exported.get(key)
                     if k is None:  # one buffer per storage, whatever the number of its slices
