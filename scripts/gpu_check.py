@@ -11,7 +11,11 @@
    device-to-device copy of the same buffer in the same run, and prints both in GB/s;
 4. times a get(device="cuda:0") of a 2 GiB sample held in a warehouse's device tier (CUDA IPC
    and one device-to-device copy) against the same copy, and the same get by a reader that
-   reaches the warehouse over TCP, as one on another node does (an NCCL device link).
+   reaches the warehouse over TCP, as one on another node does (an NCCL device link);
+5. runs the GPU part of `python -m benchmarks.resharding` (allgather-swap on a bf16 layer stack of
+   --resharding-params parameters: device memory freed during generation, swap bandwidth against
+   pinned host<->device copies, the share of the swap-back hidden behind generation), with what is
+   left of the budget; its JSON goes to --out-dir.
 
 Exit status: 0 all passed; 1 a check failed; 2 no usable GPU / NCCL; 124 the time budget ran out.
 """
@@ -42,6 +46,10 @@ def main() -> int:
                     help="sample size for the device-tier get figure (default 2048: a get's fixed round trips, "
                          "about a millisecond, must not dominate a copy that takes that long)")
     ap.add_argument("--skip-pytest", action="store_true", help="only the figures")
+    ap.add_argument("--resharding-params", type=float, default=3e9,
+                    help="parameters of the allgather-swap GPU benchmark's layer stack (default 3e9; 0: skip it)")
+    ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench-results"),
+                    help="where the resharding benchmark's JSON is written (default bench-results/)")
     args = ap.parse_args()
     deadline = time.monotonic() + args.budget
     left = lambda: deadline - time.monotonic()  # noqa: E731
@@ -93,8 +101,10 @@ def main() -> int:
         if proc.stderr.strip():
             say(proc.stderr.rstrip()[-4000:])
         tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-        if proc.returncode != 0 or "passed" not in tail or "skipped" in tail:
-            say(f"FAIL: pytest exit {proc.returncode}, summary: {tail!r} (skips count as failures here)")
+        bad_skips = unexpected_skips(proc.stdout, n)
+        if proc.returncode != 0 or "passed" not in tail or bad_skips:
+            say(f"FAIL: pytest exit {proc.returncode}, summary: {tail!r}"
+                + (f"; CUDA tests skipped: {bad_skips}" if bad_skips else ""))
             failed = True
         else:
             say("pytest: OK")
@@ -136,8 +146,37 @@ def main() -> int:
         say(f"  get / copy: {tier['get_gbps'] / tier['copy_gbps']:.2f} (target >= 0.8)")
         say(f"  get over an NCCL device link (reader on TCP, {tier['far']}): {tier['link_gbps']:8.1f} GB/s  "
             f"({tier['link_s'] * 1e3:.1f} ms); link / copy: {tier['link_gbps'] / tier['copy_gbps']:.2f}")
+    if args.resharding_params > 0:
+        say(f"\n== allgather-swap on the GPU: python -m benchmarks.resharding --skip-cpu "
+            f"--gpu-params {args.resharding_params:g} ==")
+        if left() < 30:
+            say("FAIL: no time left for the resharding figures")
+            return 124
+        out = os.path.join(args.out_dir, "resharding_gpu.json")
+        cmd = [sys.executable, "-m", "benchmarks.resharding", "--skip-cpu", "--gpu-params",
+               str(args.resharding_params), "--out", out]
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, timeout=left() - 5, capture_output=True, text=True)
+        except subprocess.TimeoutExpired:
+            say("FAIL: the resharding benchmark ran out of time")
+            return 124
+        say(proc.stdout.rstrip())
+        if proc.returncode != 0:
+            say(proc.stderr.rstrip()[-4000:])
+            say(f"FAIL: the resharding benchmark exited with {proc.returncode}")
+            failed = True
     say("\nRESULT: " + ("FAIL" if failed else "OK"))
     return 1 if failed else 0
+
+
+def unexpected_skips(output: str, gpus: int) -> list[str]:
+    """The skip reasons in pytest's -rs summary that a CUDA machine should not show: the NPU cases
+    skip here, and tests that need two GPUs on a machine with one; any other skip is a failure."""
+    expected = ("needs an Ascend NPU", "torch_npu is installed but no NPU", "an HCCL link needs two NPUs")
+    if gpus < 2:
+        expected += ("needs two cuda devices",)
+    return [line.strip() for line in output.splitlines()
+            if line.startswith("SKIPPED") and not any(e in line for e in expected)]
 
 
 def device_tier_figure(size_mib: int, iters: int) -> dict:
