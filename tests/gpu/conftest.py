@@ -20,7 +20,10 @@ def missing(kind: str) -> str:
     return "" if torch.npu.is_available() else "torch_npu is installed but no NPU is visible"
 
 
-@pytest.fixture(params=[pytest.param(k, id=k, marks=pytest.mark.skipif(bool(missing(k)), reason=missing(k) or "-"))
-                        for k in ("cuda", "npu")])
+_WHY = {k: missing(k) for k in ("cuda", "npu")}
+
+
+@pytest.fixture(params=[pytest.param(k, id=k, marks=pytest.mark.skipif(bool(why), reason=why or "-"))
+                        for k, why in _WHY.items()])
 def accel(request) -> str:
     return request.param
