@@ -15,12 +15,13 @@ token too. Roles:
   nothing in tokenless mode).
 - "daemon": what a warehouse proves to its controller, and what the
   controller's requests to warehouses ride on. Its key is the daemon token
-  (`--daemon-token-file`, by default the dock's token). Without any token (the
-  embedded default, loopback only) it is a per-dock secret that only the dock's
-  own daemons hold: `start_local` hands it to the daemons it starts, and
-  `dockd serve --controller` writes it to a file of its user's
-  (`daemon_secret_path`) that `dockd serve --join` on the same host reads. A
-  library user cannot send daemon messages by accident.
+  (`--daemon-token-file`), never the clients' token: every client holds that
+  one, and a client that could prove the daemon role could register a fake
+  warehouse or commit samples with no data behind them. Without a daemon token
+  it is a per-dock secret that only the dock's own daemons hold: `start_local`
+  hands it to the daemons it starts, and `dockd serve --controller` writes it
+  to a file of its user's (`daemon_secret_path`) that `dockd serve --join` on
+  the same host reads; a warehouse on another host needs the daemon token.
 
 The gRPC admin surface checks the same token on every call (`grpc_metadata`
 builds the header); the standard health service stays open, as probes need.
@@ -167,7 +168,8 @@ class ServerAuth:
             self.failed("bad_proof")
             raise DockAuthError(
                 "authentication failed: this dock needs the token it was started with"
-                if role == CLIENT else "authentication as a dockd daemon failed: wrong daemon token or secret"
+                if role == CLIENT else ("authentication as a dockd daemon failed: wrong daemon token or secret (the daemon role takes "
+                      "--daemon-token-file, the same file on every daemon; the dock's client token is not enough)")
             )
         return pb.AuthReply(mac=_mac(key, b"dockd-auth-ok-v1", role.encode(), auth.nonce, challenge.nonce))
 

@@ -158,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the dock's token (also $DOCKD_TOKEN_FILE): every connection must prove it; required to bind "
                         "a non-loopback address")
     s.add_argument("--daemon-token-file", metavar="FILE",
-                   help="a separate token for daemon-to-daemon messages (default: the dock's token)")
+                   help="the token daemons prove to each other (the same file on the controller and every warehouse on "
+                        "another host; never give it to clients). Without it only warehouses on the controller's host "
+                        "can join: the dock's token never proves the daemon role")
     s.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback address without a token (no authentication at all)")
     s.add_argument("--max-connections", type=int, default=4096, help="connections accepted at once (default 4096)")

@@ -95,7 +95,8 @@ class NodeConfig:
     token_file: str = ""
     """File holding the dock's token: every connection must prove it (challenge-response)."""
     daemon_token_file: str = ""
-    """File holding the token daemons prove to each other (default: the dock's token)."""
+    """File holding the token daemons prove to each other; clients never hold it. Without it the
+    controller draws a per-dock secret that only warehouses on its own host can read."""
     insecure: bool = False
     """Allow binding a non-loopback address without a token (no authentication at all)."""
     max_connections: int = 4096

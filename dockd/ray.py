@@ -37,7 +37,9 @@ process of the Ray cluster finds it by name (`find`, `connect`). Daemons bind
 their node's address, so the dock needs a token: `launch` draws a random one,
 each daemon actor keeps it in a private file for its daemon (``--token-file``),
 and Ray processes get it from the controller's actor (`token`): a dock launched
-on Ray trusts the processes of that Ray cluster, and nobody else. Ray must already
+on Ray trusts the processes of that Ray cluster, and nobody else. A second random
+token, the daemon token (``--daemon-token-file``), proves the daemon role between
+the daemons; `token()` and `connect()` never hand it out. Ray must already
 be initialised (``ray.init``) in the calling process. Ray is imported on first use,
 so ``import dockd`` and ``import dockd.ray`` work without it (``pip install -e '.[ray]'``).
 """
@@ -178,10 +180,11 @@ class _DaemonActor:
         self._ready: dict[str, Any] = {}
         self._joined = ""  # the controller this daemon belongs to
         self._token = ""
+        self._daemon_token = ""
         self._stopping = False
         self._lock = threading.Lock()
 
-    def start(self, args: list[str], timeout: float, token: str = "") -> dict[str, Any]:
+    def start(self, args: list[str], timeout: float, token: str = "", daemon_token: str = "") -> dict[str, Any]:
         """Start the daemon with `args` (bound on this node's IP) unless it runs already; its info."""
         from dockd.local import spawn_node
 
@@ -194,6 +197,9 @@ class _DaemonActor:
             if token:
                 self._token = token
                 args = [*args, "--token-file", self._token_file(token)]
+            if daemon_token:
+                self._daemon_token = daemon_token
+                args = [*args, "--daemon-token-file", self._token_file(daemon_token)]
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             # Forked from the actor's main thread, where Ray runs a default (max_concurrency=1)
             # actor's methods: PR_SET_PDEATHSIG fires when the forking *thread* ends, and that
@@ -209,6 +215,11 @@ class _DaemonActor:
     def token(self) -> str:
         """The dock's token (Ray processes of this cluster are trusted with it)."""
         return self._token
+
+    def daemon_token(self) -> str:
+        """The token the dock's daemons prove to each other (for warehouses started later; clients
+        never get it)."""
+        return self._daemon_token
 
     def _token_file(self, token: str) -> str:
         import tempfile
@@ -307,6 +318,7 @@ class _Spec:
     timeout: float
     num_cpus: float
     token: str = dataclasses.field(default="", repr=False)
+    daemon_token: str = dataclasses.field(default="", repr=False)
 
 
 class _Watcher:
@@ -433,7 +445,7 @@ def _ensure_warehouses(spec: _Spec, *, names: set[str] | None = None, strict: bo
         nid = node["NodeID"]
         try:
             actor = _daemon_actor(spec.namespace, _warehouse_name(nid), "warehouse", node, spec.num_cpus)
-            pending[nid] = (actor, actor.start.remote(args, spec.timeout, spec.token))
+            pending[nid] = (actor, actor.start.remote(args, spec.timeout, spec.token, spec.daemon_token))
         except ValueError as exc:  # the name still belongs to an actor that is dying
             failed[nid] = str(exc)
     deadline = time.monotonic() + spec.timeout + 30.0  # the actor's own start-up, then the daemon's
@@ -484,13 +496,13 @@ def _retire_stale_warehouses(spec: _Spec) -> None:
 
 
 def _start_controller(namespace: str, node: dict[str, Any], args: list[str], num_cpus: float,
-                      timeout: float, token: str) -> dict[str, Any]:
+                      timeout: float, token: str, daemon_token: str) -> dict[str, Any]:
     """Start (or find started) the controller actor and its daemon on `node`; the daemon's info."""
     ray = _ray()
     for attempt in (1, 2):
         controller = _daemon_actor(namespace, CONTROLLER_NAME, "controller", node, num_cpus)
         try:
-            return ray.get(controller.start.remote(args, timeout, token), timeout=timeout + 30.0)
+            return ray.get(controller.start.remote(args, timeout, token, daemon_token), timeout=timeout + 30.0)
         except ray.exceptions.RayActorError as exc:  # found a controller actor that was dying: once more
             if attempt == 2:
                 raise DockConnectionError(_start_failure("controller", node["NodeID"], exc, timeout)) from exc
@@ -576,13 +588,14 @@ def launch(
         args.append("--no-shm")
     node0 = _node_zero()
     t0 = time.monotonic()
-    token = secrets.token_hex(32)
-    info = _start_controller(namespace, node0, [*args, "--controller"], num_cpus, timeout, token)
+    token, daemon_token = secrets.token_hex(32), secrets.token_hex(32)
+    info = _start_controller(namespace, node0, [*args, "--controller"], num_cpus, timeout, token, daemon_token)
     address: str = info["address"]
-    # another launch may have started this controller first: warehouses join whichever runs, with its token
-    token = ray.get(_get_actor(CONTROLLER_NAME, namespace).token.remote(), timeout=timeout)
+    # another launch may have started this controller first: warehouses join whichever runs, with its tokens
+    controller = _get_actor(CONTROLLER_NAME, namespace)
+    token, daemon_token = ray.get([controller.token.remote(), controller.daemon_token.remote()], timeout=timeout)
     spec = _Spec(namespace=namespace, args=tuple(args), controller=address, controller_node=info["node_id"],
-                 timeout=timeout, num_cpus=num_cpus, token=token)
+                 timeout=timeout, num_cpus=num_cpus, token=token, daemon_token=daemon_token)
     logger.info("[ray] started controller node=%s address=%s namespace=%s", info["node_id"], address, namespace)
     try:
         _retire_stale_warehouses(spec)

@@ -69,12 +69,17 @@ class Node:
             )
         self.link: ControllerLink | None = None
         self._token = auth.load_token(cfg.token_file) if cfg.token_file else None
-        daemon_token = auth.load_token(cfg.daemon_token_file, "daemon token") if cfg.daemon_token_file else self._token
         self._secret_file = None
-        if daemon_token is None and not cfg.insecure:
+        # The daemon role is never proven with the clients' token: every client holds that one. It
+        # takes the daemon token (--daemon-token-file), else a per-dock secret that only the dock's
+        # own daemons hold (handed down by start_local, or written by the controller to a file of
+        # its user's that warehouses on its host read). Only --insecure without a token has no roles.
+        daemon_token = auth.load_token(cfg.daemon_token_file, "daemon token") if cfg.daemon_token_file else None
+        if daemon_token is None and not (cfg.insecure and self._token is None):
             env = os.environ.get("DOCKD_DAEMON_SECRET")
             daemon_token = bytes.fromhex(env) if env else (secrets.token_bytes(32) if cfg.controller else None)
         self._daemon_key = daemon_token  # a joining warehouse without one reads its controller's secret file
+        self._no_daemon_key_warned = False
         self.server_auth = auth.ServerAuth(client_key=self._token, daemon_key=daemon_token)
         Peer.handshake_timeout, Peer.stall_timeout = cfg.handshake_timeout, cfg.stall_timeout
         Peer.idle_timeout = cfg.idle_timeout
@@ -121,9 +126,9 @@ class Node:
         self.links = Links(loop)
         self._server = await loop.create_server(self._make_peer, self.cfg.host, self.cfg.port, reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
-        if self.controller is not None and self._token is None and self._daemon_key is not None \
+        if self.controller is not None and self._daemon_key is not None and not self.cfg.daemon_token_file \
                 and not os.environ.get("DOCKD_DAEMON_SECRET"):
-            # tokenless: warehouses started by hand on this host prove the daemon role with this secret
+            # warehouses started by hand on this host prove the daemon role with this secret
             self._secret_file = auth.write_daemon_secret(self.port, self._daemon_key)
         if self.cfg.shm and shm.available() and self.cfg.warehouse:
             self._listen_unix(loop)
@@ -217,12 +222,25 @@ class Node:
 
     def _make_link_peer(self) -> Peer:
         """This warehouse's connection to its controller: it proves the daemon role."""
-        join_port = int(self.cfg.join.rpartition(":")[2])
-        key = self._daemon_key if self._daemon_key is not None or self.cfg.insecure else (
-            lambda: auth.read_daemon_secret(join_port))
+        no_roles = self.cfg.insecure and self._token is None
+        key = self._daemon_key if self._daemon_key is not None or no_roles else self._controller_secret
         peer = Peer(self, max_body=self.cfg.max_frame, on_connect=keepalive, prove=(auth.DAEMON, key, b""))
         self._peers.add(peer)
         return peer
+
+    def _controller_secret(self) -> bytes | None:
+        """The daemon secret of a controller on this host (None, said once, when there is none)."""
+        key = auth.read_daemon_secret(int(self.cfg.join.rpartition(":")[2]))
+        if key is not None:
+            self.server_auth.daemon_key = key  # and this daemon asks the same of whoever claims the role
+        elif not self._no_daemon_key_warned:
+            self._no_daemon_key_warned = True
+            logger.error(
+                "[auth] this warehouse has no daemon token to prove to the controller at %s: give it "
+                "--daemon-token-file FILE, the file the controller was started with (clients never get it). The "
+                "dock's token alone does not make a daemon; only a warehouse on the controller's own host finds the "
+                "controller's secret by itself", self.cfg.join)
+        return key
 
     def _connected(self, transport) -> None:
         keepalive(transport)

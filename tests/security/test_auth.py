@@ -176,6 +176,54 @@ def test_a_separate_daemon_token_keeps_token_holding_clients_out_of_the_daemon_r
             p.stdout.close()
 
 
+def test_the_dock_token_alone_never_proves_the_daemon_role(tmp_path, token_file, raw):
+    """Finding 1 of the second review: with only --token-file (the multi-node recipe of old), any
+    client could authenticate as a daemon with the dock token and register over a live warehouse."""
+    args = ["--token-file", str(token_file)]
+    p0, r0 = spawn_node(["--controller", "--port", "0", *args])
+    p1, r1 = spawn_node(["--port", "0", "--join", f"127.0.0.1:{r0['port']}", *args])  # same host: reads the secret
+    try:
+        address = f"127.0.0.1:{r0['port']}"
+        client_key = token_file.read_bytes().strip()
+        with pytest.raises(AssertionError, match="daemon-token-file"):
+            raw(address, role=auth.DAEMON, key=client_key)
+        with pytest.raises(AssertionError, match="daemon failed"):  # nor at a warehouse
+            raw(f"127.0.0.1:{r1['port']}", role=auth.DAEMON, key=client_key)
+        with dockd.connect(address, token=client_key, warehouse=r1["warehouse"]) as d:
+            assert d.put({"x": [1]}, partition="p") == [0]
+            assert [w["state"] for w in d.stats()["warehouses"].values()] == ["joined", "joined"]
+    finally:
+        for p in (p1, p0):
+            p.terminate()
+            p.wait(20)
+            p.stdout.close()
+
+
+def test_a_warehouse_without_the_daemon_token_cannot_join_from_elsewhere(tmp_path, token_file):
+    """A warehouse that finds no controller secret on its host (as on another node) and has no
+    daemon token stays out, and says what it needs."""
+    args = ["--token-file", str(token_file)]
+    p0, r0 = spawn_node(["--controller", "--port", "0", *args])
+    env = dict(__import__("os").environ, XDG_RUNTIME_DIR=str(tmp_path))  # where no secret file is
+    p1 = subprocess.Popen([sys.executable, "-m", "dockd", "serve", "--port", "0", "--join", f"127.0.0.1:{r0['port']}",
+                           *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        err = ""
+        for line in p1.stderr:
+            err += line
+            if "daemon-token-file" in line:
+                break
+        assert "no daemon token" in err, err
+        with dockd.connect(f"127.0.0.1:{r0['port']}", token=token_file.read_bytes().strip()) as d:
+            assert list(d.stats()["warehouses"]) == [0]  # the controller's own; the other never joined
+    finally:
+        for p in (p1, p0):
+            p.terminate()
+            p.wait(20)
+        p0.stdout.close()
+        p1.stderr.close()
+
+
 @pytest.mark.skipif(not hasattr(socket, "SO_PEERCRED"), reason="needs SO_PEERCRED (Linux)")
 def test_the_same_host_socket_refuses_other_users(cluster, client):
     import os
