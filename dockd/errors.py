@@ -10,6 +10,7 @@
     ├── DockAuthError          (the token is missing or wrong, or the request needs another role)
     ├── DockLeaseError         (the lease is not this client's, or expired before its confirm)
     ├── DockDrained            (the partition is sealed and nothing is left for this get)
+    ├── DockStateFull          (retryable: the controller's state dir is full; nothing was applied)
     ├── DockProtocolError      (a peer sent a malformed frame)
     ├── DockValueError         (bad argument; also a ValueError)
     ├── DockTypeError          (argument of the wrong type; also a TypeError)
@@ -81,6 +82,12 @@ class DockDrained(DockError):
     sample the consumer could have was handed out. The end of a stream."""
 
 
+class DockStateFull(DockError):
+    """The controller could not journal this request in its state dir (the disk is full, or
+    writing there failed), so it applied nothing. Retryable: the dock resumes by itself once
+    there is room again."""
+
+
 class DockProtocolError(DockError):
     """A peer sent bytes that are not a valid dockd frame."""
 
@@ -118,6 +125,8 @@ def from_status(status) -> DockError:  # status: dockd_pb2.Status
         return DockLeaseError(msg)
     if code == pb.DRAINED:
         return DockDrained(msg)
+    if code == pb.STATE_FULL:
+        return DockStateFull(msg)
     return DockError(f"{pb.Code.Name(code) if code in pb.Code.values() else code}: {msg}")
 
 
@@ -146,6 +155,8 @@ def to_status(exc: BaseException, status) -> None:
         status.code = pb.LEASE
     elif isinstance(exc, DockDrained):
         status.code = pb.DRAINED
+    elif isinstance(exc, DockStateFull):
+        status.code = pb.STATE_FULL
     elif isinstance(exc, (ValueError, TypeError)):
         status.code = pb.INVALID_ARGUMENT
     else:
