@@ -190,6 +190,7 @@ class DockdNodes:
         self.procs: list[subprocess.Popen] = []
         self.ready: list[dict[str, Any]] = []
         env = dict(spawn_env(), PYTHONUNBUFFERED="1", **(env_extra or {}))
+        env.setdefault("DOCKD_DAEMON_SECRET", secrets.token_hex(32))  # the daemon role: the daemons only
         common = ["--port", "0", "--grpc-port", "0", "--capacity", capacity, "--log-level", "WARNING"]
         if env_extra and env_extra.get("DOCKD_TOKEN_FILE"):
             common += ["--token-file", env_extra["DOCKD_TOKEN_FILE"]]

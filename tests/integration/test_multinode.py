@@ -101,14 +101,18 @@ with dockd.connect(sys.argv[1]) as d:
 """
 
 
-def test_writes_stay_on_the_writers_node_and_reads_cross_the_link(two_hosts, token):
+def test_writes_stay_on_the_writers_node_and_reads_cross_the_link(two_hosts, token, tmp_path):
     a, b, procs = two_hosts
-    p0, ready0 = spawn_node(["--host", "10.77.0.1", "--port", "0", "--controller", "--token-file", token],
-                            prefix=["ip", "netns", "exec", a])
+    daemon_token = tmp_path / "daemon-token"  # what lets a warehouse on another host join
+    daemon_token.write_text(uuid.uuid4().hex * 2)
+    daemon_token.chmod(0o600)
+    daemon_token = str(daemon_token)
+    p0, ready0 = spawn_node(["--host", "10.77.0.1", "--port", "0", "--controller", "--token-file", token,
+                             "--daemon-token-file", daemon_token], prefix=["ip", "netns", "exec", a])
     procs.append(p0)
     controller = f"10.77.0.1:{ready0['port']}"
-    p1, ready1 = spawn_node(["--host", "10.77.0.2", "--port", "0", "--join", controller, "--token-file", token],
-                            prefix=["ip", "netns", "exec", b])
+    p1, ready1 = spawn_node(["--host", "10.77.0.2", "--port", "0", "--join", controller, "--token-file", token,
+                             "--daemon-token-file", daemon_token], prefix=["ip", "netns", "exec", b])
     procs.append(p1)
 
     wrote_b = json.loads(run_in(b, WRITE, controller, "new", token=token))      # a rollout worker on host B
