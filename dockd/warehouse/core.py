@@ -245,6 +245,9 @@ class Warehouse:
         if req.indexes:
             if len(req.indexes) != n:
                 raise DockValueError(f"{len(req.indexes)} indexes given for {n} values per column")
+            if min(req.indexes) < 0:
+                raise DockValueError(f"sample index {min(req.indexes)} is negative; indexes are the ones a put of new "
+                                     "samples returned (0, 1, ...)")
             if req.new_count:
                 raise DockValueError("a put gives either indexes (existing samples) or new samples, not both")
         else:
@@ -309,32 +312,6 @@ class Warehouse:
         self.device_reserved -= device_nbytes
         self.device_used += device_nbytes
         part.device_nbytes += device_nbytes
-
-    def unstore(self, partition: str, indexes: Sequence[int], columns: Iterable[str], nbytes: int,
-                device_nbytes: int = 0) -> list:
-        """Undo a store whose commit the controller refused; the segments it no longer uses."""
-        part = self.parts.get(partition)
-        if part is None:
-            return []
-        idx = _idx(indexes)
-        gone = []
-        for c in columns:
-            col = part.columns.get(c)
-            if col is None:
-                continue
-            here = idx[col.present(idx)]
-            for b in np.unique(col.batch_of[here]).tolist():
-                seg = col.batches[b].segment
-                if seg is not None and seg not in gone:
-                    gone.append(seg)
-                col.batches[b] = None  # its rows are all among these samples: they came in one put
-            col.batch_of[here] = -1
-        part.segments = [s for s in part.segments if s not in gone]
-        part.nbytes -= nbytes
-        self.used -= nbytes
-        part.device_nbytes -= device_nbytes
-        self.device_used -= device_nbytes
-        return gone
 
     # -- reads and frees -----------------------------------------------------------------------
     def fetch(self, partition: str, wanted: Sequence[tuple[str, Sequence[int]]]) -> list[tuple[str, list[tuple]]]:
@@ -539,9 +516,6 @@ class Warehouse:
         """The shared-memory segments a partition's data lives in."""
         part = self.parts.get(partition)
         return list(part.segments) if part is not None else []
-
-    def free_all(self) -> int:
-        return sum(self.free(p) for p in list(self.parts))
 
     def inventory(self, uncommitted: Sequence[pb.CommitRequest] = ()) -> list[pb.InventoryPartition]:
         """What this warehouse holds, as sorted index runs per column, leaving out stored values

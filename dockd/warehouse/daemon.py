@@ -67,6 +67,8 @@ class Node:
                 inline=self._inline_values,
                 state_dir=cfg.state_dir or None, warehouse_grace=cfg.warehouse_grace, daemon_timeout=cfg.daemon_timeout,
             )
+            members = self.controller.members  # heartbeats to the warehouses (see controller.membership)
+            members.heartbeat_interval, members.heartbeat_timeout = cfg.heartbeat_interval, cfg.heartbeat_timeout
         self.link: ControllerLink | None = None
         self._token = auth.load_token(cfg.token_file) if cfg.token_file else None
         self._secret_file = None
@@ -90,7 +92,7 @@ class Node:
         self._server: asyncio.base_events.Server | None = None
         self._peers: set[Peer] = set()
         self._capacity_waiters: list[tuple[int, asyncio.Future, Peer]] = []  # (bytes, admitted, whose put)
-        self._pending_new: dict[str, int] = {}
+        self._pending: dict[str, int] = {}  # partition -> puts committed, not stored yet
         self._landed = asyncio.Condition()
         self._stopping: asyncio.Event | None = None
         self._grpc = None
@@ -502,15 +504,12 @@ class Node:
         self._admit_waiters()
         return n
 
-    def _release_room(self, *, unreserve: int = 0, unreserve_device: int = 0, unstore: tuple | None = None) -> None:
+    def _release_room(self, *, unreserve: int = 0, unreserve_device: int = 0) -> None:
         """Give back room a failed put held, and let waiting puts in."""
         if unreserve:
             self.warehouse.unreserve(unreserve)
         if unreserve_device:
             self.warehouse.device_unreserve(unreserve_device)
-        if unstore is not None:
-            for seg in self.warehouse.unstore(*unstore):
-                self.segments.release(seg)
         self._admit_waiters()
 
     def on_abandoned(self, peer: Peer, frame: pb.Frame, body_size: int) -> None:
@@ -720,23 +719,19 @@ class Node:
             if len(self._puts_done) > _PUT_TOKENS_KEPT:
                 self._puts_done.popitem(last=False)
 
+    # A put is committed first and stored after: the controller checks that explicit indexes
+    # exist (and that their columns are unwritten) before any memory is spent on them, so a put
+    # naming index 2**40 is refused without growing the index maps. Stores cannot fail after
+    # the checks in _put_reserved. A fetch that arrives between the two waits for the store.
     def _put_local(self, peer, frame, buf, seg, commit, size, dev=(), spilled=0) -> None:
         req = frame.put
         dev_n = sum(int(t.numel()) for t in dev)
-        if req.indexes:
-            self.warehouse.store(req.partition, req.indexes, req.columns, buf, size, seg, device=dev)
-            try:
-                idx = self.controller.commit(commit)
-            except Exception:
-                self._release_room(unstore=(req.partition, req.indexes, [c.name for c in req.columns], size, dev_n))
-                raise
-        else:
-            try:
-                idx = self.controller.commit(commit)
-            except Exception:
-                self._release_room(unreserve=size, unreserve_device=dev_n)
-                raise
-            self.warehouse.store(req.partition, idx, req.columns, buf, size, seg, req.group_size or 1, device=dev)
+        try:
+            idx = self.controller.commit(commit)
+        except Exception:
+            self._release_room(unreserve=size, unreserve_device=dev_n)
+            raise
+        self.warehouse.store(req.partition, idx, req.columns, buf, size, seg, _group_size(req), device=dev)
         out = idx.tolist()
         self._put_done(req.token, out)
         self.metrics.put(peer.passes_fds, len(out), size + dev_n)
@@ -744,37 +739,26 @@ class Node:
 
     async def _put_remote(self, peer, frame, buf, seg, commit, size, dev=(), spilled=0) -> None:
         req = frame.put
-        names = [c.name for c in req.columns]
         dev_n = sum(int(t.numel()) for t in dev)
+        self._pending[req.partition] = self._pending.get(req.partition, 0) + 1
         try:
-            if req.indexes:
-                self.warehouse.store(req.partition, req.indexes, req.columns, buf, size, seg, device=dev)
-                try:
-                    await self.link.commit(commit, req.timeout)
-                except Exception:
-                    self._release_room(unstore=(req.partition, req.indexes, names, size, dev_n))
-                    raise
-                idx = list(req.indexes)
-            else:
-                self._pending_new[req.partition] = self._pending_new.get(req.partition, 0) + 1
-                try:
-                    idx = await self.link.commit(commit, req.timeout)
-                except Exception:
-                    self._release_room(unreserve=size, unreserve_device=dev_n)
-                    raise
-                else:
-                    self.warehouse.store(req.partition, idx, req.columns, buf, size, seg, req.group_size or 1,
-                                         device=dev)
-                finally:
-                    self._pending_new[req.partition] -= 1
-                    if not self._pending_new[req.partition]:
-                        del self._pending_new[req.partition]
-                    async with self._landed:
-                        self._landed.notify_all()
+            try:
+                idx = await self.link.commit(commit, req.timeout)
+            except Exception:
+                self._release_room(unreserve=size, unreserve_device=dev_n)
+                raise
+            self.warehouse.store(req.partition, idx, req.columns, buf, size, seg, _group_size(req), device=dev)
         except Exception as e:
             self._put_done(req.token, None, e)
             peer.reply_error(frame, e)
             return
+        finally:
+            self._pending[req.partition] -= 1
+            if not self._pending[req.partition]:
+                del self._pending[req.partition]
+            async with self._landed:
+                self._landed.notify_all()
+        idx = list(idx)
         self._put_done(req.token, idx)
         self.metrics.put(peer.passes_fds, len(idx), size + dev_n)
         peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=idx, spilled_bytes=spilled)))
@@ -785,8 +769,8 @@ class Node:
         try:
             found = self.warehouse.fetch(req.partition, wanted)
         except DockNotFound:
-            if req.partition in self._pending_new:
-                # The controller made a new put visible before its commit reply reached us.
+            if req.partition in self._pending:
+                # The controller made a put visible before its commit reply reached us.
                 _spawn(self._fetch_after_landing(peer, frame, wanted))
                 return
             raise
@@ -795,7 +779,7 @@ class Node:
     async def _fetch_after_landing(self, peer: Peer, frame: pb.Frame, wanted) -> None:
         async with self._landed:
             await self._landed.wait_for(
-                lambda: frame.fetch.partition not in self._pending_new or self.warehouse.has(frame.fetch.partition, wanted)
+                lambda: frame.fetch.partition not in self._pending or self.warehouse.has(frame.fetch.partition, wanted)
             )
         try:
             found = self.warehouse.fetch(frame.fetch.partition, wanted)
@@ -894,6 +878,11 @@ class Node:
         # device-tier columns are fetched: the reader then chooses device memory or host bytes
         found = [(name, slices) for name, slices in found if all(b.device is None for b, _, _ in slices)]
         return self._encode(peer, found, len(indexes))
+
+
+def _group_size(req: pb.PutRequest) -> int:
+    """The group size a put tells its warehouse (0: a put of existing samples says nothing)."""
+    return 0 if req.indexes else req.group_size or 1
 
 
 def _flat(t):

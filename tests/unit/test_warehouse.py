@@ -85,14 +85,14 @@ def test_capacity_reservations_and_never_fitting_puts():
         w.check_fits(101)
 
 
-def test_duplicate_columns_and_unstore():
+def test_duplicate_columns():
     w = Warehouse(1 << 20)
     cols, buf = encoded([torch.zeros(1)])
     w.reserve(buf.size)
     w.store("p", [3], cols, buf, buf.size)
     with pytest.raises(DockValueError, match="already written"):
         w.check_absent("p", [3], ["x"])
-    w.unstore("p", [3], ["x"], buf.size)
+    w.free("p")
     assert w.used == 0 and not w.has("p", [("x", [3])])
 
 
@@ -155,7 +155,7 @@ def test_bookkeeping_stays_within_the_memory_budget():
 
 def test_device_tier_batches_are_counted_apart_and_freed_with_their_samples():
     """Device-tier runs (a CPU tensor stands in for device memory: the bookkeeping is the same)
-    are sliced like host runs, counted in device_used, and released by deletes, unstore and free."""
+    are sliced like host runs, counted in device_used, and released by deletes and free."""
     w = Warehouse(1 << 20, device_capacity=4096)
     host_cols, buf = encoded([1.5, 2.5, 3.5], name="r")
     t = torch.arange(12, dtype=torch.float32).view(3, 4)
@@ -179,10 +179,6 @@ def test_device_tier_batches_are_counted_apart_and_freed_with_their_samples():
     w.free_samples("p", [2])
     assert (w.used, w.device_used) == (0, 0)
 
-    assert w.reserve(buf.size) and w.device_reserve(48)
-    w.store("q", [0, 1, 2], [*host_cols, dev_col], buf, buf.size, device=[own])
-    w.unstore("q", [0, 1, 2], ["r", "x"], buf.size, 48)  # the controller refused the commit
-    assert (w.used, w.device_used) == (0, 0)
     assert w.reserve(buf.size) and w.device_reserve(48)
     w.store("q", [0, 1, 2], [*host_cols, dev_col], buf, buf.size, device=[own])
     w.free("q")

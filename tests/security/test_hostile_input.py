@@ -1,0 +1,38 @@
+"""Requests within every limit that an adversary (or a buggy client) sends to grow a daemon or
+to get something applied and reported as failed. From the second trust review (findings 2, 3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dockd
+from dockd import limits
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.parametrize("where", [0, 1], ids=["controller-warehouse", "joined-warehouse"])
+def test_a_put_naming_a_huge_index_is_refused_before_memory_is_spent(cluster, partition, where):
+    pid = cluster.procs[where].pid
+    with dockd.connect(cluster.address, warehouse=where) as d:
+        d.put({"x": [0]}, partition=partition)
+        before = _rss(pid)
+        for index in (2**30, 2**31, 2**33, 2**62):
+            with pytest.raises(dockd.DockNotFound, match="do not exist"):
+                d.put({"w": [1]}, partition=partition, indexes=[index])
+        assert _rss(pid) - before < 64 << 20  # it grew by gigabytes per put before
+        with pytest.raises(dockd.DockValueError, match="negative"):
+            d.put({"w": [1]}, partition=partition, indexes=[-1])
+        # the daemon keeps serving, and the legitimate column write still works
+        assert d.put({"w": [7]}, partition=partition, indexes=[0]) == [0]
+        assert d.get("c", ["x", "w"], 1, partition=partition, timeout=10)["w"] == [7]
+        assert d.stats()["partitions"][partition]["samples"] == 1
