@@ -106,6 +106,9 @@ class NodeConfig:
     stall_timeout: float = 60.0
     """Seconds a frame may go without a byte before its connection is closed."""
     idle_timeout: float = 3600.0
+    min_rate: int = 64 << 10
+    """Bytes a second a frame must average once it has taken 10 s (a put trickled in slower holds its
+    admitted capacity from everyone else); its connection is closed below that."""
     """Seconds a client connection may make no request before it is closed (clients reconnect)."""
     daemon_timeout: float = 30.0
     """Seconds the controller waits for a warehouse to answer (e.g. to free a cleared partition)."""

@@ -3,7 +3,9 @@
 A frame's size is bounded by the framing (`wire.MAX_HEADER`, the put's admitted
 capacity); this bounds what a small header can ask for: names, how many
 columns, how many samples in one request. A request past a bound gets a clear
-DockValueError and the connection keeps working.
+DockValueError and the connection keeps working. The bounds also keep every
+reply within `wire.MAX_REPLY_HEADER`, so that a request is either refused here,
+before anything is applied, or applied and answered.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dockd.errors import DockValueError
 MAX_NAME = 256            # characters in a partition, column, consumer or client name
 MAX_COLUMNS = 64          # columns in one request (a partition holds at most 64)
 MAX_SAMPLES = 1 << 22     # samples in one put, get, read or commit
+MAX_CELLS = 1 << 23       # samples x columns in one get, fetch or locate (what its reply lists)
 MAX_LEASES = 1 << 16      # leases in one confirm
 MAX_PARTITIONS = 1 << 16  # partitions in one warehouse's inventory
 MAX_TAGS = 16             # tags in one request (a partition holds at most 16)
@@ -65,6 +68,7 @@ def check(frame: pb.Frame) -> None:
         _count("confirms", len(r.confirm), MAX_LEASES)
         _count("data-parallel ranks", r.dp_size, MAX_RANKS)
         _count("samples", r.count * max(r.dp_size, 1))
+        _count("sample-columns (samples x columns)", r.count * max(r.dp_size, 1) * max(len(r.columns), 1), MAX_CELLS)
         _columns(r.balance_by)
         _name("order_by", r.order_by)
         _count("tag filters", len(r.where), MAX_TAGS)
@@ -75,6 +79,7 @@ def check(frame: pb.Frame) -> None:
         _columns([c.name for c in frame.fetch.columns])
         for c in frame.fetch.columns:
             _count("samples", len(c.indexes))
+        _count("sample-columns (samples x columns)", sum(len(c.indexes) for c in frame.fetch.columns), MAX_CELLS)
         if frame.fetch.HasField("link"):
             link = frame.fetch.link
             if len(link.id) != LINK_ID_BYTES:
@@ -87,6 +92,8 @@ def check(frame: pb.Frame) -> None:
         _name("partition name", frame.locate.partition)
         _columns(frame.locate.columns)
         _count("samples", len(frame.locate.indexes))
+        _count("sample-columns (samples x columns)", len(frame.locate.indexes) * max(len(frame.locate.columns), 1),
+               MAX_CELLS)
     elif kind == "confirm":
         _count("confirms", max(len(frame.confirm.leases), len(frame.confirm.tickets)), MAX_LEASES)
     elif kind == "clear":

@@ -13,8 +13,14 @@ Every connection starts with the handshake of `dockd.auth`: an accepted one
 peer has proved its role; an outgoing one (`prove=`) answers the daemon's
 Challenge. Until then frames are small, bodiless and must arrive within
 `handshake_timeout`. Afterwards a frame started must keep arriving (no
-`stall_timeout` seconds without a byte inside a frame), and a client
-connection with no request at all for `idle_timeout` is closed.
+`stall_timeout` seconds without a byte inside a frame, and on average at
+least `min_rate` bytes a second once it has taken `RATE_GRACE` seconds), and
+a client connection with no request at all for `idle_timeout` is closed.
+
+Memory held across connections is bounded too: a header larger than the
+scratch buffer is received into memory counted against one budget for the
+whole process (`header_budget`); a connection whose header does not fit is
+closed with an error saying so, and the others keep their room.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ _DISCARD = 1 << 20
 HANDSHAKE_HEADER = 4096       # bytes a frame may have before the peer authenticated
 MAX_QUEUED_FDS = 64           # descriptors received ahead of the frames that claim them
 _TIMED_MAX = 4096             # requests of one connection timed at once (the rest go untimed)
+RATE_GRACE = 10.0             # seconds a frame may take before its average rate is checked
 
 
 class Handler(Protocol):
@@ -56,6 +63,9 @@ class Peer(asyncio.BufferedProtocol):
     _ids = itertools.count(1)
     # seconds: to authenticate; without a byte inside a frame; without any request (set by the daemon)
     handshake_timeout, stall_timeout, idle_timeout = 10.0, 60.0, 3600.0
+    min_rate = 64 << 10          # bytes/s a frame must average once it has taken RATE_GRACE seconds
+    header_budget = 256 << 20    # bytes of grown receive buffers (large headers) all connections may hold
+    header_held = 0              # ... held now
 
     def __init__(self, handler: Handler, *, max_body: int, on_connect=None, accept: auth.ServerAuth | None = None,
                  instance: int = 0, prove=None) -> None:
@@ -81,6 +91,8 @@ class Peer(asyncio.BufferedProtocol):
         self._buf = bytearray(_SCRATCH)
         self._mv = memoryview(self._buf)
         self._lo = self._hi = 0
+        self._frame_t0: float | None = None  # when the frame now arriving in pieces began to (loop time)
+        self._frame_got = 0                  # ... and its bytes received since
         self._pending: tuple[pb.Frame, int] | None = None  # frame whose body is next
         self._admitting = False
         self._dest: memoryview | None = None
@@ -136,6 +148,13 @@ class Peer(asyncio.BufferedProtocol):
         if mid_frame and not self._admitting and now - self._last > self.stall_timeout:
             self.fail(DockProtocolError(f"a frame stalled: no byte for {self.stall_timeout:g}s"))
             return
+        t0 = self._frame_t0
+        if mid_frame and not self._admitting and t0 is not None and now - t0 > RATE_GRACE \
+                and self._frame_got < self.min_rate * (now - t0):
+            self.fail(DockProtocolError(
+                f"a frame arrived at {self._frame_got / (now - t0):.0f} bytes/s for {now - t0:.0f}s, under this "
+                f"daemon's minimum of {self.min_rate} bytes/s: the connection is too slow, or holds its room on purpose"))
+            return
         idle = not mid_frame and not self._calls and not self.parked
         if idle and self.role == auth.CLIENT and now - self._last > self.idle_timeout:
             logger.info("[peer] closing idle connection peer=%s idle=%.0fs", self.name, now - self._last)
@@ -145,6 +164,7 @@ class Peer(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        self._shrink()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -177,6 +197,7 @@ class Peer(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self._last = asyncio.get_running_loop().time()
+        self._frame_got += nbytes
         self._guarded(self._received, nbytes)
 
     def _received(self, nbytes: int) -> None:
@@ -202,9 +223,29 @@ class Peer(asyncio.BufferedProtocol):
         return False
 
     # -- reading --------------------------------------------------------------------
+    def _hold(self, size: int) -> None:
+        """Count a receive buffer of `size` bytes (what it holds past the scratch size) against
+        the process's header budget; refuses (closing this connection) past it."""
+        delta = max(size - _SCRATCH, 0) - max(len(self._buf) - _SCRATCH, 0)
+        if delta > 0 and Peer.header_held + delta > Peer.header_budget:
+            raise DockProtocolError(
+                f"this daemon holds {Peer.header_held >> 20} MiB of large request headers from other connections "
+                f"(at most {Peer.header_budget >> 20} MiB) and cannot take {delta >> 20} MiB more now; retry, or "
+                "split the request")
+        Peer.header_held += delta
+
+    def _shrink(self) -> None:
+        """Back to the scratch buffer (its room in the header budget given back)."""
+        if len(self._buf) != _SCRATCH:
+            self._hold(_SCRATCH)
+            self._buf = bytearray(_SCRATCH)
+            self._mv = memoryview(self._buf)
+            self._lo = self._hi = 0
+
     def _compact(self, grow: int = 0) -> None:
         live = self._hi - self._lo
         if grow:
+            self._hold(max(grow, live))
             new = bytearray(max(grow, live))
             new[:live] = self._mv[self._lo : self._hi]
             self._buf, self._mv = new, memoryview(new)
@@ -217,11 +258,14 @@ class Peer(asyncio.BufferedProtocol):
             avail = self._hi - self._lo
             if avail < wire.PREFIX.size:
                 break
-            hlen, blen = wire.parse_prefix(self._buf, self._lo, self.max_body)
+            # an outgoing connection reads replies (larger headers) from a daemon that proved itself
+            hlen, blen = wire.parse_prefix(self._buf, self._lo, self.max_body,
+                                           wire.MAX_REPLY_HEADER if self._prove is not None else wire.MAX_HEADER)
             if self.role is None and (hlen > HANDSHAKE_HEADER or blen):
                 raise DockAuthError("authenticate first: the first frames on a connection are small and bodiless")
             need = wire.PREFIX.size + hlen
             if avail < need:
+                self._arriving()
                 if need > len(self._buf) - self._lo:
                     # grow with what has arrived, never to what a prefix merely announces
                     self._compact(grow=min(need, max(2 * len(self._buf), avail + _SCRATCH)))
@@ -253,9 +297,10 @@ class Peer(asyncio.BufferedProtocol):
             self._start_body()
         if self._lo == self._hi:
             self._lo = self._hi = 0
+            if self._dest is None:
+                self._frame_t0 = None
             if len(self._buf) > 4 * _SCRATCH and self._dest is None:
-                self._buf = bytearray(_SCRATCH)
-                self._mv = memoryview(self._buf)
+                self._shrink()
 
     def _admitted(self, fut: asyncio.Future) -> None:
         self._guarded(self._resume, fut)
@@ -295,6 +340,12 @@ class Peer(asyncio.BufferedProtocol):
             self._dispatch(frame, dest)
         else:
             self._dest, self._dest_obj, self._dest_pos = mv, dest, take
+            self._frame_t0, self._frame_got = asyncio.get_running_loop().time(), 0  # (admission may have waited)
+
+    def _arriving(self) -> None:
+        """A frame continues past what has arrived: its rate is watched from now (or its start)."""
+        if self._frame_t0 is None:
+            self._frame_t0, self._frame_got = asyncio.get_running_loop().time(), 0
 
     def _body_filled(self) -> None:
         if self._reject is not None:

@@ -21,27 +21,34 @@ from dockd.errors import DockProtocolError
 
 MAGIC = b"DKD1"
 PREFIX = struct.Struct("<4sIQ")
-MAX_HEADER = 8 << 20  # a header (not a body) this big is a batch to split, or an attack
+# A request header (not a body) this big is a batch to split, or an attack. Headers past the
+# receive scratch buffer are counted against one budget per daemon (`dockd.peer`).
+MAX_HEADER = 64 << 20
+# A reply's header may be larger: a request within `dockd.limits` (4M samples in a put, 8M
+# sample-columns in a get) is answered in full, never applied and then reported as too big.
+# Only a peer that proved it belongs to the dock sends replies.
+MAX_REPLY_HEADER = 128 << 20
 PROTOCOL_VERSION = 5  # 5: the device tier; 4: rank-aware gets, tags, deletes, checkpoints; 3: columns as runs; 2: answered confirms, tokens, rejoin. Other versions are refused
 IOV_MAX = 512
 
 
 def header(frame: pb.Frame, body_size: int = 0) -> bytes:
     raw = frame.SerializeToString()
-    if len(raw) > MAX_HEADER:
+    limit = MAX_REPLY_HEADER if frame.reply else MAX_HEADER
+    if len(raw) > limit:
         raise DockProtocolError(
-            f"frame header of {len(raw)} bytes exceeds {MAX_HEADER}; split the request into smaller batches"
+            f"frame header of {len(raw)} bytes exceeds {limit}; split the request into smaller batches"
         )
     return PREFIX.pack(MAGIC, len(raw), body_size) + raw
 
 
-def parse_prefix(data, offset: int, max_body: int) -> tuple[int, int]:
+def parse_prefix(data, offset: int, max_body: int, max_header: int = MAX_HEADER) -> tuple[int, int]:
     """(header length, body length) of the frame starting at data[offset:]; validates both."""
     magic, hlen, blen = PREFIX.unpack_from(data, offset)
     if magic != MAGIC:
         raise DockProtocolError(f"bad frame magic {bytes(magic)!r}: the peer does not speak the dockd protocol")
-    if hlen > MAX_HEADER:
-        raise DockProtocolError(f"frame header of {hlen} bytes exceeds the limit of {MAX_HEADER}")
+    if hlen > max_header:
+        raise DockProtocolError(f"frame header of {hlen} bytes exceeds the limit of {max_header}")
     if blen > max_body:
         raise DockProtocolError(f"frame body of {blen} bytes exceeds the limit of {max_body} bytes")
     return hlen, blen

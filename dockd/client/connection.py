@@ -327,7 +327,7 @@ class Connection:
             self._mv[:live] = self._mv[self._lo : self._hi]
             self._lo, self._hi = 0, live
         self._fill(wire.PREFIX.size)
-        hlen, blen = wire.parse_prefix(self._buf, self._lo, self.max_body)
+        hlen, blen = wire.parse_prefix(self._buf, self._lo, self.max_body, wire.MAX_REPLY_HEADER)
         self._fill(wire.PREFIX.size + hlen)
         start = self._lo + wire.PREFIX.size
         frame = wire.parse_header(self._mv[start : start + hlen])

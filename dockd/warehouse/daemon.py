@@ -48,6 +48,7 @@ _CONTROLLER_KINDS = {"acquire", "confirm", "release", "extend", "clear", "stats"
                      "leave", "partition"}
 _DAEMON_KINDS = {"register", "commit", "leave", "free", "measure", "dump"}  # only daemons of this dock may send these
 _PUT_TOKENS_KEPT = 4096
+_INLINE_CELLS = 1 << 20  # sample-columns an acquire reply carries inline at most (each may be a run of its own)
 
 
 class Node:
@@ -84,6 +85,7 @@ class Node:
         self._no_daemon_key_warned = False
         self.server_auth = auth.ServerAuth(client_key=self._token, daemon_key=daemon_token)
         Peer.handshake_timeout, Peer.stall_timeout = cfg.handshake_timeout, cfg.stall_timeout
+        Peer.min_rate = cfg.min_rate
         Peer.idle_timeout = cfg.idle_timeout
         self.port = 0
         self.grpc_port = 0
@@ -869,7 +871,7 @@ class Node:
         if self.wid < 0:
             return [], codec.Body(), []
         wanted = [(c, indexes.tolist()) for c, row in zip(columns, locations) if (row == self.wid).all()]
-        if not wanted:
+        if not wanted or len(indexes) * len(wanted) > _INLINE_CELLS:  # big gets fetch: their reply stays small
             return [], codec.Body(), []
         try:
             found = self.warehouse.fetch(partition, wanted)

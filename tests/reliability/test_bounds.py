@@ -202,3 +202,73 @@ def _no_leaked_threads():
     deadline = time.monotonic() + 5
     while threading.active_count() > before + 2 and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+@pytest.fixture
+def patient_node():
+    """A daemon whose stall timeout is long enough for slow senders to matter; yields (address, pid)."""
+    proc, ready = spawn_node(["--controller", "--port", "0", "--capacity", "64MiB", "--stall-timeout", "4",
+                              "--handshake-timeout", "4"])
+    try:
+        yield f"127.0.0.1:{ready['port']}", proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        proc.stdout.close()
+
+
+def test_large_headers_of_all_connections_share_one_budget(patient_node, raw, proc_stats):
+    """Finding 7 of the second review: the header limit held per connection, so 40 connections each
+    holding an unfinished 8 MiB header grew the controller by 335 MiB."""
+    address, pid = patient_node
+    before = proc_stats(pid)["rss"]
+    chunk = b"\0" * (1 << 20)
+    refused = 0
+    for _ in range(6):  # each announces a 60 MiB header and sends 56 MiB of it: 336 MiB in all
+        c = raw(address)
+        c.sock.sendall(wire.PREFIX.pack(wire.MAGIC, 60 << 20, 0))
+        try:
+            for _ in range(56):
+                c.sock.sendall(chunk)
+        except OSError:  # closed by the daemon: refused
+            refused += 1
+            continue
+        c.sock.settimeout(0.5)
+        try:
+            reply = c.read()
+        except (OSError, ConnectionError):
+            continue  # still held: no answer yet
+        assert "large request headers" in reply.status.message, reply
+        refused += 1
+    assert refused >= 1
+    assert proc_stats(pid)["rss"] - before < (256 + 64) << 20
+    still_serves(address)
+
+
+def test_a_put_trickled_in_below_the_minimum_rate_gives_its_room_back(patient_node, raw):
+    """Finding 7: a 500 MiB put sending one byte every 20 s stayed under the stall timeout and
+    held its admitted capacity: every other put got DockFull for minutes."""
+    address, _ = patient_node
+    size = 48 << 20
+    c = raw(address)
+    run = pb.Run(kind=pb.TENSOR, count=1, dtype="uint8", shape=[size], nbytes=size, offset=0)
+    put = pb.PutRequest(partition="slow", new_count=1, group_size=1, columns=[pb.ColumnData(name="x", runs=[run])],
+                        timeout=5)
+    c.sock.sendall(wire.header(pb.Frame(id=1, put=put), size))
+    t0 = time.monotonic()
+    with dockd.connect(address) as d:
+        with pytest.raises(dockd.DockFull):  # 48 of 64 MiB are admitted to the slow put
+            d.put({"y": [torch.zeros(32 << 20, dtype=torch.uint8)]}, partition="fast", timeout=1)
+        c.sock.settimeout(0.5)
+        reply = None
+        while reply is None and time.monotonic() - t0 < 30:
+            try:
+                c.sock.sendall(b"\0" * 1024)  # 2 KiB/s: alive, but far under the minimum rate
+                reply = c.read()
+            except TimeoutError:
+                continue
+            except (OSError, ConnectionError):
+                break
+        assert reply is None or "bytes/s" in reply.status.message, reply
+        assert time.monotonic() - t0 < 30
+        assert d.put({"y": [torch.zeros(32 << 20, dtype=torch.uint8)]}, partition="fast", timeout=10) == [0]

@@ -36,3 +36,26 @@ def test_a_put_naming_a_huge_index_is_refused_before_memory_is_spent(cluster, pa
         assert d.put({"w": [7]}, partition=partition, indexes=[0]) == [0]
         assert d.get("c", ["x", "w"], 1, partition=partition, timeout=10)["w"] == [7]
         assert d.stats()["partitions"][partition]["samples"] == 1
+
+
+def test_requests_within_the_limits_are_answered_not_applied_and_reported_failed(cluster, dock, partition):
+    """3,000,000 samples in one put: stored once and answered (the reply of 3M indexes was over the
+    header limit: the put was stored, reported failed, and stored again when retried)."""
+    n = 3_000_000
+    idx = dock.put({"x": torch.zeros(n, dtype=torch.int8)}, partition=partition)
+    assert len(idx) == n and idx[-1] == n - 1
+    assert dock.stats()["partitions"][partition]["samples"] == n
+    b = dock.get("c", ["x"], n, partition=partition, timeout=60)  # a get of all of them, answered
+    assert len(b.indexes) == n and dock.stats()["partitions"][partition]["consumers"]["c"]["leased"] == 0
+    r = dock.reserve(partition, limits.MAX_SAMPLES)
+    assert len(r) == limits.MAX_SAMPLES and r[0] == n
+
+
+def test_a_request_past_the_limits_is_refused_before_anything_is_applied(dock, partition):
+    dock.put({c: torch.zeros(16) for c in "abcd"}, partition=partition)
+    with pytest.raises(dockd.DockValueError, match="sample-columns"):
+        dock.get("c", list("abcd"), limits.MAX_CELLS // 2, partition=partition, timeout=1)
+    assert dock.stats()["partitions"][partition]["consumers"].get("c", {"leased": 0})["leased"] == 0
+    with pytest.raises(dockd.DockValueError, match="too many"):
+        dock.put({"x": torch.zeros(limits.MAX_SAMPLES + 1, dtype=torch.int8)}, partition=partition)
+    assert dock.stats()["partitions"][partition]["samples"] == 16
