@@ -124,6 +124,39 @@ def read_daemon_secret(port: int) -> bytes | None:
         return None
 
 
+def loopback_peer_uid(sock) -> int | None:
+    """The uid owning the other end of a TCP connection from this host (Linux: /proc/net/tcp*),
+    None when it cannot be told (another host, or no /proc)."""
+    import ipaddress
+    import socket
+
+    try:
+        peer, here = sock.getpeername()[:2], sock.getsockname()[:2]
+    except OSError:
+        return None
+    ip = ipaddress.ip_address(peer[0])
+    if not ip.is_loopback and not (ip.version == 6 and ip.ipv4_mapped and ip.ipv4_mapped.is_loopback):
+        return None
+
+    def key(addr: tuple) -> str:  # the kernel's hex form: address bytes as stored in 32-bit words, then the port
+        raw = socket.inet_pton(socket.AF_INET6 if ":" in addr[0] else socket.AF_INET, addr[0])
+        words = b"".join(raw[k : k + 4][::-1] for k in range(0, len(raw), 4))
+        return f"{words.hex().upper()}:{addr[1]:04X}"
+
+    want_local, want_remote = key(peer), key(here)
+    for table in ("/proc/net/tcp6", "/proc/net/tcp") if ":" in peer[0] else ("/proc/net/tcp",):
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    cols = line.split()
+                    if cols[1] == want_local and cols[2] == want_remote:
+                        return int(cols[7])
+        except OSError:
+            return None
+    return None
+
+
 def _mac(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"|".join(parts), hashlib.sha256).digest()
 

@@ -248,6 +248,16 @@ class Node:
 
     def _connected(self, transport) -> None:
         keepalive(transport)
+        if self._token is None:  # tokenless: loopback TCP is as private as the same-host socket
+            sock = transport.get_extra_info("socket")
+            uid = auth.loopback_peer_uid(sock) if sock is not None and sock.family != socket.AF_UNIX else None
+            if uid is not None and uid not in (os.getuid(), 0):
+                self.server_auth.failed("uid")
+                logger.warning("[auth] refused a loopback connection from uid=%s: this dock has no token, so only its "
+                               "own user (uid=%d) may use it; give the dock a token (--token-file) to share it",
+                               uid, os.getuid())
+                transport.abort()
+                return
         if len(self._peers) > self.cfg.max_connections:
             logger.warning("[node] refusing a connection: %d open, the limit is %d (--max-connections)",
                            len(self._peers) - 1, self.cfg.max_connections)

@@ -243,3 +243,26 @@ print(len(s.recv(4096)))
 """
     out = client(code, unix)
     assert out.stdout.strip() == "0"  # closed before even the challenge
+
+
+def test_without_a_token_loopback_tcp_refuses_other_users(cluster, client):
+    """Finding 9 of the second review: another uid (nobody) read root's partition and cleared it
+    over TCP; only the same-host Unix socket checked who was calling."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a client as another user")
+    host, port = cluster.address.rsplit(":", 1)
+    code = """
+import encodings.idna, os, socket, sys
+os.setgid(65534); os.setuid(65534)
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
+try:
+    print(len(s.recv(4096)))
+except ConnectionResetError:
+    print(0)
+"""
+    out = client(code, host, port)
+    assert out.stdout.strip() == "0"  # closed before even the challenge
+    with dockd.connect(cluster.address) as d:  # its own user is served as before
+        assert d.stats()["version"]
