@@ -65,6 +65,7 @@ def _serve(args) -> int:
         handshake_timeout=args.handshake_timeout, stall_timeout=args.stall_timeout, idle_timeout=args.idle_timeout,
         min_rate=parse_size(args.min_rate),
         daemon_timeout=args.daemon_timeout, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+        heartbeat_interval=args.heartbeat_interval, heartbeat_timeout=args.heartbeat_timeout,
     )
     if cfg.insecure and not cfg.token_file:
         logging.getLogger("dockd").warning(
@@ -175,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a client connection making no request is closed after this (default 3600; clients reconnect)")
     s.add_argument("--daemon-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="the controller waits this long for a warehouse's answer, e.g. to a clear (default 30)")
+    s.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="SECONDS",
+                   help="controller: a heartbeat to each warehouse this often (default 1)")
+    s.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="controller: a warehouse that leaves a heartbeat unanswered this long is marked unresponsive "
+                        "until it answers again (default 5)")
     s.add_argument("--warehouse-grace", type=float, default=15.0, metavar="SECONDS",
                    help="controller: a warehouse that dropped its connection has this long to rejoin (default 15)")
     s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",

@@ -16,6 +16,8 @@ ENV_VARS = {
     "DOCKD_WAREHOUSE": "warehouse a client writes to: an id or host:port (default: one on this host)",
     "DOCKD_CONNECT_TIMEOUT": "seconds a client waits to connect to a daemon (default 10)",
     "DOCKD_RECONNECT_TIMEOUT": "seconds a client keeps retrying a daemon that went away before it gives up (default 30)",
+    "DOCKD_FETCH_TIMEOUT": "seconds a get without a timeout (and fetch, read) waits for a warehouse to answer before "
+                           "DockTimeout (default 60)",
     "DOCKD_TRANSPORT": "'auto' (default: shared memory to same-host daemons, TCP otherwise) or 'tcp'",
     "DOCKD_SPIN_US": "microseconds a same-host client call polls for its reply before sleeping (default 200; 0: never)",
     "DOCKD_RECV_POOL_BYTES": "bytes of warm receive buffers a client keeps for large socket replies (default 1 GiB)",
@@ -112,6 +114,13 @@ class NodeConfig:
     """Seconds a client connection may make no request before it is closed (clients reconnect)."""
     daemon_timeout: float = 30.0
     """Seconds the controller waits for a warehouse to answer (e.g. to free a cleared partition)."""
+    heartbeat_interval: float = 1.0
+    """Controller: seconds between heartbeats (a Hello over its link) to each connected warehouse."""
+    heartbeat_timeout: float = 5.0
+    """Controller: seconds a warehouse may leave a heartbeat unanswered before it is marked
+    `unresponsive` (its connection open, the process stopped or hung): clients then stop choosing it
+    for puts and gets of its samples fail at once with DockTimeout; its first answer makes it
+    `joined` again, with nothing lost."""
     metrics_port: int | None = None
     """Serve Prometheus metrics over HTTP on this port (0 picks a free one; None: off)."""
     metrics_host: str = "127.0.0.1"
@@ -139,7 +148,7 @@ class NodeConfig:
         if self.state_dir and not self.controller:
             raise DockValueError("--state-dir is the controller's journal; give it with --controller")
         for name in ("controller_grace", "warehouse_grace", "handshake_timeout", "stall_timeout", "idle_timeout",
-                     "daemon_timeout"):
+                     "daemon_timeout", "heartbeat_interval", "heartbeat_timeout"):
             if getattr(self, name) <= 0:
                 raise DockValueError(f"{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
         if self.daemon_token_file and not self.token_file:
