@@ -24,7 +24,7 @@ Series (all prefixed `dockd_`):
     connections                                         open connections
     auth_failures_total{reason}
     controller only:
-    warehouses{state}                                   joined / rejoining / lost / left
+    warehouses{state}                                   joined / unresponsive / rejoining / lost / left
     waiters{consumer}                                   gets blocked in the controller
     leases_expired_total
     partitions                                          partitions held
@@ -176,7 +176,7 @@ class NodeCollector:
 
 
 def _controller_families(ctl):
-    states = {"joined": 0, "rejoining": 0, "lost": 0, "left": 0}
+    states = {"joined": 0, "unresponsive": 0, "rejoining": 0, "lost": 0, "left": 0}
     for info in ctl.warehouse_infos(usage=False):
         state = info.state or "joined"
         states[state] = states.get(state, 0) + 1

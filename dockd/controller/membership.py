@@ -5,18 +5,44 @@ process draws at start: the same id and instance after a reconnect is the
 same process with the same data; a new instance at the same address is a
 new process, and whatever the old one held is gone.
 
-    joined     connected and registered
-    rejoining  its connection dropped (or the controller restarted and knows it
-               from the journal): its data is still served to clients that
-               fetch from it, and it has `grace` seconds to come back
-    lost       it did not come back in time, or its address now refuses
-               connections or answers as another process: its samples are
-               lost (DockDataLost when a consumer meets them)
-    left       it shut down on purpose
+    joined        connected, registered, and answering heartbeats
+    unresponsive  connected, but it left a heartbeat unanswered for
+                  `heartbeat_timeout` seconds (a stopped, hung or overloaded
+                  process): clients no longer choose it for puts, and gets of
+                  its samples fail at once with DockTimeout instead of hanging.
+                  Nothing is lost: requests to it wait on its connection, and
+                  the first answer makes it `joined` again. It is never
+                  declared lost while its connection stays open
+    rejoining     its connection dropped (or the controller restarted and knows it
+                  from the journal): its data is still served to clients that
+                  fetch from it, and it has `grace` seconds to come back
+    lost          it did not come back in time, or its address now refuses
+                  connections or answers as another process: its samples are
+                  lost (DockDataLost when a consumer meets them)
+    left          it shut down on purpose
+
+Heartbeats: every `heartbeat_interval` seconds the controller sends each
+connected warehouse a Hello over its link (one at a time: the next goes once
+the last is answered) and marks it unresponsive when one stays unanswered for
+`heartbeat_timeout` seconds.
 
 When a connection drops the controller probes the warehouse's address once:
 a refused connection (the process is gone) or another instance answering
 retires it at once; otherwise it waits for the rejoin up to `grace`.
+
+A registration never displaces a live member. One that claims the address of
+a member that is still there (joined, unresponsive or rejoining), or that
+rejoins under its id and instance from another address, is refused
+(DockAuthError), and the member is left as it was, unless:
+- it is the same process (same instance, same address) and the member's old
+  connection is closed: the usual rejoin after a dropped connection;
+- the member no longer answers over its connection (unresponsive, or its
+  connection is closed) and a probe of the address is answered by the
+  registering instance: the process now listening there is the one
+  registering, so the old one is gone (a restart; it is retired as before).
+The controller's own warehouse is never displaced. While such a probe runs the
+registration is refused with DockTimeout and the warehouse retries (its link
+does so by itself).
 """
 
 from __future__ import annotations
@@ -31,13 +57,16 @@ import numpy as np
 from dockd import wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.core import Controller, Inventory
-from dockd.errors import DockError, DockValueError, to_status
+from dockd.errors import DockAuthError, DockConnectionError, DockError, DockTimeout, DockValueError, to_status
 from dockd.peer import Peer
 
 logger = logging.getLogger(__name__)
 
 MAX_WAREHOUSES = 0xFFF0  # ids above are reserved markers (core.LOST_WAREHOUSE, core.NO_WAREHOUSE)
 PROBE_TIMEOUT = 2.0
+HEARTBEAT_INTERVAL = 1.0  # defaults of NodeConfig.heartbeat_interval / heartbeat_timeout
+HEARTBEAT_TIMEOUT = 5.0
+PROBE_FRESH = 5.0  # seconds a probe's answer about an address decides registrations claiming it
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -52,23 +81,33 @@ class WarehouseEntry:
     peer: Peer | None = None  # its connection; None while away, and for the one hosted in this process
     local: bool = False
     timer: asyncio.TimerHandle | None = None
+    beat_sent: float | None = None  # loop time the unanswered heartbeat went out (None: none outstanding)
 
     @property
     def alive(self) -> bool:
-        return self.state == "joined"
+        """A connected member: requests to it go over its connection (an unresponsive one answers
+        them once it runs again), and its commits are taken."""
+        return self.state in ("joined", "unresponsive")
 
     @property
     def reachable(self) -> bool:
         """Its data can still be read: joined, or away but not given up on."""
-        return self.state in ("joined", "rejoining")
+        return self.state in ("joined", "unresponsive", "rejoining")
+
+    @property
+    def connected(self) -> bool:
+        """Its connection is open (the controller's own warehouse always is)."""
+        return self.local or (self.peer is not None and not getattr(self.peer, "closed", False))
 
     def info(self, used: int = 0) -> pb.WarehouseInfo:
-        return pb.WarehouseInfo(id=self.id, host=self.host, port=self.port, alive=self.alive, capacity=self.capacity,
-                                used=used, unix=self.unix, state=self.state)
+        # clients see an unresponsive warehouse as not alive: they do not choose it for their puts
+        return pb.WarehouseInfo(id=self.id, host=self.host, port=self.port, alive=self.state == "joined",
+                                capacity=self.capacity, used=used, unix=self.unix, state=self.state)
 
     def record(self) -> dict:
+        # unresponsive is a passing state of a joined member: a restarted controller waits for its rejoin
         return {"id": self.id, "host": self.host, "port": self.port, "capacity": self.capacity, "unix": self.unix,
-                "instance": self.instance, "state": self.state}
+                "instance": self.instance, "state": "joined" if self.state == "unresponsive" else self.state}
 
 
 def inventory_of(req: pb.RegisterWarehouse) -> dict[str, Inventory]:
@@ -90,12 +129,17 @@ class Membership:
     """The warehouses of one dock. `on_change` is called when samples became lost or
     reachable again (waiting acquires are retried); `journal` may be None."""
 
-    def __init__(self, core: Controller, journal, *, grace: float, on_change: Callable[[], None]) -> None:
+    def __init__(self, core: Controller, journal, *, grace: float, on_change: Callable[[], None],
+                 heartbeat_interval: float = HEARTBEAT_INTERVAL, heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> None:
         self.core = core
         self.journal = journal
         self.grace = grace
         self.on_change = on_change
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
         self.entries: dict[int, WarehouseEntry] = {}
+        self._beat: asyncio.TimerHandle | None = None
+        self._probes: dict[tuple[str, int, int], _Probe] = {}  # (address claimed, claimant) -> who answers there
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -125,10 +169,23 @@ class Membership:
     # -- joining ----------------------------------------------------------------------------
     def register(self, peer: Peer | None, req: pb.RegisterWarehouse, commit: Callable[[pb.CommitRequest], np.ndarray]
                  ) -> pb.RegisterReply:
-        """A warehouse joins, or rejoins with what it holds and the commits it is still waiting on."""
+        """A warehouse joins, or rejoins with what it holds and the commits it is still waiting on.
+        Refused when it would displace a member that is still there (see the module docstring)."""
+        displaced = []
         for e in list(self.entries.values()):
-            if e.reachable and (e.host, e.port) == (req.host, req.port) and e.instance != req.instance:
-                self.retire(e, "a new process took over its address")
+            if not e.reachable or (peer is not None and e.peer is peer):
+                continue
+            same_address = (e.host, e.port) == (req.host, req.port)
+            if not same_address and not (req.rejoin and e.id == req.id and e.instance == req.instance):
+                continue
+            if peer is not None:  # (the controller's own warehouse listens at its address in this very process)
+                self._may_take_over(e, req, same_address)
+            if e.instance != req.instance:
+                displaced.append(e)
+        for e in displaced:
+            self.retire(e, "a new process took over its address")
+        if peer is not None:
+            self._start_heartbeats()
         entry = self.entries.get(req.id) if req.rejoin else None
         known = entry is not None and entry.instance == req.instance
         if not known:
@@ -145,6 +202,7 @@ class Membership:
         was = entry.state
         entry.host, entry.port, entry.capacity, entry.unix = req.host, req.port, req.capacity, req.unix
         entry.state, entry.peer, entry.local = "joined", peer, peer is None
+        entry.beat_sent = None
         self._save(entry)
         reply = pb.RegisterReply(id=entry.id)
         if req.rejoin:
@@ -157,6 +215,100 @@ class Membership:
             logger.info("[controller] warehouse joined id=%d address=%s:%d capacity=%d", entry.id, entry.host, entry.port,
                         entry.capacity)
         return reply
+
+    def _may_take_over(self, e: WarehouseEntry, req: pb.RegisterWarehouse, same_address: bool) -> None:
+        """Raise unless registration `req` may replace member `e`, which it claims (its address, or its
+        id and instance): only the same process coming back, or the one now answering at its address."""
+        claim = f"{req.host}:{req.port} (instance {req.instance:x})"
+        member = f"warehouse {e.id} at {e.host}:{e.port} (instance {e.instance:x}, {e.state})"
+        if not same_address:
+            raise DockAuthError(f"registration refused: {claim} rejoins as {member} from another address")
+        if e.instance == req.instance and not e.connected:
+            return  # the same process on a new connection: the usual rejoin
+        if e.local:
+            raise DockAuthError(f"registration refused: {claim} claims the address of {member}, the controller's own "
+                                "warehouse")
+        if e.state == "joined" and e.connected:
+            self._send_beat(e)  # (a connection dead at the far end is noticed sooner)
+            raise DockAuthError(f"registration refused: {claim} claims the address of {member}, a live member whose "
+                                "connection is open and answering")
+        done, instance = self._who_answers(req.host, req.port, req.instance)
+        if not done:
+            raise DockTimeout(f"registration of {claim} waits: the controller is checking which process answers at "
+                              f"that address, held by {member}; retry shortly")
+        if instance != req.instance:
+            answer = ("nothing answers there" if not instance else
+                      "the member itself answers there" if instance == e.instance else
+                      f"instance {instance:x} answers there")
+            raise DockAuthError(f"registration refused: {claim} claims the address of {member}, and {answer}")
+
+    def _who_answers(self, host: str, port: int, claimant: int) -> tuple[bool, int | None]:
+        """(whether known, instance answering at host:port) per a probe made for this claimant's
+        registration: started by its first attempt, decided by a retry. A probe that found the
+        claimant answering holds for PROBE_FRESH seconds, any other answer for one second (an
+        address changing hands may have answered nothing a moment ago)."""
+        key = (host, port, claimant)
+        now = self.loop.time()
+        p = self._probes.get(key)
+        if p is not None and p.task is None and now - p.at <= (PROBE_FRESH if p.instance == claimant else 1.0):
+            return True, p.instance
+        if p is None or p.task is None:
+            if len(self._probes) >= 256:  # (registrations come from daemons only; keep the table small anyway)
+                for k in [k for k, q in self._probes.items() if q.task is None and now - q.at > PROBE_FRESH]:
+                    del self._probes[k]
+            p = self._probes[key] = _Probe(asyncio.ensure_future(self._probe_address(key)))
+        return False, None
+
+    async def _probe_address(self, key: tuple[str, int, int]) -> None:
+        instance = await probe_instance(key[0], key[1])
+        p = self._probes.get(key)
+        if p is not None:
+            p.task, p.instance, p.at = None, instance, self.loop.time()
+
+    # -- heartbeats ---------------------------------------------------------------------------
+    def _start_heartbeats(self) -> None:
+        if self._beat is None and self.heartbeat_interval > 0:
+            self._beat = self.loop.call_later(self.heartbeat_interval, self._heartbeat)
+
+    def _heartbeat(self) -> None:
+        self._beat = None
+        now = self.loop.time()
+        for entry in list(self.entries.values()):
+            if not entry.alive or not isinstance(entry.peer, Peer) or entry.peer.closed:
+                continue
+            if entry.beat_sent is None:
+                self._send_beat(entry)
+            elif entry.state == "joined" and now - entry.beat_sent >= self.heartbeat_timeout:
+                self._unresponsive(entry, now - entry.beat_sent)
+        self._start_heartbeats()
+
+    def _send_beat(self, entry: WarehouseEntry) -> None:
+        peer = entry.peer
+        if entry.beat_sent is not None or not isinstance(peer, Peer) or peer.closed:
+            return
+        entry.beat_sent = self.loop.time()
+        fut = peer.request(pb.Frame(hello=pb.Hello(client="controller", protocol=wire.PROTOCOL_VERSION)))
+        fut.add_done_callback(lambda f, e=entry, p=peer: self._beat_answered(e, p, f))
+
+    def _beat_answered(self, entry: WarehouseEntry, peer: Peer, fut: asyncio.Future) -> None:
+        exc = None if fut.cancelled() else fut.exception()  # (always retrieved: no "never retrieved" warnings)
+        if fut.cancelled() or entry.peer is not peer or entry.beat_sent is None:
+            return
+        sent, entry.beat_sent = entry.beat_sent, None
+        if isinstance(exc, DockConnectionError):
+            return  # its connection closed: connection_lost deals with it
+        # any answer, even an error, shows the process runs
+        if entry.state == "unresponsive":
+            entry.state = "joined"
+            logger.warning("[controller] warehouse answers again id=%d address=%s:%d silent=%.1fs", entry.id,
+                           entry.host, entry.port, self.loop.time() - sent)
+            self.on_change()
+
+    def _unresponsive(self, entry: WarehouseEntry, silent: float) -> None:
+        entry.state = "unresponsive"
+        logger.warning("[controller] warehouse unresponsive id=%d address=%s:%d silent=%.1fs: its connection is open "
+                       "but it answers nothing (a stopped, hung or overloaded process?); gets of its samples fail "
+                       "with DockTimeout until it answers again", entry.id, entry.host, entry.port, silent)
 
     def _reconcile(self, entry: WarehouseEntry, req: pb.RegisterWarehouse, known: bool, commit, reply) -> list[str]:
         inventory = inventory_of(req)
@@ -242,6 +394,20 @@ class Membership:
             if entry.timer is not None:
                 entry.timer.cancel()
                 entry.timer = None
+        if self._beat is not None:
+            self._beat.cancel()
+            self._beat = None
+        for p in self._probes.values():
+            if p.task is not None:
+                p.task.cancel()
+        self._probes.clear()
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Probe:
+    task: asyncio.Task | None  # running; None once answered
+    instance: int | None = None  # as probe_instance returns it
+    at: float = 0.0
 
 
 _tasks: set[asyncio.Task] = set()

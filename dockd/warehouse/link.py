@@ -5,7 +5,11 @@ its data and keeps serving fetches; it reconnects with backoff and rejoins
 with its id, its instance (random per process: the controller tells a
 restarted warehouse from one that only lost its connection), what it holds
 (the inventory) and the commits it is still waiting on. A warehouse may also
-start before its controller: it waits for it the same way.
+start before its controller: it waits for it the same way. The controller
+sends heartbeats over the link (Hello requests, answered like any client's);
+a warehouse that stops answering them is shown `unresponsive` until it does.
+A registration that would displace a live member is refused; a restarted
+warehouse is accepted once the controller has seen it answer at its address.
 
 Commits carry a per-warehouse sequence number (`put_id`), so a commit whose
 reply was lost to the outage is re-sent in the rejoin and applied once. A
@@ -24,7 +28,7 @@ import time
 from collections.abc import Callable
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.errors import DockConnectionError, DockError, from_status
+from dockd.errors import DockConnectionError, DockError, DockTimeout, from_status
 from dockd.peer import Peer
 
 logger = logging.getLogger(__name__)
@@ -140,8 +144,11 @@ class ControllerLink:
                 await asyncio.wait_for(peer.authed, 10.0)
                 await self._register(peer)
             except (DockError, OSError, asyncio.TimeoutError) as e:
-                logger.warning("[link] joining the controller at %s failed: %s; retrying", self.address,
-                               e if str(e) else type(e).__name__)
+                # DockTimeout: the controller is checking that this process is the one at its address
+                # (it replaces a member registered there); anything else is worth a warning
+                logger.log(logging.INFO if isinstance(e, DockTimeout) else logging.WARNING,
+                           "[link] joining the controller at %s failed: %s; retrying", self.address,
+                           e if str(e) else type(e).__name__)
                 peer.close()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, BACKOFF_MAX)

@@ -14,7 +14,7 @@ from dockd._proto import dockd_pb2 as pb
 from dockd.controller.core import LOST_WAREHOUSE, Controller, Inventory
 from dockd.controller.journal import Journal
 from dockd.controller.membership import Membership
-from dockd.errors import DockDataLost
+from dockd.errors import DockAuthError, DockDataLost, DockTimeout
 
 
 class FakePeer:
@@ -85,14 +85,77 @@ def test_a_silent_warehouse_gets_its_grace_then_is_lost_and_a_rejoin_in_time_kee
     run(main())
 
 
-def test_a_new_process_at_a_known_address_replaces_the_old_one():
+class ClosedPeer:
+    closed = True
+
+
+async def answering_as(instance: int):
+    """A listener at a free port that opens every connection with a challenge naming `instance`."""
+    from dockd import wire
+
+    async def greet(reader, writer):
+        writer.write(wire.header(pb.Frame(challenge=pb.Challenge(instance=instance)), 0))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(greet, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+def test_a_new_process_at_a_known_address_replaces_the_old_one_once_it_answers_there():
     async def main():
         core = Controller()
         m = Membership(core, None, grace=30.0, on_change=lambda: None)
-        old = m.register(FakePeer(), reg(5000, 1), no_commit).id
-        new = m.register(FakePeer(), reg(5000, 2), no_commit).id
-        assert new != old and m.get(old).state == "lost" and m.get(new).state == "joined"
-        m.close()
+        server, port = await answering_as(2)  # the new process listens at the old one's address
+        try:
+            old_peer = FakePeer()
+            old = m.register(old_peer, reg(port, 1), no_commit).id
+            core.commit("p", ["x"], warehouse=old, new_count=2)
+            # the old process's connection is still open: nobody takes its place, whatever it claims
+            with pytest.raises(DockAuthError, match="live member"):
+                m.register(FakePeer(), reg(port, 2), no_commit)
+            with pytest.raises(DockAuthError, match="another address"):
+                m.register(FakePeer(), reg(port + 1, 1, rejoin=True, id=old), no_commit)
+            assert m.get(old).state == "joined" and core.acquire("p", "c", ["x"], 1).indexes.tolist() == [0]
+            m.connection_lost(old_peer)  # it died; the new process registers (perhaps before the probe is back)
+            for _ in range(100):
+                try:
+                    new = m.register(FakePeer(), reg(port, 2), no_commit).id
+                    break
+                except DockTimeout:  # the controller checks who answers at the address: the link retries
+                    await asyncio.sleep(0.02)
+            assert new != old and m.get(old).state == "lost" and m.get(new).state == "joined"
+        finally:
+            server.close()
+            m.close()
+
+    run(main())
+
+
+def test_a_registration_is_refused_while_the_member_at_its_address_answers_there():
+    async def main():
+        m = Membership(Controller(), None, grace=30.0, on_change=lambda: None)
+        server, port = await answering_as(1)  # the member itself still answers at its address
+        try:
+            old = m.register(ClosedPeer(), reg(port, 1), no_commit).id  # its connection dropped (a network blip)
+            m.get(old).state = "rejoining"
+            for _ in range(100):
+                try:
+                    m.register(FakePeer(), reg(port, 2), no_commit)
+                except DockTimeout:
+                    await asyncio.sleep(0.02)
+                    continue
+                except DockAuthError as e:
+                    assert "the member itself answers there" in str(e)
+                    break
+                raise AssertionError("an impostor took a live member's address")
+            assert m.get(old).state == "rejoining"
+            # the member itself comes back on a new connection: the usual rejoin
+            assert m.register(FakePeer(), reg(port, 1, rejoin=True, id=old), no_commit).id == old
+            assert m.get(old).state == "joined"
+        finally:
+            server.close()
+            m.close()
 
     run(main())
 
