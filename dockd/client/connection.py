@@ -136,6 +136,7 @@ class Connection:
         self._poll = select.poll()
         self._poll.register(self.sock, select.POLLIN)
         self._deadline: float | None = None
+        self._stall: float | None = None  # once a reply's header is in: seconds its body may go without a byte
         self._fds: collections.deque[int] = collections.deque()
         self.max_body = max_body
         self._buf = bytearray(_SCRATCH)
@@ -179,7 +180,8 @@ class Connection:
             auth.check_reply(ch, a, reply.auth_reply, creds.key, self.address)
             self.instance = ch.instance
         except socket.timeout:
-            raise DockConnectionError(f"dockd at {self.address} did not complete the handshake within {timeout:g}s") from None
+            raise _no_answer(f"dockd at {self.address} did not complete the handshake within {timeout:g}s: it accepts "
+                             "connections but does not answer (stopped, hung or overloaded?)") from None
         except OSError as e:
             self._raise_io(e)
         finally:
@@ -214,23 +216,27 @@ class Connection:
             self._raise_io(e)
 
     def call(self, frame: pb.Frame, buffers: Sequence = (), body_size: int = 0, *, fds: Sequence[int] = (),
-             timeout: float | None = None) -> tuple[pb.Frame, np.ndarray, list[int]]:
+             timeout: float | None = None, stall: float | None = None) -> tuple[pb.Frame, np.ndarray, list[int]]:
         """Send a request and wait for its reply: (frame, body, descriptors). The caller owns the descriptors.
 
-        Raises the mapped error on a non-OK status."""
+        `timeout` bounds the wait for the reply's header; with `stall`, a body that is arriving
+        may then take longer as long as no `stall` seconds pass without a byte (a large reply is
+        not cut off for its size). A reply that does not come in time leaves the connection broken:
+        a late answer is never read by anyone. Raises the mapped error on a non-OK status."""
         self._enter()
         self.busy = True
         try:
             self.send(frame, buffers, body_size, fds)
             self._deadline = None if timeout is None else time.monotonic() + timeout
+            self._stall = stall if timeout is not None else None
             reply, body, got = self._read_frame()
         except socket.timeout:
             self.broken = True
-            raise DockConnectionError(f"dockd at {self.address} did not answer within {timeout:g}s") from None
+            raise _no_answer(f"dockd at {self.address} did not answer within {timeout:g}s") from None
         except OSError as e:
             self._raise_io(e)
         finally:
-            self._deadline = None
+            self._deadline = self._stall = None
             self._leave()
         if reply.id != frame.id and reply.id != 0:
             self.broken = True
@@ -346,6 +352,8 @@ class Connection:
             self._lo += take
             pos = take
             while pos < blen:
+                if self._stall is not None:  # the daemon answers: the body may take as long as it keeps coming
+                    self._deadline = time.monotonic() + self._stall
                 got = self._recv_into(dst[pos:])
                 if got == 0:
                     self.broken = True
@@ -360,6 +368,19 @@ class Connection:
 def _close_all(fds) -> None:
     for fd in fds:
         os.close(fd)
+
+
+def _no_answer(message: str) -> DockConnectionError:
+    """A daemon that accepted the connection but did not answer in time (`timed_out`): unlike a
+    refused or closed connection, it may be alive, only stopped or overloaded."""
+    err = DockConnectionError(message)
+    err.timed_out = True
+    return err
+
+
+def timed_out(exc: BaseException) -> bool:
+    """Whether `exc` says a daemon did not answer in time (rather than that it cannot be reached)."""
+    return bool(getattr(exc, "timed_out", False))
 
 
 class Pool:
@@ -385,13 +406,15 @@ class Pool:
     def transport(self) -> str:
         return "shm" if self.unix else "tcp"
 
-    def get(self) -> Connection:
+    def get(self, timeout: float | None = None) -> Connection:
+        """An idle connection, or a new one (made within `timeout` seconds, at most connect_timeout)."""
         with self._lock:
             if self.closed:
                 raise DockClosed("the dock client is closed; create a new one with dockd.connect()")
             if self._idle:
                 return self._idle.pop()
-        conn = Connection(self.host, self.port, unix=self.unix, connect_timeout=self.connect_timeout, creds=self.creds)
+        limit = self.connect_timeout if timeout is None else max(0.001, min(timeout, self.connect_timeout))
+        conn = Connection(self.host, self.port, unix=self.unix, connect_timeout=limit, creds=self.creds)
         with self._lock:
             self._all.add(conn)
             if self.closed:

@@ -28,7 +28,7 @@ import numpy as np
 from dockd import auth, codec, device_share, shm
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.batch import Batch
-from dockd.client.connection import Credentials, Pool
+from dockd.client.connection import Credentials, Pool, timed_out
 from dockd.client.links import LinkFailed, ReaderLinks
 from dockd.client.router import CallScope, Router, call_on
 from dockd.config import env_float
@@ -40,6 +40,7 @@ from dockd.errors import (
     DockLeaseError,
     DockNotFound,
     DockProtocolError,
+    DockTimeout,
     DockTypeError,
     DockValueError,
 )
@@ -47,6 +48,15 @@ from dockd.errors import (
 logger = logging.getLogger(__name__)
 
 _CONFIRM_DELAY = 0.02
+FETCH_MIN_S = 1.0
+"""Seconds a get's fetch may take at least, even when its acquire used up the get's timeout
+(a get(timeout=0) of ready samples still gets this long to read them)."""
+UNRESPONSIVE_TRY_S = 0.5
+"""Seconds a fetch waits for a warehouse the controller reports unresponsive (one that just resumed
+answers at once; a stopped one makes the get raise DockTimeout after this, whatever its timeout)."""
+CONFIRM_NOW_AFTER_S = 0.1
+"""A get that took longer than this (from its acquire to the end of its fetch) confirms its lease
+before returning, and returns nothing if the lease is gone: its samples were handed out again."""
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -96,13 +106,21 @@ class Dock:
             $DOCKD_TOKEN, else the file named by $DOCKD_TOKEN_FILE). It never
             leaves this process: connections prove it by challenge-response.
         name: a name for this client in the daemons' logs.
+        fetch_timeout: seconds a read from the warehouses may wait for them to answer when the call
+            has no timeout of its own (get(timeout=None), fetch, read). Default
+            $DOCKD_FETCH_TIMEOUT or 60, half the daemons' default lease timeout, so a warehouse that
+            stopped answering makes the get raise DockTimeout while its lease still holds.
     """
 
     def __init__(self, address: str, *, warehouse: int | str | None = None, connect_timeout: float | None = None,
-                 reconnect_timeout: float | None = None, token: str | bytes | None = None, name: str = "") -> None:
+                 reconnect_timeout: float | None = None, token: str | bytes | None = None, name: str = "",
+                 fetch_timeout: float | None = None) -> None:
         self.connect_timeout = connect_timeout if connect_timeout is not None else env_float("DOCKD_CONNECT_TIMEOUT", 10.0)
         self.reconnect_timeout = (reconnect_timeout if reconnect_timeout is not None
                                   else env_float("DOCKD_RECONNECT_TIMEOUT", 30.0))
+        self.fetch_timeout = fetch_timeout if fetch_timeout is not None else env_float("DOCKD_FETCH_TIMEOUT", 60.0)
+        if not self.fetch_timeout > 0:
+            raise DockValueError(f"fetch_timeout must be > 0 seconds, got {self.fetch_timeout}")
         host, port = split_address(address)
         self._name = name or f"pid{os.getpid()}"
         self._lock = threading.Lock()
@@ -140,9 +158,9 @@ class Dock:
             raise
         r = self._router
         w = r.warehouses.get(r.home)
-        logger.info("[client] connected controller=%s transport=%s home_warehouse=%d address=%s transport=%s",
-                    r.address, r.ctrl.transport, r.home, f"{w.host}:{w.port}" if w else "-",
-                    r.pool(r.home).transport if w else "-")
+        # (the home warehouse is not contacted here: its connections are made by the first put)
+        logger.info("[client] connected controller=%s transport=%s home_warehouse=%d address=%s",
+                    r.address, r.ctrl.transport, r.home, f"{w.host}:{w.port}" if w else "-")
 
     @property
     def address(self) -> str:
@@ -326,8 +344,18 @@ class Dock:
         columns are copied host-to-device in one piece through a pinned buffer;
         device-tier data is copied device to device from a warehouse on this
         node, and received over a device link (NCCL; HCCL on NPUs) from one on another node.
+
+        A warehouse that does not answer the fetch within what is left of `timeout`
+        (at least FETCH_MIN_S; with no timeout, `fetch_timeout`) makes the get raise
+        DockTimeout naming it; so does one the controller reports unresponsive, at
+        once. The lease is released first: the samples go back to the pool, nothing
+        is lost, and a late answer is never handed to anyone. A get that took long
+        enough for its lease to expire confirms it before returning and raises
+        DockLeaseError rather than return samples that were handed out again.
         """
         target = _device(device)
+        started = time.monotonic()
+        reconnects = self._router.reconnects
         lease = self.acquire(consumer, columns, count, partition=partition, timeout=timeout, groups=groups,
                              allow_partial=allow_partial, shuffle=shuffle, seed=seed, dp_rank=dp_rank,
                              dp_size=dp_size, mp_group=mp_group, step=step, balance_by=balance_by, where=where,
@@ -335,16 +363,18 @@ class Dock:
         if _scope is not None and _scope.cancelled:  # cancelled as the lease arrived: give it back, take nothing
             self.release(lease)
             raise DockClosed("the get was cancelled")
+        left = self.fetch_timeout if timeout is None else max(FETCH_MIN_S, started + timeout - time.monotonic())
         try:
-            values = self._fetch(lease, lazy=True, device=target if _maps_device(target) else None)
+            values = self._fetch(lease, lazy=True, device=target if _maps_device(target) else None,
+                                 deadline=time.monotonic() + left)
         except BaseException:
-            try:
-                self.release(lease)
-            except Exception as e:  # the controller also frees it when this client goes away
-                logger.warning("[client] could not release lease=%d after a failed fetch: %s", lease.id, e)
+            self._release_now(lease)
             raise
         if lease.id:  # (0: a share every reader of it already confirmed; nothing to confirm)
-            self._confirm_soon(lease.id)
+            if time.monotonic() - started > CONFIRM_NOW_AFTER_S or self._router.reconnects != reconnects:
+                self._confirm_now(lease, time.monotonic() - started)  # the lease may be gone: check before handing out
+            else:
+                self._confirm_soon(lease.id)
         batch = Batch(partition, lease.indexes, values, step=lease.step, rank_weights=lease.rank_weights)
         if target is not None:
             batch = Batch(partition, lease.indexes, {c: _to_device(batch[c], target) for c in columns},
@@ -440,12 +470,62 @@ class Dock:
             locs = np.asarray(a.locations, dtype=np.int64).reshape(len(columns), len(idx))
         return Lease(a.lease, partition, list(columns), idx, locs, inline, bytes(a.ticket), a.step, list(a.rank_weights))
 
-    def _call_fetch(self, wid: int, pool, req: pb.FetchRequest, device) -> tuple:
+    def _release_now(self, lease: Lease) -> None:
+        """Give back the lease of a get that failed, within connect_timeout (best effort: the controller
+        also frees it when the lease expires or this client goes away)."""
+        frame = pb.Frame(release=pb.ReleaseRequest(lease=lease.id, ticket=lease.ticket))
+        limit = self.connect_timeout
+        try:
+            self._router.controller(lambda pool: call_on(pool, frame, timeout=limit), deadline=time.monotonic() + limit)
+        except Exception as e:  # noqa: BLE001 - never mask the error that made the get fail
+            logger.warning("[client] could not release lease=%d after a failed fetch: %s", lease.id, e)
+
+    def _confirm_now(self, lease: Lease, took: float) -> None:
+        """Confirm a get's lease before its values are returned; DockLeaseError if it is gone (expired,
+        or released with this client's session), so samples handed out again are never returned.
+        A controller that cannot be reached leaves the confirm pending, as for any get."""
+        leases = [*self._take_confirms(), lease.id]
+        frame = pb.Frame(confirm=pb.ConfirmRequest(leases=leases))
+        limit = self.connect_timeout
+        try:
+            reply, _, _ = self._router.controller(lambda pool: call_on(pool, frame, timeout=limit),
+                                                  deadline=time.monotonic() + limit)
+        except DockConnectionError as e:
+            logger.warning("[client] could not confirm lease=%d (%s); it goes out with the next request", lease.id, e)
+            self._return_confirms(leases)
+            self._confirm_wake.set()
+            return
+        r = reply.confirm_reply
+        gone = set(r.unknown) | set(r.refused)
+        if len(gone - {lease.id}):
+            logger.warning("[client] %d of %d leases expired before their confirm reached the controller: their "
+                           "samples were handed out again (consider a longer --lease-timeout)",
+                           len(gone - {lease.id}), len(leases) - 1)
+        if lease.id in gone:
+            raise DockLeaseError(
+                f"this get's lease {lease.id} on {len(lease.indexes)} samples of partition {lease.partition!r} expired "
+                f"or was released while the get took {took:.1f}s: the samples were handed out again, so they are not "
+                "returned here (nothing is lost: another get received them). Raise the daemon's --lease-timeout or "
+                "read smaller batches."
+            )
+
+    def _stuck(self, lease: Lease, parts, wid: int, why: str) -> DockTimeout:
+        """The error of a read whose warehouse does not answer: the lease is released by the caller."""
+        cols = [c for c, _ in parts]
+        n = len({i for c, pos in parts for i in (lease.indexes if pos is None else np.asarray(lease.indexes)[pos].tolist())})
+        return DockTimeout(
+            f"cannot read columns {cols} of {n} samples of partition {lease.partition!r} from warehouse {wid} at "
+            f"{self._router.address_of(wid)}: {why}. The samples stay in the dock (a get's lease is released, "
+            "so they are handed out again); retry later, or see `dockd status` for the warehouse's state"
+        )
+
+    def _call_fetch(self, wid: int, pool, req: pb.FetchRequest, device, timeout: float | None = None) -> tuple:
         """A fetch on `pool`: reply, body, descriptors, and the device buffers received over a device link
         (None without one). A reader that maps device memory takes device-tier data by handle from a
-        same-node warehouse, and over a device link from one on another node with a device tier."""
+        same-node warehouse, and over a device link from one on another node with a device tier.
+        `timeout` bounds the wait for the warehouse's answer (a reply that keeps arriving may take longer)."""
         req.device = device is not None and bool(pool.unix)
-        call = functools.partial(call_on, pool)
+        call = functools.partial(call_on, pool, timeout=timeout, stall=timeout)
         if device is None or pool.unix or not self._has_device_tier(wid):
             return (*call(pb.Frame(fetch=req)), None)
         if device.type != "cpu" and device.index is None:  # a link is bound to one device
@@ -460,13 +540,19 @@ class Dock:
             tier = self._device_tiers[wid] = self._router.hello(wid).device_capacity > 0
         return tier
 
-    def fetch(self, lease: Lease) -> dict[str, list[Any]]:
-        """Low-level: read a lease's values from the warehouses holding them, in parallel."""
-        return self._fetch(lease, lazy=False)
+    def fetch(self, lease: Lease, *, timeout: float | None = None) -> dict[str, list[Any]]:
+        """Low-level: read a lease's values from the warehouses holding them, in parallel. A warehouse
+        that does not answer within `timeout` seconds (default `fetch_timeout`) raises DockTimeout
+        naming it; the lease is left as it is (release it, or fetch again)."""
+        limit = self.fetch_timeout if timeout is None else timeout
+        return self._fetch(lease, lazy=False, deadline=time.monotonic() + limit)
 
-    def _fetch(self, lease: Lease, *, lazy: bool, device=None) -> dict[str, Any]:
+    def _fetch(self, lease: Lease, *, lazy: bool, device=None, deadline: float | None = None) -> dict[str, Any]:
         """Values per column: lists, or with `lazy` the received runs where a column came whole
-        from one place (made into a list only when asked for; see Batch)."""
+        from one place (made into a list only when asked for; see Batch). Each warehouse has until
+        `deadline` (default: fetch_timeout from now) to answer, else DockTimeout."""
+        if deadline is None:
+            deadline = time.monotonic() + self.fetch_timeout
         n = len(lease.indexes)
         idx = np.asarray(lease.indexes, dtype=np.int64)
         plan: dict[int, list[tuple[str, np.ndarray]]] = {}
@@ -482,21 +568,39 @@ class Dock:
                 plan.setdefault(wid, []).append((col, np.flatnonzero(row == wid)))
 
         def one(wid: int, device=device) -> list[list[Any]]:
+            started = time.monotonic()
+            until = deadline
+            info = self._router.warehouses.get(wid)
+            silent = info is not None and info.state == "unresponsive"  # (as the controller said with this lease)
+            if silent:  # a short try: one that just resumed answers at once
+                until = min(until, started + UNRESPONSIVE_TRY_S)
+
+            def left() -> float:
+                return max(0.001, until - time.monotonic())
+
             req = pb.FetchRequest(partition=lease.partition)
             for col, pos in plan[wid]:
                 req.columns.add(name=col, indexes=lease.indexes if pos is None else idx[pos].tolist())
             try:
                 try:
-                    pool = self._router.pool(wid)
-                    reply, body, fds, received = self._call_fetch(wid, pool, req, device)
-                except DockConnectionError:  # a stale pooled connection: one more try on a fresh one
+                    pool = self._router.pool(wid, left())
+                    reply, body, fds, received = self._call_fetch(wid, pool, req, device, left())
+                except DockConnectionError as e:  # a stale pooled connection: one more try on a fresh one
+                    if timed_out(e) or until <= time.monotonic():
+                        raise
                     self._router.forget(wid)
-                    pool = self._router.pool(wid)
-                    reply, body, fds, received = self._call_fetch(wid, pool, req, device)
+                    pool = self._router.pool(wid, left())
+                    reply, body, fds, received = self._call_fetch(wid, pool, req, device, left())
             except LinkFailed as e:
                 logger.warning("[client] %s; reading that data through host memory", e)
                 return one(wid, None)
             except DockConnectionError as e:
+                if timed_out(e):  # there, but silent: its connections are dropped, so a late answer is never read
+                    self._router.forget(wid)
+                    why = (f"the controller reports that it stopped answering, and it did not answer within "
+                           f"{time.monotonic() - started:.1f}s either" if silent else
+                           f"it did not answer within {time.monotonic() - started:.1f}s")
+                    raise self._stuck(lease, plan[wid], wid, why + " (a stopped, hung or overloaded process?)") from None
                 cols = [c for c, _ in plan[wid]]
                 lost = sorted({i for c, pos in plan[wid] for i in (lease.indexes if pos is None else idx[pos].tolist())})
                 raise DockDataLost(

@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 from dockd import shm, wire
 from dockd._proto import dockd_pb2 as pb
-from dockd.client.connection import Connection, Credentials, Pool
+from dockd.client.connection import Connection, Credentials, Pool, timed_out
 from dockd.errors import DockClosed, DockConnectionError, DockValueError
 
 logger = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class Router:
         self.closed = False
         self.ctrl = self._open_pool(host, port)
         self.home = -1
+        self.reconnects = 0  # times the controller connection was made again (its sessions' leases may be gone)
 
     @property
     def address(self) -> str:
@@ -158,14 +159,18 @@ class Router:
         for pool in gone:
             self._close_pool(pool)
 
-    def _unix_pool(self, host: str, port: int, name: str) -> Pool | None:
-        """A shared-memory pool to a same-host daemon, or None if its socket is out of reach (another netns)."""
+    def _unix_pool(self, host: str, port: int, name: str, timeout: float | None = None) -> Pool | None:
+        """A shared-memory pool to a same-host daemon, or None if its socket is out of reach (another netns).
+        A daemon that accepts but does not answer within `timeout` (at most connect_timeout) raises: it
+        is there, only stopped or busy, and TCP would not answer either."""
         pool = self._open_pool(host, port, name)
         try:
-            pool.put(pool.get())
+            pool.put(pool.get(timeout))
         except DockConnectionError as e:
-            logger.info("[client] shared-memory transport to %s:%d unavailable (%s); using TCP", host, port, e)
             self._close_pool(pool)
+            if timed_out(e):
+                raise
+            logger.info("[client] shared-memory transport to %s:%d unavailable (%s); using TCP", host, port, e)
             return None
         return pool
 
@@ -173,7 +178,8 @@ class Router:
         live = [w for w in self.warehouses.values() if w.alive and w.id != exclude]
         if self.pinned is not None:
             for w in self.warehouses.values():
-                if str(self.pinned) in (str(w.id), f"{w.host}:{w.port}") and w.alive:
+                # (an unresponsive one is still a member: a pinned client waits for it like for one that is away)
+                if str(self.pinned) in (str(w.id), f"{w.host}:{w.port}") and (w.alive or w.state == "unresponsive"):
                     return w.id
             if retrying:  # pinned, and away for now: wait for it to come back
                 raise DockConnectionError(f"warehouse {self.pinned!r}, which this client is pinned to, is not live")
@@ -189,7 +195,9 @@ class Router:
         local = [w for w in live if is_local(w.host)] or live
         return local[os.getpid() % len(local)].id
 
-    def pool(self, wid: int) -> Pool:
+    def pool(self, wid: int, timeout: float | None = None) -> Pool:
+        """The connections to warehouse `wid`. The first use of a same-host one tries its shared-memory
+        socket within `timeout` seconds (at most connect_timeout)."""
         pool = self.pools.get(wid)
         if pool is not None:
             return pool
@@ -198,7 +206,7 @@ class Router:
             raise DockConnectionError(f"warehouse {wid} is unknown to this client")
         new = None
         if info.unix and self.shm and is_local(info.host):
-            new = self._unix_pool(info.host, info.port, info.unix)
+            new = self._unix_pool(info.host, info.port, info.unix, timeout)
         new = new or self._open_pool(info.host, info.port)
         with self.lock:
             pool = self.pools.setdefault(wid, new)
@@ -223,9 +231,16 @@ class Router:
             self._close_pool(pool)
 
     def learn(self, infos) -> None:
+        """Warehouses named by a controller reply: new ones are added; for known ones at the same
+        address, the state (joined, unresponsive, ...) is brought up to date."""
         for w in infos:
-            if w.id not in self.warehouses:
+            known = self.warehouses.get(w.id)
+            if known is None or (known.host, known.port) == (w.host, w.port):
                 self.warehouses[w.id] = w
+
+    def address_of(self, wid: int) -> str:
+        info = self.warehouses.get(wid)
+        return f"{info.host}:{info.port}" if info is not None else f"id {wid}"
 
     # -- calls ---------------------------------------------------------------------------------
     def controller(self, call: Callable[[Pool], tuple], *, deadline: float | None = None) -> tuple:
@@ -261,6 +276,7 @@ class Router:
                 self._close_pool(fresh)
                 raise
             self.ctrl = fresh
+            self.reconnects += 1
             self._close_pool(failed)
             self._adopt(hello)
             logger.info("[client] reconnected to the controller at %s transport=%s", self.address, self.ctrl.transport)
@@ -356,16 +372,20 @@ class CallScope:
 
 
 def call_on(pool: Pool, frame: pb.Frame, buffers=(), size: int = 0, *, fds=(), timeout: float | None = None,
-            scope: CallScope | None = None):
-    """One request on a pooled connection (a broken or interrupted one is dropped, never reused)."""
-    conn = pool.get()
+            scope: CallScope | None = None, stall: float | None = None):
+    """One request on a pooled connection (a broken or interrupted one is dropped, never reused).
+    `timeout` bounds making a connection (if none is idle) and the wait for the reply together;
+    `stall`: see Connection.call."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    conn = pool.get(timeout)
     unpins = pool.take_unpins() if pool.unix else ()
     if unpins:
         frame.unpin.extend(unpins)
     try:
         if scope is not None:
             scope.enter(conn)
-        return conn.call(frame, buffers, size, fds=fds, timeout=timeout)
+        left = None if deadline is None else max(0.001, deadline - time.monotonic())
+        return conn.call(frame, buffers, size, fds=fds, timeout=left, stall=stall)
     finally:
         if scope is not None:
             scope.leave(conn)
