@@ -51,6 +51,8 @@ _CONFIRM_DELAY = 0.02
 FETCH_MIN_S = 1.0
 """Seconds a get's fetch may take at least, even when its acquire used up the get's timeout
 (a get(timeout=0) of ready samples still gets this long to read them)."""
+STATS_HELLO_TIMEOUT_S = 2.0
+"""Seconds stats(traffic=True) waits for each warehouse's answer (one that does not answer gets an error)."""
 UNRESPONSIVE_TRY_S = 0.5
 """Seconds a fetch waits for a warehouse the controller reports unresponsive (one that just resumed
 answers at once; a stopped one makes the get raise DockTimeout after this, whatever its timeout)."""
@@ -884,7 +886,7 @@ class Dock:
                 if not w["alive"]:
                     continue
                 try:
-                    hello = self._router.hello(wid)
+                    hello = self._router.hello(wid, timeout=min(self.connect_timeout, STATS_HELLO_TIMEOUT_S))
                 except DockError as e:
                     w["error"] = str(e)
                     continue

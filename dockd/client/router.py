@@ -130,11 +130,13 @@ class Router:
         except DockConnectionError:  # no warehouse has joined yet: the first put picks one (or waits for it)
             logger.info("[client] the dock at %s has no live warehouse yet", self.address)
 
-    def _hello(self, pool: Pool) -> pb.HelloReply:
-        conn = pool.get()
+    def _hello(self, pool: Pool, timeout: float | None = None) -> pb.HelloReply:
+        """A Hello on `pool`, answered within `timeout` (default connect_timeout), connecting included."""
+        deadline = time.monotonic() + (self.connect_timeout if timeout is None else timeout)
+        conn = pool.get(deadline - time.monotonic())
         try:
             reply, _, _ = conn.call(pb.Frame(hello=pb.Hello(client=self.name, protocol=wire.PROTOCOL_VERSION)),
-                                    timeout=self.connect_timeout)
+                                    timeout=max(0.001, deadline - time.monotonic()))
         except BaseException:
             pool.discard(conn)
             raise
@@ -214,11 +216,12 @@ class Router:
             self._close_pool(new)
         return pool
 
-    def hello(self, wid: int) -> pb.HelloReply:
-        """Ask warehouse `wid` about itself (one attempt: an unreachable one raises at once)."""
-        pool = self.pool(wid)
+    def hello(self, wid: int, timeout: float | None = None) -> pb.HelloReply:
+        """Ask warehouse `wid` about itself (one attempt: an unreachable one raises at once; one that
+        does not answer within `timeout`, default connect_timeout, raises then)."""
         try:
-            return self._hello(pool)
+            pool = self.pool(wid, timeout)
+            return self._hello(pool, timeout)
         except DockConnectionError:
             self.forget(wid)
             raise

@@ -84,7 +84,10 @@ def test_a_stopped_warehouse_bounds_gets_is_reported_and_loses_or_repeats_nothin
             assert w0.put({"x": torch.arange(8, 16)}, partition=partition) == list(range(8, 16))
         with dockd.connect(cluster.address) as d:
             with stopped(hung):
-                assert_quick_connects(cluster.address, hung_address)  # (before the controller noticed anything)
+                stats, _, took = timed(d.stats, traffic=True)  # asks each live warehouse: that one gets an error
+                w = stats["warehouses"][1]
+                assert took < 5 and ("error" in w or w["state"] == "unresponsive"), (took, w)
+                assert_quick_connects(cluster.address, hung_address)  # (before the controller noticed, likely)
                 # the oldest samples are on the stopped warehouse: the get ends with its timeout, naming it
                 _, err, took = timed(d.get, "c", ["x"], 16, partition=partition, timeout=2)
                 assert isinstance(err, dockd.DockTimeout) and hung_address in str(err), err
