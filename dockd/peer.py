@@ -37,6 +37,7 @@ from typing import Protocol
 import pyarrow as pa
 
 from dockd import auth, wire
+from dockd.logutil import Throttle
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockProtocolError, from_status, to_status
 
@@ -48,6 +49,8 @@ HANDSHAKE_HEADER = 4096       # bytes a frame may have before the peer authentic
 MAX_QUEUED_FDS = 64           # descriptors received ahead of the frames that claim them
 _TIMED_MAX = 4096             # requests of one connection timed at once (the rest go untimed)
 RATE_GRACE = 10.0             # seconds a frame may take before its average rate is checked
+_closing_log = Throttle()     # connections closed for bad input: one line per 10 s, however many
+_oneway_log = Throttle()
 
 
 class Handler(Protocol):
@@ -64,6 +67,8 @@ class Peer(asyncio.BufferedProtocol):
     # seconds: to authenticate; without a byte inside a frame; without any request (set by the daemon)
     handshake_timeout, stall_timeout, idle_timeout = 10.0, 60.0, 3600.0
     min_rate = 64 << 10          # bytes/s a frame must average once it has taken RATE_GRACE seconds
+    fd_budget = 4096             # descriptors all connections may have received ahead of their frames
+    fds_held = 0                 # ... held now
     header_budget = 256 << 20    # bytes of grown receive buffers (large headers) all connections may hold
     header_held = 0              # ... held now
 
@@ -114,8 +119,12 @@ class Peer(asyncio.BufferedProtocol):
 
     def fds_received(self, fds: list[int]) -> None:
         self._fds.extend(fds)
+        Peer.fds_held += len(fds)
         if len(self._fds) > MAX_QUEUED_FDS or self.role is None:
             self.fail(DockProtocolError(f"{len(self._fds)} descriptors sent ahead of the frames that use them"))
+        elif Peer.fds_held > Peer.fd_budget:
+            self.fail(DockProtocolError(f"this daemon holds {Peer.fds_held} descriptors sent ahead of their frames by "
+                                        f"all connections (at most {Peer.fd_budget}); retry"))
 
     # -- asyncio protocol -----------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -181,6 +190,7 @@ class Peer(asyncio.BufferedProtocol):
         self._dest = self._dest_obj = None
         for fd in [*self._fds, *self._frame_fds]:
             os.close(fd)
+        Peer.fds_held -= len(self._fds)
         self._fds.clear()
         self._frame_fds = []
         try:
@@ -284,6 +294,7 @@ class Peer(asyncio.BufferedProtocol):
                 if frame.fds > len(self._fds):
                     raise DockProtocolError(f"frame announces {frame.fds} descriptors but {len(self._fds)} arrived")
                 self._frame_fds = [self._fds.popleft() for _ in range(frame.fds)]
+                Peer.fds_held -= frame.fds
             if blen == 0:
                 self._dispatch(frame, None)
                 continue
@@ -450,7 +461,7 @@ class Peer(asyncio.BufferedProtocol):
 
     def reply_error(self, request: pb.Frame, exc: BaseException) -> None:
         if request.oneway:
-            logger.warning("[peer] one-way request failed peer=%s error=%s", self.name, exc)
+            _oneway_log.log(logger, logging.WARNING, "[peer] one-way request failed peer=%s error=%s", self.name, exc)
             return
         if self.metrics is not None and self.role is not None:
             self.metrics.error(request.WhichOneof("kind") or "unpin", exc)
@@ -471,7 +482,7 @@ class Peer(asyncio.BufferedProtocol):
 
     def fail(self, exc: BaseException) -> None:
         """A protocol violation: tell the peer once, then hang up."""
-        logger.warning("[peer] closing connection peer=%s reason=%s", self.name, exc)
+        _closing_log.log(logger, logging.WARNING, "[peer] closing connection peer=%s reason=%s", self.name, exc)
         frame = pb.Frame(reply=True)
         to_status(exc, frame.status)
         self.send(frame)

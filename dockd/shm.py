@@ -153,7 +153,8 @@ class Segment:
 
 def segment_budget() -> int:
     """How many segments this process may hold: its descriptor limit and the kernel's
-    mapping limit, less a reserve for sockets, descriptors in flight and libraries.
+    mapping limit, less a reserve for sockets (a quarter of the limit), descriptors in
+    flight (an eighth) and libraries (see `dockd.warehouse.daemon.Node`).
 
     A process past its descriptor limit cannot even receive one: the kernel drops
     the descriptors of a message (MSG_CTRUNC) and the connection is lost."""
@@ -165,7 +166,7 @@ def segment_budget() -> int:
         maps = 65530
     if soft == resource.RLIM_INFINITY:
         soft = maps
-    return max(0, min(soft - (64 + soft // 8), maps // 2))
+    return max(0, min(soft - (64 + soft // 4 + soft // 8), maps // 2))
 
 
 def padded(size: int) -> int:

@@ -33,6 +33,7 @@ from dockd._proto import dockd_pb2 as pb
 from dockd.config import NodeConfig
 from dockd.controller.core import Controller
 from dockd.controller.service import ControllerService
+from dockd.logutil import Throttle
 from dockd.errors import DockAuthError, DockError, DockFull, DockNotFound, DockProtocolError, DockValueError
 from dockd.metrics import MetricsServer, Metrics
 from dockd.peer import Peer
@@ -43,6 +44,7 @@ from dockd.warehouse.segments import Segments
 from dockd.wire import PROTOCOL_VERSION, check_protocol
 
 logger = logging.getLogger(__name__)
+_refusals = Throttle()  # connections refused (limits, other users): one line per 10 s
 
 _CONTROLLER_KINDS = {"acquire", "confirm", "release", "extend", "clear", "stats", "register", "commit", "locate",
                      "leave", "partition"}
@@ -105,6 +107,8 @@ class Node:
         self.exit_code = 0
         self._wid = -1
         self.links = Links()  # device links to readers on other nodes
+        self._max_connections = cfg.max_connections
+        self._accept_delay = 0.0  # backoff of the same-host accept loop while descriptors run out
 
     @property
     def device_links(self) -> int:
@@ -128,6 +132,7 @@ class Node:
         loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         self.links = Links(loop)
+        self._budget_descriptors()
         self._server = await loop.create_server(self._make_peer, self.cfg.host, self.cfg.port, reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
         if self.controller is not None and self._daemon_key is not None and not self.cfg.daemon_token_file \
@@ -162,9 +167,6 @@ class Node:
 
     def _listen_unix(self, loop) -> None:
         """Same-host clients: frames on an abstract Unix socket, payloads as memfd descriptors."""
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft < hard:  # every shared-memory put body holds one descriptor
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         self._segment_budget = shm.segment_budget()
         self.segments.keep_count = max(4, self._segment_budget // 8)  # idle segments hold descriptors too
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -181,25 +183,53 @@ class Node:
                 "echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled"
             )
 
+    def _budget_descriptors(self) -> None:
+        """Share the descriptor limit (raised to the hard limit) among connections (a quarter),
+        descriptors in flight on them (an eighth) and stored segments (`shm.segment_budget`), so
+        that no use of one starves the others."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:  # every shared-memory put body holds one descriptor
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        if soft == resource.RLIM_INFINITY:
+            soft = 1 << 20
+        self._max_connections = min(self.cfg.max_connections, max(8, soft // 4))
+        Peer.fd_budget = max(64, soft // 8)
+        if self._max_connections < self.cfg.max_connections:
+            logger.info("[node] at most %d connections: a quarter of the descriptor limit (%d); raise it "
+                        "(ulimit -n, LimitNOFILE=) for the %d of --max-connections", self._max_connections, soft,
+                        self.cfg.max_connections)
+
     def _accept_unix(self) -> None:
         while True:
             try:
                 conn, _ = self._unix.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as e:
-                logger.warning("[node] unix accept failed: %s", e)
+            except OSError as e:  # out of descriptors or memory: pause accepting instead of spinning on it
+                self._accept_delay = min(max(2 * self._accept_delay, 0.05), 1.0)
+                _refusals.log(logger, logging.WARNING, "[node] same-host accept failed (%s); accepting again in %.2fs",
+                              e, self._accept_delay)
+                loop = asyncio.get_running_loop()
+                loop.remove_reader(self._unix.fileno())
+                loop.call_later(self._accept_delay, self._resume_accept)
                 return
+            self._accept_delay = 0.0
             pid, uid = shm.peer_cred(conn) or (None, None)
             if uid not in (os.getuid(), 0):  # the abstract socket has no permissions of its own
                 self.server_auth.failed("uid")
-                logger.warning("[auth] refused a same-host connection from uid=%s (this daemon runs as uid=%d)",
-                               uid, os.getuid())
+                _refusals.log(logger, logging.WARNING,
+                              "[auth] refused a same-host connection from uid=%s (this daemon runs as uid=%d)",
+                              uid, os.getuid())
                 conn.close()
                 continue
             peer = self._make_peer()
             peer.pid = pid  # who pins the segments lent on this connection
             shm.UnixTransport(asyncio.get_running_loop(), conn, peer)
+
+    def _resume_accept(self) -> None:
+        if self._unix is not None and not self._stopping.is_set():
+            asyncio.get_running_loop().add_reader(self._unix.fileno(), self._accept_unix)
 
     def _watch_pid(self, pid: int, exited) -> None:
         """Call `exited` when process `pid` ends (a pidfd becomes readable)."""
@@ -253,14 +283,16 @@ class Node:
             uid = auth.loopback_peer_uid(sock) if sock is not None and sock.family != socket.AF_UNIX else None
             if uid is not None and uid not in (os.getuid(), 0):
                 self.server_auth.failed("uid")
-                logger.warning("[auth] refused a loopback connection from uid=%s: this dock has no token, so only its "
-                               "own user (uid=%d) may use it; give the dock a token (--token-file) to share it",
-                               uid, os.getuid())
+                _refusals.log(logger, logging.WARNING,
+                              "[auth] refused a loopback connection from uid=%s: this dock has no token, so only its "
+                              "own user (uid=%d) may use it; give the dock a token (--token-file) to share it",
+                              uid, os.getuid())
                 transport.abort()
                 return
-        if len(self._peers) > self.cfg.max_connections:
-            logger.warning("[node] refusing a connection: %d open, the limit is %d (--max-connections)",
-                           len(self._peers) - 1, self.cfg.max_connections)
+        if len(self._peers) > self._max_connections:
+            _refusals.log(logger, logging.WARNING,
+                          "[node] refusing a connection: %d open, the limit is %d (--max-connections, and a quarter "
+                          "of the descriptor limit)", len(self._peers) - 1, self._max_connections)
             transport.close()
 
     def ready_line(self) -> str:
