@@ -37,9 +37,12 @@ one dock sample per key, one column per field (non-tensor fields as
 msgpack-encoded ``"nt/<field>"`` columns). Which key is which sample, where
 each field lives and the keys' tags form an append-only log in dock
 partition ``"tq-meta/p"``; every process replays it incrementally under its
-own consumer name, so any process sees every other process's writes. When
-``kv_clear`` leaves a partition without keys, its data partition is freed
-and the next put starts a new generation ``g{n+1}``.
+own consumer name, so any process sees every other process's writes. A key
+put with tags only (verl's prompt-status keys) has no dock sample until a
+put gives it fields (or ``kv_retrieve_meta`` names it). ``kv_clear`` deletes
+the cleared keys' samples (`dockd.Dock.delete`); when it leaves a partition
+without keys, its data partition is freed and the next put starts a new
+generation ``g{n+1}``.
 """
 
 from __future__ import annotations
@@ -206,7 +209,7 @@ class BatchMeta:
 
 @dataclasses.dataclass(slots=True)
 class _Key:
-    index: int
+    index: int | None  # None: the key holds tags only, no sample was assigned to it yet
     gen: int
     fields: dict[str, tuple[int, bool]]  # field -> (warehouse id, is_tensor)
     tags: dict[str, Any]
@@ -257,10 +260,13 @@ class _Client:
             for i, key in enumerate(e["keys"]):
                 rec = part.keys.get(key)
                 index = e["indexes"][i] if e["indexes"] is not None else None
-                if rec is None or (index is not None and (rec.index != index or rec.gen != e["gen"])):
-                    if index is None:
-                        continue
+                if rec is None:  # a new key; without an index it holds tags only (no sample yet)
                     rec = part.keys[key] = _Key(index=index, gen=e["gen"], fields={}, tags={})
+                elif index is not None and rec.index is None:  # a tag-only key gets its sample
+                    rec.index, rec.gen = index, e["gen"]
+                elif index is not None and (rec.index != index or rec.gen != e["gen"]):
+                    # another sample for the same key (two first puts raced): the later one wins
+                    rec = part.keys[key] = _Key(index=index, gen=e["gen"], fields={}, tags=rec.tags)
                 for f, kind in e["fields"].items():
                     rec.fields[f] = (e["wid"], kind)
                 if e["tags"] is not None and e["tags"][i] is not None:
@@ -303,22 +309,22 @@ class _Client:
                     else:
                         columns[NT + name] = [_codec.encode(v) for v in values]
                         kinds[name] = False
-            indexes: list[int] | None = None
+            indexes: list[int] | None = None  # None: tags only, no key gets a sample
             if columns:
+                data = self._data(pid, part.gen)
                 known = [part.keys.get(k) for k in keys]
-                if all(r is not None and r.gen == part.gen for r in known):
-                    indexes = [r.index for r in known]  # type: ignore[union-attr]
-                    self.dock.put(columns, partition=self._data(pid, part.gen), indexes=indexes)
-                elif all(r is None for r in known):
-                    indexes = self.dock.put(columns, partition=self._data(pid, part.gen))
+                stale = [k for k, r in zip(keys, known) if r is not None and r.index is not None and r.gen != part.gen]
+                if stale:  # pragma: no cover - a generation only ends once no key is left
+                    raise ValueError(f"keys {stale[:5]} of partition {pid!r} belong to an older generation")
+                fresh = [i for i, r in enumerate(known) if r is None or r.index is None]
+                if len(fresh) == len(keys):
+                    indexes = self.dock.put(columns, partition=data)
                 else:
-                    raise ValueError(
-                        "kv_batch_put mixes new keys with existing ones; put new keys and existing keys "
-                        f"in separate calls (partition {pid!r})"
-                    )
-            elif any(k not in part.keys for k in keys):
-                missing = [k for k in keys if k not in part.keys][:5]
-                raise ValueError(f"kv_batch_put with tags only names keys that hold no data yet: {missing}")
+                    indexes = [r.index if r is not None else None for r in known]  # type: ignore[misc]
+                    if fresh:  # new and tag-only keys next to keys holding data: one sample each first
+                        for i, idx in zip(fresh, self.dock.reserve(data, len(fresh))):
+                            indexes[i] = idx
+                    self.dock.put(columns, partition=data, indexes=indexes)
             entry = {
                 "op": "put",
                 "keys": list(keys),
@@ -346,19 +352,20 @@ class _Client:
             if any(r is None for r in recs):
                 missing = [k for k, r in zip(keys, recs) if r is None][:5]
                 raise ValueError(f"keys or partition were not found! partition={pid!r} missing={missing}")
-            gens = {r.gen for r in recs}  # type: ignore[union-attr]
-            if len(gens) != 1:
-                raise ValueError(f"keys of partition {pid!r} span generations {sorted(gens)}; get them separately")
-            if select_fields is None:
-                names = sorted(set.intersection(*(set(r.fields) for r in recs)))  # type: ignore[union-attr]
+            if select_fields is None:  # the fields every key holds (none for tag-only keys)
+                held = [set(r.fields) for r in recs]  # type: ignore[union-attr]
+                names = sorted(set.intersection(*held)) if held else []
             else:
                 names = list(select_fields)
             for r, k in zip(recs, keys):
                 lacking = [f for f in names if f not in r.fields]  # type: ignore[union-attr]
                 if lacking:
                     raise ValueError(f"key {k!r} of partition {pid!r} has no fields {lacking}")
-        if not names:
-            return tensordict.TensorDict({}, batch_size=[len(keys)])
+            if not names:
+                return tensordict.TensorDict({}, batch_size=[len(keys)])
+            gens = {r.gen for r in recs}  # type: ignore[union-attr]
+            if len(gens) != 1:
+                raise ValueError(f"keys of partition {pid!r} span generations {sorted(gens)}; get them separately")
         cols = [f if recs[0].fields[f][1] else NT + f for f in names]  # type: ignore[union-attr]
         lease = dockd.Lease(
             0,
@@ -394,9 +401,11 @@ class _Client:
             missing = [k for k in keys if k not in part.keys]
             if missing and not create:
                 raise ValueError(f"keys or partition were not found! partition={pid!r} missing={missing[:5]}")
-            if missing:
-                indexes = self.dock.reserve(self._data(pid, part.gen), len(missing))
-                entry = {"op": "put", "keys": missing, "indexes": indexes, "gen": part.gen, "fields": {},
+            # new keys, and keys that hold tags only, get a sample reserved (a BatchMeta names samples)
+            unplaced = list(dict.fromkeys(k for k in keys if k not in part.keys or part.keys[k].index is None))
+            if unplaced:
+                indexes = self.dock.reserve(self._data(pid, part.gen), len(unplaced))
+                entry = {"op": "put", "keys": unplaced, "indexes": indexes, "gen": part.gen, "fields": {},
                          "wid": int(self.dock.home), "tags": None}
                 self._log(pid, entry)
                 self._apply(part, entry)
@@ -420,7 +429,7 @@ class _Client:
             with self.lock:
                 # (a put logs its keys right after its data: wait for the log, at most 0.2 s per hold of the lock)
                 part = self.sync(pid, wait=min(left, 0.2))
-                by_index = {r.index: k for k, r in part.keys.items() if r.gen == part.gen}
+                by_index = {r.index: k for k, r in part.keys.items() if r.gen == part.gen and r.index is not None}
                 keys = [by_index.get(int(i)) for i in indexes]
             if all(k is not None for k in keys):
                 return keys  # type: ignore[return-value]
@@ -446,9 +455,17 @@ class _Client:
     def clear(self, keys: list[str], pid: str) -> None:
         with self.lock:
             part = self.sync(pid)
+            data = self._data(pid, part.gen)
+            held = [r.index for r in (part.keys.get(k) for k in keys)
+                    if r is not None and r.index is not None and r.gen == part.gen]
             entry: dict[str, Any] = {"op": "clear", "keys": list(keys)}
             self._log(pid, entry)
             self._apply(part, entry)
+            if held:  # free the cleared keys' data now (the partition may never run empty)
+                try:
+                    self.dock.delete(data, sorted(set(held)))
+                except dockd.DockNotFound:
+                    pass
             self.sync(pid)
             if not part.keys:  # nothing left: free the data, next puts start a new generation
                 try:
@@ -969,7 +986,9 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         if stats is None:
             return not part.keys
         taken = stats["consumers"].get(self.task_name, {}).get("taken", 0)
-        return bool(part.keys) and taken >= len(part.keys)
+        # keys that hold tags only (verl's prompt-status keys) are never streamed
+        streamable = sum(1 for r in part.keys.values() if all(f in r.fields for f in self.data_fields))
+        return streamable > 0 and taken >= streamable
 
     def __iter__(self) -> Iterator[tuple[Any, BatchMeta]]:
         tensordict = require("tensordict", extra="verl", what="dockd transfer_queue.StreamingDataset")
@@ -1127,17 +1146,17 @@ __all__ = [
     "KVBatchMeta",
     "StreamingDataLoader",
     "StreamingDataset",
-    "async_kv_batch_meta2batch_meta",
-    "chunk_batch_fn",
-    "get_metrics_endpoint",
     "async_kv_batch_get",
     "async_kv_batch_get_by_meta",
+    "async_kv_batch_meta2batch_meta",
     "async_kv_batch_put",
     "async_kv_clear",
     "async_kv_list",
     "async_kv_put",
+    "chunk_batch_fn",
     "close",
     "get_client",
+    "get_metrics_endpoint",
     "init",
     "install",
     "kv_batch_get",
