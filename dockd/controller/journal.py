@@ -9,18 +9,42 @@ newest snapshot and replays its journal through the same pure `Controller`
 methods that made the decisions, so the rebuilt state is the state that was
 lost. A torn last record (the process was killed mid-write) is cut off.
 
-Durability: every record is written (one `write(2)`) before the reply that
-depends on it leaves the controller, so a controller killed with SIGKILL
-loses nothing; `fsync` runs in batches every `fsync_interval` seconds, so a
-crash of the whole machine can lose the decisions of that last interval.
-When the journal grows past `compact_bytes` a new snapshot replaces it.
+Durability: every record is written whole (`write(2)`, the rest of a short
+write retried) before the reply that depends on it leaves the controller, so
+a controller killed with SIGKILL loses nothing; `fsync` runs in batches every
+`fsync_interval` seconds, so a crash of the whole machine can lose the
+decisions of that last interval. When the journal grows past `compact_bytes`
+a new snapshot replaces it.
+
+A full disk (write-ahead): a request's record is written before the request
+changes the controller (a commit, a partition operation, a confirm), or, for
+a grant, the lease is given back when its record cannot be written; either
+way the request fails with `DockStateFull` and nothing of it stays. Journal
+space is reserved ahead with `fallocate` (1 MiB at a time, beyond the end of
+the file), so a full disk is noticed before a decision and a record rarely
+fails half-way; requests that add to the dock (puts, gets, reserves, tags,
+loads) are refused while less than `_MARGIN` of it is left, which keeps room
+for the records of decisions the controller makes on its own (expired leases,
+warehouses lost and back) and for confirms, releases and extends. A write
+that fails is cut back to the last whole record; if even that fails, or a
+decision already made cannot be recorded, the journal stops taking records
+until a fresh snapshot (retried every second or so) has captured the
+controller. A restart on a full disk that cannot write its snapshot goes on
+appending to the journal it read.
+
+Lease deadlines are never recorded on the wall clock: a record holds the
+seconds a lease had left when it was granted or extended (a snapshot, what it
+had left then), and a restart gives every restored lease that many seconds
+from the moment it starts. A clock jump between the two runs can therefore
+neither expire a live consumer's lease nor strand a dead one's samples; a
+dead holder's lease ends at most one lease span after the restart.
 
 Records (the first element names the kind):
 
     W  warehouse entry (id, host, port, unix, capacity, instance, state)
     C  commit          (partition, columns, warehouse, indexes | None, new_count, group_size, nbytes, put_id[, tags])
-    G  lease granted   (id, partition, consumer, indexes, wall-clock deadline, token, owner session)
-    E  lease extended  (id, wall-clock deadline)
+    G  lease granted   (id, partition, consumer, indexes, seconds left, token, owner session)
+    E  lease extended  (id, seconds left)
     F  leases confirmed (ids)
     R  lease released  (id): given back, expired, or its client went away
     X  partition cleared
@@ -41,6 +65,7 @@ while unconfirmed old shares expire back to the pool.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import pathlib
@@ -54,7 +79,7 @@ import msgpack
 import numpy as np
 
 from dockd.controller.core import Controller, Inventory, _import
-from dockd.errors import DockError
+from dockd.errors import DockError, DockStateFull
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +123,50 @@ class JournalError(DockError):
     """The state dir cannot be used (unreadable, or written by an incompatible version)."""
 
 
+_CHUNK = 1 << 20  # journal space reserved ahead at a time, when the disk has it
+_MARGIN = 64 << 10  # requests that add to the dock are refused with less than this reserved ahead
+_RETRY_MIN, _RETRY_MAX = 1.0, 10.0  # seconds between attempts at a snapshot that failed
+_LOG_EVERY = 10.0  # seconds between log lines about refused requests
+_NO_PREALLOC = 1 << 62
+_LEGACY_WALL = 1e8  # a lease time above this was written as a wall-clock deadline (older dockd)
+# records written before the request they record was applied: one the controller then refused
+# replays to the same refusal, which replay skips
+_AHEAD = frozenset("CPDSVTXEFR")
+
+
+def _fallocate():
+    """fallocate(fd, FALLOC_FL_KEEP_SIZE, offset, length) from libc, or None where there is none."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = getattr(libc, "fallocate64", None) or libc.fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+
+    def reserve(fd: int, offset: int, length: int) -> None:
+        if fn(fd, 1, offset, length) != 0:  # 1: FALLOC_FL_KEEP_SIZE (the file's size stays its records')
+            e = ctypes.get_errno()
+            raise OSError(e, os.strerror(e))
+
+    return reserve
+
+
+_reserve_space = _fallocate()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of data, retrying the rest of a short write; OSError if the disk takes no more."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[n:]
+
+
 class Journal:
     """Records the controller's decisions in a state dir and rebuilds them on restart."""
 
@@ -107,19 +176,29 @@ class Journal:
         self.compact_bytes = compact_bytes
         self.gen = 0
         self._fd = -1
-        self.size = 0
+        self.size = 0  # bytes of whole records in the current journal file
+        self.reserved = 0  # the file's space is reserved up to this offset (>= size)
         self.dirty = False
         self.records = 0
+        self._prealloc = _reserve_space is not None  # space can be reserved ahead (until fallocate says no)
+        self._last_error: OSError | None = None
+        # why the journal takes no records until a snapshot captured the controller (None: it does)
+        self.broken: str | None = None
+        self.refused = 0  # requests refused since the last log line about them
+        self._full_since = 0.0  # when requests began to be refused (0: they are not)
+        self._logged_at = -_LOG_EVERY
+        self._retry_at = 0.0  # loop time before which a failed snapshot is not tried again
+        self._retry_wait = _RETRY_MIN
 
     # -- recovery ------------------------------------------------------------------------
     def load(self, *, lease_timeout: float, now: float) -> tuple[Controller, dict[int, dict]]:
         """Rebuild the controller (deadlines on the clock whose current reading is `now`) and
-        its warehouse registry from the state dir; then start a fresh snapshot + journal."""
+        its warehouse registry from the state dir; then start a fresh snapshot + journal (or,
+        with no room for a snapshot, go on appending to the journal just read)."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise JournalError(f"cannot create the state dir {self.dir}: {e}") from None
-        wall_offset = time.time() - now
         gens = sorted(int(m.group(1)) for f in self.dir.iterdir() if (m := _SNAP.match(f.name)))
         core, warehouses = Controller(lease_timeout=lease_timeout), {}
         if gens:
@@ -127,25 +206,42 @@ class Journal:
             snap_path = self.dir / f"snapshot-{self.gen}.msgpack"
             try:
                 snap = msgpack.unpackb(snap_path.read_bytes(), raw=False, strict_map_key=False)
-                core = Controller.restore(snap["controller"], wall_offset=wall_offset, lease_timeout=lease_timeout)
+                # deadlines are stored as seconds left ("remaining"): restore them as now + that
+                core = Controller.restore(snap["controller"], wall_offset=-now, lease_timeout=lease_timeout)
             except (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
                 raise JournalError(f"cannot read the controller snapshot {snap_path}: {e}. Move the state dir "
                                    "away to start empty.") from None
+            if snap.get("clock") != "remaining":  # an older dockd stored wall-clock deadlines: a fresh lease span
+                for lease in list(core.leases.values()):
+                    core.extend(lease.id, now + core.lease_timeout)
             warehouses = {int(w["id"]): w for w in snap["warehouses"]}
         log = self.dir / f"journal-{self.gen}.log"
-        replayed = 0
+        replayed = skipped = good = 0
         if log.exists():
-            for rec in self._read(log):
-                apply(core, warehouses, rec, wall_offset)
+            for rec, good in self._read(log):
+                if not apply(core, warehouses, rec, now):
+                    skipped += 1
                 replayed += 1
+            try:  # cut a torn tail, and give back space an earlier run reserved past the last record
+                os.truncate(log, good)
+            except OSError as e:
+                raise JournalError(f"cannot cut the torn end of {log}: {e}") from None
         if gens or replayed:
-            logger.info("[journal] recovered state_dir=%s snapshot=%d records=%d partitions=%d leases=%d",
-                        self.dir, self.gen, replayed, len(core.partitions), len(core.leases))
-        self.compact(core, warehouses, now=now)
+            logger.info("[journal] recovered state_dir=%s snapshot=%d records=%d refused_requests=%d partitions=%d "
+                        "leases=%d", self.dir, self.gen, replayed, skipped, len(core.partitions), len(core.leases))
+        if not self.compact(core, warehouses, now=now):
+            try:
+                self._fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+            except OSError as e:
+                raise JournalError(f"cannot write the state dir {self.dir}: {e}") from None
+            self.size, self.reserved = good, good if self._prealloc else _NO_PREALLOC
+            logger.warning("[journal] no room for a snapshot in %s: appending to %s after its %d bytes of records",
+                           self.dir, log.name, good)
         return core, warehouses
 
     @staticmethod
-    def _read(log: pathlib.Path) -> Iterator[list]:
+    def _read(log: pathlib.Path) -> Iterator[tuple[list, int]]:
+        """The whole records of a journal file, each with the offset where it ends."""
         data = log.read_bytes()
         pos = 0
         while pos + _HEAD.size <= len(data):
@@ -153,18 +249,127 @@ class Journal:
             body = data[pos + _HEAD.size : pos + _HEAD.size + n]
             if len(body) < n or zlib.crc32(body) != crc:
                 break
-            yield msgpack.unpackb(body, raw=False, strict_map_key=False)
             pos += _HEAD.size + n
+            yield msgpack.unpackb(body, raw=False, strict_map_key=False), pos
         if pos < len(data):
             logger.warning("[journal] cut a torn record at the end of %s offset=%d bytes=%d", log, pos, len(data) - pos)
 
+    # -- room --------------------------------------------------------------------------------
+    def room(self) -> None:
+        """Raise DockStateFull unless a request that adds to the dock may be decided now: the
+        journal takes records and has `_MARGIN` bytes reserved ahead (reserving more if need be)."""
+        if self.broken is None and (self.reserved - self.size >= _MARGIN or self._reserve(_MARGIN)):
+            return
+        raise self._refuse()
+
+    def _reserve(self, need: int) -> bool:
+        """Reserve space for `need` more bytes of records (a chunk, or as much as `need` and
+        the margin, or just `need`). False when the disk has not even that."""
+        if not self._prealloc:
+            return self._no_prealloc(None)
+        err = None
+        for length in (max(_CHUNK, need + _MARGIN), need + _MARGIN, need):
+            end = self.size + length
+            if end <= self.reserved:
+                return True
+            try:
+                _reserve_space(self._fd, self.reserved, end - self.reserved)
+            except OSError as e:
+                if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    return self._no_prealloc(e)
+                err = e
+                continue
+            self.reserved = end
+            self._resumed()
+            return True
+        self._last_error = err
+        return False
+
+    def _no_prealloc(self, e: OSError | None) -> bool:
+        if self._prealloc:
+            logger.info("[journal] %s cannot reserve space ahead (%s): a full disk is noticed when a record fails",
+                        self.dir, e)
+            self._prealloc = False
+        self.reserved = _NO_PREALLOC
+        return True
+
+    def _resumed(self) -> None:
+        if self._full_since:
+            logger.warning("[journal] the state dir %s has room again after %.0fs; requests refused meanwhile: %d",
+                           self.dir, time.monotonic() - self._full_since, self.refused)
+            self._full_since, self.refused = 0.0, 0
+
+    def _free(self) -> int:
+        try:
+            st = os.statvfs(self.dir)
+            return st.f_bavail * st.f_frsize
+        except OSError:
+            return -1
+
+    def _refuse(self, cause: OSError | None = None) -> DockStateFull:
+        """The error a refused request gets; logged at most every _LOG_EVERY seconds."""
+        cause = cause or getattr(self, "_last_error", None)
+        free = self._free()
+        if self.broken is not None:
+            why = (f"the controller cannot record its decisions in its state dir {self.dir} ({self.broken}); it "
+                   f"takes no requests until a fresh snapshot is written there ({free} bytes free)")
+        elif cause is None or cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            why = f"the controller's state dir {self.dir} is full ({free} bytes free)"
+        else:
+            why = f"the controller cannot write its state dir {self.dir} ({cause})"
+        now = time.monotonic()
+        if not self._full_since:
+            self._full_since = now
+        self.refused += 1
+        if now - self._logged_at >= _LOG_EVERY:
+            self._logged_at = now
+            logger.error("[journal] %s: refusing requests (refused=%d since %.0fs ago)", why, self.refused,
+                         now - self._full_since)
+        return DockStateFull(f"{why}: this request was not applied; free space there and retry, the dock "
+                             "resumes by itself")
+
     # -- writing ---------------------------------------------------------------------------
-    def append(self, rec: list) -> None:
+    def append(self, rec: list, *, applied: bool = False) -> bool:
+        """Write one whole record. A request's record (`applied` False) raises DockStateFull when
+        it cannot be written, leaving the journal as it was. A record of a decision already
+        applied returns False instead and stops the journal until a snapshot (see `broken`)."""
         body = msgpack.packb(rec, use_bin_type=True)
-        os.write(self._fd, _HEAD.pack(len(body), zlib.crc32(body)) + body)
-        self.size += _HEAD.size + len(body)
-        self.records += 1
-        self.dirty = True
+        data = _HEAD.pack(len(body), zlib.crc32(body)) + body
+        err = None
+        if self.broken is None:
+            if self.size + len(data) > self.reserved and not self._reserve(len(data)):
+                err = self._last_error
+            else:
+                try:
+                    _write_all(self._fd, data)
+                except OSError as e:
+                    err = e
+                    self._cut(e)
+                else:
+                    self.size += len(data)
+                    self.records += 1
+                    self.dirty = True
+                    return True
+        if not applied:
+            raise self._refuse(err)
+        if self.broken is None:
+            self._break(f"a {rec[0]} record could not be written: {err}")
+        return False
+
+    def _cut(self, e: OSError) -> None:
+        """Undo a record that was written in part: the file ends at the last whole record."""
+        try:
+            os.ftruncate(self._fd, self.size)
+        except OSError as e2:
+            self._break(f"a record failed ({e}) and could not be cut off ({e2})")
+        if self._prealloc:
+            self.reserved = min(self.reserved, self.size)
+
+    def _break(self, why: str) -> None:
+        logger.error("[journal] %s: the state dir %s takes no records until a snapshot captured the controller",
+                     why, self.dir)
+        self.broken = why
+        self._retry_at = 0.0
 
     def secret(self) -> bytes:
         """The controller's key for lease tickets, kept in the state dir so tickets outlive a restart."""
@@ -176,12 +381,19 @@ class Journal:
         except OSError:
             pass
         raw = os.urandom(32)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        tmp = self.dir / "lease-secret.tmp"
         try:
-            os.write(fd, raw)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                _write_all(fd, raw)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            logger.warning("[journal] cannot keep the lease-ticket key in %s (%s): tickets handed out now will not "
+                           "be honoured after a restart", self.dir, e)
         return raw
 
     def sync(self) -> None:
@@ -193,41 +405,91 @@ class Journal:
     def needs_compaction(self) -> bool:
         return self.size > self.compact_bytes
 
-    def compact(self, core: Controller, warehouses: Mapping[int, dict], *, now: float) -> None:
-        """Write a new snapshot and start an empty journal after it; drop the older files."""
+    def compaction_due(self, now: float) -> bool:
+        """A snapshot is due: the journal is large, or it stopped taking records (not before a
+        failed attempt's back-off, `now` on the loop's clock)."""
+        return (self.broken is not None or self.size > self.compact_bytes) and now >= self._retry_at
+
+    def compact(self, core: Controller, warehouses: Mapping[int, dict], *, now: float) -> bool:
+        """Write a new snapshot and start an empty journal after it; drop the older files.
+        False when that cannot be done (the disk is full): the current journal goes on."""
         gen = self.gen + 1
-        snap = {"controller": core.snapshot(time.time() - now), "warehouses": list(warehouses.values())}
+        # lease deadlines as seconds left (`deadline - now`), not on the wall clock
+        snap = {"controller": core.snapshot(-now), "clock": "remaining", "warehouses": list(warehouses.values())}
         tmp = self.dir / f"snapshot-{gen}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(msgpack.packb(snap, use_bin_type=True))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.dir / f"snapshot-{gen}.msgpack")
-        fd = os.open(self.dir / f"journal-{gen}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        dfd = os.open(self.dir, os.O_RDONLY)
+        snap_path = self.dir / f"snapshot-{gen}.msgpack"
+        log = self.dir / f"journal-{gen}.log"
+        fd = -1
+        renamed = False
+        if self.broken is not None and self._fd >= 0 and self._prealloc:
+            try:  # the old journal's reserved space is the snapshot's best chance
+                os.ftruncate(self._fd, self.size)
+                self.reserved = self.size
+            except OSError:
+                pass
         try:
-            os.fsync(dfd)  # the rename and the new journal are durable before the old files go
-        finally:
-            os.close(dfd)
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o600)
+            sfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                _write_all(sfd, msgpack.packb(snap, use_bin_type=True))
+                os.fsync(sfd)
+            finally:
+                os.close(sfd)
+            os.replace(tmp, snap_path)
+            renamed = True
+            dfd = os.open(self.dir, os.O_RDONLY)
+            try:
+                os.fsync(dfd)  # the rename and the new journal are durable before the old files go
+            finally:
+                os.close(dfd)
+        except OSError as e:
+            for path in (tmp, snap_path if renamed else None, log):
+                if path is not None:
+                    try:
+                        path.unlink(missing_ok=True)
+                    except OSError:
+                        pass
+            if fd >= 0:
+                os.close(fd)
+            self._retry_at = now + self._retry_wait
+            self._retry_wait = min(self._retry_wait * 2, _RETRY_MAX)
+            logger.log(logging.ERROR if self.broken is not None else logging.WARNING,
+                       "[journal] cannot write a snapshot in %s (%s); next try in %.0fs", self.dir, e,
+                       self._retry_at - now)
+            return False
         if self._fd >= 0:
             os.close(self._fd)
         self._fd, self.gen, self.size, self.dirty = fd, gen, 0, False
+        self.reserved = 0 if self._prealloc else _NO_PREALLOC
+        self._retry_wait = _RETRY_MIN
+        if self.broken is not None:
+            logger.warning("[journal] a snapshot in %s captured the controller: the journal takes records again",
+                           self.dir)
+            self.broken = None
+            self._resumed()
         for f in self.dir.iterdir():
             m = re.match(r"(?:snapshot|journal)-(\d+)\.(?:msgpack|log|tmp)$", f.name)
             if m and int(m.group(1)) < gen:
                 f.unlink(missing_ok=True)
+        return True
 
     def close(self) -> None:
         if self._fd >= 0:
             try:
+                if self.reserved != _NO_PREALLOC and self.reserved > self.size:
+                    os.ftruncate(self._fd, self.size)  # give back the space reserved ahead
                 os.fsync(self._fd)
+            except OSError as e:
+                logger.warning("[journal] closing %s: %s", self.dir, e)
             finally:
                 os.close(self._fd)
                 self._fd = -1
 
     # -- the records a service writes ------------------------------------------------------
+    # Requests' records raise DockStateFull when they cannot be written (see `append`); records
+    # of what the controller already did on its own (warehouses, expiries, shares) never raise.
     def warehouse(self, entry: dict) -> None:
-        self.append(["W", entry])
+        self.append(["W", entry], applied=True)
 
     def commit(self, partition, columns, warehouse, indexes, new_count, group_size, nbytes, put_id,
                tags=None) -> None:
@@ -255,31 +517,54 @@ class Journal:
     def tags(self, partition: str, indexes, tags) -> None:
         self.append(["T", partition, _pack_idx(indexes), _pack_tags(tags)])
 
-    def grant(self, lease, wall_deadline: float) -> None:
-        self.append(["G", lease.id, lease.partition, lease.consumer, _pack_idx(lease.indexes), wall_deadline, lease.token,
-                     lease.owner])
+    def grant(self, lease, seconds_left: float, *, applied: bool = False) -> bool:
+        """A lease and the seconds it has left (its deadline minus now, on the loop's clock)."""
+        return self.append(["G", lease.id, lease.partition, lease.consumer, _pack_idx(lease.indexes),
+                            float(seconds_left), lease.token, lease.owner], applied=applied)
 
-    def extend(self, lease_id: int, wall_deadline: float) -> None:
-        self.append(["E", lease_id, wall_deadline])
+    def extend(self, lease_id: int, seconds_left: float) -> None:
+        self.append(["E", lease_id, float(seconds_left)])
 
     def confirm(self, ids: list[int]) -> None:
         self.append(["F", ids])
 
-    def release(self, lease_id: int) -> None:
-        self.append(["R", lease_id])
+    def release(self, lease_id: int, *, applied: bool = False) -> bool:
+        return self.append(["R", lease_id], applied=applied)
 
     def clear(self, partition: str) -> None:
         self.append(["X", partition])
 
     def lost(self, wid: int) -> None:
-        self.append(["L", wid])
+        self.append(["L", wid], applied=True)
 
     def rejoin(self, wid: int, inventory: Mapping[str, Inventory], known: bool) -> None:
-        self.append(["J", wid, _pack_inventory(inventory), known])
+        self.append(["J", wid, _pack_inventory(inventory), known], applied=True)
 
 
-def apply(core: Controller, warehouses: dict[int, dict], rec: list, wall_offset: float) -> None:
-    """Replay one record onto a controller and its warehouse registry."""
+def _deadline(core: Controller, left: float, now: float) -> float:
+    """A restored lease's deadline: now + the seconds it had left when recorded (an older
+    dockd's wall-clock deadline: a fresh lease timeout)."""
+    return now + (core.lease_timeout if left > _LEGACY_WALL else left)
+
+
+def apply(core: Controller, warehouses: dict[int, dict], rec: list, now: float) -> bool:
+    """Replay one record onto a controller and its warehouse registry (lease deadlines on the
+    clock whose reading is `now`). False: a request recorded ahead that the controller refused."""
+    if rec[0] not in _AHEAD:
+        _apply(core, warehouses, rec, now)
+        return True
+    try:
+        _apply(core, warehouses, rec, now)
+    except DockError:
+        return False
+    except Exception as e:  # noqa: BLE001 - it failed the same way when it was made
+        logger.warning("[journal] a %s record replays to %s: %s (the request failed the same way)", rec[0],
+                       type(e).__name__, e)
+        return False
+    return True
+
+
+def _apply(core: Controller, warehouses: dict[int, dict], rec: list, now: float) -> None:
     kind = rec[0]
     if kind == "C":
         _, part, cols, wid, idx, new_count, gs, nbytes, put_id, *tags = rec
@@ -298,10 +583,10 @@ def apply(core: Controller, warehouses: dict[int, dict], rec: list, wall_offset:
     elif kind == "T":
         core.set_tags(rec[1], _unpack_idx(rec[2]), _unpack_tags(rec[3]))
     elif kind == "G":
-        _, lid, part, consumer, idx, wall_deadline, token, owner = rec
-        core.grant(lid, part, consumer, _unpack_idx(idx), deadline=wall_deadline - wall_offset, token=token, owner=owner)
+        _, lid, part, consumer, idx, left, token, owner = rec
+        core.grant(lid, part, consumer, _unpack_idx(idx), deadline=_deadline(core, left, now), token=token, owner=owner)
     elif kind == "E":
-        core.extend(rec[1], rec[2] - wall_offset)
+        core.extend(rec[1], _deadline(core, rec[2], now))
     elif kind == "F":
         for lid in rec[1]:
             core.confirm(lid)

@@ -17,7 +17,6 @@ import hmac
 import logging
 import os
 import secrets
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -27,7 +26,8 @@ from dockd._version import __version__
 from dockd.controller.core import AcquireResult, Controller, Round
 from dockd.controller.journal import Journal
 from dockd.controller.membership import Membership
-from dockd.errors import DockClosed, DockDataLost, DockError, DockLeaseError, DockNotFound, DockTimeout, DockValueError
+from dockd.errors import (DockClosed, DockDataLost, DockError, DockLeaseError, DockNotFound, DockStateFull, DockTimeout,
+                          DockValueError)
 from dockd.peer import Peer
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ class ControllerService:
         self._expiry: asyncio.TimerHandle | None = None
         self._expiry_at = float("inf")
         self._sync_timer: asyncio.TimerHandle | None = None
+        self._full_retry: asyncio.TimerHandle | None = None  # waiting gets tried again once the state dir has room
         self._syncing = False
         self.closing = False
         self.leases_expired = 0
@@ -98,9 +99,13 @@ class ControllerService:
     def _sync(self) -> None:
         """Batched durability: fsync the journal in a worker thread; compact it when large."""
         self._sync_timer = self.loop.call_later(self.journal.fsync_interval, self._sync)
-        if self.journal.needs_compaction():
-            self.journal.compact(self.core, {e.id: e.record() for e in self.members.entries.values()}, now=self.loop.time())
-        elif self.journal.dirty and not self._syncing:
+        j = self.journal
+        if j.compaction_due(self.loop.time()) and not self._syncing:  # (never under an fsync of the old file)
+            broken = j.broken is not None
+            if j.compact(self.core, {e.id: e.record() for e in self.members.entries.values()}, now=self.loop.time()) \
+                    and broken:
+                self._wake_all()  # the journal takes records again: retry the gets that waited meanwhile
+        elif j.dirty and not self._syncing:
             self._syncing = True
             self.loop.run_in_executor(None, self.journal.sync).add_done_callback(self._synced)
 
@@ -156,7 +161,7 @@ class ControllerService:
                 released = self.core.release_owner(sid)
         if self.journal is not None:
             for lease in released:
-                self.journal.release(lease.id)
+                self.journal.release(lease.id, applied=True)
         touched = {lease.partition for lease in released}
         for part, ws in list(self.waiters.items()):  # _drop deletes emptied partitions
             for w in [w for w in ws if w.peer is peer]:
@@ -181,11 +186,13 @@ class ControllerService:
             raise DockValueError(f"partition {req.partition!r} is being loaded from a checkpoint; put to it once "
                                  "the load returned")
         tags = {t.name: list(t.values) for t in req.tags} or None
-        idx = self.core.commit(req.partition, list(req.columns), warehouse=req.warehouse, indexes=indexes,
-                               new_count=req.new_count, group_size=gs, nbytes=req.nbytes, put_id=req.put_id, tags=tags)
-        if self.journal is not None:
+        applied = req.put_id and req.put_id in self.core.put_keys.get(req.warehouse, ())  # (re-sent: answered again)
+        if self.journal is not None and not applied:  # written ahead: a commit the journal cannot take is not applied
+            self.journal.room()
             self.journal.commit(req.partition, req.columns, req.warehouse, indexes, req.new_count, gs, req.nbytes,
                                 req.put_id, tags)
+        idx = self.core.commit(req.partition, list(req.columns), warehouse=req.warehouse, indexes=indexes,
+                               new_count=req.new_count, group_size=gs, nbytes=req.nbytes, put_id=req.put_id, tags=tags)
         if req.partition in self.waiters:
             self._wake(req.partition)
         return idx
@@ -217,7 +224,7 @@ class ControllerService:
         """Confirm leases this peer may act on; the rest are reported in `out`."""
         if not leases:
             return
-        done, unknown, refused, sealed = [], [], [], set()
+        done, unknown, refused, sealed, mine = [], [], [], set(), []
         for k, lid in enumerate(leases):
             try:
                 lease = self._owned(peer, lid, tickets[k] if k < len(tickets) else b"")
@@ -227,13 +234,19 @@ class ControllerService:
             if lease is None:
                 if lid not in self.core.cleared_leases:  # (a clear took its samples: nothing was handed out again)
                     unknown.append(lid)
-            elif self.core.confirm(lid, lease.holders.get(self.session(peer)) if lease.holders else None):
+                continue
+            member = lease.holders.get(self.session(peer)) if lease.holders else None
+            mine.append((lease, member))
+            # (as Controller.confirm decides: a share read by several ranks ends with its last reader's confirm)
+            if lease.need <= 1 or member is None or (lease.confirmed | 1 << member).bit_count() >= lease.need:
                 done.append(lid)
+        if done and self.journal is not None:
+            self.journal.confirm(done)  # written ahead: confirms the journal cannot take are not applied
+        for lease, member in mine:
+            if self.core.confirm(lease.id, member):
                 part = self.core.partitions.get(lease.partition)
                 if part is not None and part.sealed and lease.partition in self.waiters:
                     sealed.add(lease.partition)  # the last leased samples taken: waiting gets may be at the end
-        if done and self.journal is not None:
-            self.journal.confirm(done)
         if done:
             self._schedule_frees()  # (retirement)
         for name in sealed:
@@ -254,9 +267,9 @@ class ControllerService:
         seconds = req.seconds if req.seconds > 0 else self.core.lease_timeout
         if not seconds <= 7 * 86400:
             raise DockValueError(f"a lease is extended by at most a week, got {req.seconds}s")
-        self.core.extend(lease.id, self.loop.time() + seconds)
         if self.journal is not None:
-            self.journal.extend(lease.id, time.time() + seconds)
+            self.journal.extend(lease.id, seconds)
+        self.core.extend(lease.id, self.loop.time() + seconds)
         self._schedule_expiry()
         return pb.ExtendReply(seconds=seconds)
 
@@ -265,19 +278,19 @@ class ControllerService:
         lease = self._owned(peer, lease_id, req.ticket)
         if lease is None or lease.need > 1:  # (a share other model-parallel ranks read: it expires if unconfirmed)
             return 0
+        if self.journal is not None:
+            self.journal.release(lease_id)  # written ahead
         lease = self.core.release(lease_id)
         if lease is None:
             return 0
-        if self.journal is not None:
-            self.journal.release(lease.id)
         self._wake(lease.partition)
         return len(lease.indexes)
 
     async def clear(self, req: pb.ClearRequest) -> int:
+        if self.journal is not None and req.partition in self.core.partitions:
+            self.journal.clear(req.partition)  # written ahead
         n = self.core.clear(req.partition)
         logger.info("[controller] partition cleared partition=%s samples=%d", req.partition, n)
-        if self.journal is not None:
-            self.journal.clear(req.partition)
         for w in list(self.waiters.get(req.partition, ())):
             self._drop(req.partition, w)
             w.peer.reply_error(w.frame, DockClosed(f"partition {req.partition!r} was cleared while this get waited"))
@@ -292,37 +305,39 @@ class ControllerService:
         if name in self._loading:
             raise DockValueError(f"partition {name!r} is being loaded from a checkpoint; try again once the load "
                                  "returned")
-        j = self.journal
+        j = self.journal  # each record is written ahead: an operation the journal cannot take is not applied
+        if j is not None and op in ("create", "reserve", "set_tags"):
+            j.room()
         if op == "create":
             c = req.create
             gs, retire = c.group_size or 1, list(c.retire_when_consumed_by)
-            self.core.create_partition(name, group_size=gs, retire=retire)
             if j is not None:
                 j.create(name, gs, retire)
+            self.core.create_partition(name, group_size=gs, retire=retire)
             logger.info("[controller] partition options partition=%s group_size=%d retire_when_consumed_by=%s",
                         name, gs, ",".join(retire) or "-")
         elif op == "delete":
             idx = np.asarray(req.delete.indexes, dtype=np.int64)
-            out.samples = self.core.delete(name, idx)
-            if j is not None and out.samples:
+            if j is not None and len(idx) and name in self.core.partitions:
                 j.delete(name, idx)
+            out.samples = self.core.delete(name, idx)
         elif op == "seal":
-            self.core.seal(name)
             if j is not None:
                 j.seal(name)
+            self.core.seal(name)
             logger.info("[controller] partition sealed partition=%s", name)
         elif op == "reserve":
             r = req.reserve
             gs = r.group_size or 1
-            idx = self.core.reserve(name, r.count, group_size=gs)
             if j is not None:
                 j.reserve(name, r.count, gs)
+            idx = self.core.reserve(name, r.count, group_size=gs)
             out.indexes.extend(idx.tolist())
         elif op == "set_tags":
             tags = {t.name: list(t.values) for t in req.set_tags.tags}
-            self.core.set_tags(name, list(req.set_tags.indexes), tags)
             if j is not None:
                 j.tags(name, list(req.set_tags.indexes), tags)
+            self.core.set_tags(name, list(req.set_tags.indexes), tags)
         else:
             raise DockValueError(f"partition operation {op!r} is not supported by this controller (version "
                                  f"{__version__})")
@@ -366,6 +381,8 @@ class ControllerService:
         if name in self.core.partitions or name in self._loading:
             raise DockValueError(f"partition {name!r} exists (or is being loaded); clear it or load the checkpoint "
                                  "under another name")
+        if self.journal is not None:
+            self.journal.room()
         self._loading.add(name)
         try:
             return await self._load(name, path, meta)
@@ -397,7 +414,12 @@ class ControllerService:
         for (wid, _), r in zip(meta["files"], replies):
             part.nbytes[targets[wid]] = part.nbytes.get(targets[wid], 0) + r.nbytes
         if self.journal is not None:
-            self.journal.loaded(name, self.core.export_partition(name))
+            try:
+                self.journal.loaded(name, self.core.export_partition(name))
+            except DockStateFull:
+                del self.core.partitions[name]  # not recorded: not loaded
+                await self._free_everywhere(name)
+                raise
         out = pb.PartitionReply(samples=limit - part.deleted, nbytes=sum(r.nbytes for r in replies))
         logger.info("[controller] partition loaded partition=%s path=%s samples=%d bytes=%d", name, path,
                     out.samples, out.nbytes)
@@ -498,7 +520,7 @@ class ControllerService:
                 self._drop(part, w)
                 w.peer.reply_error(w.frame, DockClosed("the controller is shutting down"))
         self.members.close()
-        for timer in (self._expiry, self._sync_timer):
+        for timer in (self._expiry, self._sync_timer, self._full_retry):
             if timer is not None:
                 timer.cancel()
         if self.journal is not None:
@@ -513,6 +535,8 @@ class ControllerService:
         if again is not None and again.owner not in (sid, b""):
             again = None  # another client's token: no replay for it (tokens are random, so this is an attack)
             r.token = 0
+        if again is None and self.journal is not None:
+            self.journal.room()
         res = self.core.acquire(
             r.partition, r.consumer, list(r.columns), r.count,
             groups=r.groups, allow_partial=r.allow_partial, shuffle=r.shuffle,
@@ -525,7 +549,11 @@ class ControllerService:
         elif res is not None:
             if self.journal is not None:
                 lease = self.core.leases[res.lease]
-                self.journal.grant(lease, lease.deadline + time.time() - self.loop.time())
+                try:
+                    self.journal.grant(lease, lease.deadline - self.loop.time())
+                except DockStateFull:
+                    self.core.release(lease.id)  # not recorded: not granted
+                    raise
             self._schedule_expiry()
         return res
 
@@ -539,6 +567,8 @@ class ControllerService:
             if name not in r.columns and not self._is_tag(r.partition, name):
                 raise DockValueError(f"balance_by={name!r} is neither a tag of partition {r.partition!r} nor one of "
                                      f"the columns this get reads ({list(r.columns)})")
+        if self.journal is not None:
+            self.journal.room()
         res = self.core.share(
             r.partition, r.consumer, list(r.columns), r.count, dp_rank=r.dp_rank, dp_size=r.dp_size,
             mp_rank=r.mp_rank, mp_size=r.mp_size or 1, mp_group=r.mp_group, step=r.step if r.has_step else None, groups=r.groups,
@@ -556,14 +586,21 @@ class ControllerService:
         return part is not None and name in part.tags
 
     def _journal_shares(self) -> None:
+        """Record the shares made and given back since the last call. Shares whose grant cannot be
+        recorded go back to the pool (as if they expired at once) and DockStateFull is raised."""
         shares, self.core.new_shares = self.core.new_shares, []
         dropped, self.core.dropped_shares = self.core.dropped_shares, []
         if self.journal is not None:
             for lid in dropped:
-                self.journal.release(lid)
-            offset = time.time() - self.loop.time()
-            for lease in shares:
-                self.journal.grant(lease, lease.deadline + offset)
+                self.journal.release(lid, applied=True)
+            now = self.loop.time()
+            for k, lease in enumerate(shares):
+                try:
+                    self.journal.grant(lease, lease.deadline - now)
+                except DockStateFull:
+                    for gone in shares[k:]:
+                        self.core.release(gone.id)  # not recorded: not granted
+                    raise
         if shares:
             self._schedule_expiry()
 
@@ -658,6 +695,9 @@ class ControllerService:
                 continue
             try:
                 res = self._try(w.peer, r)
+            except DockStateFull:  # the state dir is full: the gets stay parked, and are tried again soon
+                self._retry_wake_later()
+                return
             except DockError as e:
                 self._drop(partition, w)
                 w.peer.reply_error(w.frame, e)
@@ -667,6 +707,14 @@ class ControllerService:
                 self._reply_acquired(w.peer, w.frame, r, res)
             else:
                 short[key] = min(short.get(key, 1 << 62), need)
+
+    def _retry_wake_later(self) -> None:
+        if self._full_retry is None and not self.closing:
+            self._full_retry = self.loop.call_later(1.0, self._retry_wake)
+
+    def _retry_wake(self) -> None:
+        self._full_retry = None
+        self._wake_all()
 
     def _drop(self, partition: str, w: _Waiter) -> None:
         ws = self.waiters.get(partition)
@@ -716,7 +764,7 @@ class ControllerService:
         expired = self.core.expire_leases(self.loop.time())
         if self.journal is not None:
             for lease in expired:
-                self.journal.release(lease.id)
+                self.journal.release(lease.id, applied=True)
         self.leases_expired += len(expired)
         if expired:
             logger.warning("[controller] leases expired unconfirmed count=%d; their samples return to the pool", len(expired))
