@@ -10,6 +10,7 @@ import re
 import sys
 import time
 
+from dockd import limits
 from dockd._version import __version__
 from dockd.errors import DockError, DockValueError
 
@@ -63,7 +64,7 @@ def _serve(args) -> int:
         warehouse_grace=args.warehouse_grace, token_file=args.token_file or os.environ.get("DOCKD_TOKEN_FILE", ""),
         daemon_token_file=args.daemon_token_file or "", insecure=args.insecure, max_connections=args.max_connections,
         handshake_timeout=args.handshake_timeout, stall_timeout=args.stall_timeout, idle_timeout=args.idle_timeout,
-        min_rate=parse_size(args.min_rate),
+        min_rate=parse_size(args.min_rate), max_samples=args.max_samples, checkpoint_root=args.checkpoint_root or "",
         daemon_timeout=args.daemon_timeout, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
         heartbeat_interval=args.heartbeat_interval, heartbeat_timeout=args.heartbeat_timeout,
     )
@@ -170,9 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a new connection must authenticate within this (default 10)")
     s.add_argument("--stall-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="a frame may go this long without a byte before its connection is closed (default 60)")
-    s.add_argument("--idle-timeout", type=float, default=3600.0, metavar="SECONDS",
+    s.add_argument("--checkpoint-root", metavar="DIR",
+                   help="controller: checkpoints are saved and loaded only below DIR (default: anywhere the "
+                        "daemon's user can write)")
+    s.add_argument("--max-samples", type=int, default=limits.MAX_DOCK_SAMPLES, metavar="N",
+                   help=f"controller: samples of all partitions together (default {limits.MAX_DOCK_SAMPLES}; ~24 bytes "
+                        "of metadata each)")
     s.add_argument("--min-rate", default="64KiB", metavar="BYTES",
                    help="a frame taking over 10 s must average this many bytes a second (default 64KiB)")
+    s.add_argument("--idle-timeout", type=float, default=3600.0, metavar="SECONDS",
                    help="a client connection making no request is closed after this (default 3600; clients reconnect)")
     s.add_argument("--daemon-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="the controller waits this long for a warehouse's answer, e.g. to a clear (default 30)")

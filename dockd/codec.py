@@ -342,6 +342,28 @@ def check_run(run: pb.Run, body_size: int) -> None:
         raise DockProtocolError(f"a run of {run.count} x {shape} {run.dtype} does not match its {run.nbytes} bytes")
 
 
+def check_msgpack(columns: Sequence[pb.ColumnData], body) -> None:
+    """Every msgpack run of a put holds `count` whole msgpack values of the lengths it gives
+    (checked once, when stored, so that readers never meet a value they cannot decode)."""
+    mv = memoryview(body).cast("B") if body is not None else None
+    for c in columns:
+        for run in c.runs:
+            if run.kind != pb.MSGPACK or run.device_buffer:
+                continue
+            unpacker = msgpack.Unpacker(max_buffer_size=max(run.nbytes, 1))
+            unpacker.feed(mv[run.offset : run.offset + run.nbytes])
+            try:
+                for n in run.lengths:
+                    start = unpacker.tell()
+                    unpacker.skip()
+                    if unpacker.tell() - start != n:
+                        raise ValueError(f"a value of {unpacker.tell() - start} bytes where the run says {n}")
+            except Exception as e:  # msgpack raises ValueError, StackError, OutOfData, ...
+                raise DockValueError(f"column {c.name!r} holds a value that is not valid msgpack "
+                                     f"({type(e).__name__}: {e}); values of Python objects are encoded by "
+                                     "dockd's client") from None
+
+
 # -- decoding --------------------------------------------------------------------------------
 def decode_run(run: pb.Run, buf, base: int = 0) -> list[Any]:
     """A run's values, from the buffer holding bytes [base, ...) of its body or segment.
@@ -351,7 +373,10 @@ def decode_run(run: pb.Run, buf, base: int = 0) -> list[Any]:
     if run.kind == pb.MSGPACK:
         unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(run.nbytes, 1))
         unpacker.feed(memoryview(buf)[off : off + run.nbytes])
-        return [unpacker.unpack() for _ in range(run.count)]
+        try:
+            return [unpacker.unpack() for _ in range(run.count)]
+        except Exception as e:  # msgpack raises ValueError, StackError, OutOfData, ...
+            raise DockProtocolError(f"a stored value is not valid msgpack ({type(e).__name__}: {e})") from None
     dtype = DTYPES[run.dtype]
     shape = list(run.shape)
     ragged = bool(shape) and shape[0] == -1

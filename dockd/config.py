@@ -6,6 +6,7 @@ import dataclasses
 import os
 import re
 
+from dockd import limits
 from dockd.errors import DockValueError
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 1000**2, "MIB": 1 << 20,
@@ -107,10 +108,16 @@ class NodeConfig:
     """Seconds a new connection has to authenticate."""
     stall_timeout: float = 60.0
     """Seconds a frame may go without a byte before its connection is closed."""
-    idle_timeout: float = 3600.0
     min_rate: int = 64 << 10
     """Bytes a second a frame must average once it has taken 10 s (a put trickled in slower holds its
     admitted capacity from everyone else); its connection is closed below that."""
+    checkpoint_root: str = ""
+    """Controller: checkpoints (dock.save / dock.load) are written and read only below this directory
+    (empty: anywhere the daemons' user can write; set it when clients are not all trusted alike)."""
+    max_samples: int = limits.MAX_DOCK_SAMPLES
+    """Controller: samples of all partitions together (the controller keeps ~24 bytes of metadata each);
+    puts of new samples past it fail with DockFull."""
+    idle_timeout: float = 3600.0
     """Seconds a client connection may make no request before it is closed (clients reconnect)."""
     daemon_timeout: float = 30.0
     """Seconds the controller waits for a warehouse to answer (e.g. to free a cleared partition)."""

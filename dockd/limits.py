@@ -16,9 +16,14 @@ from dockd.errors import DockValueError
 MAX_NAME = 256            # characters in a partition, column, consumer or client name
 MAX_COLUMNS = 64          # columns in one request (a partition holds at most 64)
 MAX_SAMPLES = 1 << 22     # samples in one put, get, read or commit
+MAX_TIMEOUT = 365 * 86400  # seconds a request may wait (longer: none at all, -1)
 MAX_CELLS = 1 << 23       # samples x columns in one get, fetch or locate (what its reply lists)
 MAX_LEASES = 1 << 16      # leases in one confirm
-MAX_PARTITIONS = 1 << 16  # partitions in one warehouse's inventory
+MAX_PARTITIONS = 1 << 16  # partitions of a dock (and so in one warehouse's inventory)
+MAX_CONSUMERS = 1024      # consumer names of one partition
+MAX_DOCK_SAMPLES = 1 << 27  # samples of a dock's partitions together (default; the controller holds ~24 B each)
+MAX_PARKED = 1024         # gets of one connection waiting for data at once
+MAX_PARKED_DOCK = 1 << 16 # ... of all connections
 MAX_TAGS = 16             # tags in one request (a partition holds at most 16)
 MAX_RANKS = 1 << 16       # data-parallel ranks of one rank-aware get
 MAX_LINKS = 256           # device links one warehouse keeps open (cross-node device reads)
@@ -49,11 +54,17 @@ def _tags(tags) -> None:
         _count("tag values", len(t.values))
 
 
+def _timeout(value: float) -> None:
+    if not (value == -1 or 0 <= value <= MAX_TIMEOUT):  # (NaN fails both)
+        raise DockValueError(f"a timeout of {value} seconds: give 0..{MAX_TIMEOUT:g}, or -1 for none")
+
+
 def check(frame: pb.Frame) -> None:
     """Raise DockValueError if a request asks for more than a daemon gives one request."""
     kind = frame.WhichOneof("kind")
     if kind == "put":
         r = frame.put
+        _timeout(r.timeout)
         _name("partition name", r.partition)
         _columns([c.name for c in r.columns])
         _count("samples", max(r.new_count, len(r.indexes), r.group_size))
@@ -61,6 +72,7 @@ def check(frame: pb.Frame) -> None:
         _count("device buffers", len(r.device_buffers), MAX_COLUMNS)
     elif kind == "acquire":
         r = frame.acquire
+        _timeout(r.timeout)
         _name("partition name", r.partition)
         _name("consumer name", r.consumer)
         _columns(r.columns)

@@ -15,7 +15,7 @@ Series (all prefixed `dockd_`):
     get_samples_total / get_bytes_total{transport}      served by this warehouse
     request_seconds{op}                                 histogram: request in to reply out
     request_errors_total{op,error}                      requests answered with an error
-    warehouse_used_bytes / _capacity_bytes / _reserved_bytes
+    warehouse_used_bytes / _capacity_bytes / _reserved_bytes / _metadata_bytes
     warehouse_device_used_bytes / _capacity_bytes       the device tier (when it has one)
     device_spilled_bytes_total                          put(device="keep") bytes stored in host memory instead
     device_shared_bytes_total                           device-tier bytes read through shared device memory
@@ -152,6 +152,8 @@ class NodeCollector:
             yield GaugeMetricFamily("dockd_warehouse_used_bytes", "payload bytes stored", value=w.used)
             yield GaugeMetricFamily("dockd_warehouse_capacity_bytes", "bytes stored before puts wait", value=w.capacity)
             yield GaugeMetricFamily("dockd_warehouse_reserved_bytes", "bytes of puts in flight", value=w.reserved)
+            yield GaugeMetricFamily("dockd_warehouse_metadata_bytes", "bookkeeping of stored puts, counted against "
+                                    "the capacity", value=w.meta)
             if w.device_capacity:
                 yield GaugeMetricFamily("dockd_warehouse_device_used_bytes", "device-tier bytes stored",
                                         value=w.device_used)

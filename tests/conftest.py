@@ -55,7 +55,7 @@ class RawClient:
     """A plain socket speaking dockd frames by hand: for tests that send what the client never would."""
 
     def __init__(self, address: str, *, authenticate: bool = True, role: str = "client", key: bytes | None = None,
-                 unix: str = "") -> None:
+                 unix: str = "", session: bytes = b"") -> None:
         import socket
 
         from dockd import auth, shm, wire
@@ -73,7 +73,7 @@ class RawClient:
             self.challenge = self.read()
             assert self.challenge.WhichOneof("kind") == "challenge", self.challenge
             if authenticate:
-                a = auth.answer(self.challenge.challenge, role, key)
+                a = auth.answer(self.challenge.challenge, role, key, session=session)
                 self.send(pb.Frame(id=1 << 40, auth=a))
                 reply = self.read()
                 assert reply.status.code == pb.OK, reply.status.message

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from dockd import auth, codec, device_share, shm
+from dockd import auth, codec, device_share, limits, shm
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.batch import Batch
 from dockd.client.connection import Credentials, Pool, timed_out
@@ -211,13 +211,15 @@ class Dock:
         for name, values in columns.items():
             if not isinstance(name, str) or not name:
                 raise DockTypeError(f"column names must be non-empty strings, got {name!r}")
+            _text(name, "column name")
             t = codec.batched(values)  # kept whole: encoded as one buffer
             split[name] = t if t is not None else codec.split_column(name, values)
         counts = {k: codec.column_length(v) for k, v in split.items()}
         n = next(iter(counts.values()))
         if n == 0 or len(set(counts.values())) != 1:
             raise DockValueError(f"every column needs the same positive number of values, got {counts}")
-        req = pb.PutRequest(partition=partition, timeout=-1.0 if timeout is None else float(timeout))
+        timeout = _seconds(timeout)
+        req = pb.PutRequest(partition=partition, timeout=-1.0 if timeout is None else timeout)
         if indexes is None:
             if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
                 raise DockValueError(f"group_size must be a positive int, got {group_size!r}")
@@ -408,10 +410,11 @@ class Dock:
             raise DockTypeError(f"columns must be a non-empty list of column names, got {columns!r}")
         if len(set(columns)) != len(columns):
             raise DockValueError(f"columns contains duplicates: {list(columns)}")
+        for name in (consumer, *columns):
+            _text(name, "consumer or column name")
         if not isinstance(count, (int, np.integer)) or isinstance(count, bool) or count < 1:
             raise DockValueError(f"count must be a positive int, got {count!r}")
-        if timeout is not None and timeout < 0:
-            raise DockValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
+        timeout = _seconds(timeout)
         req = pb.AcquireRequest(partition=partition, consumer=consumer, columns=list(columns), count=int(count),
                                 groups=groups, allow_partial=allow_partial, shuffle=shuffle, inline=inline,
                                 timeout=-1.0 if timeout is None else float(timeout))
@@ -546,6 +549,7 @@ class Dock:
         """Low-level: read a lease's values from the warehouses holding them, in parallel. A warehouse
         that does not answer within `timeout` seconds (default `fetch_timeout`) raises DockTimeout
         naming it; the lease is left as it is (release it, or fetch again)."""
+        timeout = _seconds(timeout)
         limit = self.fetch_timeout if timeout is None else timeout
         return self._fetch(lease, lazy=False, deadline=time.monotonic() + limit)
 
@@ -1009,9 +1013,34 @@ def decode_reply(columns: Sequence[pb.ColumnData], body: np.ndarray, fds: list[i
         raise DockProtocolError(f"a run refers to descriptor {e} that was not passed") from None
 
 
+def _seconds(timeout: Any, what: str = "timeout") -> float | None:
+    """A timeout as seconds (None, or infinity: no limit); refuses what is not a number >= 0."""
+    import math
+
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)):
+        raise DockTypeError(f"{what} is a number of seconds or None, got {timeout!r}")
+    t = float(timeout)
+    if math.isnan(t) or t < 0:
+        raise DockValueError(f"{what} must be >= 0 seconds or None (no limit), got {timeout!r}")
+    return None if t > limits.MAX_TIMEOUT else t  # (infinity, or past a year: no limit)
+
+
 def _check_partition(partition: str) -> None:
     if not isinstance(partition, str) or not partition:
         raise DockValueError(f"partition must be a non-empty string such as 'step-0', got {partition!r}")
+    _text(partition, "partition name")
+
+
+def _text(name: str, what: str) -> None:
+    """Names travel as UTF-8: a string with a lone surrogate (from bytes decoded with
+    surrogateescape, or a bad slice of an emoji) has no UTF-8 form."""
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        raise DockValueError(f"{what} {name!r} is not valid text (it holds a lone surrogate); names are UTF-8 "
+                             "strings") from None
 
 
 def _int_list(name: str, values: Sequence[int]) -> list[int]:

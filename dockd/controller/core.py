@@ -37,7 +37,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from dockd.errors import DockDataLost, DockDrained, DockNotFound, DockValueError
+from dockd import limits
+from dockd.errors import DockDataLost, DockDrained, DockFull, DockNotFound, DockValueError
 
 _CLEARED_KEPT = 1 << 16  # ids of leases ended by a clear, remembered for their late confirms
 
@@ -255,6 +256,10 @@ class _Partition:
     def consumer(self, name: str) -> _Consumer:
         cons = self.consumers.get(name)
         if cons is None:
+            if len(self.consumers) >= limits.MAX_CONSUMERS:
+                raise DockValueError(
+                    f"partition {self.name!r} has {len(self.consumers)} consumers, the most it takes; a consumer is a "
+                    "pipeline stage (reference, reward, actor_train), and the workers of one stage share its name")
             cons = self.consumers[name] = _Consumer(self.capacity)
         return cons
 
@@ -372,10 +377,13 @@ class Controller:
             its samples return to the pool (`expire_leases`).
     """
 
-    def __init__(self, *, lease_timeout: float = 120.0, lease_ids: Callable[[], int] | None = None) -> None:
+    def __init__(self, *, lease_timeout: float = 120.0, lease_ids: Callable[[], int] | None = None,
+                 max_samples: int = limits.MAX_DOCK_SAMPLES) -> None:
         if lease_timeout <= 0:
             raise DockValueError(f"lease_timeout must be > 0 seconds, got {lease_timeout}")
         self.lease_timeout = lease_timeout
+        self.max_samples = max_samples  # samples of all partitions together (their metadata lives here)
+        self._samples: int | None = None  # ... how many there are (None: count again)
         self.partitions: dict[str, _Partition] = {}
         self.leases: dict[int, Lease] = {}
         # leases that ended with their partition (clear): a late confirm of one is no news
@@ -501,7 +509,12 @@ class Controller:
                 f"a put of new samples needs a positive multiple of group_size={group_size} values, got {count}"
             )
         part = self.partitions.get(partition)
+        total = self._sample_count()
+        if total + count > self.max_samples:
+            raise DockFull(f"the dock holds {total} samples and takes at most {self.max_samples} (--max-samples: the "
+                           "controller keeps metadata for each); clear or delete finished samples first")
         if part is None:
+            self._check_partitions()
             part = self.partitions[partition] = _Partition(partition, group_size)
         elif part.group_size != group_size:
             raise DockValueError(
@@ -513,12 +526,23 @@ class Controller:
                                  "existing samples can still be written)")
         return part
 
-    @staticmethod
-    def _allocate(part: _Partition, count: int) -> np.ndarray:
+    def _allocate(self, part: _Partition, count: int) -> np.ndarray:
         part.reserve(count)
         idx = np.arange(part.size, part.size + count, dtype=np.int64)
         part.size += count
+        if self._samples is not None:
+            self._samples += count
         return idx
+
+    def _sample_count(self) -> int:
+        if self._samples is None:
+            self._samples = sum(p.size for p in self.partitions.values())
+        return self._samples
+
+    def _check_partitions(self) -> None:
+        if len(self.partitions) >= limits.MAX_PARTITIONS:
+            raise DockFull(f"the dock holds {len(self.partitions)} partitions, the most it takes; clear finished "
+                           "ones (a partition is a step or a stream, not a sample)")
 
     # -- partitions and their samples -----------------------------------------------------
     def _part(self, partition: str) -> _Partition:
@@ -547,6 +571,7 @@ class Controller:
             raise DockValueError(f"retire_when_consumed_by names distinct non-empty consumers, got {list(retire)}")
         part = self.partitions.get(partition)
         if part is None:
+            self._check_partitions()
             part = self.partitions[partition] = _Partition(partition, group_size)
         elif part.group_size != group_size:
             raise DockValueError(f"partition {partition!r} already holds groups of {part.group_size}, "
@@ -563,6 +588,7 @@ class Controller:
         """No new samples from now on; gets that then cannot be met end (DockDrained)."""
         part = self.partitions.get(partition)
         if part is None:
+            self._check_partitions()
             part = self.partitions[partition] = _Partition(partition, 1)
         part.sealed = True
 
@@ -1192,6 +1218,7 @@ class Controller:
         part = self.partitions.pop(partition, None)
         if part is None:
             raise DockNotFound(f"partition {partition!r} does not exist (already cleared, or never written)")
+        self._samples = None
         self.pending_frees.pop(partition, None)  # (a clear frees everything)
         for key in [k for k in self.rounds if k[0] == partition]:
             del self.rounds[key]
@@ -1254,6 +1281,7 @@ class Controller:
                     part.nbytes.pop(warehouse, None)
             drop = [name for name in inventory if name not in self.partitions]
             return drop
+        self._samples = None
         for name, held in inventory.items():
             part = self.partitions.get(name)
             if part is None:
@@ -1366,6 +1394,11 @@ class Controller:
             raise DockValueError(f"partition {name!r} exists; clear it or load the checkpoint under another name")
         p = _import(dict(d, name=name, nbytes=[]))
         n = p.size
+        self._check_partitions()
+        if self._sample_count() + n > self.max_samples:
+            raise DockFull(f"the checkpoint's {n} samples do not fit next to the dock's {self._sample_count()} "
+                           f"(--max-samples {self.max_samples})")
+        self._samples = None
         for col, loc in p.loc.items():
             held = loc[:n]
             new = held.copy()

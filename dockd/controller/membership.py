@@ -133,6 +133,7 @@ class Membership:
                  heartbeat_interval: float = HEARTBEAT_INTERVAL, heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> None:
         self.core = core
         self.journal = journal
+        self._rebuild_warned = False
         self.grace = grace
         self.on_change = on_change
         self.heartbeat_interval = heartbeat_interval
@@ -312,6 +313,13 @@ class Membership:
 
     def _reconcile(self, entry: WarehouseEntry, req: pb.RegisterWarehouse, known: bool, commit, reply) -> list[str]:
         inventory = inventory_of(req)
+        if not known and inventory and not self._rebuild_warned:
+            self._rebuild_warned = True
+            logger.warning(
+                "[controller] rebuilding partitions from warehouse inventories without a state dir: consumer "
+                "progress is forgotten (every sample is handed out again), and new samples put before every "
+                "warehouse has rejoined can take indexes a late one holds, whose copies are then dropped. Run the "
+                "controller with --state-dir to keep both")
         keys = self.core.put_keys.get(entry.id, {}) if known else {}
         for c in req.pending:
             done = keys.get(c.put_id) if c.put_id else None

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dockd import limits
 from dockd._proto import dockd_pb2 as pb
 from dockd._version import __version__
 from dockd.controller.core import AcquireResult, Controller, Round
@@ -59,8 +60,9 @@ class ControllerService:
                  dump_local: Callable | None = None,
                  inline: Callable | None = None,
                  state_dir: str | None = None, warehouse_grace: float = 15.0, fsync_interval: float = 0.05,
-                 daemon_timeout: float = 30.0) -> None:
+                 daemon_timeout: float = 30.0, checkpoint_root: str = "") -> None:
         self.daemon_timeout = daemon_timeout
+        self.checkpoint_root = checkpoint_root  # checkpoints are written and read only below it ("": anywhere)
         self.core = core
         self.free_local = free_local
         self.measure_local = measure_local
@@ -90,6 +92,7 @@ class ControllerService:
         if self.journal is None:
             return
         core, records = self.journal.load(lease_timeout=self.core.lease_timeout, now=self.loop.time())
+        core.max_samples = self.core.max_samples
         self.core = self.members.core = core
         self._ticket_key = self.journal.secret()
         self.members.restore(records)
@@ -128,7 +131,10 @@ class ControllerService:
         """The session a client connection belongs to (a connection without one is its own)."""
         sid = peer.sid
         if sid is None:  # first request on this connection: register it with its session
-            sid = peer.sid = peer.session or b"conn:%d" % peer.id
+            # A connection without a session gets one nobody can name (a claimed session never
+            # starts with a zero byte), so no other client can act on its leases.
+            own = peer.session and not peer.session.startswith(b"\0")
+            sid = peer.sid = peer.session if own else b"\0" + secrets.token_bytes(15)
             self.sessions.setdefault(sid, set()).add(peer)
         return sid
 
@@ -197,6 +203,11 @@ class ControllerService:
             self._wake(req.partition)
         return idx
 
+    @property
+    def parked(self) -> int:
+        """Gets waiting for data, of all connections."""
+        return sum(map(len, self.waiters.values()))
+
     def acquire(self, peer: Peer, frame: pb.Frame) -> None:
         r = frame.acquire
         self._confirm(peer, r.confirm, ())
@@ -209,6 +220,10 @@ class ControllerService:
             return
         if r.timeout == 0:
             raise self._timeout_error(r)
+        if peer.parked >= limits.MAX_PARKED or self.parked >= limits.MAX_PARKED_DOCK:
+            raise DockValueError(
+                f"{peer.parked} gets of this connection and {self.parked} of all wait for data already (at most "
+                f"{limits.MAX_PARKED} and {limits.MAX_PARKED_DOCK}); wait for some to finish before asking for more")
         w = _Waiter(peer, frame)
         self.waiters.setdefault(r.partition, []).append(w)
         peer.parked += 1  # a blocked get: its connection is busy, not idle
@@ -350,7 +365,7 @@ class ControllerService:
         """Write a partition to a directory every daemon can reach: its metadata (this controller)
         and one Arrow IPC file per warehouse holding its data (the warehouses, in parallel)."""
         name, path = req.partition, req.save.path
-        _check_dir(path)
+        _check_dir(path, self.checkpoint_root)
         meta = self.core.export_partition(name)
         part = self.core.partitions[name]
         n = part.size
@@ -377,6 +392,7 @@ class ControllerService:
         """Restore a partition saved by `save`, under req.partition: each warehouse file goes to the
         warehouse of the same id if it is live, else to another live one."""
         name, path = req.partition, req.load.path
+        _check_dir(path, self.checkpoint_root)
         meta = await self.loop.run_in_executor(None, _read_meta, path)
         if name in self.core.partitions or name in self._loading:
             raise DockValueError(f"partition {name!r} exists (or is being loaded); clear it or load the checkpoint "
@@ -780,10 +796,30 @@ def _where(r: pb.AcquireRequest) -> dict[str, tuple[int, int]] | None:
 _META = "partition.msgpack"
 
 
-def _check_dir(path: str) -> None:
+def _check_dir(path: str, root: str = "") -> None:
     if not path or not os.path.isabs(path):
         raise DockValueError(f"a checkpoint path is an absolute directory every daemon of the dock can reach, "
                              f"got {path!r}")
+    if root:
+        real, top = os.path.realpath(path), os.path.realpath(root)
+        if os.path.commonpath([real, top]) != top:
+            raise DockValueError(f"checkpoints of this dock live under {root} (--checkpoint-root); {path} is not "
+                                 "below it")
+
+
+def _regular(path: str) -> str:
+    """`path`, if it names a regular file (a FIFO or a device would block or never end a read)."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise DockValueError(f"cannot read {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(mode):
+        raise DockValueError(f"{path} is not a regular file; a checkpoint holds regular files only")
+    return path
 
 
 def _write_meta(path: str, meta: dict) -> None:
@@ -803,7 +839,7 @@ def _read_meta(path: str) -> dict:
 
     _check_dir(path)
     try:
-        with open(os.path.join(path, _META), "rb") as f:
+        with open(_regular(os.path.join(path, _META)), "rb") as f:
             meta = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
     except FileNotFoundError:
         raise DockNotFound(f"{path} holds no dockd checkpoint ({_META} is missing); save one with "
@@ -813,4 +849,8 @@ def _read_meta(path: str) -> dict:
     if meta.get("version") != 1:
         raise DockValueError(f"checkpoint format version {meta.get('version')!r} in {path} is not supported by "
                              f"dockd {__version__}")
+    for entry in meta.get("files") or ():  # file names inside the checkpoint directory, nothing else
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[1], str)
+                and entry[1] == os.path.basename(entry[1]) and entry[1] not in ("", ".", "..")):
+            raise DockValueError(f"{os.path.join(path, _META)} names a file outside its directory: {entry!r}")
     return meta

@@ -14,6 +14,10 @@ number.
 
 Memory is counted in bytes per put body: a put first `reserve`s its size
 (backpressure happens there), then `store` turns the reservation into usage.
+The bookkeeping of a put counts against the capacity too (`meta`: `META_PUT`
+per put and `META_VALUE` per stored value, about what it costs, measured), so
+that puts of empty values cannot grow a warehouse past its capacity while it
+reports nothing in use.
 
 Deleting samples (`free_samples`) releases a put's body once every sample it
 holds is deleted: memory goes back per put, not per sample.
@@ -36,6 +40,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -47,13 +52,18 @@ from dockd.codec import ITEMSIZE
 from dockd.errors import DockFull, DockNotFound, DockValueError
 
 
+META_PUT = 1024   # bytes of bookkeeping a put costs (objects per put and run; ~900 measured for one value)
+META_VALUE = 16   # ... and each value it stores (index maps, ragged ends: 6-17 measured)
+
+
 class _Body:
     """One put's body: its bytes are in use until every sample it holds is deleted."""
 
-    __slots__ = ("nbytes", "device_nbytes", "segment", "live", "first_column", "batches")
+    __slots__ = ("nbytes", "meta", "device_nbytes", "segment", "live", "first_column", "batches")
 
     def __init__(self, nbytes: int, segment: object, live: int, first_column: str, device_nbytes: int = 0) -> None:
         self.nbytes = nbytes
+        self.meta = 0
         self.device_nbytes = device_nbytes
         self.segment = segment
         self.live = live                  # samples of this put not deleted yet
@@ -166,11 +176,12 @@ class _Column:
 
 
 class _Part:
-    __slots__ = ("columns", "nbytes", "device_nbytes", "group_size", "segments")
+    __slots__ = ("columns", "nbytes", "meta", "device_nbytes", "group_size", "segments")
 
     def __init__(self) -> None:
         self.columns: dict[str, _Column] = {}
         self.nbytes = 0
+        self.meta = 0
         self.device_nbytes = 0
         self.group_size = 0  # known once a put of new samples landed here
         self.segments: list = []  # shared-memory segments its puts landed in
@@ -189,6 +200,7 @@ class Warehouse:
         self.capacity = capacity
         self.used = 0
         self.reserved = 0
+        self.meta = 0  # bytes of bookkeeping of what is stored (see META_PUT)
         self.device_capacity = device_capacity
         self.device_used = 0
         self.device_reserved = 0
@@ -203,7 +215,7 @@ class Warehouse:
             )
 
     def reserve(self, nbytes: int) -> bool:
-        if self.used + self.reserved + nbytes > self.capacity:
+        if self.used + self.meta + self.reserved + nbytes > self.capacity:
             return False
         self.reserved += nbytes
         return True
@@ -309,6 +321,9 @@ class Warehouse:
         self.reserved -= nbytes
         self.used += nbytes
         part.nbytes += nbytes
+        owner.meta = META_PUT + META_VALUE * len(idx) * len(columns)
+        self.meta += owner.meta
+        part.meta += owner.meta
         self.device_reserved -= device_nbytes
         self.device_used += device_nbytes
         part.device_nbytes += device_nbytes
@@ -384,6 +399,8 @@ class Warehouse:
             for name, bid in body.batches:
                 part.columns[name].batches[bid] = None
             freed += body.nbytes
+            part.meta -= body.meta
+            self.meta -= body.meta
             part.device_nbytes -= body.device_nbytes
             self.device_used -= body.device_nbytes
             if body.segment is not None and body.segment in part.segments:
@@ -465,6 +482,8 @@ class Warehouse:
         buffer holding its values, bytes) ready to `store`, and the partition's group size.
         Samples with index >= limit are skipped."""
         try:
+            if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or a device would block or never end a read
+                raise DockValueError(f"checkpoint file {path} is not a regular file")
             src = pa.memory_map(path)
         except FileNotFoundError:
             raise DockNotFound(f"checkpoint file {path} is missing") from None
@@ -509,6 +528,7 @@ class Warehouse:
         if part is None:
             return 0
         self.used -= part.nbytes
+        self.meta -= part.meta
         self.device_used -= part.device_nbytes
         return part.nbytes
 
@@ -542,6 +562,7 @@ class Warehouse:
         return {
             "capacity": self.capacity,
             "used": self.used,
+            "metadata": self.meta,
             "reserved": self.reserved,
             "device_capacity": self.device_capacity,
             "device_used": self.device_used,

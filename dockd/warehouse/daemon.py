@@ -65,10 +65,12 @@ class Node:
         self.controller: ControllerService | None = None
         if cfg.controller:
             self.controller = ControllerService(
-                Controller(lease_timeout=cfg.lease_timeout), free_local=self._free, measure_local=self.warehouse.measure,
+                Controller(lease_timeout=cfg.lease_timeout, max_samples=cfg.max_samples), free_local=self._free,
+                measure_local=self.warehouse.measure,
                 dump_local=self._dump,
                 inline=self._inline_values,
                 state_dir=cfg.state_dir or None, warehouse_grace=cfg.warehouse_grace, daemon_timeout=cfg.daemon_timeout,
+                checkpoint_root=cfg.checkpoint_root,
             )
             members = self.controller.members  # heartbeats to the warehouses (see controller.membership)
             members.heartbeat_interval, members.heartbeat_timeout = cfg.heartbeat_interval, cfg.heartbeat_timeout
@@ -97,6 +99,8 @@ class Node:
         self._peers: set[Peer] = set()
         self._capacity_waiters: list[tuple[int, asyncio.Future, Peer]] = []  # (bytes, admitted, whose put)
         self._pending: dict[str, int] = {}  # partition -> puts committed, not stored yet
+        # partition -> [put id, cleared] of its puts waiting on the controller (see _put_remote)
+        self._committing: dict[str, list[list]] = {}
         self._landed = asyncio.Condition()
         self._stopping: asyncio.Event | None = None
         self._grpc = None
@@ -543,13 +547,19 @@ class Node:
         else:
             segs = self.warehouse.segments_of(partition)
             n = self.warehouse.free(partition)
+            for entry in self._committing.get(partition, ()):
+                # A put whose commit was answered before this free (the link delivers both in order)
+                # was applied before the clear: it must not land after it.
+                entry[1] = entry[1] or self.link.answered(entry[0])
         for seg in segs:  # back to the pool once no reader maps them
             self.segments.release(seg)
         self._admit_waiters()
         return n
 
-    def _release_room(self, *, unreserve: int = 0, unreserve_device: int = 0) -> None:
-        """Give back room a failed put held, and let waiting puts in."""
+    def _release_room(self, *, unreserve: int = 0, unreserve_device: int = 0, seg=None) -> None:
+        """Give back room a failed put held (and its segment, to the pool), and let waiting puts in."""
+        if seg is not None:
+            self.segments.release(seg)
         if unreserve:
             self.warehouse.unreserve(unreserve)
         if unreserve_device:
@@ -577,8 +587,9 @@ class Node:
             return
         fut.set_exception(
             DockFull(
-                f"warehouse {self.wid} stayed full: {size} bytes did not fit next to {self.warehouse.used} stored and "
-                f"{self.warehouse.reserved} in flight of {self.warehouse.capacity} within the put timeout. Clear "
+                f"warehouse {self.wid} stayed full: {size} bytes did not fit next to {self.warehouse.used} stored (and "
+                f"{self.warehouse.meta} of their bookkeeping) and {self.warehouse.reserved} in flight of "
+                f"{self.warehouse.capacity} within the put timeout. Clear "
                 "finished partitions, consume faster, or raise --capacity."
             )
         )
@@ -609,6 +620,10 @@ class Node:
             raise DockProtocolError("a put passes a descriptor only to register a staging buffer")
         elif body is None:  # admit() (validation, reservation) only runs for frames with a body
             Warehouse.validate_put(req)
+            wait = self._reserve(peer, 0, req.timeout)  # a put's bookkeeping counts: a full warehouse waits
+            if wait is not None:
+                _spawn(self._put_when_admitted(wait, peer, frame, None))
+                return
         self._put_reserved(peer, frame, body)
 
     def _copy_in(self, staged, size: int):
@@ -632,7 +647,8 @@ class Node:
             peer.reply_error(frame, e)
             return
         try:
-            self._put_reserved(peer, frame, self._copy_in(staged, frame.put.shm_size))
+            body = self._copy_in(staged, frame.put.shm_size) if staged is not None else None
+            self._put_reserved(peer, frame, body)
         except Exception as e:
             peer.reply_error(frame, e)
 
@@ -649,6 +665,7 @@ class Node:
             if req.device_buffers:
                 buf, seg, size, dev, spilled = self._take_device(peer, req, buf, seg, size)
             Warehouse.validate_put(req, size, [int(t.numel()) for t in dev])
+            codec.check_msgpack(req.columns, buf)
             if req.indexes:
                 self.warehouse.check_absent(req.partition, req.indexes, (c.name for c in req.columns))
         except Exception as e:
@@ -773,7 +790,7 @@ class Node:
         try:
             idx = self.controller.commit(commit)
         except Exception:
-            self._release_room(unreserve=size, unreserve_device=dev_n)
+            self._release_room(unreserve=size, unreserve_device=dev_n, seg=seg)
             raise
         self.warehouse.store(req.partition, idx, req.columns, buf, size, seg, _group_size(req), device=dev)
         out = idx.tolist()
@@ -785,13 +802,24 @@ class Node:
         req = frame.put
         dev_n = sum(int(t.numel()) for t in dev)
         self._pending[req.partition] = self._pending.get(req.partition, 0) + 1
+        answer = self.link.commit(commit, req.timeout)
+        entry = [commit.put_id, False]
+        committing = self._committing.setdefault(req.partition, [])
+        committing.append(entry)
         try:
             try:
-                idx = await self.link.commit(commit, req.timeout)
+                idx = await answer
             except Exception:
-                self._release_room(unreserve=size, unreserve_device=dev_n)
+                self._release_room(unreserve=size, unreserve_device=dev_n, seg=seg)
                 raise
-            self.warehouse.store(req.partition, idx, req.columns, buf, size, seg, _group_size(req), device=dev)
+            finally:
+                committing.remove(entry)
+                if not committing and self._committing.get(req.partition) is committing:
+                    del self._committing[req.partition]
+            if entry[1]:  # cleared after the controller applied it: answered, and gone as the clear says
+                self._release_room(unreserve=size, unreserve_device=dev_n, seg=seg)
+            else:
+                self.warehouse.store(req.partition, idx, req.columns, buf, size, seg, _group_size(req), device=dev)
         except Exception as e:
             self._put_done(req.token, None, e)
             peer.reply_error(frame, e)

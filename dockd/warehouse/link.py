@@ -58,6 +58,7 @@ class _Pending:
     req: pb.CommitRequest
     fut: asyncio.Future
     limit: float                      # seconds this commit may wait for an absent controller
+    sent: asyncio.Future | None = None  # the request on the wire (done the moment its reply is read)
     timer: asyncio.TimerHandle | None = None
 
 
@@ -218,7 +219,15 @@ class ControllerLink:
 
     def _send(self, p: _Pending) -> None:
         p.req.warehouse = self.wid
-        self.peer.request(pb.Frame(commit=p.req)).add_done_callback(lambda f, p=p: self._committed(p, f))
+        p.sent = self.peer.request(pb.Frame(commit=p.req))
+        p.sent.add_done_callback(lambda f, p=p: self._committed(p, f))
+
+    def answered(self, put_id: int) -> bool:
+        """Whether the controller's answer to commit `put_id` has been read from the connection (its
+        future resolves a moment later): requests read after it were sent after it was applied."""
+        p = self._pending.get(put_id)
+        return p is None or (p.sent is not None and p.sent.done() and not p.sent.cancelled()
+                             and p.sent.exception() is None)
 
     def _committed(self, p: _Pending, f: asyncio.Future) -> None:
         exc = f.exception() if not f.cancelled() else DockConnectionError("commit cancelled")

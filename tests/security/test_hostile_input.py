@@ -59,3 +59,43 @@ def test_a_request_past_the_limits_is_refused_before_anything_is_applied(dock, p
     with pytest.raises(dockd.DockValueError, match="too many"):
         dock.put({"x": torch.zeros(limits.MAX_SAMPLES + 1, dtype=torch.int8)}, partition=partition)
     assert dock.stats()["partitions"][partition]["samples"] == 16
+
+
+def test_checkpoints_stay_under_their_root_and_open_regular_files_only(tmp_path):
+    """Finding 10: save() wrote anywhere the daemon's user could, and load() of a checkpoint whose
+    file entry was a FIFO blocked forever."""
+    import os
+
+    import msgpack
+
+    from dockd.local import spawn_node
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    proc, ready = spawn_node(["--controller", "--port", "0", "--checkpoint-root", str(root)])
+    try:
+        with dockd.connect(f"127.0.0.1:{ready['port']}") as d:
+            d.put({"x": torch.arange(4)}, partition="p")
+            for outside in (tmp_path / "elsewhere", root / ".." / "escape"):
+                with pytest.raises(dockd.DockValueError, match="checkpoint-root"):
+                    d.save("p", outside)
+            assert d.save("p", root / "good")["samples"] == 4
+            fifo = root / "fifo"
+            fifo.mkdir()
+            os.mkfifo(fifo / "partition.msgpack")
+            with pytest.raises(dockd.DockValueError, match="not a regular file"):
+                d.load(fifo, partition="q")
+            evil = root / "evil"
+            evil.mkdir()
+            meta = msgpack.unpackb((root / "good" / "partition.msgpack").read_bytes(), raw=False,
+                                   strict_map_key=False)
+            meta["files"] = [[0, "../good/warehouse-0.arrow"]]
+            (evil / "partition.msgpack").write_bytes(msgpack.packb(meta, use_bin_type=True))
+            with pytest.raises(dockd.DockValueError, match="outside its directory"):
+                d.load(evil, partition="q")
+            d.load(root / "good", partition="q")
+            assert torch.equal(d.get("c", ["x"], 4, partition="q", timeout=10).stacked("x"), torch.arange(4))
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        proc.stdout.close()
