@@ -496,8 +496,8 @@ def test_tqbridge_runs_a_worker_method_on_dockd(dockd_tq: Any, monkeypatch: pyte
     assert created.size == 1 and not created.is_ready and "new" in tq.kv_list("bridge")["bridge"]
     put_meta = client.put(TensorDict({"score": torch.tensor([7.0])}, batch_size=1), metadata=created)
     assert put_meta.is_ready and tq.kv_batch_get(keys="new", partition_id="bridge")["score"].tolist() == [7.0]
-    with pytest.raises(NotImplementedError, match="StreamingDataset"):
-        client.get_meta(data_fields=["score"], batch_size=1, partition_id="bridge")
+    with pytest.raises(NotImplementedError, match="not supported by dockd"):
+        client.save_controller_checkpoint("/tmp/x")  # TransferQueue's controller internals
 
 
 def test_transfer_queue_checkpoint_round_trip(dockd_tq: Any, tmp_path: Any) -> None:
@@ -564,6 +564,4 @@ def test_transfer_queue_streaming_dataloader(dockd_tq: Any, dock_cluster: dockd.
             i = int(key[1:])
             assert td["x"][row].tolist() == [2 * i, 2 * i + 1] and td["q"][row] == f"q{i}"
     assert len(loader.get_buffer()) == 2  # a batch of 4, then the last 2
-    with pytest.raises(NotImplementedError, match="fetch_batch_fn"):
-        tq.StreamingDataset({"dockd": {"address": dock_cluster.address}}, 2, 1, ["x"], "stream", "t", 0,
-                            fetch_batch_fn=lambda **kw: None)
+    assert tq.get_client().check_consumption_status("actor", "stream")  # fetch_batch_fn: test_verl_tq_sampler.py

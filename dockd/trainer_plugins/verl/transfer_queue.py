@@ -27,10 +27,11 @@ twins (``data_parser=`` included), ``KVBatchMeta``, ``BatchMeta``, the
 low-level ``get_client()`` (the calls verl's ``tqbridge`` makes; see
 `DockTQClient`), ``async_kv_batch_meta2batch_meta``, ``save_checkpoint`` /
 ``load_checkpoint`` (on `dockd.Dock.save` / ``load``), ``StreamingDataset`` /
-``StreamingDataLoader``, and ``get_metrics_endpoint`` (when told the endpoint).
-Not supported: TransferQueue's sampler-driven client calls (``get_meta``,
-consumption/production status) and ``StreamingDataset(fetch_batch_fn=...)``,
-which raise NotImplementedError.
+``StreamingDataLoader`` (``fetch_batch_fn=`` included), ``get_metrics_endpoint``
+(when told the endpoint), and the client's sampler-driven calls with
+TransferQueue's default SequentialSampler (``get_meta``, consumption and
+production status, ``reset_consumption``, ``set_custom_meta``). Other samplers
+raise NotImplementedError.
 
 Layout: TQ partition ``p`` keeps its samples in dock partition ``"tq/p/g{n}"``,
 one dock sample per key, one column per field (non-tensor fields as
@@ -202,6 +203,25 @@ class BatchMeta:
     def get_all_custom_meta(self) -> list[dict[str, Any]]:
         return [dict(d) for d in self.custom_meta]
 
+    def update_custom_meta(self, custom_meta: list[dict[str, Any]] | None) -> None:
+        """Merge one dict per sample into ``custom_meta`` (`DockTQClient.set_custom_meta` stores it)."""
+        if custom_meta is None:
+            return
+        if len(custom_meta) != self.size:
+            raise ValueError(
+                f"The length of custom_meta list {len(custom_meta)} must match the batch size: {self.size}"
+            )
+        for mine, new in zip(self.custom_meta, custom_meta):
+            mine.update(new)
+
+    def clear_custom_meta(self) -> None:
+        self.custom_meta = [{} for _ in range(self.size)]
+
+    def chunk_by_partition(self) -> list[BatchMeta]:
+        """One BatchMeta per partition, in order of first appearance."""
+        pids = list(dict.fromkeys(self.partition_ids))
+        return [self.select_samples([i for i, p in enumerate(self.partition_ids) if p == pid]) for pid in pids]
+
     def __repr__(self) -> str:
         return (f"BatchMeta(size={self.size}, partition_ids={sorted(set(self.partition_ids))}, "
                 f"fields={self.field_names}, extra_info={self.extra_info})")
@@ -221,6 +241,20 @@ class _Partition:
     def __init__(self) -> None:
         self.keys: dict[str, _Key] = {}
         self.gen = 0
+        self.consumed: dict[str, set[int]] = {}  # task -> indexes (current generation) it took
+        self.resets: dict[str | None, int] = {}  # task (None: every task) -> reset_consumption count
+
+    def consumer(self, task: str) -> str:
+        """The dock consumer name of `task`: a new one after each reset_consumption, so that the
+        dock hands the task every sample again."""
+        every, own = self.resets.get(None, 0), self.resets.get(task, 0)
+        return task if every == own == 0 else f"{task}#reset{every}.{own}"
+
+    def placed(self) -> list[tuple[str, _Key]]:
+        """The keys holding a sample of the current generation, by index."""
+        out = [(k, r) for k, r in self.keys.items() if r.index is not None and r.gen == self.gen]
+        out.sort(key=lambda kr: kr[1].index)  # type: ignore[arg-type, return-value]
+        return out
 
 
 class _Client:
@@ -275,7 +309,23 @@ class _Client:
             for key in e["keys"]:
                 part.keys.pop(key, None)
         elif op == "rotate":
-            part.gen = max(part.gen, e["gen"])
+            if e["gen"] > part.gen:
+                part.gen = e["gen"]
+                part.consumed.clear()
+        elif op == "consume":
+            if e["gen"] == part.gen:
+                part.consumed.setdefault(e["task"], set()).update(e["indexes"])
+        elif op == "reset":
+            task = e["task"]
+            part.resets[task] = part.resets.get(task, 0) + 1
+            if task is None:
+                part.consumed.clear()
+            else:
+                part.consumed.pop(task, None)
+        elif op == "retag":  # set_custom_meta: the tags are replaced, not merged
+            for key, tags in zip(e["keys"], e["tags"]):
+                if key in part.keys:
+                    part.keys[key].tags = dict(tags)
         else:  # pragma: no cover - written by a newer dockd
             logger.warning("[tq] unknown log entry op=%s ignored", op)
 
@@ -483,6 +533,102 @@ class _Client:
     def partitions(self) -> list[str]:
         return sorted(p.removeprefix("tq-meta/") for p in self.dock.stats()["partitions"] if p.startswith("tq-meta/"))
 
+    # -- consumption (TransferQueue's sampler-driven calls) ------------------------------
+    def took(self, pid: str, task: str, gen: int, indexes: list[int]) -> None:
+        """Record that `task` took samples `indexes` (for its consumption status)."""
+        entry = {"op": "consume", "task": task, "gen": gen, "indexes": [int(i) for i in indexes]}
+        with self.lock:
+            self._log(pid, entry)
+            self._apply(self.sync(pid), entry)
+
+    def take(self, pid: str, task: str, fields: list[str], count: int, wait: float) -> BatchMeta:
+        """Take `count` samples holding all `fields` that `task` has not taken, oldest first (TQ's
+        SequentialSampler); an empty BatchMeta when they are not there within `wait` seconds."""
+        deadline = time.monotonic() + wait
+        while True:
+            with self.lock:
+                part = self.sync(pid)
+                kinds: dict[str, bool] = {}
+                for rec in part.keys.values():
+                    for f, (_, is_tensor) in rec.fields.items():
+                        kinds.setdefault(f, is_tensor)
+                consumer, gen = part.consumer(task), part.gen
+            if all(f in kinds for f in fields):
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return BatchMeta.empty()
+            self.sync(pid, wait=min(left, 0.2))  # a field nobody wrote yet: wait for the log
+        cols = [f if kinds[f] else NT + f for f in fields]
+        try:
+            lease = self.dock.acquire(consumer, cols, count, partition=self._data(pid, gen), inline=False,
+                                      timeout=max(0.0, deadline - time.monotonic()))
+        except (dockd.DockTimeout, dockd.DockNotFound, dockd.DockDrained):
+            return BatchMeta.empty()
+        self.dock.confirm(lease)
+        self.took(pid, task, gen, list(lease.indexes))
+        keys = self.keys_for(pid, list(lease.indexes))
+        return self.meta(pid, keys).select_fields(fields)
+
+    def everything(self, pid: str, fields: list[str]) -> BatchMeta:
+        """TQ's force_fetch: every sample of the partition, ready or not, nothing taken."""
+        with self.lock:
+            placed = self.sync(pid).placed()
+        if not placed:
+            return BatchMeta.empty()
+        kinds: dict[str, bool] = {}
+        for _, rec in placed:
+            for f, (_, is_tensor) in rec.fields.items():
+                kinds.setdefault(f, is_tensor)
+        return BatchMeta(
+            [r.index for _, r in placed],  # type: ignore[misc]
+            [pid] * len(placed),
+            field_schema={f: {"is_non_tensor": not kinds[f]} for f in fields if f in kinds},
+            production_status=[1 if all(f in r.fields for f in fields) else 0 for _, r in placed],
+            custom_meta=[dict(r.tags) for _, r in placed],
+            _custom_backend_meta=[{"_key": k, "_gen": r.gen} for k, r in placed],
+        )
+
+    def exists(self, pid: str) -> bool:
+        with self.lock:
+            if self.sync(pid).keys:
+                return True
+        return f"tq-meta/{pid}" in self.dock.stats()["partitions"]
+
+    def consumption(self, pid: str, task: str) -> tuple[Any, Any]:
+        if not self.exists(pid):
+            return None, None
+        with self.lock:
+            part = self.sync(pid)
+            placed = part.placed()
+            taken = part.consumed.get(task, set())
+            status = [1 if r.index in taken else 0 for _, r in placed]
+        return (torch.tensor([r.index for _, r in placed], dtype=torch.long), torch.tensor(status, dtype=torch.int8))
+
+    def production(self, pid: str, fields: list[str]) -> tuple[Any, Any]:
+        if not self.exists(pid):
+            return None, None
+        with self.lock:
+            placed = self.sync(pid).placed()
+        status = [[1 if f in r.fields else 0 for f in fields] for _, r in placed]
+        return (torch.tensor([r.index for _, r in placed], dtype=torch.long),
+                torch.tensor(status, dtype=torch.int8).reshape(len(placed), len(fields)))
+
+    def reset(self, pid: str, task: str | None) -> None:
+        if not self.exists(pid):  # as TransferQueue: nothing to reset (and no partition created)
+            logger.warning("[tq] reset_consumption of partition %r, which does not exist: nothing done", pid)
+            return
+        entry = {"op": "reset", "task": task}
+        with self.lock:
+            self._log(pid, entry)
+            self._apply(self.sync(pid), entry)
+
+    def retag(self, pid: str, keys: list[str], tags: list[dict[str, Any]]) -> None:
+        entry = {"op": "retag", "keys": list(keys), "tags": [dict(t) for t in tags]}
+        with self.lock:
+            self._log(pid, entry)
+            self._apply(self.sync(pid), entry)
+
     # -- checkpoints ------------------------------------------------------------------
     def save(self, directory: str) -> dict[str, Any]:
         """Save every TQ partition (its key log and its data) under `directory` with Dock.save."""
@@ -573,6 +719,20 @@ def _field_items(fields: Any, n: int) -> list[tuple[str, Any]]:
 # -- module-level API (the transfer_queue surface) ---------------------------------------
 _client: _Client | None = None
 _client_lock = threading.Lock()
+_polling_mode = False  # conf.controller.polling_mode at init (TransferQueue's default: False)
+_sampler_name = "SequentialSampler"  # conf.controller.sampler at init
+
+
+def _controller_conf(conf: Any) -> tuple[bool, str]:
+    """(polling_mode, sampler name) from a TransferQueue-style config's ``controller`` section."""
+    ctrl = conf.get("controller", None) if conf is not None and hasattr(conf, "get") else None
+    if ctrl is None:
+        return False, "SequentialSampler"
+    sampler = ctrl.get("sampler", None) or "SequentialSampler"
+    name = sampler if isinstance(sampler, str) else type(sampler).__name__
+    if isinstance(sampler, type):
+        name = sampler.__name__
+    return bool(ctrl.get("polling_mode", False)), name
 
 
 def _get() -> _Client:
@@ -590,8 +750,13 @@ def _get() -> _Client:
 
 
 def init(conf: Any = None, *, address: str | None = None) -> Any:
-    """Connect to the dock. Address: `address`, else ``conf.dockd.address``, else ``DOCKD_ADDRESS``."""
-    global _client
+    """Connect to the dock. Address: `address`, else ``conf.dockd.address``, else ``DOCKD_ADDRESS``.
+
+    ``conf.controller.polling_mode`` and ``conf.controller.sampler`` are read as TransferQueue
+    reads them (see `DockTQClient.get_meta`)."""
+    global _client, _polling_mode, _sampler_name
+    if conf is not None:
+        _polling_mode, _sampler_name = _controller_conf(conf)
     if address is None and conf is not None:
         dockd_conf = conf.get("dockd", None) if hasattr(conf, "get") else None
         if dockd_conf is not None:
@@ -777,19 +942,28 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike) -> None:
 
 
 # -- the low-level client ---------------------------------------------------------------------
+class GetMetaTimeout(TimeoutError, RuntimeError):
+    """`DockTQClient.get_meta` found too few samples in time (not in polling mode). A RuntimeError
+    too, as TransferQueue's client reports the controller's TimeoutError as a RuntimeError."""
+
+
 class DockTQClient:
     """What `get_client` returns: the parts of ``TransferQueueClient`` verl's ``tqbridge`` uses.
 
     ``kv_retrieve_meta`` / ``kv_retrieve_keys`` / ``get_data`` / ``put`` / ``clear_samples`` /
-    ``clear_partition`` / ``kv_list`` and their ``async_`` forms. TransferQueue's sampler-driven
-    calls (``get_meta``, consumption and production status, ``reset_consumption``,
-    ``set_custom_meta``) raise NotImplementedError: on dockd, consumers take samples with
-    `StreamingDataset` or ``dockd.Dock.get`` instead.
+    ``clear_partition`` / ``kv_list``, and the sampler-driven calls with TransferQueue's
+    SequentialSampler (``get_meta``, ``get_consumption_status`` / ``get_production_status`` and their
+    ``check_`` forms, ``reset_consumption``, ``set_custom_meta``), each with its ``async_`` form.
+    Consumption is per task and per sample, shared by every process (``get_meta`` and
+    `StreamingDataset` record what they take in the partition's key log); ``reset_consumption``
+    gives the task a fresh dock consumer. Keys that hold tags only have no sample on dockd, so the
+    statuses do not list them (TransferQueue lists them as never produced nor consumed).
     """
 
-    def __init__(self, client: _Client) -> None:
+    def __init__(self, client: _Client, polling_mode: bool | None = None) -> None:
         self._client = client
         self.client_id = client.viewer
+        self.polling_mode = polling_mode  # None: as configured at init (conf.controller.polling_mode)
 
     def kv_retrieve_meta(self, keys: list[str] | str, partition_id: str, create: bool = False) -> BatchMeta:
         keys = _keys(keys)
@@ -833,6 +1007,86 @@ class DockTQClient:
             out.custom_meta = [dict(d) for d in metadata.custom_meta]
         return out
 
+    # -- the sampler-driven calls ------------------------------------------------------
+    def get_meta(
+        self,
+        data_fields: list[str],
+        batch_size: int,
+        partition_id: str,
+        mode: str = "fetch",
+        task_name: str | None = None,
+        sampling_config: dict[str, Any] | None = None,
+    ) -> BatchMeta:
+        """TransferQueue's ``get_meta`` with its default SequentialSampler.
+
+        ``mode="fetch"``: takes for `task_name` the `batch_size` oldest samples holding every one of
+        `data_fields` that the task has not taken yet (each sample once per task, across processes),
+        and marks them consumed. When there are not that many: in polling mode (``conf.controller.
+        polling_mode`` at `init`) an empty BatchMeta at once, otherwise it waits up to
+        ``TQ_CONTROLLER_GET_METADATA_TIMEOUT`` seconds (default 1, as TransferQueue) for them, then
+        raises `GetMetaTimeout` (a TimeoutError and a RuntimeError). ``mode="force_fetch"``: every
+        sample of the partition, ready or not, taking nothing. `sampling_config` is accepted and
+        ignored, as the SequentialSampler does.
+        """
+        if mode == "force_fetch":
+            return self._client.everything(partition_id, list(data_fields or []))
+        if mode == "insert":
+            raise NotImplementedError("get_meta(mode='insert') is TransferQueue-internal; use put or kv_batch_put")
+        if mode != "fetch":
+            raise ValueError(f"Invalid mode: {mode}")
+        if task_name is None:
+            raise ValueError("get_meta(mode='fetch') needs task_name")
+        if batch_size is None or batch_size < 1:
+            raise ValueError(f"get_meta needs a positive batch_size, got {batch_size!r}")
+        if _sampler_name != "SequentialSampler":
+            raise NotImplementedError(
+                f"dockd's transfer_queue client samples like TransferQueue's SequentialSampler only (the "
+                f"controller was configured with {_sampler_name}); dockd.Dock.get offers dp_rank/dp_size with "
+                "balance_by, groups=True and shuffle=True for the other samplers' jobs"
+            )
+        polling = _polling_mode if self.polling_mode is None else self.polling_mode
+        wait = 0.0 if polling else float(os.environ.get("TQ_CONTROLLER_GET_METADATA_TIMEOUT", "1"))
+        meta = self._client.take(partition_id, task_name, list(data_fields), int(batch_size), wait)
+        if meta.size == 0 and not polling:
+            raise GetMetaTimeout(
+                f"Timeout while waiting for sufficient data for task {task_name}: {batch_size} samples holding "
+                f"{list(data_fields)} in partition {partition_id!r} were not there within {wait:g} s "
+                "(set conf.controller.polling_mode=True to get an empty BatchMeta instead)"
+            )
+        return meta
+
+    def get_consumption_status(self, task_name: str, partition_id: str) -> tuple[Any, Any]:
+        """(global indexes, int8 status: 1 taken by `task_name`); (None, None) for an unknown partition.
+        Keys holding tags only have no sample on dockd and are not listed."""
+        return self._client.consumption(partition_id, task_name)
+
+    def get_production_status(self, data_fields: list[str], partition_id: str) -> tuple[Any, Any]:
+        """(global indexes, int8 matrix samples x `data_fields`: 1 where written)."""
+        return self._client.production(partition_id, list(data_fields))
+
+    def check_consumption_status(self, task_name: str, partition_id: str) -> bool:
+        _, status = self.get_consumption_status(task_name, partition_id)
+        return status is not None and status.numel() > 0 and bool(torch.all(status == 1))
+
+    def check_production_status(self, data_fields: list[str], partition_id: str) -> bool:
+        _, status = self.get_production_status(data_fields, partition_id)
+        return status is not None and bool(torch.all(status == 1))
+
+    def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
+        """Let `task_name` (None: every task) take every sample of the partition again."""
+        self._client.reset(partition_id, task_name)
+        return True
+
+    def set_custom_meta(self, metadata: BatchMeta) -> None:
+        """Replace the tags of the metadata's samples by its ``custom_meta`` (as TransferQueue)."""
+        if not metadata.size:
+            return
+        for pid in sorted(set(metadata.partition_ids)):
+            rows = [i for i, p in enumerate(metadata.partition_ids) if p == pid]
+            sub = metadata.select_samples(rows)
+            keys = sub.keys if all(sub.keys) else self._client.keys_for(pid, sub.global_indexes)
+            self._client.retag(pid, keys, sub.custom_meta)
+
     def clear_samples(self, metadata: BatchMeta) -> None:
         if metadata.size:
             pid = _one_partition(metadata)
@@ -865,14 +1119,14 @@ class DockTQClient:
             return call
         raise NotImplementedError(
             f"TransferQueueClient.{name} is not supported by dockd's transfer_queue client (supported: "
-            f"{', '.join(sorted(_CLIENT_SYNC))} and their async_ forms); consumers take samples with "
-            "transfer_queue.StreamingDataset or dockd.Dock.get"
+            f"{', '.join(sorted(_CLIENT_SYNC))} and their async_ forms)"
         )
 
 
 _CLIENT_SYNC = frozenset(
     {"kv_retrieve_meta", "kv_retrieve_keys", "get_data", "put", "clear_samples", "clear_partition", "kv_list",
-     "get_partition_list"}
+     "get_partition_list", "get_meta", "get_consumption_status", "get_production_status",
+     "check_consumption_status", "check_production_status", "reset_consumption", "set_custom_meta"}
 )
 
 
@@ -920,11 +1174,18 @@ class StreamingDataset(torch.utils.data.IterableDataset):
     it ends once every key of the partition has been taken by `task_name`. It also ends when the
     dock partition holding the data is sealed (`dockd.Dock.seal`) and drained.
 
+    With `fetch_batch_fn`, each batch comes from ``fetch_batch_fn(tq_client=..., data_fields=...,
+    batch_size=..., partition_id=..., task_name=..., sampling_config=..., batch_index=...)`` as in
+    TransferQueue, where `tq_client` is a `DockTQClient` (so TransferQueue's
+    ``default_fetch_batch_fn``, ``get_meta`` then ``get_data``, works); it returns ``(TensorDict,
+    BatchMeta)``, or ``(None, ...)`` when there is nothing yet (the dataset then waits
+    `poll_interval`). ``config.controller.polling_mode`` sets that client's polling mode
+    (default: as at `init`).
+
     Differences from TransferQueue: `config` only needs the dock address (``config.dockd.address``;
     default ``DOCKD_ADDRESS``); ranks that share a `dp_rank` do *not* receive identical samples
     (every reader takes its own): read once per data-parallel group and broadcast, or use
-    ``dockd.Dock.get(..., mp_group=...)``. `fetch_batch_fn` (which drives TransferQueue's own
-    client) raises NotImplementedError.
+    ``dockd.Dock.get(..., mp_group=...)``.
     """
 
     def __init__(
@@ -948,11 +1209,6 @@ class StreamingDataset(torch.utils.data.IterableDataset):
             raise ValueError(f"data_fields must be a list with at least one field name, got {data_fields}")
         if dp_rank < 0:
             raise ValueError(f"dp_rank {dp_rank} must be greater than or equal to 0")
-        if fetch_batch_fn is not None:
-            raise NotImplementedError(
-                "StreamingDataset(fetch_batch_fn=...) drives TransferQueue's own client and sampler; dockd's "
-                "dataset gets each batch from the dock itself (pass process_batch_fn to shape the batches)"
-            )
         address = None
         dockd_conf = config.get("dockd", None) if hasattr(config, "get") else None
         if dockd_conf is not None:
@@ -966,11 +1222,14 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         self.dp_rank = dp_rank
         self.should_check_consumption_status = should_check_consumption_status
         self.process_batch_fn = process_batch_fn or chunk_batch_fn
+        self.fetch_batch_fn = fetch_batch_fn
+        ctrl = config.get("controller", None) if hasattr(config, "get") else None
+        self.polling_mode = None if ctrl is None else bool(ctrl.get("polling_mode", False))
         self.poll_interval = poll_interval
         self.buffer: list[tuple[Any, BatchMeta]] = []
         self.batch_index = 0
 
-    def _columns(self, client: _Client, wait: float = 0.0) -> tuple[list[str], int] | None:
+    def _columns(self, client: _Client, wait: float = 0.0) -> tuple[list[str], int, str] | None:
         part = client.sync(self.partition_id, wait=wait)
         kinds: dict[str, bool] = {}
         for rec in part.keys.values():
@@ -978,14 +1237,14 @@ class StreamingDataset(torch.utils.data.IterableDataset):
                 kinds.setdefault(f, is_tensor)
         if any(f not in kinds for f in self.data_fields):
             return None  # not produced yet
-        return [f if kinds[f] else NT + f for f in self.data_fields], part.gen
+        return [f if kinds[f] else NT + f for f in self.data_fields], part.gen, part.consumer(self.task_name)
 
     def _finished(self, client: _Client, data_partition: str) -> bool:
         part = client.sync(self.partition_id)
         stats = client.dock.stats()["partitions"].get(data_partition)
         if stats is None:
             return not part.keys
-        taken = stats["consumers"].get(self.task_name, {}).get("taken", 0)
+        taken = stats["consumers"].get(part.consumer(self.task_name), {}).get("taken", 0)
         # keys that hold tags only (verl's prompt-status keys) are never streamed
         streamable = sum(1 for r in part.keys.values() if all(f in r.fields for f in self.data_fields))
         return streamable > 0 and taken >= streamable
@@ -993,6 +1252,9 @@ class StreamingDataset(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[tuple[Any, BatchMeta]]:
         tensordict = require("tensordict", extra="verl", what="dockd transfer_queue.StreamingDataset")
         client = _Client(self.address)
+        if self.fetch_batch_fn is not None:
+            yield from self._iter_fetch_fn(client)
+            return
         try:
             while True:
                 if self.batch_index < len(self.buffer):
@@ -1004,10 +1266,10 @@ class StreamingDataset(torch.utils.data.IterableDataset):
                 found = self._columns(client) or self._columns(client, wait=self.poll_interval)
                 if found is None:
                     continue
-                cols, gen = found
+                cols, gen, consumer = found
                 data_partition = client._data(self.partition_id, gen)
                 try:
-                    batch = client.dock.get(self.task_name, cols, self.batch_size, partition=data_partition,
+                    batch = client.dock.get(consumer, cols, self.batch_size, partition=data_partition,
                                             timeout=self.poll_interval)
                 except dockd.DockDrained:
                     return
@@ -1015,13 +1277,14 @@ class StreamingDataset(torch.utils.data.IterableDataset):
                     if not self.should_check_consumption_status:
                         continue
                     try:  # finite mode: the last batch may be smaller
-                        batch = client.dock.get(self.task_name, cols, self.batch_size, partition=data_partition,
+                        batch = client.dock.get(consumer, cols, self.batch_size, partition=data_partition,
                                                 allow_partial=True, timeout=0)
                     except (dockd.DockTimeout, dockd.DockNotFound, dockd.DockDrained):
                         if self._finished(client, data_partition):
                             return
                         continue
                 idx = list(batch.indexes)
+                client.took(self.partition_id, self.task_name, gen, idx)  # for the consumption status
                 keys = client.keys_for(self.partition_id, idx)
                 out: dict[str, Any] = {}
                 for f, c in zip(self.data_fields, cols):
@@ -1034,6 +1297,38 @@ class StreamingDataset(torch.utils.data.IterableDataset):
                 td = tensordict.TensorDict(out, batch_size=[len(idx)])
                 meta = client.meta(self.partition_id, keys).select_fields(self.data_fields)
                 self.buffer.append((td, meta))
+        finally:
+            client.close()
+
+    def _iter_fetch_fn(self, client: _Client) -> Iterator[tuple[Any, BatchMeta]]:
+        """TransferQueue's loop around a user `fetch_batch_fn`, on a `DockTQClient`."""
+        tq_client = DockTQClient(client, polling_mode=self.polling_mode)
+        sampling_config = {"dp_rank": self.dp_rank, "task_name": self.task_name}
+        try:
+            while (
+                not self.should_check_consumption_status
+                or self.batch_index < len(self.buffer)
+                or not tq_client.check_consumption_status(self.task_name, self.partition_id)
+            ):
+                if self.batch_index < len(self.buffer):
+                    td, meta = self.buffer[self.batch_index]
+                    self.batch_index += 1
+                    yield from self.process_batch_fn(td, meta, micro_batch_size=self.micro_batch_size)
+                    continue
+                assert self.fetch_batch_fn is not None
+                td, meta = self.fetch_batch_fn(
+                    tq_client=tq_client,
+                    data_fields=self.data_fields,
+                    batch_size=self.batch_size,
+                    partition_id=self.partition_id,
+                    task_name=self.task_name,
+                    sampling_config=sampling_config,
+                    batch_index=self.batch_index,
+                )
+                if td is not None:
+                    self.buffer.append((td, meta))
+                else:
+                    time.sleep(self.poll_interval)
         finally:
             client.close()
 
@@ -1143,6 +1438,7 @@ def uninstall() -> None:
 __all__ = [
     "BatchMeta",
     "DockTQClient",
+    "GetMetaTimeout",
     "KVBatchMeta",
     "StreamingDataLoader",
     "StreamingDataset",
