@@ -20,7 +20,9 @@ that puts of empty values cannot grow a warehouse past its capacity while it
 reports nothing in use.
 
 Deleting samples (`free_samples`) releases a put's body once every sample it
-holds is deleted: memory goes back per put, not per sample.
+holds is deleted, and compacts a body of 64 KiB or more once half of its bytes
+are deleted (its live values copied into memory of their size); `freed` and
+`reclaimable` count what deletes gave back and what they still hold.
 
 The device tier (`device_capacity` > 0) keeps runs a writer put with
 `device="keep"` in device memory of the warehouse's own (a flat uint8
@@ -52,6 +54,7 @@ from dockd.codec import ITEMSIZE
 from dockd.errors import DockFull, DockNotFound, DockValueError
 
 
+COMPACT_MIN = 64 << 10  # bytes of a put's body from which deletes compact it (smaller ones wait for all)
 META_PUT = 1024   # bytes of bookkeeping a put costs (objects per put and run; ~900 measured for one value)
 META_VALUE = 16   # ... and each value it stores (index maps, ragged ends: 6-17 measured)
 
@@ -59,11 +62,12 @@ META_VALUE = 16   # ... and each value it stores (index maps, ragged ends: 6-17 
 class _Body:
     """One put's body: its bytes are in use until every sample it holds is deleted."""
 
-    __slots__ = ("nbytes", "meta", "device_nbytes", "segment", "live", "first_column", "batches")
+    __slots__ = ("nbytes", "meta", "dead", "device_nbytes", "segment", "live", "first_column", "batches")
 
     def __init__(self, nbytes: int, segment: object, live: int, first_column: str, device_nbytes: int = 0) -> None:
         self.nbytes = nbytes
         self.meta = 0
+        self.dead = 0  # host bytes of its values that were deleted (held until it is compacted or freed)
         self.device_nbytes = device_nbytes
         self.segment = segment
         self.live = live                  # samples of this put not deleted yet
@@ -176,12 +180,13 @@ class _Column:
 
 
 class _Part:
-    __slots__ = ("columns", "nbytes", "meta", "device_nbytes", "group_size", "segments")
+    __slots__ = ("columns", "nbytes", "meta", "dead", "device_nbytes", "group_size", "segments")
 
     def __init__(self) -> None:
         self.columns: dict[str, _Column] = {}
         self.nbytes = 0
         self.meta = 0
+        self.dead = 0  # host bytes of deleted values its puts still hold
         self.device_nbytes = 0
         self.group_size = 0  # known once a put of new samples landed here
         self.segments: list = []  # shared-memory segments its puts landed in
@@ -201,6 +206,8 @@ class Warehouse:
         self.used = 0
         self.reserved = 0
         self.meta = 0  # bytes of bookkeeping of what is stored (see META_PUT)
+        self.freed = 0  # bytes deletes gave back (whole puts, and compactions)
+        self.reclaimable = 0  # bytes of deleted values still held: their put is mostly alive (or small)
         self.device_capacity = device_capacity
         self.device_used = 0
         self.device_reserved = 0
@@ -374,41 +381,113 @@ class Warehouse:
 
     def free_samples(self, partition: str, indexes: Sequence[int]) -> tuple[int, list]:
         """Delete samples (all their columns). Returns the bytes released and the segments no
-        longer used: a put's body goes once all of its samples are deleted."""
+        longer used. A put's body goes once all of its samples are deleted; before that, once
+        deleted values make up half of a body of COMPACT_MIN bytes or more, its live values are
+        copied into a body of their own size and the old one is released (compaction: each byte
+        is copied a bounded number of times, as each copy at least halves the body)."""
         part = self.parts.get(partition)
         if part is None:
             return 0, []
         idx = np.unique(_idx(indexes))
-        done: list[_Body] = []
+        touched: dict[int, _Body] = {}
         for name, col in part.columns.items():
             here = idx[col.present(idx)]
             if not len(here):
                 continue
             bids = col.batch_of[here]
             col.batch_of[here] = -1
-            ids, counts = np.unique(bids, return_counts=True)
-            for bid, k in zip(ids.tolist(), counts.tolist()):
+            for bid in np.unique(bids).tolist():
                 b = col.batches[bid]
-                if b is None or b.body is None or b.body.first_column != name:
+                if b is None or b.body is None:
                     continue
-                b.body.live -= k
-                if b.body.live <= 0:
-                    done.append(b.body)
+                rows = b.rows(here[bids == bid])
+                offs = b.offsets()
+                if b.device is None:  # (device-tier bytes go when their whole put does)
+                    dead = int((offs[rows + 1] - offs[rows]).sum())
+                    b.body.dead += dead
+                    self.reclaimable += dead
+                    part.dead += dead
+                if b.body.first_column == name:
+                    b.body.live -= len(rows)
+                touched[id(b.body)] = b.body
         freed, segs = 0, []
-        for body in done:
-            for name, bid in body.batches:
-                part.columns[name].batches[bid] = None
-            freed += body.nbytes
-            part.meta -= body.meta
-            self.meta -= body.meta
-            part.device_nbytes -= body.device_nbytes
-            self.device_used -= body.device_nbytes
-            if body.segment is not None and body.segment in part.segments:
-                part.segments.remove(body.segment)
-                segs.append(body.segment)
-        part.nbytes -= freed
-        self.used -= freed
+        for body in touched.values():
+            if body.live <= 0:
+                n, seg = self._drop_body(part, body)
+            elif body.device_nbytes == 0 and body.nbytes >= COMPACT_MIN and 2 * body.dead >= body.nbytes:
+                n, seg = self._compact(part, body)
+            else:
+                continue
+            freed += n
+            if seg is not None:
+                segs.append(seg)
         return freed, segs
+
+    def _drop_body(self, part: _Part, body: _Body) -> tuple[int, object]:
+        for name, bid in body.batches:
+            part.columns[name].batches[bid] = None
+        part.meta -= body.meta
+        self.meta -= body.meta
+        part.device_nbytes -= body.device_nbytes
+        self.device_used -= body.device_nbytes
+        self.reclaimable -= body.dead
+        part.dead -= body.dead
+        self._release(part, body.nbytes)
+        return body.nbytes, self._unlink_segment(part, body)
+
+    def _compact(self, part: _Part, body: _Body) -> tuple[int, object]:
+        """Copy a body's live values into a new body of their size; (bytes freed, old segment)."""
+        plans, total = [], 0
+        for name, bid in body.batches:
+            col = part.columns[name]
+            b = col.batches[bid]
+            if b is None:
+                continue
+            keys = b.indexes()
+            rows = np.flatnonzero(col.batch_of[keys] == bid)
+            offs = b.offsets()
+            starts, ends = offs[rows], offs[rows + 1]
+            at = total
+            total = -(-(at + int((ends - starts).sum())) // 64) * 64  # each run 64-byte aligned
+            plans.append((name, col, bid, b, keys[rows], rows, starts, ends, at))
+        new = pa.allocate_buffer(total)
+        dst = np.frombuffer(new, dtype=np.uint8)
+        owner = _Body(total, None, body.live, body.first_column)
+        owner.meta = body.meta
+        for name, col, bid, b, idx, rows, starts, ends, at in plans:
+            src = np.frombuffer(b.data, dtype=np.uint8) if b.data is not None and b.data.size else None
+            pos = at
+            if src is not None:  # consecutive rows are one copy
+                breaks = np.flatnonzero(starts[1:] != ends[:-1]) + 1
+                for lo, hi in zip(np.concatenate(([0], breaks)).tolist(), np.concatenate((breaks, [len(rows)])).tolist()):
+                    n = int(ends[hi - 1] - starts[lo])
+                    dst[pos : pos + n] = src[int(starts[lo]) : int(starts[lo]) + n]
+                    pos += n
+            run = pb.Run(kind=b.kind, count=len(rows), dtype=b.dtype, shape=b.shape, nbytes=pos - at)
+            if b.lengths is not None:
+                run.lengths.extend(b.lengths[rows].tolist())
+            data = new.slice(at, pos - at) if pos > at else pa.py_buffer(b"")
+            col.batch_of[idx] = len(col.batches)
+            owner.batches.append((name, len(col.batches)))
+            col.batches.append(_Batch(run, data, None, idx, owner))
+            col.batches[bid] = None
+        freed = body.nbytes - total
+        self.reclaimable -= body.dead
+        part.dead -= body.dead
+        self._release(part, freed)
+        return freed, self._unlink_segment(part, body)
+
+    def _release(self, part: _Part, nbytes: int) -> None:
+        part.nbytes -= nbytes
+        self.used -= nbytes
+        self.freed += nbytes
+
+    @staticmethod
+    def _unlink_segment(part: _Part, body: _Body):
+        if body.segment is not None and body.segment in part.segments:
+            part.segments.remove(body.segment)
+            return body.segment
+        return None
 
     def measure(self, partition: str, column: str, indexes: Sequence[int]) -> np.ndarray:
         """Per sample: the column's value when it holds numbers (one per sample), else its size
@@ -529,6 +608,7 @@ class Warehouse:
             return 0
         self.used -= part.nbytes
         self.meta -= part.meta
+        self.reclaimable -= part.dead
         self.device_used -= part.device_nbytes
         return part.nbytes
 
@@ -563,6 +643,8 @@ class Warehouse:
             "capacity": self.capacity,
             "used": self.used,
             "metadata": self.meta,
+            "freed": self.freed,
+            "reclaimable": self.reclaimable,
             "reserved": self.reserved,
             "device_capacity": self.device_capacity,
             "device_used": self.device_used,

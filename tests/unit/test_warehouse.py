@@ -185,3 +185,25 @@ def test_device_tier_batches_are_counted_apart_and_freed_with_their_samples():
     assert (w.used, w.device_used) == (0, 0)
     with pytest.raises(DockValueError, match="device capacity"):
         Warehouse(1 << 20, device_capacity=-1)
+
+
+def test_deletes_compact_a_put_once_half_of_it_is_deleted():
+    """Issue 21: deleting 16 of 32 samples of a put freed nothing (memory went back per whole put)."""
+    w = Warehouse(1 << 24)
+    dense = [torch.full((1024,), float(i)) for i in range(32)]                       # 4 KiB each
+    ragged = [torch.arange(i * 64, dtype=torch.int32) for i in range(32)]           # 0..7.75 KiB
+    body = codec.Body()
+    cols = codec.encode_columns({"x": dense, "r": ragged, "m": [{"i": i} for i in range(32)]}, body)
+    buf = pa.py_buffer(b"".join(bytes(b) for b in body.buffers))
+    w.reserve(buf.size)
+    w.store("p", list(range(32)), cols, buf, buf.size)
+    w.free_samples("p", list(range(0, 32, 4)))  # a quarter: kept as is, counted as reclaimable
+    assert w.used == buf.size and w.reclaimable > 0 and w.freed == 0
+    kept = [i for i in range(32) if i % 4 == 1]  # then three quarters are gone: compacted
+    w.free_samples("p", [i for i in range(32) if i % 4 in (2, 3)])
+    assert w.used < buf.size / 3 and w.freed == buf.size - w.used and w.reclaimable == 0
+    assert all(torch.equal(a, dense[i]) for a, i in zip(fetched(w, "p", "x", kept), kept))
+    assert all(torch.equal(a, ragged[i]) for a, i in zip(fetched(w, "p", "r", kept), kept))
+    assert fetched(w, "p", "m", kept) == [{"i": i} for i in kept]
+    w.free_samples("p", kept)
+    assert (w.used, w.reclaimable, w.freed, w.meta) == (0, 0, buf.size, 0)
