@@ -414,7 +414,8 @@ class Warehouse:
         for body in touched.values():
             if body.live <= 0:
                 n, seg = self._drop_body(part, body)
-            elif body.device_nbytes == 0 and body.nbytes >= COMPACT_MIN and 2 * body.dead >= body.nbytes:
+            elif body.device_nbytes == 0 and body.nbytes >= COMPACT_MIN and \
+                    2 * body.dead >= body.nbytes - 64 * len(body.batches):  # (runs are padded to 64 bytes)
                 n, seg = self._compact(part, body)
             else:
                 continue
