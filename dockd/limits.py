@@ -122,6 +122,10 @@ def check(frame: pb.Frame) -> None:
         _count("samples", max(len(r.delete.indexes), r.reserve.count, r.reserve.group_size, len(r.set_tags.indexes)))
         _tags(r.set_tags.tags)
         _columns(r.create.retire_when_consumed_by)
+        _name("consumer name", r.list.consumer)
+        _count("tag filters", len(r.list.where), MAX_TAGS)
+        for t in r.list.where:
+            _name("tag name", t.name)
     elif kind in ("free", "measure"):
         m = getattr(frame, kind)
         _name("partition name", m.partition)

@@ -31,6 +31,13 @@ Series (all prefixed `dockd_`):
     partition_samples{partition}
     partition_deleted_samples{partition}
     consumer_taken_samples / _leased_samples / _ready_samples{partition,consumer}
+    partition_policy_version{partition}                 the trainer's version (set_version)
+    partition_pending_samples{partition}                not yet handed to all its consumers (max_pending bounds it)
+    partition_stale_samples{partition}                  too stale to be handed out (max_staleness), not taken
+    partition_stale_retired_samples{partition}          deleted by set_version (retire_stale)
+    paced_puts_waiting{partition}                       puts waiting for max_pending
+    paced_puts_total                                    puts that had to wait for max_pending
+    sample_staleness                                    histogram: trainer version minus version of samples handed out
 
 `transport` is `shm` for same-host clients (Unix socket, shared memory) and
 `tcp` otherwise. A get whose columns live on two warehouses counts on both.
@@ -211,14 +218,41 @@ def _controller_families(ctl):
                               labels=["partition", "consumer"])
     deleted = GaugeMetricFamily("dockd_partition_deleted_samples", "samples of a partition deleted (by delete or "
                                 "retirement; their data is freed)", labels=["partition"])
+    version = GaugeMetricFamily("dockd_partition_policy_version", "the trainer's policy version (set_version)",
+                                labels=["partition"])
+    pending = GaugeMetricFamily("dockd_partition_pending_samples", "samples not yet handed out to all the partition's "
+                                "consumers (what max_pending bounds)", labels=["partition"])
+    stale = GaugeMetricFamily("dockd_partition_stale_samples", "samples staler than max_staleness allows, not yet "
+                              "taken: no get hands them out", labels=["partition"])
+    retired = GaugeMetricFamily("dockd_partition_stale_retired_samples", "samples deleted because set_version made "
+                                "them stale (retire_stale)", labels=["partition"])
+    paced = GaugeMetricFamily("dockd_paced_puts_waiting", "puts waiting for the partition's consumers (max_pending)",
+                              labels=["partition"])
     for part in shown:
+        version.add_metric([part.name], part.version)
+        pending.add_metric([part.name], part.pending())
+        stale.add_metric([part.name], int(part.stale_mask().sum()))
+        retired.add_metric([part.name], part.stale_retired)
+        paced.add_metric([part.name], len(ctl.paced.get(part.name, ())))
         samples.add_metric([part.name], part.size)
         deleted.add_metric([part.name], part.deleted)
         for name, cons in part.consumers.items():
             taken.add_metric([part.name, name], cons.taken)
             leased.add_metric([part.name, name], cons.leased)
             ready.add_metric([part.name, name], part.ready_for(cons))
-    yield from (samples, deleted, taken, leased, ready)
+    yield from (samples, deleted, taken, leased, ready, version, pending, stale, retired, paced)
+    yield CounterMetricFamily("dockd_paced_puts", "puts that waited for their partition's consumers (max_pending)",
+                              value=ctl.paced_total)
+    from dockd.controller.service import STALENESS_BUCKETS
+
+    hist = HistogramMetricFamily("dockd_sample_staleness", "the trainer's policy version minus the version of each "
+                                 "sample handed out (partitions with versions)")
+    run, buckets = 0, []
+    for bound, n in zip((*map(str, STALENESS_BUCKETS), "+Inf"), ctl.staleness_counts):
+        run += n
+        buckets.append((bound, run))
+    hist.add_metric([], buckets, ctl.staleness_sum)
+    yield hist
 
 
 class MetricsServer:

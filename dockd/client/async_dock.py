@@ -37,14 +37,16 @@ class AsyncDock:
 
     async def put(self, columns: Mapping[str, Any], *, partition: str, indexes: Sequence[int] | None = None,
                   group_size: int = 1, timeout: float | None = None,
-                  tags: Mapping[str, int | Sequence[int]] | None = None, device: str | None = None) -> list[int]:
+                  tags: Mapping[str, int | Sequence[int]] | None = None, device: str | None = None,
+                  version: int | None = None) -> list[int]:
         return await self._run(self.dock.put, columns, partition=partition, indexes=indexes, group_size=group_size,
-                               timeout=timeout, tags=tags, device=device)
+                               timeout=timeout, tags=tags, device=device, version=version)
 
     async def get(self, consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None = None,
                   groups: bool = False, allow_partial: bool = False, shuffle: bool = False, seed: int | None = None,
                   **rank_and_tags) -> Batch:
-        """As Dock.get (rank_and_tags: dp_rank, dp_size, mp_group, step, balance_by, where, order_by)."""
+        """As Dock.get (rank_and_tags: dp_rank, dp_size, mp_group, step, balance_by, where, order_by,
+        max_staleness, prefer_local, device)."""
         scope = CallScope()
         fut = self._run(self.dock.get, consumer, columns, count, partition=partition, timeout=timeout, groups=groups,
                         allow_partial=allow_partial, shuffle=shuffle, seed=seed, _scope=scope, **rank_and_tags)
@@ -93,6 +95,15 @@ class AsyncDock:
 
     async def set_tags(self, partition: str, indexes: Sequence[int], tags: Mapping[str, Any]) -> None:
         await self._run(self.dock.set_tags, partition, indexes, tags)
+
+    async def set_version(self, partition: str, version: int) -> int:
+        return await self._run(self.dock.set_version, partition, version)
+
+    async def list(self, partition: str, consumer: str | None = None, **kwargs) -> dict[str, Any]:
+        return await self._run(self.dock.list, partition, consumer, **kwargs)
+
+    async def ping(self) -> float:
+        return await self._run(self.dock.ping)
 
     async def save(self, partition: str, path) -> dict[str, int]:
         return await self._run(self.dock.save, partition, path)

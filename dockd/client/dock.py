@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from dockd import auth, codec, device_share, limits, shm
+from dockd import auth, codec, device_share, limits, shm, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.batch import Batch
 from dockd.client.connection import Credentials, Pool, timed_out
@@ -185,7 +185,8 @@ class Dock:
     # -- public API ---------------------------------------------------------------------------
     def put(self, columns: Mapping[str, Any], *, partition: str, indexes: Sequence[int] | None = None,
             group_size: int = 1, timeout: float | None = None,
-            tags: Mapping[str, int | Sequence[int]] | None = None, device: str | None = None) -> list[int]:
+            tags: Mapping[str, int | Sequence[int]] | None = None, device: str | None = None,
+            version: int | None = None) -> list[int]:
         """Write samples; returns their indexes. Returns once the data is stored and visible.
 
         Without `indexes`, creates new samples (a multiple of `group_size`, each
@@ -196,6 +197,13 @@ class Dock:
         ``{"age": 0}`` (one value for all, or a list with one per sample), that
         gets can filter (`where`) and order (`order_by`) by; `set_tags` changes
         them later.
+
+        `version`: the policy version (an int >= 0) that produced these samples: the reserved tag
+        "version" (a sample put without one counts as version 0). Gets with a staleness bound
+        (`max_staleness`) hand out the oldest version first and never one older than the trainer's
+        version (`set_version`) minus the bound. A put of new samples to a partition with
+        `max_pending` waits while that many samples wait for its consumers (up to `timeout`,
+        then DockFull).
 
         `device="keep"`: tensor columns on an accelerator (CUDA, or NPU with torch_npu) stay in device
         memory: the home warehouse, on the same node, copies them device to device
@@ -231,6 +239,13 @@ class Dock:
             if len(idx) != n:
                 raise DockValueError(f"{len(idx)} indexes given for {n} values per column")
             req.indexes.extend(idx)
+        if version is not None:
+            if not isinstance(version, (int, np.integer)) or isinstance(version, bool) or version < 0:
+                raise DockValueError(f"version is the policy version that produced the samples, an int >= 0, "
+                                     f"got {version!r}")
+            if tags and "version" in tags:
+                raise DockValueError("give the policy version as version=..., or as tags={'version': ...}, not both")
+            tags = {**(tags or {}), "version": int(version)}
         if tags:
             req.tags.extend(_tag_list(tags, n))
         if device not in (None, "keep"):
@@ -311,7 +326,7 @@ class Dock:
             dp_rank: int | None = None, dp_size: int | None = None, mp_group: tuple[int, int, int] | None = None,
             step: int | None = None, balance_by: str | Sequence[str] | None = None,
             where: Mapping[str, Any] | None = None, order_by: str | None = None, prefer_local: bool = False,
-            device: str | Any | None = None, _scope: CallScope | None = None) -> Batch:
+            device: str | Any | None = None, max_staleness: int | None = None, _scope: CallScope | None = None) -> Batch:
         """Take `count` samples ready in `columns` that `consumer` has not had yet.
 
         Blocks until they are ready; after `timeout` seconds raises DockTimeout
@@ -329,6 +344,11 @@ class Dock:
         Tags: `where={"age": (lo, hi)}` (or a single value) takes only samples
         whose tag lies in [lo, hi] (None for an open end); `order_by="age"`
         hands out the smallest values first ("-age": the largest).
+
+        Staleness (asynchronous RL): `max_staleness=s` hands out only samples whose policy
+        version (put(version=...)) is >= the trainer's version (`set_version`) minus s, oldest
+        version first, then by index (unless `order_by` says otherwise); default: the partition's
+        `max_staleness` (create_partition), if any.
 
         Rank-aware gets (see docs/rl.md): with `dp_rank` and `dp_size`, the
         dp_size data-parallel ranks of one step together take one global batch
@@ -363,7 +383,8 @@ class Dock:
         lease = self.acquire(consumer, columns, count, partition=partition, timeout=timeout, groups=groups,
                              allow_partial=allow_partial, shuffle=shuffle, seed=seed, dp_rank=dp_rank,
                              dp_size=dp_size, mp_group=mp_group, step=step, balance_by=balance_by, where=where,
-                             order_by=order_by, prefer_local=prefer_local, _scope=_scope, _lazy=True)
+                             order_by=order_by, prefer_local=prefer_local, max_staleness=max_staleness, _scope=_scope,
+                             _lazy=True)
         if _scope is not None and _scope.cancelled:  # cancelled as the lease arrived: give it back, take nothing
             self.release(lease)
             raise DockClosed("the get was cancelled")
@@ -390,8 +411,8 @@ class Dock:
                 inline: bool = True, lease_timeout: float | None = None, dp_rank: int | None = None,
                 dp_size: int | None = None, mp_group: tuple[int, int, int] | None = None, step: int | None = None,
                 balance_by: str | Sequence[str] | None = None, where: Mapping[str, Any] | None = None,
-                order_by: str | None = None, prefer_local: bool = False, _scope: CallScope | None = None,
-                _lazy: bool = False) -> Lease:
+                order_by: str | None = None, prefer_local: bool = False, max_staleness: int | None = None,
+                _scope: CallScope | None = None, _lazy: bool = False) -> Lease:
         """Low-level: lease samples without fetching them (see get).
 
         With inline=True (the default) the values held by the controller's own
@@ -423,6 +444,11 @@ class Dock:
         _rank_fields(req, dp_rank, dp_size, mp_group, step, balance_by)
         if where:
             req.where.extend(_where_list(where))
+        if max_staleness is not None:
+            if not isinstance(max_staleness, (int, np.integer)) or isinstance(max_staleness, bool) or max_staleness < 0:
+                raise DockValueError(f"max_staleness is an int >= 0 (policy versions behind the trainer's), "
+                                     f"got {max_staleness!r}")
+            req.max_staleness = int(max_staleness) + 1
         if prefer_local and self._router.home >= 0:
             if req.dp_size:
                 raise DockValueError("prefer_local does not apply to rank-aware gets (dp_size or mp_group): a "
@@ -790,20 +816,76 @@ class Dock:
         return reply.partition_reply
 
     def create_partition(self, partition: str, *, group_size: int = 1,
-                         retire_when_consumed_by: Sequence[str] = ()) -> None:
-        """Make a partition ahead of its first put, or set its options.
+                         retire_when_consumed_by: Sequence[str] = (), max_staleness: int | None = None,
+                         retire_stale: bool = False, max_pending: int | None = None) -> None:
+        """Make a partition ahead of its first put, or set its options (each call sets all of them).
 
         retire_when_consumed_by: consumers that must all have confirmed a sample
         before it is deleted by itself (all its columns freed on every
         warehouse): a long-running partition then holds only live samples.
-        Samples all of them already took go at once."""
+        Samples all of them already took go at once.
+
+        max_staleness: gets hand out only samples whose policy version is >= the trainer's
+        version (`set_version`) minus this, oldest version first (a get's own `max_staleness`
+        overrides it). Samples staler than that, not yet taken by the partition's consumers, are
+        counted in stats()["partitions"][p]["stale"]; with retire_stale=True they are deleted
+        when set_version makes them stale (counted in "stale_retired").
+
+        max_pending: a put of new samples waits while this many samples of the partition are
+        written and not yet handed out to all its consumers (the consumers named by
+        retire_when_consumed_by, else every consumer that asked for its samples; before any
+        consumer asked, every sample counts), up to the put's timeout, then DockFull. A get
+        (lease) of a consumer opens the slots; see docs/rl.md."""
         retire = [retire_when_consumed_by] if isinstance(retire_when_consumed_by, str) else list(retire_when_consumed_by)
         if not all(isinstance(c, str) and c for c in retire):
             raise DockTypeError(f"retire_when_consumed_by lists consumer names, got {retire_when_consumed_by!r}")
         if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
             raise DockValueError(f"group_size must be a positive int, got {group_size!r}")
-        self._partition_op(partition, create=pb.CreatePartition(group_size=group_size,
-                                                                retire_when_consumed_by=retire))
+        for name, v in (("max_staleness", max_staleness), ("max_pending", max_pending)):
+            if v is not None and (not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0):
+                raise DockValueError(f"{name} must be an int >= 0 or None, got {v!r}")
+        if retire_stale and max_staleness is None:
+            raise DockValueError("retire_stale=True needs max_staleness: it deletes samples staler than that")
+        self._partition_op(partition, create=pb.CreatePartition(
+            group_size=group_size, retire_when_consumed_by=retire, retire_stale=bool(retire_stale),
+            max_staleness=0 if max_staleness is None else int(max_staleness) + 1, max_pending=int(max_pending or 0)))
+
+    def set_version(self, partition: str, version: int) -> int:
+        """Announce the trainer's current policy version for a partition. Gets with a staleness
+        bound then hand out only samples of version >= version - max_staleness; with
+        retire_stale, the samples this makes too stale are deleted. Returns how many were."""
+        if not isinstance(version, (int, np.integer)) or isinstance(version, bool) or version < 0:
+            raise DockValueError(f"version must be an int >= 0, got {version!r}")
+        return self._partition_op(partition, set_version=pb.SetVersion(version=int(version))).samples
+
+    def list(self, partition: str, consumer: str | None = None, *, where: Mapping[str, Any] | None = None,
+             limit: int = 1000, start: int = 0) -> dict[str, Any]:
+        """The partition's samples (written, not deleted), smallest index first, with their tags and
+        policy versions, without taking them for anyone. `consumer`: only those not yet handed to
+        it (what it could still get); `where`: as get's; at most `limit` from index `start` on.
+        Returns {"indexes": [...], "versions": [...], "tags": {name: [...]}, "version": the
+        trainer's version}."""
+        if consumer is not None and (not isinstance(consumer, str) or not consumer):
+            raise DockValueError(f"consumer must be a non-empty string or None, got {consumer!r}")
+        for name, v in (("limit", limit), ("start", start)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
+                raise DockValueError(f"{name} must be an int >= 0, got {v!r}")
+        op = pb.ListSamples(consumer=consumer or "", limit=min(int(limit), limits.MAX_SAMPLES) or 1, start=int(start))
+        if where:
+            op.where.extend(_where_list(where))
+        r = self._partition_op(partition, list=op)
+        tags = {t.name: list(t.values) for t in r.tags}
+        idx = list(r.indexes)
+        return {"indexes": idx, "versions": tags.get("version", [0] * len(idx)), "tags": tags, "version": r.version}
+
+    def ping(self) -> float:
+        """Seconds of one round trip to the controller (a hello it answers at once); raises
+        DockConnectionError when it cannot be reached."""
+        frame = pb.Frame(hello=pb.Hello(client=self._name, protocol=wire.PROTOCOL_VERSION))
+        t0 = time.perf_counter()
+        self._router.controller(lambda pool: call_on(pool, frame, timeout=self.connect_timeout),
+                                deadline=time.monotonic() + self.connect_timeout)
+        return time.perf_counter() - t0
 
     def delete(self, partition: str, indexes: Sequence[int]) -> int:
         """Delete samples: all their columns are freed on every warehouse, and no consumer gets
@@ -869,13 +951,22 @@ class Dock:
                 "samples": p.samples,
                 "group_size": p.group_size,
                 "columns": dict(zip(p.columns, p.column_ready)),
-                "consumers": {c.name: {"taken": c.taken, "leased": c.leased, "ready": c.ready, "waiting": c.waiting}
+                "consumers": {c.name: {"taken": c.taken, "leased": c.leased, "ready": c.ready, "waiting": c.waiting,
+                                       "pending": c.pending}
                               for c in p.consumers},
                 "recovered": p.recovered,
                 "deleted": p.deleted,
                 "sealed": p.sealed,
                 "retire_when_consumed_by": list(p.retire_when_consumed_by),
                 "tags": list(p.tags),
+                "version": p.version,
+                "max_staleness": p.max_staleness - 1 if p.max_staleness else None,
+                "retire_stale": p.retire_stale,
+                "max_pending": p.max_pending or None,
+                "pending": p.pending,
+                "stale": p.stale,
+                "stale_retired": p.stale_retired,
+                "paced_puts": p.paced,
             }
             for p in s.partitions
         }

@@ -49,6 +49,8 @@ NO_WAREHOUSE = 0xFFFF
 LOST_WAREHOUSE = 0xFFFE  # a (sample, column) whose warehouse rejoined without it
 MAX_COLUMNS = 64
 MAX_TAGS = 16
+VERSION_TAG = "version"  # the reserved tag holding each sample's policy version (put(version=...))
+INT64_MAX = (1 << 63) - 1
 ROUNDS_KEPT = 256  # per (partition, consumer, columns, ranks): finished rounds remembered for late ranks
 PUT_KEYS_KEPT = 4096  # per warehouse: recent commits remembered so a re-sent one is applied once
 _BLOCK_SHIFT = 10
@@ -160,6 +162,14 @@ class _Partition:
         self.tags: dict[str, np.ndarray] = {}
         self.sealed = False
         self.retire: tuple[str, ...] = ()
+        # asynchronous RL: the trainer's policy version, the staleness gets allow by default (-1: no
+        # bound), whether set_version deletes what it makes stale, and how many samples may wait
+        # for the partition's consumers before puts of new ones wait (0: no bound)
+        self.version = 0
+        self.max_staleness = -1
+        self.retire_stale = False
+        self.max_pending = 0
+        self.stale_retired = 0
 
     # -- layout ---------------------------------------------------------------
     def reserve(self, n: int) -> None:
@@ -196,6 +206,49 @@ class _Partition:
                 raise DockValueError(f"a tag name is an identifier such as 'age', got {name!r}")
             arr = self.tags[name] = np.zeros(self.capacity, dtype=np.int64)
         return arr
+
+    def tag_values(self, name: str, idx: np.ndarray) -> np.ndarray:
+        """A tag's values for samples idx; the version tag reads 0 until a put sets one."""
+        if name == VERSION_TAG and name not in self.tags:
+            return np.zeros(len(idx), dtype=np.int64)
+        return self.tag(name)[idx]
+
+    def consumers_of(self) -> list[_Consumer | None]:
+        """The consumers pacing and staleness wait for: those named by retire_when_consumed_by
+        (None for one that never asked), else every consumer that asked for samples."""
+        if self.retire:
+            return [self.consumers.get(c) for c in self.retire]
+        return list(self.consumers.values())
+
+    def live(self) -> np.ndarray:
+        """Per sample: not deleted, and at least one column written."""
+        n = self.size
+        return ~self.gone[:n] & (self.ready[:n] != 0)
+
+    def waiting_mask(self) -> np.ndarray:
+        """Per sample: live and not yet handed out (leased or taken) to every one of its consumers
+        (with no consumer yet: every live sample)."""
+        n = self.size
+        mask = self.live()
+        conss = self.consumers_of()
+        if conss and all(c is not None for c in conss):
+            free = np.zeros(n, dtype=bool)
+            for c in conss:
+                free |= c.state[:n] == FREE
+            mask &= free
+        return mask
+
+    def pending(self) -> int:
+        """Samples not yet handed to all its consumers: what max_pending bounds."""
+        return int(np.count_nonzero(self.waiting_mask())) if self.size else 0
+
+    def stale_mask(self) -> np.ndarray:
+        """Per sample: waiting for a consumer but staler than max_staleness allows."""
+        n = self.size
+        if self.max_staleness < 0 or not n:
+            return np.zeros(n, dtype=bool)
+        versions = self.tag_values(VERSION_TAG, np.arange(n, dtype=np.int64))
+        return self.waiting_mask() & (versions < self.version - self.max_staleness)
 
     def bit(self, column: str) -> int:
         b = self.columns.get(column)
@@ -270,6 +323,8 @@ def _check_tags(tags: Mapping[str, Sequence[int]], n: int) -> None:
         k = len(values)
         if k not in (1, n):
             raise DockValueError(f"tag {name!r} has {k} values for {n} samples; give one value, or one per sample")
+        if name == VERSION_TAG and k and min(values) < 0:
+            raise DockValueError(f"a policy version is an int >= 0, got {min(values)}")
 
 
 def _export(p: _Partition) -> dict:
@@ -282,6 +337,7 @@ def _export(p: _Partition) -> dict:
         "consumers": [[name, c.state[:n].tobytes(), c.taken] for name, c in p.consumers.items()],
         "gone": p.gone[:n].tobytes(), "deleted": p.deleted, "sealed": p.sealed, "retire": list(p.retire),
         "tags": [[name, arr[:n].tobytes()] for name, arr in p.tags.items()],
+        "async": [p.version, p.max_staleness, p.retire_stale, p.max_pending, p.stale_retired],
     }
 
 
@@ -301,6 +357,8 @@ def _import(d: dict) -> _Partition:
         p.deleted, p.sealed, p.retire = d["deleted"], d["sealed"], tuple(d["retire"])
         for name, raw in d["tags"]:
             p.tag(name, create=True)[:n] = np.frombuffer(raw, dtype=np.int64)
+    if "async" in d:
+        p.version, p.max_staleness, p.retire_stale, p.max_pending, p.stale_retired = d["async"]
     for name, state, taken in d["consumers"]:
         cons = p.consumer(name)
         cons.state[:n] = np.frombuffer(state, dtype=np.uint8)
@@ -560,9 +618,17 @@ class Controller:
                                f"(it holds indexes 0..{part.size - 1})")
         return idx
 
-    def create_partition(self, partition: str, *, group_size: int = 1, retire: Sequence[str] = ()) -> None:
+    def create_partition(self, partition: str, *, group_size: int = 1, retire: Sequence[str] = (),
+                         max_staleness: int = -1, retire_stale: bool = False, max_pending: int = 0) -> None:
         """Make a partition (or set the options of an existing one with the same group size).
-        retire: consumers that must all have confirmed a sample before it is deleted by itself."""
+        retire: consumers that must all have confirmed a sample before it is deleted by itself.
+        max_staleness: gets hand out only samples whose version is >= the trainer's version minus
+        this (-1: no bound); retire_stale: set_version deletes the samples it makes too stale;
+        max_pending: puts of new samples wait while this many are not yet taken (0: no bound)."""
+        if max_staleness < -1 or max_pending < 0:
+            raise DockValueError(f"max_staleness and max_pending are ints >= 0, got {max_staleness}, {max_pending}")
+        if retire_stale and max_staleness < 0:
+            raise DockValueError("retire_stale needs max_staleness: it deletes samples staler than that")
         if not partition:
             raise DockValueError("partition must be a non-empty string")
         if group_size < 1:
@@ -577,8 +643,62 @@ class Controller:
             raise DockValueError(f"partition {partition!r} already holds groups of {part.group_size}, "
                                  f"not {group_size}")
         part.retire = tuple(retire)
+        part.max_staleness, part.retire_stale, part.max_pending = max_staleness, retire_stale, max_pending
         if part.retire:  # samples every named consumer already took go now
             self._retire(part, np.arange(part.size, dtype=np.int64))
+        if part.retire_stale:
+            self._retire_stale(part)
+
+    def set_version(self, partition: str, version: int) -> int:
+        """The trainer's current policy version; returns how many samples it made stale and
+        deleted (retire_stale)."""
+        if not 0 <= version <= INT64_MAX:
+            raise DockValueError(f"a policy version is an int >= 0, got {version}")
+        part = self._part(partition)
+        part.version = version
+        return self._retire_stale(part) if part.retire_stale else 0
+
+    def _retire_stale(self, part: _Partition) -> int:
+        n = self._delete(part, np.flatnonzero(part.stale_mask()))
+        part.stale_retired += n
+        return n
+
+    def staleness_filter(self, part: _Partition, max_staleness: int | None, where, order_by: str):
+        """A get's where and order_by with the staleness bound applied (the request's, else the
+        partition's): versions >= version - bound, oldest version first unless it orders itself."""
+        bound = part.max_staleness if max_staleness is None else max_staleness
+        if bound < 0:
+            return where, order_by
+        lo = part.version - bound
+        where = dict(where or {})
+        old = where.get(VERSION_TAG)
+        where[VERSION_TAG] = (max(lo, old[0]), old[1]) if old else (lo, INT64_MAX)
+        return where, order_by or VERSION_TAG
+
+    def must_wait(self, partition: str, new_count: int) -> bool:
+        """Whether a commit of new samples waits: the partition has max_pending and that many
+        samples wait for its consumers."""
+        part = self.partitions.get(partition)
+        return bool(new_count and part is not None and part.max_pending and part.pending() >= part.max_pending)
+
+    def list_samples(self, partition: str, *, consumer: str = "", where=None, limit: int = 1000,
+                     start: int = 0) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Samples (not deleted, a column written; not yet handed to `consumer` if given) whose tags
+        lie in `where`, smallest indexes from `start` first, at most `limit`; with their tags. Takes
+        nothing."""
+        part = self._part(partition)
+        n = part.size
+        mask = part.live()
+        cons = part.consumers.get(consumer) if consumer else None
+        if cons is not None:
+            mask &= cons.state[:n] == FREE
+        mask[: min(start, n)] = False
+        idx = np.flatnonzero(mask)
+        if where:
+            idx = idx[self._where(part, idx, where)]
+        idx = idx[:limit]
+        tags = {name: arr[idx] for name, arr in part.tags.items()}
+        return idx, tags
 
     def reserve(self, partition: str, count: int, *, group_size: int = 1) -> np.ndarray:
         """New samples with no column written yet (a rollout fills them later, by index)."""
@@ -665,6 +785,7 @@ class Controller:
         where: Mapping[str, tuple[int, int]] | None = None,
         order_by: str = "",
         near: int | None = None,
+        max_staleness: int | None = None,
     ) -> AcquireResult | None:
         """Lease up to `count` samples ready in `columns` for `consumer`, or None to wait.
 
@@ -678,7 +799,9 @@ class Controller:
         samples whose tags lie in [lo, hi]; `order_by` hands out the smallest
         values of a tag first ("-tag": the largest); a group goes by its first
         sample's tags. `near`: samples whose requested columns are all on this
-        warehouse go first (then the rest, in the usual order).
+        warehouse go first (then the rest, in the usual order). `max_staleness`:
+        only samples whose version tag is >= the partition's version minus it,
+        oldest version first (None: the partition's max_staleness, if any).
         """
         self.validate_acquire(partition, consumer, columns, count, groups)
         if token:
@@ -694,6 +817,7 @@ class Controller:
         if view is None:
             return None
         mask, cons, sub, gs = view
+        where, order_by = self.staleness_filter(part, max_staleness, where, order_by)
         idx = self._pick(part, consumer, mask, sub, count // gs, gs, columns, partial=allow_partial, shuffle=shuffle,
                          seed=seed, where=where, order_by=order_by, near=near)
         if idx is None:
@@ -766,7 +890,7 @@ class Controller:
             units = units[self._where(part, units * gs, where)]
         if order_by:
             desc = order_by.startswith("-")
-            key = part.tag(order_by.lstrip("-"))[units * gs]
+            key = part.tag_values(order_by.lstrip("-"), units * gs)
             units = units[np.argsort(-key if desc else key, kind="stable")]
         elif shuffle:
             if sub.rng is None:
@@ -808,7 +932,7 @@ class Controller:
     def _where(part: _Partition, idx: np.ndarray, where: Mapping[str, tuple[int, int]]) -> np.ndarray:
         ok = np.ones(len(idx), dtype=bool)
         for name, (lo, hi) in where.items():
-            vals = part.tag(name)[idx]
+            vals = part.tag_values(name, idx)
             ok &= (vals >= lo) & (vals <= hi)
         return ok
 
@@ -833,7 +957,7 @@ class Controller:
               mp_rank: int = 0, mp_size: int = 1, mp_group: int = 0, step: int | None = None, groups: bool = False,
               where=None,
               order_by: str = "", balance: bool = False, owner: bytes = b"", now: float = 0.0,
-              lease_timeout: float | None = None) -> AcquireResult | Round | None:
+              lease_timeout: float | None = None, max_staleness: int | None = None) -> AcquireResult | Round | None:
         """Rank `dp_rank`'s share of one step of a rank-aware get (its step and the ranks' weights in it).
 
         The dp_size ranks of a step share one global batch of count * dp_size
@@ -861,6 +985,7 @@ class Controller:
         part = self.partitions.get(partition)
         if part is None:
             return None
+        where, order_by = self.staleness_filter(part, max_staleness, where, order_by)
         rounds = self.rounds.get(key)
         rnd = rounds.get(step) if rounds is not None else None
         if rnd is None:
@@ -1332,6 +1457,7 @@ class Controller:
         for part in self.partitions.values():
             n = part.size
             ready = part.ready[:n]
+            live = part.live()
             out.append(
                 {
                     "name": part.name,
@@ -1340,13 +1466,21 @@ class Controller:
                     "columns": {
                         c: int(np.count_nonzero((ready >> np.uint64(b)) & np.uint64(1))) for c, b in part.columns.items()
                     },
-                    "consumers": {name: {"taken": c.taken, "leased": c.leased, "ready": part.ready_for(c)}
+                    "consumers": {name: {"taken": c.taken, "leased": c.leased, "ready": part.ready_for(c),
+                                         "pending": int(np.count_nonzero(live & (c.state[:n] == FREE)))}
                                   for name, c in part.consumers.items()},
                     "recovered": part.recovered,
                     "deleted": part.deleted,
                     "sealed": part.sealed,
                     "retire_when_consumed_by": list(part.retire),
                     "tags": sorted(part.tags),
+                    "version": part.version,
+                    "max_staleness": part.max_staleness,
+                    "retire_stale": part.retire_stale,
+                    "max_pending": part.max_pending,
+                    "pending": part.pending(),
+                    "stale": int(np.count_nonzero(part.stale_mask())),
+                    "stale_retired": part.stale_retired,
                 }
             )
         return out

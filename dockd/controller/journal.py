@@ -50,12 +50,14 @@ Records (the first element names the kind):
     X  partition cleared
     L  warehouse lost  (id)
     J  warehouse rejoined (id, inventory, known)
-    P  partition created or its options set (partition, group_size, retire_when_consumed_by)
+    P  partition created or its options set (partition, group_size, retire_when_consumed_by[,
+       max_staleness, retire_stale, max_pending])
     D  samples deleted (partition, indexes)
     S  partition sealed
     V  samples reserved (partition, count, group_size)
     T  tags set        (partition, indexes, {name: values})
     K  partition loaded from a checkpoint (partition, its exported metadata)
+    Y  the trainer's policy version set (partition, version)
 
 A rank-aware get's shares are journaled as plain leases (G) when a round is
 split; the lease holding a round before its split, and which rank holds which
@@ -131,7 +133,7 @@ _NO_PREALLOC = 1 << 62
 _LEGACY_WALL = 1e8  # a lease time above this was written as a wall-clock deadline (older dockd)
 # records written before the request they record was applied: one the controller then refused
 # replays to the same refusal, which replay skips
-_AHEAD = frozenset("CPDSVTXEFR")
+_AHEAD = frozenset("CPDSVTXEFRY")
 
 
 def _fallocate():
@@ -499,8 +501,15 @@ class Journal:
             rec.append(_pack_tags(tags))
         self.append(rec)
 
-    def create(self, partition: str, group_size: int, retire) -> None:
-        self.append(["P", partition, group_size, list(retire)])
+    def create(self, partition: str, group_size: int, retire, max_staleness: int = -1, retire_stale: bool = False,
+               max_pending: int = 0) -> None:
+        rec = ["P", partition, group_size, list(retire)]
+        if max_staleness >= 0 or max_pending:
+            rec += [max_staleness, retire_stale, max_pending]
+        self.append(rec)
+
+    def set_version(self, partition: str, version: int) -> None:
+        self.append(["Y", partition, version])
 
     def delete(self, partition: str, indexes) -> None:
         self.append(["D", partition, _pack_idx(indexes)])
@@ -571,7 +580,10 @@ def _apply(core: Controller, warehouses: dict[int, dict], rec: list, now: float)
         core.commit(part, cols, warehouse=wid, indexes=None if idx is None else _unpack_idx(idx), new_count=new_count,
                     group_size=gs, nbytes=nbytes, put_id=put_id, tags=_unpack_tags(tags[0]) if tags else None)
     elif kind == "P":
-        core.create_partition(rec[1], group_size=rec[2], retire=rec[3])
+        core.create_partition(rec[1], group_size=rec[2], retire=rec[3], **dict(zip(
+            ("max_staleness", "retire_stale", "max_pending"), rec[4:])))
+    elif kind == "Y":
+        core.set_version(rec[1], rec[2])
     elif kind == "D":
         core.partitions.get(rec[1]) and core.delete(rec[1], _unpack_idx(rec[2]))
     elif kind == "S":

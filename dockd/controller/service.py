@@ -24,11 +24,11 @@ import numpy as np
 from dockd import limits
 from dockd._proto import dockd_pb2 as pb
 from dockd._version import __version__
-from dockd.controller.core import AcquireResult, Controller, Round
+from dockd.controller.core import VERSION_TAG, AcquireResult, Controller, Round
 from dockd.controller.journal import Journal
 from dockd.controller.membership import Membership
-from dockd.errors import (DockClosed, DockDataLost, DockError, DockLeaseError, DockNotFound, DockStateFull, DockTimeout,
-                          DockValueError)
+from dockd.errors import (DockClosed, DockDataLost, DockError, DockFull, DockLeaseError, DockNotFound, DockStateFull,
+                          DockTimeout, DockValueError)
 from dockd.peer import Peer
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,19 @@ class _Waiter:
     peer: Peer
     frame: pb.Frame
     timer: asyncio.TimerHandle | None = None
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Paced:
+    """A commit of new samples waiting because its partition has max_pending samples pending."""
+    req: pb.CommitRequest
+    then: Callable[[np.ndarray | BaseException], None]
+    peer: Peer | None
+    timer: asyncio.TimerHandle | None = None
+
+
+#: Upper bounds of the staleness histogram's buckets (trainer version minus a handed-out sample's version).
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
 
 class ControllerService:
@@ -82,6 +95,12 @@ class ControllerService:
         self._syncing = False
         self.closing = False
         self.leases_expired = 0
+        self.paced: dict[str, list[_Paced]] = {}  # partition -> commits waiting for max_pending, in order
+        self._pace_due: set[str] = set()
+        self.paced_total = 0  # commits that had to wait for max_pending
+        # per bucket of STALENESS_BUCKETS (and past the last), samples handed out; their sum
+        self.staleness_counts = [0] * (len(STALENESS_BUCKETS) + 1)
+        self.staleness_sum = 0
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -172,6 +191,9 @@ class ControllerService:
         for part, ws in list(self.waiters.items()):  # _drop deletes emptied partitions
             for w in [w for w in ws if w.peer is peer]:
                 self._drop(part, w)
+        for part, ps in list(self.paced.items()):  # (a warehouse re-sends its unanswered commits when it rejoins)
+            for p in [p for p in ps if p.peer is peer]:
+                self._unpace(part, p)
         self.members.connection_lost(peer)
         for part in touched:
             self._wake(part)
@@ -182,7 +204,92 @@ class ControllerService:
             self._wake(part)
 
     # -- requests ---------------------------------------------------------------------------
-    def commit(self, req: pb.CommitRequest) -> np.ndarray:
+    def commit(self, req: pb.CommitRequest, then: Callable[[np.ndarray | BaseException], None] | None = None,
+               peer: Peer | None = None) -> np.ndarray | None:
+        """Apply a commit; returns its indexes. With `then`, a commit of new samples to a partition
+        that has max_pending samples pending waits (up to req.timeout): None is returned and `then`
+        gets the indexes (or the error) when it is applied, from inside the event loop."""
+        if then is not None and req.has_timeout and req.new_count and not req.indexes and (
+                req.partition in self.paced or self.core.must_wait(req.partition, req.new_count)):
+            return self._park_commit(req, then, peer)
+        return self._commit(req)
+
+    def _park_commit(self, req: pb.CommitRequest, then, peer: Peer | None) -> np.ndarray | None:
+        if req.put_id and req.put_id in self.core.put_keys.get(req.warehouse, ()):
+            return self._commit(req)  # re-sent: answered again
+        entry = self.members.get(req.warehouse)
+        if entry is None or not entry.alive:
+            raise DockValueError(f"warehouse {req.warehouse} is not a live member of this dock")
+        if req.timeout == 0:
+            raise self._full_error(req.partition, 0)
+        p = _Paced(req, then, peer)
+        self.paced.setdefault(req.partition, []).append(p)
+        self.paced_total += 1
+        if peer is not None:
+            peer.parked += 1
+        if req.timeout > 0:
+            p.timer = self.loop.call_later(req.timeout, self._pace_expired, req.partition, p)
+        return None
+
+    def _full_error(self, partition: str, timeout: float) -> DockFull:
+        part = self.core.partitions.get(partition)
+        pending, limit = (part.pending(), part.max_pending) if part is not None else (0, 0)
+        return DockFull(f"partition {partition!r} is full of pending samples: {pending} wait for its consumers "
+                        f"(max_pending={limit}), and this put waited {timeout:g}s for them to take some. Consume "
+                        "faster, raise max_pending (create_partition), or give the put a longer timeout; the put "
+                        "was not stored")
+
+    def _pace_expired(self, partition: str, p: _Paced) -> None:
+        p.timer = None
+        self._unpace(partition, p)
+        p.then(self._full_error(partition, p.req.timeout))
+
+    def _unpace(self, partition: str, p: _Paced) -> None:
+        ps = self.paced.get(partition)
+        if ps and p in ps:
+            ps.remove(p)
+            if p.peer is not None:
+                p.peer.parked -= 1
+            if not ps:
+                del self.paced[partition]
+        if p.timer is not None:
+            p.timer.cancel()
+            p.timer = None
+
+    def _pace_soon(self, partition: str) -> None:
+        """Let waiting commits of a partition in once the current request is done (never from
+        inside a wake: applying a commit wakes gets itself)."""
+        if partition in self.paced and partition not in self._pace_due:
+            if not self._pace_due:
+                self.loop.call_soon(self._pace_all)
+            self._pace_due.add(partition)
+
+    def _pace_all(self) -> None:
+        due, self._pace_due = self._pace_due, set()
+        for partition in due:
+            ps = self.paced.get(partition)
+            while ps and not self.core.must_wait(partition, ps[0].req.new_count):
+                p = ps[0]
+                self._unpace(partition, p)
+                try:
+                    res = self._commit(p.req)
+                except DockStateFull:
+                    self.paced.setdefault(partition, []).insert(0, p)  # (it waits on; tried again soon)
+                    if p.peer is not None:
+                        p.peer.parked += 1
+                    self.loop.call_later(1.0, self._pace_soon, partition)
+                    break
+                except Exception as e:  # noqa: BLE001 - the put's answer
+                    res = e
+                p.then(res)
+                ps = self.paced.get(partition)
+
+    def _fail_paced(self, partition: str, exc: BaseException) -> None:
+        for p in list(self.paced.get(partition, ())):
+            self._unpace(partition, p)
+            p.then(exc)
+
+    def _commit(self, req: pb.CommitRequest) -> np.ndarray:
         entry = self.members.get(req.warehouse)
         if entry is None or not entry.alive:
             raise DockValueError(f"warehouse {req.warehouse} is not a live member of this dock")
@@ -264,6 +371,9 @@ class ControllerService:
                     sealed.add(lease.partition)  # the last leased samples taken: waiting gets may be at the end
         if done:
             self._schedule_frees()  # (retirement)
+            if self.paced:
+                for lease, _ in mine:
+                    self._pace_soon(lease.partition)
         for name in sealed:
             self._wake(name)
         if unknown or refused:
@@ -309,14 +419,26 @@ class ControllerService:
         for w in list(self.waiters.get(req.partition, ())):
             self._drop(req.partition, w)
             w.peer.reply_error(w.frame, DockClosed(f"partition {req.partition!r} was cleared while this get waited"))
+        self._fail_paced(req.partition, DockClosed(f"partition {req.partition!r} was cleared while this put waited "
+                                                   "for its consumers (max_pending)"))
         await self._free_everywhere(req.partition)
         return n
 
     def partition(self, req: pb.PartitionRequest) -> pb.PartitionReply:
-        """Operations on a partition's samples: create (options), delete, seal, reserve, set tags."""
+        """Operations on a partition's samples: create (options), delete, seal, reserve, set tags,
+        set the policy version, list."""
         name, op, out = req.partition, req.WhichOneof("op"), pb.PartitionReply()
         if not name:
             raise DockValueError("partition must be a non-empty string")
+        if op == "list":  # reads only: nothing to journal, nobody to wake
+            ls = req.list
+            limit = min(ls.limit or 1000, limits.MAX_SAMPLES)
+            idx, tags = self.core.list_samples(name, consumer=ls.consumer, where=_where(ls), limit=limit,
+                                               start=ls.start)
+            out.indexes.extend(idx.tolist())
+            out.tags.extend(pb.Tag(name=t, values=v.tolist()) for t, v in tags.items())
+            out.version = self.core.partitions[name].version
+            return out
         if name in self._loading:
             raise DockValueError(f"partition {name!r} is being loaded from a checkpoint; try again once the load "
                                  "returned")
@@ -326,11 +448,26 @@ class ControllerService:
         if op == "create":
             c = req.create
             gs, retire = c.group_size or 1, list(c.retire_when_consumed_by)
+            opts = dict(max_staleness=c.max_staleness - 1 if c.max_staleness else -1, retire_stale=c.retire_stale,
+                        max_pending=c.max_pending)
             if j is not None:
-                j.create(name, gs, retire)
-            self.core.create_partition(name, group_size=gs, retire=retire)
-            logger.info("[controller] partition options partition=%s group_size=%d retire_when_consumed_by=%s",
-                        name, gs, ",".join(retire) or "-")
+                j.create(name, gs, retire, **opts)
+            self.core.create_partition(name, group_size=gs, retire=retire, **opts)
+            logger.info("[controller] partition options partition=%s group_size=%d retire_when_consumed_by=%s "
+                        "max_staleness=%s retire_stale=%s max_pending=%s", name, gs, ",".join(retire) or "-",
+                        opts["max_staleness"] if c.max_staleness else "-", c.retire_stale, c.max_pending or "-")
+        elif op == "set_version":
+            v = req.set_version.version
+            if name not in self.core.partitions:
+                raise DockNotFound(f"partition {name!r} does not exist; create it (create_partition) before setting "
+                                   "its policy version")
+            if j is not None:
+                j.set_version(name, v)
+            out.samples = self.core.set_version(name, v)
+            out.version = v
+            if out.samples:
+                logger.info("[controller] stale samples retired partition=%s version=%d samples=%d", name, v,
+                            out.samples)
         elif op == "delete":
             idx = np.asarray(req.delete.indexes, dtype=np.int64)
             if j is not None and len(idx) and name in self.core.partitions:
@@ -358,6 +495,7 @@ class ControllerService:
                                  f"{__version__})")
         self._schedule_frees()
         self._wake(name)  # a delete, a seal or new tags can end or serve waiting gets
+        self._pace_soon(name)  # ... and a delete or new options can let waiting puts in
         return out
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -519,18 +657,24 @@ class ControllerService:
         for p in self.core.stats():
             ps = pb.PartitionStats(name=p["name"], samples=p["samples"], group_size=p["group_size"],
                                    recovered=p["recovered"], deleted=p["deleted"], sealed=p["sealed"],
-                                   retire_when_consumed_by=p["retire_when_consumed_by"], tags=p["tags"])
+                                   retire_when_consumed_by=p["retire_when_consumed_by"], tags=p["tags"],
+                                   version=p["version"], max_staleness=p["max_staleness"] + 1,
+                                   retire_stale=p["retire_stale"], max_pending=p["max_pending"], stale=p["stale"],
+                                   stale_retired=p["stale_retired"], pending=p["pending"],
+                                   paced=len(self.paced.get(p["name"], ())))
             for c, n in p["columns"].items():
                 ps.columns.append(c)
                 ps.column_ready.append(n)
             for name, c in p["consumers"].items():
                 ps.consumers.append(pb.ConsumerStats(name=name, taken=c["taken"], leased=c["leased"], ready=c["ready"],
-                                                     waiting=waiting.get((p["name"], name), 0)))
+                                                     waiting=waiting.get((p["name"], name), 0), pending=c["pending"]))
             out.partitions.append(ps)
         return out
 
     def shutdown(self) -> None:
         self.closing = True
+        for part in list(self.paced):
+            self._fail_paced(part, DockClosed("the controller is shutting down"))
         for part, ws in list(self.waiters.items()):
             for w in list(ws):
                 self._drop(part, w)
@@ -559,10 +703,12 @@ class ControllerService:
             seed=r.seed if r.has_seed else None, owner=sid, now=self.loop.time(), token=r.token,
             lease_timeout=min(r.lease_seconds, 7 * 86400.0) if r.lease_seconds > 0 else None,
             where=_where(r), order_by=r.order_by, near=r.near - 1 if r.near else None,
+            max_staleness=r.max_staleness - 1 if r.max_staleness else None,
         )
         if again is not None:
             again.owner = sid  # the client that retried holds it (a lease restored from the journal may have had none)
         elif res is not None:
+            self._handed_out(r.partition, res.indexes)
             if self.journal is not None:
                 lease = self.core.leases[res.lease]
                 try:
@@ -590,12 +736,30 @@ class ControllerService:
             mp_rank=r.mp_rank, mp_size=r.mp_size or 1, mp_group=r.mp_group, step=r.step if r.has_step else None, groups=r.groups,
             where=_where(r), order_by=r.order_by, balance=bool(r.balance_by), owner=sid, now=self.loop.time(),
             lease_timeout=min(r.lease_seconds, 7 * 86400.0) if r.lease_seconds > 0 else None,
+            max_staleness=r.max_staleness - 1 if r.max_staleness else None,
         )
+        if res is not None and not isinstance(res, Round) and res.lease:
+            self._handed_out(r.partition, res.indexes)
         if isinstance(res, Round):
             asyncio.ensure_future(self._weigh(res, list(r.balance_by)))
             res = None
         self._journal_shares()
         return res
+
+    def _handed_out(self, partition: str, idx: np.ndarray) -> None:
+        """Samples were just leased: count their staleness; commits waiting for room may go in."""
+        part = self.core.partitions.get(partition)
+        if part is None:
+            return
+        if part.version or VERSION_TAG in part.tags:
+            st = part.version - part.tag_values(VERSION_TAG, idx)
+            counts = np.bincount(np.searchsorted(STALENESS_BUCKETS, st, side="left"),
+                                 minlength=len(self.staleness_counts))
+            for b in np.flatnonzero(counts).tolist():
+                self.staleness_counts[b] += int(counts[b])
+            self.staleness_sum += int(st.sum())
+        if partition in self.paced:
+            self._pace_soon(partition)
 
     def _is_tag(self, partition: str, name: str) -> bool:
         part = self.core.partitions.get(partition)
@@ -705,7 +869,8 @@ class ControllerService:
         for w in list(ws):
             r = w.frame.acquire
             # (a rank-aware or filtered get is tried on its own: its needs differ from its neighbours')
-            key = (r.consumer, tuple(sorted(r.columns)), r.groups) if not (r.dp_size or r.where or r.order_by) else w
+            key = (r.consumer, tuple(sorted(r.columns)), r.groups, r.max_staleness) \
+                if not (r.dp_size or r.where or r.order_by) else w
             need = 1 if r.allow_partial else r.count
             if need >= short.get(key, 1 << 62):
                 continue
@@ -789,7 +954,7 @@ class ControllerService:
         self._schedule_expiry()
 
 
-def _where(r: pb.AcquireRequest) -> dict[str, tuple[int, int]] | None:
+def _where(r) -> dict[str, tuple[int, int]] | None:
     return {t.name: (t.lo, t.hi) for t in r.where} or None
 
 

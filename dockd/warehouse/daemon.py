@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import collections
+import functools
 import resource
 import secrets
 import signal
@@ -475,8 +476,9 @@ class Node:
         elif kind == "extend":
             peer.reply(frame, pb.Frame(extend_reply=ctl.extend(peer, frame.extend)))
         elif kind == "commit":
-            idx = ctl.commit(frame.commit)
-            peer.reply(frame, pb.Frame(commit_reply=pb.CommitReply(indexes=idx.tolist())))
+            idx = ctl.commit(frame.commit, functools.partial(_commit_answer, peer, frame))  # (None: paced, answered later)
+            if idx is not None:
+                peer.reply(frame, pb.Frame(commit_reply=pb.CommitReply(indexes=idx.tolist())))
         elif kind == "stats":
             peer.reply(frame, pb.Frame(stats_reply=ctl.stats()))
         elif kind == "locate":
@@ -676,6 +678,8 @@ class Node:
             partition=req.partition, indexes=req.indexes, new_count=req.new_count, group_size=req.group_size or 1,
             columns=[c.name for c in req.columns], warehouse=self.wid, nbytes=size, tags=req.tags,
         )
+        if not req.indexes:  # new samples may wait for the partition's consumers (max_pending), as long as the put may
+            commit.has_timeout, commit.timeout = True, req.timeout
         if self.controller is not None:
             try:
                 self._put_local(peer, frame, buf, seg, commit, size, dev, spilled)
@@ -787,11 +791,29 @@ class Node:
     def _put_local(self, peer, frame, buf, seg, commit, size, dev=(), spilled=0) -> None:
         req = frame.put
         dev_n = sum(int(t.numel()) for t in dev)
-        try:
-            idx = self.controller.commit(commit)
-        except Exception:
-            self._release_room(unreserve=size, unreserve_device=dev_n, seg=seg)
-            raise
+
+        def paced(res) -> None:  # a commit that waited for the partition's consumers (max_pending), applied or failed
+            if isinstance(res, BaseException):
+                self._release_room(unreserve=size, unreserve_device=dev_n, seg=seg)
+                self._put_done(req.token, None, res)
+                peer.reply_error(frame, res)
+                return
+            try:
+                self._put_local(peer, frame, buf, seg, res, size, dev, spilled)
+            except Exception as e:  # noqa: BLE001 - the put's answer
+                self._put_done(req.token, None, e)
+                peer.reply_error(frame, e)
+
+        if isinstance(commit, np.ndarray):  # (applied already: store it)
+            idx = commit
+        else:
+            try:
+                idx = self.controller.commit(commit, paced, peer)
+            except Exception:
+                self._release_room(unreserve=size, unreserve_device=dev_n, seg=seg)
+                raise
+            if idx is None:
+                return
         self.warehouse.store(req.partition, idx, req.columns, buf, size, seg, _group_size(req), device=dev)
         out = idx.tolist()
         self._put_done(req.token, out)
@@ -950,6 +972,14 @@ class Node:
         # device-tier columns are fetched: the reader then chooses device memory or host bytes
         found = [(name, slices) for name, slices in found if all(b.device is None for b, _, _ in slices)]
         return self._encode(peer, found, len(indexes))
+
+
+def _commit_answer(peer: Peer, frame: pb.Frame, res) -> None:
+    """The late answer to a commit that waited for its partition's consumers (max_pending)."""
+    if isinstance(res, BaseException):
+        peer.reply_error(frame, res)
+    else:
+        peer.reply(frame, pb.Frame(commit_reply=pb.CommitReply(indexes=res.tolist())))
 
 
 def _group_size(req: pb.PutRequest) -> int:
