@@ -230,6 +230,7 @@ class Node:
                 continue
             peer = self._make_peer()
             peer.pid = pid  # who pins the segments lent on this connection
+            self.segments.connected(pid)
             shm.UnixTransport(asyncio.get_running_loop(), conn, peer)
 
     def _resume_accept(self) -> None:
@@ -342,6 +343,7 @@ class Node:
     # -- Handler ------------------------------------------------------------------------------
     def on_lost(self, peer: Peer) -> None:
         self._peers.discard(peer)
+        self.segments.disconnected(peer.pid)
         self.links.lost(peer)
         if any(p is peer for _, _, p in self._capacity_waiters):  # its waiting puts leave the queue
             for _, fut, p in self._capacity_waiters:

@@ -40,11 +40,11 @@ STAGING_PER_PROCESS = 16
 
 
 def size_class(n: int) -> int:
-    """Segment size for a payload: whole huge pages, rounded up to 4 classes per doubling."""
+    """Segment size for a payload: rounded up to 4 classes per doubling, in whole pages (whole
+    huge pages from 2 MiB). Payloads of nearby sizes share a class, so a freed segment is
+    reused by the next put of about its size instead of waiting idle for one of exactly it."""
     n = shm.padded(n)
-    if n < shm.HUGE:
-        return n
-    step = max(shm.HUGE, 1 << max(0, n.bit_length() - 3))
+    step = max(shm.HUGE if n >= shm.HUGE else shm.PAGE, 1 << max(0, n.bit_length() - 3))
     return -(-n // step) * step
 
 
@@ -63,7 +63,8 @@ class Segments:
         self.keep_count = keep_count
         self.idle_count = 0
         self.watch = watch
-        self._idle: dict[int, list[shm.Segment]] = {}
+        self._idle: dict[int, list[shm.Segment]] = {}  # size class -> idle segments
+        self._idle_order: collections.OrderedDict[int, shm.Segment] = collections.OrderedDict()  # sid, oldest first
         self.idle_bytes = 0
         # sid -> segment taken from the pool (weak: one dropped before it was stored just goes away)
         self._live: weakref.WeakValueDictionary[int, shm.Segment] = weakref.WeakValueDictionary()
@@ -71,6 +72,7 @@ class Segments:
         self.pins: dict[int, collections.Counter] = {}  # pid -> sid -> descriptors lent
         self._pinned: collections.Counter = collections.Counter()  # sid -> all pins
         self._staging: dict[int, collections.OrderedDict] = {}  # pid -> staging id -> read-only mapping
+        self._conns: collections.Counter = collections.Counter()  # pid -> its open same-host connections
         self.created = self.reused = 0
 
     # -- storage --------------------------------------------------------------------------------
@@ -80,6 +82,9 @@ class Segments:
         idle = self._idle.get(cls)
         if idle:
             seg = idle.pop()
+            if not idle:
+                del self._idle[cls]
+            del self._idle_order[seg.sid]
             self.idle_bytes -= seg.size
             self.idle_count -= 1
             seg.use(size)
@@ -106,11 +111,24 @@ class Segments:
         self._live.pop(seg.sid, None)
         self._freed.pop(seg.sid, None)
         self._pinned.pop(seg.sid, None)
-        if self.idle_bytes + seg.size > self.keep_bytes or self.idle_count >= self.keep_count:
+        if seg.size > self.keep_bytes or self.keep_count < 1:
             return  # dropped: its descriptor and mapping go with the last reference
         self._idle.setdefault(seg.size, []).append(seg)
+        self._idle_order[seg.sid] = seg
         self.idle_bytes += seg.size
         self.idle_count += 1
+        while self.idle_bytes > self.keep_bytes or self.idle_count > self.keep_count:
+            self._evict()
+
+    def _evict(self) -> None:
+        """Close the idle segment freed longest ago (the pool follows the sizes puts have now)."""
+        _, old = self._idle_order.popitem(last=False)
+        idle = self._idle[old.size]
+        idle.remove(old)
+        if not idle:
+            del self._idle[old.size]
+        self.idle_bytes -= old.size
+        self.idle_count -= 1
 
     # -- pins ------------------------------------------------------------------------------------
     def lend(self, pid: int | None, segs: list[shm.Segment]) -> None:
@@ -160,10 +178,28 @@ class Segments:
     def process_exited(self, pid: int) -> None:
         held = self.pins.pop(pid, None)
         self._staging.pop(pid, None)
+        self._conns.pop(pid, None)
         if held:
             logger.debug("[shm] reader exited pid=%d pinned_segments=%d", pid, len(held))
             for sid, n in held.items():
                 self._drop_pin(sid, n)
+
+    # -- connections -----------------------------------------------------------------------------
+    def connected(self, pid: int | None) -> None:
+        """A same-host connection of process `pid` opened."""
+        if pid is not None:
+            self._conns[pid] += 1
+
+    def disconnected(self, pid: int | None) -> None:
+        """A same-host connection of process `pid` closed. Once it has none left, its staging
+        buffers are unmapped: they belonged to its connections (a client registers them again
+        on a new one). Its pins stay until it unpins or exits: it may still map what it read."""
+        if pid is None or pid not in self._conns:
+            return
+        self._conns[pid] -= 1
+        if self._conns[pid] <= 0:
+            del self._conns[pid]
+            self._staging.pop(pid, None)
 
     # -- staging ---------------------------------------------------------------------------------
     def staging(self, pid: int | None, sid: int, fd: int | None, size: int) -> np.ndarray:
@@ -196,5 +232,5 @@ class Segments:
         return view
 
     def stats(self) -> dict:
-        return {"live": len(self._live), "idle": sum(map(len, self._idle.values())), "idle_bytes": self.idle_bytes,
+        return {"live": len(self._live), "idle": self.idle_count, "idle_bytes": self.idle_bytes,
                 "pinned": len(self._pinned), "created": self.created, "reused": self.reused}
