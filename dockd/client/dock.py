@@ -938,7 +938,9 @@ class Dock:
     def stats(self, *, traffic: bool = False) -> dict[str, Any]:
         """The dock as its controller sees it: samples per partition, per consumer how many it
         has taken, holds under lease, could take now (`ready`, for the columns it asked for)
-        and how many of its gets wait; bytes per warehouse.
+        and how many of its gets wait; per partition `depth`: per consumer the samples written,
+        not deleted and not yet handed to it (any columns); asynchronous RL's `version`,
+        `pending`, `stale` and options (docs/rl.md); bytes per warehouse.
 
         With `traffic=True` each live warehouse is also asked (one round trip each) for its
         version and its byte counters since it started (`put_bytes`, `get_bytes`); one that
@@ -951,9 +953,9 @@ class Dock:
                 "samples": p.samples,
                 "group_size": p.group_size,
                 "columns": dict(zip(p.columns, p.column_ready)),
-                "consumers": {c.name: {"taken": c.taken, "leased": c.leased, "ready": c.ready, "waiting": c.waiting,
-                                       "pending": c.pending}
+                "consumers": {c.name: {"taken": c.taken, "leased": c.leased, "ready": c.ready, "waiting": c.waiting}
                               for c in p.consumers},
+                "depth": {c.name: c.pending for c in p.consumers},
                 "recovered": p.recovered,
                 "deleted": p.deleted,
                 "sealed": p.sealed,
