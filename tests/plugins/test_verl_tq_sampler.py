@@ -159,15 +159,13 @@ def test_without_polling_get_meta_waits_then_times_out(tq: Any, pid: str, monkey
         tq.init({"controller": {"polling_mode": True}})
 
 
-def test_only_the_sequential_sampler(tq: Any, pid: str) -> None:
-    tq.init({"controller": {"sampler": "GRPOGroupNSampler", "polling_mode": True}})
-    try:
-        with pytest.raises(NotImplementedError, match="SequentialSampler"):
-            tq.get_client().get_meta(data_fields=["a"], batch_size=1, partition_id=pid, task_name="t")
-    finally:
-        tq.init({"controller": {"polling_mode": True}})
-    with pytest.raises(NotImplementedError, match="TransferQueue-internal"):
-        tq.get_client().get_meta(data_fields=["a"], batch_size=1, partition_id=pid, mode="insert")
+def test_unknown_sampler_and_insert_mode(tq: Any, pid: str) -> None:
+    with pytest.raises(ValueError, match="Could not find sampler"):  # as TransferQueue's init
+        tq.init({"controller": {"sampler": "NoSuchSampler", "polling_mode": True}})
+    meta = tq.get_client().get_meta(data_fields=["a"], batch_size=2, partition_id=pid, mode="insert")
+    assert meta.size == 2 and meta.production_status.tolist() == [0, 0] and meta.partition_ids == [pid, pid]
+    tq.get_client().put(TensorDict({"a": torch.tensor([[7], [8]])}, batch_size=2), metadata=meta)
+    assert tq.kv_batch_get(meta.keys, pid)["a"].flatten().tolist() == [7, 8]
 
 
 def test_tag_only_keys_are_not_in_the_statuses(tq: Any, pid: str) -> None:
@@ -224,3 +222,173 @@ def test_default_streaming_records_consumption(tq: Any, pid: str, dock_cluster: 
     c.reset_consumption(pid, "reader")  # the dataset's next pass takes everything again
     ds.step(pid)
     assert [td["a"].flatten().tolist() for td, _ in ds] == [[0, 1, 2, 3, 4]]
+
+
+# -- the other samplers ------------------------------------------------------------------------
+@pytest.fixture()
+def sampler(tq: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Init with the sampler the test is parametrized with (polling mode), then back to the default."""
+    tq.init({"controller": {"sampler": request.param, "polling_mode": True}})
+    yield request.param
+    tq.init({"controller": {"polling_mode": True}})
+
+
+def _put(tq: Any, p: str, n: int, field: str = "a", tags: list[dict[str, Any]] | None = None) -> None:
+    tq.kv_batch_put(keys=[f"k{i}" for i in range(n)], partition_id=p,
+                    fields=TensorDict({field: torch.arange(n).view(n, 1)}, batch_size=n), tags=tags)
+
+
+def _ask(c: Any, p: str, fields: list[str], bs: int, task: str, sc: dict[str, Any] | None = None) -> Any:
+    return _keys(c, p, c.get_meta(data_fields=fields, batch_size=bs, partition_id=p, task_name=task,
+                                  sampling_config=sc))
+
+
+def _sc(p: str, task: str, rank: int, index: int) -> dict[str, Any]:
+    return {"dp_rank": rank, "batch_index": index, "task_name": task, "partition_id": p}
+
+
+from dockd.trainer_plugins.verl import transfer_queue as _compat  # noqa: E402
+
+
+@pytest.mark.parametrize("sampler", [_compat.GRPOGroupNSampler(n_samples_per_prompt=2)], indirect=True)
+def test_grpo_sampler_takes_whole_groups(tq: Any, sampler: Any) -> None:
+    """Every answer is TransferQueue 0.1.11's for the same calls (GRPOGroupNSampler(2), polling)."""
+    c, p = tq.get_client(), f"g-{uuid.uuid4().hex[:8]}"
+    _put(tq, p, 8)
+    tq.kv_batch_put(keys=["k0", "k1", "k3", "k4", "k5"], partition_id=p,
+                    fields=TensorDict({"b": torch.ones(5, 1)}, batch_size=5))
+    assert _ask(c, p, ["a", "b"], 4, "t") == ["k0", "k1", "k3", "k4"]  # runs of 2 consecutive indexes
+    assert _ask(c, p, ["a", "b"], 2, "t") == []  # k5 alone is no group
+    assert _ask(c, p, ["a", "b"], 3, "t") == []  # fewer ready than asked: empty before any check
+    tq.kv_batch_put(keys=["k6"], partition_id=p, fields=TensorDict({"b": torch.ones(1, 1)}, batch_size=1))
+    assert _ask(c, p, ["a", "b"], 2, "t") == ["k5", "k6"]  # TQ scans runs, not aligned pairs
+    assert c.get_consumption_status("t", p)[1].tolist() == [1, 1, 0, 1, 1, 1, 1, 0]
+    with pytest.raises(RuntimeError, match="multiple of n_samples_per_prompt"):  # TQ: a RuntimeError too
+        _ask(c, p, ["a"], 3, "x")
+    # with dp_rank a choice is remembered per (dp_rank, batch_index): asking again gets it again
+    assert _ask(c, p, ["a"], 4, "u", _sc(p, "u", 0, 0)) == ["k0", "k1", "k2", "k3"]
+    assert _ask(c, p, ["a"], 4, "u", _sc(p, "u", 0, 0)) == ["k0", "k1", "k2", "k3"]
+    assert _ask(c, p, ["a"], 4, "u", _sc(p, "u", 0, 1)) == ["k4", "k5", "k6", "k7"]
+    assert _ask(c, p, ["a"], 4, "u", _sc(p, "u", 0, 1)) == ["k4", "k5", "k6", "k7"]  # none ready: remembered
+    assert _ask(c, p, ["a"], 4, "u", _sc(p, "u", 0, 2)) == []
+    assert c.check_consumption_status("u", p)
+    tq.kv_batch_put(keys=["k1", "k2", "k3", "k5"], partition_id=p,
+                    fields=TensorDict({"c": torch.ones(4, 1)}, batch_size=4))
+    assert _ask(c, p, ["c"], 4, "v") == []
+    assert _ask(c, p, ["c"], 2, "v") == ["k1", "k2"]
+    assert _ask(c, p, ["c"], 2, "v") == []  # k3, k5: not consecutive
+
+
+@pytest.mark.parametrize("sampler", ["RankAwareSampler"], indirect=True)
+def test_rank_aware_sampler_same_batch_per_dp_rank(tq: Any, sampler: Any, dock_cluster: dockd.LocalCluster) -> None:
+    """The answers are TransferQueue 0.1.11's for the same calls (RankAwareSampler, polling); then the
+    property it guarantees across processes: racing ranks of one dp group all get one batch."""
+    c, p = tq.get_client(), f"r-{uuid.uuid4().hex[:8]}"
+    _put(tq, p, 6)
+    assert _ask(c, p, ["a"], 2, "t", _sc(p, "t", 0, 0)) == ["k0", "k1"]
+    assert _ask(c, p, ["a"], 2, "t", _sc(p, "t", 0, 0)) == ["k0", "k1"]  # another rank of dp group 0
+    assert _ask(c, p, ["a"], 2, "t", _sc(p, "t", 1, 0)) == ["k2", "k3"]
+    assert _ask(c, p, ["a"], 2, "t", _sc(p, "t", 0, 1)) == ["k4", "k5"]
+    assert c.get_consumption_status("t", p)[1].tolist() == [1] * 6
+    assert _ask(c, p, ["a"], 2, "t", _sc(p, "t", 1, 1)) == []
+    assert _ask(c, p, ["a"], 2, "t", _sc(p, "t", 0, 1)) == ["k4", "k5"]
+    assert _ask(c, p, ["a"], 2, "t", _sc(p, "t", 1, 0)) == ["k2", "k3"]
+    assert _ask(c, p, ["a"], 3, "u", _sc(p, "u", 0, 0)) == ["k0", "k1", "k2"]  # tasks are independent
+    with pytest.raises(RuntimeError, match="dp_rank and batch_index"):  # TQ: a RuntimeError (TypeError inside)
+        _ask(c, p, ["a"], 1, "w", {"batch_index": 0})
+    c.reset_consumption(p, "t")  # choices outlive a reset, as TQ's sampler cache
+    assert _ask(c, p, ["a"], 2, "t", _sc(p, "t", 0, 0)) == ["k0", "k1"]
+    assert _ask(c, p, ["a"], 2, "t", _sc(p, "t", 0, 5)) == ["k2", "k3"]
+    assert c.get_consumption_status("t", p)[1].tolist() == [1, 1, 1, 1, 0, 0]
+    # four processes (two dp groups of two ranks) ask for batch 0 at once: one batch per group
+    clients = [tq.DockTQClient(tq._Client(dock_cluster.address), polling_mode=True) for _ in range(4)]
+    got: dict[int, Any] = {}
+    go = threading.Barrier(4)
+
+    def rank(i: int) -> None:
+        go.wait()
+        got[i] = _ask(clients[i], p, ["a"], 2, "race", _sc(p, "race", i // 2, 0))
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(4)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+    finally:
+        for cl in clients:
+            cl._client.close()
+    assert got[0] == got[1] and got[2] == got[3] and len(got[0]) == len(got[2]) == 2
+    assert not set(got[0]) & set(got[2])
+
+
+@pytest.mark.parametrize("sampler", [_compat.SeqlenBalancedSampler(n_samples_per_prompt=2, dp_size=2)],
+                         indirect=True)
+def test_seqlen_balanced_sampler(tq: Any, sampler: Any) -> None:
+    """The answers are TransferQueue 0.1.11's for the same calls (SeqlenBalancedSampler(2, dp_size=2),
+    polling): here both splits agree. The split itself is dockd.balance's, not TQ's Karmarkar-Karp, so
+    in general only the properties TQ guarantees are equal; the last test checks them."""
+    c, p = tq.get_client(), f"s-{uuid.uuid4().hex[:8]}"
+    _put(tq, p, 8, tags=[{"total_lengths": n} for n in [100, 100, 1, 1, 50, 50, 60, 40]])
+    assert _ask(c, p, ["a"], 4, "t", _sc(p, "t", 0, 0)) == ["k0", "k1", "k2", "k3"]  # 202 tokens
+    assert c.get_consumption_status("t", p)[1].tolist() == [1, 1, 1, 1, 0, 0, 0, 0]  # rank 1's not yet
+    assert _ask(c, p, ["a"], 4, "t", _sc(p, "t", 1, 0)) == ["k4", "k5", "k6", "k7"]  # 200 tokens
+    assert _ask(c, p, ["a"], 4, "t", _sc(p, "t", 0, 0)) == ["k0", "k1", "k2", "k3"]
+    assert c.check_consumption_status("t", p)
+    assert _ask(c, p, ["a"], 4, "t", _sc(p, "t", 0, 1)) == []
+    with pytest.raises(RuntimeError, match="multiple of n_samples_per_prompt"):  # TQ: a RuntimeError too
+        _ask(c, p, ["a"], 3, "u", _sc(p, "u", 0, 0))
+    assert _ask(c, p, ["a"], 8, "u", _sc(p, "u", 0, 0)) == []
+
+
+@pytest.mark.parametrize("sampler", [_compat.SeqlenBalancedSampler(n_samples_per_prompt=2, dp_size=4)],
+                         indirect=True)
+def test_seqlen_balanced_sampler_properties(tq: Any, sampler: Any) -> None:
+    """What TransferQueue's SeqlenBalancedSampler guarantees, on random lengths: each rank gets
+    batch_size samples in whole groups, the ranks' shares are disjoint and make up the global batch,
+    and the token sums are balanced (spread within the heaviest group's weight). One deliberate
+    difference: a share chosen for a rank that has not asked yet is set aside, so a later batch_index
+    never takes it (TransferQueue's sampler marks it consumed only when its rank asks, and a later
+    batch may choose it again)."""
+    c, p = tq.get_client(), f"s-{uuid.uuid4().hex[:8]}"
+    gen = torch.Generator().manual_seed(3)
+    lens = torch.randint(16, 4096, (64,), generator=gen).tolist()
+    _put(tq, p, 64, tags=[{"total_lengths": n} for n in lens])
+    by_key = {f"k{i}": n for i, n in enumerate(lens)}
+    for index in range(2):
+        # rank 0 runs ahead: batch 1 is chosen before ranks 1-3 asked for batch 0
+        shares = [_ask(c, p, ["a"], 8, "t", _sc(p, "t", 0, index))]
+        shares += [_ask(c, p, ["a"], 8, "t", _sc(p, "t", r, index)) for r in (1, 2, 3)] if index else []
+        if not index:
+            continue
+        earlier = [_ask(c, p, ["a"], 8, "t", _sc(p, "t", r, 0)) for r in range(4)]
+        for batch in (earlier, shares):
+            keys = [k for s in batch for k in s]
+            assert all(len(s) == 8 for s in batch) and len(set(keys)) == 32
+            for s in batch:  # whole groups: pairs of consecutive keys k2j, k2j+1
+                idx = sorted(int(k[1:]) for k in s)
+                assert all(idx[j] % 2 == 0 and idx[j + 1] == idx[j] + 1 for j in range(0, 8, 2))
+            sums = [sum(by_key[k] for k in s) for s in batch]
+            groups = [by_key[f"k{j}"] + by_key[f"k{j + 1}"] for j in range(0, 64, 2)]
+            assert max(sums) - min(sums) <= max(groups)
+        assert not {k for s in earlier for k in s} & {k for s in shares for k in s}
+    assert c.check_consumption_status("t", p)
+
+
+@pytest.mark.parametrize("sampler", ["RankAwareSampler"], indirect=True)
+def test_streaming_dataset_with_rank_aware_sampler(tq: Any, sampler: Any, dock_cluster: dockd.LocalCluster) -> None:
+    """As TransferQueue's StreamingDataset with its default fetch: two readers of one dp_rank get the
+    same batches, a reader of another dp_rank others."""
+    p = f"r-{uuid.uuid4().hex[:8]}"
+    _put(tq, p, 6)
+    conf = {"dockd": {"address": dock_cluster.address}, "controller": {"polling_mode": True}}
+
+    def reader(dp_rank: int) -> Iterator[Any]:
+        return iter(tq.StreamingDataset(conf, batch_size=2, micro_batch_size=2, data_fields=["a"], partition_id=p,
+                                        task_name="train", dp_rank=dp_rank, poll_interval=0.05))
+
+    a, b, other = reader(0), reader(0), reader(1)
+    for _ in range(2):
+        ta, tb = next(a)[0], next(b)[0]
+        assert ta["a"].flatten().tolist() == tb["a"].flatten().tolist()
+    assert next(other)[0]["a"].flatten().tolist() == [4, 5]

@@ -28,10 +28,11 @@ low-level ``get_client()`` (the calls verl's ``tqbridge`` makes; see
 `DockTQClient`), ``async_kv_batch_meta2batch_meta``, ``save_checkpoint`` /
 ``load_checkpoint`` (on `dockd.Dock.save` / ``load``), ``StreamingDataset`` /
 ``StreamingDataLoader`` (``fetch_batch_fn=`` included), ``get_metrics_endpoint``
-(when told the endpoint), and the client's sampler-driven calls with
-TransferQueue's default SequentialSampler (``get_meta``, consumption and
-production status, ``reset_consumption``, ``set_custom_meta``). Other samplers
-raise NotImplementedError.
+(when told the endpoint), and the client's sampler-driven calls (``get_meta``,
+consumption and production status, ``reset_consumption``, ``set_custom_meta``)
+with TransferQueue's samplers: ``SequentialSampler`` (the default),
+``GRPOGroupNSampler``, ``RankAwareSampler`` and ``SeqlenBalancedSampler``,
+named by ``conf.controller.sampler`` at `init` (see `DockTQClient.get_meta`).
 
 Layout: TQ partition ``p`` keeps its samples in dock partition ``"tq/p/g{n}"``,
 one dock sample per key, one column per field (non-tensor fields as
@@ -49,6 +50,7 @@ generation ``g{n+1}``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -66,6 +68,7 @@ import numpy as np
 import torch
 
 import dockd
+import dockd.balance
 from dockd.trainer_plugins import _codec, require
 
 logger = logging.getLogger(__name__)
@@ -76,6 +79,7 @@ ENV_ENABLE = "DOCKD_TRANSFER_QUEUE"
 ENV_METRICS = "DOCKD_METRICS_ENDPOINT"
 NT = "nt/"
 LOG_COLUMN = "entry"
+LOCK_TIMEOUT_S = 60.0  # longest wait for a partition's sampler lock
 
 
 @dataclasses.dataclass
@@ -243,6 +247,11 @@ class _Partition:
         self.gen = 0
         self.consumed: dict[str, set[int]] = {}  # task -> indexes (current generation) it took
         self.resets: dict[str | None, int] = {}  # task (None: every task) -> reset_consumption count
+        # sampler choices (current generation): task -> (dp_rank, batch_index) -> indexes; kept across
+        # reset_consumption, as TransferQueue's sampler cache is
+        self.shares: dict[str, dict[tuple[Any, Any], list[int]]] = {}
+        # task -> indexes chosen for another rank that it has not taken yet (no other choice takes them)
+        self.aside: dict[str, set[int]] = {}
 
     def consumer(self, task: str) -> str:
         """The dock consumer name of `task`: a new one after each reset_consumption, so that the
@@ -264,6 +273,7 @@ class _Client:
         self.viewer = f"tqview-{uuid.uuid4().hex[:12]}"
         self.parts: dict[str, _Partition] = {}
         self.lock = threading.RLock()
+        self.lockable: set[str] = set()  # partitions whose sampler lock exists
 
     # -- the metadata log ---------------------------------------------------------
     def _log(self, pid: str, entry: dict[str, Any]) -> None:
@@ -312,16 +322,30 @@ class _Client:
             if e["gen"] > part.gen:
                 part.gen = e["gen"]
                 part.consumed.clear()
+                part.shares.clear()
+                part.aside.clear()
         elif op == "consume":
             if e["gen"] == part.gen:
                 part.consumed.setdefault(e["task"], set()).update(e["indexes"])
+                part.aside.get(e["task"], set()).difference_update(e["indexes"])
+        elif op == "share":  # a sampler's choice for ranks of one batch_index (written under the sampler lock)
+            if e["gen"] == part.gen:
+                task = e["task"]
+                mine = part.shares.setdefault(task, {})
+                taken = part.consumed.get(task, set())
+                for rank, indexes in e["shares"]:
+                    mine.setdefault((rank, e["batch_index"]), list(indexes))
+                    if rank != e["rank"]:
+                        part.aside.setdefault(task, set()).update(i for i in indexes if i not in taken)
         elif op == "reset":
             task = e["task"]
             part.resets[task] = part.resets.get(task, 0) + 1
             if task is None:
                 part.consumed.clear()
+                part.aside.clear()
             else:
                 part.consumed.pop(task, None)
+                part.aside.pop(task, None)
         elif op == "retag":  # set_custom_meta: the tags are replaced, not merged
             for key, tags in zip(e["keys"], e["tags"]):
                 if key in part.keys:
@@ -570,6 +594,104 @@ class _Client:
         keys = self.keys_for(pid, list(lease.indexes))
         return self.meta(pid, keys).select_fields(fields)
 
+    @contextlib.contextmanager
+    def exclusive(self, pid: str) -> Iterator[None]:
+        """Hold partition `pid`'s sampler lock, shared by every process: one sample in dock
+        partition ``"tq-lock/<pid>"`` that consumer ``"lock"`` leases (a holder that dies lets the
+        lease expire). The process whose reserve gets index 0 writes that sample, so there is one."""
+        name = f"tq-lock/{pid}"
+        if pid not in self.lockable:
+            if self.dock.reserve(name, 1) == [0]:
+                self.dock.put({"token": [b"1"]}, partition=name, indexes=[0])
+            self.lockable.add(pid)
+        lease = self.dock.acquire("lock", ["token"], 1, partition=name, timeout=LOCK_TIMEOUT_S)
+        try:
+            yield
+        finally:
+            self.dock.release(lease)
+
+    def ready(self, part: _Partition, task: str, fields: list[str]) -> list[int]:
+        """TQ's ready indexes: samples holding every field, not taken by `task` nor set aside for one of
+        its ranks, ascending."""
+        skip = part.consumed.get(task, set()) | part.aside.get(task, set())
+        return sorted(r.index for _, r in part.placed()
+                      if r.index not in skip and all(f in r.fields for f in fields))  # type: ignore[misc]
+
+    def sample(self, pid: str, task: str, fields: list[str], batch_size: int, sampler: BaseSampler,
+               config: dict[str, Any], polling: bool, wait: float) -> BatchMeta:
+        """`get_meta` with `sampler` other than the sequential one: choose as TransferQueue's sampler
+        does on the ready samples of the key log, under the partition's sampler lock, and record the
+        choice and what was taken in the log. An empty BatchMeta when nothing can be chosen (in
+        `polling` mode at once, else after up to `wait` seconds)."""
+        deadline = time.monotonic() + wait
+        while True:
+            chosen = self._sample_once(pid, task, fields, batch_size, sampler, config)
+            if chosen:
+                return self.meta(pid, self.keys_for(pid, chosen)).select_fields(fields)
+            left = deadline - time.monotonic()
+            if polling or left <= 0:
+                return BatchMeta.empty()
+            self.sync(pid, wait=min(left, 0.2))
+
+    def _sample_once(self, pid: str, task: str, fields: list[str], batch_size: int, sampler: BaseSampler,
+                     config: dict[str, Any]) -> list[int]:
+        rank, index = config.get("dp_rank", None), config.get("batch_index", None)
+        if isinstance(sampler, RankAwareSampler):
+            if rank is None or index is None:
+                raise SamplingError("RankAwareSampler needs sampling_config with dp_rank and batch_index")
+            if rank < 0:
+                raise SamplingError(f"dp_rank {rank} must be greater than or equal to 0")
+        if isinstance(sampler, SeqlenBalancedSampler):
+            rank = 0 if rank is None else rank
+            index = 0 if index is None else index
+        for attempt in (0, 1):  # a choice made before is read without the lock; a new one is made under it
+            with self.exclusive(pid) if attempt else contextlib.nullcontext():
+                with self.lock:
+                    part = self.sync(pid)
+                    gen = part.gen
+                    cached = part.shares.get(task, {}).get((rank, index)) if rank is not None else None
+                    if cached is None and attempt:
+                        cached = self._choose(pid, part, task, fields, batch_size, sampler, rank, index)
+                        if cached is None:
+                            return []
+                if cached is not None:
+                    if not set(cached) <= part.consumed.get(task, set()):
+                        self.took(pid, task, gen, cached)
+                    return cached
+        return []  # pragma: no cover - the second attempt always returns
+
+    def _choose(self, pid: str, part: _Partition, task: str, fields: list[str], batch_size: int, sampler: BaseSampler,
+                rank: Any, index: Any) -> list[int] | None:
+        """A new choice (self.lock and the sampler lock held), logged as a "share" entry."""
+        ready = self.ready(part, task, fields)
+        if len(ready) < batch_size:  # TransferQueue's controller asks its sampler only from batch_size on
+            return None
+        if isinstance(sampler, SeqlenBalancedSampler):
+            if batch_size % sampler.n_samples_per_prompt:
+                raise SamplingError(f"batch_size ({batch_size}) per rank must be a multiple of "
+                                    f"n_samples_per_prompt ({sampler.n_samples_per_prompt})")
+            found = _groups(ready, batch_size * sampler.dp_size, sampler.n_samples_per_prompt)
+            if not found:
+                return None
+            tags = {r.index: r.tags for _, r in part.placed()}
+            weights = [_length(tags.get(i, {})) for i in found]
+            ranks = dockd.balance.balance(weights, sampler.dp_size, group_size=sampler.n_samples_per_prompt)
+            shares = [[r, [found[j] for j in pos.tolist()]] for r, pos in enumerate(ranks)]
+        elif isinstance(sampler, GRPOGroupNSampler):
+            found = _groups(ready, batch_size, sampler.n_samples_per_prompt)
+            if not found:
+                return None
+            shares = [[rank, found]]
+        else:  # RankAwareSampler
+            shares = [[rank, ready[:batch_size]]]
+        mine = next(ix for r, ix in shares if r == rank) if any(r == rank for r, _ in shares) else []
+        if rank is not None:  # (GRPO without dp_rank remembers nothing, as TransferQueue's)
+            entry = {"op": "share", "task": task, "gen": part.gen, "rank": rank, "batch_index": index,
+                     "shares": shares}
+            self._log(pid, entry)
+            self._apply(part, entry)
+        return mine or None
+
     def everything(self, pid: str, fields: list[str]) -> BatchMeta:
         """TQ's force_fetch: every sample of the partition, ready or not, nothing taken."""
         with self.lock:
@@ -697,6 +819,31 @@ def _parse_fields(fields: Any, data_parser: Callable[[Any], Any]) -> dict[str, A
     return plain
 
 
+def _groups(ready: list[int], count: int, n: int) -> list[int]:
+    """TQ's GRPOGroupNSampler choice: scanning the ascending `ready` indexes, runs of `n` consecutive
+    indexes, until `count` samples; [] when there are not that many runs."""
+    if count % n:
+        raise SamplingError(f"batch_size ({count}) must be a multiple of n_samples_per_prompt ({n})")
+    found: list[int] = []
+    i = 0
+    while i <= len(ready) - n and len(found) < count:
+        if ready[i + n - 1] - ready[i] == n - 1:  # ascending and distinct: n consecutive indexes
+            found.extend(ready[i:i + n])
+            i += n
+        else:
+            i += 1
+    return found if len(found) == count else []
+
+
+def _length(tags: dict[str, Any]) -> float:
+    """A sample's weight for SeqlenBalancedSampler: its ``total_lengths`` tag, 1 without one."""
+    try:
+        value = float(tags.get("total_lengths", 1))
+    except (TypeError, ValueError):
+        return 1.0
+    return value if value >= 0 and np.isfinite(value) else 1.0
+
+
 def _field_items(fields: Any, n: int) -> list[tuple[str, Any]]:
     items = list(fields.items())
     out: list[tuple[str, Any]] = []
@@ -716,23 +863,99 @@ def _field_items(fields: Any, n: int) -> list[tuple[str, Any]]:
     return out
 
 
+# -- samplers -----------------------------------------------------------------------------
+class SamplingError(ValueError, RuntimeError):
+    """A get_meta the sampler refuses (a batch_size that is not a multiple of the group size, a
+    RankAwareSampler call without dp_rank). A RuntimeError too, as TransferQueue's client reports
+    its controller's errors."""
+
+
+class BaseSampler:
+    """``transfer_queue.BaseSampler``'s place: a sampler here names how `DockTQClient.get_meta`
+    chooses, with its settings; the choosing is done by the client on the partition's key log
+    (so every process of a job chooses alike), not by a ``sample`` method."""
+
+    def __init__(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({args})"
+
+
+class SequentialSampler(BaseSampler):
+    """TransferQueue's default: the oldest ready samples the task has not taken."""
+
+
+class GRPOGroupNSampler(BaseSampler):
+    """Whole groups of `n_samples_per_prompt` samples at consecutive indexes, all ready (TQ's
+    GRPOGroupNSampler: a prompt's responses are put one after another)."""
+
+    def __init__(self, n_samples_per_prompt: int = 1) -> None:
+        super().__init__()
+        if n_samples_per_prompt <= 0:
+            raise ValueError(f"n_samples_per_prompt must be positive, got {n_samples_per_prompt}")
+        self.n_samples_per_prompt = int(n_samples_per_prompt)
+
+
+class RankAwareSampler(BaseSampler):
+    """Every caller with the same ``sampling_config`` ``dp_rank`` and ``batch_index`` gets the same
+    samples (the ranks of one data-parallel group); each dp_rank's batches are its own."""
+
+
+class SeqlenBalancedSampler(GRPOGroupNSampler):
+    """GRPO groups for all `dp_size` ranks of a ``batch_index`` at once, split so that the ranks'
+    sums of the samples' ``total_lengths`` tag (default 1) are balanced, groups kept whole;
+    ``batch_size`` is per rank."""
+
+    def __init__(self, n_samples_per_prompt: int = 1, dp_size: int = 1) -> None:
+        super().__init__(n_samples_per_prompt=n_samples_per_prompt)
+        if dp_size <= 0:
+            raise ValueError(f"dp_size must be positive, got {dp_size}")
+        self.dp_size = int(dp_size)
+
+
+_SAMPLERS: dict[str, type[BaseSampler]] = {
+    c.__name__: c for c in (SequentialSampler, GRPOGroupNSampler, RankAwareSampler, SeqlenBalancedSampler)
+}
+
+
+def _as_sampler(sampler: Any) -> BaseSampler:
+    """A ``conf.controller.sampler`` (a name, a class or an instance; TransferQueue's own classes
+    too, recognised by name and read for their settings) as one of this module's samplers."""
+    if sampler is None:
+        return SequentialSampler()
+    if isinstance(sampler, str):
+        name = sampler
+    elif isinstance(sampler, type):
+        name = sampler.__name__
+    else:
+        name = type(sampler).__name__
+    cls = _SAMPLERS.get(name)
+    if cls is None:
+        raise ValueError(
+            f"Could not find sampler {name}: dockd's transfer_queue client samples like TransferQueue's "
+            f"{', '.join(_SAMPLERS)} (a custom sampler's sample() is not run here)"
+        )
+    if isinstance(sampler, (str, type)):
+        return cls()
+    kwargs = {k: getattr(sampler, k) for k in ("n_samples_per_prompt", "dp_size") if hasattr(sampler, k)}
+    return cls(**kwargs)
+
+
 # -- module-level API (the transfer_queue surface) ---------------------------------------
 _client: _Client | None = None
 _client_lock = threading.Lock()
 _polling_mode = False  # conf.controller.polling_mode at init (TransferQueue's default: False)
-_sampler_name = "SequentialSampler"  # conf.controller.sampler at init
+_sampler: BaseSampler = SequentialSampler()  # conf.controller.sampler at init
 
 
-def _controller_conf(conf: Any) -> tuple[bool, str]:
-    """(polling_mode, sampler name) from a TransferQueue-style config's ``controller`` section."""
+def _controller_conf(conf: Any) -> tuple[bool, BaseSampler]:
+    """(polling_mode, sampler) from a TransferQueue-style config's ``controller`` section."""
     ctrl = conf.get("controller", None) if conf is not None and hasattr(conf, "get") else None
     if ctrl is None:
-        return False, "SequentialSampler"
-    sampler = ctrl.get("sampler", None) or "SequentialSampler"
-    name = sampler if isinstance(sampler, str) else type(sampler).__name__
-    if isinstance(sampler, type):
-        name = sampler.__name__
-    return bool(ctrl.get("polling_mode", False)), name
+        return False, SequentialSampler()
+    return bool(ctrl.get("polling_mode", False)), _as_sampler(ctrl.get("sampler", None))
 
 
 def _get() -> _Client:
@@ -754,9 +977,9 @@ def init(conf: Any = None, *, address: str | None = None) -> Any:
 
     ``conf.controller.polling_mode`` and ``conf.controller.sampler`` are read as TransferQueue
     reads them (see `DockTQClient.get_meta`)."""
-    global _client, _polling_mode, _sampler_name
+    global _client, _polling_mode, _sampler
     if conf is not None:
-        _polling_mode, _sampler_name = _controller_conf(conf)
+        _polling_mode, _sampler = _controller_conf(conf)
     if address is None and conf is not None:
         dockd_conf = conf.get("dockd", None) if hasattr(conf, "get") else None
         if dockd_conf is not None:
@@ -951,19 +1174,20 @@ class DockTQClient:
     """What `get_client` returns: the parts of ``TransferQueueClient`` verl's ``tqbridge`` uses.
 
     ``kv_retrieve_meta`` / ``kv_retrieve_keys`` / ``get_data`` / ``put`` / ``clear_samples`` /
-    ``clear_partition`` / ``kv_list``, and the sampler-driven calls with TransferQueue's
-    SequentialSampler (``get_meta``, ``get_consumption_status`` / ``get_production_status`` and their
-    ``check_`` forms, ``reset_consumption``, ``set_custom_meta``), each with its ``async_`` form.
+    ``clear_partition`` / ``kv_list``, and the sampler-driven calls with TransferQueue's samplers
+    (``get_meta``, ``get_consumption_status`` / ``get_production_status`` and their ``check_`` forms,
+    ``reset_consumption``, ``set_custom_meta``), each with its ``async_`` form.
     Consumption is per task and per sample, shared by every process (``get_meta`` and
     `StreamingDataset` record what they take in the partition's key log); ``reset_consumption``
     gives the task a fresh dock consumer. Keys that hold tags only have no sample on dockd, so the
     statuses do not list them (TransferQueue lists them as never produced nor consumed).
     """
 
-    def __init__(self, client: _Client, polling_mode: bool | None = None) -> None:
+    def __init__(self, client: _Client, polling_mode: bool | None = None, sampler: Any = None) -> None:
         self._client = client
         self.client_id = client.viewer
         self.polling_mode = polling_mode  # None: as configured at init (conf.controller.polling_mode)
+        self.sampler = None if sampler is None else _as_sampler(sampler)  # None: as at init
 
     def kv_retrieve_meta(self, keys: list[str] | str, partition_id: str, create: bool = False) -> BatchMeta:
         keys = _keys(keys)
@@ -1017,40 +1241,61 @@ class DockTQClient:
         task_name: str | None = None,
         sampling_config: dict[str, Any] | None = None,
     ) -> BatchMeta:
-        """TransferQueue's ``get_meta`` with its default SequentialSampler.
+        """TransferQueue's ``get_meta``, choosing as the sampler named at `init` does.
 
-        ``mode="fetch"``: takes for `task_name` the `batch_size` oldest samples holding every one of
-        `data_fields` that the task has not taken yet (each sample once per task, across processes),
-        and marks them consumed. When there are not that many: in polling mode (``conf.controller.
-        polling_mode`` at `init`) an empty BatchMeta at once, otherwise it waits up to
-        ``TQ_CONTROLLER_GET_METADATA_TIMEOUT`` seconds (default 1, as TransferQueue) for them, then
-        raises `GetMetaTimeout` (a TimeoutError and a RuntimeError). ``mode="force_fetch"``: every
-        sample of the partition, ready or not, taking nothing. `sampling_config` is accepted and
-        ignored, as the SequentialSampler does.
+        ``mode="fetch"``: takes for `task_name` `batch_size` samples holding every one of `data_fields`
+        that the task has not taken yet (each sample once per task, across processes), and marks them
+        consumed. Which ones, by ``conf.controller.sampler``:
+
+        - ``SequentialSampler`` (the default): the oldest; `sampling_config` is ignored.
+        - ``GRPOGroupNSampler(n_samples_per_prompt=n)``: whole groups, runs of n consecutive indexes
+          (a prompt's responses put one after another), oldest first; `batch_size` a multiple of n.
+          With ``sampling_config["dp_rank"]`` the choice is remembered per ``(dp_rank, batch_index)``
+          and a repeated call gets it again.
+        - ``RankAwareSampler``: ``sampling_config`` needs ``dp_rank`` and ``batch_index``; every caller
+          with the same pair (the ranks of one data-parallel group) gets the same samples, the first
+          to ask choosing the oldest; different dp_ranks get different samples.
+        - ``SeqlenBalancedSampler(n_samples_per_prompt=n, dp_size=k)``: the first rank to ask for a
+          ``batch_index`` chooses whole groups for all k ranks (`batch_size` each) and splits them with
+          `dockd.balance.balance` so that the ranks' sums of the samples' ``total_lengths`` tag
+          (default 1) are balanced, groups kept whole; each rank then gets its share. The shares of
+          ranks that have not asked yet are set aside: no other batch takes them.
+
+        Choices are made under a lock per partition shared by every process (`_Client.exclusive`) and
+        kept in the partition's key log, so they hold across processes; they outlive
+        ``reset_consumption``, as TransferQueue's sampler cache does. When nothing can be chosen: in
+        polling mode (``conf.controller.polling_mode`` at `init`) an empty BatchMeta at once, otherwise
+        it waits up to ``TQ_CONTROLLER_GET_METADATA_TIMEOUT`` seconds (default 1, as TransferQueue),
+        then raises `GetMetaTimeout` (a TimeoutError and a RuntimeError). A remembered choice is
+        returned at once in either mode (TransferQueue, not polling, first waits for `batch_size` new
+        ready samples). ``mode="force_fetch"``: every sample of the partition, ready or not, taking
+        nothing. ``mode="insert"``: `batch_size` new samples (keys ``auto-...``) to `put` into.
         """
         if mode == "force_fetch":
             return self._client.everything(partition_id, list(data_fields or []))
         if mode == "insert":
-            raise NotImplementedError("get_meta(mode='insert') is TransferQueue-internal; use put or kv_batch_put")
+            if batch_size is None or batch_size < 1:
+                raise ValueError("must provide batch_size for inserting new data")
+            keys = [f"auto-{uuid.uuid4().hex}" for _ in range(int(batch_size))]
+            return self._client.meta(partition_id, keys, create=True)
         if mode != "fetch":
             raise ValueError(f"Invalid mode: {mode}")
         if task_name is None:
             raise ValueError("get_meta(mode='fetch') needs task_name")
         if batch_size is None or batch_size < 1:
             raise ValueError(f"get_meta needs a positive batch_size, got {batch_size!r}")
-        if _sampler_name != "SequentialSampler":
-            raise NotImplementedError(
-                f"dockd's transfer_queue client samples like TransferQueue's SequentialSampler only (the "
-                f"controller was configured with {_sampler_name}); dockd.Dock.get offers dp_rank/dp_size with "
-                "balance_by, groups=True and shuffle=True for the other samplers' jobs"
-            )
         polling = _polling_mode if self.polling_mode is None else self.polling_mode
         wait = 0.0 if polling else float(os.environ.get("TQ_CONTROLLER_GET_METADATA_TIMEOUT", "1"))
-        meta = self._client.take(partition_id, task_name, list(data_fields), int(batch_size), wait)
+        sampler = self.sampler or _sampler
+        if isinstance(sampler, SequentialSampler):
+            meta = self._client.take(partition_id, task_name, list(data_fields), int(batch_size), wait)
+        else:
+            meta = self._client.sample(partition_id, task_name, list(data_fields), int(batch_size), sampler,
+                                       dict(sampling_config or {}), polling, wait)
         if meta.size == 0 and not polling:
             raise GetMetaTimeout(
                 f"Timeout while waiting for sufficient data for task {task_name}: {batch_size} samples holding "
-                f"{list(data_fields)} in partition {partition_id!r} were not there within {wait:g} s "
+                f"{list(data_fields)} in partition {partition_id!r} ({sampler!r}) were not there within {wait:g} s "
                 "(set conf.controller.polling_mode=True to get an empty BatchMeta instead)"
             )
         return meta
@@ -1153,6 +1398,18 @@ async def async_kv_batch_meta2batch_meta(meta: KVBatchMeta) -> BatchMeta:
 
 
 # -- streaming --------------------------------------------------------------------------------
+def default_fetch_batch_fn(tq_client: Any, data_fields: list[str], batch_size: int, partition_id: str,
+                           task_name: str, sampling_config: dict[str, Any], batch_index: int) -> tuple[Any, BatchMeta]:
+    """TransferQueue's default ``fetch_batch_fn``: ``get_meta`` (with ``batch_index`` and
+    ``partition_id`` added to `sampling_config`), then ``get_data``; ``(None, meta)`` when empty."""
+    config = {**sampling_config, "batch_index": batch_index, "partition_id": partition_id}
+    meta = tq_client.get_meta(data_fields=data_fields, batch_size=batch_size, partition_id=partition_id,
+                              task_name=task_name, sampling_config=config)
+    if meta.size == 0:
+        return None, meta
+    return tq_client.get_data(meta), meta
+
+
 def chunk_batch_fn(td: Any, batch_meta: BatchMeta, micro_batch_size: int = 1) -> list[tuple[Any, BatchMeta]]:
     """TransferQueue's default ``process_batch_fn``: micro-batches of `micro_batch_size` rows."""
     n = int(td.batch_size[0])
@@ -1179,13 +1436,17 @@ class StreamingDataset(torch.utils.data.IterableDataset):
     TransferQueue, where `tq_client` is a `DockTQClient` (so TransferQueue's
     ``default_fetch_batch_fn``, ``get_meta`` then ``get_data``, works); it returns ``(TensorDict,
     BatchMeta)``, or ``(None, ...)`` when there is nothing yet (the dataset then waits
-    `poll_interval`). ``config.controller.polling_mode`` sets that client's polling mode
-    (default: as at `init`).
+    `poll_interval`). ``config.controller.polling_mode`` and ``config.controller.sampler`` set that
+    client's polling mode and sampler (default: as at `init`). With a sampler other than
+    ``SequentialSampler`` the dataset fetches that way even without `fetch_batch_fn`
+    (`default_fetch_batch_fn`, as TransferQueue), so with ``RankAwareSampler`` the ranks that share a
+    `dp_rank` receive identical batches.
 
     Differences from TransferQueue: `config` only needs the dock address (``config.dockd.address``;
-    default ``DOCKD_ADDRESS``); ranks that share a `dp_rank` do *not* receive identical samples
-    (every reader takes its own): read once per data-parallel group and broadcast, or use
-    ``dockd.Dock.get(..., mp_group=...)``.
+    default ``DOCKD_ADDRESS``); with the default ``SequentialSampler`` and no `fetch_batch_fn`, ranks
+    that share a `dp_rank` do *not* receive identical samples (every reader takes its own; the
+    dataset reads the dock directly): configure ``RankAwareSampler``, read once per data-parallel
+    group and broadcast, or use ``dockd.Dock.get(..., mp_group=...)``.
     """
 
     def __init__(
@@ -1225,6 +1486,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         self.fetch_batch_fn = fetch_batch_fn
         ctrl = config.get("controller", None) if hasattr(config, "get") else None
         self.polling_mode = None if ctrl is None else bool(ctrl.get("polling_mode", False))
+        self.sampler = None if ctrl is None or ctrl.get("sampler", None) is None else _as_sampler(ctrl.get("sampler"))
         self.poll_interval = poll_interval
         self.buffer: list[tuple[Any, BatchMeta]] = []
         self.batch_index = 0
@@ -1252,7 +1514,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[tuple[Any, BatchMeta]]:
         tensordict = require("tensordict", extra="verl", what="dockd transfer_queue.StreamingDataset")
         client = _Client(self.address)
-        if self.fetch_batch_fn is not None:
+        if self.fetch_batch_fn is not None or not isinstance(self.sampler or _sampler, SequentialSampler):
             yield from self._iter_fetch_fn(client)
             return
         try:
@@ -1302,7 +1564,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
 
     def _iter_fetch_fn(self, client: _Client) -> Iterator[tuple[Any, BatchMeta]]:
         """TransferQueue's loop around a user `fetch_batch_fn`, on a `DockTQClient`."""
-        tq_client = DockTQClient(client, polling_mode=self.polling_mode)
+        tq_client = DockTQClient(client, polling_mode=self.polling_mode, sampler=self.sampler)
         sampling_config = {"dp_rank": self.dp_rank, "task_name": self.task_name}
         try:
             while (
@@ -1315,8 +1577,8 @@ class StreamingDataset(torch.utils.data.IterableDataset):
                     self.batch_index += 1
                     yield from self.process_batch_fn(td, meta, micro_batch_size=self.micro_batch_size)
                     continue
-                assert self.fetch_batch_fn is not None
-                td, meta = self.fetch_batch_fn(
+                fetch = self.fetch_batch_fn or default_fetch_batch_fn
+                td, meta = fetch(
                     tq_client=tq_client,
                     data_fields=self.data_fields,
                     batch_size=self.batch_size,
@@ -1436,10 +1698,16 @@ def uninstall() -> None:
 
 
 __all__ = [
+    "BaseSampler",
     "BatchMeta",
     "DockTQClient",
+    "GRPOGroupNSampler",
     "GetMetaTimeout",
     "KVBatchMeta",
+    "RankAwareSampler",
+    "SamplingError",
+    "SeqlenBalancedSampler",
+    "SequentialSampler",
     "StreamingDataLoader",
     "StreamingDataset",
     "async_kv_batch_get",
@@ -1451,6 +1719,7 @@ __all__ = [
     "async_kv_put",
     "chunk_batch_fn",
     "close",
+    "default_fetch_batch_fn",
     "get_client",
     "get_metrics_endpoint",
     "init",
