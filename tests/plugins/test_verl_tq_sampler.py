@@ -1,8 +1,9 @@
 """TransferQueue's sampler-driven client calls on dockd's transfer_queue switch, against real daemons.
 
-Each expectation below is what TransferQueue 0.1.11 (SequentialSampler, its default) returns for the
-same calls, checked by running the same sequence on it; the one deliberate difference (keys holding
-tags only are not listed in the statuses) has its own test.
+Each expectation below is what TransferQueue 0.1.11 returns for the same calls (with its default
+SequentialSampler, then with GRPOGroupNSampler, RankAwareSampler and SeqlenBalancedSampler), checked by
+running the same sequence on it; the deliberate differences (keys holding tags only are not listed in
+the statuses; SeqlenBalancedSampler's split and its set-aside shares) have their own tests.
 """
 
 from __future__ import annotations
@@ -247,7 +248,7 @@ def _sc(p: str, task: str, rank: int, index: int) -> dict[str, Any]:
     return {"dp_rank": rank, "batch_index": index, "task_name": task, "partition_id": p}
 
 
-from dockd.trainer_plugins.verl import transfer_queue as _compat  # noqa: E402
+from dockd.trainer_plugins.verl import transfer_queue as _compat
 
 
 @pytest.mark.parametrize("sampler", [_compat.GRPOGroupNSampler(n_samples_per_prompt=2)], indirect=True)
