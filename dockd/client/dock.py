@@ -988,7 +988,8 @@ class Dock:
                     w["error"] = str(e)
                     continue
                 w.update(version=hello.version, put_bytes=hello.put_bytes, get_bytes=hello.get_bytes,
-                         device_bytes=hello.device_used, device_capacity=hello.device_capacity)
+                         device_bytes=hello.device_used, device_capacity=hello.device_capacity,
+                         metadata_bytes=hello.metadata, freed_bytes=hello.freed, reclaimable_bytes=hello.reclaimable)
         return {
             "version": s.version,
             "controller": self._router.address,

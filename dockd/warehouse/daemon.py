@@ -454,7 +454,9 @@ class Node:
                             joined=self.link.joined.is_set() if self.link is not None else self.wid >= 0,
                             version=__version__, used=self.warehouse.used, capacity=self.warehouse.capacity,
                             put_bytes=sum(m.put_bytes.values()), get_bytes=sum(m.get_bytes.values()),
-                            device_used=self.warehouse.device_used, device_capacity=self.warehouse.device_capacity)
+                            device_used=self.warehouse.device_used, device_capacity=self.warehouse.device_capacity,
+                            metadata=self.warehouse.meta, freed=self.warehouse.freed,
+                            reclaimable=self.warehouse.reclaimable)
         if self.controller is not None:
             out.warehouses.extend(self.controller.warehouse_infos())
             out.controller = f"{self.cfg.advertise or self.cfg.host}:{self.port}"
