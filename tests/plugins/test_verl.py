@@ -496,8 +496,8 @@ def test_tqbridge_runs_a_worker_method_on_dockd(dockd_tq: Any, monkeypatch: pyte
     assert created.size == 1 and not created.is_ready and "new" in tq.kv_list("bridge")["bridge"]
     put_meta = client.put(TensorDict({"score": torch.tensor([7.0])}, batch_size=1), metadata=created)
     assert put_meta.is_ready and tq.kv_batch_get(keys="new", partition_id="bridge")["score"].tolist() == [7.0]
-    with pytest.raises(NotImplementedError, match="not supported by dockd"):
-        client.save_controller_checkpoint("/tmp/x")  # TransferQueue's controller internals
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_call'"):
+        client.no_such_call()
 
 
 def test_transfer_queue_checkpoint_round_trip(dockd_tq: Any, tmp_path: Any) -> None:
@@ -524,6 +524,14 @@ def test_transfer_queue_checkpoint_round_trip(dockd_tq: Any, tmp_path: Any) -> N
     assert back["p"] == ["p3 ✓", "p0 ✓"]
     with pytest.raises(FileNotFoundError):
         tq.load_checkpoint(str(tmp_path / "missing"))
+    # the client's controller/storage checkpoint calls save and restore the same whole checkpoint
+    client = tq.get_client()
+    client.initialize_storage_manager(manager_type="SimpleStorage", config={})
+    client.save_controller_checkpoint(str(tmp_path / "controller"))
+    tq.kv_clear(keys=["c0", "c1", "c2", "c3"], partition_id="ckpt")
+    client.load_storage_checkpoint(str(tmp_path / "controller"))
+    assert tq.kv_list("ckpt")["ckpt"]["c1"] == {"status": "success"}
+    assert torch.equal(tq.kv_batch_get(keys=["c2"], partition_id="ckpt")["lp"], want[[2]])
 
 
 def test_transfer_queue_metrics_endpoint(dockd_tq: Any, dock_cluster: dockd.LocalCluster,

@@ -1350,6 +1350,25 @@ class DockTQClient:
     def close(self) -> None:  # the module's connection is closed by transfer_queue.close()
         pass
 
+    def initialize_storage_manager(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to set up: the dock's warehouses are the storage (accepted so TransferQueue's
+        callers run unchanged)."""
+
+    # TransferQueue keeps its controller's state and its storage units' data in two checkpoints;
+    # one dock checkpoint holds keys, tags, data and consumer progress together, so each of these
+    # saves (or restores) all of it at the place it names (a directory).
+    def save_controller_checkpoint(self, path: str) -> None:
+        save_checkpoint(path)
+
+    def load_controller_checkpoint(self, path: str) -> None:
+        load_checkpoint(path)
+
+    def save_storage_checkpoint(self, checkpoint_dir: str) -> None:
+        save_checkpoint(checkpoint_dir)
+
+    def load_storage_checkpoint(self, checkpoint_dir: str) -> None:
+        load_checkpoint(checkpoint_dir)
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
@@ -1362,8 +1381,8 @@ class DockTQClient:
 
             call.__name__ = name
             return call
-        raise NotImplementedError(
-            f"TransferQueueClient.{name} is not supported by dockd's transfer_queue client (supported: "
+        raise AttributeError(
+            f"TransferQueueClient has no attribute {name!r} on dockd's transfer_queue client (it has "
             f"{', '.join(sorted(_CLIENT_SYNC))} and their async_ forms)"
         )
 
@@ -1371,7 +1390,8 @@ class DockTQClient:
 _CLIENT_SYNC = frozenset(
     {"kv_retrieve_meta", "kv_retrieve_keys", "get_data", "put", "clear_samples", "clear_partition", "kv_list",
      "get_partition_list", "get_meta", "get_consumption_status", "get_production_status",
-     "check_consumption_status", "check_production_status", "reset_consumption", "set_custom_meta"}
+     "check_consumption_status", "check_production_status", "reset_consumption", "set_custom_meta",
+     "save_controller_checkpoint", "load_controller_checkpoint", "save_storage_checkpoint", "load_storage_checkpoint"}
 )
 
 
