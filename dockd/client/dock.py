@@ -828,7 +828,7 @@ class Dock:
         max_staleness: gets hand out only samples whose policy version is >= the trainer's
         version (`set_version`) minus this, oldest version first (a get's own `max_staleness`
         overrides it). Samples staler than that, not yet taken by the partition's consumers, are
-        counted in stats()["partitions"][p]["stale"]; with retire_stale=True they are deleted
+        counted in `stats()["partitions"][p]["stale"]`; with retire_stale=True they are deleted
         when set_version makes them stale (counted in "stale_retired").
 
         max_pending: a put of new samples waits while this many samples of the partition are
