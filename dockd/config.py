@@ -26,6 +26,14 @@ ENV_VARS = {
     "DOCKD_TOKEN": "the dock's token, for clients (prefer DOCKD_TOKEN_FILE)",
     "DOCKD_TOKEN_FILE": "file holding the dock's token: clients prove it; `dockd serve` uses it like --token-file",
     "DOCKD_DAEMON_SECRET": "hex per-dock daemon secret handed by start_local to the daemons it starts (tokenless mode)",
+    "DOCKD_CPU_DEVICE_TIER": "1: run the device tier's paths on CPU through shared host memory (tests, no accelerator)",
+    "DOCKD_NCCL_LIB": "path of the libnccl.so.2 the device bindings load (default: the nvidia-nccl wheel, then the system)",
+    "DOCKD_HCCL_LIB": "path of the libhccl.so the device bindings load on Ascend NPUs",
+    "DOCKD_ADDRESS": "plugins: the dock's controller address (host:port) when none is passed",
+    "DOCKD_OPENRLHF_CONFIG": "OpenRLHF plugin: JSON of the replay buffer's dock settings, for Ray workers",
+    "DOCKD_TRANSFER_QUEUE": "verl plugin: 1 makes `import transfer_queue` load dockd's switch in Ray workers",
+    "DOCKD_METRICS_ENDPOINT": "verl plugin: the dock's Prometheus endpoint the transfer_queue switch reports",
+    "DOCKD_BENCH_LOG": "benchmarks: log level of the scenario processes (default INFO)",
 }
 
 

@@ -5,7 +5,6 @@ all of it across a controller SIGKILL with a state dir."""
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 import time
 
@@ -14,8 +13,7 @@ import torch
 
 import dockd
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from test_cluster import Procs, _two_warehouse_dock, controller_args, free_port, wait_for
+from tests.integration.test_cluster import Procs, _two_warehouse_dock, controller_args, free_port, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
