@@ -14,7 +14,7 @@ copy.
     holder.join(reader.rendezvous, HOLDER)  /  reader.join(reader.rendezvous, READER)
     holder.send([t1, t2])                   /  reader.recv([d1, d2])
 
-- **nccl / hccl**: dockd's own bindings (`dockd.client.device.Communicator`), on a
+- **nccl / hccl**: dockd's own bindings (`dockd.device.Communicator`), on a
   stream of the link's own, waited for with a deadline; on a timeout or error
   the communicator is aborted and the link is dropped (both sides).
 - **gloo**: torch's gloo process group over a TCPStore the reader hosts. It
@@ -69,7 +69,7 @@ class Link:
         self._comm = None
         self._stream = None
         if backend != "gloo":
-            from dockd.client.device import Communicator
+            from dockd.device import Communicator
 
             self._comm = Communicator(backend)  # loads the library: DeviceLibraryNotFound when it is missing
 

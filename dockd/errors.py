@@ -4,6 +4,7 @@
     ├── DockTimeout            (retryable: not enough samples were ready in time)
     ├── DockFull               (retryable: a warehouse stayed full past the timeout)
     ├── DockNotFound           (unknown partition or sample index; also a KeyError)
+    │   └── StagingUnknown     (internal: a warehouse no longer maps a writer's staging buffer)
     ├── DockDataLost           (the warehouse holding some samples is gone)
     ├── DockClosed             (this client or the daemon was closed while waiting)
     ├── DockConnectionError    (a daemon cannot be reached or hung up)
@@ -14,7 +15,9 @@
     ├── DockProtocolError      (a peer sent a malformed frame)
     ├── DockValueError         (bad argument; also a ValueError)
     ├── DockTypeError          (argument of the wrong type; also a TypeError)
-    └── ReshardError           (dockd.resharding: LayoutError, ReshardStateError, BackendError)
+    └── DockDeviceError        (dockd.device, the NCCL/HCCL bindings: DeviceLibraryNotFound, ...)
+
+`dockd.resharding` has a tree of its own (ReshardError): resharding talks to no dock.
 
 Retryable errors leave the dock as it was. Errors are carried on the wire as a
 `dockd.v1.Code` plus a message (see proto/dockd/v1/dockd.proto) and mapped back
@@ -100,6 +103,12 @@ class DockTypeError(DockError, TypeError):
     """An argument has the wrong type."""
 
 
+class StagingUnknown(DockNotFound):
+    """A warehouse no longer maps the staging buffer a same-host put named (it keeps a few per
+    writer, and forgets them on a restart); the client registers it again. Internal: a put
+    never raises it to its caller."""
+
+
 def from_status(status) -> DockError:  # status: dockd_pb2.Status
     """Map a wire Status (code != OK) to the matching exception."""
     from dockd._proto import dockd_pb2 as pb
@@ -111,6 +120,8 @@ def from_status(status) -> DockError:  # status: dockd_pb2.Status
         return DockFull(msg)
     if code == pb.NOT_FOUND:
         return DockNotFound(msg)
+    if code == pb.STAGING_UNKNOWN:
+        return StagingUnknown(msg)
     if code == pb.DATA_LOST:
         return DockDataLost(msg, indexes=status.lost_indexes, columns=status.lost_columns)
     if code == pb.CLOSED:
@@ -139,6 +150,8 @@ def to_status(exc: BaseException, status) -> None:
         status.code, status.ready = pb.TIMEOUT, exc.ready
     elif isinstance(exc, DockFull):
         status.code = pb.FULL
+    elif isinstance(exc, StagingUnknown):
+        status.code = pb.STAGING_UNKNOWN
     elif isinstance(exc, DockNotFound):
         status.code = pb.NOT_FOUND
     elif isinstance(exc, DockDataLost):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One prepared GPU check of the NCCL bindings (dockd.client.device); finishes in about 5 minutes.
+"""One prepared GPU check of the NCCL bindings (dockd.device); finishes in about 5 minutes.
 
     python scripts/gpu_check.py [--budget 300] [--size-mib 256] [--iters 5]
 
@@ -68,7 +68,7 @@ def main() -> int:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=30)
         say(f"  driver: {smi.stdout.strip().splitlines()[0] if smi.stdout.strip() else smi.stderr.strip()}")
-    from dockd.client.device import DockDeviceError, NcclLibrary
+    from dockd.device import DockDeviceError, NcclLibrary
 
     try:
         lib = NcclLibrary()
@@ -113,7 +113,7 @@ def main() -> int:
     if left() < 20:
         say("FAIL: no time left for the bandwidth figures")
         return 124
-    from dockd.client.device._selftest import run_ranks
+    from dockd.device._selftest import run_ranks
 
     try:
         res = run_ranks("bandwidth", 2, timeout=max(10.0, left() - 5), size_mib=args.size_mib, iters=args.iters)

@@ -38,11 +38,11 @@ from dockd.errors import (
     DockDataLost,
     DockError,
     DockLeaseError,
-    DockNotFound,
     DockProtocolError,
     DockTimeout,
     DockTypeError,
     DockValueError,
+    StagingUnknown,
 )
 
 logger = logging.getLogger(__name__)
@@ -312,8 +312,8 @@ class Dock:
                 try:
                     reply, _, _ = call_on(pool, pb.Frame(put=req), fds=[] if buf.registered else [buf.fd])
                     break
-                except DockNotFound as e:  # the warehouse dropped our registration (many buffers, a restart)
-                    if attempt or "staging buffer" not in str(e):
+                except StagingUnknown:  # the warehouse dropped our registration (many buffers, a restart)
+                    if attempt:
                         raise
                     buf.registered = False
             buf.registered = True

@@ -13,7 +13,7 @@ Three operations, each on one group named by its dimension (``"tp"``,
 :class:`TorchCollectives` runs them on ``torch.distributed`` process groups
 (gloo, NCCL or HCCL, whatever the groups were made with).
 :class:`DeviceCollectives` runs them on dockd's own NCCL/HCCL bindings
-(:mod:`dockd.client.device`), one communicator per group, enqueued on the
+(:mod:`dockd.device`), one communicator per group, enqueued on the
 current stream: ``torch.distributed`` then only carries the communicators'
 unique ids once, when they are made (or not at all, when the caller passes
 communicators it made itself).
@@ -74,7 +74,7 @@ class TorchCollectives(Collectives):
 
 
 class DeviceCollectives(Collectives):
-    """On :class:`dockd.client.device.Communicator` objects, one per group of more than one rank.
+    """On :class:`dockd.device.Communicator` objects, one per group of more than one rank.
 
     ``comms`` maps ``"tp"``/``"pp"``/``"ep"`` to an initialised communicator whose
     ranks are the group's positions (``comms["pp"].rank`` is this rank's stage).
@@ -102,7 +102,7 @@ class DeviceCollectives(Collectives):
         """Make one communicator per group (NCCL for CUDA, HCCL for NPU): the group's first
         member makes the unique id and ``broadcast_object_list`` over the group's
         ``torch.distributed`` group hands it to the others. Every rank must call this."""
-        from dockd.client.device import Communicator
+        from dockd.device import Communicator
 
         comms: dict = {}
         try:

@@ -2,7 +2,7 @@
 
 Exception tree::
 
-    ReshardError (dockd.DockError, RuntimeError)
+    ReshardError (RuntimeError)
     ├── LayoutError (ValueError)        bad specs, layouts or weights; fix the input
     ├── ReshardStateError               call made in the wrong lifecycle state
     └── BackendError                    device/backend mismatch or collective failure
@@ -13,13 +13,12 @@ Exception tree::
 
 from __future__ import annotations
 
-from dockd.errors import DockError
-
 __all__ = ["BackendError", "LayoutError", "ReshardError", "ReshardStateError"]
 
 
-class ReshardError(DockError, RuntimeError):
-    """Base class of every error raised by ``dockd.resharding``."""
+class ReshardError(RuntimeError):
+    """Base class of every error raised by ``dockd.resharding`` (not a ``DockError``: resharding
+    talks to no dock)."""
 
 
 class LayoutError(ReshardError, ValueError):

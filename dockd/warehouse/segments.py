@@ -32,7 +32,7 @@ import weakref
 import numpy as np
 
 from dockd import shm
-from dockd.errors import DockNotFound, DockProtocolError
+from dockd.errors import DockProtocolError, StagingUnknown
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ class Segments:
                     self.watch(pid, lambda: self.process_exited(pid))
         view = bufs.get(sid)
         if view is None:
-            raise DockNotFound(f"unknown staging buffer {sid}: send its descriptor again")
+            raise StagingUnknown(f"unknown staging buffer {sid}: send its descriptor again")
         if size > len(view):
             raise DockProtocolError(f"a put of {size} bytes from a {len(view)}-byte staging buffer")
         bufs.move_to_end(sid)

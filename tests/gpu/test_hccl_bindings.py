@@ -1,4 +1,4 @@
-"""HCCL through dockd.client.device on Ascend NPUs: the same two-process checks as
+"""HCCL through dockd.device on Ascend NPUs: the same two-process checks as
 tests/gpu/test_nccl_bindings.py (send/recv, broadcast, all_gather), on `npu` devices.
 
 Run on an Ascend machine with CANN and torch_npu installed (source CANN's set_env.sh first):
@@ -11,7 +11,7 @@ import importlib.util
 
 import pytest
 
-from dockd.client.device import DeviceLibraryNotFound, load_hccl_library
+from dockd.device import DeviceLibraryNotFound, load_hccl_library
 
 
 def _npu_missing() -> str:
@@ -39,7 +39,7 @@ pytestmark = [
 
 
 def _run(op: str) -> list[dict]:
-    from dockd.client.device._selftest import run_ranks
+    from dockd.device._selftest import run_ranks
 
     return run_ranks(op, 2, timeout=180, backend="hccl")
 

@@ -1,4 +1,4 @@
-"""NCCL through dockd.client.device on a real GPU: send/recv, broadcast, all_gather between two processes.
+"""NCCL through dockd.device on a real GPU: send/recv, broadcast, all_gather between two processes.
 
 Run on a GPU machine with `pytest -m gpu tests/gpu -q` (or scripts/gpu_check.py, which also
 prints bandwidth figures). With one GPU both ranks share it (NCCL_MULTI_RANK_GPU_ENABLE=1).
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dockd.client.device import DeviceLibraryNotFound, load_nccl_library
+from dockd.device import DeviceLibraryNotFound, load_nccl_library
 
 _HAS_CUDA = torch.cuda.is_available()
 
@@ -37,7 +37,7 @@ def _nccl_present():
 
 
 def _run(op: str, **kw) -> list[dict]:
-    from dockd.client.device._selftest import run_ranks
+    from dockd.device._selftest import run_ranks
 
     return run_ranks(op, 2, timeout=180, **kw)
 
@@ -58,7 +58,7 @@ def test_all_gather_two_processes():
 
 def test_failing_collective_raises_nccl_error_in_process():
     """A bad argument after a real init: NCCL's own message comes back as NcclError (one rank, no peer needed)."""
-    from dockd.client.device import Communicator, NcclError
+    from dockd.device import Communicator, NcclError
 
     torch.cuda.set_device(0)
     comm = Communicator("nccl")

@@ -57,7 +57,7 @@ def flatten_into_one_storage(shards: dict[str, torch.Tensor]) -> dict[str, torch
 
 
 class GlooComm:
-    """The `dockd.client.device.Communicator` interface on a gloo group, so that
+    """The `dockd.device.Communicator` interface on a gloo group, so that
     DeviceCollectives' own logic (byte views, group positions, all-to-all as grouped
     send/recv) runs on CPU; on a GPU the scenario uses the real NCCL communicators."""
 

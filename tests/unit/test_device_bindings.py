@@ -1,4 +1,4 @@
-"""dockd.client.device against the real libnccl.so.2 of the nvidia-nccl-cu13 wheel, no GPU needed.
+"""dockd.device against the real libnccl.so.2 of the nvidia-nccl-cu13 wheel, no GPU needed.
 
 Calls into the library run in a child process (one, shared by the tests that need it),
 so that a misbehaving library cannot take the test interpreter down or hang it.
@@ -18,7 +18,7 @@ import textwrap
 import pytest
 import torch
 
-from dockd.client.device import (
+from dockd.device import (
     HCCL_ROOT_INFO_BYTES,
     NCCL_UNIQUE_ID_BYTES,
     Communicator,
@@ -35,7 +35,7 @@ from dockd.client.device import (
     load_nccl_library,
     nccl_dtype,
 )
-from dockd.client.device import discovery
+from dockd.device import discovery
 from dockd.errors import DockError
 
 
@@ -62,8 +62,8 @@ def _wheel_version() -> str | None:
 
 _PROBE = r"""
 import ctypes, json, sys
-from dockd.client.device import Communicator, NcclError, NcclLibrary
-from dockd.client.device.nccl import RESULT_NAMES
+from dockd.device import Communicator, NcclError, NcclLibrary
+from dockd.device.nccl import RESULT_NAMES
 lib = NcclLibrary(sys.argv[1])
 raw = ctypes.CDLL(sys.argv[1])
 raw.ncclGetErrorString.restype = ctypes.c_char_p

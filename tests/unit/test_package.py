@@ -47,3 +47,17 @@ def test_core_does_not_import_plugins_or_sockets():
         text = (ROOT / "dockd" / core).read_text()
         for banned in ("import socket", "import asyncio", "import grpc"):
             assert banned not in text, f"{core} must stay free of I/O ({banned})"
+
+
+def test_the_drawn_tree_holds_the_device_errors_and_resharding_has_its_own():
+    from dockd._proto import dockd_pb2 as pb
+    from dockd.device import DockDeviceError
+    from dockd.errors import StagingUnknown, from_status, to_status
+    from dockd.resharding import ReshardError
+
+    assert issubclass(DockDeviceError, dockd.DockError)
+    assert issubclass(ReshardError, RuntimeError) and not issubclass(ReshardError, dockd.DockError)
+    status = pb.Status()
+    to_status(StagingUnknown("unknown staging buffer 3"), status)  # told apart by its code, not its text
+    assert status.code == pb.STAGING_UNKNOWN and isinstance(from_status(status), StagingUnknown)
+    assert isinstance(from_status(status), dockd.DockNotFound)
