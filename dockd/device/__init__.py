@@ -8,9 +8,9 @@ The warehouse's device tier, same-node CUDA IPC reads and cross-node device link
 (`dockd.device_link`) build on them; see docs/device.md.
 """
 
-from dockd.client.device.communicator import BACKENDS, Communicator, backend_for_device, load_backend
-from dockd.client.device.discovery import HCCL_ENV, NCCL_ENV, load_hccl_library, load_nccl_library
-from dockd.client.device.errors import (
+from dockd.device.communicator import BACKENDS, Communicator, backend_for_device, load_backend
+from dockd.device.discovery import HCCL_ENV, NCCL_ENV, load_hccl_library, load_nccl_library
+from dockd.device.errors import (
     CollectiveError,
     DeviceArgumentError,
     DeviceDTypeError,
@@ -20,8 +20,8 @@ from dockd.client.device.errors import (
     HcclError,
     NcclError,
 )
-from dockd.client.device.hccl import HCCL_ROOT_INFO_BYTES, HcclLibrary, HcclRootInfo, hccl_dtype
-from dockd.client.device.nccl import NCCL_UNIQUE_ID_BYTES, NcclLibrary, NcclUniqueId, nccl_dtype
+from dockd.device.hccl import HCCL_ROOT_INFO_BYTES, HcclLibrary, HcclRootInfo, hccl_dtype
+from dockd.device.nccl import NCCL_UNIQUE_ID_BYTES, NcclLibrary, NcclUniqueId, nccl_dtype
 
 __all__ = [
     "BACKENDS", "HCCL_ENV", "HCCL_ROOT_INFO_BYTES", "NCCL_ENV", "NCCL_UNIQUE_ID_BYTES",

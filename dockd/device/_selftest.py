@@ -140,7 +140,7 @@ def _worker(rank: int, world: int, op: str, uid_q, res_q, kwargs: dict) -> None:
         os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
     dev = torch.device(kind, rank % ndev)
     mod.set_device(dev)
-    from dockd.client.device import Communicator
+    from dockd.device import Communicator
 
     comm = Communicator(backend, library_path=kwargs.pop("library_path", None))
     if rank == 0:

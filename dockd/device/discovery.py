@@ -25,7 +25,7 @@ import os
 import sys
 import threading
 
-from dockd.client.device.errors import DeviceArgumentError, DeviceLibraryNotFound
+from dockd.device.errors import DeviceArgumentError, DeviceLibraryNotFound
 
 NCCL_ENV = "DOCKD_NCCL_LIB"
 HCCL_ENV = "DOCKD_HCCL_LIB"

@@ -15,7 +15,7 @@ from dockd.errors import DockError
 
 
 class DockDeviceError(DockError):
-    """Base class of the errors raised by `dockd.client.device`."""
+    """Base class of the errors raised by `dockd.device`."""
 
 
 DeviceError = DockDeviceError

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import ctypes
 
-from dockd.client.device import _torch_dtypes
-from dockd.client.device.discovery import bind, load_hccl_library
-from dockd.client.device.errors import DeviceArgumentError, DeviceDTypeError, HcclError
+from dockd.device import _torch_dtypes
+from dockd.device.discovery import bind, load_hccl_library
+from dockd.device.errors import DeviceArgumentError, DeviceDTypeError, HcclError
 
 HCCL_ROOT_INFO_BYTES = 4108   # hccl_types.h: const uint32_t HCCL_ROOT_INFO_BYTES = 4108
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import ctypes
 
-from dockd.client.device import _torch_dtypes
-from dockd.client.device.discovery import bind, load_nccl_library
-from dockd.client.device.errors import DeviceArgumentError, DeviceDTypeError, NcclError
+from dockd.device import _torch_dtypes
+from dockd.device.discovery import bind, load_nccl_library
+from dockd.device.errors import DeviceArgumentError, DeviceDTypeError, NcclError
 
 NCCL_UNIQUE_ID_BYTES = 128
 
