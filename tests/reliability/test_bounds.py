@@ -319,3 +319,29 @@ def test_descriptors_sent_ahead_share_one_budget_and_new_clients_still_get_in(pr
         proc.terminate()
         proc.wait(20)
         proc.stdout.close()
+
+
+def test_failing_one_way_requests_log_a_line_per_ten_seconds(tmp_path, raw):
+    """Finding 10 of the second review: every failed one-way request logged a line (20,000 frames:
+    20,000 lines). Repeated failures now log one line per 10 s, with a count of the rest."""
+    import subprocess
+    import sys
+
+    from dockd.local import read_ready
+
+    log = tmp_path / "daemon.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "dockd", "serve", "--controller", "--port", "0"],
+                                stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
+    try:
+        address = f"127.0.0.1:{read_ready(proc)['port']}"
+        c = raw(address)
+        for k in range(2000):  # a clear of a partition that does not exist, sent one-way: each one fails
+            c.send(pb.Frame(id=k + 1, oneway=True, clear=pb.ClearRequest(partition="never-made")))
+        still_serves(address)
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        proc.stdout.close()
+    lines = [ln for ln in log.read_text().splitlines() if "one-way request failed" in ln]
+    assert 1 <= len(lines) <= 3, len(lines)
