@@ -113,18 +113,16 @@ def _demo(args) -> int:
 
 
 def _bench(args) -> int:
+    import subprocess
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent  # the checkout of an editable install
-    if (root / "benchmarks" / "__init__.py").is_file() and str(root) not in sys.path:
-        sys.path.insert(0, str(root))  # the benchmarks live in the source tree, not the wheel
-    try:
-        from benchmarks.__main__ import main as bench_main
-    except ImportError:
+    if not (root / "benchmarks" / "__init__.py").is_file():
         print("dockd bench runs the benchmarks/ package of a source checkout (pip install -e .); "
               "it is not part of the installed wheel", file=sys.stderr)
         return 2
-    return bench_main(args.rest)
+    # `python -m benchmarks` from the checkout: the benchmarks live in the source tree, not the package
+    return subprocess.call([sys.executable, "-m", "benchmarks", *args.rest], cwd=root)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,12 +4,8 @@ valid figures, and dockd's spread no worse than the greedy heap on any batch. No
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 from benchmarks import balance as bench
 

@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 from benchmarks import SCENARIOS, scenario_names  # noqa: E402
 from benchmarks.common import KiB, MiB, BenchConfig, percentile  # noqa: E402

@@ -5,14 +5,9 @@ from __future__ import annotations
 
 import math
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 from benchmarks.multinode import agent as mn_agent  # noqa: E402
 from benchmarks.multinode import controller_cost, model, report, workload  # noqa: E402

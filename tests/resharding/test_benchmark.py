@@ -4,7 +4,6 @@ its measured accounting agrees with the memory model."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.multinode
 def test_benchmark_tiny_cpu_run(tmp_path: Path) -> None:
     out = tmp_path / "res.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "resharding.py"), "--tiny", "--skip-gpu", "--out", str(out)],
-        env=env, capture_output=True, text=True, timeout=240,
+        [sys.executable, "-m", "benchmarks.resharding", "--tiny", "--skip-gpu", "--out", str(out)], cwd=ROOT,
+        capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "GPU part skipped" in proc.stdout
