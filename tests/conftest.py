@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 
 import pytest
@@ -32,6 +33,19 @@ def dock(cluster):
 @pytest.fixture
 def partition() -> str:
     return f"p-{uuid.uuid4().hex[:12]}"
+
+
+def wait_until(predicate, timeout: float = 30.0, what: str = "condition", interval: float = 0.05):
+    """predicate()'s first truthy value; AssertionError naming `what` if none comes within `timeout` s.
+    For conditions that the code under test has no event for (another process's state)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
 
 
 def run_client(code: str, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:

@@ -13,7 +13,8 @@ import torch
 
 import dockd
 
-from tests.integration.test_cluster import Procs, _two_warehouse_dock, controller_args, free_port, wait_for
+from tests.conftest import wait_until
+from tests.integration.test_cluster import Procs, _two_warehouse_dock, controller_args, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,7 +95,7 @@ def test_a_paced_put_fails_clearly_when_its_partition_is_cleared(dock, partition
 
     th = threading.Thread(target=blocked)
     th.start()
-    wait_for(lambda: dock.stats()["partitions"][partition]["paced_puts"] == 1, 10, "the put to wait")
+    wait_until(lambda: dock.stats()["partitions"][partition]["paced_puts"] == 1, 10, "the put to wait")
     dock.clear(partition)
     th.join(10)
     assert len(errors) == 1 and "cleared" in str(errors[0])
@@ -146,13 +147,15 @@ def test_versions_and_options_survive_a_controller_sigkill_with_a_state_dir(tmp_
             ctl.send_signal(signal.SIGKILL)
             ctl.wait()
             procs.start(*controller_args(port, "--state-dir", state))
-            st = wait_for(lambda: (s := d.stats()) and s["partitions"]["p"], what="the controller back")
+            st = wait_until(lambda: (s := d.stats()) and s["partitions"]["p"], what="the controller back")
+            wait_until(lambda: {w["state"] for w in d.stats()["warehouses"].values()} == {"joined"},
+                       what="both warehouses to rejoin")
             keys = ("version", "max_staleness", "retire_stale", "max_pending", "stale_retired", "deleted", "pending")
             assert {k: st[k] for k in keys} == {k: before[k] for k in keys}
             assert d.list("p")["versions"] == [2, 2, 3, 3]
             d.put({"x": torch.ones(2, 4)}, partition="p", version=3)  # 4 pending of 6: one more fits, then none
             with pytest.raises(dockd.DockFull):
-                d.put({"x": torch.ones(1, 4)}, partition="p", version=3, timeout=0.2)
+                d.put({"x": torch.ones(1, 4)}, partition="p", version=3, timeout=1)
             assert d.get("t", ["x"], 4, partition="p", timeout=10).indexes == [2, 3, 4, 5]
     finally:
         procs.close()

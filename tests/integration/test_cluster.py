@@ -20,6 +20,7 @@ import torch
 
 import dockd
 from dockd.local import read_ready, spawn_node
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -69,17 +70,6 @@ def procs():
 
 def controller_args(port: int, *extra: str) -> list[str]:
     return ["--controller", "--no-warehouse", "--port", str(port), "--lease-timeout", "60", *extra]
-
-
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def live_warehouses(address: str) -> int:
@@ -152,7 +142,7 @@ def test_controller_sigkill_and_restart_with_a_state_dir_loses_and_redelivers_no
         assert (train["taken"], train["leased"], train["ready"]) == (64, 0, 0)
         assert not stats["partitions"]["p"]["recovered"]
         # both warehouses rejoin (each on its own backoff: one may still be on its way)
-        wait_for(lambda: {w["state"] for w in trainer.stats()["warehouses"].values()} == {"joined"},
+        wait_until(lambda: {w["state"] for w in trainer.stats()["warehouses"].values()} == {"joined"},
                  what="both warehouses rejoined")
 
 
@@ -164,7 +154,7 @@ def test_a_get_blocked_across_a_controller_restart_completes(procs, tmp_path):
         out = {}
         t = threading.Thread(target=lambda: out.setdefault("b", reader.get("c", ["x"], 4, partition="p", timeout=60)))
         t.start()
-        wait_for(lambda: writer.stats()["waiting"] == 1, what="the get to block in the controller")
+        wait_until(lambda: writer.stats()["waiting"] == 1, what="the get to block in the controller")
         ctl.kill()
         ctl.wait()
         procs.start(*controller_args(port, "--state-dir", state))
@@ -185,7 +175,7 @@ def test_controller_restart_without_a_state_dir_rebuilds_from_the_warehouses(pro
         ctl.kill()
         ctl.wait()
         procs.start(*controller_args(port))
-        wait_for(lambda: live_warehouses(address) == 2, what="both warehouses to rejoin")
+        wait_until(lambda: live_warehouses(address) == 2, what="both warehouses to rejoin")
         stats = trainer.stats()["partitions"]["p"]
         # the data is all there, columns and groups included...
         assert stats["samples"] == 16 and stats["columns"] == {"x": 16, "y": 16} and stats["group_size"] == 4
@@ -211,7 +201,7 @@ def test_a_client_re_homes_when_its_warehouse_dies(procs):
         wh.wait()
         idx = d.put({"x": torch.arange(3, 6)}, partition="p")  # re-homed to the controller's warehouse
         assert d.home == 0 and idx == [3, 4, 5]
-        wait_for(lambda: d.stats()["warehouses"][ready["warehouse"]]["state"] == "lost", what="the loss to be recorded")
+        wait_until(lambda: d.stats()["warehouses"][ready["warehouse"]]["state"] == "lost", what="the loss to be recorded")
         with pytest.raises(dockd.DockDataLost) as e:  # what the dead warehouse held is reported lost, not hung on
             d.get("c", ["x"], 3, partition="p", timeout=10)
         assert e.value.indexes == [0, 1, 2]
@@ -285,9 +275,9 @@ def test_rl_partition_state_survives_a_controller_sigkill_with_a_state_dir(procs
         ctl.send_signal(signal.SIGKILL)
         ctl.wait()
         procs.start(*controller_args(port, "--state-dir", state))
-        st = wait_for(lambda: (s := d.stats()) and s["partitions"]["p"], what="the controller back")
+        st = wait_until(lambda: (s := d.stats()) and s["partitions"]["p"], what="the controller back")
         assert (st["deleted"], st["sealed"], st["tags"], st["retire_when_consumed_by"]) == (8, True, ["age"], ["train"])
-        assert wait_for(lambda: d.stats()["warehouses"][1]["bytes"] == 0, what="warehouse 1 freed"), used
+        assert wait_until(lambda: d.stats()["warehouses"][1]["bytes"] == 0, what="warehouse 1 freed"), used
         with pytest.raises(dockd.DockValueError, match="sealed"):
             d.put({"x": torch.ones(1, 1024)}, partition="p")
         d.put({"x": torch.ones(2, 1024)}, partition="p", indexes=idx)  # reserved before the restart

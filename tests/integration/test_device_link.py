@@ -20,6 +20,7 @@ import torch
 import dockd
 from dockd import device_link
 from dockd._proto import dockd_pb2 as pb
+from tests.conftest import wait_until
 from tests.integration.test_device_tier import check, metric, sample_columns, usage
 
 pytestmark = pytest.mark.timeout(180)
@@ -49,14 +50,6 @@ def linked_bytes(cluster) -> int:
     return int(metric(cluster, "dockd_device_linked_bytes_total"))
 
 
-def wait_for(cond, what: str, limit: float = 10.0) -> None:
-    deadline = time.monotonic() + limit
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def test_a_remote_reader_gets_device_tier_data_over_one_kept_link(tier, monkeypatch, caplog):
     with dockd.connect(tier.address) as w:
         w.put(sample_columns(16), partition="p", device="keep")
@@ -75,7 +68,7 @@ def test_a_remote_reader_gets_device_tier_data_over_one_kept_link(tier, monkeypa
         check(r.get("c", ["x", "r", "uid"], 4, partition="h", timeout=10), 4, 2)
         assert linked_bytes(tier) == dev
         assert "device link" not in caplog.text
-    wait_for(lambda: links(tier) == 0, "the warehouse to drop the link of a closed reader")
+    wait_until(lambda: links(tier) == 0, 10, "the warehouse to drop the link of a closed reader")
 
 
 def test_a_link_the_warehouse_lost_is_made_again_and_no_read_fails(tier, monkeypatch):
@@ -86,7 +79,7 @@ def test_a_link_the_warehouse_lost_is_made_again_and_no_read_fails(tier, monkeyp
         check(r.get("c", ["x", "r", "uid"], 8, partition="p0", device="cpu", timeout=10), 8, 0)
         before = linked_bytes(tier)
         r._router.forget(r.home)  # the connections that opened the link close: the warehouse drops it
-        wait_for(lambda: links(tier) == 0, "the link to be dropped")
+        wait_until(lambda: links(tier) == 0, 10, "the link to be dropped")
         # the next read names a link the warehouse no longer has: its device data comes as bytes
         check(r.get("c", ["x", "r", "uid"], 8, partition="p1", device="cpu", timeout=10), 8, 1)
         assert linked_bytes(tier) == before
@@ -140,7 +133,7 @@ def test_bad_link_requests_get_clear_errors_and_the_warehouse_keeps_serving(tier
     # a rendezvous nobody answers: the warehouse opens the link, its join fails in time, the link goes
     reply = fetch(pb.DeviceLink(id=bytes(range(16)), backend="gloo", rendezvous=b"127.0.0.1:1"))
     assert reply.status.code == pb.OK and reply.fetch_reply.link_opened
-    wait_for(lambda: links(tier) == 0, "the failed link to be dropped", limit=30)
+    wait_until(lambda: links(tier) == 0, 30, "the failed link to be dropped")
     with remote_reader(tier, monkeypatch) as r:
         check(r.get("c", ["x", "r", "uid"], 4, partition="p", device="cpu", timeout=10), 4)
 

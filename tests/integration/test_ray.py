@@ -16,7 +16,7 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,6 +24,7 @@ import torch
 
 import dockd
 from dockd import ray as dock_ray
+from tests.conftest import wait_until
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -43,17 +44,6 @@ def _gone(pid: int) -> bool:
             return "\nState:\tZ" in f.read()
     except FileNotFoundError:
         return True
-
-
-def _wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:g}s")
-        time.sleep(0.2)
 
 
 def _refuses(address: str) -> bool:
@@ -107,7 +97,7 @@ def test_daemon_dies_with_a_sigkilled_owner() -> None:
             assert f.read().split(b"\0")[0] == b"/bin/sleep"  # the wrapper exec'd into the program
         owner.send_signal(signal.SIGKILL)
         owner.wait()
-        _wait_for(f"child pid={child} to die with its owner", lambda: _gone(child), timeout=10)
+        wait_until(lambda: _gone(child), 10, f"child pid={child} to die with its owner", interval=0.2)
     finally:
         if owner.poll() is None:
             owner.kill()
@@ -267,18 +257,18 @@ def test_killed_warehouse_actor_takes_its_daemon_and_is_replaced(dock_address: s
     infos = dock_ray.warehouses()
     nid, old = next((n, i) for n, i in sorted(infos.items()) if i["role"] == "warehouse")
     ray.kill(ray.get_actor(dock_ray.WAREHOUSE_PREFIX + nid, namespace="dockd"))  # SIGKILLs the actor
-    _wait_for(f"daemon pid={old['pid']} to die with its actor", lambda: _gone(old["pid"]), timeout=30)
+    wait_until(lambda: _gone(old["pid"]), 30, f"daemon pid={old['pid']} to die with its actor", interval=0.2)
 
     def replaced() -> dict[str, Any] | None:
         info = dock_ray.warehouses().get(nid)
         return info if info and info["running"] and info["pid"] != old["pid"] else None
 
-    new = _wait_for(f"a new warehouse on node {nid}", replaced, timeout=90)
+    new = wait_until(replaced, 90, f"a new warehouse on node {nid}", interval=0.2)
     assert new["controller"] == dock_address
     with dockd.connect(dock_address) as dock:
         # the controller may give a dropped warehouse a grace period to rejoin before retiring it
-        _wait_for("the controller to retire the killed warehouse",
-                  lambda: not dock.stats()["warehouses"][old["warehouse"]]["alive"], timeout=60)
+        wait_until(lambda: not dock.stats()["warehouses"][old["warehouse"]]["alive"], 60,
+                   "the controller to retire the killed warehouse", interval=0.2)
         whs = dock.stats()["warehouses"]
     assert whs[new["warehouse"]]["alive"] is True
     assert len(_live(whs)) == 3
@@ -293,8 +283,8 @@ def test_late_node_gets_a_warehouse_and_a_leaving_node_takes_it_along(
     node = ray_cluster.add_node(**_NODE)
     nid = node.node_id
     try:
-        info = _wait_for(f"a warehouse on the new node {nid}",
-                         lambda: (i := dock_ray.warehouses().get(nid)) and i["running"] and i, timeout=90)
+        info = wait_until(lambda: (i := dock_ray.warehouses().get(nid)) and i["running"] and i, 90,
+                          f"a warehouse on the new node {nid}", interval=0.2)
         partition = f"late-{uuid.uuid4().hex[:8]}"
         ran_on, home, idx, _ = ray.get(_pinned(_put_here_task(), nid).remote(partition, 3, 99), timeout=120)
         assert (ran_on, home) == (nid, info["warehouse"])
@@ -303,10 +293,10 @@ def test_late_node_gets_a_warehouse_and_a_leaving_node_takes_it_along(
             dock.clear(partition)
     finally:
         ray_cluster.remove_node(node)
-    _wait_for(f"daemon pid={info['pid']} to end with its node", lambda: _gone(info["pid"]), timeout=60)
+    wait_until(lambda: _gone(info["pid"]), 60, f"daemon pid={info['pid']} to end with its node", interval=0.2)
     with dockd.connect(dock_address) as dock:
-        _wait_for("the controller to see the warehouse leave",
-                  lambda: not dock.stats()["warehouses"][info["warehouse"]]["alive"], timeout=60)
+        wait_until(lambda: not dock.stats()["warehouses"][info["warehouse"]]["alive"], 60,
+                   "the controller to see the warehouse leave", interval=0.2)
         assert len(_live_warehouses(dock)) == 3
 
 
@@ -341,7 +331,7 @@ def test_a_dead_controller_is_replaced_by_the_next_launch(dock_address: str) -> 
 
     ctrl = next(i for i in dock_ray.warehouses().values() if i["role"] == "controller")
     ray.kill(ray.get_actor(dock_ray.CONTROLLER_NAME, namespace="dockd"))
-    _wait_for(f"controller pid={ctrl['pid']} to die with its actor", lambda: _gone(ctrl["pid"]), timeout=30)
+    wait_until(lambda: _gone(ctrl["pid"]), 30, f"controller pid={ctrl['pid']} to die with its actor", interval=0.2)
     assert dock_ray.find() is None
     address = dock_ray.launch("256MiB", lease_timeout=30.0, watch_interval=0.5)
     assert address != dock_address
@@ -364,7 +354,7 @@ def test_shutdown_leaves_nothing_and_a_plugin_launches_anew(dock_address: str, m
         assert not {n["name"] for n in ray.util.list_named_actors(all_namespaces=True) if n["namespace"] == "dockd"}
         for info in infos.values():
             pid = info["pid"]
-            _wait_for(f"daemon pid={pid} to exit", lambda pid=pid: _gone(pid), timeout=30)
+            wait_until(lambda pid=pid: _gone(pid), 30, f"daemon pid={pid} to exit", interval=0.2)
             assert _refuses(info["address"])
 
     infos = dock_ray.warehouses()

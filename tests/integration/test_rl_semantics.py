@@ -14,20 +14,12 @@ import torch
 
 import dockd
 from dockd.errors import DockDrained, DockLeaseError, DockNotFound, DockTimeout, DockValueError
+from tests.conftest import wait_until
 
 
 def _bytes(dock, wid=None) -> int:
     ws = dock.stats()["warehouses"]
     return sum(w["bytes"] for k, w in ws.items() if wid is None or k == wid)
-
-
-def _until(check, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)
 
 
 def test_tags_filter_order_and_update(dock, partition):
@@ -64,7 +56,7 @@ def test_delete_frees_every_warehouse_and_unblocks_a_sealed_wait(cluster, partit
         with pytest.raises(DockDrained):
             d0.get("c", ["x", "y"], 4, partition=partition, groups=True, timeout=5)
         d0.delete(partition, b.indexes)
-        assert _until(lambda: _bytes(d0, 0) == base0 and _bytes(d0, 1) == base1), d0.stats()["warehouses"]
+        assert wait_until(lambda: _bytes(d0, 0) == base0 and _bytes(d0, 1) == base1), d0.stats()["warehouses"]
         st = d0.stats()["partitions"][partition]
         assert st["deleted"] == 8 and st["sealed"]
         with pytest.raises(DockNotFound, match="deleted"):
@@ -87,11 +79,11 @@ def test_retire_when_consumed_by_frees_what_every_consumer_confirmed(cluster, pa
         dock.get("actor", ["x"], 32, partition=partition, timeout=5)
         dock.stats()  # (confirms ride on the next request)
         # half the samples are consumed by both named consumers: their bytes go
-        assert _until(lambda: dock.stats()["partitions"][partition]["deleted"] == 32)
-        assert _until(lambda: _bytes(dock) - base <= grown // 2 + 4096), (grown, _bytes(dock) - base)
+        assert wait_until(lambda: dock.stats()["partitions"][partition]["deleted"] == 32)
+        assert wait_until(lambda: _bytes(dock) - base <= grown // 2 + 4096), (grown, _bytes(dock) - base)
         dock.get("actor", ["x"], 32, partition=partition, timeout=5)
         dock.stats()
-        assert _until(lambda: _bytes(dock) == base)
+        assert wait_until(lambda: _bytes(dock) == base)
         # a retired sample is not handed out again, even to a consumer that did not have it yet
         with pytest.raises(DockTimeout, match="0 of 1"):
             dock.get("logger", ["x"], 1, partition=partition, timeout=0.2)
@@ -389,7 +381,7 @@ def test_deleting_half_of_a_put_frees_its_bytes(cluster, partition, where):
         def freed():
             w = d.stats(traffic=True)["warehouses"][where]
             return w["freed_bytes"] - before["freed_bytes"] >= 16 * 8192 and w
-        w = _until(freed)
+        w = wait_until(freed)
         assert w, d.stats(traffic=True)["warehouses"][where]
         assert w["reclaimable_bytes"] == before["reclaimable_bytes"]  # compacted: nothing deleted is held
         b = d.get("c", ["x", "r"], 16, partition=partition, timeout=10)

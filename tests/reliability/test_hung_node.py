@@ -20,6 +20,7 @@ import dockd
 from dockd import auth, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.local import spawn_node
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,16 +35,6 @@ def stopped(pid: int):
         yield
     finally:
         os.kill(pid, signal.SIGCONT)
-
-
-def wait_for(predicate, timeout: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def timed(fn, *args, **kwargs):
@@ -96,14 +87,14 @@ def test_a_stopped_warehouse_bounds_gets_is_reported_and_loses_or_repeats_nothin
                 progress = d.stats()["partitions"][partition]["consumers"]["c"]
                 assert (progress["taken"], progress["leased"], progress["ready"]) == (0, 0, 16), progress
                 # the controller notices it and says so
-                wait_for(lambda: d.stats()["warehouses"][1]["state"] == "unresponsive", what="unresponsive")
+                wait_until(lambda: d.stats()["warehouses"][1]["state"] == "unresponsive", what="unresponsive")
                 assert d.stats()["warehouses"][1]["alive"] is False
                 _, err, took = timed(d.get, "c", ["x"], 16, partition=partition, timeout=30)
                 assert isinstance(err, dockd.DockTimeout) and "stopped answering" in str(err), err
                 assert took < 5, f"a get of an unresponsive warehouse's samples took {took:.1f}s"
                 assert_quick_connects(cluster.address, hung_address)
             # running again: joined, and every sample comes exactly once
-            wait_for(lambda: d.stats()["warehouses"][1]["state"] == "joined", what="joined again")
+            wait_until(lambda: d.stats()["warehouses"][1]["state"] == "joined", what="joined again")
             got = drain(d, partition, 16)
             assert sorted(got) == list(range(16)), got
             with pytest.raises(dockd.DockTimeout):
@@ -131,9 +122,9 @@ def test_a_fetch_that_outlives_its_lease_returns_nothing_so_no_sample_is_deliver
             with stopped(hung):
                 t = threading.Thread(target=blocked_get)
                 t.start()
-                wait_for(lambda: second.stats()["partitions"][partition]["consumers"]["c"]["leased"] == 8,
+                wait_until(lambda: second.stats()["partitions"][partition]["consumers"]["c"]["leased"] == 8,
                          what="the first get's lease")
-                wait_for(lambda: second.stats()["partitions"][partition]["consumers"]["c"]["leased"] == 0,
+                wait_until(lambda: second.stats()["partitions"][partition]["consumers"]["c"]["leased"] == 0,
                          what="the lease to expire")
             t.join(30)
             assert not t.is_alive()
@@ -205,7 +196,7 @@ def test_a_registration_cannot_take_a_stopped_warehouses_place_but_a_restart_can
             with dockd.connect(address, token=key, warehouse=wh_address) as w:
                 w.put({"x": torch.arange(4)}, partition=partition)
             with stopped(procs[0].pid):
-                wait_for(lambda: d.stats()["warehouses"][wid]["state"] == "unresponsive", what="unresponsive")
+                wait_until(lambda: d.stats()["warehouses"][wid]["state"] == "unresponsive", what="unresponsive")
                 # the address accepts connections but answers nothing: who is there cannot be told
                 impostor = secrets.randbits(62) | 1
                 for _ in range(200):
@@ -214,7 +205,7 @@ def test_a_registration_cannot_take_a_stopped_warehouses_place_but_a_restart_can
                         break
                     time.sleep(0.05)
                 assert reply.status.code != pb.OK and "registration refused" in reply.status.message, reply
-            wait_for(lambda: d.stats()["warehouses"][wid]["state"] == "joined", what="joined again")
+            wait_until(lambda: d.stats()["warehouses"][wid]["state"] == "joined", what="joined again")
             assert d.get("c", ["x"], 4, partition=partition, timeout=10).indexes == [0, 1, 2, 3]
             # a real restart at the same address (the old process is gone) is still accepted
             procs[0].kill()
@@ -224,7 +215,7 @@ def test_a_registration_cannot_take_a_stopped_warehouses_place_but_a_restart_can
                     "--daemon-token-file", str(tmp_path / "daemon.token")]
             procs[0], again = spawn_node(args, timeout=30)
             assert again["port"] == int(port)
-            states = wait_for(lambda: {k: w["state"] for k, w in d.stats()["warehouses"].items()
+            states = wait_until(lambda: {k: w["state"] for k, w in d.stats()["warehouses"].items()
                                        if w["address"] == wh_address and w["state"] == "joined"}, what="the restart")
             assert len(states) == 1 and d.stats()["warehouses"][wid]["state"] == "lost"
     finally:
