@@ -572,8 +572,7 @@ class Controller:
             raise DockFull(f"the dock holds {total} samples and takes at most {self.max_samples} (--max-samples: the "
                            "controller keeps metadata for each); clear or delete finished samples first")
         if part is None:
-            self._check_partitions()
-            part = self.partitions[partition] = _Partition(partition, group_size)
+            part = self._new_partition(partition, group_size)
         elif part.group_size != group_size:
             raise DockValueError(
                 f"partition {partition!r} holds groups of {part.group_size}; new samples must use "
@@ -601,6 +600,12 @@ class Controller:
         if len(self.partitions) >= limits.MAX_PARTITIONS:
             raise DockFull(f"the dock holds {len(self.partitions)} partitions, the most it takes; clear finished "
                            "ones (a partition is a step or a stream, not a sample)")
+
+    def _new_partition(self, name: str, group_size: int) -> _Partition:
+        """A partition made at a client's request (within the dock's bound on partitions)."""
+        self._check_partitions()
+        part = self.partitions[name] = _Partition(name, group_size)
+        return part
 
     # -- partitions and their samples -----------------------------------------------------
     def _part(self, partition: str) -> _Partition:
@@ -637,8 +642,7 @@ class Controller:
             raise DockValueError(f"retire_when_consumed_by names distinct non-empty consumers, got {list(retire)}")
         part = self.partitions.get(partition)
         if part is None:
-            self._check_partitions()
-            part = self.partitions[partition] = _Partition(partition, group_size)
+            part = self._new_partition(partition, group_size)
         elif part.group_size != group_size:
             raise DockValueError(f"partition {partition!r} already holds groups of {part.group_size}, "
                                  f"not {group_size}")
@@ -708,8 +712,7 @@ class Controller:
         """No new samples from now on; gets that then cannot be met end (DockDrained)."""
         part = self.partitions.get(partition)
         if part is None:
-            self._check_partitions()
-            part = self.partitions[partition] = _Partition(partition, 1)
+            part = self._new_partition(partition, 1)
         part.sealed = True
 
     def set_tags(self, partition: str, indexes, tags: Mapping[str, Sequence[int]]) -> None:
