@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -46,6 +47,20 @@ def wait_until(predicate, timeout: float = 30.0, what: str = "condition", interv
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(interval)
+
+
+@contextlib.contextmanager
+def serving(*args: str, **kwargs):
+    """One `dockd serve ARGS` for a test: yields (its address, its process); stopped at the end."""
+    from dockd.local import spawn_node
+
+    proc, ready = spawn_node(list(args), **kwargs)
+    try:
+        yield f"127.0.0.1:{ready['port']}", proc
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        proc.stdout.close()
 
 
 def run_client(code: str, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:

@@ -17,6 +17,7 @@ import dockd
 from dockd import shm, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.local import spawn_node
+from tests.conftest import serving
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -24,15 +25,10 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.fixture
 def node():
     """One controller+warehouse daemon with short timeouts and few connections; yields (address, pid)."""
-    proc, ready = spawn_node(["--controller", "--port", "0", "--capacity", "8MiB", "--max-connections", "32",
-                              "--handshake-timeout", "1", "--stall-timeout", "1", "--idle-timeout", "2",
-                              "--daemon-timeout", "2"])
-    try:
-        yield f"127.0.0.1:{ready['port']}", proc.pid
-    finally:
-        proc.terminate()
-        proc.wait(20)
-        proc.stdout.close()
+    with serving("--controller", "--port", "0", "--capacity", "8MiB", "--max-connections", "32",
+                 "--handshake-timeout", "1", "--stall-timeout", "1", "--idle-timeout", "2",
+                 "--daemon-timeout", "2") as (address, proc):
+        yield address, proc.pid
 
 
 def still_serves(address: str) -> None:
@@ -207,14 +203,9 @@ def _no_leaked_threads():
 @pytest.fixture
 def patient_node():
     """A daemon whose stall timeout is long enough for slow senders to matter; yields (address, pid)."""
-    proc, ready = spawn_node(["--controller", "--port", "0", "--capacity", "64MiB", "--stall-timeout", "4",
-                              "--handshake-timeout", "4"])
-    try:
-        yield f"127.0.0.1:{ready['port']}", proc.pid
-    finally:
-        proc.terminate()
-        proc.wait(20)
-        proc.stdout.close()
+    with serving("--controller", "--port", "0", "--capacity", "64MiB", "--stall-timeout", "4",
+                 "--handshake-timeout", "4") as (address, proc):
+        yield address, proc.pid
 
 
 def test_large_headers_of_all_connections_share_one_budget(patient_node, raw, proc_stats):
@@ -279,20 +270,16 @@ def _cpu_ticks(pid: int) -> int:
         return sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])  # utime + stime
 
 
-def test_descriptors_sent_ahead_share_one_budget_and_new_clients_still_get_in(proc_stats):
+def test_descriptors_sent_ahead_share_one_budget_and_new_clients_still_get_in(proc_stats, raw):
     """Finding 6 of the second review: 329 connections x 60 descriptors sent ahead of their frames
     took a daemon to its descriptor limit; new clients failed for a minute and the accept loop
     spun on EMFILE. Descriptors in flight now share one budget (an eighth of the limit)."""
-    from tests.conftest import RawClient
-
-    proc, ready = spawn_node(["--controller", "--port", "0"], prefix=["prlimit", "--nofile=256:256"])
-    address = f"127.0.0.1:{ready['port']}"
-    try:
+    with serving("--controller", "--port", "0", prefix=["prlimit", "--nofile=256:256"]) as (address, proc):
         with dockd.connect(address) as d:
             unix = d._router.ctrl.unix
         conns, closed = [], 0
         for _ in range(24):  # 24 x 10 descriptors: far past what 256 descriptors hold with the rest
-            c = RawClient(address, unix=unix)
+            c = raw(address, unix=unix)
             conns.append(c)
             nulls = [os.open("/dev/null", os.O_RDONLY) for _ in range(10)]
             try:
@@ -313,12 +300,6 @@ def test_descriptors_sent_ahead_share_one_budget_and_new_clients_still_get_in(pr
         time.sleep(1)
         cpu1 = _cpu_ticks(proc.pid)
         assert cpu1 - cpu0 < os.sysconf("SC_CLK_TCK")  # no accept loop spinning: < 1 s of CPU in ~1.5 s
-        for c in conns:
-            c.close()
-    finally:
-        proc.terminate()
-        proc.wait(20)
-        proc.stdout.close()
 
 
 def test_failing_one_way_requests_log_a_line_per_ten_seconds(tmp_path, raw):

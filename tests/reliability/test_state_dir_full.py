@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import dockd.controller.journal as journal_mod
 from dockd.controller.journal import Journal
 from dockd.errors import DockLeaseError, DockStateFull
 from dockd.local import spawn_node
+from tests.integration.test_cluster import Procs, free_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -151,12 +151,6 @@ def test_restored_leases_get_the_seconds_they_had_left_on_the_new_clock(tmp_path
 
 
 # -- daemons with the state dir on a small tmpfs --------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def small_fs(tmp_path):
     """A 1 MiB tmpfs (root only), unmounted at the end."""
@@ -174,13 +168,13 @@ def small_fs(tmp_path):
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
-class _Dock:
+class _Dock(Procs):
     """A controller without data (state dir given) and one warehouse; stopped at the end."""
 
     def __init__(self, state: str, *extra: str, env: dict | None = None) -> None:
-        self.port, self.state, self.extra = _free_port(), state, extra
+        super().__init__()
+        self.port, self.state, self.extra = free_port(), state, extra
         self.address = f"127.0.0.1:{self.port}"
-        self.procs: list[subprocess.Popen] = []
         self.ctl = self.start_controller(env=env)
         self.procs.append(spawn_node(["--port", "0", "--join", self.address])[0])
 
@@ -194,17 +188,6 @@ class _Dock:
     def kill_controller(self) -> None:
         self.ctl.send_signal(signal.SIGKILL)
         self.ctl.wait()
-
-    def close(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-            p.stdout.close()
 
 
 @pytest.fixture

@@ -71,13 +71,12 @@ def test_checkpoints_stay_under_their_root_and_open_regular_files_only(tmp_path)
 
     import msgpack
 
-    from dockd.local import spawn_node
+    from tests.conftest import serving
 
     root = tmp_path / "ckpt"
     root.mkdir()
-    proc, ready = spawn_node(["--controller", "--port", "0", "--checkpoint-root", str(root)])
-    try:
-        with dockd.connect(f"127.0.0.1:{ready['port']}") as d:
+    with serving("--controller", "--port", "0", "--checkpoint-root", str(root)) as (address, _):
+        with dockd.connect(address) as d:
             d.put({"x": torch.arange(4)}, partition="p")
             for outside in (tmp_path / "elsewhere", root / ".." / "escape"):
                 with pytest.raises(dockd.DockValueError, match="checkpoint-root"):
@@ -98,7 +97,3 @@ def test_checkpoints_stay_under_their_root_and_open_regular_files_only(tmp_path)
                 d.load(evil, partition="q")
             d.load(root / "good", partition="q")
             assert torch.equal(d.get("c", ["x"], 4, partition="q", timeout=10).stacked("x"), torch.arange(4))
-    finally:
-        proc.terminate()
-        proc.wait(20)
-        proc.stdout.close()

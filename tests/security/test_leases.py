@@ -93,11 +93,9 @@ os.kill(os.getpid(), 9)
 def test_a_connection_without_a_session_cannot_have_its_session_claimed(raw):
     """Finding 10 of the second review: a raw client's implicit session was "conn:N", which any other
     client could claim at its handshake and so keep the first one's leases alive after it died."""
-    from dockd.local import spawn_node
+    from tests.conftest import serving
 
-    proc, ready = spawn_node(["--controller", "--port", "0"])  # connection ids count from 1
-    address = f"127.0.0.1:{ready['port']}"
-    try:
+    with serving("--controller", "--port", "0") as (address, _):  # connection ids count from 1
         with dockd.connect(address) as d:
             d.put({"x": torch.arange(2)}, partition="p")
             a = raw(address)
@@ -109,7 +107,3 @@ def test_a_connection_without_a_session_cannot_have_its_session_claimed(raw):
                 assert c.call(pb.Frame(id=2 + k, stats=pb.StatsRequest())).WhichOneof("kind") == "stats_reply"
             a.close()  # the holder dies: its lease goes back to the pool at once, whoever claimed "conn:N"
             assert d.get("c", ["x"], 2, partition="p", timeout=10).indexes == [0, 1]
-    finally:
-        proc.terminate()
-        proc.wait(20)
-        proc.stdout.close()

@@ -11,7 +11,7 @@ import dockd
 from dockd import limits
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.core import Controller
-from dockd.local import spawn_node
+from tests.conftest import serving
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -40,13 +40,8 @@ def test_gets_parked_on_one_connection_are_bounded(cluster, raw, partition):
 
 @pytest.fixture
 def small_node():
-    proc, ready = spawn_node(["--controller", "--port", "0", "--capacity", "4MiB", "--max-samples", "400000"])
-    try:
-        yield f"127.0.0.1:{ready['port']}"
-    finally:
-        proc.terminate()
-        proc.wait(20)
-        proc.stdout.close()
+    with serving("--controller", "--port", "0", "--capacity", "4MiB", "--max-samples", "400000") as (address, _):
+        yield address
 
 
 def test_empty_samples_count_against_capacity_and_the_dock_bounds_samples(small_node):
