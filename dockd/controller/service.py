@@ -18,6 +18,7 @@ import logging
 import os
 import secrets
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -54,35 +55,42 @@ class _Paced:
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
 
+class LocalWarehouse(Protocol):
+    """The warehouse hosted in the controller's own process, called directly instead of over a link."""
+
+    def free(self, partition: str, indexes: np.ndarray | None = None) -> int:
+        """Free a partition, or some of its samples; returns the bytes freed."""
+
+    def measure(self, partition: str, column: str, indexes: np.ndarray) -> np.ndarray:
+        """Per sample, a column's number (a scalar column) or size in bytes."""
+
+    async def dump(self, req: pb.DumpRequest) -> pb.DumpReply:
+        """Write (or, with req.load, store) a checkpoint file of what this warehouse holds of a partition."""
+
+    def inline(self, peer: Peer, partition: str, columns: list[str], indexes: np.ndarray,
+               locations: np.ndarray) -> tuple[list[pb.ColumnData], Any, list]:
+        """For an acquire: the whole columns this warehouse holds, encoded for the reply (may be empty)."""
+
+
 class ControllerService:
     """The controller of one dock.
 
     Args:
         core: the pure controller (a fresh one, or none to rebuild from `state_dir`).
-        free_local: frees a partition (or some of its samples) in the warehouse hosted in this process;
-            returns the bytes freed.
-        measure_local: per sample, a column's number or size, from the warehouse hosted in this process.
-        dump_local: writes (or loads) a checkpoint file of the warehouse hosted in this process
-            (a coroutine function taking a DumpRequest, returning a DumpReply).
-        inline: values of the local warehouse for acquire replies (see AcquireRequest.inline).
+        local: the warehouse hosted in this process (see LocalWarehouse), or None for a controller without one.
         state_dir: journal decisions there and rebuild from it on start (None: keep nothing).
         warehouse_grace: seconds a warehouse whose connection dropped has to rejoin.
     """
 
-    def __init__(self, core: Controller, *, free_local: Callable[..., int], measure_local: Callable | None = None,
-                 dump_local: Callable | None = None,
-                 inline: Callable | None = None,
+    def __init__(self, core: Controller, *, local: LocalWarehouse | None = None,
                  state_dir: str | None = None, warehouse_grace: float = 15.0, fsync_interval: float = 0.05,
                  daemon_timeout: float = 30.0, checkpoint_root: str = "") -> None:
         self.daemon_timeout = daemon_timeout
         self.checkpoint_root = checkpoint_root  # checkpoints are written and read only below it ("": anywhere)
         self.core = core
-        self.free_local = free_local
-        self.measure_local = measure_local
-        self.dump_local = dump_local
+        self.local = local
         self._frees_soon = False
         self._loading: set[str] = set()  # partitions a load is filling
-        self.inline = inline
         self.journal = Journal(state_dir, fsync_interval=fsync_interval) if state_dir else None
         self.members = Membership(core, self.journal, grace=warehouse_grace, on_change=self._wake_all)
         self.waiters: dict[str, list[_Waiter]] = {}
@@ -590,7 +598,7 @@ class ControllerService:
         if entry is None or not entry.alive:
             raise DockDataLost(f"warehouse {wid} is not reachable")
         if entry.local:
-            return await self.dump_local(req)
+            return await self.local.dump(req)
         reply, _ = await entry.peer.request(pb.Frame(dump=req))
         return reply.dump_reply
 
@@ -603,7 +611,7 @@ class ControllerService:
             if not entry.alive:
                 continue
             if entry.local:
-                self.free_local(partition)
+                self.local.free(partition)
             else:
                 remote.append(entry.peer.request(pb.Frame(free=pb.FreeRequest(partition=partition))))
         wait = [asyncio.ensure_future(asyncio.wait_for(r, self.daemon_timeout)) for r in remote]
@@ -626,7 +634,7 @@ class ControllerService:
                 if entry is None or not entry.alive:
                     continue
                 if entry.local:
-                    self._freed(partition, wid, self.free_local(partition, idx))
+                    self._freed(partition, wid, self.local.free(partition, idx))
                     continue
                 fut = entry.peer.request(pb.Frame(free=pb.FreeRequest(partition=partition, indexes=idx.tolist())))
                 fut.add_done_callback(lambda f, p=partition, w=wid: self._remote_freed(p, w, f))
@@ -832,7 +840,7 @@ class ControllerService:
                 raise DockDataLost(f"column {column!r} of samples {idx[sel][:8].tolist()} of partition {part.name!r} "
                                    f"is on warehouse {wid}, which is not reachable; cannot balance by it")
             if entry.local:
-                out[sel] = self.measure_local(part.name, column, idx[sel])
+                out[sel] = self.local.measure(part.name, column, idx[sel])
             else:
                 req = pb.MeasureRequest(partition=part.name, column=column, indexes=idx[sel].tolist())
                 asks.append((sel, entry.peer.request(pb.Frame(measure=req))))
@@ -855,8 +863,8 @@ class ControllerService:
         reply.warehouses.extend(self.warehouse_infos(sorted(set(locs)), usage=False))
         part = self.core.partitions.get(r.partition)
         reply.recovered = part is not None and part.recovered
-        if r.inline and self.inline is not None:
-            cols, body, segs = self.inline(peer, r.partition, list(r.columns), res.indexes, res.locations)
+        if r.inline and self.local is not None:
+            cols, body, segs = self.local.inline(peer, r.partition, list(r.columns), res.indexes, res.locations)
             reply.inline.extend(cols)
             out.pins.extend(s.sid for s in segs)
             peer.reply(frame, out, body.buffers, body.size, segs)

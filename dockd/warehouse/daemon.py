@@ -66,10 +66,7 @@ class Node:
         self.controller: ControllerService | None = None
         if cfg.controller:
             self.controller = ControllerService(
-                Controller(lease_timeout=cfg.lease_timeout, max_samples=cfg.max_samples), free_local=self._free,
-                measure_local=self.warehouse.measure,
-                dump_local=self._dump,
-                inline=self._inline_values,
+                Controller(lease_timeout=cfg.lease_timeout, max_samples=cfg.max_samples), local=_Local(self),
                 state_dir=cfg.state_dir or None, warehouse_grace=cfg.warehouse_grace, daemon_timeout=cfg.daemon_timeout,
                 checkpoint_root=cfg.checkpoint_root,
             )
@@ -976,6 +973,16 @@ class Node:
         # device-tier columns are fetched: the reader then chooses device memory or host bytes
         found = [(name, slices) for name, slices in found if all(b.device is None for b, _, _ in slices)]
         return self._encode(peer, found, len(indexes))
+
+
+class _Local:
+    """This node's warehouse as its controller sees it (controller.service.LocalWarehouse)."""
+
+    def __init__(self, node: Node) -> None:
+        self.free = node._free
+        self.measure = node.warehouse.measure
+        self.dump = node._dump
+        self.inline = node._inline_values
 
 
 def _commit_answer(peer: Peer, frame: pb.Frame, res) -> None:
