@@ -59,14 +59,51 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
+def env(name: str, default: str = "") -> str:
+    """A registered dockd environment variable, read now (never cached at import)."""
+    if name not in ENV_VARS:
+        raise KeyError(f"{name} is not a registered dockd environment variable (add it to dockd.config.ENV_VARS)")
+    return os.environ.get(name) or default
+
+
 def env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
+    raw = env(name)
+    if raw == "":
         return default
     try:
         return float(raw)
     except ValueError:
         raise DockValueError(f"environment variable {name}={raw!r} is not a number") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ClientConfig:
+    """A client's settings from the environment (see ENV_VARS); arguments to `dockd.connect` override them."""
+
+    warehouse: str = ""
+    connect_timeout: float = 10.0
+    reconnect_timeout: float = 30.0
+    fetch_timeout: float = 60.0
+    transport: str = "auto"
+    spin_s: float = 200e-6
+    recv_pool_bytes: int = 1 << 30
+    device_link_timeout: float = 60.0
+
+    @classmethod
+    def from_env(cls) -> ClientConfig:
+        transport = env("DOCKD_TRANSPORT", "auto")
+        if transport not in ("auto", "tcp"):
+            raise DockValueError(f"DOCKD_TRANSPORT={transport!r}: use 'auto' or 'tcp'")
+        return cls(
+            warehouse=env("DOCKD_WAREHOUSE"),
+            connect_timeout=env_float("DOCKD_CONNECT_TIMEOUT", 10.0),
+            reconnect_timeout=env_float("DOCKD_RECONNECT_TIMEOUT", 30.0),
+            fetch_timeout=env_float("DOCKD_FETCH_TIMEOUT", 60.0),
+            transport=transport,
+            spin_s=env_float("DOCKD_SPIN_US", 200.0) / 1e6,
+            recv_pool_bytes=int(env_float("DOCKD_RECV_POOL_BYTES", float(1 << 30))),
+            device_link_timeout=env_float("DOCKD_DEVICE_LINK_TIMEOUT", 60.0),
+        )
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
