@@ -40,6 +40,7 @@ import stat
 import time
 
 from dockd._proto import dockd_pb2 as pb
+from dockd.config import env
 from dockd.errors import DockAuthError, DockValueError
 
 logger = logging.getLogger(__name__)
@@ -73,9 +74,9 @@ def load_token(path: str | os.PathLike, what: str = "token") -> bytes:
 def client_token(token: str | bytes | None = None) -> bytes | None:
     """The token a client proves: the argument, else $DOCKD_TOKEN, else the file $DOCKD_TOKEN_FILE."""
     if token is None:
-        token = os.environ.get("DOCKD_TOKEN") or None
-    if token is None and os.environ.get("DOCKD_TOKEN_FILE"):
-        return load_token(os.environ["DOCKD_TOKEN_FILE"])
+        token = env("DOCKD_TOKEN") or None
+    if token is None and env("DOCKD_TOKEN_FILE"):
+        return load_token(env("DOCKD_TOKEN_FILE"))
     if token is None:
         return None
     raw = token.encode() if isinstance(token, str) else bytes(token)
@@ -93,7 +94,7 @@ def _netns() -> str:
 
 def daemon_secret_path(port: int) -> pathlib.Path:
     """Where a tokenless controller on `port` keeps its per-dock daemon secret (this user only)."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    base = env("XDG_RUNTIME_DIR", "/tmp")
     return pathlib.Path(base) / f"dockd-{os.getuid()}" / f"daemon-{_netns()}-{port}.secret"
 
 

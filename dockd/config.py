@@ -36,6 +36,18 @@ ENV_VARS = {
     "DOCKD_BENCH_LOG": "benchmarks: log level of the scenario processes (default INFO)",
 }
 
+#: Variables of other software that dockd reads (never sets for itself); `env` accepts these too.
+FOREIGN_ENV = {
+    "XDG_RUNTIME_DIR": "per-user runtime directory; a tokenless controller keeps its daemon secret below it "
+                       "(default /tmp)",
+    "LD_LIBRARY_PATH": "device bindings: directories searched for libnccl.so.2 / libhccl.so after the wheels",
+    "ASCEND_HOME_PATH": "device bindings: the CANN toolkit (set by its set_env.sh); lib64/libhccl.so is tried",
+    "ASCEND_TOOLKIT_HOME": "device bindings: the CANN toolkit, tried after ASCEND_HOME_PATH",
+    "ASCEND_RT_VISIBLE_DEVICES": "device tier: the NPUs visible to this process (maps local to physical ids)",
+    "TQ_CONTROLLER_GET_METADATA_TIMEOUT": "verl plugin: seconds transfer_queue's get_meta waits for samples "
+                                          "(TransferQueue's own variable; default 1)",
+}
+
 
 def is_loopback(host: str) -> bool:
     """Whether binding `host` keeps a daemon on this machine."""
@@ -60,9 +72,11 @@ def parse_size(text: str | int) -> int:
 
 
 def env(name: str, default: str = "") -> str:
-    """A registered dockd environment variable, read now (never cached at import)."""
-    if name not in ENV_VARS:
-        raise KeyError(f"{name} is not a registered dockd environment variable (add it to dockd.config.ENV_VARS)")
+    """A registered environment variable (ENV_VARS or FOREIGN_ENV), read now (never cached at import);
+    `default` when it is unset or empty. dockd reads the environment only through this."""
+    if name not in ENV_VARS and name not in FOREIGN_ENV:
+        raise KeyError(f"{name} is not a registered environment variable (add it to dockd.config.ENV_VARS, "
+                       "or to FOREIGN_ENV for another program's variable)")
     return os.environ.get(name) or default
 
 

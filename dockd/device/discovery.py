@@ -25,6 +25,7 @@ import os
 import sys
 import threading
 
+from dockd import config
 from dockd.device.errors import DeviceArgumentError, DeviceLibraryNotFound
 
 NCCL_ENV = "DOCKD_NCCL_LIB"
@@ -43,7 +44,7 @@ _lock = threading.Lock()
 
 
 def _ld_library_dirs() -> list[str]:
-    return [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if d]
+    return [d for d in config.env("LD_LIBRARY_PATH").split(os.pathsep) if d]
 
 
 def _wheel_nccl_candidates() -> list[str]:
@@ -76,7 +77,7 @@ def _dlopen(path: str) -> ctypes.CDLL:
 def _load_first(library: str, explicit: str | None, env: str, candidates: list[tuple[str, str]],
                 soname: str, find_name: str, hint: str) -> tuple[ctypes.CDLL, str]:
     """Load the library; `candidates` are (origin, path) pairs tried in order if nothing explicit was given."""
-    given = [(origin, p) for origin, p in (("path argument", explicit), (env, os.environ.get(env) or None)) if p]
+    given = [(origin, p) for origin, p in (("path argument", explicit), (env, config.env(env) or None)) if p]
     if given:
         origin, path = given[0]
         if not os.path.exists(path):
@@ -121,7 +122,7 @@ def load_hccl_library(path: str | None = None) -> tuple[ctypes.CDLL, str]:
     """Find and dlopen libhccl.so; returns (library, the path or name it was loaded from)."""
     cands: list[tuple[str, str]] = []
     for var in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"):
-        home = os.environ.get(var)
+        home = config.env(var)
         cands.append((var, os.path.join(home, "lib64", "libhccl.so") if home else "(not set)"))
     cands += [("LD_LIBRARY_PATH", os.path.join(d, n)) for d in _ld_library_dirs() for n in HCCL_NAMES]
     cands.append(("default CANN location", os.path.join(ASCEND_DEFAULT, "lib64", "libhccl.so")))
