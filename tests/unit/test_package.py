@@ -61,3 +61,24 @@ def test_the_drawn_tree_holds_the_device_errors_and_resharding_has_its_own():
     to_status(StagingUnknown("unknown staging buffer 3"), status)  # told apart by its code, not its text
     assert status.code == pb.STAGING_UNKNOWN and isinstance(from_status(status), StagingUnknown)
     assert isinstance(from_status(status), dockd.DockNotFound)
+
+
+def test_import_dockd_is_lazy_and_every_public_name_resolves():
+    """`import dockd` imports neither the client nor torch; each public name loads on first use (PEP 562)."""
+    code = """
+import sys, dockd
+assert "torch" not in sys.modules and "dockd.client" not in sys.modules and "dockd.local" not in sys.modules
+assert set(dockd.__all__) <= set(dir(dockd))
+try:
+    dockd.no_such_name
+except AttributeError as e:
+    assert "no_such_name" in str(e)
+else:
+    raise AssertionError("dockd.no_such_name resolved")
+from dockd import connect, start_local
+from dockd.client import connect as client_connect
+from dockd.local import start_local as local_start
+assert connect is client_connect and start_local is local_start and dockd.Dock.__module__ == "dockd.client.dock"
+assert all(getattr(dockd, n) is not None for n in dockd.__all__)
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
