@@ -19,6 +19,24 @@ _TAG = re.compile(r"\[(\w+)\]\s*")
 _RESERVED = {"ts", "level", "logger", "pid", "component", "event", "msg", "exc"}
 
 
+_INT = re.compile(r"-?\d+")
+_FLOAT = re.compile(r"-?(\d+\.\d*|\.\d+|\d+)([eE][-+]?\d+)?")
+_CONSTANTS = {"True": True, "true": True, "False": False, "false": False, "None": None, "null": None}
+
+
+def _value(text: str):
+    """A logged `key=value`'s value as JSON: numbers and booleans as themselves, None as null; a quoted
+    value ('7', "a b") stays the string it quotes."""
+    if text[:1] in ("'", '"'):
+        return text[1:-1]
+    text = text.rstrip(";,")
+    if _INT.fullmatch(text):
+        return int(text)
+    if _FLOAT.fullmatch(text):
+        return float(text)
+    return _CONSTANTS.get(text, text)
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line for log shippers: the message's [component], its event (the
     words before the first key=value) and every key=value field, next to the whole message."""
@@ -37,8 +55,7 @@ class JsonFormatter(logging.Formatter):
         out["event"] = (rest[: first.start()] if first else rest).strip().rstrip(":;,") or None
         for key, value in _FIELD.findall(rest):
             if key not in _RESERVED:
-                value = value.strip("'\"").rstrip(";,")
-                out[key] = int(value) if re.fullmatch(r"-?\d+", value) else value
+                out[key] = _value(value)
         out["msg"] = msg
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
@@ -145,7 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device-capacity", default="0",
                    help="bytes of accelerator memory the device tier holds for put(device='keep'), all of this "
                         "node's devices together (default 0: no device tier; such puts are stored in host memory)")
-    s.add_argument("--lease-timeout", type=float, default=120.0, help="seconds a leased sample waits for its fetch")
+    s.add_argument("--lease-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="controller: how long a lease holds a consumer's samples before they are handed out again "
+                        "(default 120). get confirms on its own; samples whose lease expires unconfirmed, or whose "
+                        "client dies or releases them, go back to that consumer's pool. Per lease: "
+                        "acquire(lease_timeout=...), longer with dock.extend(lease)")
     s.add_argument("--no-shm", action="store_true", help="serve same-host clients over TCP only (no shared memory)")
     s.add_argument("--no-warehouse", action="store_true",
                    help="with --controller: run only the controller (no data on this node; it can restart without loss)")
