@@ -316,10 +316,34 @@ def _fmt(v: Any, digits: int = 2) -> str:
 ROW_COLUMNS = ("system", "op", "path", "sample", "batch", "clients", "GB/s", "samples/s", "p50 us", "p99 us", "other")
 
 
-def _row_cells(r: dict[str, Any]) -> list[str]:
+TOO_SHORT = "too short to judge"
+"""What a verdict or a memory figure reads as when the run was too short for it to mean anything."""
+
+#: targets whose figure is a process's resident-memory growth (benchmarks/columnar.py): noise in a short run
+_RSS_TARGETS = ("columnar_memory_per_value", "columnar_dock_per_sample")
+
+
+def is_quick(results: dict[str, Any]) -> bool:
+    """A ``--quick`` run: tiny sizes, whose ratios and memory figures mean nothing."""
+    return bool((results.get("config") or {}).get("quick"))
+
+
+def _meaningless_memory(value: Any, unit: str | None) -> bool:
+    """A memory figure below zero: RSS shrank over a run too short for the growth to show."""
+    return unit in ("B", "B/sample") and isinstance(value, (int, float)) and value < 0
+
+
+def _rss_row(r: dict[str, Any]) -> bool:
+    return r.get("scenario") == "columnar" and str(r.get("path") or "").startswith("mem_") and r.get("unit") == "B"
+
+
+def _row_cells(r: dict[str, Any], *, quick: bool = False) -> list[str]:
     other = ""
     if r.get("value") is not None:
-        other = f"{_fmt(r['value'])} {r.get('unit') or ''}".strip()
+        if (quick and _rss_row(r)) or _meaningless_memory(r["value"], r.get("unit")):
+            other = f"memory: {TOO_SHORT}"
+        else:
+            other = f"{_fmt(r['value'])} {r.get('unit') or ''}".strip()
     elif r.get("extra", {}).get("partition_samples"):
         other = f"partition={r['extra']['partition_samples']:,}"
         first = r["extra"].get("first_acquire_per_consumer_us")
@@ -351,9 +375,14 @@ def _row_cells(r: dict[str, Any]) -> list[str]:
     ]
 
 
-def _target_cells(t: dict[str, Any]) -> list[str]:
+def _target_cells(t: dict[str, Any], *, quick: bool = False) -> list[str]:
+    """One target's row. In a quick run (or for a negative memory figure) no verdict is given: the
+    status reads "too short to judge" and a memory figure is left out."""
     met = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
-    if t["value"] is None:
+    negative = _meaningless_memory(t["value"], t["unit"])
+    if t["value"] is not None and (quick or negative):
+        met = TOO_SHORT
+    if t["value"] is None or negative or (quick and t["id"] in _RSS_TARGETS):
         value = "-"
     elif t["unit"] == "x":
         value = f"{t['value']:.2f}x"
@@ -390,12 +419,18 @@ def render_targets(results: dict[str, Any], *, markdown: bool = False) -> str:
     targets = relevant_targets(results, results.get("targets") or compute_targets(results))
     if not targets:
         return ""
+    quick = is_quick(results)
     head = "### Targets" if markdown else "== Targets (ratios of values measured in this run)"
-    return head + "\n\n" + table(("target", "value", "bound", "status", "note"), [_target_cells(t) for t in targets])
+    if quick:
+        head += ("\n\nA --quick run: its sizes are too small for any target to be judged (ratios shown as measured, "
+                 "resident-memory figures left out).")
+    rows = [_target_cells(t, quick=quick) for t in targets]
+    return head + "\n\n" + table(("target", "value", "bound", "status", "note"), rows)
 
 
 def render_scenarios(results: dict[str, Any], *, markdown: bool = False) -> str:
     table = _md_table if markdown else _text_table
+    quick = is_quick(results)
     parts: list[str] = []
     for name, sc in results.get("scenarios", {}).items():
         title = sc.get("title", name)
@@ -405,7 +440,7 @@ def render_scenarios(results: dict[str, Any], *, markdown: bool = False) -> str:
             parts.append(f"{head} ({sc.get('wall_s', 0):.0f} s)\n{note} (in the JSON under scenarios.{name}.info)")
         elif sc.get("status") == "ok":
             parts.append(f"{head} ({sc.get('wall_s', 0):.0f} s)")
-            parts.append(table(ROW_COLUMNS, [_row_cells(r) for r in sc.get("rows", [])]))
+            parts.append(table(ROW_COLUMNS, [_row_cells(r, quick=quick) for r in sc.get("rows", [])]))
         elif sc.get("status") == "skipped":
             parts.append(f"{head}\nSKIPPED: {sc.get('reason')}")
         else:
