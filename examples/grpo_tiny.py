@@ -1,7 +1,7 @@
 """A real GRPO run on CPU: a tiny megatron-core GPT, TP=2 over gloo, two processes, dockd in between.
 
-    python examples/grpo_tiny.py                 # ~30 s on 2 cores
-    python examples/grpo_tiny.py --steps 60 --plot grpo_tiny.png --json curve.json
+    python examples/grpo_tiny.py                 # 50 steps; see docs/plugins.md for measured times
+    python examples/grpo_tiny.py --steps 60 --plot /tmp/curve.png --json /tmp/curve.json
 
 The toy task has a verifiable reward: the prompt is four random digits and the
 model must answer with the first of them, repeated; the reward of a response is
@@ -9,8 +9,17 @@ the fraction of its tokens equal to that digit (a random policy scores about
 1/16). Every stage (rollout, reward, reference log-prob, old log-prob,
 advantage, update) reads its inputs from the dock and writes its outputs back,
 in MindSpeed-RL's column/consumer layout. The mean reward per step is printed
-(and plotted when matplotlib is installed: pip install -e '.[plot]'); it should
-climb from ~0.06 towards 1.
+(and plotted into results/grpo_tiny.png, a gitignored folder of the checkout,
+when matplotlib is installed: pip install -e '.[plot]'); it should climb from
+~0.06 towards 1.
+
+Each step also prints the policy's KL to the frozen reference (the k3
+estimator, mean per response token): how far training has moved the policy.
+The PPO-clip loss is not printed: with one update epoch per step the update
+runs on the very policy that sampled the step (ratio = 1) and GRPO's advantages
+are normalised to mean 0 within each group, so the loss's value is 0 up to
+rounding at every step (median |loss| 2e-8 over a default run, at most 5e-4)
+although its gradient is not. It is still written to the --json file.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ import os
 import socket
 import sys
 import time
+import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +44,18 @@ import dockd
 VOCAB = 16
 DIGITS = 10
 PROMPT_LEN = 4
+#: where the reward curve goes by default: results/ of the checkout (gitignored)
+DEFAULT_PLOT = Path(__file__).resolve().parent.parent / "results" / "grpo_tiny.png"
+
+
+def quiet_megatron_warnings() -> None:
+    """Hide megatron-core's notices about optional CUDA extras that a CPU run never uses."""
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    # "Transformer Engine and Apex are not installed. Falling back to ..." (printed per module, per rank)
+    warnings.filterwarnings("ignore", message=r"(Transformer Engine and )?Apex (is|are) not installed")
+    warnings.filterwarnings("ignore", message=r"When using async grad allreduce it is recommended to set the "
+                                              r"environment variable CUDA_DEVICE_MAX_CONNECTIONS")
+    warnings.filterwarnings("ignore", message=r"full scope is deprecated", module=r"megatron\.")
 
 
 def reward_fn(prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
@@ -54,10 +77,7 @@ def _free_port() -> int:
 def _worker(rank: int, world: int, port: int, address: str, args: dict[str, Any], out_path: str) -> None:
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format=f"[rank{rank}] %(name)s %(message)s")
-    import warnings
-
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    warnings.filterwarnings("ignore", message="Apex is not installed")
+    quiet_megatron_warnings()
 
     from dockd.trainer_plugins.megatron_grpo import (
         GRPOConfig,
@@ -101,7 +121,7 @@ def _worker(rank: int, world: int, port: int, address: str, args: dict[str, Any]
             if rank == 0:
                 bar = "#" * int(round(m.reward_mean * 40))
                 print(
-                    f"step {m.step:3d}  reward {m.reward_mean:.3f}  {bar:<40s}  loss {m.loss:+.4f}  {m.seconds:.2f}s",
+                    f"step {m.step:3d}  reward {m.reward_mean:.3f}  {bar:<40s}  kl {m.kl:.4f}  {m.seconds:.2f}s",
                     flush=True,
                 )
 
@@ -112,6 +132,8 @@ def _worker(rank: int, world: int, port: int, address: str, args: dict[str, Any]
                 json.dump(
                     {
                         "reward": [m.reward_mean for m in history],
+                        "kl": [m.kl for m in history],
+                        "loss": [m.loss for m in history],
                         "seconds": [m.seconds for m in history],
                         "stage_seconds": [m.stage_seconds for m in history],
                         "config": args,
@@ -203,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp-fetch", choices=["broadcast", "shared", "group"], default="group")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--address", default=None, help="use a running dock instead of starting a local one")
-    p.add_argument("--plot", default="grpo_tiny.png", help="where to save the reward curve (PNG)")
+    p.add_argument("--plot", default=str(DEFAULT_PLOT),
+                   help=f"where to save the reward curve (PNG; default {DEFAULT_PLOT}; '' for none)")
     p.add_argument("--json", default=None, help="also write the curve as JSON here")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -224,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
     print(f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}  ({time.perf_counter() - t0:.0f}s)")
     if a.plot:
+        Path(a.plot).parent.mkdir(parents=True, exist_ok=True)
         if save_plot(rewards, a.plot):
             print(f"reward curve saved to {a.plot}")
         else:
