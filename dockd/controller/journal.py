@@ -80,7 +80,8 @@ from collections.abc import Iterator, Mapping
 import msgpack
 import numpy as np
 
-from dockd.controller.core import Controller, Inventory, _import
+from dockd.controller.core import Controller, Inventory
+from dockd.controller.persist import import_partition
 from dockd.errors import DockError, DockStateFull
 
 logger = logging.getLogger(__name__)
@@ -591,7 +592,7 @@ def _apply(core: Controller, warehouses: dict[int, dict], rec: list, now: float)
     elif kind == "V":
         core.reserve(rec[1], rec[2], group_size=rec[3])
     elif kind == "K":
-        core.partitions[rec[1]] = _import(rec[2])
+        core.partitions[rec[1]] = import_partition(rec[2])
     elif kind == "T":
         core.set_tags(rec[1], _unpack_idx(rec[2]), _unpack_tags(rec[3]))
     elif kind == "G":

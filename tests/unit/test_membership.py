@@ -209,7 +209,7 @@ def test_a_retried_acquire_gets_the_same_lease():
 
 def _busy_controller(journal: Journal, now: float) -> Controller:
     core, _ = journal.load(lease_timeout=60, now=now)
-    core._lease_ids = iter(range(1, 100)).__next__  # lease ids are random; these tests name them
+    core.book.lease_ids = iter(range(1, 100)).__next__  # lease ids are random; these tests name them
     idx = core.commit("p", ["x"], warehouse=1, new_count=6, group_size=2, nbytes=100, put_id=1)
     journal.commit("p", ["x"], 1, None, 6, 2, 100, 1)
     core.commit("p", ["y"], warehouse=2, indexes=idx, nbytes=50, put_id=1)

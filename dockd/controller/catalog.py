@@ -1,0 +1,366 @@
+"""The dock's partitions and their samples: commits (columns written, new samples
+allocated, re-sent commits answered once), partition options, deletes and retirement, tags,
+and the frees deletes leave for the warehouses. Leases and rounds are the controller's."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from dockd import limits
+from dockd.controller import selection
+from dockd.controller.partition import (FREE, INT64_MAX, LOST_WAREHOUSE, NO_WAREHOUSE, TAKEN, _check_tags,
+                                        _Partition)
+from dockd.errors import DockFull, DockNotFound, DockValueError
+
+PUT_KEYS_KEPT = 4096  # per warehouse: recent commits remembered so a re-sent one is applied once
+
+
+class Catalog:
+    """The partitions of one dock, at most `max_samples` samples in all (their metadata lives here)."""
+
+    def __init__(self, max_samples: int) -> None:
+        self.max_samples = max_samples
+        self._samples: int | None = None  # ... how many there are (None: count again)
+        self.partitions: dict[str, _Partition] = {}
+        self.dead_warehouses: set[int] = set()
+        # per warehouse, put_id -> indexes of its recent commits (a re-sent commit is answered, not re-applied)
+        self.put_keys: dict[int, collections.OrderedDict[int, np.ndarray]] = {}
+        # deleted samples whose data a warehouse still holds: partition -> warehouse -> index arrays
+        # (the service sends the frees; replaying a journal refills it, and a second free is harmless)
+        self.pending_frees: dict[str, dict[int, list[np.ndarray]]] = {}
+
+    def commit(
+        self,
+        partition: str,
+        columns: Sequence[str],
+        *,
+        warehouse: int,
+        indexes: Sequence[int] | np.ndarray | None = None,
+        new_count: int = 0,
+        group_size: int = 1,
+        nbytes: int = 0,
+        put_id: int = 0,
+        tags: Mapping[str, Sequence[int]] | None = None,
+    ) -> np.ndarray:
+        """Record that `warehouse` now holds `columns` of some samples; returns their indexes.
+
+        With `indexes` None, allocates `new_count` new samples (groups of
+        `group_size` consecutive indexes). Otherwise the samples must exist and
+        none of `columns` may already be written for them. A commit whose
+        (warehouse, put_id) was applied recently is not applied again: the
+        indexes it got are returned (a warehouse re-sends commits whose reply it
+        lost to a controller restart). `tags`: per-sample integer tags (one value for all, or one each).
+        """
+        if put_id:
+            done = self.put_keys.get(warehouse, {}).get(put_id)
+            if done is not None:
+                return done
+        if tags:
+            _check_tags(tags, new_count if indexes is None else len(indexes))
+        idx = self._commit(partition, columns, warehouse, indexes, new_count, group_size, nbytes)
+        if tags:
+            self._set_tags(self.partitions[partition], idx, tags)
+        if put_id:
+            keys = self.put_keys.setdefault(warehouse, collections.OrderedDict())
+            keys[put_id] = idx
+            if len(keys) > PUT_KEYS_KEPT:
+                keys.popitem(last=False)
+        return idx
+
+    def _commit(self, partition, columns, warehouse, indexes, new_count, group_size, nbytes) -> np.ndarray:
+        if not partition:
+            raise DockValueError("partition must be a non-empty string")
+        if not columns:
+            raise DockValueError("a put needs at least one column")
+        if len(set(columns)) != len(columns):
+            raise DockValueError(f"duplicate column names in {list(columns)}")
+        part = self.partitions.get(partition)
+        if indexes is None:
+            part = self._for_new(partition, new_count, group_size)
+            bits = [part.bit(c) for c in columns]
+            idx = self._allocate(part, new_count)
+        else:
+            if part is None:
+                raise DockNotFound(f"partition {partition!r} does not exist; put new samples first (without indexes)")
+            idx = np.asarray(indexes, dtype=np.int64).reshape(-1)
+            if len(idx) == 0:
+                raise DockValueError("indexes is empty")
+            bad = idx[(idx < 0) | (idx >= part.size)]
+            if len(bad):
+                raise DockNotFound(
+                    f"sample indexes {bad[:8].tolist()} do not exist in partition {partition!r} "
+                    f"(it holds indexes 0..{part.size - 1})"
+                )
+            if len(np.unique(idx)) != len(idx):
+                raise DockValueError("indexes contain duplicates; each sample can appear once per put")
+            if part.deleted:
+                gone = idx[part.gone[idx]]
+                if len(gone):
+                    raise DockNotFound(f"samples {gone[:8].tolist()} of partition {partition!r} were deleted")
+            bits = [part.bit(c) for c in columns]
+            for c, b in zip(columns, bits):
+                dup = idx[(part.ready[idx] >> np.uint64(b)) & np.uint64(1) == 1]
+                if len(dup):
+                    raise DockValueError(
+                        f"column {c!r} is already written for samples {dup[:8].tolist()} of partition "
+                        f"{partition!r}; a sample's column is written once"
+                    )
+        newbits = 0
+        for c, b in zip(columns, bits):
+            newbits |= 1 << b
+            part.loc[c][idx] = warehouse
+        part.ready[idx] |= np.uint64(newbits)
+        part.nbytes[warehouse] = part.nbytes.get(warehouse, 0) + nbytes
+        for cons in part.consumers.values():
+            subs = [s for s in cons.subs.values() if s.mask & newbits]
+            if subs:
+                part.refresh(cons, idx, subs)
+        return idx
+
+    def _for_new(self, partition: str, count: int, group_size: int) -> _Partition:
+        """The partition new samples go to (made if need be), after checking they may."""
+        if group_size < 1:
+            raise DockValueError(f"group_size must be >= 1, got {group_size}")
+        if count < 1 or count % group_size:
+            raise DockValueError(
+                f"a put of new samples needs a positive multiple of group_size={group_size} values, got {count}"
+            )
+        part = self.partitions.get(partition)
+        total = self._sample_count()
+        if total + count > self.max_samples:
+            raise DockFull(f"the dock holds {total} samples and takes at most {self.max_samples} (--max-samples: the "
+                           "controller keeps metadata for each); clear or delete finished samples first")
+        if part is None:
+            part = self._new_partition(partition, group_size)
+        elif part.group_size != group_size:
+            raise DockValueError(
+                f"partition {partition!r} holds groups of {part.group_size}; new samples must use "
+                f"group_size={part.group_size}, got {group_size}. Use another partition for another group size."
+            )
+        if part.sealed:
+            raise DockValueError(f"partition {partition!r} is sealed: it takes no new samples (columns of its "
+                                 "existing samples can still be written)")
+        return part
+
+    def _allocate(self, part: _Partition, count: int) -> np.ndarray:
+        part.reserve(count)
+        idx = np.arange(part.size, part.size + count, dtype=np.int64)
+        part.size += count
+        if self._samples is not None:
+            self._samples += count
+        return idx
+
+    def _sample_count(self) -> int:
+        if self._samples is None:
+            self._samples = sum(p.size for p in self.partitions.values())
+        return self._samples
+
+    def _check_partitions(self) -> None:
+        if len(self.partitions) >= limits.MAX_PARTITIONS:
+            raise DockFull(f"the dock holds {len(self.partitions)} partitions, the most it takes; clear finished "
+                           "ones (a partition is a step or a stream, not a sample)")
+
+    def _new_partition(self, name: str, group_size: int) -> _Partition:
+        """A partition made at a client's request (within the dock's bound on partitions)."""
+        self._check_partitions()
+        part = self.partitions[name] = _Partition(name, group_size)
+        return part
+
+    # -- partitions and their samples -----------------------------------------------------
+    def part(self, partition: str) -> _Partition:
+        part = self.partitions.get(partition)
+        if part is None:
+            raise DockNotFound(f"partition {partition!r} does not exist (already cleared, or never written)")
+        return part
+
+    @staticmethod
+    def _existing(part: _Partition, indexes) -> np.ndarray:
+        idx = np.asarray(indexes, dtype=np.int64).reshape(-1)
+        bad = idx[(idx < 0) | (idx >= part.size)]
+        if len(bad):
+            raise DockNotFound(f"sample indexes {bad[:8].tolist()} do not exist in partition {part.name!r} "
+                               f"(it holds indexes 0..{part.size - 1})")
+        return idx
+
+    def create_partition(self, partition: str, *, group_size: int = 1, retire: Sequence[str] = (),
+                         max_staleness: int = -1, retire_stale: bool = False, max_pending: int = 0) -> None:
+        """Make a partition (or set the options of an existing one with the same group size).
+        retire: consumers that must all have confirmed a sample before it is deleted by itself.
+        max_staleness: gets hand out only samples whose version is >= the trainer's version minus
+        this (-1: no bound); retire_stale: set_version deletes the samples it makes too stale;
+        max_pending: puts of new samples wait while this many are not yet taken (0: no bound)."""
+        if max_staleness < -1 or max_pending < 0:
+            raise DockValueError(f"max_staleness and max_pending are ints >= 0, got {max_staleness}, {max_pending}")
+        if retire_stale and max_staleness < 0:
+            raise DockValueError("retire_stale needs max_staleness: it deletes samples staler than that")
+        if not partition:
+            raise DockValueError("partition must be a non-empty string")
+        if group_size < 1:
+            raise DockValueError(f"group_size must be >= 1, got {group_size}")
+        if any(not c for c in retire) or len(set(retire)) != len(retire):
+            raise DockValueError(f"retire_when_consumed_by names distinct non-empty consumers, got {list(retire)}")
+        part = self.partitions.get(partition)
+        if part is None:
+            part = self._new_partition(partition, group_size)
+        elif part.group_size != group_size:
+            raise DockValueError(f"partition {partition!r} already holds groups of {part.group_size}, "
+                                 f"not {group_size}")
+        part.retire = tuple(retire)
+        part.max_staleness, part.retire_stale, part.max_pending = max_staleness, retire_stale, max_pending
+        if part.retire:  # samples every named consumer already took go now
+            self.retire(part, np.arange(part.size, dtype=np.int64))
+        if part.retire_stale:
+            self._retire_stale(part)
+
+    def set_version(self, partition: str, version: int) -> int:
+        """The trainer's current policy version; returns how many samples it made stale and
+        deleted (retire_stale)."""
+        if not 0 <= version <= INT64_MAX:
+            raise DockValueError(f"a policy version is an int >= 0, got {version}")
+        part = self.part(partition)
+        part.version = version
+        return self._retire_stale(part) if part.retire_stale else 0
+
+    def _retire_stale(self, part: _Partition) -> int:
+        n = self._delete(part, np.flatnonzero(part.stale_mask()))
+        part.stale_retired += n
+        return n
+
+    def must_wait(self, partition: str, new_count: int) -> bool:
+        """Whether a commit of new samples waits: the partition has max_pending and that many
+        samples wait for its consumers."""
+        part = self.partitions.get(partition)
+        return bool(new_count and part is not None and part.max_pending and part.pending() >= part.max_pending)
+
+    def list_samples(self, partition: str, *, consumer: str = "", where=None, limit: int = 1000,
+                     start: int = 0) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Samples (not deleted, a column written; not yet handed to `consumer` if given) whose tags
+        lie in `where`, smallest indexes from `start` first, at most `limit`; with their tags. Takes
+        nothing."""
+        part = self.part(partition)
+        n = part.size
+        mask = part.live()
+        cons = part.consumers.get(consumer) if consumer else None
+        if cons is not None:
+            mask &= cons.state[:n] == FREE
+        mask[: min(start, n)] = False
+        idx = np.flatnonzero(mask)
+        if where:
+            idx = idx[selection.within(part, idx, where)]
+        idx = idx[:limit]
+        tags = {name: arr[idx] for name, arr in part.tags.items()}
+        return idx, tags
+
+    def reserve(self, partition: str, count: int, *, group_size: int = 1) -> np.ndarray:
+        """New samples with no column written yet (a rollout fills them later, by index)."""
+        return self._allocate(self._for_new(partition, count, group_size), count)
+
+    def seal(self, partition: str) -> None:
+        """No new samples from now on; gets that then cannot be met end (DockDrained)."""
+        part = self.partitions.get(partition)
+        if part is None:
+            part = self._new_partition(partition, 1)
+        part.sealed = True
+
+    def set_tags(self, partition: str, indexes, tags: Mapping[str, Sequence[int]]) -> None:
+        part = self.part(partition)
+        idx = self._existing(part, indexes)
+        _check_tags(tags, len(idx))
+        self._set_tags(part, idx, tags)
+
+    @staticmethod
+    def _set_tags(part: _Partition, idx: np.ndarray, tags: Mapping[str, Sequence[int]]) -> None:
+        for name, values in tags.items():
+            part.tag(name, create=True)[idx] = np.asarray(values, dtype=np.int64)
+
+    def delete(self, partition: str, indexes) -> int:
+        """Delete samples: all their columns are freed (the frees wait in pending_frees) and no
+        consumer gets them again. Returns how many were not deleted already."""
+        part = self.part(partition)
+        return self._delete(part, np.unique(self._existing(part, indexes)))
+
+    def _delete(self, part: _Partition, idx: np.ndarray) -> int:
+        idx = idx[~part.gone[idx]]
+        if not len(idx):
+            return 0
+        frees = self.pending_frees.setdefault(part.name, {})
+        for loc in part.loc.values():
+            where = loc[idx]
+            held = where < LOST_WAREHOUSE
+            for w in np.unique(where[held]).tolist():
+                frees.setdefault(w, []).append(idx[where == w])
+            loc[idx] = NO_WAREHOUSE
+        if not frees:
+            del self.pending_frees[part.name]
+        part.gone[idx] = True
+        part.ready[idx] = 0
+        part.deleted += len(idx)
+        for cons in part.consumers.values():
+            part.refresh(cons, idx)
+        return len(idx)
+
+    def retire(self, part: _Partition, idx: np.ndarray) -> None:
+        """Delete the samples of idx that every consumer named by the partition has taken."""
+        conss = [part.consumers.get(c) for c in part.retire]
+        if any(c is None for c in conss):
+            return
+        ok = np.ones(len(idx), dtype=bool)
+        for cons in conss:
+            ok &= cons.state[idx] == TAKEN
+        if ok.any():
+            self._delete(part, idx[ok])
+
+    def take_frees(self) -> dict[str, dict[int, np.ndarray]]:
+        """The frees deletes left for warehouses: partition -> warehouse -> sample indexes."""
+        out = {p: {w: np.unique(np.concatenate(a)) for w, a in ws.items()} for p, ws in self.pending_frees.items()}
+        self.pending_frees = {}
+        return out
+    def ready_count(self, partition: str, consumer: str, columns: Sequence[str], groups: bool = False) -> int:
+        """How many samples `consumer` could take right now (whole groups only with groups=True)."""
+        part = self.partitions.get(partition)
+        if part is None:
+            return 0
+        mask = part.mask_of(columns)
+        if mask is None:
+            return 0
+        sub = part.subscription(part.consumer(consumer), mask, groups)
+        return sub.eligible.total * (part.group_size if groups else 1)
+
+    def why_not_ready(self, partition: str, columns: Sequence[str]) -> str:
+        """A hint for timeout messages: unknown partition or columns."""
+        part = self.partitions.get(partition)
+        if part is None:
+            return f" Partition {partition!r} does not exist yet (nothing was put in it)."
+        missing = [c for c in columns if c not in part.columns]
+        if missing:
+            return f" No sample of partition {partition!r} has column(s) {missing} yet; known: {sorted(part.columns)}."
+        return ""
+
+    def forget(self, partition: str) -> _Partition:
+        """Drop a partition (a clear): its samples and the frees pending for it."""
+        part = self.partitions.pop(partition, None)
+        if part is None:
+            raise DockNotFound(f"partition {partition!r} does not exist (already cleared, or never written)")
+        self._samples = None
+        self.pending_frees.pop(partition, None)  # (a clear frees everything)
+        return part
+
+    def add(self, part: _Partition) -> None:
+        """Add a partition made elsewhere (a checkpoint's), within the dock's bounds."""
+        n = part.size
+        self._check_partitions()
+        if self._sample_count() + n > self.max_samples:
+            raise DockFull(f"the checkpoint's {n} samples do not fit next to the dock's {self._sample_count()} "
+                           f"(--max-samples {self.max_samples})")
+        self._samples = None
+        self.partitions[part.name] = part
+
+    def warehouse_bytes(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for part in self.partitions.values():
+            for w, n in part.nbytes.items():
+                out[w] = out.get(w, 0) + n
+        return out

@@ -1,0 +1,353 @@
+"""Partition state: per partition, flat numpy arrays indexed by sample index, and per consumer
+and column set (a *subscription*) a bitmap of the samples that request could take right now.
+
+    ready      uint64   one bit per column (up to 64 columns per partition)
+    loc[col]   uint16   warehouse id holding that column of the sample
+    state[c]   uint8    per consumer: FREE, LEASED, TAKEN or LOST
+
+    gone       bool     deleted (by delete or retirement): never handed out again
+    tags[name] int64    per-sample integer tags (e.g. a rollout's age)
+
+An `_Eligible` bitmap keeps a count per block of 1024, so an acquire walks the
+non-empty blocks in order: its cost grows with the batch size and n/1024, not
+with the partition. Eligibility is kept exact on every commit, lease, confirm
+and release, so the number of ready samples is always known without a scan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from dockd import limits
+from dockd.errors import DockValueError
+
+FREE, LEASED, TAKEN, LOST = 0, 1, 2, 3
+NO_WAREHOUSE = 0xFFFF
+LOST_WAREHOUSE = 0xFFFE  # a (sample, column) whose warehouse rejoined without it
+MAX_COLUMNS = 64
+MAX_TAGS = 16
+VERSION_TAG = "version"  # the reserved tag holding each sample's policy version (put(version=...))
+INT64_MAX = (1 << 63) - 1
+_BLOCK_SHIFT = 10
+
+
+
+class _Eligible:
+    """A bitmap of units (samples or groups) with a population count per block."""
+
+    __slots__ = ("bits", "blocks", "total")
+
+    def __init__(self, capacity: int) -> None:
+        self.bits = np.zeros(capacity, dtype=bool)
+        self.blocks = np.zeros((capacity >> _BLOCK_SHIFT) + 1, dtype=np.int64)
+        self.total = 0
+
+    def grow(self, capacity: int) -> None:
+        if capacity <= len(self.bits):
+            return
+        bits = np.zeros(capacity, dtype=bool)
+        bits[: len(self.bits)] = self.bits
+        blocks = np.zeros((capacity >> _BLOCK_SHIFT) + 1, dtype=np.int64)
+        blocks[: len(self.blocks)] = self.blocks
+        self.bits, self.blocks = bits, blocks
+
+    def _count(self, units: np.ndarray, delta: int) -> None:
+        if len(units) <= 8:  # np.add.at costs more than a few scalar updates
+            for b in (units >> _BLOCK_SHIFT).tolist():
+                self.blocks[b] += delta
+        else:
+            np.add.at(self.blocks, units >> _BLOCK_SHIFT, delta)
+        self.total += delta * len(units)
+
+    def set(self, units: np.ndarray) -> None:
+        new = units[~self.bits[units]]
+        if len(new):
+            self.bits[new] = True
+            self._count(new, 1)
+
+    def clear(self, units: np.ndarray) -> None:
+        old = units[self.bits[units]]
+        if len(old):
+            self.bits[old] = False
+            self._count(old, -1)
+
+    def first(self, n: int) -> np.ndarray:
+        """The n smallest set units (fewer if fewer are set)."""
+        out: list[np.ndarray] = []
+        need = n
+        if self.total == 0:
+            return np.empty(0, dtype=np.int64)
+        for b in np.flatnonzero(self.blocks):
+            lo = int(b) << _BLOCK_SHIFT
+            found = np.flatnonzero(self.bits[lo : lo + (1 << _BLOCK_SHIFT)]) + lo
+            out.append(found[:need])
+            need -= len(out[-1])
+            if need <= 0:
+                break
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """n distinct set units drawn uniformly at random, in draw order."""
+        n = min(n, self.total)
+        if n == 0:
+            return np.empty(0, dtype=np.int64)
+        ranks = rng.choice(self.total, size=n, replace=False)
+        nz = np.flatnonzero(self.blocks)
+        cum = np.cumsum(self.blocks[nz])
+        which = np.searchsorted(cum, ranks, side="right")
+        out = np.empty(n, dtype=np.int64)
+        for k, (w, r) in enumerate(zip(which, ranks)):
+            lo = int(nz[w]) << _BLOCK_SHIFT
+            within = int(r) - (int(cum[w - 1]) if w else 0)
+            out[k] = lo + np.flatnonzero(self.bits[lo : lo + (1 << _BLOCK_SHIFT)])[within]
+        return out
+
+
+@dataclasses.dataclass(slots=True)
+class _Sub:
+    mask: int
+    groups: bool
+    eligible: _Eligible
+    rng: np.random.Generator | None = None
+
+
+class _Consumer:
+    __slots__ = ("state", "subs", "taken", "leased")
+
+    def __init__(self, capacity: int) -> None:
+        self.state = np.zeros(capacity, dtype=np.uint8)
+        self.subs: dict[tuple[int, bool], _Sub] = {}
+        self.taken = 0
+        self.leased = 0
+
+
+class _Partition:
+    def __init__(self, name: str, group_size: int) -> None:
+        self.name = name
+        self.group_size = group_size
+        self.size = 0
+        self.capacity = 1024
+        self.ready = np.zeros(self.capacity, dtype=np.uint64)
+        self.columns: dict[str, int] = {}
+        self.loc: dict[str, np.ndarray] = {}
+        self.consumers: dict[str, _Consumer] = {}
+        self.nbytes: dict[int, int] = {}
+        self.recovered = False  # rebuilt from warehouse inventories: consumer progress before it is unknown
+        self.gone = np.zeros(self.capacity, dtype=bool)
+        self.deleted = 0
+        self.tags: dict[str, np.ndarray] = {}
+        self.sealed = False
+        self.retire: tuple[str, ...] = ()
+        # asynchronous RL: the trainer's policy version, the staleness gets allow by default (-1: no
+        # bound), whether set_version deletes what it makes stale, and how many samples may wait
+        # for the partition's consumers before puts of new ones wait (0: no bound)
+        self.version = 0
+        self.max_staleness = -1
+        self.retire_stale = False
+        self.max_pending = 0
+        self.stale_retired = 0
+
+    # -- layout ---------------------------------------------------------------
+    def reserve(self, n: int) -> None:
+        need = self.size + n
+        if need <= self.capacity:
+            return
+        cap = self.capacity
+        while cap < need:
+            cap *= 2
+        self.ready = _grown(self.ready, cap)
+        self.gone = _grown(self.gone, cap)
+        for name, arr in self.tags.items():
+            self.tags[name] = _grown(arr, cap)
+        for col, arr in self.loc.items():
+            self.loc[col] = _grown(arr, cap, fill=NO_WAREHOUSE)
+        for cons in self.consumers.values():
+            cons.state = _grown(cons.state, cap)
+            for sub in cons.subs.values():
+                sub.eligible.grow(cap // self.group_size if sub.groups else cap)
+        self.capacity = cap
+
+    def ready_for(self, cons: _Consumer) -> int:
+        """Samples `cons` could take now: the most of any column set it has asked for."""
+        return max((s.eligible.total * (self.group_size if s.groups else 1) for s in cons.subs.values()), default=0)
+
+    def tag(self, name: str, *, create: bool = False) -> np.ndarray:
+        arr = self.tags.get(name)
+        if arr is None:
+            if not create:
+                raise DockValueError(f"partition {self.name!r} has no tag {name!r}; its tags: {sorted(self.tags)}")
+            if len(self.tags) >= MAX_TAGS:
+                raise DockValueError(f"partition {self.name!r} already has {MAX_TAGS} tags; cannot add {name!r}")
+            if not isinstance(name, str) or not name.isidentifier():
+                raise DockValueError(f"a tag name is an identifier such as 'age', got {name!r}")
+            arr = self.tags[name] = np.zeros(self.capacity, dtype=np.int64)
+        return arr
+
+    def tag_values(self, name: str, idx: np.ndarray) -> np.ndarray:
+        """A tag's values for samples idx; the version tag reads 0 until a put sets one."""
+        if name == VERSION_TAG and name not in self.tags:
+            return np.zeros(len(idx), dtype=np.int64)
+        return self.tag(name)[idx]
+
+    def consumers_of(self) -> list[_Consumer | None]:
+        """The consumers pacing and staleness wait for: those named by retire_when_consumed_by
+        (None for one that never asked), else every consumer that asked for samples."""
+        if self.retire:
+            return [self.consumers.get(c) for c in self.retire]
+        return list(self.consumers.values())
+
+    def live(self) -> np.ndarray:
+        """Per sample: not deleted, and at least one column written."""
+        n = self.size
+        return ~self.gone[:n] & (self.ready[:n] != 0)
+
+    def waiting_mask(self) -> np.ndarray:
+        """Per sample: live and not yet handed out (leased or taken) to every one of its consumers
+        (with no consumer yet: every live sample)."""
+        n = self.size
+        mask = self.live()
+        conss = self.consumers_of()
+        if conss and all(c is not None for c in conss):
+            free = np.zeros(n, dtype=bool)
+            for c in conss:
+                free |= c.state[:n] == FREE
+            mask &= free
+        return mask
+
+    def pending(self) -> int:
+        """Samples not yet handed to all its consumers: what max_pending bounds."""
+        return int(np.count_nonzero(self.waiting_mask())) if self.size else 0
+
+    def stale_mask(self) -> np.ndarray:
+        """Per sample: waiting for a consumer but staler than max_staleness allows."""
+        n = self.size
+        if self.max_staleness < 0 or not n:
+            return np.zeros(n, dtype=bool)
+        versions = self.tag_values(VERSION_TAG, np.arange(n, dtype=np.int64))
+        return self.waiting_mask() & (versions < self.version - self.max_staleness)
+
+    def bit(self, column: str) -> int:
+        b = self.columns.get(column)
+        if b is None:
+            if len(self.columns) >= MAX_COLUMNS:
+                raise DockValueError(
+                    f"partition {self.name!r} already has {MAX_COLUMNS} columns; "
+                    f"cannot add {column!r}. Pack related values into one column or use another partition."
+                )
+            b = self.columns[column] = len(self.columns)
+            self.loc[column] = np.full(self.capacity, NO_WAREHOUSE, dtype=np.uint16)
+        return b
+
+    def mask_of(self, columns: Iterable[str]) -> int | None:
+        """The bit mask of known columns, or None if any column is unknown."""
+        mask = 0
+        for c in columns:
+            b = self.columns.get(c)
+            if b is None:
+                return None
+            mask |= 1 << b
+        return mask
+
+    # -- eligibility ------------------------------------------------------------
+    def _sample_ok(self, cons: _Consumer, mask: int, idx: np.ndarray) -> np.ndarray:
+        m = np.uint64(mask)
+        return ((self.ready[idx] & m) == m) & (cons.state[idx] == FREE)
+
+    def refresh(self, cons: _Consumer, idx: np.ndarray, subs: Iterable[_Sub] | None = None) -> None:
+        """Recompute eligibility of samples idx (and their groups) in the given subscriptions."""
+        for sub in cons.subs.values() if subs is None else subs:
+            if sub.groups:
+                gs = self.group_size
+                groups = np.unique(idx // gs)
+                members = (groups[:, None] * gs + np.arange(gs)).ravel()
+                ok = self._sample_ok(cons, sub.mask, members).reshape(len(groups), gs).all(axis=1)
+                sub.eligible.set(groups[ok])
+                sub.eligible.clear(groups[~ok])
+            else:
+                ok = self._sample_ok(cons, sub.mask, idx)
+                sub.eligible.set(idx[ok])
+                sub.eligible.clear(idx[~ok])
+
+    def taken_out(self, cons: _Consumer, idx: np.ndarray) -> None:
+        """Samples idx just left the pool of `cons`: no subscription of it may offer them (or their groups)."""
+        for sub in cons.subs.values():
+            sub.eligible.clear(np.unique(idx // self.group_size) if sub.groups else idx)
+
+    def subscription(self, cons: _Consumer, mask: int, groups: bool) -> _Sub:
+        sub = cons.subs.get((mask, groups))
+        if sub is None:
+            units = self.capacity // self.group_size if groups else self.capacity
+            sub = cons.subs[(mask, groups)] = _Sub(mask, groups, _Eligible(units))
+            if self.size:
+                self.refresh(cons, np.arange(self.size, dtype=np.int64), [sub])
+        return sub
+
+    def consumer(self, name: str) -> _Consumer:
+        cons = self.consumers.get(name)
+        if cons is None:
+            if len(self.consumers) >= limits.MAX_CONSUMERS:
+                raise DockValueError(
+                    f"partition {self.name!r} has {len(self.consumers)} consumers, the most it takes; a consumer is a "
+                    "pipeline stage (reference, reward, actor_train), and the workers of one stage share its name")
+            cons = self.consumers[name] = _Consumer(self.capacity)
+        return cons
+
+    # -- reporting ----------------------------------------------------------------
+    def stats(self) -> dict:
+        n = self.size
+        ready = self.ready[:n]
+        live = self.live()
+        return {
+            "name": self.name,
+            "samples": n,
+            "group_size": self.group_size,
+            "columns": {
+                c: int(np.count_nonzero((ready >> np.uint64(b)) & np.uint64(1))) for c, b in self.columns.items()
+            },
+            "consumers": {name: {"taken": c.taken, "leased": c.leased, "ready": self.ready_for(c),
+                                 "pending": int(np.count_nonzero(live & (c.state[:n] == FREE)))}
+                          for name, c in self.consumers.items()},
+            "recovered": self.recovered,
+            "deleted": self.deleted,
+            "sealed": self.sealed,
+            "retire_when_consumed_by": list(self.retire),
+            "tags": sorted(self.tags),
+            "version": self.version,
+            "max_staleness": self.max_staleness,
+            "retire_stale": self.retire_stale,
+            "max_pending": self.max_pending,
+            "pending": self.pending(),
+            "stale": int(np.count_nonzero(self.stale_mask())),
+            "stale_retired": self.stale_retired,
+        }
+
+    def metadata_bytes(self) -> int:
+        """Bytes of metadata held for this partition (all arrays)."""
+        total = self.ready.nbytes + self.gone.nbytes + sum(a.nbytes for a in self.loc.values())
+        total += sum(a.nbytes for a in self.tags.values())
+        for cons in self.consumers.values():
+            total += cons.state.nbytes
+            for sub in cons.subs.values():
+                total += sub.eligible.bits.nbytes + sub.eligible.blocks.nbytes
+        return total
+
+
+def _check_tags(tags: Mapping[str, Sequence[int]], n: int) -> None:
+    """Tag values: one for all n samples, or one each."""
+    for name, values in tags.items():
+        k = len(values)
+        if k not in (1, n):
+            raise DockValueError(f"tag {name!r} has {k} values for {n} samples; give one value, or one per sample")
+        if name == VERSION_TAG and k and min(values) < 0:
+            raise DockValueError(f"a policy version is an int >= 0, got {min(values)}")
+
+
+
+def _grown(arr: np.ndarray, cap: int, fill: int = 0) -> np.ndarray:
+    out = np.full(cap, fill, dtype=arr.dtype)
+    out[: len(arr)] = arr
+    return out
+

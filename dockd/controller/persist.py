@@ -1,0 +1,89 @@
+"""The controller's state as plain dicts of bytes and numbers (no pickle), for the journal's
+snapshots and records and for checkpoints. The format is the state dir's: changing it breaks
+restarts from existing state dirs."""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dockd.controller.partition import FREE, LEASED, _Partition
+from dockd.errors import DockValueError
+
+if TYPE_CHECKING:
+    from dockd.controller.core import Controller
+
+
+def export_partition(p: _Partition) -> dict:
+    n = p.size
+    return {
+        "name": p.name, "group_size": p.group_size, "size": n, "recovered": p.recovered,
+        "ready": p.ready[:n].tobytes(), "columns": list(p.columns),
+        "loc": [p.loc[c][:n].tobytes() for c in p.columns],
+        "nbytes": [[w, b] for w, b in p.nbytes.items()],
+        "consumers": [[name, c.state[:n].tobytes(), c.taken] for name, c in p.consumers.items()],
+        "gone": p.gone[:n].tobytes(), "deleted": p.deleted, "sealed": p.sealed, "retire": list(p.retire),
+        "tags": [[name, arr[:n].tobytes()] for name, arr in p.tags.items()],
+        "async": [p.version, p.max_staleness, p.retire_stale, p.max_pending, p.stale_retired],
+    }
+
+
+def import_partition(d: dict) -> _Partition:
+    p = _Partition(d["name"], d["group_size"])
+    p.recovered = d["recovered"]
+    n = d["size"]
+    p.reserve(n)
+    p.size = n
+    p.ready[:n] = np.frombuffer(d["ready"], dtype=np.uint64)
+    for col, raw in zip(d["columns"], d["loc"]):
+        p.bit(col)
+        p.loc[col][:n] = np.frombuffer(raw, dtype=np.uint16)
+    p.nbytes = {w: b for w, b in d["nbytes"]}
+    if "gone" in d:
+        p.gone[:n] = np.frombuffer(d["gone"], dtype=bool)
+        p.deleted, p.sealed, p.retire = d["deleted"], d["sealed"], tuple(d["retire"])
+        for name, raw in d["tags"]:
+            p.tag(name, create=True)[:n] = np.frombuffer(raw, dtype=np.int64)
+    if "async" in d:
+        p.version, p.max_staleness, p.retire_stale, p.max_pending, p.stale_retired = d["async"]
+    for name, state, taken in d["consumers"]:
+        cons = p.consumer(name)
+        cons.state[:n] = np.frombuffer(state, dtype=np.uint8)
+        cons.state[:n][cons.state[:n] == LEASED] = FREE  # leases are restored by the caller, or end here
+        cons.taken = taken
+    return p
+
+
+def snapshot(c: Controller, wall_offset: float) -> dict:
+    """Everything needed to rebuild a controller. Lease deadlines are stored on the wall clock
+    (`deadline + wall_offset`) so another process can restore them."""
+    return {
+        "version": 2,
+        "lease_timeout": c.lease_timeout,
+        "dead": sorted(c.dead_warehouses),
+        "partitions": [export_partition(p) for p in c.partitions.values()],
+        "leases": [[l.id, l.partition, l.consumer, l.indexes.tobytes(), l.deadline + wall_offset, l.token, l.owner]
+                   for l in c.leases.values()],
+        "put_keys": [[w, [[k, v.tobytes()] for k, v in keys.items()]] for w, keys in c.put_keys.items()],
+    }
+
+
+def restore(c: Controller, snap: dict, *, wall_offset: float) -> Controller:
+    """Fill a fresh controller `c` from a snapshot; lease deadlines are moved onto this process's clock."""
+    c.dead_warehouses.update(snap["dead"])
+    for d in snap["partitions"]:
+        p = import_partition(d)
+        c.partitions[p.name] = p
+    for lid, part, consumer, raw, deadline, token, owner in snap["leases"]:
+        c.grant(lid, part, consumer, np.frombuffer(raw, dtype=np.int64).copy(), deadline=deadline - wall_offset,
+                token=token, owner=owner)
+    for w, keys in snap["put_keys"]:
+        c.put_keys[w] = collections.OrderedDict((k, np.frombuffer(v, dtype=np.int64).copy()) for k, v in keys)
+    return c
+
+
+def check_version(snap: dict) -> None:
+    if snap.get("version") not in (1, 2):
+        raise DockValueError(f"controller snapshot version {snap.get('version')!r} is not supported")

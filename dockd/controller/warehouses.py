@@ -1,0 +1,161 @@
+"""Where values live, and warehouses that leave and come back: values on a warehouse that
+left the dock are lost (DockDataLost when met), and a rejoining warehouse's inventory is
+reconciled with what the controller recorded."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from dockd.controller.catalog import Catalog
+from dockd.controller.partition import LOST, LOST_WAREHOUSE, _Consumer, _Partition
+from dockd.errors import DockDataLost, DockNotFound, DockValueError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class Inventory:
+    """What a warehouse holds of one partition: sorted sample indexes per column."""
+
+    group_size: int
+    nbytes: int
+    columns: dict[str, np.ndarray]
+
+
+def check_lost(cat: Catalog, part: _Partition, cons: _Consumer, columns, idx, locs) -> None:
+    dead = np.isin(locs, np.fromiter(cat.dead_warehouses, dtype=np.uint16))
+    if not dead.any():
+        return
+    lost_samples = dead.any(axis=0)
+    lost_idx = idx[lost_samples]
+    lost_cols = [c for c, row in zip(columns, dead) if row.any()]
+    cons.state[lost_idx] = LOST
+    part.taken_out(cons, lost_idx)
+    raise DockDataLost(
+        f"{len(lost_idx)} samples of partition {part.name!r} are lost: columns {lost_cols} lived on "
+        f"warehouse(s) {sorted(set(locs[dead].tolist()))}, which left the dock. Indexes: "
+        f"{lost_idx[:16].tolist()}{' ...' if len(lost_idx) > 16 else ''}. Re-put them or skip them.",
+        indexes=lost_idx.tolist(),
+        columns=lost_cols,
+    )
+
+def locate(cat: Catalog, partition: str, indexes: Sequence[int], columns: Sequence[str]) -> np.ndarray:
+    """Warehouse ids (len(columns) x len(indexes)) holding written values; takes nothing."""
+    part = cat.partitions.get(partition)
+    if part is None:
+        raise DockNotFound(f"partition {partition!r} does not exist")
+    if not columns:
+        raise DockValueError("columns must name at least one column")
+    idx = np.asarray(indexes, dtype=np.int64).reshape(-1)
+    bad = idx[(idx < 0) | (idx >= part.size)]
+    if len(bad):
+        raise DockNotFound(f"sample indexes {bad[:8].tolist()} do not exist in partition {partition!r}")
+    rows = []
+    for c in columns:
+        b = part.columns.get(c)
+        missing = idx if b is None else idx[(part.ready[idx] >> np.uint64(b)) & np.uint64(1) == 0]
+        if len(missing):
+            raise DockNotFound(
+                f"column {c!r} is not written for samples {missing[:8].tolist()} of partition {partition!r}"
+            )
+        rows.append(part.loc[c][idx])
+    locs = np.stack(rows) if rows else np.empty((0, len(idx)), dtype=np.uint16)
+    if cat.dead_warehouses:
+        dead = np.isin(locs, np.fromiter(cat.dead_warehouses, dtype=np.uint16))
+        if dead.any():
+            raise DockDataLost(
+                f"samples {idx[dead.any(axis=0)][:16].tolist()} of partition {partition!r} lived on a warehouse "
+                "that left the dock",
+                indexes=idx[dead.any(axis=0)].tolist(),
+                columns=[c for c, row in zip(columns, dead) if row.any()],
+            )
+    return locs
+
+def warehouse_lost(cat: Catalog, warehouse: int) -> None:
+    cat.dead_warehouses.add(warehouse)
+    cat.put_keys.pop(warehouse, None)
+    for part in cat.partitions.values():
+        part.nbytes.pop(warehouse, None)
+
+def rejoin(cat: Catalog, warehouse: int, inventory: Mapping[str, Inventory], *, known: bool) -> list[str]:
+    """Reconcile what a rejoining warehouse holds with what this controller records.
+
+    `known`: the controller remembers this warehouse (a journal, or it never
+    went away). Then the records win: (sample, column)s recorded on the
+    warehouse that it no longer holds become lost (DockDataLost when met),
+    and partitions it holds that the dock no longer has are returned, for
+    the warehouse to free. Otherwise (a restart without a state dir) the
+    inventory is the truth: partitions are rebuilt from it, marked
+    `recovered` (consumer progress before the restart is unknown); a value
+    that another warehouse already holds under the same index stays there,
+    and the rejoining one's copy is ignored (logged).
+    """
+    cat.dead_warehouses.discard(warehouse)
+    drop = []
+    if known:
+        for name, part in cat.partitions.items():
+            held = inventory.get(name)
+            for col, loc in part.loc.items():
+                mine = np.flatnonzero(loc[: part.size] == warehouse)
+                if held is not None and col in held.columns:
+                    mine = mine[~np.isin(mine, held.columns[col], assume_unique=True)]
+                if len(mine):
+                    loc[mine] = LOST_WAREHOUSE
+                    cat.dead_warehouses.add(LOST_WAREHOUSE)
+                    logger.warning("[controller] warehouse %d rejoined without %d values of column %r of "
+                                   "partition %r; they are lost", warehouse, len(mine), col, name)
+            if held is not None:
+                part.nbytes[warehouse] = held.nbytes
+                if part.deleted:  # samples deleted while it was away: it frees them now
+                    ix = [np.asarray(v, dtype=np.int64) for v in held.columns.values()]
+                    stale = np.unique(np.concatenate(ix)) if ix else np.empty(0, dtype=np.int64)
+                    stale = stale[stale < part.size]
+                    stale = stale[part.gone[stale]]
+                    if len(stale):
+                        cat.pending_frees.setdefault(name, {}).setdefault(warehouse, []).append(stale)
+            else:
+                part.nbytes.pop(warehouse, None)
+        drop = [name for name in inventory if name not in cat.partitions]
+        return drop
+    cat._samples = None
+    for name, held in inventory.items():
+        part = cat.partitions.get(name)
+        if part is None:
+            part = cat.partitions[name] = _Partition(name, held.group_size or 1)
+        elif part.group_size != (held.group_size or 1):
+            logger.error("[controller] warehouse %d holds partition %r with groups of %d, but the dock has groups "
+                         "of %d; its copy is ignored", warehouse, name, held.group_size, part.group_size)
+            continue
+        part.recovered = True
+        top = max((int(ix[-1]) + 1 for ix in held.columns.values() if len(ix)), default=0)
+        top = -(-top // part.group_size) * part.group_size
+        if top > part.size:
+            part.reserve(top - part.size)
+            part.size = top
+        newbits, conflicts, changed = 0, 0, []
+        for col, ix in held.columns.items():
+            b = part.bit(col)
+            ix = np.asarray(ix, dtype=np.int64)
+            taken = (part.ready[ix] >> np.uint64(b)) & np.uint64(1) == 1
+            conflicts += int(taken.sum())
+            ix = ix[~taken]
+            part.loc[col][ix] = warehouse
+            part.ready[ix] |= np.uint64(1 << b)
+            newbits |= 1 << b
+            changed.append(ix)
+        part.nbytes[warehouse] = part.nbytes.get(warehouse, 0) + held.nbytes
+        if conflicts:
+            logger.error("[controller] warehouse %d holds %d values of partition %r under indexes that were "
+                         "written again after the controller restarted without a state dir; its copies are "
+                         "ignored", warehouse, conflicts, name)
+        if changed:
+            idx = np.unique(np.concatenate(changed))
+            for cons in part.consumers.values():
+                subs = [s for s in cons.subs.values() if s.mask & newbits]
+                if subs:
+                    part.refresh(cons, idx, subs)
+    return drop
