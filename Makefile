@@ -2,6 +2,7 @@
 #   make run    set up a virtualenv and run the demo on a local dock
 #   make test   set up (frameworks for the plugin tests included) and run the tests
 #   make docs   build the documentation site (API reference from the docstrings) into site/
+#   make dist   build the sdist and the wheel into dist/
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +11,7 @@ STAMP := $(VENV)/.dockd-installed
 # spec would pull a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: setup run test test-fast frameworks proto bench bench-peers check docs clean
+.PHONY: setup run test test-fast frameworks proto bench bench-peers check docs dist clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +45,12 @@ check: setup
 
 docs: setup
 	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+# the sdist and the wheel (dist/dockd-VERSION.tar.gz, dist/dockd-VERSION-py3-none-any.whl). The wheel
+# declares torch as a range (pyproject.toml); install torch first the way your machine needs it.
+dist: setup
+	rm -rf dist
+	$(PY) -m build --outdir dist .
 
 bench: setup
 	$(PY) -m benchmarks
