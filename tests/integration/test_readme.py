@@ -29,3 +29,28 @@ assert tokens.shape == (16, 9) and lengths.shape == (16,)
     shown = re.search(r"It prints:\s+```\n(.*?)```", after, re.S)
     assert shown, "the Quickstart shows no output block after 'It prints:'"
     assert out.stdout.strip().splitlines() == shown.group(1).strip().splitlines(), out.stdout
+
+
+def test_errors_list_names_every_public_exception():
+    import dockd
+
+    text = (ROOT / "README.md").read_text()
+    errors = re.search(r"^- Errors: (.*?)(?:\n\n|\n- )", text, re.S | re.M).group(1)
+    for name in dockd.__all__:
+        if name.startswith("Dock") and name != "Dock":
+            assert f"{name}`" in errors, name
+
+
+def test_demo_table_has_the_demos_layout():
+    """The demo table quoted in the README is the one `dockd demo` prints (same header, stages, summary)."""
+    from dockd.demo import StageReport, format_table
+
+    text = (ROOT / "README.md").read_text()
+    shown = re.search(r"`make run` prints.*?```\n(.*?)```", text, re.S).group(1).strip().splitlines()
+    fresh = format_table([StageReport(s, 1, 1, 1, 1.0, 1.0) for s in ("rollout", "reward", "reference", "advantage",
+                                                                      "train")],
+                         steps=12, total=256, warehouses=2, wall=1.0).splitlines()
+    assert shown[0] == fresh[0]
+    assert [line.split()[0] for line in shown[1:6]] == [line.split()[0] for line in fresh[1:6]]
+    assert shown[6].startswith("12 steps x 256 samples through 2 warehouses in ") and shown[7] == fresh[7]
+    assert "2-core VM" in text.split("`make run` prints", 1)[1][:400]
