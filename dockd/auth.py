@@ -42,6 +42,7 @@ import time
 from dockd._proto import dockd_pb2 as pb
 from dockd.config import env
 from dockd.errors import DockAuthError, DockValueError
+from dockd.wire import PROTOCOL_VERSION, check_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -180,15 +181,11 @@ class ServerAuth:
         return self.daemon_key is not None
 
     def challenge(self, instance: int) -> pb.Challenge:
-        from dockd.wire import PROTOCOL_VERSION
-
         return pb.Challenge(nonce=secrets.token_bytes(NONCE), protocol=PROTOCOL_VERSION, token=self.client_key is not None,
                             instance=instance)
 
     def verify(self, challenge: pb.Challenge, auth: pb.Auth) -> pb.AuthReply:
         """Check an Auth against the challenge this connection got; the reply proving our key."""
-        from dockd.wire import check_protocol
-
         check_protocol(auth.protocol, f"the {auth.role or 'peer'} {auth.name or ''}".rstrip())
         role = auth.role
         if role not in (CLIENT, DAEMON):
@@ -210,8 +207,6 @@ class ServerAuth:
 
 def answer(challenge: pb.Challenge, role: str, key: bytes | None, *, session: bytes = b"", name: str = "") -> pb.Auth:
     """The Auth a connecting peer sends in reply to a daemon's Challenge."""
-    from dockd.wire import PROTOCOL_VERSION
-
     nonce = secrets.token_bytes(NONCE)
     mac = _mac(key, b"dockd-auth-v1", role.encode(), challenge.nonce, nonce) if key is not None else b""
     return pb.Auth(role=role, nonce=nonce, mac=mac, session=session, name=name, protocol=PROTOCOL_VERSION)

@@ -20,6 +20,8 @@ import contextlib
 from collections.abc import Iterator
 
 from dockd.device.errors import DeviceArgumentError, DeviceDTypeError
+from dockd.device.hccl import HcclLibrary
+from dockd.device.nccl import NcclLibrary
 
 BACKENDS = ("nccl", "hccl")
 _DEVICE_BACKEND = {"cuda": "nccl", "npu": "hccl"}
@@ -38,12 +40,8 @@ def backend_for_device(device) -> str:
 def load_backend(name: str, library_path: str | None = None):
     """The library object of backend `name` ("nccl" or "hccl")."""
     if name == "nccl":
-        from dockd.device.nccl import NcclLibrary
-
         return NcclLibrary(library_path)
     if name == "hccl":
-        from dockd.device.hccl import HcclLibrary
-
         return HcclLibrary(library_path)
     raise DeviceArgumentError(f"unknown collective backend {name!r}; choose one of {', '.join(BACKENDS)}")
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dockd.device import Communicator
+
 from .errors import BackendError
 from .groups import ReshardGroups
 
@@ -102,8 +104,6 @@ class DeviceCollectives(Collectives):
         """Make one communicator per group (NCCL for CUDA, HCCL for NPU): the group's first
         member makes the unique id and ``broadcast_object_list`` over the group's
         ``torch.distributed`` group hands it to the others. Every rank must call this."""
-        from dockd.device import Communicator
-
         comms: dict = {}
         try:
             for dim in DIMS:
