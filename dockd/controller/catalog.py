@@ -329,6 +329,18 @@ class Catalog:
         sub = part.subscription(part.consumer(consumer), mask, groups)
         return sub.eligible.total * (part.group_size if groups else 1)
 
+    def all_taken(self, partition: str, consumer: str) -> int | None:
+        """How many samples `consumer` took of a partition when it has had every one of them (none is
+        free for it, being written or leased to it); None otherwise."""
+        part = self.partitions.get(partition)
+        cons = part.consumers.get(consumer) if part is not None else None
+        if cons is None or not cons.taken or cons.leased:
+            return None
+        n = part.size
+        if (~part.gone[:n] & (cons.state[:n] == FREE)).any():
+            return None
+        return cons.taken
+
     def why_not_ready(self, partition: str, columns: Sequence[str]) -> str:
         """A hint for timeout messages: unknown partition or columns."""
         part = self.partitions.get(partition)

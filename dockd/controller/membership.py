@@ -50,12 +50,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 
 from dockd import wire
 from dockd._proto import dockd_pb2 as pb
+from dockd.controller.clock import Clock, Timer, Timers
 from dockd.controller.core import Controller, Inventory
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockTimeout, DockValueError, to_status
 from dockd.peer import Peer
@@ -80,8 +82,8 @@ class WarehouseEntry:
     state: str = "joined"
     peer: Peer | None = None  # its connection; None while away, and for the one hosted in this process
     local: bool = False
-    timer: asyncio.TimerHandle | None = None
-    beat_sent: float | None = None  # loop time the unanswered heartbeat went out (None: none outstanding)
+    timer: Timer | None = None
+    beat_sent: float | None = None  # clock time the unanswered heartbeat went out (None: none outstanding)
 
     @property
     def alive(self) -> bool:
@@ -130,7 +132,15 @@ class Membership:
     reachable again (waiting acquires are retried); `journal` may be None."""
 
     def __init__(self, core: Controller, journal, *, grace: float, on_change: Callable[[], None],
-                 heartbeat_interval: float = HEARTBEAT_INTERVAL, heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> None:
+                 heartbeat_interval: float = HEARTBEAT_INTERVAL, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+                 clock: Clock = time.monotonic, timers: Timers | None = None,
+                 probe: Callable[[str, int], Awaitable[int | None]] | None = None) -> None:
+        """`clock`: the time grace, heartbeats and probes go by (timers set through `timers`, one of
+        that clock: a service passes its own); `probe`: how an address is asked which instance
+        answers there (probe_instance)."""
+        self.timers = timers if timers is not None else Timers(clock)
+        self.clock = self.timers.clock
+        self.probe = probe or probe_instance
         self.core = core
         self.journal = journal
         self._rebuild_warned = False
@@ -139,12 +149,8 @@ class Membership:
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.entries: dict[int, WarehouseEntry] = {}
-        self._beat: asyncio.TimerHandle | None = None
+        self._beat: Timer | None = None
         self._probes: dict[tuple[str, int, int], _Probe] = {}  # (address claimed, claimant) -> who answers there
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        return asyncio.get_running_loop()
 
     def get(self, wid: int) -> WarehouseEntry | None:
         return self.entries.get(wid)
@@ -249,7 +255,7 @@ class Membership:
         claimant answering holds for PROBE_FRESH seconds, any other answer for one second (an
         address changing hands may have answered nothing a moment ago)."""
         key = (host, port, claimant)
-        now = self.loop.time()
+        now = self.clock()
         p = self._probes.get(key)
         if p is not None and p.task is None and now - p.at <= (PROBE_FRESH if p.instance == claimant else 1.0):
             return True, p.instance
@@ -261,19 +267,19 @@ class Membership:
         return False, None
 
     async def _probe_address(self, key: tuple[str, int, int]) -> None:
-        instance = await probe_instance(key[0], key[1])
+        instance = await self.probe(key[0], key[1])
         p = self._probes.get(key)
         if p is not None:
-            p.task, p.instance, p.at = None, instance, self.loop.time()
+            p.task, p.instance, p.at = None, instance, self.clock()
 
     # -- heartbeats ---------------------------------------------------------------------------
     def _start_heartbeats(self) -> None:
         if self._beat is None and self.heartbeat_interval > 0:
-            self._beat = self.loop.call_later(self.heartbeat_interval, self._heartbeat)
+            self._beat = self.timers.call_later(self.heartbeat_interval, self._heartbeat)
 
     def _heartbeat(self) -> None:
         self._beat = None
-        now = self.loop.time()
+        now = self.clock()
         for entry in list(self.entries.values()):
             if not entry.alive or not isinstance(entry.peer, Peer) or entry.peer.closed:
                 continue
@@ -287,7 +293,7 @@ class Membership:
         peer = entry.peer
         if entry.beat_sent is not None or not isinstance(peer, Peer) or peer.closed:
             return
-        entry.beat_sent = self.loop.time()
+        entry.beat_sent = self.clock()
         fut = peer.request(pb.Frame(hello=pb.Hello(client="controller", protocol=wire.PROTOCOL_VERSION)))
         fut.add_done_callback(lambda f, e=entry, p=peer: self._beat_answered(e, p, f))
 
@@ -302,7 +308,7 @@ class Membership:
         if entry.state == "unresponsive":
             entry.state = "joined"
             logger.warning("[controller] warehouse answers again id=%d address=%s:%d silent=%.1fs", entry.id,
-                           entry.host, entry.port, self.loop.time() - sent)
+                           entry.host, entry.port, self.clock() - sent)
             self.on_change()
 
     def _unresponsive(self, entry: WarehouseEntry, silent: float) -> None:
@@ -360,7 +366,7 @@ class Membership:
         self._save(entry)
         logger.warning("[controller] warehouse away id=%d address=%s:%d reason=%r; waiting up to %gs for it to rejoin",
                        entry.id, entry.host, entry.port, why, self.grace)
-        entry.timer = self.loop.call_later(self.grace, self._give_up, entry)
+        entry.timer = self.timers.call_later(self.grace, self._give_up, entry)
         task = asyncio.ensure_future(self._probe(entry))
         _tasks.add(task)
         task.add_done_callback(_tasks.discard)
@@ -372,7 +378,7 @@ class Membership:
 
     async def _probe(self, entry: WarehouseEntry) -> None:
         """Tell a dead warehouse from an unreachable one: refused, or another process answering, is dead."""
-        instance = await probe_instance(entry.host, entry.port)
+        instance = await self.probe(entry.host, entry.port)
         if entry.state != "rejoining":
             return
         if instance == 0:

@@ -1,0 +1,192 @@
+"""Acquires on the wire: a get's try (a lease granted, journaled ahead, its expiry timed), a
+rank-aware get's share (a round to balance weighed in the background), the reply (with the
+columns the co-hosted warehouse holds inline), and the staleness of what is handed out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dockd._proto import dockd_pb2 as pb
+from dockd.controller.core import VERSION_TAG, AcquireResult, Round
+from dockd.errors import DockDataLost, DockStateFull, DockValueError
+from dockd.peer import Peer
+
+if TYPE_CHECKING:
+    from dockd.controller.service import ControllerService
+
+logger = logging.getLogger(__name__)
+
+#: Upper bounds of the staleness histogram's buckets (trainer version minus a handed-out sample's version).
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+
+
+def where_of(r) -> dict[str, tuple[int, int]] | None:
+    return {t.name: (t.lo, t.hi) for t in r.where} or None
+
+
+def _lease_seconds(r: pb.AcquireRequest) -> float | None:
+    return min(r.lease_seconds, 7 * 86400.0) if r.lease_seconds > 0 else None
+
+
+class Acquiring:
+    def __init__(self, svc: ControllerService) -> None:
+        self.svc = svc
+        # per bucket of STALENESS_BUCKETS (and past the last), samples handed out; their sum
+        self.staleness_counts = [0] * (len(STALENESS_BUCKETS) + 1)
+        self.staleness_sum = 0
+
+    def attempt(self, peer: Peer, r: pb.AcquireRequest) -> AcquireResult | None:
+        """Try a get once: what it gets, or None to wait."""
+        svc, core = self.svc, self.svc.core
+        sid = svc.leasing.session(peer)
+        if r.dp_size:
+            return self._share(r, sid)
+        again = core.leases.get(core.lease_tokens.get(r.token, 0)) if r.token else None
+        if again is not None and again.owner not in (sid, b""):
+            again = None  # another client's token: no replay for it (tokens are random, so this is an attack)
+            r.token = 0
+        if again is None and svc.journal is not None:
+            svc.journal.room()
+        res = core.acquire(
+            r.partition, r.consumer, list(r.columns), r.count,
+            groups=r.groups, allow_partial=r.allow_partial, shuffle=r.shuffle,
+            seed=r.seed if r.has_seed else None, owner=sid, now=svc.clock(), token=r.token,
+            lease_timeout=_lease_seconds(r), where=where_of(r), order_by=r.order_by,
+            near=r.near - 1 if r.near else None, max_staleness=r.max_staleness - 1 if r.max_staleness else None,
+        )
+        if again is not None:
+            again.owner = sid  # the client that retried holds it (a lease restored from the journal may have had none)
+        elif res is not None:
+            self._handed_out(r.partition, res.indexes)
+            if svc.journal is not None:
+                lease = core.leases[res.lease]
+                try:
+                    svc.journal.grant(lease, lease.deadline - svc.clock())
+                except DockStateFull:
+                    core.release(lease.id)  # not recorded: not granted
+                    raise
+            svc.leasing.schedule_expiry()
+        return res
+
+    def _share(self, r: pb.AcquireRequest, sid: bytes) -> AcquireResult | None:
+        """A rank-aware get (see Controller.share); a round to balance is weighed in the background."""
+        svc = self.svc
+        if r.shuffle or r.allow_partial:
+            raise DockValueError("a rank-aware get (dp_size or mp_group) hands out `count` samples per rank in order; "
+                                 "shuffle and allow_partial do not apply (order_by and where do; a sealed partition "
+                                 "ends with a smaller last step)")
+        for name in r.balance_by:
+            if name not in r.columns and not self._is_tag(r.partition, name):
+                raise DockValueError(f"balance_by={name!r} is neither a tag of partition {r.partition!r} nor one of "
+                                     f"the columns this get reads ({list(r.columns)})")
+        if svc.journal is not None:
+            svc.journal.room()
+        res = svc.core.share(
+            r.partition, r.consumer, list(r.columns), r.count, dp_rank=r.dp_rank, dp_size=r.dp_size,
+            mp_rank=r.mp_rank, mp_size=r.mp_size or 1, mp_group=r.mp_group, step=r.step if r.has_step else None,
+            groups=r.groups, where=where_of(r), order_by=r.order_by, balance=bool(r.balance_by), owner=sid,
+            now=svc.clock(), lease_timeout=_lease_seconds(r),
+            max_staleness=r.max_staleness - 1 if r.max_staleness else None,
+        )
+        if res is not None and not isinstance(res, Round) and res.lease:
+            self._handed_out(r.partition, res.indexes)
+        if isinstance(res, Round):
+            asyncio.ensure_future(self._weigh(res, list(r.balance_by)))
+            res = None
+        self.journal_shares()
+        return res
+
+    def _handed_out(self, partition: str, idx: np.ndarray) -> None:
+        """Samples were just leased: count their staleness; commits waiting for room may go in."""
+        svc = self.svc
+        part = svc.core.partitions.get(partition)
+        if part is None:
+            return
+        if part.version or VERSION_TAG in part.tags:
+            st = part.version - part.tag_values(VERSION_TAG, idx)
+            counts = np.bincount(np.searchsorted(STALENESS_BUCKETS, st, side="left"),
+                                 minlength=len(self.staleness_counts))
+            for b in np.flatnonzero(counts).tolist():
+                self.staleness_counts[b] += int(counts[b])
+            self.staleness_sum += int(st.sum())
+        if partition in svc.paced:
+            svc.pacer.soon(partition)
+
+    def _is_tag(self, partition: str, name: str) -> bool:
+        part = self.svc.core.partitions.get(partition)
+        return part is not None and name in part.tags
+
+    def journal_shares(self) -> None:
+        """Record the shares made and given back since the last call. Shares whose grant cannot be
+        recorded go back to the pool (as if they expired at once) and DockStateFull is raised."""
+        svc = self.svc
+        shares, dropped = svc.core.ranks.take_journal()
+        if svc.journal is not None:
+            for lid in dropped:
+                svc.journal.release(lid, applied=True)
+            now = svc.clock()
+            for k, lease in enumerate(shares):
+                try:
+                    svc.journal.grant(lease, lease.deadline - now)
+                except DockStateFull:
+                    for gone in shares[k:]:
+                        svc.core.release(gone.id)  # not recorded: not granted
+                    raise
+        if shares:
+            svc.leasing.schedule_expiry()
+
+    async def _weigh(self, rnd: Round, names: list[str]) -> None:
+        """Weigh a round's samples by `names` (tags, or columns measured where they are stored), split it
+        among its ranks, and serve the ranks waiting for it. A failure gives the round's samples back and
+        fails the gets waiting for it."""
+        svc = self.svc
+        try:
+            part = svc.core.partitions.get(rnd.partition)
+            if part is None:
+                raise DockDataLost(f"partition {rnd.partition!r} was cleared while a balanced round was weighed")
+            idx = rnd.indexes
+            weights = np.zeros(len(idx), dtype=np.float64)
+            for name in names:
+                if name in part.tags:
+                    weights += part.tags[name][idx]
+                else:
+                    weights += await svc.calls.measure(part, name, idx)
+            if not np.isfinite(weights).all() or (weights < 0).any():
+                raise DockValueError(f"balance_by={names} gave negative or non-finite weights; balance by "
+                                     "non-negative numbers (lengths, token counts)")
+            svc.core.split_round(rnd, weights)
+            self.journal_shares()
+        except Exception as e:  # noqa: BLE001 - reported to the gets that wait for this round
+            svc.core.drop_round(rnd)
+            logger.warning("[controller] balanced round failed partition=%s error=%s", rnd.partition, e)
+            _, consumer, cols, groups, dp_size, *_ = rnd.key
+            svc.waiting.fail(rnd.partition, e, lambda a: a.consumer == consumer and a.dp_size == dp_size
+                             and tuple(sorted(a.columns)) == cols)
+        svc.waiting.wake(rnd.partition)
+
+    def reply(self, peer: Peer, frame: pb.Frame, r: pb.AcquireRequest, res: AcquireResult) -> None:
+        svc = self.svc
+        locs = res.locations.ravel().tolist()
+        out = pb.Frame()
+        reply = out.acquire_reply  # filled in place: building a message and wrapping it would copy it
+        reply.lease = res.lease
+        if res.lease:
+            reply.ticket = svc.leasing.ticket(res.lease)
+        reply.step = res.step
+        reply.rank_weights.extend(res.weights)
+        reply.indexes.extend(res.indexes.tolist())
+        reply.locations.extend(locs)
+        reply.warehouses.extend(svc.warehouse_infos(sorted(set(locs)), usage=False))
+        part = svc.core.partitions.get(r.partition)
+        reply.recovered = part is not None and part.recovered
+        if r.inline and svc.local is not None:
+            cols, body, segs = svc.local.inline(peer, r.partition, list(r.columns), res.indexes, res.locations)
+            reply.inline.extend(cols)
+            out.pins.extend(s.sid for s in segs)
+            peer.reply(frame, out, body.buffers, body.size, segs)
+            return
+        peer.reply(frame, out)

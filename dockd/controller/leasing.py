@@ -1,0 +1,178 @@
+"""Leases on the wire: client sessions (leases belong to a session, and go back to the pool when
+its last connection closes), tickets (the proof that hands a lease over to another process),
+confirm, release and extend as clients ask them, and lease expiry on the service's clock."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+from typing import TYPE_CHECKING
+
+from dockd._proto import dockd_pb2 as pb
+from dockd.controller.clock import Timer
+from dockd.controller.leases import Lease
+from dockd.errors import DockLeaseError, DockValueError
+from dockd.peer import Peer
+
+if TYPE_CHECKING:
+    from dockd.controller.service import ControllerService
+
+logger = logging.getLogger(__name__)
+
+
+class Leasing:
+    def __init__(self, svc: ControllerService) -> None:
+        self.svc = svc
+        self.sessions: dict[bytes, set[Peer]] = {}  # client session -> its connections (leases belong to sessions)
+        self.ticket_key = secrets.token_bytes(32)
+        self.expired = 0  # leases that expired unconfirmed
+        self._expiry: Timer | None = None
+        self._expiry_at = float("inf")
+
+    # -- sessions and tickets -------------------------------------------------------------------
+    def session(self, peer: Peer) -> bytes:
+        """The session a client connection belongs to (a connection without one is its own)."""
+        sid = peer.sid
+        if sid is None:  # first request on this connection: register it with its session
+            # A connection without a session gets one nobody can name (a claimed session never
+            # starts with a zero byte), so no other client can act on its leases.
+            own = peer.session and not peer.session.startswith(b"\0")
+            sid = peer.sid = peer.session if own else b"\0" + secrets.token_bytes(15)
+            self.sessions.setdefault(sid, set()).add(peer)
+        return sid
+
+    def ticket(self, lease_id: int) -> bytes:
+        """The hand-over proof for a lease: whoever holds it may confirm, release or extend it."""
+        return hashlib.blake2b(lease_id.to_bytes(8, "little"), key=self.ticket_key, digest_size=16).digest()
+
+    def owned(self, peer: Peer, lease_id: int, ticket: bytes) -> Lease | None:
+        """The lease if this peer may act on it; None if it is gone; raises DockLeaseError if it is another's."""
+        lease = self.svc.core.leases.get(lease_id)
+        if lease is None:
+            return None
+        sid = self.session(peer)
+        if lease.owner == sid or (lease.holders is not None and sid in lease.holders) or (
+                ticket and hmac.compare_digest(ticket, self.ticket(lease_id))):
+            return lease
+        raise DockLeaseError(f"lease {lease_id} belongs to another client; hand it over with its ticket "
+                             "(Lease.ticket) to confirm, release or extend it from here")
+
+    def peer_lost(self, peer: Peer) -> list[Lease]:
+        """A connection closed; the leases released because it was its session's last one."""
+        sid = peer.sid
+        conns = self.sessions.get(sid) if sid is not None else None
+        if conns is None:
+            return []
+        conns.discard(peer)
+        if conns:
+            return []
+        del self.sessions[sid]  # the client's last connection: it is gone, its leases go back to the pool
+        released = self.svc.core.release_owner(sid)
+        if self.svc.journal is not None:
+            for lease in released:
+                self.svc.journal.release(lease.id, applied=True)
+        return released
+
+    # -- what clients ask -----------------------------------------------------------------------
+    def confirm(self, peer: Peer, leases, tickets, out: pb.ConfirmReply | None = None) -> None:
+        """Confirm leases this peer may act on; the rest are reported in `out`."""
+        if not leases:
+            return
+        svc, core = self.svc, self.svc.core
+        done, unknown, refused, sealed, mine = [], [], [], set(), []
+        for k, lid in enumerate(leases):
+            try:
+                lease = self.owned(peer, lid, tickets[k] if k < len(tickets) else b"")
+            except DockLeaseError:
+                refused.append(lid)
+                continue
+            if lease is None:
+                if lid not in core.cleared_leases:  # (a clear took its samples: nothing was handed out again)
+                    unknown.append(lid)
+                continue
+            member = lease.holders.get(self.session(peer)) if lease.holders else None
+            mine.append((lease, member))
+            # (as Controller.confirm decides: a share read by several ranks ends with its last reader's confirm)
+            if lease.need <= 1 or member is None or (lease.confirmed | 1 << member).bit_count() >= lease.need:
+                done.append(lid)
+        if done and svc.journal is not None:
+            svc.journal.confirm(done)  # written ahead: confirms the journal cannot take are not applied
+        for lease, member in mine:
+            if core.confirm(lease.id, member):
+                part = core.partitions.get(lease.partition)
+                if part is not None and part.sealed and lease.partition in svc.waiters:
+                    sealed.add(lease.partition)  # the last leased samples taken: waiting gets may be at the end
+        if done:
+            svc.calls.schedule_frees()  # (retirement)
+            if svc.paced:
+                for lease, _ in mine:
+                    svc.pacer.soon(lease.partition)
+        for name in sealed:
+            svc.waiting.wake(name)
+        if unknown or refused:
+            logger.warning("[controller] confirms refused peer=%s expired_or_released=%d another_clients=%d",
+                           peer.name, len(unknown), len(refused))
+        if out is not None:
+            out.unknown.extend(unknown)
+            out.refused.extend(refused)
+
+    def extend(self, peer: Peer, req: pb.ExtendRequest) -> pb.ExtendReply:
+        svc = self.svc
+        lease = self.owned(peer, req.lease, req.ticket)
+        if lease is None:
+            if req.lease in svc.core.cleared_leases:
+                raise DockLeaseError(f"lease {req.lease} ended when its partition was cleared")
+            raise DockLeaseError(f"lease {req.lease} expired or was released: its samples were handed out again")
+        seconds = req.seconds if req.seconds > 0 else svc.core.lease_timeout
+        if not seconds <= 7 * 86400:
+            raise DockValueError(f"a lease is extended by at most a week, got {req.seconds}s")
+        if svc.journal is not None:
+            svc.journal.extend(lease.id, seconds)
+        svc.core.extend(lease.id, svc.clock() + seconds)
+        self.schedule_expiry()
+        return pb.ExtendReply(seconds=seconds)
+
+    def release(self, peer: Peer, req: pb.ReleaseRequest) -> int:
+        svc = self.svc
+        lease_id = req.lease or svc.core.lease_tokens.get(req.token, 0)
+        lease = self.owned(peer, lease_id, req.ticket)
+        if lease is None or lease.need > 1:  # (a share other model-parallel ranks read: it expires if unconfirmed)
+            return 0
+        if svc.journal is not None:
+            svc.journal.release(lease_id)  # written ahead
+        lease = svc.core.release(lease_id)
+        if lease is None:
+            return 0
+        svc.waiting.wake(lease.partition)
+        return len(lease.indexes)
+
+    # -- expiry ---------------------------------------------------------------------------------
+    def schedule_expiry(self) -> None:
+        deadline = self.svc.core.next_lease_deadline()
+        if deadline is None or deadline >= self._expiry_at:
+            return
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._expiry_at = deadline
+        self._expiry = self.svc.timers.call_at(deadline, self._on_expiry)
+
+    def _on_expiry(self) -> None:
+        svc = self.svc
+        self._expiry, self._expiry_at = None, float("inf")
+        expired = svc.core.expire_leases(svc.clock())
+        if svc.journal is not None:
+            for lease in expired:
+                svc.journal.release(lease.id, applied=True)
+        self.expired += len(expired)
+        if expired:
+            logger.warning("[controller] leases expired unconfirmed count=%d; their samples return to the pool",
+                           len(expired))
+        for part in {l.partition for l in expired}:
+            svc.waiting.wake(part)
+        self.schedule_expiry()
+
+    def close(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()

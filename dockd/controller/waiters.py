@@ -1,0 +1,170 @@
+"""Gets waiting for data. A blocked acquire is parked per partition and retried when a commit,
+a release or a lost warehouse changes that partition; its timeout is a timer on the service's
+clock, never a poll."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from dockd import limits
+from dockd._proto import dockd_pb2 as pb
+from dockd.controller.clock import Timer, seconds
+from dockd.errors import DockError, DockStateFull, DockTimeout, DockValueError
+from dockd.peer import Peer
+
+if TYPE_CHECKING:
+    from dockd.controller.service import ControllerService
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Waiter:
+    peer: Peer
+    frame: pb.Frame
+    timer: Timer | None = None
+
+
+class Waiters:
+    """The parked gets of a controller, by partition, in arrival order."""
+
+    def __init__(self, svc: ControllerService) -> None:
+        self.svc = svc
+        self.by_partition: dict[str, list[Waiter]] = {}
+        self._full_retry: Timer | None = None  # waiting gets tried again once the state dir has room
+
+    @property
+    def count(self) -> int:
+        """Gets waiting for data, of all connections."""
+        return sum(map(len, self.by_partition.values()))
+
+    def park(self, peer: Peer, frame: pb.Frame) -> None:
+        """Park a get that found too few samples, until its timeout (none: until served)."""
+        r = frame.acquire
+        if peer.parked >= limits.MAX_PARKED or self.count >= limits.MAX_PARKED_DOCK:
+            raise DockValueError(
+                f"{peer.parked} gets of this connection and {self.count} of all wait for data already (at most "
+                f"{limits.MAX_PARKED} and {limits.MAX_PARKED_DOCK}); wait for some to finish before asking for more")
+        w = Waiter(peer, frame)
+        self.by_partition.setdefault(r.partition, []).append(w)
+        peer.parked += 1  # a blocked get: its connection is busy, not idle
+        if r.timeout > 0:
+            w.timer = self.svc.timers.call_later(r.timeout, self._expire, r.partition, w)
+
+    def wake(self, partition: str) -> None:
+        """Retry the gets waiting on a partition, in arrival order. Once one finds too few samples,
+        the later ones of the same consumer and columns asking for as many or more are not tried:
+        with many waiters a commit costs one failed try per kind of request, not one per waiter."""
+        ws = self.by_partition.get(partition)
+        if not ws:
+            return
+        acq = self.svc.acquiring
+        short: dict[tuple, int] = {}  # (consumer, columns, groups) -> smallest count found unmet
+        for w in list(ws):
+            r = w.frame.acquire
+            # (a rank-aware or filtered get is tried on its own: its needs differ from its neighbours')
+            key = (r.consumer, tuple(sorted(r.columns)), r.groups, r.max_staleness) \
+                if not (r.dp_size or r.where or r.order_by) else w
+            need = 1 if r.allow_partial else r.count
+            if need >= short.get(key, 1 << 62):
+                continue
+            try:
+                res = acq.attempt(w.peer, r)
+            except DockStateFull:  # the state dir is full: the gets stay parked, and are tried again soon
+                self._retry_later()
+                return
+            except DockError as e:
+                self.drop(partition, w)
+                w.peer.reply_error(w.frame, e)
+                continue
+            if res is not None:
+                self.drop(partition, w)
+                acq.reply(w.peer, w.frame, r, res)
+            else:
+                short[key] = min(short.get(key, 1 << 62), need)
+
+    def wake_every(self) -> None:
+        for part in list(self.by_partition):
+            self.wake(part)
+
+    def _retry_later(self) -> None:
+        if self._full_retry is None and not self.svc.closing:
+            self._full_retry = self.svc.timers.call_later(1.0, self._retry)
+
+    def _retry(self) -> None:
+        self._full_retry = None
+        self.svc.wake_all()
+
+    def drop(self, partition: str, w: Waiter) -> None:
+        ws = self.by_partition.get(partition)
+        if ws and w in ws:
+            ws.remove(w)
+            w.peer.parked -= 1
+            if not ws:
+                del self.by_partition[partition]
+        if w.timer is not None:
+            w.timer.cancel()
+
+    def fail(self, partition: str, exc: BaseException, which=None) -> None:
+        """Answer the gets waiting on a partition (those `which` accepts) with an error."""
+        for w in list(self.by_partition.get(partition, ())):
+            if which is None or which(w.frame.acquire):
+                self.drop(partition, w)
+                w.peer.reply_error(w.frame, exc)
+
+    def drop_peer(self, peer: Peer) -> None:
+        """A connection closed: its gets stop waiting (nobody to answer)."""
+        for part, ws in list(self.by_partition.items()):  # drop deletes emptied partitions
+            for w in [w for w in ws if w.peer is peer]:
+                self.drop(part, w)
+
+    def by_consumer(self) -> dict[tuple[str, str], int]:
+        """(partition, consumer) -> gets waiting."""
+        out: dict[tuple[str, str], int] = {}
+        for part, ws in self.by_partition.items():
+            for w in ws:
+                key = (part, w.frame.acquire.consumer)
+                out[key] = out.get(key, 0) + 1
+        return out
+
+    def close(self, exc: BaseException) -> None:
+        for part in list(self.by_partition):
+            self.fail(part, exc)
+        if self._full_retry is not None:
+            self._full_retry.cancel()
+            self._full_retry = None
+
+    def _expire(self, partition: str, w: Waiter) -> None:
+        w.timer = None
+        self.drop(partition, w)
+        w.peer.reply_error(w.frame, self.timeout_error(w.frame.acquire))
+
+    def timeout_error(self, r: pb.AcquireRequest) -> DockTimeout:
+        core = self.svc.core
+        ready = core.ready_count(r.partition, r.consumer, list(r.columns), r.groups)
+        unit = "samples in whole groups" if r.groups else "samples"
+        what = f"get(consumer={r.consumer!r}, partition={r.partition!r}, columns={list(r.columns)})"
+        after = seconds(r.timeout)
+        if r.dp_size:  # a rank-aware get waits for a whole step's batch, or for its share of one being weighed
+            return DockTimeout(
+                f"{what} of rank {r.dp_rank} of {r.dp_size} timed out after {after}: a step needs "
+                f"{r.count} x {r.dp_size} = {r.count * r.dp_size} {unit} ready at once, {ready} were."
+                + core.why_not_ready(r.partition, list(r.columns))
+                + " Put more samples per step, lower count, or give a longer timeout.",
+                ready=ready,
+            )
+        head = f"{what} timed out after {after}: {ready} of {r.count} {unit} were ready"
+        taken = core.catalog.all_taken(r.partition, r.consumer) if not ready else None
+        if taken is not None:
+            deleted = core.partitions[r.partition].deleted
+            return DockTimeout(
+                f"{head}: consumer {r.consumer!r} has already taken all {taken} samples of partition "
+                f"{r.partition!r}" + (f" that were not deleted ({deleted} were)" if deleted else "")
+                + ", and none is left for it or pending (each consumer gets each sample once per partition). Put "
+                "more samples, read the next partition, or read them again under another consumer name.",
+                ready=ready,
+            )
+        return DockTimeout(
+            f"{head}." + core.why_not_ready(r.partition, list(r.columns))
+            + " Pass allow_partial=True to take what is ready, or a longer timeout.",
+            ready=ready,
+        )

@@ -1,0 +1,246 @@
+"""The controller service driven in-process (no sockets): fake connections on an asyncio loop,
+and a clock the test moves by hand, so "a lease expired", "the grace passed" or "the get waited
+its timeout" happen when the test says so, and "nothing happened yet" is checked just before."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from dockd._proto import dockd_pb2 as pb
+from dockd.controller.core import Controller
+from dockd.controller.service import ControllerService
+from dockd.errors import DockDataLost, DockFull, DockTimeout
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakePeer:
+    """A client or warehouse connection as the service sees it: replies are recorded."""
+
+    def __init__(self, name: str = "client", session: bytes = b"") -> None:
+        self.name, self.session, self.sid = name, session, None
+        self.parked, self.closed = 0, False
+        self.replies: list[tuple[pb.Frame, object]] = []  # (request frame, reply frame or exception)
+
+    def reply(self, frame, out, *rest) -> None:
+        self.replies.append((frame, out))
+
+    def reply_error(self, frame, exc) -> None:
+        self.replies.append((frame, exc))
+
+
+class Dock:
+    """A service with one remote warehouse (a fake connection) and helpers to put and get."""
+
+    def __init__(self, *, lease_timeout: float = 30.0, grace: float = 15.0) -> None:
+        self.clock = FakeClock()
+        self.svc = ControllerService(Controller(lease_timeout=lease_timeout), warehouse_grace=grace, clock=self.clock)
+        self.probed = []
+
+        async def cannot_tell(host, port):  # the probe of a dropped warehouse's address: no answer either way
+            self.probed.append((host, port))
+            return None
+
+        self.svc.members.probe = cannot_tell
+        self.wpeer = FakePeer("warehouse")
+        reg = pb.RegisterWarehouse(host="10.0.0.9", port=7000, capacity=1 << 30, instance=77)
+        self.wid = self.svc.register(self.wpeer, reg).id
+
+    async def advance(self, seconds: float) -> None:
+        """Move the clock and run what fell due, then let the loop run what that scheduled."""
+        self.clock.now += seconds
+        self.svc.timers.run_due()
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+    def put(self, partition: str, n: int, **kw) -> np.ndarray:
+        return self.svc.commit(pb.CommitRequest(partition=partition, columns=["x"], new_count=n, warehouse=self.wid,
+                                                nbytes=8 * n, **kw))
+
+    def get(self, peer: FakePeer, partition: str, count: int, *, consumer: str = "c", timeout: float = -1.0,
+            **kw) -> pb.Frame:
+        frame = pb.Frame(acquire=pb.AcquireRequest(partition=partition, consumer=consumer, columns=["x"],
+                                                   count=count, timeout=timeout, **kw))
+        self.svc.acquire(peer, frame)
+        return frame
+
+    @staticmethod
+    def answer(peer: FakePeer, frame: pb.Frame):
+        """The reply to one request (None while it waits)."""
+        got = [out for f, out in peer.replies if f is frame]
+        assert len(got) <= 1
+        return got[0] if got else None
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_an_expired_lease_hands_its_sample_out_again():
+    async def main():
+        d = Dock(lease_timeout=30.0)
+        d.put("p", 1)
+        a, b = FakePeer("a", b"session-a"), FakePeer("b", b"session-b")
+        first = d.answer(a, d.get(a, "p", 1))
+        assert list(first.acquire_reply.indexes) == [0]
+        waiting = d.get(b, "p", 1)  # the only sample is leased to a: b waits
+        await d.advance(29.0)
+        assert d.answer(b, waiting) is None and d.svc.leases_expired == 0
+        await d.advance(1.5)  # a never confirmed: its lease expired, and the waiting get gets the sample
+        again = d.answer(b, waiting)
+        assert isinstance(again, pb.Frame), again
+        assert list(again.acquire_reply.indexes) == [0] and again.acquire_reply.lease != first.acquire_reply.lease
+        assert d.svc.leases_expired == 1 and d.svc.parked == 0
+        late = d.svc.confirm(a, pb.ConfirmRequest(leases=[first.acquire_reply.lease]))  # too late: reported
+        assert list(late.unknown) == [first.acquire_reply.lease]
+        d.svc.shutdown()
+
+    run(main())
+
+
+def test_a_confirmed_lease_does_not_expire():
+    async def main():
+        d = Dock(lease_timeout=30.0)
+        d.put("p", 1)
+        a = FakePeer("a", b"session-a")
+        lease = d.answer(a, d.get(a, "p", 1)).acquire_reply.lease
+        assert not list(d.svc.confirm(a, pb.ConfirmRequest(leases=[lease])).unknown)
+        await d.advance(60.0)
+        assert d.svc.leases_expired == 0
+        assert d.svc.stats().partitions[0].consumers[0].taken == 1
+        d.svc.shutdown()
+
+    run(main())
+
+
+def test_a_dropped_warehouse_keeps_its_samples_during_grace_and_loses_them_after():
+    async def main():
+        d = Dock(grace=15.0)
+        d.put("p", 2)
+        d.svc.on_lost(d.wpeer)  # its connection dropped: it has 15 s to rejoin
+        await d.advance(0)
+        assert d.probed == [("10.0.0.9", 7000)]  # (asked who answers there: nobody can tell)
+        assert d.svc.members.get(d.wid).state == "rejoining"
+        c = FakePeer("c", b"session-c")
+        got = d.answer(c, d.get(c, "p", 1, consumer="during"))
+        assert isinstance(got, pb.Frame) and list(got.acquire_reply.indexes) == [0]  # still served from it
+        await d.advance(14.0)
+        assert d.svc.members.get(d.wid).state == "rejoining"
+        await d.advance(1.5)  # the grace passed: it is lost, and so are the values it held
+        assert d.svc.members.get(d.wid).state == "lost"
+        with pytest.raises(DockDataLost) as lost:  # (the daemon answers what acquire raises)
+            d.get(c, "p", 1, consumer="after")
+        assert lost.value.indexes == [0]
+        d.svc.shutdown()
+
+    run(main())
+
+
+def test_a_warehouse_that_rejoins_within_grace_keeps_its_samples():
+    async def main():
+        d = Dock(grace=15.0)
+        d.put("p", 2)
+        d.svc.on_lost(d.wpeer)
+        await d.advance(10.0)
+        inv = pb.InventoryPartition(name="p", group_size=1, nbytes=16,
+                                    columns=[pb.InventoryColumn(name="x", runs=[0, 2])])
+        back = FakePeer("warehouse again")
+        d.svc.register(back, pb.RegisterWarehouse(host="10.0.0.9", port=7000, capacity=1 << 30, instance=77,
+                                                  rejoin=True, id=d.wid, inventory=[inv]))
+        await d.advance(10.0)  # past the grace it had: it came back, nothing is lost
+        assert d.svc.members.get(d.wid).state == "joined"
+        c = FakePeer("c")
+        got = d.answer(c, d.get(c, "p", 2))
+        assert isinstance(got, pb.Frame) and sorted(got.acquire_reply.indexes) == [0, 1]
+        d.svc.shutdown()
+
+    run(main())
+
+
+def test_a_parked_get_times_out_with_dock_timeout():
+    async def main():
+        d = Dock()
+        d.put("p", 1)
+        c = FakePeer("c")
+        frame = d.get(c, "p", 3, timeout=2.5)
+        await d.advance(2.4)
+        assert d.answer(c, frame) is None and d.svc.parked == 1
+        await d.advance(0.2)
+        err = d.answer(c, frame)
+        assert isinstance(err, DockTimeout) and err.ready == 1
+        assert "timed out after 2.5 s: 1 of 3 samples were ready" in str(err) and "allow_partial=True" in str(err)
+        assert d.svc.parked == 0 and c.parked == 0
+        d.svc.shutdown()
+
+    run(main())
+
+
+def test_a_timeout_after_every_sample_was_taken_says_so():
+    async def main():
+        d = Dock()
+        d.put("p", 2)
+        c = FakePeer("c", b"session-c")
+        lease = d.answer(c, d.get(c, "p", 2)).acquire_reply.lease
+        d.svc.confirm(c, pb.ConfirmRequest(leases=[lease]))
+        frame = d.get(c, "p", 1, timeout=0.999997)
+        await d.advance(1.0)
+        err = d.answer(c, frame)
+        assert isinstance(err, DockTimeout)
+        msg = str(err)
+        assert "timed out after 1 s: 0 of 1 samples were ready: consumer 'c' has already taken all 2 samples" in msg, msg
+        assert "allow_partial" not in msg
+        with pytest.raises(DockTimeout, match="has already taken all 2"):  # (at once, too: timeout=0)
+            d.get(c, "p", 1, timeout=0)
+        d.svc.shutdown()
+
+    run(main())
+
+
+def test_a_commit_waits_for_max_pending_and_goes_in_once_consumers_take_some():
+    async def main():
+        d = Dock()
+        d.svc.partition(pb.PartitionRequest(partition="p", create=pb.CreatePartition(max_pending=2)))
+        d.put("p", 2)
+        answers = []
+        held = d.svc.commit(pb.CommitRequest(partition="p", columns=["x"], new_count=1, warehouse=d.wid,
+                                             has_timeout=True, timeout=30.0), answers.append, d.wpeer)
+        assert held is None and d.svc.paced_total == 1 and len(d.svc.paced["p"]) == 1
+        await d.advance(10.0)
+        assert answers == []  # nobody took anything: it still waits
+        c = FakePeer("c", b"session-c")
+        lease = d.answer(c, d.get(c, "p", 1)).acquire_reply.lease
+        d.svc.confirm(c, pb.ConfirmRequest(leases=[lease]))
+        await d.advance(0)
+        assert len(answers) == 1 and list(answers[0]) == [2]  # applied: the third sample
+        assert "p" not in d.svc.paced and d.wpeer.parked == 0
+        d.svc.shutdown()
+
+    run(main())
+
+
+def test_a_paced_commit_that_waits_its_timeout_fails_with_dock_full():
+    async def main():
+        d = Dock()
+        d.svc.partition(pb.PartitionRequest(partition="p", create=pb.CreatePartition(max_pending=1)))
+        d.put("p", 1)
+        answers = []
+        d.svc.commit(pb.CommitRequest(partition="p", columns=["x"], new_count=1, warehouse=d.wid, has_timeout=True,
+                                      timeout=4.0), answers.append, d.wpeer)
+        await d.advance(3.9)
+        assert answers == []
+        await d.advance(0.2)
+        assert len(answers) == 1 and isinstance(answers[0], DockFull)
+        assert "waited 4 s for them" in str(answers[0])
+        assert d.svc.core.partitions["p"].size == 1 and "p" not in d.svc.paced
+        d.svc.shutdown()
+
+    run(main())
