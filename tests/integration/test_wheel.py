@@ -24,12 +24,20 @@ def _run(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
 
 
+def _no_index(proc: subprocess.CompletedProcess) -> bool:
+    """pip could not reach a package index (an offline machine): nothing to test here."""
+    text = proc.stdout + proc.stderr
+    return proc.returncode != 0 and ("No matching distribution found" in text or "Could not find a version" in text)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_wheel_installs_in_a_fresh_venv_and_runs_the_demo(tmp_path: pathlib.Path) -> None:
     pytest.importorskip("build", reason="python -m build is in the dev extra: pip install -e '.[dev]'")
     dist = tmp_path / "dist"
     out = _run([sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(ROOT)], 300)
+    if _no_index(out):
+        pytest.skip("no package index for the isolated build (setuptools)")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (wheel,) = dist.glob("dockd-*-py3-none-any.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
@@ -45,6 +53,8 @@ def test_wheel_installs_in_a_fresh_venv_and_runs_the_demo(tmp_path: pathlib.Path
     if got.returncode != 0:
         pytest.skip(f"cannot install {TORCH} here: {got.stderr.strip()[-300:]}")
     got = _run([*pip, str(wheel)], 300)
+    if _no_index(got):
+        pytest.skip(f"no package index for the wheel's dependencies: {got.stderr.strip()[-300:]}")
     assert got.returncode == 0, got.stderr[-3000:]
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
