@@ -82,8 +82,8 @@ def test_daemon_dies_with_a_sigkilled_owner() -> None:
     owner = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent("""
             import subprocess, sys, time
-            import dockd.ray
-            child = subprocess.Popen([*dockd.ray._death_tie_prefix(), "/bin/sleep", "120"])
+            from dockd._ray.actors import death_tie_prefix
+            child = subprocess.Popen([*death_tie_prefix(), "/bin/sleep", "120"])
             print(child.pid, flush=True)
             time.sleep(120)
         """)],
