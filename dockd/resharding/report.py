@@ -82,6 +82,9 @@ class ReshardReport:
 
 
 class ReshardState(enum.Enum):
+    """Where an AllGatherSwap is: ``TRAINING`` (update weights resident; ``enter_generation`` next),
+    ``GENERATION`` (generation weights built; ``exit_generation`` next) or ``CLOSED``."""
+
     TRAINING = "training"
     GENERATION = "generation"
     CLOSED = "closed"
