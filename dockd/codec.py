@@ -426,6 +426,20 @@ def decode_column(col: pb.ColumnData, buffers: Mapping[int, tuple[Any, int]]) ->
     return Runs.of(col, buffers).values()
 
 
+def decode_reply(columns: Sequence[pb.ColumnData], buffers: Mapping[int, tuple[Any, int]], *,
+                 lazy: bool = False) -> list[Any]:
+    """A reply's column values, decoding what `encode_columns` wrote: `buffers` maps each buffer key
+    (`buffer_key`: 0 the body, k a passed segment, -k device buffer k) to (buffer, base); a
+    client's transport builds it from what the reply carried (dockd.client.transport). With `lazy`,
+    each column stays `Runs` until its values are asked for."""
+    try:
+        if lazy:
+            return [Runs.of(c, buffers) for c in columns]
+        return [decode_column(c, buffers) for c in columns]
+    except KeyError as e:
+        raise DockProtocolError(f"a run refers to descriptor {e} that was not passed") from None
+
+
 class Runs:
     """A received column, not yet split into one object per value: its runs and the buffers
     they live in. `values()` makes the list; `stacked()` and `padded()` build one tensor for

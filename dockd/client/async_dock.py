@@ -5,19 +5,60 @@ release the GIL while they wait), so a coroutine waiting in `get` never blocks
 the event loop. Cancelling a waiting `get` closes only the connection that get
 waits on (the controller drops the waiter); a lease granted at that moment is
 released, not fetched, so nothing is taken for a get nobody will receive.
+
+Each method is derived from `Dock`'s (`awaitable`): its signature and
+documentation are written once, on `Dock`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Mapping, Sequence
+import inspect
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
-from dockd.client.batch import Batch
-from dockd.client.dock import Dock, Lease
+from dockd.client.dock import Dock
 from dockd.client.router import CallScope
+
+
+def _twin(method: Callable) -> Callable[[Callable], Callable]:
+    """Give an AsyncDock coroutine function `method`'s name, documentation and signature (without its
+    private parameters), so that help(), inspect.signature and the API docs show Dock's."""
+
+    def dress(fn: Callable) -> Callable:
+        fn = functools.wraps(method)(fn)
+        fn.__qualname__ = f"AsyncDock.{method.__name__}"
+        sig = inspect.signature(method)
+        fn.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if not p.name.startswith("_")])
+        del fn.__wrapped__  # (inspect would follow it back to Dock's, private parameters and all)
+        return fn
+
+    return dress
+
+
+def awaitable(method: Callable, *, cancellable: bool = False) -> Callable:
+    """`Dock.method` as an AsyncDock method: the same call, run on the dock's thread pool. With
+    `cancellable`, cancelling the coroutine closes the connections the call waits on (its CallScope)."""
+    if not cancellable:
+        @_twin(method)
+        async def call(self: AsyncDock, *args, **kwargs):
+            return await self._run(method, self.dock, *args, **kwargs)
+
+        return call
+
+    @_twin(method)
+    async def scoped(self: AsyncDock, *args, **kwargs):
+        scope = CallScope()
+        task = asyncio.ensure_future(self._run(method, self.dock, *args, _scope=scope, **kwargs))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            scope.cancel()
+            task.add_done_callback(_consume)  # its DockClosed is expected; never "exception was never retrieved"
+            raise
+
+    return scoped
 
 
 class AsyncDock:
@@ -35,86 +76,50 @@ class AsyncDock:
     async def _run(self, fn, /, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
-    async def put(self, columns: Mapping[str, Any], *, partition: str, indexes: Sequence[int] | None = None,
-                  group_size: int = 1, timeout: float | None = None,
-                  tags: Mapping[str, int | Sequence[int]] | None = None, device: str | None = None,
-                  version: int | None = None) -> list[int]:
-        return await self._run(self.dock.put, columns, partition=partition, indexes=indexes, group_size=group_size,
-                               timeout=timeout, tags=tags, device=device, version=version)
-
-    async def get(self, consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None = None,
-                  groups: bool = False, allow_partial: bool = False, shuffle: bool = False, seed: int | None = None,
-                  **rank_and_tags) -> Batch:
-        """As Dock.get (rank_and_tags: dp_rank, dp_size, mp_group, step, balance_by, where, order_by,
-        max_staleness, prefer_local, device)."""
-        scope = CallScope()
-        fut = self._run(self.dock.get, consumer, columns, count, partition=partition, timeout=timeout, groups=groups,
-                        allow_partial=allow_partial, shuffle=shuffle, seed=seed, _scope=scope, **rank_and_tags)
-        task = asyncio.ensure_future(fut)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            scope.cancel()
-            task.add_done_callback(_consume)  # its DockClosed is expected; never "exception was never retrieved"
-            raise
-
-    async def acquire(self, consumer: str, columns: Sequence[str], count: int, *, partition: str,
-                      timeout: float | None = None, **kwargs) -> Lease:
-        return await self._run(self.dock.acquire, consumer, columns, count, partition=partition, timeout=timeout,
-                               **kwargs)
-
-    async def fetch(self, lease: Lease) -> dict[str, list[Any]]:
-        return await self._run(self.dock.fetch, lease)
-
-    async def confirm(self, lease: Lease) -> None:
-        await self._run(self.dock.confirm, lease)
-
-    async def release(self, lease: Lease) -> int:
-        return await self._run(self.dock.release, lease)
-
-    async def extend(self, lease: Lease, seconds: float | None = None) -> float:
-        return await self._run(self.dock.extend, lease, seconds)
-
-    async def read(self, partition: str, indexes: Sequence[int], columns: Sequence[str]) -> Batch:
-        return await self._run(self.dock.read, partition, indexes, columns)
-
-    async def clear(self, partition: str) -> int:
-        return await self._run(self.dock.clear, partition)
-
-    async def create_partition(self, partition: str, **options) -> None:
-        await self._run(self.dock.create_partition, partition, **options)
-
-    async def delete(self, partition: str, indexes: Sequence[int]) -> int:
-        return await self._run(self.dock.delete, partition, indexes)
-
-    async def seal(self, partition: str) -> None:
-        await self._run(self.dock.seal, partition)
-
-    async def reserve(self, partition: str, count: int, *, group_size: int = 1) -> list[int]:
-        return await self._run(self.dock.reserve, partition, count, group_size=group_size)
-
-    async def set_tags(self, partition: str, indexes: Sequence[int], tags: Mapping[str, Any]) -> None:
-        await self._run(self.dock.set_tags, partition, indexes, tags)
-
-    async def set_version(self, partition: str, version: int) -> int:
-        return await self._run(self.dock.set_version, partition, version)
-
-    async def list(self, partition: str, consumer: str | None = None, **kwargs) -> dict[str, Any]:
-        return await self._run(self.dock.list, partition, consumer, **kwargs)
-
-    async def ping(self) -> float:
-        return await self._run(self.dock.ping)
-
-    async def save(self, partition: str, path) -> dict[str, int]:
-        return await self._run(self.dock.save, partition, path)
-
-    async def load(self, path, *, partition: str) -> dict[str, int]:
-        return await self._run(self.dock.load, path, partition=partition)
-
-    async def stats(self, *, traffic: bool = False) -> dict[str, Any]:
-        return await self._run(functools.partial(self.dock.stats, traffic=traffic))
+    put = awaitable(Dock.put)
+    """[`Dock.put`][dockd.Dock.put], awaitable."""
+    get = awaitable(Dock.get, cancellable=True)
+    """[`Dock.get`][dockd.Dock.get], awaitable. Cancelling it closes only the connection it waits on; a lease granted
+    at that moment is released, not fetched."""
+    acquire = awaitable(Dock.acquire)
+    """[`Dock.acquire`][dockd.Dock.acquire], awaitable."""
+    fetch = awaitable(Dock.fetch)
+    """[`Dock.fetch`][dockd.Dock.fetch], awaitable."""
+    read = awaitable(Dock.read)
+    """[`Dock.read`][dockd.Dock.read], awaitable."""
+    confirm = awaitable(Dock.confirm)
+    """[`Dock.confirm`][dockd.Dock.confirm], awaitable."""
+    extend = awaitable(Dock.extend)
+    """[`Dock.extend`][dockd.Dock.extend], awaitable."""
+    release = awaitable(Dock.release)
+    """[`Dock.release`][dockd.Dock.release], awaitable."""
+    clear = awaitable(Dock.clear)
+    """[`Dock.clear`][dockd.Dock.clear], awaitable."""
+    create_partition = awaitable(Dock.create_partition)
+    """[`Dock.create_partition`][dockd.Dock.create_partition], awaitable."""
+    set_version = awaitable(Dock.set_version)
+    """[`Dock.set_version`][dockd.Dock.set_version], awaitable."""
+    list = awaitable(Dock.list)
+    """[`Dock.list`][dockd.Dock.list], awaitable."""
+    ping = awaitable(Dock.ping)
+    """[`Dock.ping`][dockd.Dock.ping], awaitable."""
+    delete = awaitable(Dock.delete)
+    """[`Dock.delete`][dockd.Dock.delete], awaitable."""
+    seal = awaitable(Dock.seal)
+    """[`Dock.seal`][dockd.Dock.seal], awaitable."""
+    reserve = awaitable(Dock.reserve)
+    """[`Dock.reserve`][dockd.Dock.reserve], awaitable."""
+    set_tags = awaitable(Dock.set_tags)
+    """[`Dock.set_tags`][dockd.Dock.set_tags], awaitable."""
+    save = awaitable(Dock.save)
+    """[`Dock.save`][dockd.Dock.save], awaitable."""
+    load = awaitable(Dock.load)
+    """[`Dock.load`][dockd.Dock.load], awaitable."""
+    stats = awaitable(Dock.stats)
+    """[`Dock.stats`][dockd.Dock.stats], awaitable."""
 
     async def close(self) -> None:
+        """Close the dock (see Dock.close) and its thread pool."""
         self.dock.close()
         self._executor.shutdown(wait=False)
 

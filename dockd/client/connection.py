@@ -1,97 +1,41 @@
 """Blocking framed connections from a client to a daemon, and a pool of them.
 
 A `Connection` carries one request at a time (plus one-way frames): it writes
-the frame with sendmsg and reads the reply's body straight into one freshly
-allocated uint8 tensor, which the decoded tensors are views of.
+the frame with sendmsg and reads the reply's body straight into a warm
+receive buffer (`dockd.client.recv_pool`), which the decoded tensors are views
+of. How its socket is opened and read (TCP, or a same-host Unix socket that
+passes descriptors) is its `Transport`'s business (`dockd.client.transport`).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import logging
 import os
-import resource
 import select
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 
 import numpy as np
 
 from dockd import auth, shm, wire
-from dockd.client.staging import Staging
 from dockd._proto import dockd_pb2 as pb
-from dockd.errors import DockClosed, DockConnectionError, DockProtocolError, from_status
+from dockd.client.recv_pool import RecvPool, recv_pool  # noqa: F401 - RecvPool: also importable from here
+from dockd.client.transport import Context, Endpoint, Transport
+from dockd.client.transport.tcp import TcpTransport
+from dockd.errors import DockAuthError, DockClosed, DockConnectionError, DockProtocolError, from_status
 
 logger = logging.getLogger(__name__)
 
 _SCRATCH = 64 << 10
 _NO_BODY = np.empty(0, dtype=np.uint8)
-
-
-class RecvPool:
-    """Warm receive buffers for large replies.
-
-    Reading into fresh memory runs at page-fault speed (about 1.2 GB/s on the
-    development VM, against 3+ GB/s from the socket into warm memory). A reply
-    body is handed out as a numpy view of a pooled block; the tensors decoded
-    from it keep that view alive, and when the last of them is gone the block
-    returns here for the next reply. Up to `max_bytes` are kept, and always the
-    last block given back, however big (older blocks are dropped to make room),
-    so a steady stream of huge gets reuses it.
-    Sizes are rounded up to 8 classes per power of two.
-    """
-
-    MIN = 1 << 20
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.pooled = 0
-        self._free: dict[int, list[np.ndarray]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, n: int) -> np.ndarray:
-        if n < self.MIN or self.max_bytes <= 0:
-            return np.empty(n, dtype=np.uint8)
-        step = max(1, 1 << max(0, (n - 1).bit_length() - 4))
-        size = -(-n // step) * step
-        block = None
-        with self._lock:
-            blocks = self._free.get(size)
-            if blocks:  # no empty lists are kept
-                block = blocks.pop()
-                self.pooled -= size
-                if not blocks:
-                    del self._free[size]
-        if block is None:
-            block = np.empty(size, dtype=np.uint8)
-        view = block[:n]
-        weakref.finalize(view, self._give_back, block)
-        return view
-
-    def _give_back(self, block: np.ndarray) -> None:
-        with self._lock:
-            # the block given back last is the likeliest to be asked for next: older ones make room for it
-            while self.pooled + block.nbytes > self.max_bytes and self._free:
-                size, blocks = next(iter(self._free.items()))
-                blocks.pop()
-                self.pooled -= size
-                if not blocks:
-                    del self._free[size]
-            self._free.setdefault(block.nbytes, []).append(block)
-            self.pooled += block.nbytes
-
-
-RECV_POOL = RecvPool(int(float(os.environ.get("DOCKD_RECV_POOL_BYTES", 1 << 30))))
-
-SPIN_S = float(os.environ.get("DOCKD_SPIN_US", 200)) / 1e6
-"""How long a call on a same-host (Unix) connection polls for the start of its reply before
-sleeping in the kernel: a reply that lands while the client is still awake saves a wake-up on
-both sides. TCP connections never spin: on loopback it cost 10-30% of bulk throughput
-(docs/design.md)."""
+CHALLENGE_GRACE_S = 1.0
+"""Seconds a new TCP connection waits for the daemon's challenge before it asks the port, on a second
+connection, what it is (a dockd daemon sends its challenge at once; an HTTP server waits for a request)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -104,34 +48,25 @@ class Credentials:
 
 
 class Connection:
-    """A TCP connection, or with `unix` a same-host Unix one that can pass descriptors.
+    """A connection to one daemon over `transport` (default TCP).
 
     It authenticates as soon as it is connected (the daemon's challenge, our proof,
     the daemon's proof). A call interrupted half-way (an exception, Ctrl-C) leaves
     the connection `busy`: the pool then drops it instead of reusing a stream that
     is out of step."""
 
-    def __init__(self, host: str, port: int, *, unix: str = "", connect_timeout: float = 10.0, max_body: int = 1 << 40,
-                 creds: Credentials = Credentials()) -> None:
-        # errors name the address the user knows, never the internal socket name
-        self.address = f"{host}:{port} (same-host socket)" if unix else f"{host}:{port}"
-        self.unix = bool(unix)
+    def __init__(self, host: str, port: int, *, transport: Transport | None = None, connect_timeout: float = 10.0,
+                 max_body: int = 1 << 40, creds: Credentials = Credentials()) -> None:
+        self.transport = transport if transport is not None else TcpTransport(Endpoint(host, port), Context())
+        self.address = self.transport.describe()
         try:
-            if unix:
-                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self.sock.settimeout(connect_timeout)
-                try:
-                    self.sock.connect(shm.unix_address(unix))
-                except BaseException:
-                    self.sock.close()
-                    raise
-            else:
-                self.sock = socket.create_connection((host, port), timeout=connect_timeout)
-                self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock = self.transport.open(connect_timeout)
         except OSError as e:
-            raise DockConnectionError(
+            err = DockConnectionError(
                 f"cannot connect to dockd at {self.address}: {e.strerror or e}. Is `dockd serve` running there?"
-            ) from None
+            )
+            err.refused = e.errno in (errno.ECONNREFUSED, errno.ENOENT)  # nothing listens (yet)
+            raise err from None
         self.sock.settimeout(None)  # blocking; reads wait in _recv_into (spin, then poll until the deadline)
         self._poll = select.poll()
         self._poll.register(self.sock, select.POLLIN)
@@ -159,8 +94,9 @@ class Connection:
             raise
 
     def _handshake(self, creds: Credentials, timeout: float) -> None:
-        self._deadline = time.monotonic() + timeout
+        started = time.monotonic()
         try:
+            self._await_challenge(started, timeout)
             frame, _, fds = self._read_frame()
             _close_all(fds)
             if frame.WhichOneof("kind") != "challenge":
@@ -176,7 +112,10 @@ class Connection:
             reply, _, fds = self._read_frame()
             _close_all(fds)
             if reply.status.code != pb.OK:
-                raise from_status(reply.status)
+                err = from_status(reply.status)
+                if isinstance(err, DockAuthError):
+                    raise DockAuthError(f"dockd at {self.address} refused this client: {err}")
+                raise err
             auth.check_reply(ch, a, reply.auth_reply, creds.key, self.address)
             self.instance = ch.instance
         except socket.timeout:
@@ -186,6 +125,28 @@ class Connection:
             self._raise_io(e)
         finally:
             self._deadline = None
+
+    def _await_challenge(self, started: float, timeout: float) -> None:
+        """Wait for the first bytes of the daemon's challenge, and refuse a peer that is not dockd: one
+        whose first bytes are not a dockd frame's, or (TCP) one that sends nothing for
+        CHALLENGE_GRACE_S and answers a probe as something else (an HTTP server)."""
+        grace = CHALLENGE_GRACE_S
+        if grace < timeout / 2:
+            self._deadline = started + grace
+            try:
+                self._fill(1)
+            except socket.timeout:
+                what = self.transport.sniff(min(grace, timeout - grace))
+                if what:
+                    raise DockProtocolError(f"{self.address} is not a dockd daemon: {what}. Point the client at the "
+                                            "port `dockd serve` prints as \"port\" in its ready line") from None
+        self._deadline = started + timeout
+        self._fill(1)
+        first = bytes(self._mv[self._lo : min(self._hi, self._lo + len(wire.MAGIC))])
+        if not wire.MAGIC.startswith(first):
+            seen = bytes(self._mv[self._lo : min(self._hi, self._lo + 32)])
+            raise DockProtocolError(f"{self.address} is not a dockd daemon: it sent {seen!r} where a dockd "
+                                    "challenge starts with b'DKD1'")
 
     def close(self) -> None:
         """Close; a thread blocked in call() on this connection wakes with an error."""
@@ -283,7 +244,7 @@ class Connection:
             new[:live] = self._mv[self._lo : self._hi]
             self._buf, self._mv, self._lo, self._hi = new, memoryview(new), 0, live
         while self._hi - self._lo < n:
-            got = self._recv_into(self._mv[self._hi :], SPIN_S if self.unix and self._hi == self._lo else 0.0)
+            got = self._recv_into(self._mv[self._hi :], self.transport.spin_s if self._hi == self._lo else 0.0)
             if got == 0:
                 self.broken = True
                 if self.closed:
@@ -298,12 +259,12 @@ class Connection:
         spin_end = None
         while True:
             try:
-                if not self.unix:
-                    return self.sock.recv_into(mv, 0, socket.MSG_DONTWAIT)
-                n, anc, flags, _ = self.sock.recvmsg_into([mv], shm._ANC, socket.MSG_DONTWAIT)
-                break
+                return self.transport.recv_into(self.sock, mv, self._fds)
             except BlockingIOError:
                 pass
+            except DockConnectionError:
+                self.broken = True
+                raise
             now = time.monotonic()
             if spin_end is None:
                 spin_end = now + spin
@@ -312,18 +273,6 @@ class Connection:
             wait_ms = -1.0 if self._deadline is None else (self._deadline - now) * 1e3
             if self._deadline is not None and wait_ms <= 0 or not self._poll.poll(wait_ms):
                 raise socket.timeout("timed out")
-        if anc:
-            self._fds.extend(shm.recv_fds(anc))
-        if flags & socket.MSG_CTRUNC:  # the reply's segments are lost; the stream is out of step
-            self.broken = True
-            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-            err = DockConnectionError(
-                f"the kernel dropped shared-memory descriptors sent by dockd at {self.address}: this process "
-                f"is at its open-file limit ({soft}). Raise it (ulimit -n) or close files it no longer needs."
-            )
-            err.retry = False  # a limit of this process, not a daemon that went away: re-sending would fail again
-            raise err
-        return n
 
     def _read_frame(self) -> tuple[pb.Frame, np.ndarray, list[int]]:
         if self._lo == self._hi:
@@ -345,7 +294,7 @@ class Connection:
         if blen == 0:
             return frame, _NO_BODY, fds
         try:
-            body = RECV_POOL.take(blen)
+            body = recv_pool().take(blen)
             dst = memoryview(body)
             take = min(self._hi - self._lo, blen)
             dst[:take] = self._mv[self._lo : self._lo + take]
@@ -384,15 +333,13 @@ def timed_out(exc: BaseException) -> bool:
 
 
 class Pool:
-    """Idle connections to one daemon; a thread checks one out per call."""
+    """Idle connections to one daemon over one transport; a thread checks one out per call."""
 
-    def __init__(self, host: str, port: int, *, connect_timeout: float, unix: str = "",
-                 creds: Credentials = Credentials()) -> None:
-        self.host, self.port, self.unix = host, port, unix
+    def __init__(self, transport: Transport, *, connect_timeout: float, creds: Credentials = Credentials()) -> None:
+        self.via = transport
+        self.host, self.port = transport.endpoint.host, transport.endpoint.port
         self.connect_timeout = connect_timeout
         self.creds = creds
-        self.staging = Staging() if unix else None  # same-host puts write here
-        self._unpins: list[int] = []  # segments of this daemon we no longer map, to tell it
         self._idle: list[Connection] = []
         self._all: set[Connection] = set()
         self._lock = threading.Lock()
@@ -404,7 +351,18 @@ class Pool:
 
     @property
     def transport(self) -> str:
-        return "shm" if self.unix else "tcp"
+        """The transport's name, as logs, stats and metrics give it ("shm", "tcp", ...)."""
+        return self.via.name
+
+    @property
+    def unix(self) -> str:
+        """The daemon's same-host socket name when this pool uses it, else ""."""
+        return getattr(self.via, "socket_name", "")
+
+    @property
+    def staging(self):
+        """The same-host transport's staging buffers (None on others)."""
+        return getattr(self.via, "staging", None)
 
     def get(self, timeout: float | None = None) -> Connection:
         """An idle connection, or a new one (made within `timeout` seconds, at most connect_timeout)."""
@@ -414,7 +372,7 @@ class Pool:
             if self._idle:
                 return self._idle.pop()
         limit = self.connect_timeout if timeout is None else max(0.001, min(timeout, self.connect_timeout))
-        conn = Connection(self.host, self.port, unix=self.unix, connect_timeout=limit, creds=self.creds)
+        conn = Connection(self.host, self.port, transport=self.via, connect_timeout=limit, creds=self.creds)
         with self._lock:
             self._all.add(conn)
             if self.closed:
@@ -435,21 +393,32 @@ class Pool:
             self._all.discard(conn)
         conn.close()
 
-    def unpin(self, sid: int) -> None:
-        """A zero-copy mapping of this daemon's segment `sid` is gone (runs in a finalizer)."""
-        with self._lock:
-            self._unpins.append(sid)
-
-    def take_unpins(self) -> list[int]:
-        with self._lock:
-            out, self._unpins = self._unpins, []
-        return out
-
     def close(self) -> None:
         with self._lock:
             self.closed = True
             conns, self._all, self._idle = list(self._all), set(), []
         for c in conns:
             c.close()
-        if self.staging is not None:
-            self.staging.close()
+        self.via.close()
+
+
+def call_on(pool: Pool, frame: pb.Frame, buffers=(), size: int = 0, *, fds=(), timeout: float | None = None,
+            scope=None, stall: float | None = None):
+    """One request on a pooled connection (a broken or interrupted one is dropped, never reused).
+    `timeout` bounds making a connection (if none is idle) and the wait for the reply together;
+    `stall`: see Connection.call; `scope`: a CallScope that may cancel it. Segments the daemon lent
+    that this process no longer maps are reported with it."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    conn = pool.get(timeout)
+    unpins = pool.via.take_unpins()
+    if unpins:
+        frame.unpin.extend(unpins)
+    try:
+        if scope is not None:
+            scope.enter(conn)
+        left = None if deadline is None else max(0.001, deadline - time.monotonic())
+        return conn.call(frame, buffers, size, fds=fds, timeout=left, stall=stall)
+    finally:
+        if scope is not None:
+            scope.leave(conn)
+        pool.put(conn)

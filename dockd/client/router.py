@@ -17,53 +17,40 @@ go to. Calls go through it:
 Retries back off from 50 ms to 1 s and give up after `reconnect_timeout`
 seconds (or the call's own deadline, if sooner) with a DockConnectionError
 naming the daemon's host:port.
+
+Each pool talks to its daemon over the best transport that works
+(`dockd.client.transport.candidates`): the router tries them in order when
+it opens a pool, and never looks at which one it got.
 """
 
 from __future__ import annotations
 
-import functools
-import ipaddress
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
 
-from dockd import shm, wire
+from dockd import wire
 from dockd._proto import dockd_pb2 as pb
-from dockd.client.connection import Connection, Credentials, Pool, timed_out
+from dockd.client.connection import Connection, Credentials, Pool, call_on, timed_out  # noqa: F401 - call_on: also here
+from dockd.client.transport import Context, Endpoint, Transport, candidates, is_local
 from dockd.errors import DockClosed, DockConnectionError, DockValueError
 
 logger = logging.getLogger(__name__)
 
 BACKOFF_MIN, BACKOFF_MAX = 0.05, 1.0
-
-
-@functools.lru_cache(maxsize=256)
-def is_local(host: str) -> bool:
-    """Whether `host` names an address of this machine (network namespace): can we bind to it?"""
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
-    except OSError:
-        return False
-    for family, _, _, _, addr in infos:
-        try:
-            if ipaddress.ip_address(addr[0]).is_loopback:
-                return True
-            with socket.socket(family, socket.SOCK_DGRAM) as s:
-                s.bind((addr[0], 0))
-            return True
-        except (OSError, ValueError):
-            continue
-    return False
+REFUSED_RETRY_S = 3.0
+"""Seconds the first connection retries an address where nothing listens (a daemon that is starting)
+before it gives up, within connect_timeout; a daemon that accepts but is slow gets all of connect_timeout."""
 
 
 class Router:
     def __init__(self, host: str, port: int, *, warehouse: int | str | None, connect_timeout: float,
                  reconnect_timeout: float, name: str, stop: threading.Event, prefer: str | None = None,
-                 creds: Credentials = Credentials()) -> None:
+                 creds: Credentials = Credentials(), ctx: Context | None = None) -> None:
         self.creds = creds
+        self.ctx = ctx if ctx is not None else Context()
         self.connect_timeout = connect_timeout
         self.reconnect_timeout = reconnect_timeout
         self.name = name
@@ -71,14 +58,13 @@ class Router:
         self.host, self.port = host, port
         self.pinned = warehouse if warehouse not in (None, "") else None
         self.prefer = prefer  # "host:port" to choose as home while it is live (e.g. this Ray node's)
-        self.shm = shm.available() and os.environ.get("DOCKD_TRANSPORT", "auto") != "tcp"
         self.lock = threading.Lock()
         self._reconnecting = threading.Lock()
         self.all_pools: list[Pool] = []
         self.pools: dict[int, Pool] = {}
         self.warehouses: dict[int, pb.WarehouseInfo] = {}
         self.closed = False
-        self.ctrl = self._open_pool(host, port)
+        self.ctrl = self._open_pool(self._fallback(Endpoint(host, port)))
         self.home = -1
         self.reconnects = 0  # times the controller connection was made again (its sessions' leases may be gone)
 
@@ -86,8 +72,12 @@ class Router:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def _open_pool(self, host: str, port: int, unix: str = "") -> Pool:
-        pool = Pool(host, port, unix=unix, connect_timeout=self.connect_timeout, creds=self.creds)
+    def _fallback(self, endpoint: Endpoint) -> Transport:
+        """The transport that always works for `endpoint` (TCP)."""
+        return next(c for c in candidates(endpoint, self.ctx) if c.fallback)(endpoint, self.ctx)
+
+    def _open_pool(self, transport: Transport) -> Pool:
+        pool = Pool(transport, connect_timeout=self.connect_timeout, creds=self.creds)
         with self.lock:
             self.all_pools.append(pool)
             if self.closed:
@@ -113,7 +103,7 @@ class Router:
         same-host transport, the warehouse table and the home warehouse. Waits up to
         connect_timeout for a daemon that is not up yet."""
         deadline = time.monotonic() + self.connect_timeout
-        hello = self._retry(lambda: self._hello(self.ctrl), deadline, self.address)
+        hello = self._retry(lambda: self._hello(self.ctrl), deadline, self.address, refused_s=REFUSED_RETRY_S)
         if not hello.hosts_controller:
             if not hello.controller:
                 raise DockConnectionError(f"{self.address} is a dockd warehouse that knows no controller")
@@ -122,8 +112,8 @@ class Router:
             self._close_pool(self.ctrl)
             self.host, _, port = hello.controller.rpartition(":")
             self.port = int(port)
-            self.ctrl = self._open_pool(self.host, self.port)
-            hello = self._retry(lambda: self._hello(self.ctrl), deadline, self.address)
+            self.ctrl = self._open_pool(self._fallback(Endpoint(self.host, self.port)))
+            hello = self._retry(lambda: self._hello(self.ctrl), deadline, self.address, refused_s=REFUSED_RETRY_S)
         self._adopt(hello)
         try:
             self.home = self._choose_home(exclude=None, retrying=False)
@@ -145,36 +135,44 @@ class Router:
         return reply.hello_reply
 
     def _adopt(self, hello: pb.HelloReply) -> None:
-        """Take a controller's hello: same-host transport to it, and the warehouse table."""
-        if hello.unix and self.shm and is_local(self.host) and not self.ctrl.unix:
-            unix = self._unix_pool(self.host, self.port, hello.unix)
-            if unix is not None:
-                old, self.ctrl = self.ctrl, unix
-                self._close_pool(old)
+        """Take a controller's hello: a better transport to it if it offers one, and the warehouse table."""
+        better = self._better(Endpoint(self.host, self.port, hello.unix), self.ctrl.via)
+        if better is not None:
+            old, self.ctrl = self.ctrl, better
+            self._close_pool(old)
         fresh = {w.id: w for w in hello.warehouses}
         with self.lock:
             stale = [wid for wid, pool in self.pools.items()
-                     if wid not in fresh or (fresh[wid].host, fresh[wid].port) != (pool.host, pool.port)
-                     or (pool.unix and pool.unix != fresh[wid].unix)]
+                     if wid not in fresh or not pool.via.matches(_endpoint(fresh[wid]))]
             gone = [self.pools.pop(wid) for wid in stale]
             self.warehouses = fresh
         for pool in gone:
             self._close_pool(pool)
 
-    def _unix_pool(self, host: str, port: int, name: str, timeout: float | None = None) -> Pool | None:
-        """A shared-memory pool to a same-host daemon, or None if its socket is out of reach (another netns).
-        A daemon that accepts but does not answer within `timeout` (at most connect_timeout) raises: it
-        is there, only stopped or busy, and TCP would not answer either."""
-        pool = self._open_pool(host, port, name)
-        try:
-            pool.put(pool.get(timeout))
-        except DockConnectionError as e:
-            self._close_pool(pool)
-            if timed_out(e):
-                raise
-            logger.info("[client] shared-memory transport to %s:%d unavailable (%s); using TCP", host, port, e)
-            return None
-        return pool
+    def _better(self, endpoint: Endpoint, current: Transport | None = None,
+                timeout: float | None = None) -> Pool | None:
+        """A pool over the best transport to `endpoint` that works and is better than `current`
+        (None: none is). Each candidate but the fallback is tried with one connection made within
+        `timeout` seconds (at most connect_timeout); one that fails is skipped, but a daemon that
+        accepts and does not answer raises: it is there, only stopped or busy, and TCP would not
+        answer either."""
+        for cls in candidates(endpoint, self.ctx):
+            if current is not None and cls is type(current):
+                return None
+            if cls.fallback:
+                return None if current is not None else self._open_pool(cls(endpoint, self.ctx))
+            pool = self._open_pool(cls(endpoint, self.ctx))
+            try:
+                pool.put(pool.get(timeout))
+            except DockConnectionError as e:
+                self._close_pool(pool)
+                if timed_out(e):
+                    raise
+                logger.info("[client] %s transport to %s:%d unavailable (%s); trying the next", cls.name,
+                            endpoint.host, endpoint.port, e)
+                continue
+            return pool
+        return None
 
     def _choose_home(self, exclude: int | None, *, retrying: bool) -> int:
         live = [w for w in self.warehouses.values() if w.alive and w.id != exclude]
@@ -206,10 +204,7 @@ class Router:
         info = self.warehouses.get(wid)
         if info is None:
             raise DockConnectionError(f"warehouse {wid} is unknown to this client")
-        new = None
-        if info.unix and self.shm and is_local(info.host):
-            new = self._unix_pool(info.host, info.port, info.unix, timeout)
-        new = new or self._open_pool(info.host, info.port)
+        new = self._better(_endpoint(info), None, timeout)
         with self.lock:
             pool = self.pools.setdefault(wid, new)
         if pool is not new:
@@ -270,7 +265,7 @@ class Router:
         with self._reconnecting:
             if self.ctrl is not failed:
                 return  # another thread already did
-            fresh = self._open_pool(self.host, self.port)
+            fresh = self._open_pool(self._fallback(Endpoint(self.host, self.port)))
             try:
                 hello = self._retry(lambda: self._hello(fresh), give_up, self.address, cause)
                 if not hello.hosts_controller:
@@ -325,19 +320,30 @@ class Router:
                         self.warehouses[home].port)
         return home
 
-    def _retry(self, attempt: Callable[[], object], give_up: float, what: str, cause: Exception | None = None):
-        """Call `attempt` until it stops raising DockConnectionError or `give_up` passes."""
+    def _retry(self, attempt: Callable[[], object], give_up: float, what: str, cause: Exception | None = None, *,
+               refused_s: float | None = None):
+        """Call `attempt` until it stops raising DockConnectionError or `give_up` passes (with
+        `refused_s`: or that many seconds passed in which every attempt was refused)."""
         delay = BACKOFF_MIN
         started = time.monotonic()
+        tries = refused = 0
         while True:
+            tries += 1
             try:
                 return attempt()
             except DockConnectionError as e:
                 cause = e
+                refused += bool(getattr(e, "refused", False))
+            took = time.monotonic() - started
+            if refused_s is not None and refused == tries and took >= refused_s:
+                raise DockConnectionError(
+                    f"cannot reach dockd at {what} (retried for {took:.1f}s, {tries} attempts, each refused): nothing "
+                    "listens there. Is `dockd serve` running, and is this its framed port (as its ready line prints)?"
+                ) from None
             left = give_up - time.monotonic()
             if left <= 0:
                 raise DockConnectionError(
-                    f"cannot reach dockd at {what} (retried for {time.monotonic() - started:.1f}s): {cause}"
+                    f"cannot reach dockd at {what} (retried for {took:.1f}s, {tries} attempts): {cause}"
                 ) from None
             if self._stop.wait(min(delay, left)) or self.closed:
                 raise DockClosed("the dock client was closed while reconnecting")
@@ -374,22 +380,5 @@ class CallScope:
             conn.close()
 
 
-def call_on(pool: Pool, frame: pb.Frame, buffers=(), size: int = 0, *, fds=(), timeout: float | None = None,
-            scope: CallScope | None = None, stall: float | None = None):
-    """One request on a pooled connection (a broken or interrupted one is dropped, never reused).
-    `timeout` bounds making a connection (if none is idle) and the wait for the reply together;
-    `stall`: see Connection.call."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    conn = pool.get(timeout)
-    unpins = pool.take_unpins() if pool.unix else ()
-    if unpins:
-        frame.unpin.extend(unpins)
-    try:
-        if scope is not None:
-            scope.enter(conn)
-        left = None if deadline is None else max(0.001, deadline - time.monotonic())
-        return conn.call(frame, buffers, size, fds=fds, timeout=left, stall=stall)
-    finally:
-        if scope is not None:
-            scope.leave(conn)
-        pool.put(conn)
+def _endpoint(info: pb.WarehouseInfo) -> Endpoint:
+    return Endpoint(info.host, info.port, info.unix, info.id)

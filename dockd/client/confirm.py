@@ -1,0 +1,186 @@
+"""Confirms and releases of leases, and the controller calls that carry them.
+
+Confirms of gets ride on the next acquire, or go out on their own after
+CONFIRM_DELAY_S: a get then costs one wake-up of the controller, not two.
+Until confirmed, the controller would give the samples back if this client
+died, which is the safe direction. The same flusher thread reports the
+segments of same-host daemons this process no longer maps (unpins).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+
+import numpy as np
+
+from dockd._proto import dockd_pb2 as pb
+from dockd.client.connection import call_on
+from dockd.client.lease import Lease
+from dockd.client.router import CallScope, Router
+from dockd.errors import DockConnectionError, DockError, DockLeaseError
+
+logger = logging.getLogger(__name__)
+
+CONFIRM_DELAY_S = 0.02
+
+
+class Confirms:
+    """A Dock's pending confirms, its flusher, and its other lease calls to the controller."""
+
+    def __init__(self, router: Router, *, connect_timeout: float, wake: threading.Event,
+                 stop: threading.Event) -> None:
+        self._router = router
+        self._connect_timeout = connect_timeout
+        self._pending: list[int] = []  # leases fetched but not yet confirmed to the controller
+        self._lock = threading.Lock()
+        self.wake = wake
+        self._stop = stop
+        self._flusher: threading.Thread | None = None
+
+    def ctrl_call(self, frame: pb.Frame, *, timeout: float | None = None, deadline: float | None = None,
+                  scope: CallScope | None = None) -> tuple[pb.Frame, np.ndarray, list[int]]:
+        """A controller request, re-sent after a reconnect if the connection drops. Pending
+        confirms are delivered first, so the call sees this client's own gets applied."""
+        self.send(self.take())
+        return self._router.controller(lambda pool: call_on(pool, frame, timeout=timeout, scope=scope),
+                                       deadline=deadline)
+
+    # -- the queue -------------------------------------------------------------------------------
+    def soon(self, lease_id: int) -> None:
+        with self._lock:
+            self._pending.append(lease_id)
+            if self._flusher is None:
+                self._flusher = threading.Thread(target=_flush_loop, args=(weakref.ref(self), self.wake, self._stop),
+                                                 name="dockd-confirm", daemon=True)
+                self._flusher.start()
+        self.wake.set()
+
+    def take(self) -> list[int]:
+        with self._lock:
+            out, self._pending = self._pending, []
+        return out
+
+    def put_back(self, leases: list[int]) -> None:
+        """Confirms that did not reach the controller go out again with the next request."""
+        if leases:
+            with self._lock:
+                self._pending[:0] = leases
+
+    def send(self, leases: list[int], *, retry: bool = True) -> None:
+        """Deliver confirms and wait for the controller's answer (a one-way frame to a controller
+        that just died would vanish without an error); on failure they stay pending."""
+        if not leases:
+            return
+        frame = pb.Frame(confirm=pb.ConfirmRequest(leases=leases))
+        try:
+            if retry:
+                reply, _, _ = self._router.controller(lambda pool: call_on(pool, frame))
+            else:
+                reply, _, _ = call_on(self._router.ctrl, frame, timeout=self._connect_timeout)
+        except BaseException:
+            self.put_back(leases)
+            raise
+        late = len(reply.confirm_reply.unknown) + len(reply.confirm_reply.refused)
+        if late:  # the gets already returned: say it, the samples were handed out again
+            logger.warning("[client] %d of %d leases expired before their confirm reached the controller: their "
+                           "samples were handed out again (consider a longer --lease-timeout)", late, len(leases))
+
+    # -- one lease -------------------------------------------------------------------------------
+    def confirm(self, lease: Lease) -> None:
+        """Dock.confirm: DockLeaseError when the lease is gone or another client's without its ticket."""
+        self.send(self.take())
+        frame = pb.Frame(confirm=pb.ConfirmRequest(leases=[lease.id], tickets=[lease.ticket]))
+        reply, _, _ = self._router.controller(lambda pool: call_on(pool, frame))
+        r = reply.confirm_reply
+        if r.refused:
+            raise DockLeaseError(f"lease {lease.id} belongs to another client: hand it over with its ticket")
+        if r.unknown:
+            raise DockLeaseError(
+                f"lease {lease.id} expired or was released before this confirm: its {len(lease.indexes)} samples "
+                "were handed out again. Confirm sooner, extend it (dock.extend, or acquire(lease_timeout=...)), or "
+                "raise the daemon's --lease-timeout."
+            )
+
+    def confirm_now(self, lease: Lease, took: float) -> None:
+        """Confirm a get's lease before its values are returned; DockLeaseError if it is gone (expired,
+        or released with this client's session), so samples handed out again are never returned.
+        A controller that cannot be reached leaves the confirm pending, as for any get."""
+        leases = [*self.take(), lease.id]
+        frame = pb.Frame(confirm=pb.ConfirmRequest(leases=leases))
+        limit = self._connect_timeout
+        try:
+            reply, _, _ = self._router.controller(lambda pool: call_on(pool, frame, timeout=limit),
+                                                  deadline=time.monotonic() + limit)
+        except DockConnectionError as e:
+            logger.warning("[client] could not confirm lease=%d (%s); it goes out with the next request", lease.id, e)
+            self.put_back(leases)
+            self.wake.set()
+            return
+        r = reply.confirm_reply
+        gone = set(r.unknown) | set(r.refused)
+        if len(gone - {lease.id}):
+            logger.warning("[client] %d of %d leases expired before their confirm reached the controller: their "
+                           "samples were handed out again (consider a longer --lease-timeout)",
+                           len(gone - {lease.id}), len(leases) - 1)
+        if lease.id in gone:
+            raise DockLeaseError(
+                f"this get's lease {lease.id} on {len(lease.indexes)} samples of partition {lease.partition!r} expired "
+                f"or was released while the get took {took:.1f}s: the samples were handed out again, so they are not "
+                "returned here (nothing is lost: another get received them). Raise the daemon's --lease-timeout or "
+                "read smaller batches."
+            )
+
+    def release_now(self, lease: Lease) -> None:
+        """Give back the lease of a get that failed, within connect_timeout (best effort: the controller
+        also frees it when the lease expires or this client goes away)."""
+        frame = pb.Frame(release=pb.ReleaseRequest(lease=lease.id, ticket=lease.ticket))
+        limit = self._connect_timeout
+        try:
+            self._router.controller(lambda pool: call_on(pool, frame, timeout=limit), deadline=time.monotonic() + limit)
+        except Exception as e:  # noqa: BLE001 - never mask the error that made the get fail
+            logger.warning("[client] could not release lease=%d after a failed fetch: %s", lease.id, e)
+
+    def release_token(self, token: int) -> None:
+        """Give back whatever lease an interrupted acquire got, so no sample stays leased to a call
+        nobody waits for (best effort: otherwise the lease expires)."""
+        frame = pb.Frame(release=pb.ReleaseRequest(token=token))
+        try:
+            call_on(self._router.ctrl, frame, timeout=self._connect_timeout)
+        except BaseException as e:  # noqa: BLE001 - never mask the interruption itself
+            logger.debug("[client] could not release an interrupted acquire: %s", e)
+
+    def send_unpins(self) -> None:
+        """Tell daemons which of the segments they lent this process it no longer maps (one-way;
+        a lost one only keeps a segment from being reused until this process exits)."""
+        for pool in list(self._router.all_pools):
+            sids = pool.via.take_unpins()
+            if not sids:
+                continue
+            try:
+                conn = pool.get()
+                try:
+                    conn.post(pb.Frame(oneway=True, unpin=sids))
+                finally:
+                    pool.put(conn)
+            except DockError as e:
+                logger.debug("[client] could not send unpins: %s", e)
+
+
+def _flush_loop(ref: weakref.ref, wake: threading.Event, stop: threading.Event) -> None:
+    """The confirm flusher of one Dock; holds its confirms only weakly so a dropped Dock can be collected."""
+    while not stop.is_set():
+        wake.wait()
+        wake.clear()
+        stop.wait(CONFIRM_DELAY_S)  # gather the confirms of a burst of gets
+        confirms = ref()
+        if confirms is None:
+            return
+        try:
+            confirms.send(confirms.take())  # reconnects if the controller restarted
+        except DockError as e:  # gone for good, or closing: unconfirmed leases expire and are handed out again
+            logger.warning("[client] could not confirm fetched leases: %s", e)
+        confirms.send_unpins()
+        del confirms

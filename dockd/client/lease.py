@@ -1,0 +1,124 @@
+"""Leases: what an acquire hands out, and the acquire itself (the request and its reply)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dockd._proto import dockd_pb2 as pb
+from dockd.client import validate
+from dockd.client.connection import Pool, call_on
+from dockd.client.router import CallScope, Router
+from dockd.client.transport import Reply
+from dockd.errors import DockConnectionError, DockError, DockValueError
+
+if TYPE_CHECKING:
+    from dockd.client.confirm import Confirms
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class Lease:
+    """Samples acquired for a consumer but not fetched yet (low-level API).
+
+    A lease belongs to the client that took it. To let another process confirm,
+    release or extend it, hand it the lease with its `ticket` (it pickles); anyone
+    may fetch its samples."""
+
+    id: int
+    partition: str
+    columns: list[str]
+    indexes: list[int]
+    locations: np.ndarray | None  # warehouse id per (column, sample); None when every column came inline
+    inline: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # columns that came with the acquire
+    ticket: bytes = b""  # the hand-over proof (see the class docstring)
+    step: int = 0        # rank-aware gets: the step this share belongs to
+    rank_weights: list[float] = dataclasses.field(default_factory=list)  # ... each rank's sum of balance_by
+
+
+def acquire_request(consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None,
+                    groups: bool, allow_partial: bool, shuffle: bool, seed: int | None, inline: bool,
+                    lease_timeout: float | None, dp_rank: int | None, dp_size: int | None,
+                    mp_group: tuple[int, int, int] | None, step: int | None, balance_by: str | Sequence[str] | None,
+                    where: Mapping[str, Any] | None, order_by: str | None, prefer_local: bool,
+                    max_staleness: int | None, home: int) -> pb.AcquireRequest:
+    """An acquire's request, every argument checked (see Dock.get and Dock.acquire)."""
+    validate.check_partition(partition)
+    validate.consumer_and_columns(consumer, columns)
+    if not isinstance(count, (int, np.integer)) or isinstance(count, bool) or count < 1:
+        raise DockValueError(f"count must be a positive int, got {count!r}")
+    timeout = validate.seconds(timeout)
+    req = pb.AcquireRequest(partition=partition, consumer=consumer, columns=list(columns), count=int(count),
+                            groups=groups, allow_partial=allow_partial, shuffle=shuffle, inline=inline,
+                            timeout=-1.0 if timeout is None else float(timeout))
+    validate.rank_fields(req, dp_rank, dp_size, mp_group, step, balance_by)
+    validate.acquire_options(req, seed=seed, where=where, max_staleness=max_staleness, order_by=order_by,
+                             lease_timeout=lease_timeout)
+    if prefer_local and home >= 0:
+        if req.dp_size:
+            raise DockValueError("prefer_local does not apply to rank-aware gets (dp_size or mp_group): a "
+                                 "step's batch is one for all ranks")
+        req.near = home + 1
+    req.token = secrets.randbits(63) | 1  # a retried acquire gets the lease its lost reply carried
+    return req
+
+
+class Acquirer:
+    """Sends acquires for a Dock and makes their replies into Leases."""
+
+    def __init__(self, router: Router, confirms: Confirms) -> None:
+        self._router = router
+        self._confirms = confirms
+        self._warned_recovered: set[str] = set()
+
+    def acquire(self, req: pb.AcquireRequest, *, scope: CallScope | None, lazy: bool) -> Lease:
+        """Send `req` (with this client's pending confirms) to the controller, re-sent after a
+        reconnect with what is left of its timeout; an interrupted one gives back what it got."""
+        timeout = None if req.timeout < 0 else req.timeout
+        confirms = self._confirms.take()
+        req.confirm.extend(confirms)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        used: list[Pool] = []
+
+        def send(pool: Pool):
+            if deadline is not None:  # a retry after a reconnect waits only for what is left
+                req.timeout = max(0.0, deadline - time.monotonic())
+            used[:] = [pool]
+            return call_on(pool, pb.Frame(acquire=req), scope=scope,
+                           timeout=None if timeout is None else req.timeout + 30.0)
+
+        try:
+            reply, body, fds = self._router.controller(send, deadline=deadline)
+        except DockConnectionError:
+            self._confirms.put_back(confirms)
+            raise
+        except BaseException as e:
+            if not isinstance(e, DockError):  # interrupted (Ctrl-C, cancelled): a lease may be on its way to us
+                self._confirms.release_token(req.token)
+            raise
+        return self._lease(req, Reply(reply, body, fds), used[0], lazy)
+
+    def _lease(self, req: pb.AcquireRequest, reply: Reply, pool: Pool, lazy: bool) -> Lease:
+        a = reply.frame.acquire_reply
+        self._router.learn(a.warehouses)
+        if a.recovered and req.partition not in self._warned_recovered:
+            self._warned_recovered.add(req.partition)
+            logger.warning(
+                "[client] partition %r was rebuilt after a controller restart without a state dir: samples this "
+                "consumer took before the restart can be handed out again (start the controller with --state-dir "
+                "to keep consumer progress)", req.partition)
+        idx = list(a.indexes)
+        columns = list(req.columns)
+        inline = dict(zip((c.name for c in a.inline), pool.via.decode(a.inline, reply, lazy=lazy)))
+        locs = None  # only needed to fetch what did not come inline
+        if len(inline) < len(columns):
+            locs = np.asarray(a.locations, dtype=np.int64).reshape(len(columns), len(idx))
+        return Lease(a.lease, req.partition, columns, idx, locs, inline, bytes(a.ticket), a.step,
+                     list(a.rank_weights))

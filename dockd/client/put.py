@@ -1,0 +1,117 @@
+"""Puts: a put's arguments checked and encoded, then sent to the home warehouse.
+
+The encoding is done once; the home warehouse's transport decides how the
+payload travels (in the frame, staged in shared memory, device memory by
+handle), and the router re-homes and re-sends it when the warehouse goes
+away (the put's token makes a re-sent put apply once).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from dockd import codec, device_share
+from dockd._proto import dockd_pb2 as pb
+from dockd.client import validate
+from dockd.client.connection import Pool
+from dockd.client.router import Router
+from dockd.client.transport import Put
+from dockd.errors import DockTypeError, DockValueError
+
+logger = logging.getLogger(__name__)
+
+
+def split_columns(columns: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
+    """Each column as one batched tensor or a sequence of values, and the number of samples."""
+    if not isinstance(columns, Mapping) or not columns:
+        raise DockTypeError("columns must be a non-empty dict of column name -> values")
+    split = {}
+    for name, values in columns.items():
+        if not isinstance(name, str) or not name:
+            raise DockTypeError(f"column names must be non-empty strings, got {name!r}")
+        validate.text(name, "column name")
+        t = codec.batched(values)  # kept whole: encoded as one buffer
+        split[name] = t if t is not None else codec.split_column(name, values)
+    counts = {k: codec.column_length(v) for k, v in split.items()}
+    n = next(iter(counts.values()))
+    if n == 0 or len(set(counts.values())) != 1:
+        raise DockValueError(f"every column needs the same positive number of values, got {counts}")
+    return split, n
+
+
+def put_request(columns: Mapping[str, Any], *, partition: str, indexes: Sequence[int] | None, group_size: int,
+                timeout: float | None, tags: Mapping[str, Any] | None, device: str | None,
+                version: int | None) -> tuple[Put, list]:
+    """The encoded put (see Dock.put), and the device tensors it exports by handle (to keep
+    referenced until the put is answered: the warehouse copies out of them)."""
+    validate.check_partition(partition)
+    split, n = split_columns(columns)
+    timeout = validate.seconds(timeout)
+    req = pb.PutRequest(partition=partition, timeout=-1.0 if timeout is None else timeout)
+    if indexes is None:
+        validate.positive_count("group_size", group_size)
+        if n % group_size:
+            raise DockValueError(f"{n} new samples is not a multiple of group_size={group_size}")
+        req.new_count, req.group_size = n, group_size
+    else:
+        idx = validate.int_list("indexes", indexes)
+        if len(idx) != n:
+            raise DockValueError(f"{len(idx)} indexes given for {n} values per column")
+        req.indexes.extend(idx)
+    tags = validate.version_tag(version, tags)
+    if tags:
+        req.tags.extend(validate.tag_list(tags, n))
+    if device not in (None, "keep"):
+        raise DockValueError(f"put(device=...) takes 'keep' (leave accelerator tensors in device memory) or "
+                             f"None, got {device!r}")
+    kept: dict[str, tuple[pb.ColumnData, Any]] = {}
+    if device == "keep":
+        for name, values in split.items():
+            got = codec.device_column(name, values, _keeps)
+            if got is not None:
+                kept[name] = got
+    body = codec.Body()
+    req.columns.extend(codec.encode_columns({k: v for k, v in split.items() if k not in kept}, body))
+    tensors = []
+    for col, t in kept.values():
+        t = device_share.base_layout(t)
+        desc, base = device_share.export(t)
+        req.device_buffers.append(desc)
+        tensors.append(t)
+        col.runs[0].device_buffer, col.runs[0].offset = len(req.device_buffers), base
+        req.columns.append(col)
+    req.token = secrets.randbits(63) | 1  # a re-sent put (after a dropped connection) is applied once
+
+    def as_host() -> tuple[pb.PutRequest, codec.Body]:
+        host = pb.PutRequest()
+        host.CopyFrom(req)
+        del host.device_buffers[:], host.columns[:]
+        hbody = codec.Body()
+        host.columns.extend(codec.encode_columns(split, hbody))
+        return host, hbody
+
+    return Put(req, body, kept=bool(kept), as_host=as_host), tensors
+
+
+def send(router: Router, put: Put, warned: set[str]) -> list[int]:
+    """Send `put` to the home warehouse (re-homed and re-sent if it goes away); its indexes."""
+
+    def attempt(wid: int, pool: Pool) -> pb.Frame:
+        return pool.via.send_put(pool, put)
+
+    reply = router.warehouse(attempt)
+    if reply.put_reply.spilled_bytes and "spill" not in warned:
+        warned.add("spill")
+        logger.warning("[client] put(device='keep'): %d bytes were stored in host memory: the warehouse's device "
+                       "tier is full or off (dockd serve --device-capacity); see dockd_device_spilled_bytes_total",
+                       reply.put_reply.spilled_bytes)
+    return list(reply.put_reply.indexes)
+
+
+def _keeps(t) -> bool:
+    """put(device="keep"): whether a tensor stays in device memory (a CUDA or NPU tensor; a CPU tensor
+    only with DOCKD_CPU_DEVICE_TIER=1, which runs the device tier's paths on machines without one)."""
+    return device_share.tiered(t.device.type)

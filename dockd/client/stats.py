@@ -1,0 +1,68 @@
+"""`Dock.stats`: the controller's stats reply as a dict, and each warehouse's traffic on request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dockd._proto import dockd_pb2 as pb
+from dockd.client.router import Router
+from dockd.errors import DockError
+
+STATS_HELLO_TIMEOUT_S = 2.0
+"""Seconds stats(traffic=True) waits for each warehouse's answer (one that does not answer gets an error)."""
+
+
+def _partition(p: pb.PartitionStats) -> dict[str, Any]:
+    return {
+        "samples": p.samples,
+        "group_size": p.group_size,
+        "columns": dict(zip(p.columns, p.column_ready)),
+        "consumers": {c.name: {"taken": c.taken, "leased": c.leased, "ready": c.ready, "waiting": c.waiting}
+                      for c in p.consumers},
+        "depth": {c.name: c.pending for c in p.consumers},
+        "recovered": p.recovered,
+        "deleted": p.deleted,
+        "sealed": p.sealed,
+        "retire_when_consumed_by": list(p.retire_when_consumed_by),
+        "tags": list(p.tags),
+        "version": p.version,
+        "max_staleness": p.max_staleness - 1 if p.max_staleness else None,
+        "retire_stale": p.retire_stale,
+        "max_pending": p.max_pending or None,
+        "pending": p.pending,
+        "stale": p.stale,
+        "stale_retired": p.stale_retired,
+        "paced_puts": p.paced,
+    }
+
+
+def stats(s: pb.StatsReply, router: Router, *, traffic: bool, connect_timeout: float) -> dict[str, Any]:
+    """The dict Dock.stats returns, from the controller's reply `s`."""
+    parts = {p.name: _partition(p) for p in s.partitions}
+    whs = {
+        w.id: {"address": f"{w.host}:{w.port}", "alive": w.alive, "state": w.state or "joined",
+               "capacity": w.capacity, "bytes": w.used}
+        for w in s.warehouses
+    }
+    if traffic:
+        router.learn(s.warehouses)
+        for wid, w in whs.items():
+            if not w["alive"]:
+                continue
+            try:
+                hello = router.hello(wid, timeout=min(connect_timeout, STATS_HELLO_TIMEOUT_S))
+            except DockError as e:
+                w["error"] = str(e)
+                continue
+            w.update(version=hello.version, put_bytes=hello.put_bytes, get_bytes=hello.get_bytes,
+                     device_bytes=hello.device_used, device_capacity=hello.device_capacity,
+                     metadata_bytes=hello.metadata, freed_bytes=hello.freed, reclaimable_bytes=hello.reclaimable)
+    return {
+        "version": s.version,
+        "controller": router.address,
+        "samples": sum(p["samples"] for p in parts.values()),
+        "bytes": sum(w["bytes"] for w in whs.values()),
+        "waiting": s.waiting,
+        "partitions": parts,
+        "warehouses": whs,
+    }

@@ -1,0 +1,247 @@
+"""Transports: how a client carries frames and payloads to one daemon.
+
+A `Transport` is made per daemon endpoint (the controller, each warehouse) and
+lives as long as that endpoint's connection pool (`dockd.client.connection.Pool`).
+Everything that differs between ways of reaching a daemon is behind it; the
+put, fetch and acquire code above never asks which one it has.
+
+Built in (best first, as `transport="auto"` tries them):
+
+| name | module | frames | put payload | fetch payload |
+|---|---|---|---|---|
+| `shm` | `shm.py` | Unix socket | staged in a sealed memfd, named | passed memfd segments, mapped copy-on-write; device-tier data by IPC handle |
+| `tcp` | `device_link.py` | TCP | in the frame | in the frame; device-tier data over a device link (NCCL/HCCL/gloo) when the get names a device |
+| `tcp` | `tcp.py` | TCP | in the frame | in the frame |
+
+Contract (what an implementation provides; see `Transport` for signatures):
+
+- `name`: what it is called in logs, stats and metrics (`transport="shm"`); with
+  `DOCKD_TRANSPORT=<name>` only it (and the fallbacks) is tried.
+- `applies(endpoint, ctx)` (classmethod): whether it can reach this daemon at all
+  (same host, the daemon advertised what it needs, the library is installed).
+  Cheap and without I/O. Transports with `fallback = False` are then probed
+  with one connection; a failure that is not a timeout falls back to the next
+  one, so a transport that cannot work here costs one failed connect once.
+- `open(timeout)`: a connected, blocking socket for frames. `describe()` names
+  the daemon in errors the way the user knows it.
+- `recv_into(sock, mv, fds)`: read what has arrived (non-blocking: raise
+  BlockingIOError when nothing has), appending any passed descriptors to `fds`.
+  `spin_s`: seconds a call polls for a reply before sleeping.
+- `send_put(pool, put)`: send one put (its `pb.PutRequest` and encoded body)
+  on `pool` and return the reply frame. `put.kept` columns are accelerator
+  memory exported by handle: a transport that cannot share device memory with
+  the daemon sends `put.as_host()` instead.
+- `fetch(pool, wid, req, device, timeout)`: send one fetch and return a
+  `Reply` (frame, body, descriptors, and buffers it received by other means).
+- `buffers(columns, reply, device=..., shared=...)`: every buffer the reply's
+  runs point into, keyed as `dockd.codec.buffer_key` gives them (0: the body;
+  k: the k-th passed segment; -k: device buffer k), as (buffer, base offset).
+  It owns what the reply carried: descriptors are closed, mappings are kept
+  alive by the values decoded from them. `dockd.codec.decode_reply` decodes.
+- `take_unpins()`: segments of the daemon this process no longer maps, to
+  report on the next request (transports that lend memory); `close()`.
+
+A new transport is one module defining a `Transport` subclass decorated with
+`@register`, plus its import at the bottom of this file. A Mooncake Transfer
+Engine transport would: take `name = "mooncake"`, `auto = True` and a
+priority between `shm` and `tcp`; apply when the daemon's hello advertises a
+Mooncake segment (a field the wire contract would gain) and the engine
+imports; send frames over TCP (subclass `TcpTransport`); in `send_put`,
+write the body into a registered buffer and name it in the request; in
+`fetch`, ask for the runs as remote segments and read them into pooled
+registered buffers, returned as `Reply.received` (keys as above) from which
+`buffers` serves them; and release the pooled buffers when the decoded values
+are gone (the way `shm` unpins segments). `DOCKD_TRANSPORT` accepts the names
+`dockd.config.ClientConfig` allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import ipaddress
+import logging
+import os
+import socket
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from dockd import codec
+from dockd._proto import dockd_pb2 as pb
+from dockd.config import ClientConfig
+
+if TYPE_CHECKING:
+    from dockd.client.connection import Pool
+    from dockd.client.links import ReaderLinks
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A daemon as its hello (or the controller's warehouse table) describes it."""
+
+    host: str
+    port: int
+    unix: str = ""                  # its same-host socket name ("": it serves none)
+    warehouse: int | None = None    # its warehouse id; None for the controller's own pool
+
+
+@dataclasses.dataclass(slots=True)
+class Context:
+    """What a client's transports share: its settings and a few services of the Dock."""
+
+    config: ClientConfig = dataclasses.field(default_factory=ClientConfig)
+    links: ReaderLinks | None = None                 # device links (get(device=...) from other nodes)
+    device_tier: Callable[[int], bool] = lambda wid: False  # whether warehouse wid has a device tier
+    wake: Callable[[], None] = lambda: None          # an unpin is queued: wake the flusher that sends it
+    warned: set[str] = dataclasses.field(default_factory=set)  # one-time warnings given
+
+
+@dataclasses.dataclass(slots=True)
+class Put:
+    """One put as encoded: the request, its body, and the columns kept in device memory (by handle)."""
+
+    req: pb.PutRequest
+    body: codec.Body
+    kept: bool = False
+    as_host: Callable[[], tuple[pb.PutRequest, codec.Body]] | None = None  # the same put with device columns as bytes
+
+
+@dataclasses.dataclass(slots=True)
+class Reply:
+    """A fetch's answer: its frame, body and passed descriptors (the caller's to close, through
+    `Transport.buffers`), and buffers received some other way (None: none)."""
+
+    frame: pb.Frame
+    body: np.ndarray
+    fds: list[int]
+    received: dict[int, tuple[Any, int]] | None = None
+
+
+class Transport:
+    """How frames and payloads reach one daemon (see the module docstring for the contract)."""
+
+    name: ClassVar[str] = ""
+    auto: ClassVar[bool] = False       # tried under transport="auto"
+    fallback: ClassVar[bool] = False   # always works where it applies: used without a probe connection
+    priority: ClassVar[int] = 0        # higher is tried first
+    passes_fds: ClassVar[bool] = False
+    spin_s: float = 0.0
+
+    def __init__(self, endpoint: Endpoint, ctx: Context) -> None:
+        self.endpoint = endpoint
+        self.ctx = ctx
+
+    @classmethod
+    def applies(cls, endpoint: Endpoint, ctx: Context) -> bool:
+        return True
+
+    # -- frames --------------------------------------------------------------------------------
+    def describe(self) -> str:
+        return f"{self.endpoint.host}:{self.endpoint.port}"
+
+    def open(self, timeout: float) -> socket.socket:
+        raise NotImplementedError
+
+    def recv_into(self, sock: socket.socket, mv: memoryview, fds: deque[int]) -> int:
+        return sock.recv_into(mv, 0, socket.MSG_DONTWAIT)
+
+    def sniff(self, timeout: float) -> str:
+        """Why the daemon is not dockd, when a connection got no challenge in time ("": unknown)."""
+        return ""
+
+    # -- payloads ------------------------------------------------------------------------------
+    def send_put(self, pool: Pool, put: Put) -> pb.Frame:
+        from dockd.client.connection import call_on
+
+        req, body = put.req, put.body
+        if put.kept:  # device memory is shared by handle on one node only: send it as bytes
+            req, body = put.as_host()
+            if "tcp-keep" not in self.ctx.warned:
+                self.ctx.warned.add("tcp-keep")
+                _log.warning("[client] put(device='keep') to warehouse %s over %s (not the same node, or "
+                             "DOCKD_TRANSPORT=tcp): its device columns are sent and stored as host bytes",
+                             self.endpoint.warehouse, self.name.upper())
+        reply, _, _ = call_on(pool, pb.Frame(put=req), body.buffers, body.size)
+        return reply
+
+    def fetch(self, pool: Pool, wid: int, req: pb.FetchRequest, device, timeout: float | None) -> Reply:
+        from dockd.client.connection import call_on
+
+        return Reply(*call_on(pool, pb.Frame(fetch=req), timeout=timeout, stall=timeout))
+
+    def buffers(self, columns: Sequence[pb.ColumnData], reply: Reply, *, device=None,
+                shared: Sequence[pb.DeviceBuffer] = ()) -> dict[int, tuple[Any, int]]:
+        _close_all(reply.fds)
+        out: dict[int, tuple[Any, int]] = {0: (reply.body, 0)}
+        if reply.received:
+            out.update(reply.received)
+        return out
+
+    def decode(self, columns: Sequence[pb.ColumnData], reply: Reply, *, lazy: bool = False, device=None,
+               shared: Sequence[pb.DeviceBuffer] = ()) -> list[Any]:
+        """The values of `columns` from `reply` (see dockd.codec.decode_reply)."""
+        return codec.decode_reply(columns, self.buffers(columns, reply, device=device, shared=shared), lazy=lazy)
+
+    def take_unpins(self) -> list[int]:
+        return []
+
+    def matches(self, endpoint: Endpoint) -> bool:
+        """Whether this transport still serves `endpoint` as a fresh hello describes it."""
+        return (endpoint.host, endpoint.port) == (self.endpoint.host, self.endpoint.port)
+
+    def close(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.describe()}>"
+
+
+_log = logging.getLogger(__name__)
+_REGISTRY: list[type[Transport]] = []
+
+
+def register(cls: type[Transport]) -> type[Transport]:
+    """Make a transport class available to clients (`@register` on its definition)."""
+    _REGISTRY.append(cls)
+    _REGISTRY.sort(key=lambda c: -c.priority)
+    return cls
+
+
+def candidates(endpoint: Endpoint, ctx: Context) -> list[type[Transport]]:
+    """The transports to try for `endpoint`, best first; the last one is a fallback (TCP)."""
+    setting = ctx.config.transport
+    return [c for c in _REGISTRY
+            if (c.fallback or setting == c.name or (setting == "auto" and c.auto)) and c.applies(endpoint, ctx)]
+
+
+@functools.lru_cache(maxsize=256)
+def is_local(host: str) -> bool:
+    """Whether `host` names an address of this machine (network namespace): can we bind to it?"""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        try:
+            if ipaddress.ip_address(addr[0]).is_loopback:
+                return True
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.bind((addr[0], 0))
+            return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
+def _close_all(fds) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+# the built-in transports (a new one: its module, imported here)
+from dockd.client.transport import device_link, shm, tcp  # noqa: E402,F401
+
+__all__ = ["Context", "Endpoint", "Put", "Reply", "Transport", "candidates", "is_local", "register"]
