@@ -29,12 +29,12 @@ after the deadline, its resources with it.
 from __future__ import annotations
 
 import datetime
-import os
 import threading
 import time
 
 import torch
 
+from dockd import config
 from dockd.errors import DockConnectionError, DockError, DockTimeout, DockValueError
 
 READER, HOLDER = 0, 1
@@ -43,7 +43,7 @@ BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 
 def timeout() -> float:
     """Seconds a link's join or transfer may take (DOCKD_DEVICE_LINK_TIMEOUT, default 60)."""
-    return float(os.environ.get("DOCKD_DEVICE_LINK_TIMEOUT", "60"))
+    return config.env_float("DOCKD_DEVICE_LINK_TIMEOUT", 60.0)
 
 
 def backend_for(device: torch.device) -> str:

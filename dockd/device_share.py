@@ -30,6 +30,7 @@ import re
 
 import torch
 
+from dockd import config
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockValueError
 
@@ -46,7 +47,7 @@ def cpu_stand_in() -> bool:
     """DOCKD_CPU_DEVICE_TIER=1: CPU tensors stand in for device memory (clients put them with
     device="keep" through the device tier; warehouses accept such buffers). For tests and
     machines without an accelerator; otherwise a warehouse refuses cpu buffers."""
-    return os.environ.get("DOCKD_CPU_DEVICE_TIER", "") not in ("", "0")
+    return config.env("DOCKD_CPU_DEVICE_TIER") not in ("", "0")
 
 
 def tiered(device_type: str) -> bool:
@@ -154,7 +155,7 @@ def physical_npu(index: int, visible: str | None = None) -> int:
     """The physical NPU behind this process's NPU `index`: ASCEND_RT_VISIBLE_DEVICES (or `visible`)
     lists the physical ids a process sees, in the order it numbers them; unset, they are the same."""
     if visible is None:
-        visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES", "")
+        visible = config.env("ASCEND_RT_VISIBLE_DEVICES")
     ids = [p.strip() for p in visible.split(",") if p.strip()]
     if not ids:
         return index
