@@ -115,3 +115,17 @@ def test_msgpack_values_are_one_run_per_stretch_between_tensors():
     assert [(r.kind, r.count) for r in col.runs] == [(pb.MSGPACK, 2), (pb.TENSOR, 1), (pb.MSGPACK, 2)]
     out = codec.decode_column(col, {0: (buf, 0)})
     assert out[:2] == ["a", {"k": 1}] and torch.equal(out[2], torch.ones(2)) and out[3:] == [3, None]
+
+
+def test_decode_reply_reads_what_encode_columns_wrote_from_the_buffers_it_is_given():
+    """decode_reply is the encoding's inverse over the buffers a transport hands it (key 0: the body)."""
+    body = codec.Body()
+    cols = codec.encode_columns({"x": torch.arange(6).view(3, 2), "y": ["a", {"b": 1}, None]}, body)
+    flat = np.frombuffer(bytearray(b"".join(bytes(memoryview(b).cast("B")) for b in body.buffers)), dtype=np.uint8)
+    x, y = codec.decode_reply(cols, {0: (flat, 0)})
+    assert [v.tolist() for v in x] == [[0, 1], [2, 3], [4, 5]] and y == ["a", {"b": 1}, None]
+    lazy = codec.decode_reply(cols, {0: (flat, 0)}, lazy=True)
+    assert isinstance(lazy[0], codec.Runs) and lazy[0].stacked().tolist() == [[0, 1], [2, 3], [4, 5]]
+    cols[0].runs[0].segment = 2  # a run in a buffer the reply did not carry
+    with pytest.raises(DockProtocolError, match="not passed"):
+        codec.decode_reply(cols, {0: (flat, 0)})

@@ -46,3 +46,14 @@ def test_small_replies_bypass_the_pool():
     del v
     gc.collect()
     assert pool.pooled == 0
+
+
+def test_the_process_pool_is_made_on_first_use_with_the_environment_then(monkeypatch):
+    """Importing the client reads no environment: the pool is sized by $DOCKD_RECV_POOL_BYTES as it
+    is when the first large reply arrives."""
+    from dockd.client import recv_pool as module
+
+    monkeypatch.setattr(module, "_POOL", None)
+    monkeypatch.setenv("DOCKD_RECV_POOL_BYTES", str(3 * MiB))
+    pool = module.recv_pool()
+    assert pool.max_bytes == 3 * MiB and module.recv_pool() is pool
