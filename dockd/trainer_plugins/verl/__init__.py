@@ -4,7 +4,8 @@
     DOCK_DISPATCH, DockRequest, dock_io  worker-group methods that get only metadata from the
                                          driver and fetch/write their shard themselves
     transfer_queue                       a `transfer_queue`-compatible module backed by dockd
-                                         (`use_dockd_transfer_queue()` switches verl over)
+                                         (`use_dockd_transfer_queue()` switches verl over);
+                                         its parts are the modules of `.tq`
 
 Importing this package imports neither verl nor tensordict; they are imported on
 first use (pip install -e '.[verl]').
