@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import dockd
+from dockd.config import env
 from dockd.trainer_plugins import _codec, require
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -108,7 +109,7 @@ class DockBufferConfig:
             raise ValueError("DockBufferConfig timeouts must be >= 0 seconds")
 
     def resolved_address(self) -> str:
-        address = self.address or os.environ.get(ENV_ADDRESS)
+        address = self.address or env(ENV_ADDRESS)
         if not address:
             raise ValueError(
                 "DockReplayBuffer has no dock address: pass address='host:port' (or DockBufferConfig(address=...)), "
@@ -453,7 +454,7 @@ def install(address: str | None = None, config: DockBufferConfig | None = None, 
     cfg = dataclasses.replace(config or DockBufferConfig(), **fields)
     if address:
         cfg = dataclasses.replace(cfg, address=address)
-    if not cfg.address and not os.environ.get(ENV_ADDRESS):
+    if not cfg.address and not env(ENV_ADDRESS):
         on_ray = _dock_on_ray()
         if on_ray is None:
             raise ValueError(
@@ -504,7 +505,7 @@ def _install_local(cfg: DockBufferConfig) -> type:
 
 def _ray_worker_setup() -> None:
     """Ray ``worker_process_setup_hook``: repeat `install` inside a worker process."""
-    payload = os.environ.get(ENV_CONFIG)
+    payload = env(ENV_CONFIG)
     if not payload:
         return
     try:
