@@ -209,8 +209,8 @@ class UpdateStage:
                 loss = (-surr + cfg.kl_coef * kl).mean() * (logp.shape[0] / n)
                 loss.backward()  # type: ignore[no-untyped-call]
                 metrics["loss"] += float(loss.detach())
-                metrics["kl"] += float(kl.mean()) * logp.shape[0] / n
-                metrics["clipfrac"] += float(((ratio - 1).abs() > cfg.clip_eps).float().mean()) * logp.shape[0] / n
+                metrics["kl"] += float(kl.detach().mean()) * logp.shape[0] / n
+                metrics["clipfrac"] += float(((ratio.detach() - 1).abs() > cfg.clip_eps).float().mean()) * logp.shape[0] / n
             self._average_gradients()
             self.optimizer.step()
         return {k: v / cfg.update_epochs for k, v in metrics.items()}
