@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -20,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import dockd
 from dockd.local import spawn_node
+from tests.conftest import wait_until
 
 ROW = 64  # bytes per sample of a (n, 16) float32 column: runs stay 64-byte aligned, so payload bytes are exact
 
@@ -61,7 +61,8 @@ def test_metrics_equal_a_known_workload(metered, partition, monkeypatch):
         got = [d.get("train", ["x"], 60, partition=partition, timeout=10) for _ in range(2)]
         lease = d.acquire("expiring", ["x"], 5, partition=partition, timeout=10, lease_timeout=0.3)
         assert len(got_tcp) == 13 and [len(b) for b in got] == [60, 60] and len(lease.indexes) == 5
-        time.sleep(1.0)  # the lease expires unconfirmed
+        wait_until(lambda: value(scrape(ctl["metrics_port"]), "dockd_leases_expired_total")
+                   - value(before[0], "dockd_leases_expired_total") == 1, what="the lease to expire unconfirmed")
         m = scrape(wh["metrics_port"])
         c = scrape(ctl["metrics_port"])
         assert value(c, "dockd_partition_deleted_samples", partition=partition) == 0
@@ -114,10 +115,8 @@ def test_partition_series_vanish_when_cleared_and_waiters_show(metered, partitio
         with dockd.connect(metered.address) as other:
             t = threading.Thread(target=blocked)
             t.start()
-            deadline = time.monotonic() + 10
-            while value(scrape(ctl["metrics_port"]), "dockd_waiters", consumer="hungry") != 1:
-                assert time.monotonic() < deadline, "the blocked get never showed in dockd_waiters"
-                time.sleep(0.05)
+            wait_until(lambda: value(scrape(ctl["metrics_port"]), "dockd_waiters", consumer="hungry") == 1, 10,
+                       what="the blocked get to show in dockd_waiters")
             assert value(scrape(ctl["metrics_port"]), "dockd_partition_samples", partition=partition) == 4
             other.put({"y": torch.ones(1, 16)}, partition=partition, indexes=[0])
             t.join(timeout=20)

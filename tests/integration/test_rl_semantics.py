@@ -241,9 +241,10 @@ def test_rank_aware_get_checks_its_arguments(dock, partition):
         dock.get("c", ["x"], 3, partition=partition, dp_rank=1, dp_size=2, timeout=0.3)
     # the failed round gave its samples back
     assert dock.get("c", ["x"], 4, partition=partition, timeout=5).indexes == [0, 1, 2, 3]
+    lease = dock.acquire("c2", ["x"], 2, partition=partition, dp_rank=0, dp_size=2, timeout=5, lease_timeout=0.2)
+    wait_until(lambda: dock.stats()["partitions"][partition]["consumers"]["c2"]["leased"] == 0,
+               what="the share's lease to expire unconfirmed")
     with pytest.raises(DockLeaseError):
-        lease = dock.acquire("c2", ["x"], 2, partition=partition, dp_rank=0, dp_size=2, timeout=5, lease_timeout=0.2)
-        time.sleep(0.5)
         dock.confirm(lease)
 
 

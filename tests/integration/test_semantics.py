@@ -14,17 +14,15 @@ import pytest
 import torch
 
 import dockd
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def blocked_gets(address: str, n: int = 1, timeout: float = 30.0) -> None:
     """Wait until the controller holds `n` blocked gets (the precondition of a wake-up test)."""
-    deadline = time.monotonic() + timeout
     with dockd.connect(address) as probe:
-        while probe.stats()["waiting"] < n:
-            assert time.monotonic() < deadline, f"fewer than {n} gets ever blocked"
-            time.sleep(0.02)
+        wait_until(lambda: probe.stats()["waiting"] >= n, timeout, what=f"{n} gets to block", interval=0.02)
 
 READER = """
 import sys, json, dockd
@@ -106,10 +104,8 @@ def test_dead_warehouse_makes_loss_visible(partition):
             c.procs[1].kill()
             c.procs[1].wait()
             # the controller probes the vanished warehouse's port (refused: gone) and records the loss
-            deadline = time.monotonic() + 30
-            while d0.stats()["warehouses"][1]["state"] != "lost":
-                assert time.monotonic() < deadline, "the dead warehouse was never declared lost"
-                time.sleep(0.05)
+            wait_until(lambda: d0.stats()["warehouses"][1]["state"] == "lost",
+                       what="the dead warehouse to be declared lost")
             assert d0.get("c", ["x"], 4, partition=partition, timeout=10).indexes == [0, 1, 2, 3]
             with pytest.raises(dockd.DockDataLost) as e:
                 d0.get("c", ["x"], 4, partition=partition, timeout=10)

@@ -60,26 +60,38 @@ def test_a_dropped_warehouse_whose_port_refuses_is_lost_at_once():
 
 def test_a_silent_warehouse_gets_its_grace_then_is_lost_and_a_rejoin_in_time_keeps_it():
     async def main():
+        now = [100.0]
+        probed = []
+
+        async def cannot_tell(host, port):  # (a silent address: the probe cannot tell who is there)
+            probed.append(port)
+            return None
+
         core = Controller()
-        m = Membership(core, None, grace=0.3, on_change=lambda: None)
-        silent = socket.socket()  # accepts connections, never answers: the probe cannot tell
-        silent.bind(("127.0.0.1", 0))
-        silent.listen()
-        port = silent.getsockname()[1]
+        m = Membership(core, None, grace=30.0, on_change=lambda: None, clock=lambda: now[0], probe=cannot_tell)
+
+        async def advance(seconds):
+            now[0] += seconds
+            m.timers.run_due()
+            await asyncio.sleep(0)
+
         try:
             a, b = FakePeer(), FakePeer()
-            wid = m.register(a, reg(port, 7), no_commit).id
+            wid = m.register(a, reg(7001, 7), no_commit).id
             m.connection_lost(a)
-            await asyncio.sleep(0.1)
-            assert m.get(wid).state == "rejoining"
+            await advance(29.0)
+            assert m.get(wid).state == "rejoining" and probed == [7001]
             # back within the grace, same process: same id, still a member
-            again = m.register(b, reg(port, 7, rejoin=True, id=wid), no_commit)
+            again = m.register(b, reg(7001, 7, rejoin=True, id=wid), no_commit)
             assert again.id == wid and m.get(wid).state == "joined"
+            await advance(10.0)  # (the grace it had would have run out by now: it no longer counts)
+            assert m.get(wid).state == "joined"
             m.connection_lost(b)
-            await asyncio.sleep(0.6)
+            await advance(29.0)
+            assert m.get(wid).state == "rejoining"
+            await advance(1.5)
             assert m.get(wid).state == "lost"
         finally:
-            silent.close()
             m.close()
 
     run(main())
