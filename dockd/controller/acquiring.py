@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.controller.core import VERSION_TAG, AcquireResult, Round
+from dockd.controller.leases import AcquireResult
+from dockd.controller.partition import VERSION_TAG
+from dockd.controller.rounds import Round
 from dockd.errors import DockDataLost, DockStateFull, DockValueError
 from dockd.peer import Peer
 

@@ -80,8 +80,9 @@ from collections.abc import Iterator, Mapping
 import msgpack
 import numpy as np
 
-from dockd.controller.core import Controller, Inventory
+from dockd.controller.core import Controller
 from dockd.controller.persist import import_partition
+from dockd.controller.warehouses import Inventory
 from dockd.errors import DockError, DockStateFull
 
 logger = logging.getLogger(__name__)

@@ -58,13 +58,14 @@ import numpy as np
 from dockd import wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.clock import Clock, Timer, Timers
-from dockd.controller.core import Controller, Inventory
+from dockd.controller.core import Controller
+from dockd.controller.warehouses import Inventory
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockTimeout, DockValueError, to_status
 from dockd.peer import Peer
 
 logger = logging.getLogger(__name__)
 
-MAX_WAREHOUSES = 0xFFF0  # ids above are reserved markers (core.LOST_WAREHOUSE, core.NO_WAREHOUSE)
+MAX_WAREHOUSES = 0xFFF0  # ids above are reserved markers (partition.LOST_WAREHOUSE, partition.NO_WAREHOUSE)
 PROBE_TIMEOUT = 2.0
 HEARTBEAT_INTERVAL = 1.0  # defaults of NodeConfig.heartbeat_interval / heartbeat_timeout
 HEARTBEAT_TIMEOUT = 5.0

@@ -33,8 +33,8 @@ from dockd.controller.journal import Journal
 from dockd.controller.leasing import Leasing
 from dockd.controller.membership import Membership
 from dockd.controller.pacing import Pacer
-from dockd.controller.warehouse_calls import LocalWarehouse, WarehouseCalls
 from dockd.controller.waiters import Waiters
+from dockd.controller.warehouse_calls import LocalWarehouse, WarehouseCalls
 from dockd.errors import DockClosed, DockNotFound, DockValueError
 from dockd.peer import Peer
 
