@@ -3,8 +3,8 @@
 The hot path only does integer arithmetic on a `Metrics` object: no locks, no
 label lookups, no prometheus_client call per request. The registry is private
 to the daemon and filled at scrape time by `NodeCollector`, which reads these
-counters and the node's live state, so a cleared partition's series vanish by
-themselves and the series count stays bounded. The endpoint is served on the
+counters and a few live figures of the node (`NodeFigures`), so a cleared
+partition's series vanish by themselves and the series count stays bounded. The endpoint is served on the
 daemon's own event loop, so a scrape never reads state while the loop changes
 it (and a wedged loop shows as a failed scrape, which is what it is).
 
@@ -49,6 +49,8 @@ import asyncio
 import bisect
 import logging
 import time
+from collections.abc import Mapping
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -123,10 +125,48 @@ class Metrics:
         self.errors[key] = self.errors.get(key, 0) + 1
 
 
+class WarehouseUsage(Protocol):
+    """A warehouse's room, in bytes (`dockd.warehouse.core.Warehouse` is one)."""
+
+    used: int
+    capacity: int
+    reserved: int
+    meta: int
+    device_used: int
+    device_capacity: int
+
+
+class NodeFigures(Protocol):
+    """What the metrics (and the admin Stats call) read of a daemon: its counters and a few live figures."""
+
+    metrics: Metrics
+
+    @property
+    def wid(self) -> int:
+        """This node's warehouse id (-1: none, or not joined yet)."""
+
+    @property
+    def warehouse(self) -> WarehouseUsage | None:
+        """The warehouse's room (None: this daemon runs no warehouse)."""
+
+    @property
+    def controller(self):
+        """The controller hosted in this process (a ControllerService), or None."""
+
+    @property
+    def connections(self) -> int: ...
+
+    @property
+    def device_links(self) -> int: ...
+
+    @property
+    def auth_failures(self) -> Mapping[str, int]: ...
+
+
 class NodeCollector:
     """Turns a node's counters and state into metric families at scrape time."""
 
-    def __init__(self, node) -> None:
+    def __init__(self, node: NodeFigures) -> None:
         self.node = node
 
     def collect(self):
@@ -155,33 +195,37 @@ class NodeCollector:
             errs.add_metric([op, err], n)
         yield errs
         w = node.warehouse
-        if node.cfg.warehouse:
-            yield GaugeMetricFamily("dockd_warehouse_used_bytes", "payload bytes stored", value=w.used)
-            yield GaugeMetricFamily("dockd_warehouse_capacity_bytes", "bytes stored before puts wait", value=w.capacity)
-            yield GaugeMetricFamily("dockd_warehouse_reserved_bytes", "bytes of puts in flight", value=w.reserved)
-            yield GaugeMetricFamily("dockd_warehouse_metadata_bytes", "bookkeeping of stored puts, counted against "
-                                    "the capacity", value=w.meta)
-            if w.device_capacity:
-                yield GaugeMetricFamily("dockd_warehouse_device_used_bytes", "device-tier bytes stored",
-                                        value=w.device_used)
-                yield GaugeMetricFamily("dockd_warehouse_device_capacity_bytes", "device-tier bytes it holds",
-                                        value=w.device_capacity)
-            yield CounterMetricFamily("dockd_device_spilled_bytes", "device-run bytes stored in host memory "
-                                      "instead (device tier full or absent)", value=node.metrics.spilled_bytes)
-            yield CounterMetricFamily("dockd_device_shared_bytes", "device-tier bytes read by same-node readers "
-                                      "through shared device memory", value=node.metrics.device_shared_bytes)
-            yield CounterMetricFamily("dockd_device_linked_bytes", "device-tier bytes sent to readers on other nodes "
-                                      "over device links", value=node.metrics.device_linked_bytes)
-            yield GaugeMetricFamily("dockd_device_links", "device links open (cross-node device reads)",
-                                    value=node.device_links)
+        if w is not None:
+            yield from _warehouse_families(w, m, node.device_links)
         yield GaugeMetricFamily("dockd_connections", "open connections", value=node.connections)
         fails = CounterMetricFamily("dockd_auth_failures", "connections or calls refused for want of a valid proof",
                                     labels=["reason"])
-        for reason, n in sorted(node.server_auth.failures.items()):
+        for reason, n in sorted(node.auth_failures.items()):
             fails.add_metric([reason], n)
         yield fails
         if node.controller is not None:
             yield from _controller_families(node.controller)
+
+
+def _warehouse_families(w: WarehouseUsage, m: Metrics, device_links: int):
+    yield GaugeMetricFamily("dockd_warehouse_used_bytes", "payload bytes stored", value=w.used)
+    yield GaugeMetricFamily("dockd_warehouse_capacity_bytes", "bytes stored before puts wait", value=w.capacity)
+    yield GaugeMetricFamily("dockd_warehouse_reserved_bytes", "bytes of puts in flight", value=w.reserved)
+    yield GaugeMetricFamily("dockd_warehouse_metadata_bytes", "bookkeeping of stored puts, counted against "
+                            "the capacity", value=w.meta)
+    if w.device_capacity:
+        yield GaugeMetricFamily("dockd_warehouse_device_used_bytes", "device-tier bytes stored",
+                                value=w.device_used)
+        yield GaugeMetricFamily("dockd_warehouse_device_capacity_bytes", "device-tier bytes it holds",
+                                value=w.device_capacity)
+    yield CounterMetricFamily("dockd_device_spilled_bytes", "device-run bytes stored in host memory "
+                              "instead (device tier full or absent)", value=m.spilled_bytes)
+    yield CounterMetricFamily("dockd_device_shared_bytes", "device-tier bytes read by same-node readers "
+                              "through shared device memory", value=m.device_shared_bytes)
+    yield CounterMetricFamily("dockd_device_linked_bytes", "device-tier bytes sent to readers on other nodes "
+                              "over device links", value=m.device_linked_bytes)
+    yield GaugeMetricFamily("dockd_device_links", "device links open (cross-node device reads)",
+                            value=device_links)
 
 
 def _controller_families(ctl):
@@ -261,7 +305,7 @@ class MetricsServer:
     MAX_REQUEST = 16 << 10
     TIMEOUT = 10.0
 
-    def __init__(self, node) -> None:
+    def __init__(self, node: NodeFigures) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(NodeCollector(node))
         self._server: asyncio.base_events.Server | None = None

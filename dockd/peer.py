@@ -469,15 +469,16 @@ class Peer(asyncio.BufferedProtocol):
         to_status(exc, frame.status)
         self.reply(request, frame)
 
-    def request(self, frame: pb.Frame) -> asyncio.Future:
-        """Send a request; the future resolves to (reply frame, body) or raises the mapped error."""
+    def request(self, frame: pb.Frame, buffers: Sequence = (), body_size: int = 0) -> asyncio.Future:
+        """Send a request (with a body of `buffers`, `body_size` bytes); the future resolves to
+        (reply frame, body) or raises the mapped error."""
         fut = asyncio.get_running_loop().create_future()
         if self.closed:
             fut.set_exception(DockConnectionError(f"connection to {self.name} is closed"))
             return fut
         frame.id = next(self._next_id)
         self._calls[frame.id] = fut
-        self.send(frame)
+        self.send(frame, buffers, body_size)
         return fut
 
     def fail(self, exc: BaseException) -> None:

@@ -22,22 +22,27 @@ from dockd._proto import dockd_pb2 as pb
 from dockd._proto import dockd_pb2_grpc
 from dockd._version import __version__
 from dockd.errors import DockAuthError
+from dockd.metrics import NodeFigures
 
 logger = logging.getLogger(__name__)
 
 
 class _Admin(dockd_pb2_grpc.AdminServicer):
-    def __init__(self, node, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, node: NodeFigures, address: tuple[str, int], loop: asyncio.AbstractEventLoop) -> None:
         self.node = node
+        self.address = address  # (host, port) of the daemon's framed port
         self.loop = loop
 
     def Stats(self, request, context):  # noqa: N802 - gRPC method name
         async def collect() -> pb.StatsReply:
-            if self.node.controller is not None:
-                return self.node.controller.stats()
-            w = self.node.warehouse
+            node = self.node
+            if node.controller is not None:
+                return node.controller.stats()
+            w = node.warehouse
+            host, port = self.address
             return pb.StatsReply(version=__version__, warehouses=[pb.WarehouseInfo(
-                id=self.node.wid, host=self.node.cfg.host, port=self.node.port, alive=True, capacity=w.capacity, used=w.used)])
+                id=node.wid, host=host, port=port, alive=True, capacity=w.capacity if w is not None else 0,
+                used=w.used if w is not None else 0)])
 
         return asyncio.run_coroutine_threadsafe(collect(), self.loop).result(timeout=10)
 
@@ -91,21 +96,24 @@ class _VersionHeader(grpc.ServerInterceptor):
                     response_serializer=handler.response_serializer)
 
 
-def start_grpc(node, loop: asyncio.AbstractEventLoop) -> tuple[grpc.Server, int]:
-    token = node.server_auth.client_key
+def start_grpc(node: NodeFigures, loop: asyncio.AbstractEventLoop, *, host: str, port: int, grpc_port: int,
+               server_auth: auth.ServerAuth) -> tuple[grpc.Server, int]:
+    """Serve health and admin on `host:grpc_port` (0: any free port); returns the server and its port.
+    `port` is the daemon's framed port (what Stats reports)."""
+    token = server_auth.client_key
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="dockd-grpc"),
-        interceptors=[_VersionHeader(), *([_TokenCheck(token, node.server_auth)] if token is not None else [])],
+        interceptors=[_VersionHeader(), *([_TokenCheck(token, server_auth)] if token is not None else [])],
         options=[("grpc.max_receive_message_length", 64 << 10)],
         maximum_concurrent_rpcs=32,
     )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    dockd_pb2_grpc.add_AdminServicer_to_server(_Admin(node, loop), server)
-    port = server.add_insecure_port(f"{node.cfg.host}:{node.cfg.grpc_port}")
-    if port == 0:
-        raise OSError(f"cannot bind the gRPC port {node.cfg.host}:{node.cfg.grpc_port}")
+    dockd_pb2_grpc.add_AdminServicer_to_server(_Admin(node, (host, port), loop), server)
+    bound = server.add_insecure_port(f"{host}:{grpc_port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the gRPC port {host}:{grpc_port}")
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("dockd.v1.Admin", health_pb2.HealthCheckResponse.SERVING)
-    return server, port
+    return server, bound

@@ -40,6 +40,10 @@ class Links:
     def __len__(self) -> int:
         return len(self._held)
 
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The event loop that link work reports back to (the daemon's, once it runs)."""
+        self._loop = loop
+
     def open(self, owner, want: pb.DeviceLink, devices: list[torch.device], reply: pb.FetchReply) -> Link | None:
         """The link a fetch asks for, opening it (and setting reply.link_opened) when it is new and the
         request carries a rendezvous; None, with reply.link_unknown or reply.link_refused set, when its

@@ -1,0 +1,162 @@
+"""Admission: whether a put's bytes may come in, and where they are received.
+
+A put reserves its size in the warehouse before its body is read. While the
+warehouse is full, puts wait in one FIFO queue (the daemon stops reading their
+connections meanwhile, which pushes back on the writers through TCP) until room
+is freed or their timeout passes (DockFull). A put that could never fit fails
+at once; one whose client disconnects leaves the queue.
+
+Bodies are received into shared-memory segments when same-host readers may map
+them, as long as the process's descriptor budget for stored segments lasts;
+past it, into private memory (one more copy for same-host readers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from collections.abc import Callable
+
+import pyarrow as pa
+
+from dockd import shm
+from dockd.errors import DockError, DockFull
+from dockd.peer import Peer
+from dockd.warehouse.core import Warehouse
+from dockd.warehouse.segments import Segments
+
+logger = logging.getLogger(__name__)
+
+
+class Admission:
+    """The capacity queue, reservations and their release (a free among them), and the destination
+    of put bodies.
+
+    Args:
+        wid: this node's warehouse id, for error messages.
+    """
+
+    def __init__(self, warehouse: Warehouse, segments: Segments, wid: Callable[[], int]) -> None:
+        self.warehouse = warehouse
+        self.segments = segments
+        self._wid = wid
+        self.waiters: list[tuple[int, asyncio.Future, Peer]] = []  # (bytes, admitted, whose put)
+        self.shm_bodies = False  # whether big bodies go to shared memory (same-host readers map them)
+        self.segment_budget = 0  # segments (descriptor + mapping each) this process may hold
+        self._over_budget_warned = False
+        self.on_clear: Callable[[str], None] = lambda partition: None  # a partition was freed whole
+
+    def use_segments(self, budget: int) -> None:
+        """Receive big bodies into shared memory, at most `budget` stored segments."""
+        self.shm_bodies = True
+        self.segment_budget = budget
+        self.segments.keep_count = max(4, budget // 8)  # idle segments hold descriptors too
+
+    # -- room --------------------------------------------------------------------------------
+    def reserve(self, peer: Peer, size: int, timeout: float) -> asyncio.Future | None:
+        """Reserve room for a put: None when done, else a future that resolves once it fits (or DockFull)."""
+        self.warehouse.check_fits(size)
+        if not self.waiters and self.warehouse.reserve(size):
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters.append((size, fut, peer))
+        if timeout >= 0:
+            asyncio.get_running_loop().call_later(timeout, self._timeout, fut, size)
+        return fut
+
+    def release(self, *, unreserve: int = 0, unreserve_device: int = 0, seg=None) -> None:
+        """Give back room a failed put held (and its segment, to the pool), and let waiting puts in."""
+        if seg is not None:
+            self.segments.release(seg)
+        if unreserve:
+            self.warehouse.unreserve(unreserve)
+        if unreserve_device:
+            self.warehouse.device_unreserve(unreserve_device)
+        self.admit_waiters()
+
+    def free(self, partition: str, indexes=None) -> int:
+        """Free a partition, or some of its samples; returns the bytes freed."""
+        if indexes is not None:
+            n, segs = self.warehouse.free_samples(partition, indexes)
+            if n:
+                logger.debug("[warehouse] samples freed partition=%s samples=%d bytes=%d", partition, len(indexes), n)
+        else:
+            segs = self.warehouse.segments_of(partition)
+            n = self.warehouse.free(partition)
+            self.on_clear(partition)
+        for seg in segs:  # back to the pool once no reader maps them
+            self.segments.release(seg)
+        self.admit_waiters()
+        return n
+
+    def admit_waiters(self) -> None:
+        while self.waiters:
+            size, fut, _ = self.waiters[0]
+            if fut.done():
+                self.waiters.pop(0)
+                continue
+            if not self.warehouse.reserve(size):
+                break
+            self.waiters.pop(0)
+            fut.set_result(None)
+
+    def _timeout(self, fut: asyncio.Future, size: int) -> None:
+        if fut.done():
+            return
+        w = self.warehouse
+        fut.set_exception(
+            DockFull(
+                f"warehouse {self._wid()} stayed full: {size} bytes did not fit next to {w.used} stored (and "
+                f"{w.meta} of their bookkeeping) and {w.reserved} in flight of {w.capacity} within the put "
+                "timeout. Clear finished partitions, consume faster, or raise --capacity."
+            )
+        )
+        self.admit_waiters()
+
+    def lost(self, peer: Peer) -> None:
+        """A connection ended: its waiting puts leave the queue."""
+        if any(p is peer for _, _, p in self.waiters):
+            for _, fut, p in self.waiters:
+                if p is peer and not fut.done():
+                    fut.cancel()
+            self.admit_waiters()
+
+    def shutdown(self) -> None:
+        for _, fut, _ in self.waiters:
+            if not fut.done():
+                fut.set_exception(DockError("the warehouse is shutting down"))
+
+    # -- where bodies go ------------------------------------------------------------------------
+    def allocate(self, size: int):
+        """Where a frame body is received: shared memory when big enough to be worth passing by descriptor."""
+        if self.shm_bodies and size >= shm.SHM_MIN_BODY and self.segment_room():
+            return self.segments.take(size)
+        return pa.allocate_buffer(size)
+
+    def copy_in(self, staged, size: int):
+        """Copy a staged payload into storage of ours: a warm pool segment (or private memory past
+        the descriptor budget)."""
+        if size >= shm.SHM_MIN_BODY and self.segment_room():
+            seg = self.segments.take(size)
+            seg.writable()[:] = memoryview(staged)[:size]
+            seg.seal()
+            return seg
+        buf = pa.allocate_buffer(size)
+        memoryview(buf).cast("B")[:] = memoryview(staged)[:size]
+        return buf
+
+    def segment_room(self) -> bool:
+        """Whether one more stored segment fits the descriptor budget (warns once when it does not)."""
+        if shm.Segment.live < self.segment_budget:
+            return True
+        if not self._over_budget_warned:
+            self._over_budget_warned = True
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            logger.warning(
+                "[shm] this warehouse holds %d shared-memory segments, the most its descriptor limit (%d) allows; "
+                "further puts are copied into private memory (one more copy, and same-host reads of them are "
+                "copies too). Raise the limit for full speed (ulimit -n, or LimitNOFILE= in a systemd unit).",
+                shm.Segment.live, soft,
+            )
+        return False

@@ -1,0 +1,127 @@
+"""Committers: how a put's metadata reaches the controller before its values are stored.
+
+A put is committed first and stored after: the controller checks that explicit
+indexes exist (and that their columns are unwritten) before any memory is spent
+on them, so a put naming index 2**40 is refused without growing the index maps.
+The put pipeline hands a `pb.CommitRequest` to its committer and gets the
+outcome back through one callback, `then(indexes or error, cleared)`:
+
+- `LocalCommitter`: the controller runs in this process. The commit is applied
+  at once, or (new samples of a partition with `max_pending` samples pending)
+  parked by the controller and answered later (paced).
+- `RemoteCommitter`: over this warehouse's `ControllerLink`. Between the commit
+  and its answer the put is in flight: a fetch of its partition that arrives
+  first (the controller made the put visible before its reply reached us)
+  waits for it to land; a clear that the link delivered after the commit's
+  answer marks it `cleared`, so it is answered but not stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+
+from dockd._proto import dockd_pb2 as pb
+from dockd.errors import DockConnectionError
+from dockd.peer import Peer
+
+#: The outcome of a commit: its indexes (or the error), and whether its partition was cleared after it applied.
+Then = Callable[[np.ndarray | list | BaseException, bool], None]
+
+
+class Committer(Protocol):
+    def commit(self, req: pb.CommitRequest, limit: float, peer: Peer, then: Then) -> None:
+        """Commit a put's metadata (waiting up to `limit` seconds for an absent controller); `then` gets
+        the outcome, at once or later from inside the event loop."""
+
+    def in_flight(self, partition: str) -> bool:
+        """Whether puts of `partition` are committed and not stored yet."""
+
+    async def landed(self, partition: str, ready: Callable[[], bool]) -> None:
+        """Return once `ready()` or no put of `partition` is in flight."""
+
+    def cleared(self, partition: str) -> None:
+        """`partition` was freed whole: puts applied before the clear must not land after it."""
+
+
+class LocalCommitter:
+    """Commits to the controller hosted in this process (stored in the same turn of the loop)."""
+
+    def __init__(self, controller) -> None:  # a dockd.controller.service.ControllerService
+        self.controller = controller
+
+    def commit(self, req: pb.CommitRequest, limit: float, peer: Peer, then: Then) -> None:
+        try:
+            idx = self.controller.commit(req, lambda res: then(res, False), peer)  # (None: paced, answered later)
+        except Exception as e:  # noqa: BLE001 - the put's answer
+            then(e, False)
+            return
+        if idx is not None:
+            then(idx, False)
+
+    def in_flight(self, partition: str) -> bool:
+        return False
+
+    async def landed(self, partition: str, ready: Callable[[], bool]) -> None:
+        return
+
+    def cleared(self, partition: str) -> None:
+        return
+
+
+class RemoteCommitter:
+    """Commits over the link to a controller in another process."""
+
+    def __init__(self, link) -> None:  # a dockd.warehouse.link.ControllerLink
+        self.link = link
+        self._pending: dict[str, int] = {}  # partition -> puts committed, not stored yet
+        # partition -> [put id, cleared] of its puts waiting on the controller
+        self._committing: dict[str, list[list]] = {}
+        self._landing: list[asyncio.Future] = []  # fetches waiting for a put to land
+
+    def commit(self, req: pb.CommitRequest, limit: float, peer: Peer, then: Then) -> None:
+        partition = req.partition
+        self._pending[partition] = self._pending.get(partition, 0) + 1
+        answer = self.link.commit(req, limit)
+        entry = [req.put_id, False]
+        committing = self._committing.setdefault(partition, [])
+        committing.append(entry)
+        answer.add_done_callback(lambda f: self._answered(f, partition, entry, committing, then))
+
+    def _answered(self, f: asyncio.Future, partition: str, entry: list, committing: list, then: Then) -> None:
+        committing.remove(entry)
+        if not committing and self._committing.get(partition) is committing:
+            del self._committing[partition]
+        try:
+            if f.cancelled():
+                then(DockConnectionError("commit cancelled"), False)
+            elif f.exception() is not None:
+                then(f.exception(), False)
+            else:
+                then(f.result(), entry[1])
+        finally:
+            self._pending[partition] -= 1
+            if not self._pending[partition]:
+                del self._pending[partition]
+            landing, self._landing = self._landing, []
+            for fut in landing:
+                if not fut.done():
+                    fut.set_result(None)
+
+    def in_flight(self, partition: str) -> bool:
+        return partition in self._pending
+
+    async def landed(self, partition: str, ready: Callable[[], bool]) -> None:
+        while partition in self._pending and not ready():
+            fut = asyncio.get_running_loop().create_future()
+            self._landing.append(fut)
+            await fut
+
+    def cleared(self, partition: str) -> None:
+        for entry in self._committing.get(partition, ()):
+            # A put whose commit was answered before this free (the link delivers both in order)
+            # was applied before the clear: it must not land after it.
+            entry[1] = entry[1] or self.link.answered(entry[0])

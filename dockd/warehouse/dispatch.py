@@ -1,0 +1,138 @@
+"""Requests to handlers: one table from a frame's kind (the name of its `kind` oneof field) to the
+function that serves it.
+
+Before a request reaches its handler the dispatcher gives back the segment pins
+the frame returns, refuses descriptors on anything but a put, refuses the
+daemon-to-daemon kinds from client connections, and checks the bounds of
+bodiless frames (a frame with a body was checked when it was admitted). A kind
+the table does not hold (a reply, a handshake frame, a kind from a newer
+protocol) is answered with a DockValueError naming it; the connection stays.
+
+`controller_handlers` serves the controller's kinds with the controller hosted
+in this process, or, without one, refuses them saying where the controller is.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+from dockd import auth, limits
+from dockd._proto import dockd_pb2 as pb
+from dockd.errors import DockAuthError, DockProtocolError, DockValueError
+from dockd.peer import Peer
+from dockd.warehouse.tasks import reply_when_done, spawn
+from dockd.wire import check_protocol
+
+#: What serves one request: (the connection, the frame, its body or None, descriptors it carried).
+RequestHandler = Callable[[Peer, pb.Frame, Any, list[int]], None]
+
+CONTROLLER_KINDS = frozenset({"acquire", "confirm", "release", "extend", "clear", "stats", "register", "commit",
+                              "locate", "leave", "partition"})
+WAREHOUSE_KINDS = frozenset({"put", "fetch", "free", "measure", "dump", "hello"})
+DAEMON_KINDS = frozenset({"register", "commit", "leave", "free", "measure", "dump"})  # only daemons of this dock
+#: Every request kind a daemon serves (the rest of the Frame's kinds are replies and the handshake's).
+SERVED_KINDS = CONTROLLER_KINDS | WAREHOUSE_KINDS
+
+
+def plain(fn: Callable[[Peer, pb.Frame], None]) -> RequestHandler:
+    """A handler of a request that carries neither body nor descriptors."""
+    return lambda peer, frame, body, fds: fn(peer, frame)
+
+
+class Dispatcher:
+    """Routes each request to the handler of its kind.
+
+    Args:
+        table: kind -> handler.
+        server_auth: who may claim which role (its failures are counted).
+        controller_peer: this warehouse's connection to its controller (None: none), which may send daemon kinds.
+        unpin: gives back the segment pins a frame returns (peer, pins).
+    """
+
+    def __init__(self, table: dict[str, RequestHandler], server_auth: auth.ServerAuth,
+                 controller_peer: Callable[[], Peer | None], unpin: Callable[[Peer, Any], None]) -> None:
+        self.table = table
+        self.server_auth = server_auth
+        self.controller_peer = controller_peer
+        self.unpin = unpin
+
+    def on_request(self, peer: Peer, frame: pb.Frame, body, fds: list[int]) -> None:
+        kind = frame.WhichOneof("kind")
+        if frame.unpin:
+            self.unpin(peer, frame.unpin)
+            if kind is None:  # a frame that only gives pins back
+                return
+        if fds and (kind != "put" or len(fds) > 1):
+            for fd in fds:
+                os.close(fd)
+            raise DockProtocolError(f"a {kind} request cannot carry {len(fds)} file descriptors")
+        if kind in DAEMON_KINDS and self.server_auth.roles and peer.role != auth.DAEMON \
+                and peer is not self.controller_peer():
+            self.server_auth.failed("daemon_message")
+            raise DockAuthError(f"a {kind} request is a daemon-to-daemon message; this connection is a client's")
+        if body is None:  # (a frame with a body was checked when it was admitted)
+            limits.check(frame)
+        handler = self.table.get(kind)
+        if handler is None:
+            raise DockValueError(f"unexpected request kind {kind!r}: this daemon serves "
+                                 f"{', '.join(sorted(self.table))}")
+        handler(peer, frame, body, fds)
+
+
+def controller_handlers(ctl, *, where: str, join: str) -> dict[str, RequestHandler]:
+    """The controller's kinds: served by `ctl` (a ControllerService), or without one refused
+    (`where`: this daemon's address, `join`: its controller's)."""
+    if ctl is None:
+        def refuse(peer: Peer, frame: pb.Frame, body, fds) -> None:
+            raise DockValueError(f"this daemon ({where}) is a warehouse without the controller; "
+                                 f"connect clients to the controller at {join}")
+
+        return dict.fromkeys(CONTROLLER_KINDS, refuse)
+
+    def commit(peer: Peer, frame: pb.Frame) -> None:
+        idx = ctl.commit(frame.commit, functools.partial(commit_answer, peer, frame))  # (None: paced, answered later)
+        if idx is not None:
+            peer.reply(frame, pb.Frame(commit_reply=pb.CommitReply(indexes=idx.tolist())))
+
+    def register(peer: Peer, frame: pb.Frame) -> None:
+        check_protocol(frame.register.protocol, f"the warehouse at {frame.register.host}:{frame.register.port}")
+        peer.reply(frame, pb.Frame(register_reply=ctl.register(peer, frame.register)))
+
+    def partition(peer: Peer, frame: pb.Frame) -> None:
+        op = frame.partition.WhichOneof("op")
+        if op in ("save", "load"):
+            spawn(reply_when_done(peer, frame, getattr(ctl, op)(frame.partition), "partition_reply"))
+        else:
+            peer.reply(frame, pb.Frame(partition_reply=ctl.partition(frame.partition)))
+
+    table = {
+        "acquire": lambda peer, frame: ctl.acquire(peer, frame),
+        "confirm": lambda peer, frame: peer.reply(frame, pb.Frame(confirm_reply=ctl.confirm(peer, frame.confirm))),
+        "release": lambda peer, frame: peer.reply(frame, pb.Frame(release_reply=pb.ReleaseReply(
+            released=ctl.release(peer, frame.release)))),
+        "extend": lambda peer, frame: peer.reply(frame, pb.Frame(extend_reply=ctl.extend(peer, frame.extend))),
+        "commit": commit,
+        "stats": lambda peer, frame: peer.reply(frame, pb.Frame(stats_reply=ctl.stats())),
+        "locate": lambda peer, frame: peer.reply(frame, ctl.locate(frame.locate)),
+        "leave": lambda peer, frame: ctl.leave(peer, frame.leave),
+        "register": register,
+        "clear": lambda peer, frame: spawn(reply_when_done(peer, frame, _cleared(ctl.clear(frame.clear)),
+                                                           "clear_reply")),
+        "partition": partition,
+    }
+    return {kind: plain(fn) for kind, fn in table.items()}
+
+
+async def _cleared(clearing) -> pb.ClearReply:
+    return pb.ClearReply(samples=await clearing)
+
+
+def commit_answer(peer: Peer, frame: pb.Frame, res) -> None:
+    """The late answer to a commit that waited for its partition's consumers (max_pending)."""
+    if isinstance(res, BaseException):
+        peer.reply_error(frame, res)
+    else:
+        peer.reply(frame, pb.Frame(commit_reply=pb.CommitReply(indexes=res.tolist())))

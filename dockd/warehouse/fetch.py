@@ -1,0 +1,179 @@
+"""The read path: fetch replies, encoded from stored slices, and values inlined into acquire replies.
+
+A reply carries one run per stored slice. Big slices of shared-memory segments
+go by descriptor to same-host readers (pinned for the reader's process until
+it gives them back); device-tier slices are shared by handle with a same-node
+reader or sent over a device link to one on another node; everything else is
+body bytes (no copy).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from dockd import codec, device_share, shm
+from dockd._proto import dockd_pb2 as pb
+from dockd.errors import DockError, DockNotFound
+from dockd.metrics import Metrics
+from dockd.peer import Peer
+from dockd.warehouse.commit import Committer
+from dockd.warehouse.core import Warehouse
+from dockd.warehouse.links import Links
+from dockd.warehouse.segments import Segments
+from dockd.warehouse.tasks import spawn
+
+logger = logging.getLogger(__name__)
+
+INLINE_CELLS = 1 << 20  # sample-columns an acquire reply carries inline at most (each may be a run of its own)
+
+
+class FetchPath:
+    """Fetch requests, and the inline values of acquires answered in this process.
+
+    Args:
+        committer: tells whether a partition has puts in flight (a fetch waits for them to land).
+        links: this warehouse's device links to readers on other nodes.
+        wid: this node's warehouse id.
+    """
+
+    def __init__(self, *, warehouse: Warehouse, segments: Segments, links: Links, committer: Committer,
+                 metrics: Metrics, wid: Callable[[], int]) -> None:
+        self.warehouse = warehouse
+        self.segments = segments
+        self.links = links
+        self.committer = committer
+        self.metrics = metrics
+        self._wid = wid
+
+    def fetch(self, peer: Peer, frame: pb.Frame) -> None:
+        req = frame.fetch
+        wanted = [(c.name, list(c.indexes)) for c in req.columns]
+        try:
+            found = self.warehouse.fetch(req.partition, wanted)
+        except DockNotFound:
+            if self.committer.in_flight(req.partition):
+                # The controller made a put visible before its commit reply reached us.
+                spawn(self._after_landing(peer, frame, wanted))
+                return
+            raise
+        self._reply(peer, frame, found)
+
+    async def _after_landing(self, peer: Peer, frame: pb.Frame, wanted) -> None:
+        partition = frame.fetch.partition
+        await self.committer.landed(partition, lambda: self.warehouse.has(partition, wanted))
+        try:
+            found = self.warehouse.fetch(partition, wanted)
+        except DockError as e:
+            peer.reply_error(frame, e)
+            return
+        self._reply(peer, frame, found)
+
+    def _reply(self, peer: Peer, frame: pb.Frame, found) -> None:
+        req = frame.fetch
+        reply = pb.FetchReply()
+        link = None
+        shared: list | None = None
+        if req.device and peer.passes_fds:
+            shared = []
+        elif req.HasField("link"):
+            devices = list({b.device.device: 0 for _, slices in found for b, _, _ in slices if b.device is not None})
+            if devices:
+                link = self.links.open(peer, req.link, devices, reply)
+                shared = [] if link is not None else None
+        cols, body, segs = self.encode(peer, found, max((len(c.indexes) for c in req.columns), default=0),
+                                       shared, link)
+        reply.columns.extend(cols)
+        reply.device_buffers.extend(d for d, _ in shared or ())
+        peer.reply(frame, pb.Frame(pins=[s.sid for s in segs], fetch_reply=reply), body.buffers, body.size, segs)
+        if link is not None and shared:  # each buffer's used span, in buffer order, after the reply
+            spans = codec.spans(reply.columns, "device_buffer")
+            self.links.send(bytes(req.link.id), [_flat(shared[k - 1][1])[lo:hi] for k, (lo, hi) in sorted(spans.items())])
+
+    def encode(self, peer: Peer, found, samples: int, shared: list | None = None,
+               link=None) -> tuple[list[pb.ColumnData], codec.Body, list]:
+        """A reply's columns (of `samples` samples) from stored slices: one run per slice; big slices
+        of shared-memory segments go by descriptor to same-host peers (pinned for the peer's
+        process), the rest as body bytes (no copy). Device-tier slices, when `shared` is given,
+        are shared by handle with a same-node reader, or with `link` named for sending over that
+        device link (those on its kind of device; the link stages the others onto its own device):
+        (descriptor, tensor) pairs appended to `shared`.
+        Otherwise they are copied to host bytes."""
+        body = codec.Body()
+        segs: list = []
+        index: dict[int, int] = {}
+        exported: dict[tuple, int] = {}
+        by_fd = peer.passes_fds
+        out = []
+        nbytes = 0
+        for name, slices in found:
+            col = pb.ColumnData(name=name)
+            for batch, r0, r1 in slices:
+                run = batch.run(r0, r1)
+                nbytes += run.nbytes
+                lo, _ = batch.span(r0, r1)
+                if batch.device is not None and shared is not None and (link is None or batch.device.device.type == link.device.type):
+                    self._share(batch, run, lo, shared, exported, link)
+                elif not (by_fd and self._by_descriptor(batch, run, lo, segs, index)):
+                    run.offset = body.add(memoryview(batch.host(lo, run.nbytes)))
+                col.runs.append(run)
+            out.append(col)
+        if segs:
+            self.segments.lend(peer.pid, segs)
+        self.metrics.get(by_fd, samples, nbytes)
+        return out, body, segs
+
+    def _share(self, batch, run: pb.Run, lo: int, shared: list, exported: dict, link) -> None:
+        """A device-tier run, shared by handle (same node) or named for a device link."""
+        key = (str(batch.device.device), batch.device.untyped_storage().data_ptr())
+        k = exported.get(key)
+        if k is None:  # one buffer per storage, whatever the number of its slices
+            desc = device_share.export(batch.device)[0] if link is None else \
+                pb.DeviceBuffer(type=link.backend, nbytes=batch.device.untyped_storage().nbytes())
+            shared.append((desc, batch.device))
+            k = exported[key] = len(shared)
+        run.device_buffer, run.offset = k, batch.device.storage_offset() + lo
+        if link is None:
+            self.metrics.device_shared_bytes += run.nbytes
+        else:
+            self.metrics.device_linked_bytes += run.nbytes
+
+    @staticmethod
+    def _by_descriptor(batch, run: pb.Run, lo: int, segs: list, index: dict) -> bool:
+        """Point a run into its shared-memory segment, passed by descriptor (False: it goes as bytes)."""
+        seg = batch.segment
+        if seg is None or run.nbytes < shm.SHM_MIN_VALUE:
+            return False
+        k = index.get(id(seg))
+        if k is None and len(segs) < shm.MAX_FDS:
+            segs.append(seg)
+            k = index[id(seg)] = len(segs)
+        if k is None:
+            return False
+        run.segment, run.offset = k, batch.data.address - seg.buffer.address + lo  # where its batch starts, plus lo
+        return True
+
+    def inline(self, peer: Peer, partition: str, columns: list[str], indexes: np.ndarray, locations: np.ndarray):
+        """For an acquire: the whole columns this node's warehouse holds, so the client needs no fetch for them."""
+        wid = self._wid()
+        if wid < 0:
+            return [], codec.Body(), []
+        wanted = [(c, indexes.tolist()) for c, row in zip(columns, locations) if (row == wid).all()]
+        if not wanted or len(indexes) * len(wanted) > INLINE_CELLS:  # big gets fetch: their reply stays small
+            return [], codec.Body(), []
+        try:
+            found = self.warehouse.fetch(partition, wanted)
+        except DockError:
+            return [], codec.Body(), []
+        # device-tier columns are fetched: the reader then chooses device memory or host bytes
+        found = [(name, slices) for name, slices in found if all(b.device is None for b, _, _ in slices)]
+        return self.encode(peer, found, len(indexes))
+
+
+def _flat(t):
+    """The whole storage under a device-tier tensor, as flat bytes (run offsets index into it)."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())

@@ -1,0 +1,258 @@
+"""The put pipeline: one path for every put, whatever carries its bytes and wherever its controller is.
+
+    admit    check the request's header (a malformed one spends no room) and reserve its
+             room, waiting in the capacity queue while the warehouse is full
+    receive  the body arrives in storage of ours (`Admission.allocate`), or a same-host
+             writer's staged payload is copied in, or (bodiless) there is none
+    take     device runs (put(device="keep")) are copied into the device tier or spilled
+    validate the put against its bytes, once (`_validate`): runs fit, msgpack values decode,
+             explicit indexes' columns are unwritten here
+    commit   through the committer (controller in this process, or over the link)
+    store    once the commit is answered; then the writer is answered
+
+A put re-sent with a token already seen (the client lost the reply) is
+answered with the first attempt's outcome and stores nothing. Stores cannot
+fail after the checks; a fetch that arrives between commit and store waits for
+the store (see `commit.RemoteCommitter`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import functools
+import logging
+import os
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+
+from dockd import codec, limits, shm
+from dockd._proto import dockd_pb2 as pb
+from dockd.errors import DockError, DockProtocolError
+from dockd.metrics import Metrics
+from dockd.peer import Peer
+from dockd.warehouse.admission import Admission
+from dockd.warehouse.commit import Committer
+from dockd.warehouse.core import Warehouse
+from dockd.warehouse.device_put import take_device
+from dockd.warehouse.segments import Segments
+from dockd.warehouse.tasks import failed, spawn
+
+logger = logging.getLogger(__name__)
+
+PUT_TOKENS_KEPT = 4096
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Put:
+    """A received put on its way to the store."""
+
+    peer: Peer
+    frame: pb.Frame
+    buf: object          # the body (pa.Buffer), None for a bodiless put
+    seg: shm.Segment | None
+    size: int            # reserved host bytes: the body, and what device runs spilled after it
+    dev: list            # device-tier copies
+    spilled: int
+
+    @property
+    def dev_bytes(self) -> int:
+        return sum(int(t.numel()) for t in self.dev)
+
+
+class PutPipeline:
+    """Puts, from admission to the writer's answer.
+
+    Args:
+        committer: commits a put's metadata (`commit.LocalCommitter` or `commit.RemoteCommitter`).
+        wid: this node's warehouse id (for commits).
+        check_warehouse: raises when this daemon runs no warehouse.
+    """
+
+    def __init__(self, *, warehouse: Warehouse, segments: Segments, admission: Admission, committer: Committer,
+                 metrics: Metrics, wid: Callable[[], int], check_warehouse: Callable[[], None]) -> None:
+        self.warehouse = warehouse
+        self.segments = segments
+        self.admission = admission
+        self.committer = committer
+        self.metrics = metrics
+        self._wid = wid
+        self.check_warehouse = check_warehouse
+        self.tokens = _Tokens()
+
+    # -- admit ---------------------------------------------------------------------------------
+    def admit(self, peer: Peer, frame: pb.Frame, body_size: int) -> Awaitable[None] | None:
+        """A put whose body is about to be read (Peer's admission): None to read it now, else a future
+        that lets it in once it fits (or fails, and the body is dropped)."""
+        try:
+            limits.check(frame)
+            self.check_warehouse()
+            return self._admit(peer, frame.put, body_size)
+        except DockError as e:
+            return failed(e)
+
+    def _admit(self, peer: Peer, req: pb.PutRequest, size: int) -> asyncio.Future | None:
+        """Check a put's header (a malformed one is refused before any room is spent on it) and
+        reserve room for its `size` host bytes."""
+        Warehouse.validate_put(req)
+        return self.admission.reserve(peer, size, req.timeout)
+
+    # -- receive -------------------------------------------------------------------------------
+    def on_put(self, peer: Peer, frame: pb.Frame, body, fds: list[int]) -> None:
+        """A put request (its body, if it has one, received and admitted already)."""
+        try:
+            self.check_warehouse()
+        except DockError:
+            _close(fds)
+            raise
+        req = frame.put
+        if isinstance(body, shm.Segment):  # a body received into a segment of ours: complete, so seal it
+            body.seal()
+        staged = None
+        if req.staging:  # a same-host put: the payload waits in the writer's staging buffer
+            if body is not None:
+                raise DockProtocolError("a staged put carries no body")
+            staged = self.segments.staging(peer.pid, req.staging, fds[0] if fds else None, req.shm_size)
+            wait = self._admit(peer, req, req.shm_size)
+        elif fds:
+            _close(fds)
+            raise DockProtocolError("a put passes a descriptor only to register a staging buffer")
+        elif body is None:  # admit() only runs for frames with a body
+            wait = self._admit(peer, req, 0)  # a put's bookkeeping counts: a full warehouse waits
+        else:
+            self._received(peer, frame, body)
+            return
+        if wait is not None:
+            spawn(self._when_admitted(wait, peer, frame, staged))
+            return
+        self._received(peer, frame, self.admission.copy_in(staged, req.shm_size) if staged is not None else None)
+
+    async def _when_admitted(self, wait, peer: Peer, frame: pb.Frame, staged) -> None:
+        try:
+            await wait
+        except asyncio.CancelledError:  # its client went away while it waited for room
+            return
+        except Exception as e:
+            peer.reply_error(frame, e)
+            return
+        try:
+            body = self.admission.copy_in(staged, frame.put.shm_size) if staged is not None else None
+            self._received(peer, frame, body)
+        except Exception as e:
+            peer.reply_error(frame, e)
+
+    # -- take, check, commit -------------------------------------------------------------------
+    def _received(self, peer: Peer, frame: pb.Frame, body) -> None:
+        """A put whose size is reserved and whose bytes are ours: check it and commit it."""
+        req = frame.put
+        seg = body if isinstance(body, shm.Segment) else None
+        buf = seg.buffer if seg is not None else body
+        size = buf.size if buf is not None else 0  # payload bytes (a segment's buffer excludes its padding)
+        if req.token and self.tokens.again(peer, frame, lambda: self.admission.release(unreserve=size)):
+            return
+        dev, spilled = [], 0
+        try:
+            if req.device_buffers:
+                buf, seg, size, dev, spilled = take_device(peer, req, buf, seg, size, self.warehouse, self.segments,
+                                                           self.metrics)
+            self._validate(req, buf, size, dev)
+        except Exception as e:
+            self.admission.release(unreserve=size, unreserve_device=sum(int(t.numel()) for t in dev))
+            self.tokens.done(req.token, None, e)
+            raise
+        commit = pb.CommitRequest(
+            partition=req.partition, indexes=req.indexes, new_count=req.new_count, group_size=req.group_size or 1,
+            columns=[c.name for c in req.columns], warehouse=self._wid(), nbytes=size, tags=req.tags,
+        )
+        if not req.indexes:  # new samples may wait for the partition's consumers (max_pending), as long as the put may
+            commit.has_timeout, commit.timeout = True, req.timeout
+        put = _Put(peer, frame, buf, seg, size, dev, spilled)
+        self.committer.commit(commit, req.timeout, peer, functools.partial(self._land, put))
+
+    def _validate(self, req: pb.PutRequest, buf, size: int, dev: list) -> None:
+        """The put against its bytes, once they are all ours: its runs fit the body and device copies,
+        its msgpack values decode, and (explicit indexes) its columns are unwritten here."""
+        Warehouse.validate_put(req, size, [int(t.numel()) for t in dev])
+        codec.check_msgpack(req.columns, buf)
+        if req.indexes:
+            self.warehouse.check_absent(req.partition, req.indexes, (c.name for c in req.columns))
+
+    # -- store ---------------------------------------------------------------------------------
+    def _land(self, put: _Put, res, cleared: bool) -> None:
+        """The commit's outcome: store the put (unless it failed, or was cleared since) and answer it."""
+        req = put.frame.put
+        if isinstance(res, BaseException):
+            self.admission.release(unreserve=put.size, unreserve_device=put.dev_bytes, seg=put.seg)
+            self._fail(put, res)
+            return
+        try:
+            if cleared:  # cleared after the controller applied it: answered, and gone as the clear says
+                self.admission.release(unreserve=put.size, unreserve_device=put.dev_bytes, seg=put.seg)
+            else:
+                self.warehouse.store(req.partition, res, req.columns, put.buf, put.size, put.seg, group_size(req),
+                                     device=put.dev)
+        except Exception as e:  # noqa: BLE001 - the put's answer
+            self._fail(put, e)
+            return
+        out = res.tolist() if isinstance(res, np.ndarray) else list(res)
+        self.tokens.done(req.token, out)
+        self.metrics.put(put.peer.passes_fds, len(out), put.size + put.dev_bytes)
+        put.peer.reply(put.frame, pb.Frame(put_reply=pb.PutReply(indexes=out, spilled_bytes=put.spilled)))
+
+    def _fail(self, put: _Put, exc: BaseException) -> None:
+        if not isinstance(exc, (DockError, ValueError, TypeError)):
+            logger.error("[warehouse] put failed peer=%s partition=%s", put.peer.name, put.frame.put.partition,
+                         exc_info=exc)
+        self.tokens.done(put.frame.put.token, None, exc)
+        put.peer.reply_error(put.frame, exc)
+
+
+class _Tokens:
+    """Put tokens seen: the outcome of the last PUT_TOKENS_KEPT puts, and the retries waiting on running ones."""
+
+    def __init__(self) -> None:
+        self._done: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # token -> indexes
+        self._running: dict[int, list[tuple[Peer, pb.Frame]]] = {}  # token -> retries waiting on it
+
+    def again(self, peer: Peer, frame: pb.Frame, drop: Callable[[], None]) -> bool:
+        """Whether this put was seen (then `drop` its room, answer it or queue it behind its first
+        attempt, and store nothing); else it runs from now."""
+        tok = frame.put.token
+        done = self._done.get(tok)
+        waiting = self._running.get(tok)
+        if done is None and waiting is None:
+            self._running[tok] = []
+            return False
+        drop()
+        if done is not None:
+            peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=done)))
+        else:
+            waiting.append((peer, frame))
+        return True
+
+    def done(self, token: int, indexes: list[int] | None, exc: BaseException | None = None) -> None:
+        """Answer the retries that waited on a put's first attempt, and remember its outcome."""
+        if not token:
+            return
+        for peer, frame in self._running.pop(token, ()):
+            if exc is not None:
+                peer.reply_error(frame, exc)
+            else:
+                peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=indexes)))
+        if exc is None:
+            self._done[token] = indexes
+            if len(self._done) > PUT_TOKENS_KEPT:
+                self._done.popitem(last=False)
+
+
+def group_size(req: pb.PutRequest) -> int:
+    """The group size a put tells its warehouse (0: a put of existing samples says nothing)."""
+    return 0 if req.indexes else req.group_size or 1
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
