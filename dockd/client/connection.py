@@ -48,7 +48,7 @@ class Credentials:
 
 
 class Connection:
-    """A connection to one daemon over `transport` (default TCP).
+    """A connection to one daemon over `transport` (`via`; default TCP).
 
     It authenticates as soon as it is connected (the daemon's challenge, our proof,
     the daemon's proof). A call interrupted half-way (an exception, Ctrl-C) leaves
@@ -57,10 +57,10 @@ class Connection:
 
     def __init__(self, host: str, port: int, *, transport: Transport | None = None, connect_timeout: float = 10.0,
                  max_body: int = 1 << 40, creds: Credentials = Credentials()) -> None:
-        self.transport = transport if transport is not None else TcpTransport(Endpoint(host, port), Context())
-        self.address = self.transport.describe()
+        self.via = transport if transport is not None else TcpTransport(Endpoint(host, port), Context())
+        self.address = self.via.describe()
         try:
-            self.sock = self.transport.open(connect_timeout)
+            self.sock = self.via.open(connect_timeout)
         except OSError as e:
             err = DockConnectionError(
                 f"cannot connect to dockd at {self.address}: {e.strerror or e}. Is `dockd serve` running there?"
@@ -136,7 +136,7 @@ class Connection:
             try:
                 self._fill(1)
             except socket.timeout:
-                what = self.transport.sniff(min(grace, timeout - grace))
+                what = self.via.sniff(min(grace, timeout - grace))
                 if what:
                     raise DockProtocolError(f"{self.address} is not a dockd daemon: {what}. Point the client at the "
                                             "port `dockd serve` prints as \"port\" in its ready line") from None
@@ -244,7 +244,7 @@ class Connection:
             new[:live] = self._mv[self._lo : self._hi]
             self._buf, self._mv, self._lo, self._hi = new, memoryview(new), 0, live
         while self._hi - self._lo < n:
-            got = self._recv_into(self._mv[self._hi :], self.transport.spin_s if self._hi == self._lo else 0.0)
+            got = self._recv_into(self._mv[self._hi :], self.via.spin_s if self._hi == self._lo else 0.0)
             if got == 0:
                 self.broken = True
                 if self.closed:
@@ -259,7 +259,7 @@ class Connection:
         spin_end = None
         while True:
             try:
-                return self.transport.recv_into(self.sock, mv, self._fds)
+                return self.via.recv_into(self.sock, mv, self._fds)
             except BlockingIOError:
                 pass
             except DockConnectionError:

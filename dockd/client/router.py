@@ -136,7 +136,7 @@ class Router:
 
     def _adopt(self, hello: pb.HelloReply) -> None:
         """Take a controller's hello: a better transport to it if it offers one, and the warehouse table."""
-        better = self._better(Endpoint(self.host, self.port, hello.unix), self.ctrl.via)
+        better = self._better(Endpoint(self.host, self.port, hello.unix, advertised=hello), self.ctrl.via)
         if better is not None:
             old, self.ctrl = self.ctrl, better
             self._close_pool(old)
@@ -381,4 +381,4 @@ class CallScope:
 
 
 def _endpoint(info: pb.WarehouseInfo) -> Endpoint:
-    return Endpoint(info.host, info.port, info.unix, info.id)
+    return Endpoint(info.host, info.port, info.unix, info.id, advertised=info)

@@ -23,7 +23,8 @@ Contract (what an implementation provides; see `Transport` for signatures):
   with one connection; a failure that is not a timeout falls back to the next
   one, so a transport that cannot work here costs one failed connect once.
 - `open(timeout)`: a connected, blocking socket for frames. `describe()` names
-  the daemon in errors the way the user knows it.
+  the daemon in errors the way the user knows it; `sniff(timeout)` may say
+  what a port that sent no dockd challenge is instead (TCP asks it).
 - `recv_into(sock, mv, fds)`: read what has arrived (non-blocking: raise
   BlockingIOError when nothing has), appending any passed descriptors to `fds`.
   `spin_s`: seconds a call polls for a reply before sleeping.
@@ -39,14 +40,16 @@ Contract (what an implementation provides; see `Transport` for signatures):
   It owns what the reply carried: descriptors are closed, mappings are kept
   alive by the values decoded from them. `dockd.codec.decode_reply` decodes.
 - `take_unpins()`: segments of the daemon this process no longer maps, to
-  report on the next request (transports that lend memory); `close()`.
+  report on the next request (transports that lend memory); `matches(endpoint)`:
+  whether it still serves the daemon a fresh hello describes (else the pool is
+  dropped); `close()`.
 
 A new transport is one module defining a `Transport` subclass decorated with
 `@register`, plus its import at the bottom of this file. A Mooncake Transfer
 Engine transport would: take `name = "mooncake"`, `auto = True` and a
-priority between `shm` and `tcp`; apply when the daemon's hello advertises a
-Mooncake segment (a field the wire contract would gain) and the engine
-imports; send frames over TCP (subclass `TcpTransport`); in `send_put`,
+priority between `shm` and `tcp`; apply when the daemon's hello
+(`Endpoint.advertised`) names a Mooncake segment (a field the wire contract
+would gain) and the engine imports; send frames over TCP (subclass `TcpTransport`); in `send_put`,
 write the body into a registered buffer and name it in the request; in
 `fetch`, ask for the runs as remote segments and read them into pooled
 registered buffers, returned as `Reply.received` (keys as above) from which
@@ -86,6 +89,8 @@ class Endpoint:
     port: int
     unix: str = ""                  # its same-host socket name ("": it serves none)
     warehouse: int | None = None    # its warehouse id; None for the controller's own pool
+    advertised: Any = dataclasses.field(default=None, compare=False)  # the pb.WarehouseInfo or pb.HelloReply
+    # that described it: where a transport finds what the daemon offers
 
 
 @dataclasses.dataclass(slots=True)
