@@ -11,9 +11,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class BenchConfig:
             raise ValueError(f"Unknown dockd path(s) {sorted(unknown)}. Valid paths are: ['shm', 'socket']")
 
     @classmethod
-    def quick_config(cls, **overrides: Any) -> "BenchConfig":
+    def quick_config(cls, **overrides: Any) -> BenchConfig:
         """Sizes small enough for a test to run every scenario in seconds."""
         values: dict[str, Any] = dict(
             quick=True,
@@ -114,7 +115,7 @@ class BenchConfig:
         return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "BenchConfig":
+    def from_dict(cls, data: dict[str, Any]) -> BenchConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in names}
         return cls(**values)

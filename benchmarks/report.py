@@ -9,10 +9,11 @@ inputs are missing (scenario skipped or failed) is reported with
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-from .common import MiB, KiB, human_bytes
+from .common import KiB, MiB, human_bytes
 
 logger = logging.getLogger(__name__)
 

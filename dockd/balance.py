@@ -184,9 +184,8 @@ def _weights(weights) -> np.ndarray:
         raise DockTypeError(f"balance: weights must be numbers, got dtype {w.dtype}")
     if len(w) == 0:
         return w.astype(np.int64)
-    if w.dtype.kind == "f":
-        if not np.isfinite(w).all():
-            raise DockValueError("balance: weights must be finite (got NaN or infinity)")
+    if w.dtype.kind == "f" and not np.isfinite(w).all():
+        raise DockValueError("balance: weights must be finite (got NaN or infinity)")
     if w.dtype.kind != "u" and w.dtype.kind != "b" and (w < 0).any():
         raise DockValueError(f"balance: weights must be non-negative, got {w.min().item()!r}")
     with np.errstate(over="ignore"):

@@ -94,8 +94,9 @@ def _stage_main(stage: str, address: str, steps: int, total: int, chunk: int, gr
 
 def run_demo(*, steps: int = 12, prompts: int = 32, group_size: int = 8, warehouses: int = 2, chunk: int = 64,
              lookahead: int = 2, quiet: bool = False) -> list[StageReport]:
-    import dockd
     from tqdm import tqdm
+
+    import dockd
 
     total = prompts * group_size
     chunk = max(group_size, chunk - chunk % group_size)

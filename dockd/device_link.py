@@ -28,6 +28,7 @@ after the deadline, its resources with it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 import time
@@ -169,10 +170,8 @@ class Link:
         self.closed = True
         comm, self._comm = self._comm, None
         if comm is not None and comm.initialized:
-            try:
+            with contextlib.suppress(Exception):  # a failed abort leaves nothing more to free
                 comm.abort()
-            except Exception:  # noqa: BLE001 - a failed abort leaves nothing more to free
-                pass
         self._pg = self._store = None
         self.joined = False
 

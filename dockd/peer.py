@@ -37,9 +37,9 @@ from typing import Protocol
 import pyarrow as pa
 
 from dockd import auth, wire
-from dockd.logutil import Throttle
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockProtocolError, from_status, to_status
+from dockd.logutil import Throttle
 
 logger = logging.getLogger(__name__)
 

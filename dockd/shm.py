@@ -234,7 +234,8 @@ def map_private(fd: int, start: int, end: int, on_free=None) -> tuple[np.ndarray
 def huge_pages_state() -> str:
     """The kernel's transparent-huge-page policy for shared memory ('never', 'advise', ...)."""
     try:
-        text = open("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read()
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            text = f.read()
     except OSError:
         return "unknown"
     return text[text.index("[") + 1 : text.index("]")] if "[" in text else text.strip()

@@ -65,7 +65,7 @@ def main() -> None:
                              allow_partial=True, timeout=5)
             trained += len(batch.indexes)
             mixed = sum(len(v) > 1 for v in batch["versions"])
-            version += 1
+            version += 1  # noqa: SIM113 - the policy version, which a round advances
             dock.set_version("finished", version)
             print(f"round {rnd}: trained on {len(batch.indexes)} samples ({mixed} spanning versions, e.g. "
                   f"{next((v for v in batch['versions'] if len(v) > 1), batch['versions'][0])}), "

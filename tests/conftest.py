@@ -148,7 +148,7 @@ class RawClient:
     def close(self) -> None:
         self.sock.close()
 
-    def __enter__(self) -> "RawClient":
+    def __enter__(self) -> RawClient:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -27,8 +27,17 @@ from . import controller_cost
 from .cluster import STARTED_PIDS
 from .config import LAYOUTS, MultinodeConfig
 from .model import controller_budget, extrapolate, traffic
-from .netns import (NetnsError, alive, cleanup_leftovers, list_namespaces, missing_privileges, new_tag,
-                    remove_namespaces, root_links, shielded)
+from .netns import (
+    NetnsError,
+    alive,
+    cleanup_leftovers,
+    list_namespaces,
+    missing_privileges,
+    new_tag,
+    remove_namespaces,
+    root_links,
+    shielded,
+)
 from .report import compute_checks, markdown_report, plot, throughput_table
 from .runner import run_all, workload_of
 

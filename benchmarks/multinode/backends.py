@@ -97,7 +97,8 @@ class RayBackend:
                     break
                 except ValueError:
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"the Ray buffer actor {RAY_ACTOR!r} did not appear within {timeout:g}s")
+                        raise TimeoutError(
+                            f"the Ray buffer actor {RAY_ACTOR!r} did not appear within {timeout:g}s") from None
                     time.sleep(0.2)
         self.node_id = ray.get_runtime_context().get_node_id()
 

@@ -9,6 +9,7 @@ topology's teardown kills whatever is still inside the namespaces anyway.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -60,10 +61,8 @@ def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:
             proc.wait()
     for stream in (proc.stdin, proc.stdout):
         if stream is not None:
-            try:
+            with contextlib.suppress(OSError):
                 stream.close()
-            except OSError:
-                pass
 
 
 class AgentError(RuntimeError):

@@ -141,10 +141,8 @@ def remove_namespaces(namespaces: list[str], grace: float = 5.0) -> list[str]:
 
 
 def _signal(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _comm(pid: int) -> str:

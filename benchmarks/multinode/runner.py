@@ -24,8 +24,9 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .cluster import Agents, DockdNodes, RayNodes, cpu_ticks, dock_token, system_cpu
 from .config import MultinodeConfig

@@ -10,6 +10,7 @@ passes descriptors) is its `Transport`'s business (`dockd.client.transport`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -118,7 +119,7 @@ class Connection:
                 raise err
             auth.check_reply(ch, a, reply.auth_reply, creds.key, self.address)
             self.instance = ch.instance
-        except socket.timeout:
+        except TimeoutError:
             raise _no_answer(f"dockd at {self.address} did not complete the handshake within {timeout:g}s: it accepts "
                              "connections but does not answer (stopped, hung or overloaded?)") from None
         except OSError as e:
@@ -135,7 +136,7 @@ class Connection:
             self._deadline = started + grace
             try:
                 self._fill(1)
-            except socket.timeout:
+            except TimeoutError:
                 what = self.via.sniff(min(grace, timeout - grace))
                 if what:
                     raise DockProtocolError(f"{self.address} is not a dockd daemon: {what}. Point the client at the "
@@ -154,10 +155,8 @@ class Connection:
             if self.closed:
                 return
             self.closed = True
-            try:
+            with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)  # wakes a reader (poll sees the hang-up)
-            except OSError:
-                pass
             if not self._in_call:
                 self._release()
 
@@ -191,7 +190,7 @@ class Connection:
             self._deadline = None if timeout is None else time.monotonic() + timeout
             self._stall = stall if timeout is not None else None
             reply, body, got = self._read_frame()
-        except socket.timeout:
+        except TimeoutError:
             self.broken = True
             raise _no_answer(f"dockd at {self.address} did not answer within {timeout:g}s") from None
         except OSError as e:
@@ -272,7 +271,7 @@ class Connection:
                 continue
             wait_ms = -1.0 if self._deadline is None else (self._deadline - now) * 1e3
             if self._deadline is not None and wait_ms <= 0 or not self._poll.poll(wait_ms):
-                raise socket.timeout("timed out")
+                raise TimeoutError("timed out")
 
     def _read_frame(self) -> tuple[pb.Frame, np.ndarray, list[int]]:
         if self._lo == self._hi:

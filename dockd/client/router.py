@@ -48,8 +48,8 @@ before it gives up, within connect_timeout; a daemon that accepts but is slow ge
 class Router:
     def __init__(self, host: str, port: int, *, warehouse: int | str | None, connect_timeout: float,
                  reconnect_timeout: float, name: str, stop: threading.Event, prefer: str | None = None,
-                 creds: Credentials = Credentials(), ctx: Context | None = None) -> None:
-        self.creds = creds
+                 creds: Credentials | None = None, ctx: Context | None = None) -> None:
+        self.creds = creds if creds is not None else Credentials()
         self.ctx = ctx if ctx is not None else Context()
         self.connect_timeout = connect_timeout
         self.reconnect_timeout = reconnect_timeout
@@ -306,7 +306,7 @@ class Router:
                     logger.warning("[client] lost home warehouse %d at %s (%s); re-homing", wid, where, e)
                 elif time.monotonic() >= give_up:
                     raise DockConnectionError(f"the dockd warehouse at {where} kept failing: {e}") from None
-                self.home = self._retry(lambda: self._rehome(wid), give_up, where, e)
+                self.home = self._retry(lambda wid=wid: self._rehome(wid), give_up, where, e)
 
     def _rehome(self, failed: int) -> int:
         hello, = self.controller(lambda pool: (self._hello(pool),))

@@ -11,8 +11,7 @@ import numpy as np
 
 from dockd import limits
 from dockd.controller import selection
-from dockd.controller.partition import (FREE, INT64_MAX, LOST_WAREHOUSE, NO_WAREHOUSE, TAKEN, _check_tags,
-                                        _Partition)
+from dockd.controller.partition import FREE, INT64_MAX, LOST_WAREHOUSE, NO_WAREHOUSE, TAKEN, _check_tags, _Partition
 from dockd.errors import DockFull, DockNotFound, DockValueError
 
 PUT_KEYS_KEPT = 4096  # per warehouse: recent commits remembered so a re-sent one is applied once

@@ -67,6 +67,7 @@ while unconfirmed old shares expire back to the pool.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -222,7 +223,7 @@ class Journal:
         log = self.dir / f"journal-{self.gen}.log"
         replayed = skipped = good = 0
         if log.exists():
-            for rec, good in self._read(log):
+            for rec, good in self._read(log):  # noqa: B007 - good: where the last whole record ends
                 if not apply(core, warehouses, rec, now):
                     skipped += 1
                 replayed += 1
@@ -449,10 +450,8 @@ class Journal:
         except OSError as e:
             for path in (tmp, snap_path if renamed else None, log):
                 if path is not None:
-                    try:
+                    with contextlib.suppress(OSError):
                         path.unlink(missing_ok=True)
-                    except OSError:
-                        pass
             if fd >= 0:
                 os.close(fd)
             self._retry_at = now + self._retry_wait

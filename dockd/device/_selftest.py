@@ -14,7 +14,6 @@ import os
 import queue
 import time
 
-
 _DEVICE_TYPE = {"nccl": "cuda", "hccl": "npu"}
 
 

@@ -324,7 +324,7 @@ class _DockReplayBufferImpl:
         the duration of the call), so a gloo group works.
         """
         self.pull()
-        naive = getattr(_openrlhf("openrlhf.trainer.ppo_utils.replay_buffer"), "NaiveReplayBuffer")
+        naive = _openrlhf("openrlhf.trainer.ppo_utils.replay_buffer").NaiveReplayBuffer
         with _cpu_as_cuda_device():
             naive.setup_dynamic_batch(self, strategy)
 
@@ -498,7 +498,7 @@ def _install_local(cfg: DockBufferConfig) -> type:
         current = getattr(module, "NaiveReplayBuffer", None)
         if current is not None and not issubclass(current, _DockReplayBufferImpl):
             _originals.setdefault(site, current)
-        setattr(module, "NaiveReplayBuffer", installed)
+        module.NaiveReplayBuffer = installed
     logger.info("[openrlhf] NaiveReplayBuffer -> DockReplayBuffer address=%s name=%s", cfg.address, cfg.name)
     return installed
 
@@ -520,6 +520,6 @@ def uninstall() -> None:
     for site, original in _originals.items():
         module = sys.modules.get(site)
         if module is not None:
-            setattr(module, "NaiveReplayBuffer", original)
+            module.NaiveReplayBuffer = original
     _originals.clear()
     os.environ.pop(ENV_CONFIG, None)

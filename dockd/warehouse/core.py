@@ -47,7 +47,6 @@ from dockd._proto import dockd_pb2 as pb
 from dockd.codec import ITEMSIZE
 from dockd.errors import DockFull, DockNotFound, DockValueError
 
-
 COMPACT_MIN = 64 << 10  # bytes of a put's body from which deletes compact it (smaller ones wait for all)
 META_PUT = 1024   # bytes of bookkeeping a put costs (objects per put and run; ~900 measured for one value)
 META_VALUE = 16   # ... and each value it stores (index maps, ragged ends: 6-17 measured)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from benchmarks.common import KiB, BenchConfig
+from benchmarks.common import BenchConfig, KiB
 from benchmarks.report import TOO_SHORT, compute_targets, markdown_report, render
 
 

@@ -6,9 +6,8 @@ import json
 
 import pytest
 
-
 from benchmarks import SCENARIOS, scenario_names  # noqa: E402
-from benchmarks.common import KiB, MiB, BenchConfig, percentile  # noqa: E402
+from benchmarks.common import BenchConfig, KiB, MiB, percentile  # noqa: E402
 from benchmarks.report import compute_targets, plot, render  # noqa: E402
 
 

@@ -8,7 +8,6 @@ import os
 
 import pytest
 
-
 from benchmarks.multinode import agent as mn_agent  # noqa: E402
 from benchmarks.multinode import controller_cost, model, report, workload  # noqa: E402
 from benchmarks.multinode.config import MultinodeConfig  # noqa: E402

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import dockd
-
 from tests.conftest import wait_until
 from tests.integration.test_cluster import Procs, _two_warehouse_dock, controller_args, free_port
 

@@ -313,18 +313,19 @@ def test_checkpoint_round_trip_across_a_restart_of_the_dock(tmp_path):
     path = tmp_path / "ckpt"
     values = [torch.randn(n).bfloat16() for n in (3, 5, 7, 2, 4, 6)]
     objects = [{"uid": "a"}, "text", 2.5, [1, [2]], None, {"k": b"\x00\x01"}]
-    with dockd.start_local(num_warehouses=2) as c:
-        with dockd.connect(c.address, warehouse=0) as d0, dockd.connect(c.address, warehouse=1) as d1:
-            d0.create_partition("p", group_size=2, retire_when_consumed_by=["never"])
-            idx = d0.put({"x": values, "m": objects}, partition="p", group_size=2, tags={"age": [5, 4, 3, 2, 1, 0]})
-            d1.put({"y": torch.arange(12, dtype=torch.int16).view(6, 2)}, partition="p", indexes=idx)
-            assert d0.get("c", ["x"], 2, partition="p", timeout=5).indexes == [0, 1]
-            d0.acquire("c", ["x"], 2, partition="p", timeout=5)  # leased, not confirmed: not taken in the checkpoint
-            d0.delete("p", [4, 5])
-            d0.seal("p")
-            saved = d0.save("p", path)
-            assert saved["samples"] == 4 and saved["bytes"] > 0
-            assert sorted(os.listdir(path)) == ["partition.msgpack", "warehouse-0.arrow", "warehouse-1.arrow"]
+    with (dockd.start_local(num_warehouses=2) as c,
+          dockd.connect(c.address, warehouse=0) as d0,
+          dockd.connect(c.address, warehouse=1) as d1):
+        d0.create_partition("p", group_size=2, retire_when_consumed_by=["never"])
+        idx = d0.put({"x": values, "m": objects}, partition="p", group_size=2, tags={"age": [5, 4, 3, 2, 1, 0]})
+        d1.put({"y": torch.arange(12, dtype=torch.int16).view(6, 2)}, partition="p", indexes=idx)
+        assert d0.get("c", ["x"], 2, partition="p", timeout=5).indexes == [0, 1]
+        d0.acquire("c", ["x"], 2, partition="p", timeout=5)  # leased, not confirmed: not taken in the checkpoint
+        d0.delete("p", [4, 5])
+        d0.seal("p")
+        saved = d0.save("p", path)
+        assert saved["samples"] == 4 and saved["bytes"] > 0
+        assert sorted(os.listdir(path)) == ["partition.msgpack", "warehouse-0.arrow", "warehouse-1.arrow"]
     with dockd.start_local(num_warehouses=1) as c, dockd.connect(c.address) as d:  # one warehouse loads both files
         assert d.load(path, partition="back") == saved
         st = d.stats()["partitions"]["back"]

@@ -97,20 +97,21 @@ def test_full_warehouse_applies_backpressure_then_dockfull(partition):
 
 
 def test_dead_warehouse_makes_loss_visible(partition):
-    with dockd.start_local(2) as c:
-        with dockd.connect(c.address, warehouse=0) as d0, dockd.connect(c.address, warehouse=1) as d1:
-            d0.put({"x": torch.arange(4)}, partition=partition)
-            d1.put({"x": torch.arange(4, 8)}, partition=partition)
-            c.procs[1].kill()
-            c.procs[1].wait()
-            # the controller probes the vanished warehouse's port (refused: gone) and records the loss
-            wait_until(lambda: d0.stats()["warehouses"][1]["state"] == "lost",
-                       what="the dead warehouse to be declared lost")
-            assert d0.get("c", ["x"], 4, partition=partition, timeout=10).indexes == [0, 1, 2, 3]
-            with pytest.raises(dockd.DockDataLost) as e:
-                d0.get("c", ["x"], 4, partition=partition, timeout=10)
-            assert e.value.indexes == [4, 5, 6, 7] and e.value.columns == ["x"]
-            assert "left the dock" in str(e.value)
+    with (dockd.start_local(2) as c,
+          dockd.connect(c.address, warehouse=0) as d0,
+          dockd.connect(c.address, warehouse=1) as d1):
+        d0.put({"x": torch.arange(4)}, partition=partition)
+        d1.put({"x": torch.arange(4, 8)}, partition=partition)
+        c.procs[1].kill()
+        c.procs[1].wait()
+        # the controller probes the vanished warehouse's port (refused: gone) and records the loss
+        wait_until(lambda: d0.stats()["warehouses"][1]["state"] == "lost",
+                   what="the dead warehouse to be declared lost")
+        assert d0.get("c", ["x"], 4, partition=partition, timeout=10).indexes == [0, 1, 2, 3]
+        with pytest.raises(dockd.DockDataLost) as e:
+            d0.get("c", ["x"], 4, partition=partition, timeout=10)
+        assert e.value.indexes == [4, 5, 6, 7] and e.value.columns == ["x"]
+        assert "left the dock" in str(e.value)
 
 
 def test_fetch_from_a_vanished_warehouse_raises_data_lost(partition):

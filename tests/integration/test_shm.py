@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-
 import time
 
 import pytest
@@ -94,7 +93,7 @@ os.kill(os.getpid(), 9)
             after = []
             for round_ in range(3):
                 part = f"{partition}-{round_}"
-                for k in range(5):
+                for _k in range(5):
                     d.put({"x": torch.randn(4, 1 << 17)}, partition=part)
                 assert open_fds(pids[1]) >= base + 5  # each shared-memory put body is one segment
                 out = client(code, c.address, part, check=False)

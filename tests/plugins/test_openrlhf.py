@@ -119,9 +119,9 @@ def test_import_does_not_import_openrlhf(run_python: Any) -> None:
 
 
 def test_missing_framework_names_the_extra() -> None:
-    with mock.patch.dict(sys.modules, {"openrlhf.trainer.ppo_utils.experience": None}):
-        with pytest.raises(ImportError, match=r"pip install -e '\.\[openrlhf\]'"):
-            plugin.DockReplayBuffer(2, address="127.0.0.1:1")
+    with (mock.patch.dict(sys.modules, {"openrlhf.trainer.ppo_utils.experience": None}),
+          pytest.raises(ImportError, match=r"pip install -e '\.\[openrlhf\]'")):
+        plugin.DockReplayBuffer(2, address="127.0.0.1:1")
 
 
 def test_every_field_round_trips_like_naive_buffer(

@@ -87,7 +87,7 @@ def _same(a: Any, b: Any) -> bool:
 def assert_same_data(got: DataProto, want: DataProto) -> None:
     assert got.batch.batch_size == want.batch.batch_size
     assert set(got.batch.keys()) == set(want.batch.keys())
-    for k in want.batch.keys():
+    for k in want.batch:
         assert _same(got.batch[k], want.batch[k]), f"batch[{k!r}] differs"
     assert got.non_tensor_batch.keys() == want.non_tensor_batch.keys()
     for k in want.non_tensor_batch:
@@ -97,9 +97,9 @@ def assert_same_data(got: DataProto, want: DataProto) -> None:
 
 def test_missing_verl_names_the_extra(dock: dockd.Dock) -> None:
     batch = dockd.Batch("p", [0], {"x": [torch.zeros(1)], plugin.META_COLUMN: [torch.zeros(1, dtype=torch.uint8)]})
-    with mock.patch.dict(sys.modules, {"verl.protocol": None}):
-        with pytest.raises(ImportError, match=r"pip install -e '\.\[verl\]'"):
-            plugin.batch_to_data_proto(batch, batch_keys=["x"])
+    with (mock.patch.dict(sys.modules, {"verl.protocol": None}),
+          pytest.raises(ImportError, match=r"pip install -e '\.\[verl\]'")):
+        plugin.batch_to_data_proto(batch, batch_keys=["x"])
 
 
 def test_data_proto_round_trip_bit_exact(dock: dockd.Dock) -> None:

@@ -4,7 +4,6 @@ stays within its memory and descriptor bounds, and other clients keep working.""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings

@@ -51,10 +51,8 @@ def drain(d: dockd.Dock, partition: str, count: int, timeout: float = 15.0) -> l
     deadline = time.monotonic() + timeout
     while len(got) < count:
         assert time.monotonic() < deadline, f"only {sorted(got)} of {count} samples came"
-        try:
+        with contextlib.suppress(dockd.DockTimeout):
             got += d.get("c", ["x"], count, partition=partition, timeout=2, allow_partial=True).indexes
-        except dockd.DockTimeout:
-            pass
     return got
 
 

@@ -20,8 +20,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dockd.resharding import AllGatherSwap, ParallelLayout, ReshardConfig, build_groups, predict_memory
-from dockd.resharding import DeviceCollectives
+from dockd.resharding import (
+    AllGatherSwap,
+    DeviceCollectives,
+    ParallelLayout,
+    ReshardConfig,
+    build_groups,
+    predict_memory,
+)
 from dockd.resharding.reference import (
     build_full_weights,
     generation_shard,
@@ -164,7 +170,7 @@ def run(sc: dict, rank: int, errors: list[str]) -> dict:
             errors.append(f"cycle {cycle}: device bytes {ags.device_bytes} != start {start_bytes}")
         # An optimizer step between cycles: the next enter must see new values.
         with torch.no_grad():
-            for name, t in shards.items():
+            for t in shards.values():
                 t.add_(1)
             for name in full:
                 full[name].add_(1)

@@ -75,25 +75,25 @@ def test_checkpoints_stay_under_their_root_and_open_regular_files_only(tmp_path)
 
     root = tmp_path / "ckpt"
     root.mkdir()
-    with serving("--controller", "--port", "0", "--checkpoint-root", str(root)) as (address, _):
-        with dockd.connect(address) as d:
-            d.put({"x": torch.arange(4)}, partition="p")
-            for outside in (tmp_path / "elsewhere", root / ".." / "escape"):
-                with pytest.raises(dockd.DockValueError, match="checkpoint-root"):
-                    d.save("p", outside)
-            assert d.save("p", root / "good")["samples"] == 4
-            fifo = root / "fifo"
-            fifo.mkdir()
-            os.mkfifo(fifo / "partition.msgpack")
-            with pytest.raises(dockd.DockValueError, match="not a regular file"):
-                d.load(fifo, partition="q")
-            evil = root / "evil"
-            evil.mkdir()
-            meta = msgpack.unpackb((root / "good" / "partition.msgpack").read_bytes(), raw=False,
-                                   strict_map_key=False)
-            meta["files"] = [[0, "../good/warehouse-0.arrow"]]
-            (evil / "partition.msgpack").write_bytes(msgpack.packb(meta, use_bin_type=True))
-            with pytest.raises(dockd.DockValueError, match="outside its directory"):
-                d.load(evil, partition="q")
-            d.load(root / "good", partition="q")
-            assert torch.equal(d.get("c", ["x"], 4, partition="q", timeout=10).stacked("x"), torch.arange(4))
+    with (serving("--controller", "--port", "0", "--checkpoint-root", str(root)) as (address, _),
+          dockd.connect(address) as d):
+        d.put({"x": torch.arange(4)}, partition="p")
+        for outside in (tmp_path / "elsewhere", root / ".." / "escape"):
+            with pytest.raises(dockd.DockValueError, match="checkpoint-root"):
+                d.save("p", outside)
+        assert d.save("p", root / "good")["samples"] == 4
+        fifo = root / "fifo"
+        fifo.mkdir()
+        os.mkfifo(fifo / "partition.msgpack")
+        with pytest.raises(dockd.DockValueError, match="not a regular file"):
+            d.load(fifo, partition="q")
+        evil = root / "evil"
+        evil.mkdir()
+        meta = msgpack.unpackb((root / "good" / "partition.msgpack").read_bytes(), raw=False,
+                               strict_map_key=False)
+        meta["files"] = [[0, "../good/warehouse-0.arrow"]]
+        (evil / "partition.msgpack").write_bytes(msgpack.packb(meta, use_bin_type=True))
+        with pytest.raises(dockd.DockValueError, match="outside its directory"):
+            d.load(evil, partition="q")
+        d.load(root / "good", partition="q")
+        assert torch.equal(d.get("c", ["x"], 4, partition="q", timeout=10).stacked("x"), torch.arange(4))

@@ -95,15 +95,15 @@ def test_a_connection_without_a_session_cannot_have_its_session_claimed(raw):
     client could claim at its handshake and so keep the first one's leases alive after it died."""
     from tests.conftest import serving
 
-    with serving("--controller", "--port", "0") as (address, _):  # connection ids count from 1
-        with dockd.connect(address) as d:
-            d.put({"x": torch.arange(2)}, partition="p")
-            a = raw(address)
-            reply = a.call(pb.Frame(id=1, acquire=pb.AcquireRequest(partition="p", consumer="c", columns=["x"],
-                                                                   count=2, timeout=5, inline=False)))
-            assert reply.acquire_reply.lease, reply
-            claims = [raw(address, session=b"conn:%d" % n) for n in range(1, 24)]
-            for k, c in enumerate(claims):  # a claimed session joins the controller's book at a first request
-                assert c.call(pb.Frame(id=2 + k, stats=pb.StatsRequest())).WhichOneof("kind") == "stats_reply"
-            a.close()  # the holder dies: its lease goes back to the pool at once, whoever claimed "conn:N"
-            assert d.get("c", ["x"], 2, partition="p", timeout=10).indexes == [0, 1]
+    with (serving("--controller", "--port", "0") as (address, _),
+          dockd.connect(address) as d):  # connection ids count from 1
+        d.put({"x": torch.arange(2)}, partition="p")
+        a = raw(address)
+        reply = a.call(pb.Frame(id=1, acquire=pb.AcquireRequest(partition="p", consumer="c", columns=["x"],
+                                                               count=2, timeout=5, inline=False)))
+        assert reply.acquire_reply.lease, reply
+        claims = [raw(address, session=b"conn:%d" % n) for n in range(1, 24)]
+        for k, c in enumerate(claims):  # a claimed session joins the controller's book at a first request
+            assert c.call(pb.Frame(id=2 + k, stats=pb.StatsRequest())).WhichOneof("kind") == "stats_reply"
+        a.close()  # the holder dies: its lease goes back to the pool at once, whoever claimed "conn:N"
+        assert d.get("c", ["x"], 2, partition="p", timeout=10).indexes == [0, 1]

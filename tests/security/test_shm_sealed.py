@@ -38,9 +38,9 @@ def test_readers_and_writers_cannot_change_stored_segments(cluster, partition):
         try:
             for fd in fds:
                 assert shm.seals(fd) & (shm.F_SEAL_WRITE | shm.F_SEAL_FUTURE_WRITE)
-                _refused(lambda: os.pwrite(fd, b"evil", 0))
-                _refused(lambda: os.ftruncate(fd, 0))
-                _refused(lambda: mmap.mmap(fd, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_WRITE | mmap.PROT_READ))
+                _refused(lambda fd=fd: os.pwrite(fd, b"evil", 0))
+                _refused(lambda fd=fd: os.ftruncate(fd, 0))
+                _refused(lambda fd=fd: mmap.mmap(fd, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_WRITE | mmap.PROT_READ))
                 private = mmap.mmap(fd, 4096, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_WRITE | mmap.PROT_READ)
                 private[:4] = b"mine"  # copy-on-write: the reader's own page only
                 private.close()
@@ -59,7 +59,7 @@ def test_a_writer_cannot_change_a_put_after_it(cluster, partition):
         staging = d._router.pool(0).staging
         for buf in staging._free:  # scribble over every staging buffer the put could have used
             os.pwrite(buf.fd, b"\xff" * 4096, 0)
-            _refused(lambda: os.ftruncate(buf.fd, 0))  # and it cannot vanish under the warehouse
+            _refused(lambda buf=buf: os.ftruncate(buf.fd, 0))  # and it cannot vanish under the warehouse
         got = d.get("c", ["x"], 1, partition=partition, timeout=10)["x"][0]
         assert torch.equal(got, data)
 

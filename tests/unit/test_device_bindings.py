@@ -30,12 +30,12 @@ from dockd.device import (
     NcclError,
     NcclUniqueId,
     backend_for_device,
+    discovery,
     hccl_dtype,
     load_hccl_library,
     load_nccl_library,
     nccl_dtype,
 )
-from dockd.device import discovery
 from dockd.errors import DockError
 
 

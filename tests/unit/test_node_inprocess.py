@@ -136,7 +136,7 @@ def _requests_of_the_wire() -> set[str]:
 # -- the request table ------------------------------------------------------------------------------
 def test_the_table_serves_every_request_kind_of_the_wire():
     wire = _requests_of_the_wire()
-    assert SERVED_KINDS == wire
+    assert wire == SERVED_KINDS
     for cfg in (_cfg(controller=True), _cfg(join="127.0.0.1:1")):
         assert set(Node(cfg).dispatcher.table) == wire
 
@@ -186,18 +186,18 @@ def test_put_then_fetch_returns_the_bytes_with_the_controller_in_process():
 
 def test_put_then_fetch_through_a_joined_warehouse_commits_over_its_link():
     async def main():
-        async with _running(controller=True, capacity=1 << 20) as ctl:
-            async with _running(join=f"127.0.0.1:{ctl.port}", join_timeout=20, capacity=1 << 20) as node:
-                assert isinstance(node.committer, RemoteCommitter) and node.wid >= 0 and node.wid != ctl.wid
-                peer = await _connect(node)
-                values = torch.arange(10, dtype=torch.float32)
-                assert await _put(peer, "q", values) == list(range(10))
-                assert await _fetch(peer, "q", list(range(10))) == values.numpy().tobytes()
-                assert not node.committer.in_flight("q")
-                # the controller files the put under the joined warehouse
-                loc, _ = await (await _connect(ctl)).request(
-                    pb.Frame(locate=pb.LocateRequest(partition="q", columns=["x"], indexes=[0, 9])))
-                assert list(loc.locate_reply.locations) == [node.wid, node.wid]
+        async with (_running(controller=True, capacity=1 << 20) as ctl,
+                    _running(join=f"127.0.0.1:{ctl.port}", join_timeout=20, capacity=1 << 20) as node):
+            assert isinstance(node.committer, RemoteCommitter) and node.wid >= 0 and node.wid != ctl.wid
+            peer = await _connect(node)
+            values = torch.arange(10, dtype=torch.float32)
+            assert await _put(peer, "q", values) == list(range(10))
+            assert await _fetch(peer, "q", list(range(10))) == values.numpy().tobytes()
+            assert not node.committer.in_flight("q")
+            # the controller files the put under the joined warehouse
+            loc, _ = await (await _connect(ctl)).request(
+                pb.Frame(locate=pb.LocateRequest(partition="q", columns=["x"], indexes=[0, 9])))
+            assert list(loc.locate_reply.locations) == [node.wid, node.wid]
 
     _run(main())
 

@@ -229,7 +229,7 @@ def test_rank_rounds_under_random_asks_confirms_and_expiries_hand_each_sample_ou
             if rank in held:
                 assert held[rank][0] == res.lease  # asked again: the same share
             held[rank] = (res.lease, res.step, res.indexes.tolist())
-            for key, rounds in c.rounds.items():
+            for _key, rounds in c.rounds.items():
                 for rnd in rounds.values():
                     live = [ix for r, ix in enumerate(rnd.share_idx)  # (an expired share's samples are free again)
                             if ix is not None and (rnd.done[r] or rnd.shares[r] in c.leases)]

@@ -126,7 +126,7 @@ class _Consumption:
 
     def _sample_once(self, pid: str, task: str, fields: list[str], batch_size: int, sampler: BaseSampler,
                      config: dict[str, Any]) -> list[int]:
-        rank, index = config.get("dp_rank", None), config.get("batch_index", None)
+        rank, index = config.get("dp_rank"), config.get("batch_index")
         if isinstance(sampler, RankAwareSampler):
             if rank is None or index is None:
                 raise SamplingError("RankAwareSampler needs sampling_config with dp_rank and batch_index")

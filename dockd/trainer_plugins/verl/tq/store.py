@@ -10,6 +10,7 @@ the next put starts a new generation ``g{n+1}``. Consumption and sampling are it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -234,16 +235,12 @@ class _Client(_Consumption):
             self._log(pid, entry)
             part.apply(entry)
             if held:  # free the cleared keys' data now (the partition may never run empty)
-                try:
+                with contextlib.suppress(dockd.DockNotFound):
                     self.dock.delete(data, sorted(set(held)))
-                except dockd.DockNotFound:
-                    pass
             self.sync(pid)
             if not part.keys:  # nothing left: free the data, next puts start a new generation
-                try:
+                with contextlib.suppress(dockd.DockNotFound):
                     self.dock.clear(self._data(pid, part.gen))
-                except dockd.DockNotFound:
-                    pass
                 entry = {"op": "rotate", "gen": part.gen + 1}
                 self._log(pid, entry)
                 part.apply(entry)
@@ -271,10 +268,8 @@ class _Client(_Consumption):
             for pid, entry in saved.items():
                 for name in present:
                     if name == meta_partition(pid) or name.startswith(f"tq/{pid}/g"):
-                        try:
+                        with contextlib.suppress(dockd.DockNotFound):
                             self.dock.clear(name)
-                        except dockd.DockNotFound:
-                            pass
                 self.dock.load(os.path.join(directory, entry["meta"]), partition=meta_partition(pid))
                 if entry["data"] is not None:
                     self.dock.load(os.path.join(directory, entry["data"]), partition=self._data(pid, entry["gen"]))
