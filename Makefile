@@ -41,7 +41,8 @@ proto: setup
 	$(PY) proto/gen.py
 
 check: setup
-	$(VENV)/bin/ruff check dockd tests benchmarks examples --select F,E9 --exclude dockd/_proto
+	$(VENV)/bin/ruff check dockd tests benchmarks examples scripts
+	$(VENV)/bin/mypy
 
 docs: setup
 	$(VENV)/bin/mkdocs build --strict --site-dir site
