@@ -32,11 +32,17 @@ import contextlib
 import datetime
 import threading
 import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dockd import config
 from dockd.errors import DockConnectionError, DockError, DockTimeout, DockValueError
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from dockd.device import Communicator
 
 READER, HOLDER = 0, 1
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
@@ -65,10 +71,10 @@ class Link:
         self.backend, self.device = backend, device
         self.rendezvous = b""
         self.joined = self.closed = False
-        self._store = None
-        self._pg = None
-        self._comm = None
-        self._stream = None
+        self._store: dist.TCPStore | None = None     # gloo
+        self._pg: dist.ProcessGroupGloo | None = None  # gloo, once joined
+        self._comm: Communicator | None = None       # nccl / hccl (None once closed)
+        self._stream: Any = None                     # nccl / hccl, once joined: a torch.cuda / torch.npu Stream
         if backend != "gloo":
             from dockd.device import Communicator
 
@@ -81,10 +87,11 @@ class Link:
         if backend == "gloo":
             import torch.distributed as dist
 
-            link._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                        timeout=datetime.timedelta(seconds=timeout()))
-            link.rendezvous = f"{host}:{link._store.port}".encode()
+            store = link._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                                timeout=datetime.timedelta(seconds=timeout()))
+            link.rendezvous = f"{host}:{store.port}".encode()
         else:
+            assert link._comm is not None  # made in __init__ for every backend but gloo
             link.rendezvous = link._comm.unique_id()
         return link
 
@@ -96,7 +103,9 @@ class Link:
         if self.backend == "gloo":
             self._join_gloo(rendezvous, rank)
         else:
-            _bounded(lambda: self._comm.init(rendezvous, rank, 2, device=self.device),
+            comm = self._comm
+            assert comm is not None  # every backend but gloo has one until the link is closed
+            _bounded(lambda: comm.init(rendezvous, rank, 2, device=self.device),
                      f"joining a {self.backend} device link")
             self._stream = _module(self.device).Stream(device=self.device)
         self.joined = True
@@ -111,7 +120,7 @@ class Link:
         try:
             if self._store is None:
                 self._store = dist.TCPStore(host, int(port), is_master=False, timeout=limit)
-            opts = dist.ProcessGroupGloo._Options()
+            opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private: not in torch's stubs
             opts._timeout = limit
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host if rank == READER else local_address(host))]
             self._pg = dist.ProcessGroupGloo(dist.PrefixStore("dockd-link", self._store), rank, 2, opts)
@@ -136,8 +145,12 @@ class Link:
         what = "sending over" if send else "receiving over"
         peer = READER if send else HOLDER
         if self.backend == "gloo":
+            pg = self._pg
+            assert pg is not None  # set by a gloo join
             deadline = time.monotonic() + timeout()
-            works = [(self._pg.send if send else self._pg.recv)([t], peer, i) for i, t in enumerate(tensors)]
+            # (torch's stubs give ProcessGroupGloo's Backend base no send / recv)
+            works = [(pg.send if send else pg.recv)([t], peer, i)  # type: ignore[attr-defined]
+                     for i, t in enumerate(tensors)]
             try:
                 for w in works:
                     w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
@@ -145,14 +158,15 @@ class Link:
                 raise DockConnectionError(f"{what} a gloo device link: {e}") from None
             return
         mod = _module(self.device)
-        stream = self._stream
+        comm, stream = self._comm, self._stream
+        assert comm is not None and stream is not None  # set by a nccl / hccl join
         with mod.device(self.device):  # the communicator's device, whichever this thread's is
             if send:  # peer copies, ordered with both devices' current streams (kept until `done`)
                 tensors = [t if t.device == self.device else t.to(self.device) for t in tensors]
             stream.wait_stream(mod.current_stream(self.device))  # the tensors' producers first
-            with self._comm.group():
+            with comm.group():
                 for t in tensors:
-                    (self._comm.send if send else self._comm.recv)(t, peer, stream=stream)
+                    (comm.send if send else comm.recv)(t, peer, stream=stream)
             done = mod.Event()
             done.record(stream)
         deadline = time.monotonic() + timeout()

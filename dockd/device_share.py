@@ -71,7 +71,7 @@ def export(t: torch.Tensor) -> tuple[pb.DeviceBuffer, int]:
     """Share the storage under `t` (moved into shared memory first for a cpu tensor that is
     not shared yet): the message, and where `t`'s first byte is in the storage."""
     st = t.untyped_storage()
-    base = t.storage_offset() * t.element_size()
+    base = int(t.storage_offset()) * t.element_size()  # an int outside tracing; the stub says int | SymInt
     kind = t.device.type
     if kind in IPC:
         device, handle, size, offset, rc, rc_off, event, event_sync = getattr(st, f"_share_{kind}_")()
@@ -134,7 +134,7 @@ def _rebuilder(kind: str):
     except ImportError as e:
         raise DockValueError(f"an NPU device buffer reached a process that cannot map it ({e}); NPU device tiers "
                              "need torch_npu 7.2 or newer in the warehouse and the reader") from None
-    if not torch.npu.is_available():
+    if not torch.npu.is_available():  # type: ignore[attr-defined]  # torch.npu exists once torch_npu is imported
         raise DockValueError("an NPU device buffer reached a process without a visible NPU (is it on the same node?)")
     return rebuild_npu_tensor
 

@@ -155,6 +155,8 @@ def launch(
     address: str = info["address"]
     # another launch may have started this controller first: warehouses join whichever runs, with its tokens
     controller = get_actor(CONTROLLER_NAME, namespace)
+    if controller is None:  # it reported ready just now: only a shutdown racing this launch removes it
+        raise DockConnectionError(f"the dockd controller actor of namespace {namespace!r} went away as it started")
     token, daemon_token = ray.get([controller.token.remote(), controller.daemon_token.remote()], timeout=timeout)
     spec = Spec(namespace=namespace, args=tuple(args), controller=address, controller_node=info["node_id"],
                 timeout=timeout, num_cpus=num_cpus, token=token, daemon_token=daemon_token)

@@ -30,7 +30,8 @@ def _twin(method: Callable) -> Callable[[Callable], Callable]:
         fn = functools.wraps(method)(fn)
         fn.__qualname__ = f"AsyncDock.{method.__name__}"
         sig = inspect.signature(method)
-        fn.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if not p.name.startswith("_")])
+        fn.__signature__ = sig.replace(  # type: ignore[attr-defined]  # a function takes any attribute
+            parameters=[p for p in sig.parameters.values() if not p.name.startswith("_")])
         del fn.__wrapped__  # (inspect would follow it back to Dock's, private parameters and all)
         return fn
 

@@ -83,10 +83,10 @@ class Batch:
             raise DockValueError(f"column {column!r} mixes dtypes {sorted({str(v.dtype) for v in values})}")
         lengths = torch.tensor([len(v) for v in values], dtype=torch.int64)
         dtype = values[0].dtype if values else torch.float32
-        out = torch.full((len(values), int(lengths.max()) if len(values) else 0), pad_value, dtype=dtype)
-        for row, v in zip(out, values):
+        padded = torch.full((len(values), int(lengths.max()) if len(values) else 0), pad_value, dtype=dtype)
+        for row, v in zip(padded, values):
             row[: len(v)] = v
-        return out, lengths
+        return padded, lengths
 
     def __repr__(self) -> str:
         return f"Batch(partition={self.partition!r}, samples={len(self)}, columns={self.columns})"

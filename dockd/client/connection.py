@@ -66,7 +66,8 @@ class Connection:
             err = DockConnectionError(
                 f"cannot connect to dockd at {self.address}: {e.strerror or e}. Is `dockd serve` running there?"
             )
-            err.refused = e.errno in (errno.ECONNREFUSED, errno.ENOENT)  # nothing listens (yet)
+            # nothing listens (yet); a flag read by getattr, which dockd/errors.py does not declare:
+            err.refused = e.errno in (errno.ECONNREFUSED, errno.ENOENT)  # type: ignore[attr-defined]
             raise err from None
         self.sock.settimeout(None)  # blocking; reads wait in _recv_into (spin, then poll until the deadline)
         self._poll = select.poll()
@@ -294,7 +295,7 @@ class Connection:
             return frame, _NO_BODY, fds
         try:
             body = recv_pool().take(blen)
-            dst = memoryview(body)
+            dst = memoryview(body)  # type: ignore[arg-type]  # numpy declares __buffer__ only for Python 3.12+
             take = min(self._hi - self._lo, blen)
             dst[:take] = self._mv[self._lo : self._lo + take]
             self._lo += take
@@ -322,7 +323,7 @@ def _no_answer(message: str) -> DockConnectionError:
     """A daemon that accepted the connection but did not answer in time (`timed_out`): unlike a
     refused or closed connection, it may be alive, only stopped or overloaded."""
     err = DockConnectionError(message)
-    err.timed_out = True
+    err.timed_out = True  # type: ignore[attr-defined]  # a flag read by getattr; dockd/errors.py declares none
     return err
 
 

@@ -14,6 +14,7 @@ The parts: `put` (encoding and sending puts), `lease` (acquires),
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import secrets
@@ -410,7 +411,8 @@ class Dock:
         end of a stream (see dockd.data.StreamingDataset)."""
         self._partition_op(partition, seal=True)
 
-    def reserve(self, partition: str, count: int, *, group_size: int = 1) -> list[int]:
+    # (builtins.list: in this class `list` is the method Dock.list)
+    def reserve(self, partition: str, count: int, *, group_size: int = 1) -> builtins.list[int]:
         """Hand out `count` new sample indexes ahead of writing them (a rollout fills them later with
         put(..., indexes=...)); a multiple of `group_size`. Gets see them once their columns are put."""
         validate.positive_count("count", count)

@@ -149,6 +149,7 @@ def _plan(lease: Lease) -> Plan:
     for ci, col in enumerate(lease.columns):
         if col in lease.inline:
             continue
+        assert lease.locations is not None  # None only when every column came inline
         row = lease.locations[ci]
         first = int(row[0])
         if (row == first).all():

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from dockd import codec
@@ -46,7 +47,7 @@ class ReaderLinks:
         self._lock = threading.Lock()
 
     def fetch(self, wid: int, host: str, device: torch.device, req: pb.FetchRequest,
-              call: Callable[[pb.Frame], tuple]) -> tuple[pb.Frame, object, list[int], dict | None]:
+              call: Callable[[pb.Frame], tuple]) -> tuple[pb.Frame, np.ndarray, list[int], dict | None]:
         """`call(frame)` for a fetch whose device runs are to come over warehouse `wid`'s link:
         the reply, its body and descriptors, and the received device buffers (None: no link was used)."""
         while True:

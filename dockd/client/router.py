@@ -25,17 +25,21 @@ it opens a pool, and never looks at which one it got.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from dockd import wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.connection import Connection, Credentials, Pool, call_on, timed_out  # noqa: F401 - call_on: also here
 from dockd.client.transport import Context, Endpoint, Transport, candidates, is_local
 from dockd.errors import DockClosed, DockConnectionError, DockValueError
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +209,7 @@ class Router:
         if info is None:
             raise DockConnectionError(f"warehouse {wid} is unknown to this client")
         new = self._better(_endpoint(info), None, timeout)
+        assert new is not None  # with no current transport, the fallback (TCP) always gives a pool
         with self.lock:
             pool = self.pools.setdefault(wid, new)
         if pool is not new:
@@ -241,7 +246,7 @@ class Router:
         return f"{info.host}:{info.port}" if info is not None else f"id {wid}"
 
     # -- calls ---------------------------------------------------------------------------------
-    def controller(self, call: Callable[[Pool], tuple], *, deadline: float | None = None) -> tuple:
+    def controller(self, call: Callable[[Pool], T], *, deadline: float | None = None) -> T:
         """Run `call(pool)` against the controller; on a lost connection, reconnect and run it again."""
         give_up = None
         while True:
@@ -279,7 +284,7 @@ class Router:
             self._adopt(hello)
             logger.info("[client] reconnected to the controller at %s transport=%s", self.address, self.ctrl.transport)
 
-    def warehouse(self, call: Callable[[int, Pool], tuple]) -> tuple:
+    def warehouse(self, call: Callable[[int, Pool], T]) -> T:
         """Run `call(wid, pool)` against the home warehouse; if it is unreachable, re-home and run it again."""
         give_up = None
         if self.home < 0:
@@ -306,7 +311,7 @@ class Router:
                     logger.warning("[client] lost home warehouse %d at %s (%s); re-homing", wid, where, e)
                 elif time.monotonic() >= give_up:
                     raise DockConnectionError(f"the dockd warehouse at {where} kept failing: {e}") from None
-                self.home = self._retry(lambda wid=wid: self._rehome(wid), give_up, where, e)
+                self.home = self._retry(functools.partial(self._rehome, wid), give_up, where, e)
 
     def _rehome(self, failed: int) -> int:
         hello, = self.controller(lambda pool: (self._hello(pool),))
@@ -320,8 +325,8 @@ class Router:
                         self.warehouses[home].port)
         return home
 
-    def _retry(self, attempt: Callable[[], object], give_up: float, what: str, cause: Exception | None = None, *,
-               refused_s: float | None = None):
+    def _retry(self, attempt: Callable[[], T], give_up: float, what: str, cause: Exception | None = None, *,
+               refused_s: float | None = None) -> T:
         """Call `attempt` until it stops raising DockConnectionError or `give_up` passes (with
         `refused_s`: or that many seconds passed in which every attempt was refused)."""
         delay = BACKOFF_MIN

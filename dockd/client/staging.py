@@ -29,7 +29,7 @@ class StagingBuffer:
     id: int                  # random: names it to the warehouse, unique in this process
     fd: int
     size: int
-    view: np.ndarray         # our writable mapping
+    view: np.ndarray | None  # our writable mapping (None once dropped)
     registered: bool = False  # the warehouse has its descriptor
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import queue
 import time
+from collections.abc import Callable
 
 _DEVICE_TYPE = {"nccl": "cuda", "hccl": "npu"}
 
@@ -123,7 +124,8 @@ def _bandwidth(comm, dev, size_mib: int = 256, iters: int = 5) -> dict:
     return out
 
 
-OPS = {"sendrecv": _sendrecv, "broadcast": _broadcast, "all_gather": _all_gather, "bandwidth": _bandwidth}
+OPS: dict[str, Callable[..., dict]] = {"sendrecv": _sendrecv, "broadcast": _broadcast, "all_gather": _all_gather,
+                                       "bandwidth": _bandwidth}
 
 
 def _worker(rank: int, world: int, op: str, uid_q, res_q, kwargs: dict) -> None:

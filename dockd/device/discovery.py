@@ -24,9 +24,13 @@ import importlib.util
 import os
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from dockd import config
 from dockd.device.errors import DeviceArgumentError, DeviceLibraryNotFound
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr  # what ctypes calls _CFuncPtr; its stub does not export that name
 
 NCCL_ENV = "DOCKD_NCCL_LIB"
 HCCL_ENV = "DOCKD_HCCL_LIB"
@@ -129,10 +133,10 @@ def load_hccl_library(path: str | None = None) -> tuple[ctypes.CDLL, str]:
     return _load_first("libhccl.so", path, HCCL_ENV, cands, "libhccl.so", "hccl", HCCL_INSTALL_HINT)
 
 
-def bind(lib: ctypes.CDLL, path: str, signatures, too_old: str) -> dict[str, ctypes._CFuncPtr]:
+def bind(lib: ctypes.CDLL, path: str, signatures, too_old: str) -> dict[str, CFuncPtr]:
     """The library's functions typed by `signatures` ((name, restype, argtypes, required) each);
     a missing required one raises DeviceArgumentError saying `path` is not the library, or `too_old`."""
-    fns = {}
+    fns: dict[str, CFuncPtr] = {}
     for fname, restype, argtypes, required in signatures:
         try:
             f = getattr(lib, fname)

@@ -143,6 +143,7 @@ class HcclLibrary:
         info = HcclRootInfo.from_buffer_copy(unique_id)
         comm = HcclComm()
         self._call("HcclCommInitRootInfo", nranks, ctypes.byref(info), rank, ctypes.byref(comm))
+        assert comm.value is not None, "HcclCommInitRootInfo succeeded without writing a communicator"
         return comm.value
 
     def comm_destroy(self, comm: int) -> None:
@@ -181,14 +182,14 @@ class HcclLibrary:
         import torch
         import torch_npu  # noqa: F401  (registers torch.npu)
 
-        return int(torch.npu.current_stream(device).npu_stream)
+        return int(torch.npu.current_stream(device).npu_stream)  # type: ignore[attr-defined]  # added by torch_npu
 
     @staticmethod
     def set_device(device) -> None:
         import torch
         import torch_npu  # noqa: F401
 
-        torch.npu.set_device(device)
+        torch.npu.set_device(device)  # type: ignore[attr-defined]  # added by torch_npu
 
 
 def hccl(path: str | None = None) -> HcclLibrary:

@@ -145,6 +145,7 @@ class NcclLibrary:
         uid = NcclUniqueId.from_buffer_copy(unique_id)
         comm = ncclComm_t()
         self._call("ncclCommInitRank", ctypes.byref(comm), nranks, uid, rank)
+        assert comm.value is not None, "ncclCommInitRank succeeded without writing a communicator"
         return comm.value
 
     def comm_destroy(self, comm: int) -> None:

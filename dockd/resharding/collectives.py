@@ -118,7 +118,9 @@ class DeviceCollectives(Collectives):
                 me = ranks.index(dist.get_rank())
                 box = [comm.unique_id() if me == 0 else None]
                 dist.broadcast_object_list(box, src=ranks[0], group=group)
-                comms[dim] = comm.init(box[0], me, len(ranks), device=device.index)
+                uid = box[0]
+                assert uid is not None  # the first member's, broadcast to all
+                comms[dim] = comm.init(uid, me, len(ranks), device=device.index)
         except BaseException:
             for comm in comms.values():
                 comm.abort()

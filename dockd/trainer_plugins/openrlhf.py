@@ -391,11 +391,11 @@ def _cpu_as_cuda_device() -> Any:
         yield
         return
     original = torch.cuda.current_device
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]  # a name, not an index
     try:
         yield
     finally:
-        torch.cuda.current_device = original  # type: ignore[assignment]
+        torch.cuda.current_device = original
 
 
 _buffer_class: type | None = None
@@ -490,7 +490,7 @@ def _install_local(cfg: DockBufferConfig) -> type:
         "DockReplayBuffer", (_dock_replay_buffer_class(),), {"_default_config": cfg, "__module__": __name__}
     )
     for site in _PATCH_SITES:
-        module = ppo_utils if site == "openrlhf.trainer.ppo_utils" else sys.modules.get(site)
+        module: Any = ppo_utils if site == "openrlhf.trainer.ppo_utils" else sys.modules.get(site)  # (patched)
         if module is None and site.endswith("replay_buffer"):
             module = _openrlhf(site)
         if module is None:  # imported later: it reads the patched ppo_utils attribute then
@@ -518,7 +518,7 @@ def _ray_worker_setup() -> None:
 def uninstall() -> None:
     """Undo `install` in this process."""
     for site, original in _originals.items():
-        module = sys.modules.get(site)
+        module: Any = sys.modules.get(site)  # an OpenRLHF module, patched
         if module is not None:
             module.NaiveReplayBuffer = original
     _originals.clear()

@@ -163,6 +163,7 @@ class Transport:
 
         req, body = put.req, put.body
         if put.kept:  # device memory is shared by handle on one node only: send it as bytes
+            assert put.as_host is not None  # encode gives every put its host-bytes form
             req, body = put.as_host()
             if "tcp-keep" not in self.ctx.warned:
                 self.ctx.warned.add("tcp-keep")

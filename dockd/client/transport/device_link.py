@@ -38,4 +38,5 @@ class DeviceLinkTransport(TcpTransport):
         def call(frame: pb.Frame):
             return call_on(pool, frame, timeout=timeout, stall=timeout)
 
+        assert self.ctx.links is not None  # applies() chose this transport only where there are links
         return Reply(*self.ctx.links.fetch(wid, self.endpoint.host, device, req, call))

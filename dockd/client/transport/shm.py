@@ -74,7 +74,8 @@ class ShmTransport(Transport):
                 f"the kernel dropped shared-memory descriptors sent by dockd at {self.describe()}: this process "
                 f"is at its open-file limit ({soft}). Raise it (ulimit -n) or close files it no longer needs."
             )
-            err.retry = False  # a limit of this process, not a daemon that went away: re-sending would fail again
+            # a limit of this process, not a daemon that went away: re-sending would fail again
+            err.retry = False  # type: ignore[attr-defined]  # a flag read by getattr; dockd/errors.py declares none
             raise err
         return n
 
@@ -90,7 +91,8 @@ class ShmTransport(Transport):
             return reply
         buf = self.staging.take(body.size)
         try:
-            dst = memoryview(buf.view)
+            assert buf.view is not None  # a buffer is dropped only after it is given back
+            dst = memoryview(buf.view)  # type: ignore[arg-type]  # numpy declares __buffer__ only for Python 3.12+
             off = 0
             for b in body.buffers:
                 src = memoryview(b).cast("B")

@@ -207,7 +207,7 @@ class UpdateStage:
                 surr = torch.minimum(ratio * adv[sl], ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv[sl])
                 kl = torch.exp(ref[sl] - logp) - (ref[sl] - logp) - 1  # k3 estimator
                 loss = (-surr + cfg.kl_coef * kl).mean() * (logp.shape[0] / n)
-                loss.backward()  # type: ignore[no-untyped-call]
+                loss.backward()
                 metrics["loss"] += float(loss.detach())
                 metrics["kl"] += float(kl.detach().mean()) * logp.shape[0] / n
                 metrics["clipfrac"] += float(((ratio.detach() - 1).abs() > cfg.clip_eps).float().mean()) * logp.shape[0] / n

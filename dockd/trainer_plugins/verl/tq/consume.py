@@ -105,8 +105,8 @@ class _Consumption:
         """TQ's ready indexes: samples holding every field, not taken by `task` nor set aside for one of
         its ranks, ascending."""
         skip = part.consumed.get(task, set()) | part.aside.get(task, set())
-        return sorted(r.index for _, r in part.placed()
-                      if r.index not in skip and all(f in r.fields for f in fields))  # type: ignore[misc]
+        return sorted(r.index for _, r in part.placed()  # (placed: never None; the check narrows the type)
+                      if r.index is not None and r.index not in skip and all(f in r.fields for f in fields))
 
     def sample(self, pid: str, task: str, fields: list[str], batch_size: int, sampler: BaseSampler,
                config: dict[str, Any], polling: bool, wait: float) -> BatchMeta:
@@ -157,6 +157,7 @@ class _Consumption:
         ready = self.ready(part, task, fields)
         if len(ready) < batch_size:  # TransferQueue's controller asks its sampler only from batch_size on
             return None
+        shares: list[list[Any]]  # [rank, its indexes] each (a log entry's JSON)
         if isinstance(sampler, SeqlenBalancedSampler):
             if batch_size % sampler.n_samples_per_prompt:
                 raise SamplingError(f"batch_size ({batch_size}) per rank must be a multiple of "
@@ -175,7 +176,7 @@ class _Consumption:
             shares = [[rank, found]]
         else:  # RankAwareSampler
             shares = [[rank, ready[:batch_size]]]
-        mine = next(ix for r, ix in shares if r == rank) if any(r == rank for r, _ in shares) else []
+        mine: list[int] = next(ix for r, ix in shares if r == rank) if any(r == rank for r, _ in shares) else []
         if rank is not None:  # (GRPO without dp_rank remembers nothing, as TransferQueue's)
             entry = {"op": "share", "task": task, "gen": part.gen, "rank": rank, "batch_index": index,
                      "shares": shares}

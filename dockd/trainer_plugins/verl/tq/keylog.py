@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from dockd.trainer_plugins.verl.tq import FACADE
@@ -46,6 +46,13 @@ class _Key:
     gen: int
     fields: dict[str, tuple[int, bool]]  # field -> (warehouse id, is_tensor)
     tags: dict[str, Any]
+
+
+def sample_indexes(recs: Sequence[_Key]) -> list[int]:
+    """Each key's sample index, for keys that all hold a sample (placed, or just given one)."""
+    out = [r.index for r in recs if r.index is not None]
+    assert len(out) == len(recs), "a key without a sample"
+    return out
 
 
 def field_kinds(recs: Iterable[_Key]) -> dict[str, bool]:

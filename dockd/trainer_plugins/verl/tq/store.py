@@ -34,6 +34,7 @@ from dockd.trainer_plugins.verl.tq.keylog import (
     _Partition,
     data_partition,
     meta_partition,
+    sample_indexes,
 )
 from dockd.trainer_plugins.verl.tq.meta import BatchMeta, KVBatchMeta
 
@@ -136,31 +137,32 @@ class _Client(_Consumption):
         tensordict = require("tensordict", extra="verl", what="dockd transfer_queue.kv_batch_get")
         with self.lock:
             part = self.sync(pid)
-            recs = [part.keys.get(k) for k in keys]
-            if any(r is None for r in recs):
-                missing = [k for k, r in zip(keys, recs) if r is None][:5]
+            found = [part.keys.get(k) for k in keys]
+            if any(r is None for r in found):
+                missing = [k for k, r in zip(keys, found) if r is None][:5]
                 raise ValueError(f"keys or partition were not found! partition={pid!r} missing={missing}")
+            recs = [r for r in found if r is not None]  # every one of them, as checked above
             if select_fields is None:  # the fields every key holds (none for tag-only keys)
-                held = [set(r.fields) for r in recs]  # type: ignore[union-attr]
+                held = [set(r.fields) for r in recs]
                 names = sorted(set.intersection(*held)) if held else []
             else:
                 names = list(select_fields)
             for r, k in zip(recs, keys):
-                lacking = [f for f in names if f not in r.fields]  # type: ignore[union-attr]
+                lacking = [f for f in names if f not in r.fields]
                 if lacking:
                     raise ValueError(f"key {k!r} of partition {pid!r} has no fields {lacking}")
             if not names:
                 return tensordict.TensorDict({}, batch_size=[len(keys)])
-            gens = {r.gen for r in recs}  # type: ignore[union-attr]
+            gens = {r.gen for r in recs}
             if len(gens) != 1:
                 raise ValueError(f"keys of partition {pid!r} span generations {sorted(gens)}; get them separately")
-        cols = [f if recs[0].fields[f][1] else NT + f for f in names]  # type: ignore[union-attr]
+        cols = [f if recs[0].fields[f][1] else NT + f for f in names]
         lease = dockd.Lease(
             0,
             self._data(pid, gens.pop()),
             cols,
-            [r.index for r in recs],  # type: ignore[union-attr]
-            np.array([[r.fields[f][0] for r in recs] for f in names], dtype=np.int64),  # type: ignore[union-attr]
+            sample_indexes(recs),  # (each holds every field in `names`, so a sample)
+            np.array([[r.fields[f][0] for r in recs] for f in names], dtype=np.int64),
         )
         if not keys:
             values: dict[str, list[Any]] = {c: [] for c in cols}
@@ -191,7 +193,7 @@ class _Client(_Consumption):
             names = sorted(set.intersection(*(set(r.fields) for r in recs))) if recs else []
             schema = {f: {"is_non_tensor": not recs[0].fields[f][1]} for f in names}
             return BatchMeta(
-                [r.index for r in recs],
+                sample_indexes(recs),  # (the unplaced ones were just given a sample)
                 [pid] * len(keys),
                 field_schema=schema,
                 production_status=[1 if r.fields else 0 for r in recs],
