@@ -87,7 +87,7 @@ def _same(a: Any, b: Any) -> bool:
 def assert_same_data(got: DataProto, want: DataProto) -> None:
     assert got.batch.batch_size == want.batch.batch_size
     assert set(got.batch.keys()) == set(want.batch.keys())
-    for k in want.batch:
+    for k in want.batch.keys():  # noqa: SIM118 - iterating a TensorDict walks its rows, not its keys
         assert _same(got.batch[k], want.batch[k]), f"batch[{k!r}] differs"
     assert got.non_tensor_batch.keys() == want.non_tensor_batch.keys()
     for k in want.non_tensor_batch:
