@@ -64,8 +64,11 @@ from __future__ import annotations
 
 import heapq
 import operator
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from dockd.errors import DockTypeError, DockValueError
 
@@ -79,7 +82,7 @@ _WORK_CAP = 1 << 22     # ... but no more than this many in all
 _EXACT_LIMIT = 1 << 62  # integer weights are summed exactly below this total
 
 
-def balance(weights, n_ranks: int, *, group_size: int = 1) -> list[np.ndarray]:
+def balance(weights: ArrayLike, n_ranks: int, *, group_size: int = 1) -> list[np.ndarray]:
     """Split a global batch among data-parallel ranks with equal counts and balanced weight.
 
     Args:
@@ -132,7 +135,7 @@ def balance(weights, n_ranks: int, *, group_size: int = 1) -> list[np.ndarray]:
     return list(members)
 
 
-def imbalance(weights, parts) -> float:
+def imbalance(weights: ArrayLike, parts: Sequence[ArrayLike] | np.ndarray) -> float:
     """The ratio of the heaviest to the lightest part.
 
     Args:
@@ -163,7 +166,7 @@ def imbalance(weights, parts) -> float:
 # ---------------------------------------------------------------- arguments
 
 
-def _int_arg(name: str, value) -> int:
+def _int_arg(name: str, value: Any) -> int:  # any caller value, validated here
     if isinstance(value, bool | np.bool_):
         raise DockTypeError(f"balance: {name} must be an integer, got {value!r}")
     try:
@@ -175,7 +178,7 @@ def _int_arg(name: str, value) -> int:
     return v
 
 
-def _weights(weights) -> np.ndarray:
+def _weights(weights: ArrayLike) -> np.ndarray:
     """The weights as int64 when they are integers with an exact sum, else float64."""
     w = np.asarray(weights)
     if w.ndim != 1:
@@ -227,11 +230,14 @@ def _argsort(x: np.ndarray) -> np.ndarray:
     return np.argsort(x, kind="stable")
 
 
-def _min_step(ws: np.ndarray):
+def _min_step(ws: np.ndarray) -> np.generic | int:
     """The smallest positive difference between two item weights (ws sorted); 0 if all equal."""
     steps = np.diff(ws)
     steps = steps[steps > 0]
-    return steps.min() if len(steps) else 0
+    if not len(steps):
+        return 0
+    least: np.generic = steps.min()
+    return least
 
 
 def _differencing(ws: np.ndarray, k: int) -> np.ndarray:
@@ -258,27 +264,27 @@ def _differencing(ws: np.ndarray, k: int) -> np.ndarray:
         labels = np.concatenate([labels[rest], np.take_along_axis(absorbing, resort, axis=1)])
 
     # The exact method on what is left: repeatedly merge the two states of largest spread.
-    sums = [row for row in np.ascontiguousarray(sums)]
-    labels = [row for row in np.ascontiguousarray(labels)]
-    heap = [(-(s[0] - s[-1]), -s[0], i) for i, s in enumerate(sums)]
+    state_sums = [row for row in np.ascontiguousarray(sums)]
+    state_labels = [row for row in np.ascontiguousarray(labels)]
+    heap = [(-(s[0] - s[-1]), -s[0], i) for i, s in enumerate(state_sums)]
     heapq.heapify(heap)
     while len(heap) > 1:
         i = heapq.heappop(heap)[2]
         j = heapq.heappop(heap)[2]
-        merged = sums[i] + sums[j][::-1]
-        joins.append((labels[j][::-1], labels[i]))
+        merged = state_sums[i] + state_sums[j][::-1]
+        joins.append((state_labels[j][::-1], state_labels[i]))
         resort = np.argsort(-merged, kind="stable")
-        sums[i], labels[i] = merged[resort], labels[i][resort]
-        heapq.heappush(heap, (-(sums[i][0] - sums[i][-1]), -sums[i][0], i))
+        state_sums[i], state_labels[i] = merged[resort], state_labels[i][resort]
+        heapq.heappush(heap, (-(state_sums[i][0] - state_sums[i][-1]), -state_sums[i][0], i))
 
     rank = np.empty(n, dtype=np.int64)
-    rank[labels[heap[0][2]]] = np.arange(k)
+    rank[state_labels[heap[0][2]]] = np.arange(k)
     for absorbed, absorbing in reversed(joins):
         rank[absorbed] = rank[absorbing]
     return rank
 
 
-def _refine(ws: np.ndarray, members: np.ndarray, step) -> None:
+def _refine(ws: np.ndarray, members: np.ndarray, step: np.generic | int) -> None:
     """Swap single items between heavy and light ranks in place.
 
     Each round looks at the heaviest and the lightest rank still in play and
@@ -324,7 +330,7 @@ def _refine(ws: np.ndarray, members: np.ndarray, step) -> None:
         _apply(loads, members, sums, *pair)
 
 
-def _pair_swap(loads, sums, a: int, b: int):
+def _pair_swap(loads: np.ndarray, sums: np.ndarray, a: int, b: int) -> tuple[int, int, int, int] | None:
     """The exchange between a heavier rank a and a lighter rank b that best evens them.
 
     Returns:
@@ -343,7 +349,7 @@ def _pair_swap(loads, sums, a: int, b: int):
     return None if best is None else (a, best[1], b, best[2])
 
 
-def _any_swap(loads, sums, r: int, heavy: bool):
+def _any_swap(loads: np.ndarray, sums: np.ndarray, r: int, heavy: bool) -> tuple[int, int, int, int] | None:
     """The exchange of rank r with any other rank that most reduces the sum of squared loads.
 
     Only exchanges that narrow the two ranks' gap without reversing it are
@@ -392,7 +398,7 @@ def _any_swap(loads, sums, r: int, heavy: bool):
     return best
 
 
-def _apply(loads, members, sums, a: int, i: int, b: int, j: int) -> None:
+def _apply(loads: np.ndarray, members: np.ndarray, sums: np.ndarray, a: int, i: int, b: int, j: int) -> None:
     """Swap item i of rank a with item j of rank b, keeping both rows sorted."""
     x, y = loads[a, i], loads[b, j]
     ix, iy = members[a, i], members[b, j]
@@ -402,7 +408,7 @@ def _apply(loads, members, sums, a: int, i: int, b: int, j: int) -> None:
     sums[b] += x - y
 
 
-def _replace(row: np.ndarray, ids: np.ndarray, i: int, value, ident) -> None:
+def _replace(row: np.ndarray, ids: np.ndarray, i: int, value: np.generic, ident: np.generic) -> None:
     """Replace row[i] by value (and ids[i] by ident), keeping row sorted."""
     p = int(np.searchsorted(row, value))
     if p <= i:

@@ -94,7 +94,10 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    if not t.numel():
+        return memoryview(b"")
+    # (an ndarray is a buffer; numpy's stubs declare its __buffer__ only for Python >= 3.12)
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def _as_tensor(column: str, i: int, v: Any) -> torch.Tensor | None:
@@ -190,7 +193,9 @@ def _runs(col: pb.ColumnData, name: str, values: Sequence[Any], body: Body) -> N
     """Split per-sample values into runs: tensors of one dtype and trailing shape, or msgpack values."""
     if _one_ragged_run(col, values, body):
         return
-    start, key, group = 0, None, []
+    start = 0
+    key: tuple = ()  # (no value's key is (): the first value starts the first group)
+    group: list[Any] = []
     for i, v in enumerate(values):
         t = _as_tensor(name, i, v)
         k = ("msgpack",) if t is None else (t.dtype, t.shape[1:] if t.dim() else None)
@@ -215,7 +220,7 @@ def _one_ragged_run(col: pb.ColumnData, values: Sequence[Any], body: Body) -> bo
         return False
     lengths = [v.numel() for v in values]
     run = col.runs.add(kind=pb.TENSOR, count=len(values), dtype=_NAMES[first.dtype], shape=[-1], lengths=lengths)
-    flat = torch.cat(values).detach()
+    flat = torch.cat(values if isinstance(values, (list, tuple)) else list(values)).detach()
     if flat.device.type != "cpu":
         flat = flat.cpu()
     data = _bytes(flat)
@@ -263,7 +268,7 @@ def _msgpack_default(obj: Any) -> Any:
     if isinstance(obj, (tuple, set, frozenset)):
         raise TypeError(f"{type(obj).__name__} would come back as a list; pass a list")
     if isinstance(obj, (list, dict, str, bytes, int, float)):  # subclasses (strict_types): their plain base type
-        base = next(t for t in (bool, int, float, str, bytes, list, dict) if isinstance(obj, t))
+        base: type = next(t for t in (bool, int, float, str, bytes, list, dict) if isinstance(obj, t))
         return base(obj)
     raise TypeError(type(obj).__name__)
 
@@ -350,6 +355,7 @@ def check_msgpack(columns: Sequence[pb.ColumnData], body) -> None:
         for run in c.runs:
             if run.kind != pb.MSGPACK or run.device_buffer:
                 continue
+            assert mv is not None  # (a run not in a device buffer is in the body)
             unpacker = msgpack.Unpacker(max_buffer_size=max(run.nbytes, 1))
             unpacker.feed(mv[run.offset : run.offset + run.nbytes])
             try:
@@ -477,7 +483,8 @@ class Runs:
             return None
         dtype = DTYPES[dtypes.pop()]
         trail = list(trails.pop())
-        flats, lengths = [], []
+        flats: list[torch.Tensor] = []
+        lengths: list[int] = []
         for run, buf, base in self.runs:
             n = run.nbytes // ITEMSIZE[run.dtype]
             flats.append(_view(buf, dtype, n, run.offset - base) if n else torch.empty(0, dtype=dtype))

@@ -58,7 +58,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
             raise DockValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if (dp_rank is None) != (dp_size is None):
             raise DockValueError("give dp_rank and dp_size together (or neither)")
-        if dp_size is not None and not 0 <= dp_rank < dp_size:
+        if dp_rank is not None and dp_size is not None and not 0 <= dp_rank < dp_size:
             raise DockValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
         if balance_by and dp_size is None:
             raise DockValueError("balance_by balances the shares of data-parallel ranks: give dp_rank and dp_size")
@@ -77,6 +77,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
         if self.dp_size is None:
             return {}
+        assert self.dp_rank is not None  # (given together with dp_size)
         return {"dp_rank": self.dp_rank * workers + worker, "dp_size": self.dp_size * workers,
                 "balance_by": self.balance_by}
 

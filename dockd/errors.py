@@ -27,6 +27,10 @@ to these classes once, in `from_status`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dockd._proto import dockd_pb2
 
 
 class DockError(Exception):
@@ -109,7 +113,7 @@ class StagingUnknown(DockNotFound):
     never raises it to its caller."""
 
 
-def from_status(status) -> DockError:  # status: dockd_pb2.Status
+def from_status(status: dockd_pb2.Status) -> DockError:
     """Map a wire Status (code != OK) to the matching exception."""
     from dockd._proto import dockd_pb2 as pb
 
@@ -141,7 +145,7 @@ def from_status(status) -> DockError:  # status: dockd_pb2.Status
     return DockError(f"{pb.Code.Name(code) if code in pb.Code.values() else code}: {msg}")
 
 
-def to_status(exc: BaseException, status) -> None:
+def to_status(exc: BaseException, status: dockd_pb2.Status) -> None:
     """Fill a wire Status from an exception (the reverse of from_status)."""
     from dockd._proto import dockd_pb2 as pb
 

@@ -10,6 +10,8 @@ before anything is applied, or applied and answered.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockValueError
 
@@ -41,13 +43,13 @@ def _count(what: str, n: int, limit: int = MAX_SAMPLES) -> None:
         raise DockValueError(f"{n} {what} in one request is too many (at most {limit}); split it")
 
 
-def _columns(names) -> None:
+def _columns(names: Collection[str]) -> None:
     _count("columns", len(names), MAX_COLUMNS)
     for c in names:
         _name("column name", c)
 
 
-def _tags(tags) -> None:
+def _tags(tags: Collection[pb.Tag]) -> None:
     _count("tags", len(tags), MAX_TAGS)
     for t in tags:
         _name("tag name", t.name)

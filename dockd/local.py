@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Sequence
 
 from dockd.config import parse_size
 from dockd.errors import DockConnectionError, DockValueError
@@ -72,7 +73,7 @@ def _stop_all(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
 
 
 def spawn_node(args: list[str], *, timeout: float = 60.0, env: dict | None = None,
-               prefix: list[str] = ()) -> tuple[subprocess.Popen, dict]:
+               prefix: Sequence[str] = ()) -> tuple[subprocess.Popen, dict]:
     """Start `dockd serve ARGS` (behind a `prefix` such as `ip netns exec NS`) and wait for
     its ready line; fails fast if it exits."""
     cmd = [*prefix, sys.executable, "-m", "dockd", "serve", *args]
@@ -84,8 +85,10 @@ def read_ready(proc: subprocess.Popen, *, timeout: float = 60.0) -> dict:
     """Wait for the JSON ready line of a `dockd serve` process started with stdout=PIPE
     (a warehouse prints it once it has joined its controller); fails fast if it exits."""
     cmd = proc.args if isinstance(proc.args, list) else [str(proc.args)]
+    out = proc.stdout
+    assert out is not None  # (started with stdout=PIPE)
     sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
+    sel.register(out, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout
     line = b""
     while not line.endswith(b"\n"):
@@ -93,12 +96,12 @@ def read_ready(proc: subprocess.Popen, *, timeout: float = 60.0) -> dict:
         if left <= 0 or not sel.select(left):
             proc.kill()
             proc.wait()
-            proc.stdout.close()
+            out.close()
             raise DockConnectionError(f"`{' '.join(cmd)}` did not report ready within {timeout:g}s")
-        chunk = proc.stdout.readline()
+        chunk = out.readline()
         if not chunk:
             code = proc.wait()
-            proc.stdout.close()
+            out.close()
             raise DockConnectionError(f"`{' '.join(cmd)}` exited unexpectedly with code {code} before it was ready (see its stderr above)")
         line += chunk
     sel.close()

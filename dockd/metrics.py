@@ -49,14 +49,19 @@ import asyncio
 import bisect
 import logging
 import time
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from dockd._version import __version__
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+    from dockd.controller.service import ControllerService
 
 logger = logging.getLogger(__name__)
 
@@ -150,8 +155,8 @@ class NodeFigures(Protocol):
         """The warehouse's room (None: this daemon runs no warehouse)."""
 
     @property
-    def controller(self):
-        """The controller hosted in this process (a ControllerService), or None."""
+    def controller(self) -> ControllerService | None:
+        """The controller hosted in this process, or None."""
 
     @property
     def connections(self) -> int: ...
@@ -207,7 +212,7 @@ class NodeCollector:
             yield from _controller_families(node.controller)
 
 
-def _warehouse_families(w: WarehouseUsage, m: Metrics, device_links: int):
+def _warehouse_families(w: WarehouseUsage, m: Metrics, device_links: int) -> Iterator[Metric]:
     yield GaugeMetricFamily("dockd_warehouse_used_bytes", "payload bytes stored", value=w.used)
     yield GaugeMetricFamily("dockd_warehouse_capacity_bytes", "bytes stored before puts wait", value=w.capacity)
     yield GaugeMetricFamily("dockd_warehouse_reserved_bytes", "bytes of puts in flight", value=w.reserved)
@@ -228,7 +233,7 @@ def _warehouse_families(w: WarehouseUsage, m: Metrics, device_links: int):
                             value=device_links)
 
 
-def _controller_families(ctl):
+def _controller_families(ctl: ControllerService) -> Iterator[Metric]:
     states = {"joined": 0, "unresponsive": 0, "rejoining": 0, "lost": 0, "left": 0}
     for info in ctl.warehouse_infos(usage=False):
         state = info.state or "joined"

@@ -32,7 +32,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import pyarrow as pa
 
@@ -40,6 +40,9 @@ from dockd import auth, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockProtocolError, from_status, to_status
 from dockd.logutil import Throttle
+
+if TYPE_CHECKING:
+    from dockd.shm import UnixTransport
 
 logger = logging.getLogger(__name__)
 
@@ -301,6 +304,7 @@ class Peer(asyncio.BufferedProtocol):
             self._pending = (frame, blen)
             wait = None if frame.reply else self.handler.admit(self, frame, blen)
             if wait is not None:
+                assert self.transport is not None  # (reading: connected)
                 self._admitting = True
                 self.transport.pause_reading()
                 asyncio.ensure_future(wait).add_done_callback(self._admitted)
@@ -318,6 +322,7 @@ class Peer(asyncio.BufferedProtocol):
 
     def _resume(self, fut: asyncio.Future) -> None:
         """A held-back body was let in (or rejected): read it, then the frames after it."""
+        assert self._pending is not None and self.transport is not None  # (the frame admitted; connected)
         self._admitting = False
         if self.closed:
             if not fut.cancelled() and fut.exception() is None:
@@ -331,6 +336,7 @@ class Peer(asyncio.BufferedProtocol):
             self._parse()
 
     def _start_body(self) -> None:
+        assert self._pending is not None  # (the frame whose body is next)
         frame, blen = self._pending
         take = min(self._hi - self._lo, blen)
         if self._reject is not None:
@@ -359,6 +365,7 @@ class Peer(asyncio.BufferedProtocol):
             self._frame_t0, self._frame_got = asyncio.get_running_loop().time(), 0
 
     def _body_filled(self) -> None:
+        assert self._dest is not None and self._pending is not None  # (a body was being received)
         if self._reject is not None:
             self._discard_left -= len(self._dest)
             if self._discard_left > 0:
@@ -377,6 +384,7 @@ class Peer(asyncio.BufferedProtocol):
             self._parse()
 
     def _finish_reject(self) -> None:
+        assert self._pending is not None and self._reject is not None  # (a rejected body was read)
         frame, _ = self._pending
         exc, self._reject, self._pending = self._reject, None, None
         for fd in self._frame_fds:
@@ -425,6 +433,7 @@ class Peer(asyncio.BufferedProtocol):
         self.request(pb.Frame(auth=a)).add_done_callback(lambda f: self._authed(f, a, key))
 
     def _authed(self, f: asyncio.Future, a: pb.Auth, key: bytes | None) -> None:
+        assert self.authed is not None  # (an outgoing connection: made in connection_made)
         if self.authed.done():
             return
         try:
@@ -444,7 +453,8 @@ class Peer(asyncio.BufferedProtocol):
             return
         if fds:
             frame.fds = len(fds)
-            self.transport.writelines([wire.header(frame, body_size), *buffers], fds)
+            # (descriptors go only over a connection that passes them: a shm.UnixTransport)
+            cast("UnixTransport", self.transport).writelines([wire.header(frame, body_size), *buffers], fds)
         else:
             self.transport.writelines([wire.header(frame, body_size), *buffers])
 
@@ -454,7 +464,7 @@ class Peer(asyncio.BufferedProtocol):
         frame.id = request.id
         frame.reply = True
         self.send(frame, buffers, body_size, fds)
-        if self._started:
+        if self._started and self.metrics is not None:  # (requests are timed only with metrics)
             started = self._started.pop(request.id, None)
             if started is not None:
                 self.metrics.request(started[0], time.perf_counter() - started[1])

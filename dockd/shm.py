@@ -42,6 +42,7 @@ import socket
 import struct
 import sys
 import weakref
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -120,7 +121,8 @@ class Segment:
 
     def writable(self) -> memoryview:
         """The payload bytes as a writable view (a receive destination)."""
-        return memoryview(self.map)[: self.buffer.size]
+        # (an ndarray is a buffer; numpy's stubs declare its __buffer__ only for Python >= 3.12)
+        return memoryview(self.map)[: self.buffer.size]  # type: ignore[arg-type]
 
     def seal(self) -> None:
         """Filled: no descriptor of it (one a reader gets) can write or resize it any more. Our own
@@ -186,6 +188,7 @@ class _Mapped:
     """Owner of one mapping: unmapped when the last array (or tensor) viewing it is gone."""
 
     __slots__ = ("__array_interface__", "__weakref__")
+    __array_interface__: dict[str, Any]
 
 
 def _map(fd: int, length: int, offset: int, flags: int, readonly: bool = False, on_free=None) -> np.ndarray:

@@ -129,6 +129,7 @@ def run(dock, *, address: str, watch: bool, interval: float, as_json: bool, cons
     from rich.live import Live
 
     console = console or Console()
+    snap: dict[str, Any] | None
     if not watch:
         prev = snapshot(dock) if interval > 0 else None
         if prev is not None:
@@ -139,8 +140,8 @@ def run(dock, *, address: str, watch: bool, interval: float, as_json: bool, cons
         else:
             console.print(render(snap, address=address))
         return 0
-    prev: dict | None = None
-    last: dict | None = None
+    prev = None
+    last: dict[str, Any] | None = None
     live = None if as_json else Live(console=console, auto_refresh=False)
     try:
         if live is not None:
@@ -152,7 +153,7 @@ def run(dock, *, address: str, watch: bool, interval: float, as_json: bool, cons
                 prev = last = snap
             except DockError as e:  # a dock that is away is shown, and retried
                 error, snap = str(e), last
-            if as_json:
+            if live is None:  # (as_json)
                 print(json.dumps(snap if not error else {"time": time.time(), "error": error}, default=str), flush=True)
             elif snap is not None:
                 live.update(render(snap, address=address, error=error), refresh=True)

@@ -54,7 +54,8 @@ class Catalog:
         lost to a controller restart). `tags`: per-sample integer tags (one value for all, or one each).
         """
         if put_id:
-            done = self.put_keys.get(warehouse, {}).get(put_id)
+            recent = self.put_keys.get(warehouse)
+            done = recent.get(put_id) if recent is not None else None
             if done is not None:
                 return done
         if tags:
@@ -69,7 +70,9 @@ class Catalog:
                 keys.popitem(last=False)
         return idx
 
-    def _commit(self, partition, columns, warehouse, indexes, new_count, group_size, nbytes) -> np.ndarray:
+    def _commit(self, partition: str, columns: Sequence[str], warehouse: int,
+                indexes: Sequence[int] | np.ndarray | None, new_count: int, group_size: int,
+                nbytes: int) -> np.ndarray:
         if not partition:
             raise DockValueError("partition must be a non-empty string")
         if not columns:
@@ -176,7 +179,7 @@ class Catalog:
         return part
 
     @staticmethod
-    def _existing(part: _Partition, indexes) -> np.ndarray:
+    def _existing(part: _Partition, indexes: Sequence[int] | np.ndarray) -> np.ndarray:
         idx = np.asarray(indexes, dtype=np.int64).reshape(-1)
         bad = idx[(idx < 0) | (idx >= part.size)]
         if len(bad):
@@ -234,8 +237,8 @@ class Catalog:
         part = self.partitions.get(partition)
         return bool(new_count and part is not None and part.max_pending and part.pending() >= part.max_pending)
 
-    def list_samples(self, partition: str, *, consumer: str = "", where=None, limit: int = 1000,
-                     start: int = 0) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def list_samples(self, partition: str, *, consumer: str = "", where: selection.Where | None = None,
+                     limit: int = 1000, start: int = 0) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Samples (not deleted, a column written; not yet handed to `consumer` if given) whose tags
         lie in `where`, smallest indexes from `start` first, at most `limit`; with their tags. Takes
         nothing."""
@@ -264,7 +267,7 @@ class Catalog:
             part = self._new_partition(partition, 1)
         part.sealed = True
 
-    def set_tags(self, partition: str, indexes, tags: Mapping[str, Sequence[int]]) -> None:
+    def set_tags(self, partition: str, indexes: Sequence[int] | np.ndarray, tags: Mapping[str, Sequence[int]]) -> None:
         part = self.part(partition)
         idx = self._existing(part, indexes)
         _check_tags(tags, len(idx))
@@ -275,7 +278,7 @@ class Catalog:
         for name, values in tags.items():
             part.tag(name, create=True)[idx] = np.asarray(values, dtype=np.int64)
 
-    def delete(self, partition: str, indexes) -> int:
+    def delete(self, partition: str, indexes: Sequence[int] | np.ndarray) -> int:
         """Delete samples: all their columns are freed (the frees wait in pending_frees) and no
         consumer gets them again. Returns how many were not deleted already."""
         part = self.part(partition)
@@ -304,10 +307,11 @@ class Catalog:
     def retire(self, part: _Partition, idx: np.ndarray) -> None:
         """Delete the samples of idx that every consumer named by the partition has taken."""
         conss = [part.consumers.get(c) for c in part.retire]
-        if any(c is None for c in conss):
+        present = [c for c in conss if c is not None]
+        if len(present) < len(conss):
             return
         ok = np.ones(len(idx), dtype=bool)
-        for cons in conss:
+        for cons in present:
             ok &= cons.state[idx] == TAKEN
         if ok.any():
             self._delete(part, idx[ok])
@@ -333,7 +337,7 @@ class Catalog:
         free for it, being written or leased to it); None otherwise."""
         part = self.partitions.get(partition)
         cons = part.consumers.get(consumer) if part is not None else None
-        if cons is None or not cons.taken or cons.leased:
+        if part is None or cons is None or not cons.taken or cons.leased:
             return None
         n = part.size
         if (~part.gone[:n] & (cons.state[:n] == FREE)).any():

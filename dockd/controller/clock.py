@@ -35,14 +35,14 @@ class Timers:
         self._pending: set[Timer] = set()
         self._seq = itertools.count()
 
-    def call_at(self, when: float, fn: Callable, *args) -> Timer:
+    def call_at(self, when: float, fn: Callable, *args: object) -> Timer:
         """Call fn(*args) once the clock reads `when` (from inside the running event loop)."""
         t = Timer(self, when, next(self._seq), fn, args)
         self._pending.add(t)
         self._arm(t)
         return t
 
-    def call_later(self, delay: float, fn: Callable, *args) -> Timer:
+    def call_later(self, delay: float, fn: Callable, *args: object) -> Timer:
         return self.call_at(self.clock() + delay, fn, *args)
 
     def run_due(self) -> int:

@@ -18,6 +18,7 @@ partition); a confirm, a release or an expiry ends a lease on both sides.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -72,13 +73,14 @@ class Controller:
         return self.catalog.pending_frees
 
     # -- partitions and their samples (see Catalog) ------------------------------------------
-    def commit(self, partition: str, columns: Sequence[str], *, warehouse: int, indexes=None, new_count: int = 0,
+    def commit(self, partition: str, columns: Sequence[str], *, warehouse: int,
+               indexes: Sequence[int] | np.ndarray | None = None, new_count: int = 0,
                group_size: int = 1, nbytes: int = 0, put_id: int = 0,
                tags: Mapping[str, Sequence[int]] | None = None) -> np.ndarray:
         return self.catalog.commit(partition, columns, warehouse=warehouse, indexes=indexes, new_count=new_count,
                                    group_size=group_size, nbytes=nbytes, put_id=put_id, tags=tags)
 
-    def create_partition(self, partition: str, **options) -> None:
+    def create_partition(self, partition: str, **options: Any) -> None:
         self.catalog.create_partition(partition, **options)
 
     def set_version(self, partition: str, version: int) -> int:
@@ -87,7 +89,7 @@ class Controller:
     def must_wait(self, partition: str, new_count: int) -> bool:
         return self.catalog.must_wait(partition, new_count)
 
-    def list_samples(self, partition: str, **kw) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def list_samples(self, partition: str, **kw: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         return self.catalog.list_samples(partition, **kw)
 
     def reserve(self, partition: str, count: int, *, group_size: int = 1) -> np.ndarray:
@@ -96,10 +98,10 @@ class Controller:
     def seal(self, partition: str) -> None:
         self.catalog.seal(partition)
 
-    def set_tags(self, partition: str, indexes, tags: Mapping[str, Sequence[int]]) -> None:
+    def set_tags(self, partition: str, indexes: Sequence[int] | np.ndarray, tags: Mapping[str, Sequence[int]]) -> None:
         self.catalog.set_tags(partition, indexes, tags)
 
-    def delete(self, partition: str, indexes) -> int:
+    def delete(self, partition: str, indexes: Sequence[int] | np.ndarray) -> int:
         return self.catalog.delete(partition, indexes)
 
     def take_frees(self) -> dict[str, dict[int, np.ndarray]]:
@@ -183,12 +185,15 @@ class Controller:
             again = self.lease_tokens.get(token)
             if again is not None:
                 lease = self.leases[again]
-                part = self.partitions[lease.partition]
-                locs = np.stack([part.loc[c][lease.indexes] for c in columns]) if all(
-                    c in part.loc for c in columns) else np.full((len(columns), len(lease.indexes)), NO_WAREHOUSE, np.uint16)
+                held = self.partitions[lease.partition]
+                locs = np.stack([held.loc[c][lease.indexes] for c in columns]) if all(
+                    c in held.loc for c in columns) else np.full((len(columns), len(lease.indexes)), NO_WAREHOUSE,
+                                                                 np.uint16)
                 return AcquireResult(lease.id, lease.indexes, locs)
         part = self.partitions.get(partition)
-        view = selection.view(part, consumer, columns, count, groups) if part is not None else None
+        if part is None:
+            return None
+        view = selection.view(part, consumer, columns, count, groups)
         if view is None:
             return None
         mask, cons, sub, gs = view
@@ -222,7 +227,7 @@ class Controller:
     # -- rank-aware gets (see Rounds) ----------------------------------------------------------
     def share(self, partition: str, consumer: str, columns: Sequence[str], count: int, *, dp_rank: int, dp_size: int,
               mp_rank: int = 0, mp_size: int = 1, mp_group: int = 0, step: int | None = None, groups: bool = False,
-              where=None,
+              where: selection.Where | None = None,
               order_by: str = "", balance: bool = False, owner: bytes = b"", now: float = 0.0,
               lease_timeout: float | None = None, max_staleness: int | None = None) -> AcquireResult | Round | None:
         """Rank `dp_rank`'s share of one step of a rank-aware get (its step and the ranks' weights in it).
@@ -296,7 +301,7 @@ class Controller:
         """Release every lease held by a client (session) that went away."""
         if not owner:
             return []
-        return [self.release(lid) for lid in [l.id for l in self.leases.values() if l.owner == owner]]
+        return [self._release_held(lid) for lid in [l.id for l in self.leases.values() if l.owner == owner]]
 
     def extend(self, lease_id: int, deadline: float) -> Lease | None:
         """Move a lease's deadline (a consumer still working on it); None if it is gone."""
@@ -306,8 +311,14 @@ class Controller:
         """Release leases whose deadline passed."""
         out = []
         while (lid := self.book.due(now)) is not None:
-            out.append(self.release(lid))
+            out.append(self._release_held(lid))
         return out
+
+    def _release_held(self, lease_id: int) -> Lease:
+        """Release a lease the book holds (so there is one to return)."""
+        lease = self._end_lease(lease_id, FREE)
+        assert lease is not None
+        return lease
 
     def next_lease_deadline(self) -> float | None:
         return self.book.next_deadline()

@@ -14,6 +14,9 @@ import numpy as np
 
 _CLEARED_KEPT = 1 << 16  # ids of leases ended by a clear, remembered for their late confirms
 
+RoundKey = tuple[str, str, tuple[str, ...], bool, int, int, int]
+"""A rank-aware get's rounds: (partition, consumer, columns, groups, dp_size, mp_size, mp_group)."""
+
 
 @dataclasses.dataclass(slots=True)
 class Lease:
@@ -27,7 +30,7 @@ class Lease:
     # a rank-aware get's share: (round key, step, dp rank; -1 for the lease holding a round before
     # its split), the sessions reading it -> their model-parallel rank, and which of the `need`
     # model-parallel ranks confirmed it (a bit each)
-    round: tuple | None = None
+    round: tuple[RoundKey, int, int] | None = None
     holders: dict[bytes, int] | None = None
     need: int = 1
     confirmed: int = 0

@@ -62,7 +62,9 @@ class Leasing:
     def peer_lost(self, peer: Peer) -> list[Lease]:
         """A connection closed; the leases released because it was its session's last one."""
         sid = peer.sid
-        conns = self.sessions.get(sid) if sid is not None else None
+        if sid is None:
+            return []
+        conns = self.sessions.get(sid)
         if conns is None:
             return []
         conns.discard(peer)

@@ -49,9 +49,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import numpy as np
 
@@ -196,7 +197,7 @@ class Membership:
             self._start_heartbeats()
         entry = self.entries.get(req.id) if req.rejoin else None
         known = entry is not None and entry.instance == req.instance
-        if not known:
+        if entry is None or not known:
             if req.rejoin and entry is None and req.id < MAX_WAREHOUSES:
                 wid = req.id  # a controller without a journal: keep the id clients know it by
             else:
@@ -296,7 +297,7 @@ class Membership:
             return
         entry.beat_sent = self.clock()
         fut = peer.request(pb.Frame(hello=pb.Hello(client="controller", protocol=wire.PROTOCOL_VERSION)))
-        fut.add_done_callback(lambda f, e=entry, p=peer: self._beat_answered(e, p, f))
+        fut.add_done_callback(functools.partial(self._beat_answered, entry, peer))
 
     def _beat_answered(self, entry: WarehouseEntry, peer: Peer, fut: asyncio.Future) -> None:
         exc = None if fut.cancelled() else fut.exception()  # (always retrieved: no "never retrieved" warnings)
@@ -327,7 +328,7 @@ class Membership:
                 "progress is forgotten (every sample is handed out again), and new samples put before every "
                 "warehouse has rejoined can take indexes a late one holds, whose copies are then dropped. Run the "
                 "controller with --state-dir to keep both")
-        keys = self.core.put_keys.get(entry.id, {}) if known else {}
+        keys: Mapping[int, np.ndarray] = self.core.put_keys.get(entry.id, {}) if known else {}
         for c in req.pending:
             done = keys.get(c.put_id) if c.put_id else None
             if done is None:

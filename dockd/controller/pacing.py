@@ -98,6 +98,7 @@ class Pacer:
             while ps and not core.must_wait(partition, ps[0].req.new_count):
                 p = ps[0]
                 self.unpace(partition, p)
+                res: np.ndarray | BaseException
                 try:
                     res = self.svc.apply_commit(p.req)
                 except DockStateFull:

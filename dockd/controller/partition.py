@@ -190,7 +190,8 @@ class _Partition:
         """A tag's values for samples idx; the version tag reads 0 until a put sets one."""
         if name == VERSION_TAG and name not in self.tags:
             return np.zeros(len(idx), dtype=np.int64)
-        return self.tag(name)[idx]
+        values: np.ndarray = self.tag(name)[idx]
+        return values
 
     def consumers_of(self) -> list[_Consumer | None]:
         """The consumers pacing and staleness wait for: those named by retire_when_consumed_by
@@ -202,7 +203,8 @@ class _Partition:
     def live(self) -> np.ndarray:
         """Per sample: not deleted, and at least one column written."""
         n = self.size
-        return ~self.gone[:n] & (self.ready[:n] != 0)
+        live: np.ndarray = ~self.gone[:n] & (self.ready[:n] != 0)
+        return live
 
     def waiting_mask(self) -> np.ndarray:
         """Per sample: live and not yet handed out (leased or taken) to every one of its consumers
@@ -210,9 +212,10 @@ class _Partition:
         n = self.size
         mask = self.live()
         conss = self.consumers_of()
-        if conss and all(c is not None for c in conss):
+        present = [c for c in conss if c is not None]
+        if conss and len(present) == len(conss):
             free = np.zeros(n, dtype=bool)
-            for c in conss:
+            for c in present:
                 free |= c.state[:n] == FREE
             mask &= free
         return mask
@@ -254,7 +257,8 @@ class _Partition:
     # -- eligibility ------------------------------------------------------------
     def _sample_ok(self, cons: _Consumer, mask: int, idx: np.ndarray) -> np.ndarray:
         m = np.uint64(mask)
-        return ((self.ready[idx] & m) == m) & (cons.state[idx] == FREE)
+        ok: np.ndarray = ((self.ready[idx] & m) == m) & (cons.state[idx] == FREE)
+        return ok
 
     def refresh(self, cons: _Consumer, idx: np.ndarray, subs: Iterable[_Sub] | None = None) -> None:
         """Recompute eligibility of samples idx (and their groups) in the given subscriptions."""

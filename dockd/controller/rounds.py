@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dockd.controller import selection, warehouses
-from dockd.controller.leases import AcquireResult, Lease
+from dockd.controller.leases import AcquireResult, Lease, RoundKey
 from dockd.controller.partition import TAKEN, _Partition
 from dockd.errors import DockDrained, DockValueError
 
@@ -21,13 +21,14 @@ if TYPE_CHECKING:
     from dockd.controller.core import Controller
 
 ROUNDS_KEPT = 256  # per (partition, consumer, columns, ranks): finished rounds remembered for late ranks
+_NO_SAMPLES = np.empty(0, dtype=np.int64)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
 class Round:
     """One step of a rank-aware get: a global batch split into one share per data-parallel rank."""
 
-    key: tuple        # (partition, consumer, columns, groups, dp_size, mp_size, mp_group)
+    key: RoundKey     # (partition, consumer, columns, groups, dp_size, mp_size, mp_group)
     step: int
     indexes: np.ndarray  # the round's samples, before the split (in hand-out order)
     hold: int         # the lease holding them until the split (0 once split)
@@ -49,23 +50,23 @@ class Rounds:
 
     def __init__(self, ctl: Controller) -> None:
         self.ctl = ctl
-        self.rounds: dict[tuple, collections.OrderedDict[int, Round]] = {}
-        self.next_step: dict[tuple, int] = {}
-        self.forgotten: dict[tuple, int] = {}
+        self.rounds: dict[RoundKey, collections.OrderedDict[int, Round]] = {}
+        self.next_step: dict[tuple[RoundKey, int, int], int] = {}  # (key, dp rank, mp rank) -> step
+        self.forgotten: dict[RoundKey, int] = {}
         self.new_shares: list[Lease] = []
         self.dropped_shares: list[int] = []
 
     def share(self, partition: str, consumer: str, columns: Sequence[str], count: int, *, dp_rank: int,
-              dp_size: int, mp_rank: int, mp_size: int, mp_group: int, step: int | None, groups: bool, where,
-              order_by: str, balance: bool, owner: bytes, now: float, lease_timeout: float | None,
-              max_staleness: int | None) -> AcquireResult | Round | None:
+              dp_size: int, mp_rank: int, mp_size: int, mp_group: int, step: int | None, groups: bool,
+              where: selection.Where | None, order_by: str, balance: bool, owner: bytes, now: float,
+              lease_timeout: float | None, max_staleness: int | None) -> AcquireResult | Round | None:
         """See Controller.share."""
         ctl = self.ctl
         ctl.validate_acquire(partition, consumer, columns, count, groups)
         if not 0 <= dp_rank < dp_size or not 0 <= mp_rank < mp_size or mp_size > 64:
             raise DockValueError(f"need 0 <= dp_rank < dp_size and 0 <= mp_rank < mp_size <= 64, got dp_rank={dp_rank}, "
                                  f"dp_size={dp_size}, mp_rank={mp_rank}, mp_size={mp_size}")
-        key = (partition, consumer, tuple(sorted(columns)), groups, dp_size, mp_size, mp_group)
+        key: RoundKey = (partition, consumer, tuple(sorted(columns)), groups, dp_size, mp_size, mp_group)
         if step is None:
             step = self.next_step.get((key, dp_rank, mp_rank), 0)
         elif step <= self.forgotten.get(key, -1):
@@ -97,13 +98,14 @@ class Rounds:
             if view is None:
                 return None
             mask, _, sub, gs = view
-            idx = selection.pick(part, consumer, mask, sub, count // gs, gs, columns, where=where, order_by=order_by)
-            if idx is None and self._reclaim_later(key, step, dp_rank):
-                idx = selection.pick(part, consumer, mask, sub, count // gs, gs, columns, where=where,
-                                     order_by=order_by)
-            if idx is None:
+            picked = selection.pick(part, consumer, mask, sub, count // gs, gs, columns, where=where,
+                                    order_by=order_by)
+            if picked is None and self._reclaim_later(key, step, dp_rank):
+                picked = selection.pick(part, consumer, mask, sub, count // gs, gs, columns, where=where,
+                                        order_by=order_by)
+            if picked is None:
                 return None
-            lease = ctl.grant(ctl.book.new_id(), partition, consumer, idx,
+            lease = ctl.grant(ctl.book.new_id(), partition, consumer, picked,
                               deadline=now + (lease_timeout or ctl.lease_timeout), in_order=lease_timeout is None)
             self._make_share(lease, rnd, dp_rank)
         if lease.holders is not None and owner and owner not in lease.holders:
@@ -118,7 +120,7 @@ class Rounds:
             warehouses.check_lost(ctl.catalog, part, cons, columns, idx, locs)
         return AcquireResult(lease.id, idx, locs, step, rnd.weights)
 
-    def _reclaim_later(self, key: tuple, step: int, rank: int) -> bool:
+    def _reclaim_later(self, key: RoundKey, step: int, rank: int) -> bool:
         """Give back this rank's unclaimed shares of later steps (other ranks ran ahead and formed
         them), so that its replacement share of `step` can be made from them instead of waiting
         for them to expire; those steps make the rank a fresh share when it gets there."""
@@ -133,8 +135,8 @@ class Rounds:
                 freed = True
         return freed
 
-    def _form(self, part: _Partition, key: tuple, step: int, columns, count: int, *, now: float,
-              lease_timeout: float | None, where, order_by: str) -> Round | None:
+    def _form(self, part: _Partition, key: RoundKey, step: int, columns: Sequence[str], count: int, *, now: float,
+              lease_timeout: float | None, where: selection.Where | None, order_by: str) -> Round | None:
         ctl = self.ctl
         _, consumer, _, groups, dp_size, *_ = key
         view = selection.view(part, consumer, columns, count, groups)
@@ -172,10 +174,11 @@ class Rounds:
     def split(self, rnd: Round, weights: np.ndarray | None) -> bool:
         """See Controller.split_round."""
         book = self.ctl.book
-        if rnd.hold not in book.leases:
+        hold = book.leases.get(rnd.hold)
+        if hold is None:
             return False
         in_order = book.in_order(rnd.hold)
-        hold = book.pop(rnd.hold)
+        book.pop(rnd.hold)
         key = rnd.key
         _, consumer, _, groups, dp_size, mp_size, *_ = key
         part = self.ctl.partitions[key[0]]
@@ -190,7 +193,8 @@ class Rounds:
             w = np.asarray(weights, dtype=np.float64)
             parts = balance(w, dp_size, group_size=gs)
             rnd.weights = [float(w[p].sum()) for p in parts]
-        rnd.shares, rnd.share_idx, rnd.done = [0] * dp_size, [None] * dp_size, [False] * dp_size
+        # (a share each: _make_share fills shares and share_idx below)
+        rnd.shares, rnd.share_idx, rnd.done = [0] * dp_size, [_NO_SAMPLES] * dp_size, [False] * dp_size
         for r, pos in enumerate(parts):
             lease = Lease(book.new_id(), part.name, consumer, rnd.indexes[pos], b"", hold.deadline)
             # (a weighed round's shares expire a few ms late at most: the FIFO stays ordered enough)
@@ -214,13 +218,17 @@ class Rounds:
 
     def advance(self, lease: Lease, member: int) -> None:
         """A reader of a share confirmed it: its next default step is the one after."""
+        if lease.round is None:  # its round was forgotten (ROUNDS_KEPT newer ones): no step to advance
+            return
         key, step, rank = lease.round
         k = (key, rank, member)
         self.next_step[k] = max(self.next_step.get(k, 0), step + 1)
 
     def share_ended(self, lease: Lease, state: int) -> None:
+        assert lease.round is not None  # (the controller calls this for a share's lease only)
         key, step, rank = lease.round
-        rnd = self.rounds.get(key, {}).get(step)
+        rounds = self.rounds.get(key)
+        rnd = rounds.get(step) if rounds is not None else None
         if rnd is None:
             return
         if rank < 0:  # the hold of a round not split yet: the round is void, its samples are back

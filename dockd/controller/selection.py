@@ -7,27 +7,33 @@ held on the client's own warehouse first (near), and the staleness bound of asyn
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from dockd.controller.partition import FREE, INT64_MAX, LEASED, VERSION_TAG, _Consumer, _Partition, _Sub
 from dockd.errors import DockDrained, DockValueError
 
+Where = Mapping[str, tuple[int, int]]
+"""A get's tag filter: tag name -> the [lo, hi] its values must lie in."""
 
-def staleness_filter(part: _Partition, max_staleness: int | None, where, order_by: str):
+
+def staleness_filter(part: _Partition, max_staleness: int | None, where: Where | None,
+                     order_by: str) -> tuple[Where | None, str]:
     """A get's where and order_by with the staleness bound applied (the request's, else the
     partition's): versions >= version - bound, oldest version first unless it orders itself."""
     bound = part.max_staleness if max_staleness is None else max_staleness
     if bound < 0:
         return where, order_by
     lo = part.version - bound
-    where = dict(where or {})
-    old = where.get(VERSION_TAG)
-    where[VERSION_TAG] = (max(lo, old[0]), old[1]) if old else (lo, INT64_MAX)
-    return where, order_by or VERSION_TAG
+    bounded = dict(where or {})
+    old = bounded.get(VERSION_TAG)
+    bounded[VERSION_TAG] = (max(lo, old[0]), old[1]) if old else (lo, INT64_MAX)
+    return bounded, order_by or VERSION_TAG
 
 
-def view(part: _Partition, consumer: str, columns: Sequence[str], count: int, groups: bool):
+def view(part: _Partition, consumer: str, columns: Sequence[str], count: int,
+         groups: bool) -> tuple[int, _Consumer, _Sub, int] | None:
     """What a get of `columns` sees of a partition: (column mask, the consumer, its
     subscription, samples per unit), or None while one of the columns does not exist yet."""
     if groups and count % part.group_size:
@@ -43,7 +49,7 @@ def view(part: _Partition, consumer: str, columns: Sequence[str], count: int, gr
 
 
 def pick(part: _Partition, consumer: str, mask: int, sub: _Sub, want: int, gs: int, columns: Sequence[str], *,
-         partial: bool = False, where=None, **how) -> np.ndarray | None:
+         partial: bool = False, where: Where | None = None, **how: Any) -> np.ndarray | None:
     """The sample indexes of up to `want` units to hand out; None to wait. Fewer than `want`
     only with `partial` or at the end of a sealed partition; DockDrained when nothing is left."""
     units, have = choose(part, sub, want, gs, where=where, columns=columns, **how)
@@ -57,7 +63,7 @@ def pick(part: _Partition, consumer: str, mask: int, sub: _Sub, want: int, gs: i
 
 
 def choose(part: _Partition, sub: _Sub, want: int, gs: int, *, shuffle: bool = False, seed: int | None = None,
-           where=None, order_by: str = "", near: int | None = None,
+           where: Where | None = None, order_by: str = "", near: int | None = None,
            columns: Sequence[str] = ()) -> tuple[np.ndarray, int]:
     """Up to `want` units (samples, or groups of gs) `sub` could take, in hand-out order, and
     how many it could take in all."""
@@ -121,7 +127,7 @@ def near_first(part: _Partition, sub: _Sub, want: int, gs: int, near: int, colum
     return local
 
 
-def within(part: _Partition, idx: np.ndarray, where: Mapping[str, tuple[int, int]]) -> np.ndarray:
+def within(part: _Partition, idx: np.ndarray, where: Where) -> np.ndarray:
     """Which of idx have every tag of `where` in its [lo, hi]."""
     ok = np.ones(len(idx), dtype=bool)
     for name, (lo, hi) in where.items():
@@ -130,7 +136,7 @@ def within(part: _Partition, idx: np.ndarray, where: Mapping[str, tuple[int, int
     return ok
 
 
-def drained(part: _Partition, cons: _Consumer, mask: int, where=None) -> bool:
+def drained(part: _Partition, cons: _Consumer, mask: int, where: Where | None = None) -> bool:
     """Whether nothing more can become eligible for `cons` and these columns: the partition is
     sealed, none of the consumer's samples is leased (it could come back), and every sample
     still free for it is either deleted or ready already."""

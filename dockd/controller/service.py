@@ -127,8 +127,9 @@ class ControllerService:
 
     def _sync(self) -> None:
         """Batched durability: fsync the journal in a worker thread; compact it when large."""
-        self._sync_timer = self.timers.call_later(self.journal.fsync_interval, self._sync)
         j = self.journal
+        assert j is not None  # (only a controller with a state dir syncs: see start)
+        self._sync_timer = self.timers.call_later(j.fsync_interval, self._sync)
         if j.compaction_due(self.clock()) and not self._syncing:  # (never under an fsync of the old file)
             broken = j.broken is not None
             if j.compact(self.core, {e.id: e.record() for e in self.members.entries.values()}, now=self.clock()) \
@@ -136,7 +137,7 @@ class ControllerService:
                 self.wake_all()  # the journal takes records again: retry the gets that waited meanwhile
         elif j.dirty and not self._syncing:
             self._syncing = True
-            self.loop.run_in_executor(None, self.journal.sync).add_done_callback(self._synced)
+            self.loop.run_in_executor(None, j.sync).add_done_callback(self._synced)
 
     def _synced(self, fut) -> None:
         self._syncing = False
@@ -145,7 +146,7 @@ class ControllerService:
 
     # -- membership -------------------------------------------------------------------------
     def register(self, peer: Peer | None, req: pb.RegisterWarehouse) -> pb.RegisterReply:
-        return self.members.register(peer, req, self.commit)
+        return self.members.register(peer, req, self.apply_commit)
 
     def warehouse_infos(self, ids=None, *, usage: bool = True) -> list[pb.WarehouseInfo]:
         return self.members.infos(ids, usage=usage)
@@ -248,10 +249,10 @@ class ControllerService:
         if op == "list":  # reads only: nothing to journal, nobody to wake
             ls = req.list
             limit = min(ls.limit or 1000, limits.MAX_SAMPLES)
-            idx, tags = self.core.list_samples(name, consumer=ls.consumer, where=where_of(ls), limit=limit,
-                                               start=ls.start)
+            idx, listed = self.core.list_samples(name, consumer=ls.consumer, where=where_of(ls), limit=limit,
+                                                 start=ls.start)
             out.indexes.extend(idx.tolist())
-            out.tags.extend(pb.Tag(name=t, values=v.tolist()) for t, v in tags.items())
+            out.tags.extend(pb.Tag(name=t, values=v.tolist()) for t, v in listed.items())
             out.version = self.core.partitions[name].version
             return out
         if name in self.checkpoints.loading:

@@ -58,7 +58,7 @@ class Waiters:
         if not ws:
             return
         acq = self.svc.acquiring
-        short: dict[tuple, int] = {}  # (consumer, columns, groups) -> smallest count found unmet
+        short: dict[tuple | Waiter, int] = {}  # (consumer, columns, groups) -> smallest count found unmet
         for w in list(ws):
             r = w.frame.acquire
             # (a rank-aware or filtered get is tried on its own: its needs differ from its neighbours')

@@ -5,6 +5,7 @@ process (`LocalWarehouse`) is called directly; the others over their links."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -15,6 +16,8 @@ from dockd.errors import DockDataLost
 from dockd.peer import Peer
 
 if TYPE_CHECKING:
+    from dockd.controller.membership import WarehouseEntry
+    from dockd.controller.partition import _Partition
     from dockd.controller.service import ControllerService
 
 logger = logging.getLogger(__name__)
@@ -42,9 +45,22 @@ class WarehouseCalls:
         self.svc = svc
         self._frees_soon = False
 
-    def _live(self, wid: int):
+    def _live(self, wid: int) -> WarehouseEntry | None:
         entry = self.svc.members.get(wid)
         return entry if entry is not None and entry.alive else None
+
+    @property
+    def _local(self) -> LocalWarehouse:
+        """The warehouse in this process (a member is local only when there is one)."""
+        local = self.svc.local
+        assert local is not None
+        return local
+
+    @staticmethod
+    def _peer(entry: WarehouseEntry) -> Peer:
+        """A live member's connection (one that is not local has one until it is away)."""
+        assert entry.peer is not None
+        return entry.peer
 
     # -- frees --------------------------------------------------------------------------------
     def schedule_frees(self) -> None:
@@ -62,10 +78,11 @@ class WarehouseCalls:
                 if entry is None:
                     continue
                 if entry.local:
-                    self._freed(partition, wid, self.svc.local.free(partition, idx))
+                    self._freed(partition, wid, self._local.free(partition, idx))
                     continue
-                fut = entry.peer.request(pb.Frame(free=pb.FreeRequest(partition=partition, indexes=idx.tolist())))
-                fut.add_done_callback(lambda f, p=partition, w=wid: self._remote_freed(p, w, f))
+                req = pb.FreeRequest(partition=partition, indexes=idx.tolist())
+                fut = self._peer(entry).request(pb.Frame(free=req))
+                fut.add_done_callback(functools.partial(self._remote_freed, partition, wid))
 
     def _remote_freed(self, partition: str, wid: int, fut: asyncio.Future) -> None:
         if fut.cancelled() or fut.exception() is not None:
@@ -89,9 +106,9 @@ class WarehouseCalls:
             if not entry.alive:
                 continue
             if entry.local:
-                self.svc.local.free(partition)
+                self._local.free(partition)
             else:
-                remote.append(entry.peer.request(pb.Frame(free=pb.FreeRequest(partition=partition))))
+                remote.append(self._peer(entry).request(pb.Frame(free=pb.FreeRequest(partition=partition))))
         wait = [asyncio.ensure_future(asyncio.wait_for(r, self.svc.daemon_timeout)) for r in remote]
         for res in await asyncio.gather(*wait, return_exceptions=True):
             if isinstance(res, BaseException):
@@ -103,11 +120,11 @@ class WarehouseCalls:
         if entry is None:
             raise DockDataLost(f"warehouse {wid} is not reachable")
         if entry.local:
-            return await self.svc.local.dump(req)
-        reply, _ = await entry.peer.request(pb.Frame(dump=req))
+            return await self._local.dump(req)
+        reply, _ = await self._peer(entry).request(pb.Frame(dump=req))
         return reply.dump_reply
 
-    async def measure(self, part, column: str, idx: np.ndarray) -> np.ndarray:
+    async def measure(self, part: _Partition, column: str, idx: np.ndarray) -> np.ndarray:
         """Per sample of idx, the number in `column` (or a tensor's numel), asked of the warehouses holding it."""
         locs = part.loc[column][idx]
         out = np.empty(len(idx), dtype=np.float64)
@@ -119,10 +136,10 @@ class WarehouseCalls:
                 raise DockDataLost(f"column {column!r} of samples {idx[sel][:8].tolist()} of partition {part.name!r} "
                                    f"is on warehouse {wid}, which is not reachable; cannot balance by it")
             if entry.local:
-                out[sel] = self.svc.local.measure(part.name, column, idx[sel])
+                out[sel] = self._local.measure(part.name, column, idx[sel])
             else:
                 req = pb.MeasureRequest(partition=part.name, column=column, indexes=idx[sel].tolist())
-                asks.append((sel, entry.peer.request(pb.Frame(measure=req))))
+                asks.append((sel, self._peer(entry).request(pb.Frame(measure=req))))
         for sel, fut in asks:
             reply, _ = await asyncio.wait_for(fut, self.svc.daemon_timeout)
             out[sel] = reply.measure_reply.values

@@ -26,7 +26,8 @@ class Inventory:
     columns: dict[str, np.ndarray]
 
 
-def check_lost(cat: Catalog, part: _Partition, cons: _Consumer, columns, idx, locs) -> None:
+def check_lost(cat: Catalog, part: _Partition, cons: _Consumer, columns: Sequence[str], idx: np.ndarray,
+               locs: np.ndarray) -> None:
     dead = np.isin(locs, np.fromiter(cat.dead_warehouses, dtype=np.uint16))
     if not dead.any():
         return
@@ -111,8 +112,8 @@ def rejoin(cat: Catalog, warehouse: int, inventory: Mapping[str, Inventory], *, 
             if held is not None:
                 part.nbytes[warehouse] = held.nbytes
                 if part.deleted:  # samples deleted while it was away: it frees them now
-                    ix = [np.asarray(v, dtype=np.int64) for v in held.columns.values()]
-                    stale = np.unique(np.concatenate(ix)) if ix else np.empty(0, dtype=np.int64)
+                    held_idx = [np.asarray(v, dtype=np.int64) for v in held.columns.values()]
+                    stale = np.unique(np.concatenate(held_idx)) if held_idx else np.empty(0, dtype=np.int64)
                     stale = stale[stale < part.size]
                     stale = stale[part.gone[stale]]
                     if len(stale):
@@ -123,13 +124,15 @@ def rejoin(cat: Catalog, warehouse: int, inventory: Mapping[str, Inventory], *, 
         return drop
     cat._samples = None
     for name, held in inventory.items():
-        part = cat.partitions.get(name)
-        if part is None:
+        found = cat.partitions.get(name)
+        if found is None:
             part = cat.partitions[name] = _Partition(name, held.group_size or 1)
-        elif part.group_size != (held.group_size or 1):
+        elif found.group_size != (held.group_size or 1):
             logger.error("[controller] warehouse %d holds partition %r with groups of %d, but the dock has groups "
-                         "of %d; its copy is ignored", warehouse, name, held.group_size, part.group_size)
+                         "of %d; its copy is ignored", warehouse, name, held.group_size, found.group_size)
             continue
+        else:
+            part = found
         part.recovered = True
         top = max((int(ix[-1]) + 1 for ix in held.columns.values() if len(ix)), default=0)
         top = -(-top // part.group_size) * part.group_size

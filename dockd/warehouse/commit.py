@@ -98,8 +98,8 @@ class RemoteCommitter:
         try:
             if f.cancelled():
                 then(DockConnectionError("commit cancelled"), False)
-            elif f.exception() is not None:
-                then(f.exception(), False)
+            elif (exc := f.exception()) is not None:
+                then(exc, False)
             else:
                 then(f.result(), entry[1])
         finally:

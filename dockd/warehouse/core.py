@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -46,6 +47,11 @@ import pyarrow as pa
 from dockd._proto import dockd_pb2 as pb
 from dockd.codec import ITEMSIZE
 from dockd.errors import DockFull, DockNotFound, DockValueError
+
+if TYPE_CHECKING:
+    import torch
+
+Indexes = Sequence[int] | np.ndarray
 
 COMPACT_MIN = 64 << 10  # bytes of a put's body from which deletes compact it (smaller ones wait for all)
 META_PUT = 1024   # bytes of bookkeeping a put costs (objects per put and run; ~900 measured for one value)
@@ -76,7 +82,7 @@ class _Batch:
                  "keys", "order", "body")
 
     def __init__(self, run: pb.Run, data: pa.Buffer | None, segment: object, rows: np.ndarray, body: _Body | None = None,
-                 device=None) -> None:
+                 device: torch.Tensor | None = None) -> None:
         self.body = body
         self.device = device  # device tier: the run's bytes as a uint8 tensor (then data is None)
         self.kind = run.kind
@@ -126,6 +132,7 @@ class _Batch:
         """Rows of samples `idx` (all stored in this batch)."""
         if self.order is None:
             return idx - self.first
+        assert self.keys is not None  # (set together with order)
         return self.order[np.searchsorted(self.keys, idx)].astype(np.int64)
 
     def span(self, r0: int, r1: int) -> tuple[int, int]:
@@ -137,6 +144,7 @@ class _Batch:
     def host(self, lo: int, n: int) -> pa.Buffer:
         """Bytes [lo, lo + n) in host memory (a view; a copy for a device-tier batch)."""
         if self.device is None:
+            assert self.data is not None  # (a batch's bytes are in data or on the device)
             return self.data if lo == 0 and n == self.data.size else self.data.slice(lo, n)
         return pa.py_buffer(self.device[lo : lo + n].cpu().numpy())
 
@@ -171,6 +179,12 @@ class _Column:
         ok[ok] = self.batch_of[idx[ok]] >= 0
         return ok
 
+    def batch(self, bid: int) -> _Batch:
+        """A batch that batch_of names (one whose values are all deleted is named nowhere)."""
+        b = self.batches[bid]
+        assert b is not None
+        return b
+
 
 class _Part:
     __slots__ = ("columns", "nbytes", "meta", "dead", "device_nbytes", "group_size", "segments")
@@ -185,7 +199,7 @@ class _Part:
         self.segments: list = []  # shared-memory segments its puts landed in
 
 
-def _idx(indexes) -> np.ndarray:
+def _idx(indexes: Indexes) -> np.ndarray:
     return np.asarray(indexes, dtype=np.int64).reshape(-1)
 
 
@@ -248,7 +262,7 @@ class Warehouse:
             if not req.columns:
                 raise DockValueError("a put needs at least one column")
             counts = {c.name: sum(r.count for r in c.runs) for c in req.columns}
-            n = next(iter(counts.values()))
+            n: int = next(iter(counts.values()))
             if n == 0 or any(v != n for v in counts.values()):
                 raise DockValueError(f"every column needs the same positive number of values, got {counts}")
         else:
@@ -270,7 +284,7 @@ class Warehouse:
                 raise DockValueError(f"{n} new samples is not a multiple of group_size={gs}")
         return n
 
-    def check_absent(self, partition: str, indexes: Sequence[int], columns: Iterable[str]) -> None:
+    def check_absent(self, partition: str, indexes: Indexes, columns: Iterable[str]) -> None:
         part = self.parts.get(partition)
         if part is None:
             return
@@ -285,8 +299,9 @@ class Warehouse:
                         "a sample's column is written once"
                     )
 
-    def store(self, partition: str, indexes: Sequence[int], columns: Sequence[pb.ColumnData], body: pa.Buffer | None,
-              nbytes: int, segment: object = None, group_size: int = 0, device: Sequence | None = None) -> None:
+    def store(self, partition: str, indexes: Indexes, columns: Sequence[pb.ColumnData], body: pa.Buffer | None,
+              nbytes: int, segment: object = None, group_size: int = 0,
+              device: Sequence[torch.Tensor] | None = None) -> None:
         """Keep each run as a batch (a slice of body, or of `device[k - 1]` for a run in device
         buffer k: the warehouse's own copies, whose bytes `device_reserve` reserved) and file its
         rows under the indexes; uses the reservations."""
@@ -311,8 +326,11 @@ class Warehouse:
                 dev = None
                 if run.device_buffer:
                     data, dev = None, device[run.device_buffer - 1][run.offset : run.offset + run.nbytes]
+                elif run.nbytes:
+                    assert body is not None  # (a put with bytes on the host has a body)
+                    data = body.slice(run.offset, run.nbytes)
                 else:
-                    data = body.slice(run.offset, run.nbytes) if run.nbytes else pa.py_buffer(b"")
+                    data = pa.py_buffer(b"")
                 rows = idx[k : k + run.count]
                 col.batch_of[rows] = len(col.batches)
                 owner.batches.append((c.name, len(col.batches)))  # (names, not objects: no reference cycle)
@@ -329,7 +347,7 @@ class Warehouse:
         part.device_nbytes += device_nbytes
 
     # -- reads and frees -----------------------------------------------------------------------
-    def fetch(self, partition: str, wanted: Sequence[tuple[str, Sequence[int]]]) -> list[tuple[str, list[tuple]]]:
+    def fetch(self, partition: str, wanted: Sequence[tuple[str, Indexes]]) -> list[tuple[str, list[tuple]]]:
         """For each (column, indexes): the stored slices holding them, in order, as (batch, row, row_end)."""
         part = self.parts.get(partition)
         if part is None:
@@ -343,7 +361,7 @@ class Warehouse:
                 raise DockNotFound(
                     f"column {name!r} of samples {idx[~ok][:8].tolist()} of partition {partition!r} is not in this warehouse"
                 )
-            out.append((name, self._slices(col, idx)))
+            out.append((name, self._slices(col, idx) if col is not None else []))  # (None: idx is empty)
         return out
 
     @staticmethod
@@ -353,26 +371,26 @@ class Warehouse:
             return []
         b = col.batch_of[idx]
         if b[0] == b[-1] and (b == b[0]).all():  # the common case: all from one put
-            r = col.batches[int(b[0])].rows(idx)
+            r = col.batch(int(b[0])).rows(idx)
         else:
             bs = np.unique(b)
             r = np.empty(len(idx), dtype=np.int64)
             for bid in bs.tolist():
                 sel = b == bid
-                r[sel] = col.batches[bid].rows(idx[sel])
+                r[sel] = col.batch(bid).rows(idx[sel])
         breaks = np.flatnonzero((b[1:] != b[:-1]) | (r[1:] != r[:-1] + 1)) + 1
         starts = np.concatenate(([0], breaks)).tolist()
         ends = np.concatenate((breaks, [len(idx)])).tolist()
         bl, rl = b.tolist(), r.tolist()
         return [(col.batches[bl[s]], rl[s], rl[e - 1] + 1) for s, e in zip(starts, ends)]
 
-    def has(self, partition: str, wanted: Sequence[tuple[str, Sequence[int]]]) -> bool:
+    def has(self, partition: str, wanted: Sequence[tuple[str, Indexes]]) -> bool:
         part = self.parts.get(partition)
         if part is None:
             return False
         return all(c in part.columns and bool(part.columns[c].present(_idx(idx)).all()) for c, idx in wanted)
 
-    def free_samples(self, partition: str, indexes: Sequence[int]) -> tuple[int, list]:
+    def free_samples(self, partition: str, indexes: Indexes) -> tuple[int, list]:
         """Delete samples (all their columns). Returns the bytes released and the segments no
         longer used. A put's body goes once all of its samples are deleted; before that, once
         deleted values make up half of a body of COMPACT_MIN bytes or more, its live values are
@@ -477,13 +495,13 @@ class Warehouse:
         self.freed += nbytes
 
     @staticmethod
-    def _unlink_segment(part: _Part, body: _Body):
+    def _unlink_segment(part: _Part, body: _Body) -> object:
         if body.segment is not None and body.segment in part.segments:
             part.segments.remove(body.segment)
             return body.segment
         return None
 
-    def measure(self, partition: str, column: str, indexes: Sequence[int]) -> np.ndarray:
+    def measure(self, partition: str, column: str, indexes: Indexes) -> np.ndarray:
         """Per sample: the column's value when it holds numbers (one per sample), else its size
         (elements of the tensor; a ragged tensor's own length times its row size)."""
         import torch

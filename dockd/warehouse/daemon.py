@@ -140,6 +140,7 @@ class Node:
             self.link = ControllerLink(self.cfg.join, make_peer=self.listeners.make_link_peer, registration=reg,
                                        inventory=self.warehouse.inventory, on_drop=self.admission.free,
                                        grace=self.cfg.controller_grace)
+            assert isinstance(self.committer, RemoteCommitter)  # (a node without a controller commits over its link)
             self.committer.link = self.link
             await self.link.start(self.cfg.join_timeout)
         from dockd.warehouse.admin import start_grpc
@@ -165,6 +166,7 @@ class Node:
         )
 
     async def serve_until_stopped(self) -> None:
+        assert self._stopping is not None  # (made by start)
         await self._stopping.wait()
         await self.stop()
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import random
 import socket
@@ -76,7 +77,7 @@ class ControllerLink:
 
     def __init__(self, address: str, *, make_peer: Callable[[], Peer], registration: pb.RegisterWarehouse,
                  inventory: Callable[[list[pb.CommitRequest]], list[pb.InventoryPartition]],
-                 on_drop: Callable[[str], None], grace: float) -> None:
+                 on_drop: Callable[[str], object], grace: float) -> None:
         host, _, port = address.rpartition(":")
         self.address, self.host, self.port = address, host, int(port)
         self.make_peer = make_peer
@@ -141,6 +142,7 @@ class ControllerLink:
                 delay = min(delay * 2, BACKOFF_MAX)
                 continue
             self.peer, self._lost = peer, asyncio.Event()
+            assert peer.authed is not None  # (an outgoing connection's, made once it connected)
             try:
                 await asyncio.wait_for(peer.authed, 10.0)
                 await self._register(peer)
@@ -218,9 +220,10 @@ class ControllerLink:
         return fut
 
     def _send(self, p: _Pending) -> None:
+        assert self.peer is not None  # (sent once joined: connected)
         p.req.warehouse = self.wid
         p.sent = self.peer.request(pb.Frame(commit=p.req))
-        p.sent.add_done_callback(lambda f, p=p: self._committed(p, f))
+        p.sent.add_done_callback(functools.partial(self._committed, p))
 
     def answered(self, put_id: int) -> bool:
         """Whether the controller's answer to commit `put_id` has been read from the connection (its

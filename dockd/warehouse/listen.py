@@ -20,6 +20,7 @@ import resource
 import secrets
 import socket
 from collections.abc import Callable
+from pathlib import Path
 
 from dockd import auth, shm
 from dockd.config import NodeConfig
@@ -48,7 +49,7 @@ class Keys:
             daemon = bytes.fromhex(env) if env else (secrets.token_bytes(32) if cfg.controller else None)
         self.daemon = daemon  # a joining warehouse without one reads its controller's secret file
         self.server_auth = auth.ServerAuth(client_key=self.token, daemon_key=daemon)
-        self._secret_file = None
+        self._secret_file: Path | None = None
         self._no_daemon_key_warned = False
 
     @property
@@ -156,9 +157,11 @@ class Listeners:
                         self.cfg.max_connections)
 
     def _accept_unix(self) -> None:
+        sock = self._unix
+        assert sock is not None  # (the reader of the socket listen_unix made)
         while True:
             try:
-                conn, _ = self._unix.accept()
+                conn, _ = sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:  # out of descriptors or memory: pause accepting instead of spinning on it
@@ -166,7 +169,7 @@ class Listeners:
                 _refusals.log(logger, logging.WARNING, "[node] same-host accept failed (%s); accepting again in %.2fs",
                               e, self._accept_delay)
                 loop = asyncio.get_running_loop()
-                loop.remove_reader(self._unix.fileno())
+                loop.remove_reader(sock.fileno())
                 loop.call_later(self._accept_delay, self._resume_accept)
                 return
             self._accept_delay = 0.0

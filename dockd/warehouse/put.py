@@ -229,6 +229,7 @@ class _Tokens:
         if done is not None:
             peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=done)))
         else:
+            assert waiting is not None  # (seen: done, or still running)
             waiting.append((peer, frame))
         return True
 
@@ -242,6 +243,7 @@ class _Tokens:
             else:
                 peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=indexes)))
         if exc is None:
+            assert indexes is not None  # (a put that succeeded has its indexes)
             self._done[token] = indexes
             if len(self._done) > PUT_TOKENS_KEPT:
                 self._done.popitem(last=False)

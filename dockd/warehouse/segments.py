@@ -28,6 +28,7 @@ import collections
 import logging
 import os
 import weakref
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -58,7 +59,8 @@ class Segments:
             (the daemon's event loop watches a pidfd); may be None (no watching).
     """
 
-    def __init__(self, *, keep_bytes: int, keep_count: int = 1 << 30, watch=None) -> None:
+    def __init__(self, *, keep_bytes: int, keep_count: int = 1 << 30,
+                 watch: Callable[[int, Callable[[], None]], object] | None = None) -> None:
         self.keep_bytes = keep_bytes
         self.keep_count = keep_count
         self.idle_count = 0
@@ -71,7 +73,8 @@ class Segments:
         self._freed: dict[int, shm.Segment] = {}  # data gone, waiting for its pins
         self.pins: dict[int, collections.Counter] = {}  # pid -> sid -> descriptors lent
         self._pinned: collections.Counter = collections.Counter()  # sid -> all pins
-        self._staging: dict[int, collections.OrderedDict] = {}  # pid -> staging id -> read-only mapping
+        # pid -> staging id -> read-only mapping
+        self._staging: dict[int, collections.OrderedDict[int, np.ndarray]] = {}
         self._conns: collections.Counter = collections.Counter()  # pid -> its open same-host connections
         self.created = self.reused = 0
 
@@ -146,16 +149,16 @@ class Segments:
             held[seg.sid] += 1
             self._pinned[seg.sid] += 1
 
-    def hold(self, segs) -> None:
+    def hold(self, segs: Iterable[shm.Segment]) -> None:
         """Keep segments from being reused while the warehouse itself reads them (a checkpoint)."""
         for seg in segs:
             self._pinned[seg.sid] += 1
 
-    def unhold(self, segs) -> None:
+    def unhold(self, segs: Iterable[shm.Segment]) -> None:
         for seg in segs:
             self._drop_pin(seg.sid, 1)
 
-    def unpin(self, pid: int | None, sids) -> None:
+    def unpin(self, pid: int | None, sids: Iterable[int]) -> None:
         """Process `pid` no longer maps these segments (once per descriptor it was lent)."""
         held = self.pins.get(pid) if pid is not None else None
         if held is None:
