@@ -65,6 +65,28 @@ def test_a_model_parallel_share_is_taken_once_every_reader_confirmed():
     assert c.partitions["p"].consumers["t"].state[0] == TAKEN
 
 
+def test_a_stalled_model_parallel_rank_confirms_a_share_whose_round_was_forgotten():
+    # Data-parallel rank 0 runs more than ROUNDS_KEPT steps ahead of rank 1: the round of rank 1's first
+    # share is forgotten, and its confirms must still take the share (they raised TypeError once).
+    from dockd.controller.rounds import ROUNDS_KEPT
+
+    steps = ROUNDS_KEPT + 5
+    c = _core(2 * steps + 2)
+
+    def share(dp, mp, step=None):
+        return c.share("p", "t", ["x"], 1, dp_rank=dp, dp_size=2, mp_rank=mp, mp_size=2, owner=b"r%d%d" % (dp, mp),
+                       step=step)
+
+    late = [share(1, mp) for mp in (0, 1)]
+    assert late[0].lease == late[1].lease and late[0].step == 0
+    for _ in range(steps):
+        ahead = [share(0, mp) for mp in (0, 1)]
+        assert not c.confirm(ahead[0].lease, 0) and c.confirm(ahead[1].lease, 1)
+    assert not c.confirm(late[0].lease, 0)
+    assert c.confirm(late[1].lease, 1)
+    assert c.partitions["p"].consumers["t"].state[late[0].indexes[0]] == TAKEN
+
+
 def test_an_expired_share_is_replaced_from_the_pool():
     c = _core(8)
     s0 = c.share("p", "t", ["x"], 2, dp_rank=0, dp_size=2, now=0.0, lease_timeout=1.0)
