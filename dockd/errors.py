@@ -72,6 +72,10 @@ class DockClosed(DockError):
 class DockConnectionError(DockError, ConnectionError):
     """A daemon could not be reached or closed the connection."""
 
+    refused = False  # nothing listened at the address (yet): a starting daemon, or a wrong port
+    timed_out = False  # the daemon did not answer in time
+    retry = True  # another transport may still reach the daemon
+
 
 class DockAuthError(DockError):
     """The dock refused this connection or request: no token, a wrong token, or a request

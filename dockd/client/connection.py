@@ -67,7 +67,7 @@ class Connection:
                 f"cannot connect to dockd at {self.address}: {e.strerror or e}. Is `dockd serve` running there?"
             )
             # nothing listens (yet); a flag read by getattr, which dockd/errors.py does not declare:
-            err.refused = e.errno in (errno.ECONNREFUSED, errno.ENOENT)  # type: ignore[attr-defined]
+            err.refused = e.errno in (errno.ECONNREFUSED, errno.ENOENT)
             raise err from None
         self.sock.settimeout(None)  # blocking; reads wait in _recv_into (spin, then poll until the deadline)
         self._poll = select.poll()
@@ -323,7 +323,7 @@ def _no_answer(message: str) -> DockConnectionError:
     """A daemon that accepted the connection but did not answer in time (`timed_out`): unlike a
     refused or closed connection, it may be alive, only stopped or overloaded."""
     err = DockConnectionError(message)
-    err.timed_out = True  # type: ignore[attr-defined]  # a flag read by getattr; dockd/errors.py declares none
+    err.timed_out = True
     return err
 
 

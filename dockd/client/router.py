@@ -338,7 +338,7 @@ class Router:
                 return attempt()
             except DockConnectionError as e:
                 cause = e
-                refused += bool(getattr(e, "refused", False))
+                refused += e.refused
             took = time.monotonic() - started
             if refused_s is not None and refused == tries and took >= refused_s:
                 raise DockConnectionError(

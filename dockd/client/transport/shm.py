@@ -75,7 +75,7 @@ class ShmTransport(Transport):
                 f"is at its open-file limit ({soft}). Raise it (ulimit -n) or close files it no longer needs."
             )
             # a limit of this process, not a daemon that went away: re-sending would fail again
-            err.retry = False  # type: ignore[attr-defined]  # a flag read by getattr; dockd/errors.py declares none
+            err.retry = False
             raise err
         return n
 
