@@ -27,7 +27,6 @@ import asyncio
 import gc
 import json
 import logging
-import os
 import secrets
 import signal
 import sys
@@ -152,10 +151,11 @@ class Node:
             self._metrics_server = MetricsServer(figures)
             await self._metrics_server.start(self.cfg.metrics_host, self.cfg.metrics_port)
             self.metrics_port = self._metrics_server.port
+        room = f" capacity={self.cfg.capacity}" if self.cfg.warehouse else ""  # a controller-only node stores nothing
         logger.info(
-            "[node] serving address=%s:%d grpc_port=%d metrics_port=%s controller=%s warehouse=%d capacity=%d "
-            "state_dir=%s", self.cfg.host, self.port, self.grpc_port, self.metrics_port or "-",
-            self.controller is not None, self.wid, self.cfg.capacity, self.cfg.state_dir or "-",
+            "[node] serving address=%s:%d grpc_port=%d metrics_port=%s controller=%s warehouse=%d%s state_dir=%s",
+            self.cfg.host, self.port, self.grpc_port, self.metrics_port or "-", self.controller is not None, self.wid,
+            room, self.cfg.state_dir or "-",
         )
 
     def ready_line(self) -> str:
@@ -342,8 +342,7 @@ def serve(cfg: NodeConfig, *, announce=sys.stdout) -> int:
 
     torch.set_num_threads(1)
 
-    logger.info("[node] starting version=%s python=%s torch=%s pid=%d", __version__, sys.version.split()[0],
-                torch.__version__, os.getpid())
+    logger.info("[node] starting version=%s python=%s torch=%s", __version__, sys.version.split()[0], torch.__version__)
 
     async def main() -> int:
         node = Node(cfg)
