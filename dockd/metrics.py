@@ -57,6 +57,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from dockd._version import __version__
+from dockd.controller.acquiring import STALENESS_BUCKETS
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -234,8 +235,10 @@ def _warehouse_families(w: WarehouseUsage, m: Metrics, device_links: int) -> Ite
 
 
 def _controller_families(ctl: ControllerService) -> Iterator[Metric]:
+    """The controller's figures, from what its stats() reports to clients and its counters."""
+    st = ctl.stats()
     states = {"joined": 0, "unresponsive": 0, "rejoining": 0, "lost": 0, "left": 0}
-    for info in ctl.warehouse_infos(usage=False):
+    for info in st.warehouses:
         state = info.state or "joined"
         states[state] = states.get(state, 0) + 1
     fam = GaugeMetricFamily("dockd_warehouses", "warehouses known to the controller, by state", labels=["state"])
@@ -243,19 +246,16 @@ def _controller_families(ctl: ControllerService) -> Iterator[Metric]:
         fam.add_metric([state], n)
     yield fam
     waiting: dict[str, int] = {}
-    for ws in ctl.waiters.values():
-        for w in ws:
-            c = w.frame.acquire.consumer
-            waiting[c] = waiting.get(c, 0) + 1
+    for (_, consumer), n in ctl.waiting_by_consumer().items():
+        waiting[consumer] = waiting.get(consumer, 0) + n
     fam = GaugeMetricFamily("dockd_waiters", "gets blocked in the controller, by consumer", labels=["consumer"])
     for c, n in sorted(waiting.items()):
         fam.add_metric([c], n)
     yield fam
     yield CounterMetricFamily("dockd_leases_expired", "leases that expired unconfirmed (their samples went back)",
                               value=ctl.leases_expired)
-    parts = ctl.core.partitions
-    yield GaugeMetricFamily("dockd_partitions", "partitions the controller holds", value=len(parts))
-    shown = list(parts.values())[-MAX_PARTITIONS:]
+    yield GaugeMetricFamily("dockd_partitions", "partitions the controller holds", value=len(st.partitions))
+    shown = list(st.partitions)[-MAX_PARTITIONS:]
     samples = GaugeMetricFamily("dockd_partition_samples", "samples in a partition (the most recent "
                                 f"{MAX_PARTITIONS} partitions)", labels=["partition"])
     taken = GaugeMetricFamily("dockd_consumer_taken_samples", "samples a consumer has taken for good",
@@ -277,23 +277,21 @@ def _controller_families(ctl: ControllerService) -> Iterator[Metric]:
                                 "them stale (retire_stale)", labels=["partition"])
     paced = GaugeMetricFamily("dockd_paced_puts_waiting", "puts waiting for the partition's consumers (max_pending)",
                               labels=["partition"])
-    for part in shown:
-        version.add_metric([part.name], part.version)
-        pending.add_metric([part.name], part.pending())
-        stale.add_metric([part.name], int(part.stale_mask().sum()))
-        retired.add_metric([part.name], part.stale_retired)
-        paced.add_metric([part.name], len(ctl.paced.get(part.name, ())))
-        samples.add_metric([part.name], part.size)
-        deleted.add_metric([part.name], part.deleted)
-        for name, cons in part.consumers.items():
-            taken.add_metric([part.name, name], cons.taken)
-            leased.add_metric([part.name, name], cons.leased)
-            ready.add_metric([part.name, name], part.ready_for(cons))
+    for ps in shown:
+        version.add_metric([ps.name], ps.version)
+        pending.add_metric([ps.name], ps.pending)
+        stale.add_metric([ps.name], ps.stale)
+        retired.add_metric([ps.name], ps.stale_retired)
+        paced.add_metric([ps.name], ps.paced)
+        samples.add_metric([ps.name], ps.samples)
+        deleted.add_metric([ps.name], ps.deleted)
+        for cs in ps.consumers:
+            taken.add_metric([ps.name, cs.name], cs.taken)
+            leased.add_metric([ps.name, cs.name], cs.leased)
+            ready.add_metric([ps.name, cs.name], cs.ready)
     yield from (samples, deleted, taken, leased, ready, version, pending, stale, retired, paced)
     yield CounterMetricFamily("dockd_paced_puts", "puts that waited for their partition's consumers (max_pending)",
                               value=ctl.paced_total)
-    from dockd.controller.service import STALENESS_BUCKETS
-
     hist = HistogramMetricFamily("dockd_sample_staleness", "the trainer's policy version minus the version of each "
                                  "sample handed out (partitions with versions)")
     run, buckets = 0, []

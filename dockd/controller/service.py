@@ -93,6 +93,10 @@ class ControllerService:
         """partition -> the puts waiting for its consumers (max_pending)."""
         return self.pacer.paced
 
+    def waiting_by_consumer(self) -> dict[tuple[str, str], int]:
+        """(partition, consumer) -> gets waiting for data (the partition may not exist yet)."""
+        return self.waiting.by_consumer()
+
     @property
     def paced_total(self) -> int:
         return self.pacer.total
