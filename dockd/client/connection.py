@@ -354,16 +354,6 @@ class Pool:
         """The transport's name, as logs, stats and metrics give it ("shm", "tcp", ...)."""
         return self.via.name
 
-    @property
-    def unix(self) -> str:
-        """The daemon's same-host socket name when this pool uses it, else ""."""
-        return getattr(self.via, "socket_name", "")
-
-    @property
-    def staging(self):
-        """The same-host transport's staging buffers (None on others)."""
-        return getattr(self.via, "staging", None)
-
     def get(self, timeout: float | None = None) -> Connection:
         """An idle connection, or a new one (made within `timeout` seconds, at most connect_timeout)."""
         with self._lock:

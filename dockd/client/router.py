@@ -35,7 +35,7 @@ from typing import TypeVar
 
 from dockd import wire
 from dockd._proto import dockd_pb2 as pb
-from dockd.client.connection import Connection, Credentials, Pool, call_on, timed_out  # noqa: F401 - call_on: also here
+from dockd.client.connection import Connection, Credentials, Pool, timed_out
 from dockd.client.transport import Context, Endpoint, Transport, candidates, is_local
 from dockd.errors import DockClosed, DockConnectionError, DockValueError
 

@@ -72,7 +72,7 @@ def test_a_reply_cannot_smuggle_a_body_past_capacity(node, raw, proc_stats):
 def test_descriptors_sent_without_frames_close_the_connection(node, proc_stats):
     address, pid = node
     with dockd.connect(address) as d:
-        unix = d._router.ctrl.unix
+        unix = d._router.ctrl.via.endpoint.unix
     base = proc_stats(pid)["fds"]
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(shm.unix_address(unix))
@@ -271,7 +271,7 @@ def test_descriptors_sent_ahead_share_one_budget_and_new_clients_still_get_in(pr
     spun on EMFILE. Descriptors in flight now share one budget (an eighth of the limit)."""
     with serving("--controller", "--port", "0", prefix=["prlimit", "--nofile=256:256"]) as (address, proc):
         with dockd.connect(address) as d:
-            unix = d._router.ctrl.unix
+            unix = d._router.ctrl.via.endpoint.unix
         conns, closed = [], 0
         for _ in range(24):  # 24 x 10 descriptors: far past what 256 descriptors hold with the rest
             c = raw(address, unix=unix)

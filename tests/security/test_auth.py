@@ -231,7 +231,7 @@ def test_the_same_host_socket_refuses_other_users(cluster, client):
     if os.geteuid() != 0:
         pytest.skip("needs root to run a client as another user")
     with dockd.connect(cluster.address) as d:
-        unix = d._router.ctrl.unix
+        unix = d._router.ctrl.via.endpoint.unix
     assert unix, "the controller serves a same-host socket"
     code = """
 import os, socket, sys

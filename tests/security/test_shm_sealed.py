@@ -14,7 +14,7 @@ import torch
 import dockd
 from dockd import shm
 from dockd._proto import dockd_pb2 as pb
-from dockd.client.router import call_on
+from dockd.client.connection import call_on
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(not shm.available(), reason="Linux shared memory only")]
 
@@ -28,7 +28,7 @@ def _refused(op) -> None:
 def test_readers_and_writers_cannot_change_stored_segments(cluster, partition):
     data = torch.arange(1 << 18, dtype=torch.int32).view(4, 1 << 16)  # 256 KiB per sample: passed by descriptor
     with dockd.connect(cluster.address, warehouse=0) as d:
-        assert d._router.pool(0).unix, "a same-host client uses shared memory"
+        assert d._router.pool(0).transport == "shm", "a same-host client uses shared memory"
         d.put({"x": data}, partition=partition)
         # a reader asks the warehouse itself, keeping the descriptors the reply carries
         req = pb.FetchRequest(partition=partition)
@@ -56,7 +56,7 @@ def test_a_writer_cannot_change_a_put_after_it(cluster, partition):
     with dockd.connect(cluster.address, warehouse=0) as d:
         data = torch.arange(1 << 18, dtype=torch.int32)  # 1 MiB: staged
         d.put({"x": [data]}, partition=partition)
-        staging = d._router.pool(0).staging
+        staging = d._router.pool(0).via.staging
         for buf in staging._free:  # scribble over every staging buffer the put could have used
             os.pwrite(buf.fd, b"\xff" * 4096, 0)
             _refused(lambda buf=buf: os.ftruncate(buf.fd, 0))  # and it cannot vanish under the warehouse
