@@ -17,7 +17,6 @@ import weakref
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.client.connection import call_on
 from dockd.client.lease import Lease
 from dockd.client.router import CallScope, Router
 from dockd.errors import DockConnectionError, DockError, DockLeaseError
@@ -45,7 +44,7 @@ class Confirms:
         """A controller request, re-sent after a reconnect if the connection drops. Pending
         confirms are delivered first, so the call sees this client's own gets applied."""
         self.send(self.take())
-        return self._router.controller(lambda pool: call_on(pool, frame, timeout=timeout, scope=scope),
+        return self._router.controller(lambda pool: pool.call(frame, timeout=timeout, scope=scope),
                                        deadline=deadline)
 
     # -- the queue -------------------------------------------------------------------------------
@@ -77,9 +76,9 @@ class Confirms:
         frame = pb.Frame(confirm=pb.ConfirmRequest(leases=leases))
         try:
             if retry:
-                reply, _, _ = self._router.controller(lambda pool: call_on(pool, frame))
+                reply, _, _ = self._router.controller(lambda pool: pool.call(frame))
             else:
-                reply, _, _ = call_on(self._router.ctrl, frame, timeout=self._connect_timeout)
+                reply, _, _ = self._router.ctrl.call(frame, timeout=self._connect_timeout)
         except BaseException:
             self.put_back(leases)
             raise
@@ -93,7 +92,7 @@ class Confirms:
         """Dock.confirm: DockLeaseError when the lease is gone or another client's without its ticket."""
         self.send(self.take())
         frame = pb.Frame(confirm=pb.ConfirmRequest(leases=[lease.id], tickets=[lease.ticket]))
-        reply, _, _ = self._router.controller(lambda pool: call_on(pool, frame))
+        reply, _, _ = self._router.controller(lambda pool: pool.call(frame))
         r = reply.confirm_reply
         if r.refused:
             raise DockLeaseError(f"lease {lease.id} belongs to another client: hand it over with its ticket")
@@ -112,7 +111,7 @@ class Confirms:
         frame = pb.Frame(confirm=pb.ConfirmRequest(leases=leases))
         limit = self._connect_timeout
         try:
-            reply, _, _ = self._router.controller(lambda pool: call_on(pool, frame, timeout=limit),
+            reply, _, _ = self._router.controller(lambda pool: pool.call(frame, timeout=limit),
                                                   deadline=time.monotonic() + limit)
         except DockConnectionError as e:
             logger.warning("[client] could not confirm lease=%d (%s); it goes out with the next request", lease.id, e)
@@ -139,7 +138,7 @@ class Confirms:
         frame = pb.Frame(release=pb.ReleaseRequest(lease=lease.id, ticket=lease.ticket))
         limit = self._connect_timeout
         try:
-            self._router.controller(lambda pool: call_on(pool, frame, timeout=limit), deadline=time.monotonic() + limit)
+            self._router.controller(lambda pool: pool.call(frame, timeout=limit), deadline=time.monotonic() + limit)
         except Exception as e:  # noqa: BLE001 - never mask the error that made the get fail
             logger.warning("[client] could not release lease=%d after a failed fetch: %s", lease.id, e)
 
@@ -148,7 +147,7 @@ class Confirms:
         nobody waits for (best effort: otherwise the lease expires)."""
         frame = pb.Frame(release=pb.ReleaseRequest(token=token))
         try:
-            call_on(self._router.ctrl, frame, timeout=self._connect_timeout)
+            self._router.ctrl.call(frame, timeout=self._connect_timeout)
         except BaseException as e:  # noqa: BLE001 - never mask the interruption itself
             logger.debug("[client] could not release an interrupted acquire: %s", e)
 

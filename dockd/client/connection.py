@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -354,6 +355,28 @@ class Pool:
         """The transport's name, as logs, stats and metrics give it ("shm", "tcp", ...)."""
         return self.via.name
 
+    def call(self, frame: pb.Frame, buffers: Sequence = (), size: int = 0, *, fds: Sequence[int] = (),
+             timeout: float | None = None, scope: Any = None,
+             stall: float | None = None) -> tuple[pb.Frame, np.ndarray, list[int]]:
+        """One request on a pooled connection (a broken or interrupted one is dropped, never reused).
+        `timeout` bounds making a connection (if none is idle) and the wait for the reply together;
+        `stall`: see Connection.call; `scope`: a CallScope that may cancel it. Segments the daemon lent
+        that this process no longer maps are reported with it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        conn = self.get(timeout)
+        unpins = self.via.take_unpins()
+        if unpins:
+            frame.unpin.extend(unpins)
+        try:
+            if scope is not None:
+                scope.enter(conn)
+            left = None if deadline is None else max(0.001, deadline - time.monotonic())
+            return conn.call(frame, buffers, size, fds=fds, timeout=left, stall=stall)
+        finally:
+            if scope is not None:
+                scope.leave(conn)
+            self.put(conn)
+
     def get(self, timeout: float | None = None) -> Connection:
         """An idle connection, or a new one (made within `timeout` seconds, at most connect_timeout)."""
         with self._lock:
@@ -390,25 +413,3 @@ class Pool:
         for c in conns:
             c.close()
         self.via.close()
-
-
-def call_on(pool: Pool, frame: pb.Frame, buffers=(), size: int = 0, *, fds=(), timeout: float | None = None,
-            scope=None, stall: float | None = None):
-    """One request on a pooled connection (a broken or interrupted one is dropped, never reused).
-    `timeout` bounds making a connection (if none is idle) and the wait for the reply together;
-    `stall`: see Connection.call; `scope`: a CallScope that may cancel it. Segments the daemon lent
-    that this process no longer maps are reported with it."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    conn = pool.get(timeout)
-    unpins = pool.via.take_unpins()
-    if unpins:
-        frame.unpin.extend(unpins)
-    try:
-        if scope is not None:
-            scope.enter(conn)
-        left = None if deadline is None else max(0.001, deadline - time.monotonic())
-        return conn.call(frame, buffers, size, fds=fds, timeout=left, stall=stall)
-    finally:
-        if scope is not None:
-            scope.leave(conn)
-        pool.put(conn)

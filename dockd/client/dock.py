@@ -29,12 +29,13 @@ import numpy as np
 
 from dockd import auth, wire
 from dockd._proto import dockd_pb2 as pb
+from dockd._ray.query import home_for
 from dockd.client import put as puts
 from dockd.client import stats as stats_
 from dockd.client import validate
 from dockd.client.batch import Batch
 from dockd.client.confirm import Confirms
-from dockd.client.connection import Credentials, call_on
+from dockd.client.connection import Credentials
 from dockd.client.fetch import Fetcher, maps_device, to_device
 from dockd.client.lease import Acquirer, Lease, acquire_request
 from dockd.client.links import ReaderLinks
@@ -394,7 +395,7 @@ class Dock:
         DockConnectionError when it cannot be reached."""
         frame = pb.Frame(hello=pb.Hello(client=self._name, protocol=wire.PROTOCOL_VERSION))
         t0 = time.perf_counter()
-        self._router.controller(lambda pool: call_on(pool, frame, timeout=self.connect_timeout),
+        self._router.controller(lambda pool: pool.call(frame, timeout=self.connect_timeout),
                                 deadline=time.monotonic() + self.connect_timeout)
         return time.perf_counter() - t0
 
@@ -498,9 +499,7 @@ def _ray_home(address: str, pinned, token):
     home) and the dock's token (unless one is given or set in the environment)."""
     if "ray" not in sys.modules or (pinned and token is not None):
         return None, token
-    from dockd import ray as dock_ray
-
-    prefer, ray_token = dock_ray.home_for(address)
+    prefer, ray_token = home_for(address)
     if token is None and not env("DOCKD_TOKEN") and not env("DOCKD_TOKEN_FILE"):
         token = ray_token
     return prefer, token

@@ -13,7 +13,7 @@ import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.client import validate
-from dockd.client.connection import Pool, call_on
+from dockd.client.connection import Pool
 from dockd.client.router import CallScope, Router
 from dockd.client.transport import Reply
 from dockd.errors import DockConnectionError, DockError, DockValueError
@@ -91,7 +91,7 @@ class Acquirer:
             if deadline is not None:  # a retry after a reconnect waits only for what is left
                 req.timeout = max(0.0, deadline - time.monotonic())
             used[:] = [pool]
-            return call_on(pool, pb.Frame(acquire=req), scope=scope,
+            return pool.call(pb.Frame(acquire=req), scope=scope,
                            timeout=None if timeout is None else req.timeout + 30.0)
 
         try:

@@ -14,7 +14,6 @@ import torch
 import dockd
 from dockd import shm
 from dockd._proto import dockd_pb2 as pb
-from dockd.client.connection import call_on
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(not shm.available(), reason="Linux shared memory only")]
 
@@ -33,7 +32,7 @@ def test_readers_and_writers_cannot_change_stored_segments(cluster, partition):
         # a reader asks the warehouse itself, keeping the descriptors the reply carries
         req = pb.FetchRequest(partition=partition)
         req.columns.add(name="x", indexes=[0, 1, 2, 3])
-        reply, _, fds = call_on(d._router.pool(0), pb.Frame(fetch=req))
+        reply, _, fds = d._router.pool(0).call(pb.Frame(fetch=req))
         assert fds, "large values come by descriptor"
         try:
             for fd in fds:

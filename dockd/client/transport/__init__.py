@@ -159,7 +159,6 @@ class Transport:
 
     # -- payloads ------------------------------------------------------------------------------
     def send_put(self, pool: Pool, put: Put) -> pb.Frame:
-        from dockd.client.connection import call_on
 
         req, body = put.req, put.body
         if put.kept:  # device memory is shared by handle on one node only: send it as bytes
@@ -170,13 +169,12 @@ class Transport:
                 _log.warning("[client] put(device='keep') to warehouse %s over %s (not the same node, or "
                              "DOCKD_TRANSPORT=tcp): its device columns are sent and stored as host bytes",
                              self.endpoint.warehouse, self.name.upper())
-        reply, _, _ = call_on(pool, pb.Frame(put=req), body.buffers, body.size)
+        reply, _, _ = pool.call(pb.Frame(put=req), body.buffers, body.size)
         return reply
 
     def fetch(self, pool: Pool, wid: int, req: pb.FetchRequest, device, timeout: float | None) -> Reply:
-        from dockd.client.connection import call_on
 
-        return Reply(*call_on(pool, pb.Frame(fetch=req), timeout=timeout, stall=timeout))
+        return Reply(*pool.call(pb.Frame(fetch=req), timeout=timeout, stall=timeout))
 
     def buffers(self, columns: Sequence[pb.ColumnData], reply: Reply, *, device=None,
                 shared: Sequence[pb.DeviceBuffer] = ()) -> dict[int, tuple[Any, int]]:

@@ -26,7 +26,6 @@ class DeviceLinkTransport(TcpTransport):
         return endpoint.warehouse is not None and ctx.links is not None
 
     def fetch(self, pool, wid: int, req: pb.FetchRequest, device, timeout: float | None) -> Reply:
-        from dockd.client.connection import call_on
 
         if device is None or not self.ctx.device_tier(wid):
             return super().fetch(pool, wid, req, device, timeout)
@@ -36,7 +35,7 @@ class DeviceLinkTransport(TcpTransport):
             device = torch.device(device.type, getattr(torch, device.type).current_device())
 
         def call(frame: pb.Frame):
-            return call_on(pool, frame, timeout=timeout, stall=timeout)
+            return pool.call(frame, timeout=timeout, stall=timeout)
 
         assert self.ctx.links is not None  # applies() chose this transport only where there are links
         return Reply(*self.ctx.links.fetch(wid, self.endpoint.host, device, req, call))

@@ -83,11 +83,10 @@ class ShmTransport(Transport):
     def send_put(self, pool, put: Put) -> pb.Frame:
         """Device columns go by handle (same node). A large body is copied into a warm staging buffer
         (the one copy here) and named; the warehouse copies it into its own storage before it answers."""
-        from dockd.client.connection import call_on
 
         req, body = put.req, put.body
         if body.size < shm.SHM_MIN_BODY:
-            reply, _, _ = call_on(pool, pb.Frame(put=req), body.buffers, body.size)
+            reply, _, _ = pool.call(pb.Frame(put=req), body.buffers, body.size)
             return reply
         buf = self.staging.take(body.size)
         try:
@@ -101,7 +100,7 @@ class ShmTransport(Transport):
             req.staging, req.shm_size = buf.id, body.size
             for attempt in (0, 1):
                 try:
-                    reply, _, _ = call_on(pool, pb.Frame(put=req), fds=[] if buf.registered else [buf.fd])
+                    reply, _, _ = pool.call(pb.Frame(put=req), fds=[] if buf.registered else [buf.fd])
                     break
                 except StagingUnknown:  # the warehouse dropped our registration (many buffers, a restart)
                     if attempt:
