@@ -37,12 +37,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dockd import config
+from dockd.device import Communicator
 from dockd.errors import DockConnectionError, DockError, DockTimeout, DockValueError
 
 if TYPE_CHECKING:
     import torch.distributed as dist
-
-    from dockd.device import Communicator
 
 READER, HOLDER = 0, 1
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
@@ -76,8 +75,6 @@ class Link:
         self._comm: Communicator | None = None       # nccl / hccl (None once closed)
         self._stream: Any = None                     # nccl / hccl, once joined: a torch.cuda / torch.npu Stream
         if backend != "gloo":
-            from dockd.device import Communicator
-
             self._comm = Communicator(backend)  # loads the library: DeviceLibraryNotFound when it is missing
 
     @classmethod
