@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
 import sys
 import time
 
-from dockd import limits
+from dockd import config, limits
 from dockd._version import __version__
 from dockd.errors import DockError, DockValueError
 
@@ -78,7 +77,7 @@ def _serve(args) -> int:
         controller=args.controller, warehouse=not args.no_warehouse, join=args.join or "",
         capacity=parse_size(args.capacity), device_capacity=parse_size(args.device_capacity), lease_timeout=args.lease_timeout, shm=not args.no_shm,
         state_dir=args.state_dir or "", join_timeout=args.join_timeout, controller_grace=args.controller_grace,
-        warehouse_grace=args.warehouse_grace, token_file=args.token_file or os.environ.get("DOCKD_TOKEN_FILE", ""),
+        warehouse_grace=args.warehouse_grace, token_file=args.token_file or config.env("DOCKD_TOKEN_FILE"),
         daemon_token_file=args.daemon_token_file or "", insecure=args.insecure, max_connections=args.max_connections,
         handshake_timeout=args.handshake_timeout, stall_timeout=args.stall_timeout, idle_timeout=args.idle_timeout,
         min_rate=parse_size(args.min_rate), max_samples=args.max_samples, checkpoint_root=args.checkpoint_root or "",

@@ -22,7 +22,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
-from dockd import auth, shm
+from dockd import auth, config, shm
 from dockd.config import NodeConfig
 from dockd.logutil import Throttle
 from dockd.peer import Handler, Peer
@@ -45,8 +45,8 @@ class Keys:
         self.token = auth.load_token(cfg.token_file) if cfg.token_file else None
         daemon = auth.load_token(cfg.daemon_token_file, "daemon token") if cfg.daemon_token_file else None
         if daemon is None and not self.no_roles:
-            env = os.environ.get("DOCKD_DAEMON_SECRET")
-            daemon = bytes.fromhex(env) if env else (secrets.token_bytes(32) if cfg.controller else None)
+            secret = config.env("DOCKD_DAEMON_SECRET")
+            daemon = bytes.fromhex(secret) if secret else (secrets.token_bytes(32) if cfg.controller else None)
         self.daemon = daemon  # a joining warehouse without one reads its controller's secret file
         self.server_auth = auth.ServerAuth(client_key=self.token, daemon_key=daemon)
         self._secret_file: Path | None = None
@@ -60,7 +60,7 @@ class Keys:
         """A controller's own secret goes to a file of its user's: warehouses started by hand on this
         host prove the daemon role with it."""
         if self.cfg.controller and self.daemon is not None and not self.cfg.daemon_token_file \
-                and not os.environ.get("DOCKD_DAEMON_SECRET"):
+                and not config.env("DOCKD_DAEMON_SECRET"):
             self._secret_file = auth.write_daemon_secret(port, self.daemon)
 
     def unpublish(self) -> None:

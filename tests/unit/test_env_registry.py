@@ -16,14 +16,6 @@ from dockd.config import ENV_VARS, FOREIGN_ENV
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NOT_VARIABLES = {"DOCKD_SHARD"}  # verl's dispatch mode named DOCKD_SHARD, not a variable
 
-# Modules still reading the environment themselves, each to be switched to dockd.config.env (the
-# variables they read are registered already); the test fails for any other module that reads it, and
-# for a listed one that no longer does, so this list only shrinks.
-NOT_YET_CONVERTED: set[str] = {
-    "dockd/cli.py",                              # DOCKD_TOKEN_FILE (serve's --token-file default)
-    "dockd/warehouse/listen.py",                 # DOCKD_DAEMON_SECRET
-    "dockd/trainer_plugins/verl/tq/client.py",   # TQ_CONTROLLER_GET_METADATA_TIMEOUT
-}
 
 
 def test_every_variable_the_code_names_is_registered():
@@ -115,17 +107,12 @@ def test_the_scan_tells_reads_from_writes():
 
 
 def test_only_config_reads_the_environment():
-    offenders: dict[str, list[str]] = {}
+    offenders: list[str] = []
     for path in sorted((ROOT / "dockd").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
         if "_proto" in path.parts or rel == "dockd/config.py":
             continue
-        reads = environment_reads(path.read_text())
-        if reads:
-            offenders[rel] = [f"{rel}:{line} {what}" for line, what in reads]
-    unexpected = [where for rel, lines in offenders.items() if rel not in NOT_YET_CONVERTED for where in lines]
-    assert not unexpected, ("read the environment through dockd.config.env (registering the variable in "
+        offenders += [f"{rel}:{line} {what}" for line, what in environment_reads(path.read_text())]
+    assert not offenders, ("read the environment through dockd.config.env (registering the variable in "
                             "ENV_VARS, or FOREIGN_ENV for another program's), not directly:\n  "
-                            + "\n  ".join(unexpected))
-    done = sorted(NOT_YET_CONVERTED - offenders.keys())
-    assert not done, f"these no longer read the environment themselves: drop them from NOT_YET_CONVERTED: {done}"
+                            + "\n  ".join(offenders))

@@ -8,13 +8,13 @@ work is in `dockd.trainer_plugins.verl.tq.consume`), and each one's ``async_`` f
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from dockd import config
 from dockd.trainer_plugins.verl.tq import runtime
 from dockd.trainer_plugins.verl.tq.checkpoint import load_checkpoint, save_checkpoint
 from dockd.trainer_plugins.verl.tq.kv import _keys
@@ -143,7 +143,7 @@ class DockTQClient:
         if batch_size is None or batch_size < 1:
             raise ValueError(f"get_meta needs a positive batch_size, got {batch_size!r}")
         polling = runtime._polling_mode if self.polling_mode is None else self.polling_mode
-        wait = 0.0 if polling else float(os.environ.get("TQ_CONTROLLER_GET_METADATA_TIMEOUT", "1"))
+        wait = 0.0 if polling else float(config.env("TQ_CONTROLLER_GET_METADATA_TIMEOUT", "1"))
         sampler = self.sampler or runtime._sampler
         if isinstance(sampler, SequentialSampler):
             meta = self._client.take(partition_id, task_name, list(data_fields), int(batch_size), wait)
