@@ -11,6 +11,8 @@ consumer marked.
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
 from typing import Any
 
@@ -143,10 +145,14 @@ def run(dock, *, address: str, watch: bool, interval: float, as_json: bool, cons
     prev = None
     last: dict[str, Any] | None = None
     live = None if as_json else Live(console=console, auto_refresh=False)
+    stop = threading.Event()
+    # Ctrl-C ends the loop between snapshots: a KeyboardInterrupt raised wherever the client happens
+    # to be (a finalizer, a cleanup) could be swallowed there and leave the watch running.
+    previous = _on_interrupt(stop.set)
     try:
         if live is not None:
             live.start()
-        while True:
+        while not stop.is_set():
             error = ""
             try:
                 snap = with_rates(snapshot(dock), prev)
@@ -159,9 +165,20 @@ def run(dock, *, address: str, watch: bool, interval: float, as_json: bool, cons
                 live.update(render(snap, address=address, error=error), refresh=True)
             else:
                 live.update(Text(f"unreachable: {error}", style="bold red"), refresh=True)
-            time.sleep(interval)
+            stop.wait(interval)
+        return 0
     except KeyboardInterrupt:
         return 0
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
         if live is not None:
             live.stop()
+
+
+def _on_interrupt(handler) -> Any:
+    """Call `handler` on SIGINT instead of raising KeyboardInterrupt; returns the handler it replaced
+    (None off the main thread, where signals cannot be set: Ctrl-C then raises as usual)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGINT, lambda signum, frame: handler())
