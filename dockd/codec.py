@@ -23,30 +23,83 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
-import torch
 
+from dockd._lazy import ensure, lazy_torch
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockProtocolError, DockTypeError, DockValueError
+
+if TYPE_CHECKING:
+    import torch
 
 ALIGN = 64
 _PAD = bytes(ALIGN)
 _CAT_BELOW = 1 << 20  # runs of smaller values are packed with one concatenation; larger ones go as they are
 
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
-        "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
-        "float8_e4m3fn", "float8_e5m2",
-    )
-    if hasattr(torch, name)
+# the dtypes a run may have, with their item sizes (torch >= 2.3 has every one of them)
+ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8, "complex128": 16,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
 }
-_NAMES = {dt: name for name, dt in DTYPES.items()}
-ITEMSIZE = {name: torch.empty(0, dtype=dt).element_size() for name, dt in DTYPES.items()}
+
+
+class _Dtypes(dict):
+    """name -> torch.dtype, filled when this module first uses torch. Indexing a filled entry is a
+    plain dict lookup; a miss, and reading the whole mapping, import torch first."""
+
+    def _filled(self) -> _Dtypes:
+        if not dict.__len__(self):
+            ensure(torch)
+        return self
+
+    def __missing__(self, key: str) -> torch.dtype:
+        if dict.__len__(self):
+            raise KeyError(key)
+        return self._filled()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return dict.__contains__(self._filled(), key)
+
+    def __iter__(self):
+        return dict.__iter__(self._filled())
+
+    def __len__(self) -> int:
+        return dict.__len__(self._filled())
+
+    def __repr__(self) -> str:
+        return dict.__repr__(self._filled())
+
+    def get(self, key, default=None):
+        return dict.get(self._filled(), key, default)
+
+    def keys(self):
+        return dict.keys(self._filled())
+
+    def values(self):
+        return dict.values(self._filled())
+
+    def items(self):
+        return dict.items(self._filled())
+
+
+DTYPES: dict[str, torch.dtype] = _Dtypes()
+# torch.dtype -> name; filled with DTYPES. Every use follows a `torch.` in the same function (a value
+# was first recognised as a tensor), so it is filled by then.
+_NAMES: dict[torch.dtype, str] = {}
+
+
+def _torch_loaded(module) -> None:
+    dtypes = {name: getattr(module, name) for name in ITEMSIZE if hasattr(module, name)}
+    _NAMES.update({dt: name for name, dt in dtypes.items()})
+    dict.update(DTYPES, dtypes)
+
+
+if not TYPE_CHECKING:
+    torch = lazy_torch(globals(), on_load=_torch_loaded)
 
 
 class Body:

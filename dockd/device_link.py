@@ -34,14 +34,17 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from dockd import config
-from dockd.device import Communicator
+from dockd._lazy import lazy_torch
 from dockd.errors import DockConnectionError, DockError, DockTimeout, DockValueError
 
 if TYPE_CHECKING:
+    import torch
     import torch.distributed as dist
+
+    from dockd.device import Communicator  # (imported where it is used: its dtype tables import torch)
+else:
+    torch = lazy_torch(globals())
 
 READER, HOLDER = 0, 1
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
@@ -75,6 +78,8 @@ class Link:
         self._comm: Communicator | None = None       # nccl / hccl (None once closed)
         self._stream: Any = None                     # nccl / hccl, once joined: a torch.cuda / torch.npu Stream
         if backend != "gloo":
+            from dockd.device import Communicator
+
             self._comm = Communicator(backend)  # loads the library: DeviceLibraryNotFound when it is missing
 
     @classmethod

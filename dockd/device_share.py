@@ -27,12 +27,17 @@ from __future__ import annotations
 
 import os
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from dockd import config
+from dockd._lazy import lazy_torch
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockValueError
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_torch(globals())
 
 IPC = ("cuda", "npu")  # accelerators whose memory is shared by IPC handle
 TYPES = (*IPC, "cpu")

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from dockd._lazy import lazy_torch
 from dockd.codec import Runs
 from dockd.errors import DockTypeError, DockValueError
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_torch(globals())
 
 
 class Batch:

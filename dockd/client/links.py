@@ -17,14 +17,20 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from dockd import codec
+from dockd._lazy import lazy_torch
 from dockd._proto import dockd_pb2 as pb
 from dockd.device_link import READER, Link, backend_for, local_address
 from dockd.errors import DockConnectionError, DockError, DockProtocolError
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_torch(globals())
 
 logger = logging.getLogger(__name__)
 

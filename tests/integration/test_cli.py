@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import grpc
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import dockd
@@ -85,11 +84,6 @@ def test_version_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the client imports torch at module level: dockd.cli._connect -> dockd.connect -> dockd/client/__init__.py -> "
-    "dockd.client.async_dock -> dockd.client.dock -> dockd.client.put -> dockd.codec (`import torch`); "
-    "dockd.client.dock also imports dockd.client.batch, dockd.client.links, dockd.device_share and "
-    "dockd.device_link, each with a module-level `import torch`"))
 def test_status_stats_clear_do_not_import_torch():
     """`dockd status/stats/clear` talk to a dock through the client; none of them needs torch."""
     for cmd in (["status", "127.0.0.1:1", "--interval", "0"], ["stats", "127.0.0.1:1"], ["clear", "127.0.0.1:1", "p"]):
