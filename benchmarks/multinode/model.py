@@ -167,3 +167,118 @@ def controller_budget(requests: int, controller_s: float, iteration_s: float | N
         "needed_requests_per_s": needed,
         "utilisation": (controller_s / iteration_s) if iteration_s else None,
     }
+
+
+# ------------------------------------------------------------------ streaming (asynchronous RL) at scale
+
+STREAMING_CPU_S_PER_REQUEST = 636e-6
+"""Controller daemon CPU seconds per client request used when no load-benchmark figure is given: the mean of
+the node-0 daemon's CPU per request in the distributed runs of ``multinode_2core-vm_2026-12-01_dockd.md``
+(562, 688, 703 and 592 us at 1, 2, 4 and 8 nodes; that daemon also hosted a warehouse)."""
+
+STREAMING_NODES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+STREAMING_CONTROLLERS = (1, 2, 4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Streaming:
+    """A streaming workload: every accelerator's rollout produces trajectories at a steady rate, each put
+    once and taken once (asynchronous RL: no iterations, a request stream)."""
+
+    accelerators_per_node: int = 8
+    trajectories_per_s: float = 10.0
+    """Per accelerator."""
+    puts_per_trajectory: float = 1.0
+    gets_per_trajectory: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.accelerators_per_node < 1 or self.trajectories_per_s <= 0:
+            raise ValueError("accelerators_per_node must be >= 1 and trajectories_per_s > 0")
+        if self.puts_per_trajectory < 0 or self.gets_per_trajectory < 0 or \
+                self.puts_per_trajectory + self.gets_per_trajectory <= 0:
+            raise ValueError("puts_per_trajectory and gets_per_trajectory must be >= 0, not both 0")
+
+    @property
+    def requests_per_node_per_s(self) -> float:
+        return self.accelerators_per_node * self.trajectories_per_s * (
+            self.puts_per_trajectory + self.gets_per_trajectory)
+
+    def requests_per_s(self, nodes: int) -> float:
+        return nodes * self.requests_per_node_per_s
+
+
+def busiest_share(controllers: int, partitions: int | None = None) -> float:
+    """The busiest controller's share of the requests: 1/K when the partitions spread evenly (``partitions``
+    None, or a multiple of K), else ceil(P/K)/P (equal traffic per partition, whole partitions per controller)."""
+    if controllers < 1:
+        raise ValueError(f"controllers must be >= 1, got {controllers}")
+    if partitions is None:
+        return 1.0 / controllers
+    if partitions < 1:
+        raise ValueError(f"partitions must be >= 1, got {partitions}")
+    return math.ceil(partitions / controllers) / partitions
+
+
+def streaming_load(nodes: int, st: Streaming, cpu_s_per_request: float, *, controllers: int = 1,
+                   partitions: int | None = None) -> dict[str, Any]:
+    """The request rate N nodes ask of K controllers, and the busiest controller's utilisation (CPU seconds
+    per second: 1 means one core fully busy with controller work, so >= 1 is where the controller binds)."""
+    if nodes < 1:
+        raise ValueError(f"nodes must be >= 1, got {nodes}")
+    if cpu_s_per_request <= 0:
+        raise ValueError(f"cpu_s_per_request must be > 0, got {cpu_s_per_request}")
+    total = st.requests_per_s(nodes)
+    busiest = total * busiest_share(controllers, partitions)
+    util = busiest * cpu_s_per_request
+    return {
+        "nodes": nodes,
+        "accelerators": nodes * st.accelerators_per_node,
+        "controllers": controllers,
+        "requests_per_s": total,
+        "busiest_controller_requests_per_s": busiest,
+        "one_controller_sustains_requests_per_s": 1.0 / cpu_s_per_request,
+        "utilisation": util,
+        "binds": util >= 1.0,
+    }
+
+
+def streaming_binding_nodes(st: Streaming, cpu_s_per_request: float, *, controllers: int = 1,
+                            partitions: int | None = None) -> float:
+    """The node count at which the busiest of K controllers reaches utilisation 1 (a real number; the first
+    whole node count that binds is its ceiling)."""
+    per_node = st.requests_per_node_per_s * busiest_share(controllers, partitions) * cpu_s_per_request
+    return 1.0 / per_node
+
+
+def controllers_needed(nodes: int, st: Streaming, cpu_s_per_request: float) -> int:
+    """The fewest evenly loaded controllers that keep every one below utilisation 1 at N nodes."""
+    return math.floor(st.requests_per_s(nodes) * cpu_s_per_request) + 1
+
+
+def streaming_table(st: Streaming, cpu_s_per_request: float, *, nodes: Iterable[int] = STREAMING_NODES,
+                    controllers: Iterable[int] = STREAMING_CONTROLLERS,
+                    partitions: int | None = None) -> dict[str, Any]:
+    """Utilisation per node count and controller count, where each K binds, and how many controllers the
+    largest node count needs."""
+    nodes, controllers = list(nodes), list(controllers)
+    rows = []
+    for n in nodes:
+        per_k = {k: streaming_load(n, st, cpu_s_per_request, controllers=k, partitions=partitions) for k in controllers}
+        rows.append({"nodes": n, "accelerators": n * st.accelerators_per_node,
+                     "requests_per_s": st.requests_per_s(n),
+                     "utilisation": {str(k): per_k[k]["utilisation"] for k in controllers}})
+    binds = {}
+    for k in controllers:
+        x = streaming_binding_nodes(st, cpu_s_per_request, controllers=k, partitions=partitions)
+        binds[str(k)] = {"nodes_exact": x, "first_node_count": math.ceil(x - 1e-9),
+                         "first_listed": next((n for n in nodes if n >= x - 1e-9), None)}
+    top = max(nodes)
+    return {
+        "workload": dataclasses.asdict(st),
+        "cpu_s_per_request": cpu_s_per_request,
+        "partitions": partitions,
+        "rows": rows,
+        "binds_at": binds,
+        "largest_nodes": top,
+        "controllers_needed_at_largest": controllers_needed(top, st, cpu_s_per_request),
+    }

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..common import human_bytes
+from .model import STREAMING_CPU_S_PER_REQUEST, Streaming, streaming_table
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +244,86 @@ def markdown_report(results: dict[str, Any], *, plot_name: str | None = None) ->
               "### The controller at that scale (in-process `Controller`, one iteration's calls)",
               controller_table(results),
               "### The controller daemon in the runs above", measured_controller_table(results)]
+    table = results.get("streaming") or streaming_table(Streaming(), streaming_cpu_figure(results)[0])
+    parts += ["### Streaming at up to 1,024 nodes x 8 accelerators: where the controllers bind",
+              streaming_markdown(table, source=streaming_cpu_figure(results)[1])]
     return "\n\n".join(p for p in parts if p) + "\n"
+
+
+# ------------------------------------------------------------------ streaming model
+
+
+def streaming_cpu_figure(results: dict[str, Any]) -> tuple[float, str]:
+    """Controller CPU seconds per request for the streaming model, and where it comes from: the results'
+    ``streaming_cpu_s_per_request`` (a load-benchmark figure) when given, else the model's default."""
+    v = results.get("streaming_cpu_s_per_request")
+    if v:
+        return float(v), str(results.get("streaming_cpu_source") or "given with the results")
+    return STREAMING_CPU_S_PER_REQUEST, ("the model's default (`STREAMING_CPU_S_PER_REQUEST`: node-0 daemon CPU "
+                                         "per request in the 2026-12-01 multinode runs)")
+
+
+def streaming_markdown(table: dict[str, Any], *, source: str = "") -> str:
+    """The streaming model as Markdown: the assumptions, where each K binds, and utilisation per N and K."""
+    wl, cpu = table["workload"], table["cpu_s_per_request"]
+    ks = list(table["binds_at"])
+    per_node = wl["accelerators_per_node"] * wl["trajectories_per_s"] * (
+        wl["puts_per_trajectory"] + wl["gets_per_trajectory"])
+    spread = ("partitions spread evenly over the controllers" if table.get("partitions") is None
+              else f"{table['partitions']} equally loaded partitions, whole partitions per controller")
+    head = (f"Each node has {wl['accelerators_per_node']} accelerators, each producing "
+            f"{wl['trajectories_per_s']:g} trajectories/s, each trajectory {wl['puts_per_trajectory']:g} put and "
+            f"{wl['gets_per_trajectory']:g} get: {per_node:,.0f} controller requests/s per node. Controller CPU per "
+            f"request: {cpu * 1e6:,.0f} us ({source}), so one controller, one core, sustains "
+            f"{1 / cpu:,.0f} requests/s. Utilisation = requests/s on the busiest controller x CPU per request "
+            f"({spread}); >= 1 means the controller binds.")
+    bind_rows = [[k, f"{table['binds_at'][k]['nodes_exact']:,.1f}", str(table["binds_at"][k]["first_node_count"]),
+                  f"{table['binds_at'][k]['first_node_count'] * wl['accelerators_per_node']:,}"] for k in ks]
+    binds = _table(["controllers K", "binds at N (utilisation 1)", "first whole N that binds",
+                    "accelerators there"], bind_rows)
+    rows = []
+    for r in table["rows"]:
+        rows.append([f"{r['nodes']:,}", f"{r['accelerators']:,}", f"{r['requests_per_s']:,.0f}",
+                     *[f"**{u:.2f}**" if u >= 1 else f"{u:.2f}" for u in (r["utilisation"][k] for k in ks)]])
+    util = _table(["N", "accelerators", "requests/s", *[f"utilisation, K={k}" for k in ks]], rows)
+    need = (f"At {table['largest_nodes']:,} nodes the busiest of K evenly loaded controllers stays below 1 only "
+            f"with K >= {table['controllers_needed_at_largest']}.")
+    return "\n\n".join([head, binds, util, need])
+
+
+def plot_streaming(table: dict[str, Any], out_png: str | Path, *, title: str = "") -> Path | None:
+    """Busiest-controller utilisation against N for each K (log-log), with the binding line at 1."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("[report] matplotlib is not installed; no plot. Install it with: pip install -e '.[plot]'")
+        return None
+    ns = [r["nodes"] for r in table["rows"]]
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for k, b in table["binds_at"].items():
+        ax.plot(ns, [r["utilisation"][k] for r in table["rows"]], marker="o", label=f"K={k} (binds at N~{b['nodes_exact']:,.0f})")
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="utilisation 1: the controller binds")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(ns)
+    ax.set_xticklabels([str(n) for n in ns])
+    ax.minorticks_off()
+    ax.set_xlabel(f"nodes ({table['workload']['accelerators_per_node']} accelerators each)")
+    ax.set_ylabel("busiest controller: CPU s per s")
+    wl = table["workload"]
+    ax.set_title(title or (f"streaming: {wl['trajectories_per_s']:g} trajectories/s per accelerator, "
+                           f"{table['cpu_s_per_request'] * 1e6:,.0f} us controller CPU per request"), fontsize=10)
+    ax.grid(True, alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png
 
 
 # ------------------------------------------------------------------ plot

@@ -205,3 +205,52 @@ def test_without_root_it_says_so_and_exits_0(monkeypatch, capsys):
     assert mn_main.main(["--quick"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "skipped" in out[0] and "root" in out[0]
+
+
+# ------------------------------------------------------------------ streaming at scale
+
+
+def test_streaming_request_rate_and_utilisation():
+    st = model.Streaming()  # 8 accelerators x 10 trajectories/s x (1 put + 1 get)
+    assert st.requests_per_node_per_s == 160
+    assert st.requests_per_s(1024) == 163_840
+    r = model.streaming_load(1024, st, 500e-6)
+    assert r["accelerators"] == 8192 and r["one_controller_sustains_requests_per_s"] == pytest.approx(2000)
+    assert r["utilisation"] == pytest.approx(81.92) and r["binds"]
+    r4 = model.streaming_load(1024, st, 500e-6, controllers=4)
+    assert r4["busiest_controller_requests_per_s"] == pytest.approx(40_960)
+    assert r4["utilisation"] == pytest.approx(20.48)
+    assert not model.streaming_load(8, st, 500e-6)["binds"]  # 1,280 req/s x 500 us = 0.64
+    with pytest.raises(ValueError):
+        model.streaming_load(0, st, 500e-6)
+    with pytest.raises(ValueError):
+        model.Streaming(puts_per_trajectory=0, gets_per_trajectory=0)
+
+
+def test_streaming_binding_nodes_and_uneven_partitions():
+    st = model.Streaming()
+    # one controller at 500 us/request sustains 2,000 req/s = 12.5 nodes of 160 req/s
+    assert model.streaming_binding_nodes(st, 500e-6) == pytest.approx(12.5)
+    assert model.streaming_binding_nodes(st, 500e-6, controllers=8) == pytest.approx(100.0)
+    # 6 partitions on 4 controllers: the busiest holds 2 of 6
+    assert model.busiest_share(4, 6) == pytest.approx(1 / 3)
+    assert model.busiest_share(4, 8) == pytest.approx(1 / 4) == model.busiest_share(4)
+    assert model.streaming_binding_nodes(st, 500e-6, controllers=4, partitions=6) == pytest.approx(37.5)
+    assert model.controllers_needed(1024, st, 500e-6) == 82  # 81.92 cores of controller work
+    assert model.controllers_needed(100, st, 500e-6) == 9  # exactly 8.0 busy: 8 would sit at utilisation 1
+
+
+def test_streaming_table_and_report():
+    st = model.Streaming()
+    t = model.streaming_table(st, 636e-6)
+    assert [r["nodes"] for r in t["rows"]] == list(model.STREAMING_NODES)
+    assert t["rows"][-1]["utilisation"]["1"] == pytest.approx(163_840 * 636e-6)
+    assert t["rows"][-1]["utilisation"]["8"] == pytest.approx(163_840 * 636e-6 / 8)
+    assert {k: v["first_node_count"] for k, v in t["binds_at"].items()} == {"1": 10, "2": 20, "4": 40, "8": 79}
+    assert {k: v["first_listed"] for k, v in t["binds_at"].items()} == {"1": 16, "2": 32, "4": 64, "8": 128}
+    assert t["controllers_needed_at_largest"] == 105
+    md = report.streaming_markdown(t, source="test")
+    assert "| 1 | 9.8 | 10 | 80 |" in md and "K >= 105" in md and "**104.20**" in md
+    # the multinode report carries the section, with a load-benchmark figure when the results give one
+    assert report.streaming_cpu_figure({})[0] == model.STREAMING_CPU_S_PER_REQUEST
+    assert report.streaming_cpu_figure({"streaming_cpu_s_per_request": 4e-4})[0] == 4e-4

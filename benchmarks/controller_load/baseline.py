@@ -1,0 +1,117 @@
+"""Same-run baselines: a raw 64-byte echo round trip over a Unix socket and over loopback TCP.
+
+An echo server in a child process (``multiprocessing`` spawn, blocking
+socket, ``recv_into`` a preallocated buffer, ``sendall`` back) and the
+client here, ping-pong, one message in flight: the round trip (p50/p99) and
+the server's CPU per round trip (utime + stime from ``/proc/<pid>/stat``,
+the same counter the load benchmark reads for the daemons). As in
+``benchmarks.ceilings.measure_rtt`` (which measures the TCP round trip alone),
+the best of a few fresh process pairs is kept: on a small VM the round trip
+is bimodal, depending on where the scheduler puts the two processes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import tempfile
+import time
+from typing import Any
+
+from ..ceilings import _recv_exact
+from .procstat import cpu_seconds
+
+MSG_BYTES = 64
+
+
+def _echo_server(family: str, address: Any, ready: Any) -> None:
+    fam = socket.AF_UNIX if family == "unix" else socket.AF_INET
+    listener = socket.socket(fam, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(1)
+    ready.send(listener.getsockname())
+    conn, _ = listener.accept()
+    listener.close()
+    if fam == socket.AF_INET:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = bytearray(MSG_BYTES)
+    view = memoryview(buf)
+    try:
+        while True:
+            _recv_exact(conn, view)
+            conn.sendall(view)
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        conn.close()
+
+
+def echo_round(family: str, count: int, warmup: int = 500) -> dict[str, Any]:
+    """One fresh server process: ``count`` timed round trips; latencies and the server's CPU."""
+    ctx = mp.get_context("spawn")
+    tmp = tempfile.mkdtemp(prefix="dkload-echo-")
+    address: Any = os.path.join(tmp, "echo.sock") if family == "unix" else ("127.0.0.1", 0)
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_echo_server, args=(family, address, child), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(60):
+            raise RuntimeError(f"{family} echo server did not start")
+        bound = parent.recv()
+        fam = socket.AF_UNIX if family == "unix" else socket.AF_INET
+        sock = socket.socket(fam, socket.SOCK_STREAM)
+        sock.connect(bound if family == "unix" else tuple(bound))
+        if fam == socket.AF_INET:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        view = memoryview(bytearray(MSG_BYTES))
+        for _ in range(warmup):
+            sock.sendall(view)
+            _recv_exact(sock, view)
+        lat = []
+        cpu0 = cpu_seconds([proc.pid])
+        own0 = time.process_time()
+        t_start = time.perf_counter()
+        for _ in range(count):
+            t0 = time.perf_counter()
+            sock.sendall(view)
+            _recv_exact(sock, view)
+            lat.append(time.perf_counter() - t0)
+        wall = time.perf_counter() - t_start
+        server_cpu = cpu_seconds([proc.pid]) - cpu0
+        client_cpu = time.process_time() - own0
+        sock.close()
+    finally:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=5)
+        try:
+            os.unlink(address) if family == "unix" else None
+            os.rmdir(tmp)
+        except OSError:
+            pass
+    lat.sort()
+    return {
+        "family": family,
+        "round_trips": count,
+        "p50_us": lat[len(lat) // 2] * 1e6,
+        "p99_us": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e6,
+        "mean_us": statistics.fmean(lat) * 1e6,
+        "round_trips_per_s": count / wall,
+        "server_cpu_us_per_round_trip": server_cpu / count * 1e6,
+        "client_cpu_us_per_round_trip": client_cpu / count * 1e6,
+    }
+
+
+def measure(count: int = 20000, rounds: int = 3) -> dict[str, Any]:
+    """Unix and TCP echo: the round with the lowest p50 of ``rounds`` fresh process pairs, per family."""
+    out: dict[str, Any] = {}
+    for family in ("unix", "tcp"):
+        runs = [echo_round(family, count) for _ in range(rounds)]
+        best = min(runs, key=lambda r: r["p50_us"])
+        best["round_p50_us"] = [r["p50_us"] for r in runs]
+        best["round_server_cpu_us"] = [r["server_cpu_us_per_round_trip"] for r in runs]
+        out[family] = best
+    return out
