@@ -123,8 +123,14 @@ class Daemons:
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="dkload-"))
         self.env = dict(spawn_env(), PYTHONUNBUFFERED="1", DOCKD_DAEMON_SECRET=secrets.token_hex(32))
         self.common = ["--grpc-port", "0", "--capacity", capacity, "--log-level", "WARNING"]
+        self.client_env: dict[str, str] = {}
         try:
             if netns:
+                from ..multinode.cluster import dock_token
+
+                self.client_env = dock_token(self.workdir)  # daemons on a bridge address need a token
+                self.env.update(self.client_env)
+                self.common += ["--token-file", self.client_env["DOCKD_TOKEN_FILE"]]
                 self._build_netns()
             how = None
             if controllers > 1:

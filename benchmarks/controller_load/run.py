@@ -108,13 +108,14 @@ def _share(total: int, parts: int) -> list[int]:
 
 
 class ClientProc:
-    def __init__(self, index: int, prefix: list[str], log: Path, cpus: set[int] | None) -> None:
+    def __init__(self, index: int, prefix: list[str], log: Path, cpus: set[int] | None,
+                 env: dict[str, str] | None = None) -> None:
         self.index = index
         self.log = log
         cmd = [*prefix, sys.executable, "-m", "benchmarks.controller_load.worker"]
         with open(log, "ab") as err:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                         cwd=str(REPO_ROOT), env=dict(spawn_env(), PYTHONUNBUFFERED="1"), bufsize=0)
+                                         cwd=str(REPO_ROOT), env=dict(spawn_env(), PYTHONUNBUFFERED="1", **(env or {})), bufsize=0)
         pin(self.proc.pid, cpus)
         self._buf = b""
         self._sel = selectors.DefaultSelector()
@@ -249,7 +250,8 @@ def ramp_one(k: int, cfg: LoadConfig, workdir: Path, log: Any = print) -> dict[s
         consumers = [f"trainer{i}" for i in range(cfg.consumers)]
         roll, train = _share(cfg.rollouts, cfg.procs), _share(cfg.trainers, cfg.procs)
         for j in range(cfg.procs):
-            clients.append(ClientProc(j, daemons.client_prefix(j), workdir / f"client{j}.log", client_cpus))
+            clients.append(ClientProc(j, daemons.client_prefix(j), workdir / f"client{j}.log", client_cpus,
+                                      daemons.client_env))
         first_r = first_t = 0
         for j, c in enumerate(clients):
             # rollout and trainer indexes are global, so partitions and consumers spread over all processes
