@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dockd import ids
 from dockd._proto import dockd_pb2 as pb
 from dockd.client import validate
 from dockd.client.connection import Pool
@@ -66,7 +66,7 @@ def acquire_request(consumer: str, columns: Sequence[str], count: int, *, partit
             raise DockValueError("prefer_local does not apply to rank-aware gets (dp_size or mp_group): a "
                                  "step's batch is one for all ranks")
         req.near = home + 1
-    req.token = secrets.randbits(63) | 1  # a retried acquire gets the lease its lost reply carried
+    req.token = ids.random_bits(63) | 1  # a retried acquire gets the lease its lost reply carried
     return req
 
 

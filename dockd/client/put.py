@@ -9,11 +9,10 @@ away (the put's token makes a re-sent put apply once).
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dockd import codec, device_share
+from dockd import codec, device_share, ids
 from dockd._proto import dockd_pb2 as pb
 from dockd.client import validate
 from dockd.client.connection import Pool
@@ -83,7 +82,7 @@ def put_request(columns: Mapping[str, Any], *, partition: str, indexes: Sequence
         tensors.append(t)
         col.runs[0].device_buffer, col.runs[0].offset = len(req.device_buffers), base
         req.columns.append(col)
-    req.token = secrets.randbits(63) | 1  # a re-sent put (after a dropped connection) is applied once
+    req.token = ids.random_bits(63) | 1  # a re-sent put (after a dropped connection) is applied once
 
     def as_host() -> tuple[pb.PutRequest, codec.Body]:
         host = pb.PutRequest()

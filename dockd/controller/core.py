@@ -202,7 +202,7 @@ class Controller:
                               seed=seed, where=where, order_by=order_by, near=near)
         if idx is None:
             return None
-        locs = np.stack([part.loc[c][idx] for c in columns])
+        locs = part.loc[columns[0]][idx][None] if len(columns) == 1 else np.stack([part.loc[c][idx] for c in columns])
         if self.dead_warehouses:
             warehouses.check_lost(self.catalog, part, cons, columns, idx, locs)
         lease = self.grant(self.book.new_id(), partition, consumer, idx, owner=owner,
@@ -216,7 +216,8 @@ class Controller:
         in_order: the deadline is now + the default timeout, so no earlier lease expires later."""
         part = self.partitions[partition]
         cons = part.consumer(consumer)
-        idx = np.asarray(indexes, dtype=np.int64)
+        idx = indexes if isinstance(indexes, np.ndarray) and indexes.dtype == np.int64 else \
+            np.asarray(indexes, dtype=np.int64)
         cons.state[idx] = LEASED
         cons.leased += len(idx)
         part.taken_out(cons, idx)

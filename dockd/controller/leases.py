@@ -7,10 +7,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
-import secrets
 from collections.abc import Callable
 
 import numpy as np
+
+from dockd import ids
 
 _CLEARED_KEPT = 1 << 16  # ids of leases ended by a clear, remembered for their late confirms
 
@@ -62,7 +63,7 @@ class LeaseBook:
         self.leases: dict[int, Lease] = {}
         self.tokens: dict[int, int] = {}  # acquire token -> outstanding lease id
         self.cleared: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self.lease_ids = lease_ids or (lambda: secrets.randbits(62) + 1)
+        self.lease_ids = lease_ids or (lambda: ids.random_bits(62) + 1)
         self._fifo: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._deadlines: list[tuple[float, int]] = []
 

@@ -63,16 +63,30 @@ class _Eligible:
         self.total += delta * len(units)
 
     def set(self, units: np.ndarray) -> None:
+        if len(units) <= 8:  # a few units: scalar updates cost less than the array calls
+            self._flip(units.tolist(), True)
+            return
         new = units[~self.bits[units]]
         if len(new):
             self.bits[new] = True
             self._count(new, 1)
 
     def clear(self, units: np.ndarray) -> None:
+        if len(units) <= 8:
+            self._flip(units.tolist(), False)
+            return
         old = units[self.bits[units]]
         if len(old):
             self.bits[old] = False
             self._count(old, -1)
+
+    def _flip(self, units: list[int], value: bool) -> None:
+        bits, blocks, delta = self.bits, self.blocks, 1 if value else -1
+        for u in units:
+            if bits[u] != value:
+                bits[u] = value
+                blocks[u >> _BLOCK_SHIFT] += delta
+                self.total += delta
 
     def first(self, n: int) -> np.ndarray:
         """The n smallest set units (fewer if fewer are set)."""

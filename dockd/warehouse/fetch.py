@@ -160,7 +160,8 @@ class FetchPath:
         wid = self._wid()
         if wid < 0:
             return [], codec.Body(), []
-        wanted = [(c, indexes.tolist()) for c, row in zip(columns, locations) if (row == wid).all()]
+        idx = indexes.tolist()  # (one list for every column; scalar compares: gets are mostly small)
+        wanted = [(c, idx) for c, row in zip(columns, locations.tolist()) if all(w == wid for w in row)]
         if not wanted or len(indexes) * len(wanted) > INLINE_CELLS:  # big gets fetch: their reply stays small
             return [], codec.Body(), []
         try:

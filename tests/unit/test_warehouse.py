@@ -207,3 +207,21 @@ def test_deletes_compact_a_put_once_half_of_it_is_deleted():
     assert fetched(w, "p", "m", kept) == [{"i": i} for i in kept]
     w.free_samples("p", kept)
     assert (w.used, w.reclaimable, w.freed, w.meta) == (0, 0, buf.size, 0)
+
+
+def test_small_reads_find_the_same_slices_as_array_reads():
+    """Reads of a few samples take a scalar path: same slices as the array path, for puts of
+    consecutive samples, of samples in any order, and across puts; a missing one is named."""
+    w = Warehouse(1 << 30)
+    for idx in ([0, 1, 2, 3], [9, 5, 7], [4]):  # (the second put's rows are looked up by key)
+        cols, buf = encoded([torch.full((2,), i) for i in idx])
+        w.reserve(buf.size)
+        w.store("p", idx, cols, buf, buf.size)
+    for want in ([1], [1, 2], [3, 4, 5], [7, 5, 9], [9, 0, 4, 2, 3, 7, 5, 1]):
+        small = w.fetch("p", [("x", want)])[0][1]
+        array = w.fetch("p", [("x", np.asarray(want))])[0][1]
+        assert [(id(b), r0, r1) for b, r0, r1 in small] == [(id(b), r0, r1) for b, r0, r1 in array]
+        assert [int(v[0]) for v in fetched(w, "p", "x", want)] == want
+    for missing in ([6], [1, 8], [-1], [1 << 40]):
+        with pytest.raises(DockNotFound, match="not in this warehouse"):
+            w.fetch("p", [("x", missing)])
