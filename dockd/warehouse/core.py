@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 Indexes = Sequence[int] | np.ndarray
 
+SMALL_READ = 8  # reads of up to this many samples per column take the scalar path (Warehouse.fetch)
 COMPACT_MIN = 64 << 10  # bytes of a put's body from which deletes compact it (smaller ones wait for all)
 META_PUT = 1024   # bytes of bookkeeping a put costs (objects per put and run; ~900 measured for one value)
 META_VALUE = 16   # ... and each value it stores (index maps, ragged ends: 6-17 measured)
@@ -134,6 +135,13 @@ class _Batch:
             return idx - self.first
         assert self.keys is not None  # (set together with order)
         return self.order[np.searchsorted(self.keys, idx)].astype(np.int64)
+
+    def row(self, i: int) -> int:
+        """The row of sample i (stored in this batch)."""
+        if self.order is None:
+            return i - self.first
+        assert self.keys is not None and self.order is not None
+        return int(self.order[int(np.searchsorted(self.keys, i))])
 
     def span(self, r0: int, r1: int) -> tuple[int, int]:
         """Byte range of rows [r0, r1) within the batch."""
@@ -354,14 +362,37 @@ class Warehouse:
             raise DockNotFound(f"partition {partition!r} is not in this warehouse (cleared?)")
         out = []
         for name, indexes in wanted:
-            idx = _idx(indexes)
             col = part.columns.get(name)
+            if col is not None and isinstance(indexes, list) and len(indexes) <= SMALL_READ:
+                small = self._slices_small(col, indexes)
+                if small is not None:
+                    out.append((name, small))
+                    continue
+            idx = _idx(indexes)
             ok = col.present(idx) if col is not None else np.zeros(len(idx), dtype=bool)
             if not ok.all():
                 raise DockNotFound(
                     f"column {name!r} of samples {idx[~ok][:8].tolist()} of partition {partition!r} is not in this warehouse"
                 )
             out.append((name, self._slices(col, idx) if col is not None else []))  # (None: idx is empty)
+        return out
+
+    @staticmethod
+    def _slices_small(col: _Column, indexes: list[int]) -> list[tuple] | None:
+        """_slices for a few indexes, without array work (a small get's inline read costs ~10
+        numpy calls otherwise); None if one is not stored here (the caller then says which)."""
+        out: list[tuple] = []
+        batch_of, n = col.batch_of, len(col.batch_of)
+        for i in indexes:
+            bid = int(batch_of[i]) if 0 <= i < n else -1
+            if bid < 0:
+                return None
+            b = col.batch(bid)
+            r = b.row(i)
+            if out and out[-1][0] is b and out[-1][2] == r:
+                out[-1] = (b, out[-1][1], r + 1)
+            else:
+                out.append((b, r, r + 1))
         return out
 
     @staticmethod
