@@ -235,7 +235,7 @@ def ramp_one(k: int, cfg: LoadConfig, workdir: Path, log: Any = print) -> dict[s
         res["multi_controller"] = {"how": how, "why": why}
         if how is None:
             res["status"] = "skipped"
-            res["reason"] = f"K={k}: {why}"
+            res["reason"] = why
             log(f"[controller_load] K={k}: skipped: {why}")
             return res
     daemons = Daemons(controllers=k, warehouses=cfg.warehouses, capacity=cfg.capacity, netns=cfg.netns,
