@@ -83,6 +83,7 @@ def _serve(args) -> int:
         min_rate=parse_size(args.min_rate), max_samples=args.max_samples, checkpoint_root=args.checkpoint_root or "",
         daemon_timeout=args.daemon_timeout, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
         heartbeat_interval=args.heartbeat_interval, heartbeat_timeout=args.heartbeat_timeout,
+        tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_ca=args.tls_ca or "",
     )
     if cfg.insecure and not cfg.token_file:
         logging.getLogger("dockd").warning(
@@ -96,7 +97,7 @@ def _connect(args):
     from dockd.auth import load_token
 
     token = load_token(args.token_file) if args.token_file else None
-    return dockd.connect(args.address, token=token, connect_timeout=args.connect_timeout)
+    return dockd.connect(args.address, token=token, connect_timeout=args.connect_timeout, tls=args.tls_ca)
 
 
 def _stats(args) -> int:
@@ -184,6 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "can join: the dock's token never proves the daemon role")
     s.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback address without a token (no authentication at all)")
+    s.add_argument("--tls-cert", metavar="FILE",
+                   help="serve TLS on the TCP port with this certificate (PEM; with --tls-key). Off by default; "
+                        "clients then need the CA (tls=, DOCKD_TLS_CA), and every daemon of the dock needs TLS")
+    s.add_argument("--tls-key", metavar="FILE", help="the private key (PEM) of --tls-cert")
+    s.add_argument("--tls-ca", metavar="FILE",
+                   help="CA (PEM) this daemon checks the daemons it connects to (its controller) with "
+                        "(default: --tls-cert itself, for one self-signed certificate shared by the dock)")
     s.add_argument("--max-connections", type=int, default=4096, help="connections accepted at once (default 4096)")
     s.add_argument("--handshake-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="a new connection must authenticate within this (default 10)")
@@ -227,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     def client_args(q: argparse.ArgumentParser) -> None:
         q.add_argument("address", help="the controller's host:port (a warehouse's works too)")
         q.add_argument("--token-file", metavar="FILE", help="the dock's token (default: $DOCKD_TOKEN_FILE)")
+        q.add_argument("--tls-ca", metavar="FILE",
+                       help="CA (PEM) of a dock whose daemons run with --tls-cert (default: $DOCKD_TLS_CA)")
         q.add_argument("--connect-timeout", type=float, default=5.0, metavar="SECONDS",
                        help="how long to wait for the dock (default 5)")
 

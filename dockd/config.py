@@ -25,6 +25,8 @@ ENV_VARS = {
     "DOCKD_DEVICE_LINK_TIMEOUT": "seconds a device link's join or transfer may take before it is aborted (default 60)",
     "DOCKD_TOKEN": "the dock's token, for clients (prefer DOCKD_TOKEN_FILE)",
     "DOCKD_TOKEN_FILE": "file holding the dock's token: clients prove it; `dockd serve` uses it like --token-file",
+    "DOCKD_TLS_CA": "CA file (PEM) a client checks TLS daemons' certificates with; set: TCP connections use TLS "
+                    "(daemons started with --tls-cert)",
     "DOCKD_DAEMON_SECRET": "hex per-dock daemon secret handed by start_local to the daemons it starts (tokenless mode)",
     "DOCKD_CPU_DEVICE_TIER": "1: run the device tier's paths on CPU through shared host memory (tests, no accelerator)",
     "DOCKD_NCCL_LIB": "path of the libnccl.so.2 the device bindings load (default: the nvidia-nccl wheel, then the system)",
@@ -102,6 +104,8 @@ class ClientConfig:
     spin_s: float = 200e-6
     recv_pool_bytes: int = 1 << 30
     device_link_timeout: float = 60.0
+    tls: str = ""
+    """CA file (PEM) to check the daemons' TLS certificates with; "": TCP without TLS."""
 
     @classmethod
     def from_env(cls) -> ClientConfig:
@@ -117,6 +121,7 @@ class ClientConfig:
             spin_s=env_float("DOCKD_SPIN_US", 200.0) / 1e6,
             recv_pool_bytes=int(env_float("DOCKD_RECV_POOL_BYTES", float(1 << 30))),
             device_link_timeout=env_float("DOCKD_DEVICE_LINK_TIMEOUT", 60.0),
+            tls=env("DOCKD_TLS_CA"),
         )
 
 
@@ -191,6 +196,13 @@ class NodeConfig:
     """Serve Prometheus metrics over HTTP on this port (0 picks a free one; None: off)."""
     metrics_host: str = "127.0.0.1"
     """Address the metrics endpoint binds (it needs no token: keep it off untrusted networks)."""
+    tls_cert: str = ""
+    """Certificate (PEM) this daemon serves TLS with on its TCP port (with tls_key; "": no TLS)."""
+    tls_key: str = ""
+    """Private key (PEM) of tls_cert."""
+    tls_ca: str = ""
+    """CA file (PEM) this daemon checks other daemons' certificates with when it connects to them
+    (its controller); "": tls_cert itself (one self-signed certificate for the whole dock)."""
 
     def __post_init__(self) -> None:
         if self.controller == bool(self.join):
@@ -227,5 +239,7 @@ class NodeConfig:
             )
         if self.max_connections < 8:
             raise DockValueError(f"max connections must be >= 8, got {self.max_connections}")
+        if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_ca and not self.tls_cert):
+            raise DockValueError("TLS needs --tls-cert and --tls-key together (and --tls-ca only with them)")
         if self.join_timeout is not None and self.join_timeout <= 0:
             raise DockValueError(f"join timeout must be > 0 seconds, got {self.join_timeout}")

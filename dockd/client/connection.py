@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from dockd import auth, shm, wire
+from dockd import auth, shm, tls, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.recv_pool import RecvPool, recv_pool  # noqa: F401 - RecvPool: also importable from here
 from dockd.client.transport import Context, Endpoint, Transport
@@ -102,6 +102,7 @@ class Connection:
             self._await_challenge(started, timeout)
             frame, _, fds = self._read_frame()
             _close_all(fds)
+            frame = self._tls(frame, started, timeout)
             if frame.WhichOneof("kind") != "challenge":
                 if frame.status.code != pb.OK:
                     raise from_status(frame.status)
@@ -128,6 +129,25 @@ class Connection:
             self._raise_io(e)
         finally:
             self._deadline = None
+
+    def _tls(self, frame: pb.Frame, started: float, timeout: float) -> pb.Frame:
+        """TLS where the daemon's preamble asks for it (dockd.tls): the handshake, then the challenge
+        that follows inside TLS. Refuses a mismatch either way at once (DockAuthError)."""
+        if not tls.is_preamble(frame):
+            if self.via.tls:
+                raise tls.not_tls(self.address)
+            return frame
+        if not self.via.tls:
+            raise tls.needs_tls(self.address)
+        if self._hi != self._lo:
+            raise DockProtocolError(f"dockd at {self.address} sent data after its TLS preamble before the TLS handshake")
+        self.sock = self.via.secure(self.sock, started + timeout - time.monotonic())
+        self._poll = select.poll()
+        self._poll.register(self.sock, select.POLLIN)
+        self._fill(1)
+        frame, _, fds = self._read_frame()
+        _close_all(fds)
+        return frame
 
     def _await_challenge(self, started: float, timeout: float) -> None:
         """Wait for the first bytes of the daemon's challenge, and refuse a peer that is not dockd: one

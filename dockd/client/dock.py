@@ -15,6 +15,7 @@ The parts: `put` (encoding and sending puts), `lease` (acquires),
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import logging
 import os
 import secrets
@@ -82,12 +83,18 @@ class Dock:
             has no timeout of its own (get(timeout=None), fetch, read). Default
             $DOCKD_FETCH_TIMEOUT or 60, half the daemons' default lease timeout, so a warehouse that
             stopped answering makes the get raise DockTimeout while its lease still holds.
+        tls: the CA file (PEM) to check the daemons' TLS certificates with, for a dock whose daemons
+            run with --tls-cert: TCP connections then use TLS (default $DOCKD_TLS_CA; "": no TLS).
+            A client without it refuses a TLS dock, and one with it a dock without TLS, at once
+            (DockAuthError).
     """
 
     def __init__(self, address: str, *, warehouse: int | str | None = None, connect_timeout: float | None = None,
                  reconnect_timeout: float | None = None, token: str | bytes | None = None, name: str = "",
-                 fetch_timeout: float | None = None) -> None:
+                 fetch_timeout: float | None = None, tls: str | None = None) -> None:
         config = ClientConfig.from_env()
+        if tls is not None:
+            config = dataclasses.replace(config, tls=str(tls))
         self.connect_timeout = connect_timeout if connect_timeout is not None else config.connect_timeout
         self.reconnect_timeout = reconnect_timeout if reconnect_timeout is not None else config.reconnect_timeout
         self.fetch_timeout = fetch_timeout if fetch_timeout is not None else config.fetch_timeout

@@ -15,6 +15,10 @@ Commits carry a per-warehouse sequence number (`put_id`), so a commit whose
 reply was lost to the outage is re-sent in the rejoin and applied once. A
 put whose commit cannot reach the controller for `grace` seconds fails with
 DockConnectionError (the client can retry it).
+
+On a dock with TLS (`--tls-cert`) the link reads the controller's TLS preamble and
+runs the TLS handshake before the dockd one (`open_link`); a warehouse whose TLS
+settings do not match its controller's stops at its first join with the reason.
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ import functools
 import logging
 import random
 import socket
+import ssl
 import time
 from collections.abc import Callable
 
+from dockd import tls, wire
 from dockd._proto import dockd_pb2 as pb
-from dockd.errors import DockConnectionError, DockError, DockTimeout, from_status
+from dockd.errors import DockAuthError, DockConnectionError, DockError, DockProtocolError, DockTimeout, from_status
 from dockd.peer import Peer
 
 logger = logging.getLogger(__name__)
@@ -77,10 +83,12 @@ class ControllerLink:
 
     def __init__(self, address: str, *, make_peer: Callable[[], Peer], registration: pb.RegisterWarehouse,
                  inventory: Callable[[list[pb.CommitRequest]], list[pb.InventoryPartition]],
-                 on_drop: Callable[[str], object], grace: float) -> None:
+                 on_drop: Callable[[str], object], grace: float, link_tls: tls.LinkTls | None = None) -> None:
         host, _, port = address.rpartition(":")
         self.address, self.host, self.port = address, host, int(port)
         self.make_peer = make_peer
+        # TLS to the controller: given, else that of the daemon whose make_link_peer this is (Listeners.link_tls)
+        self.tls = link_tls if link_tls is not None else getattr(getattr(make_peer, "__self__", None), "link_tls", None)
         self.registration = registration
         self.inventory = inventory
         self.on_drop = on_drop
@@ -99,9 +107,14 @@ class ControllerLink:
     async def start(self, timeout: float | None) -> None:
         """Join the controller, waiting for it up to `timeout` seconds (None: as long as it takes)."""
         self._task = asyncio.ensure_future(self._run())
-        try:
-            await asyncio.wait_for(self.joined.wait(), timeout)
-        except asyncio.TimeoutError:
+        joined = asyncio.ensure_future(self.joined.wait())
+        done, _ = await asyncio.wait({self._task, joined}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if self._task in done and not self._task.cancelled() and self._task.exception() is not None:
+            joined.cancel()
+            self.close()
+            raise self._task.exception()  # type: ignore[misc]  # (a TLS mismatch with the controller)
+        if joined not in done:
+            joined.cancel()
             self.close()
             raise DockConnectionError(
                 f"cannot reach the controller at {self.address} to join it within {timeout:g}s; start it, or "
@@ -128,11 +141,16 @@ class ControllerLink:
     # -- the connection loop ------------------------------------------------------------------
     async def _run(self) -> None:
         delay, waiting_logged = BACKOFF_MIN, 0.0
-        loop = asyncio.get_running_loop()
         while not self._closing:
             try:
-                _, peer = await asyncio.wait_for(loop.create_connection(self.make_peer, self.host, self.port), 5.0)
-            except (OSError, asyncio.TimeoutError) as e:
+                _, peer = await asyncio.wait_for(open_link(self.make_peer, self.host, self.port, self.tls), 5.0)
+            except DockAuthError as e:  # TLS settings that do not match the controller's
+                if self.wid < 0:
+                    raise  # never joined: the warehouse stops with the reason
+                logger.error("[link] cannot rejoin the controller at %s: %s", self.address, e)
+                await asyncio.sleep(BACKOFF_MAX)
+                continue
+            except (OSError, asyncio.TimeoutError, DockProtocolError) as e:
                 now = time.monotonic()
                 if now - waiting_logged > 30:
                     waiting_logged = now
@@ -257,3 +275,87 @@ class ControllerLink:
             f"the controller at {self.address} has been unreachable for {p.limit:g}s, so this put could not be "
             "committed and was not stored; retry it once the controller is back"
         ))
+
+
+async def open_link(make_peer: Callable[[], Peer], host: str, port: int,
+                    link_tls: tls.LinkTls | None) -> tuple[asyncio.BaseTransport, Peer]:
+    """Connect a daemon-to-daemon link: TCP, then, when the far daemon's first frame is the TLS
+    preamble (dockd.tls), TLS checked with `link_tls`. A mismatch either way raises DockAuthError."""
+    loop = asyncio.get_running_loop()
+    address = f"{host}:{port}"
+    sock: socket.socket | None = None
+    last: OSError = OSError(f"cannot resolve {host}")
+    for family, kind, proto, _, addr in await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, addr)
+            break
+        except OSError as e:
+            sock.close()
+            sock, last = None, e
+    if sock is None:
+        raise last
+    try:
+        frame, size = await _peek_frame(sock)
+        if not tls.is_preamble(frame):
+            if link_tls is not None:
+                raise tls.not_tls(address, "this warehouse (--tls-cert)")
+            transport, peer = await loop.create_connection(make_peer, sock=sock)
+            return transport, peer
+        if link_tls is None:
+            raise tls.needs_tls(address, "this warehouse")
+        if len(sock.recv(size)) != size:  # the preamble, read whole by the peek above
+            raise DockProtocolError(f"{address} cut its TLS preamble short")
+        made: list[Peer] = []
+
+        def factory() -> Peer:
+            made.append(make_peer())
+            return made[-1]
+
+        try:
+            transport, peer = await loop.create_connection(factory, sock=sock, ssl=link_tls.context,
+                                                           server_hostname=host, ssl_handshake_timeout=5.0)
+        except BaseException as e:
+            for p in made:  # made, never connected: let the daemon forget it
+                p.connection_lost(e if isinstance(e, Exception) else None)
+            if isinstance(e, ssl.SSLCertVerificationError):
+                raise tls.untrusted(address, link_tls.ca, e) from None
+            raise
+        return transport, peer
+    except BaseException:
+        sock.close()
+        raise
+
+
+async def _peek_frame(sock: socket.socket, limit: int = 4096) -> tuple[pb.Frame, int]:
+    """The first frame the far daemon sent (a challenge or the TLS preamble), left unread; and its size."""
+    loop = asyncio.get_running_loop()
+    want = wire.PREFIX.size
+    while True:
+        try:
+            data: bytes | None = sock.recv(want, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            data = None
+        if data == b"":
+            raise ConnectionResetError("the daemon closed the connection before its challenge")
+        if data is not None and len(data) >= want:
+            if want == wire.PREFIX.size:
+                hlen, _ = wire.parse_prefix(data, 0, 0, limit)
+                want += hlen
+                continue
+            return wire.parse_header(data[wire.PREFIX.size : want]), want
+        if data:  # part of it: the rest is on its way
+            await asyncio.sleep(0.001)
+            continue
+        readable: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(sock.fileno(), _wake, readable)
+        try:
+            await readable
+        finally:
+            loop.remove_reader(sock.fileno())
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

@@ -9,6 +9,10 @@ open, and the descriptor budget shared by connections, descriptors in flight
 and stored segments. Authentication itself is the handshake each `Peer` runs
 with `server_auth` (see `dockd.auth`); the keys it checks are chosen by
 `Keys`.
+
+With `--tls-cert` the TCP port speaks TLS: each connection gets the plain TLS preamble
+(`dockd.tls`), then the TLS handshake, and only then its `Peer` (so the dockd handshake
+and every frame run inside TLS); the Unix socket never leaves the host and has none.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import os
 import resource
 import secrets
 import socket
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 
-from dockd import auth, config, shm
+from dockd import auth, config, shm, tls
 from dockd.config import NodeConfig
 from dockd.logutil import Throttle
 from dockd.peer import Handler, Peer
@@ -109,6 +114,15 @@ class Listeners:
         self._unix: socket.socket | None = None
         self._accept_delay = 0.0  # backoff of the same-host accept loop while descriptors run out
         self._stopped = False
+        # TLS (--tls-cert): what the TCP port serves with, and what this daemon checks the daemons it
+        # connects to (its controller) with: --tls-ca, else its own certificate (one cluster certificate)
+        self.tls_server: ssl.SSLContext | None = None
+        self.link_tls: tls.LinkTls | None = None
+        if cfg.tls_cert:
+            self.tls_server = tls.server_context(cfg.tls_cert, cfg.tls_key)
+            ca = cfg.tls_ca or cfg.tls_cert
+            self.link_tls = tls.LinkTls(tls.client_context(ca), ca)
+        self._starting: set[_TlsStart] = set()
         Peer.handshake_timeout, Peer.stall_timeout = cfg.handshake_timeout, cfg.stall_timeout
         Peer.min_rate = cfg.min_rate
         Peer.idle_timeout = cfg.idle_timeout
@@ -120,7 +134,8 @@ class Listeners:
 
     async def listen_tcp(self) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self.make_peer, self.cfg.host, self.cfg.port, reuse_address=True)
+        factory = self.make_peer if self.tls_server is None else self._tls_start
+        self._server = await loop.create_server(factory, self.cfg.host, self.cfg.port, reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
 
     def listen_unix(self) -> None:
@@ -198,11 +213,15 @@ class Listeners:
         return peer
 
     def make_link_peer(self) -> Peer:
-        """This warehouse's connection to its controller: it proves the daemon role."""
+        """This warehouse's connection to its controller: it proves the daemon role (over TLS when
+        `link_tls` is set: dockd.warehouse.link.open_link finds it here)."""
         peer = Peer(self.handler, max_body=self.cfg.max_frame, on_connect=keepalive,
                     prove=(auth.DAEMON, self.keys.link_key(), b""))
         self.peers.add(peer)
         return peer
+
+    def _tls_start(self) -> _TlsStart:
+        return _TlsStart(self)
 
     def _connected(self, transport) -> None:
         keepalive(transport)
@@ -234,12 +253,72 @@ class Listeners:
             self._unix.close()
         if self._server is not None:
             self._server.close()
+        for start in list(self._starting):
+            start.abort()
         for peer in list(self.peers):
             peer.close()
 
     async def wait_closed(self) -> None:
         if self._server is not None:
             await self._server.wait_closed()
+
+
+class _TlsStart(asyncio.Protocol):
+    """A TCP connection to a TLS daemon until its TLS handshake is done: sends the preamble, runs the
+    handshake (within --handshake-timeout) and hands the TLS transport to a new Peer.
+
+    The preamble goes out only once start_tls has taken the connection over: the client sends its
+    TLS hello after reading it, and nothing must read that hello but TLS (uvloop starts reading a
+    new connection whatever connection_made did)."""
+
+    def __init__(self, owner: Listeners) -> None:
+        self.owner = owner
+        self.transport: asyncio.Transport | None = None
+        self.task: asyncio.Task | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.owner._starting.add(self)
+        self.task = asyncio.ensure_future(self._upgrade())
+
+    async def _upgrade(self) -> None:
+        owner, transport = self.owner, self.transport
+        assert transport is not None and owner.tls_server is not None
+        loop = asyncio.get_running_loop()
+        try:
+            handshake = asyncio.ensure_future(loop.start_tls(
+                transport, self, owner.tls_server, server_side=True, ssl_handshake_timeout=owner.cfg.handshake_timeout))
+            while transport.get_protocol() is self and not handshake.done():
+                await asyncio.sleep(0)  # (start_tls puts its protocol in place at its first step)
+            if not handshake.done():
+                transport.write(tls.preamble(owner.instance))
+            secure = await handshake
+        except (OSError, asyncio.TimeoutError, ConnectionError) as e:
+            owner._starting.discard(self)
+            # a client without TLS reads the preamble and hangs up (it raises the clear error itself)
+            _refusals.log(logger, logging.INFO, "[auth] TLS handshake with %s failed: %s",
+                          transport.get_extra_info("peername"), e or type(e).__name__)
+            transport.abort()
+            return
+        owner._starting.discard(self)
+        if secure is None or owner._stopped:
+            transport.abort()
+            return
+        peer = owner.make_peer()
+        secure.set_protocol(peer)
+        peer.connection_made(secure)
+
+    def data_received(self, data: bytes) -> None:
+        pass  # (nothing comes before the preamble, which goes out once start_tls reads the connection)
+
+    def connection_lost(self, exc) -> None:
+        self.owner._starting.discard(self)
+
+    def abort(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        if self.transport is not None:
+            self.transport.abort()
 
 
 def watch_pid(pid: int, exited) -> None:

@@ -22,7 +22,10 @@ Contract (what an implementation provides; see `Transport` for signatures):
   Cheap and without I/O. Transports with `fallback = False` are then probed
   with one connection; a failure that is not a timeout falls back to the next
   one, so a transport that cannot work here costs one failed connect once.
-- `open(timeout)`: a connected, blocking socket for frames. `describe()` names
+- `open(timeout)`: a connected, blocking socket for frames. `tls`: the CA file
+  its daemons' certificates are checked with ("": none; TCP takes
+  `ClientConfig.tls`); `secure(sock, timeout)`: that socket after its TLS
+  handshake (`dockd.tls`), once the daemon's preamble said TLS follows. `describe()` names
   the daemon in errors the way the user knows it; `sniff(timeout)` may say
   what a port that sent no dockd challenge is instead (TCP asks it).
 - `recv_into(sock, mv, fds)`: read what has arrived (non-blocking: raise
@@ -148,6 +151,15 @@ class Transport:
         return f"{self.endpoint.host}:{self.endpoint.port}"
 
     def open(self, timeout: float) -> socket.socket:
+        raise NotImplementedError
+
+    @property
+    def tls(self) -> str:
+        """The CA file this transport checks a TLS daemon's certificate with ("": it speaks no TLS)."""
+        return ""
+
+    def secure(self, sock: socket.socket, timeout: float) -> Any:
+        """`sock` (as `open` made it) after the client's TLS handshake, within `timeout` seconds."""
         raise NotImplementedError
 
     def recv_into(self, sock: socket.socket, mv: memoryview, fds: deque[int]) -> int:

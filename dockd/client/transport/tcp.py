@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import socket
+import ssl
 import time
 
+from dockd import tls as _tls
 from dockd import wire
 from dockd.client.transport import Transport, register
 
@@ -25,6 +28,13 @@ class TcpTransport(Transport):
         sock = socket.create_connection((self.endpoint.host, self.endpoint.port), timeout=timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
+
+    @property
+    def tls(self) -> str:
+        return self.ctx.config.tls
+
+    def secure(self, sock: socket.socket, timeout: float) -> _tls.TlsSocket:
+        return _tls.wrap_client(sock, _context(self.tls), self.endpoint.host, self.describe(), self.tls, timeout)
 
     def sniff(self, timeout: float) -> str:
         """Ask the port what it is on a second connection: a dockd daemon sends its challenge first
@@ -48,3 +58,9 @@ class TcpTransport(Transport):
             status = got.split(b"\r\n", 1)[0].decode(errors="replace")
             return f"it answers HTTP ({status})"
         return f"it answered {got[:32]!r}"
+
+
+@functools.lru_cache(maxsize=8)
+def _context(ca: str) -> ssl.SSLContext:
+    """One TLS context per CA file, shared by every connection of this process."""
+    return _tls.client_context(ca)
