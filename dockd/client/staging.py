@@ -68,13 +68,14 @@ class Staging:
         return StagingBuffer(secrets.randbits(62) + 1, fd, size, view)
 
     def give(self, buf: StagingBuffer) -> None:
-        """The put is done: keep the buffer for the next one (or drop it past the limits)."""
+        """The put is done: keep the buffer for the next one. Past the limits the buffers used
+        longest ago go first: a writer whose puts grew keeps the size it writes now (dropping the
+        largest instead made every put of a size near max_bytes fault in a fresh buffer)."""
         with self._lock:
-            if not self.closed:
-                self._free.append(buf)
-                self._free.sort(key=lambda b: b.size)
+            if not self.closed and buf.size <= self.max_bytes:
+                self._free.append(buf)  # (most recently used last)
                 while len(self._free) > self.max_buffers or sum(b.size for b in self._free) > self.max_bytes:
-                    _drop(self._free.pop(0 if len(self._free) > self.max_buffers else -1))
+                    _drop(self._free.pop(0))
                 return
         _drop(buf)
 
