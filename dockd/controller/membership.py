@@ -60,7 +60,7 @@ from dockd import wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.clock import Clock, Timer, Timers
 from dockd.controller.core import Controller
-from dockd.controller.warehouses import Inventory
+from dockd.controller.warehouses import DURABLE_REJOIN, Inventory
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockTimeout, DockValueError, to_status
 from dockd.peer import Peer
 
@@ -71,6 +71,7 @@ PROBE_TIMEOUT = 2.0
 HEARTBEAT_INTERVAL = 1.0  # defaults of NodeConfig.heartbeat_interval / heartbeat_timeout
 HEARTBEAT_TIMEOUT = 5.0
 PROBE_FRESH = 5.0  # seconds a probe's answer about an address decides registrations claiming it
+DURABLE = 1 << 62  # set in the instance of a warehouse with a data dir (--data-dir): it comes back after a restart
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -92,6 +93,11 @@ class WarehouseEntry:
         """A connected member: requests to it go over its connection (an unresponsive one answers
         them once it runs again), and its commits are taken."""
         return self.state in ("joined", "unresponsive")
+
+    @property
+    def durable(self) -> bool:
+        """It keeps its data in a data dir: a restart (same instance) brings its samples back."""
+        return bool(self.instance & DURABLE)
 
     @property
     def reachable(self) -> bool:
@@ -195,10 +201,14 @@ class Membership:
             self.retire(e, "a new process took over its address")
         if peer is not None:
             self._start_heartbeats()
-        entry = self.entries.get(req.id) if req.rejoin else None
+        entry = self.entries.get(req.id) if req.rejoin or req.assigned else None
         known = entry is not None and entry.instance == req.instance
         if entry is None or not known:
-            if req.rejoin and entry is None and req.id < MAX_WAREHOUSES:
+            if req.assigned:  # several controllers: the first one numbers the warehouses (dockd.owners)
+                if req.id >= MAX_WAREHOUSES:
+                    raise DockValueError(f"warehouse id {req.id} is past the limit {MAX_WAREHOUSES}")
+                wid = req.id
+            elif req.rejoin and entry is None and req.id < MAX_WAREHOUSES:
                 wid = req.id  # a controller without a journal: keep the id clients know it by
             else:
                 wid = max(self.entries, default=-1) + 1
@@ -339,9 +349,12 @@ class Membership:
             for name in c.columns:
                 prev = held.columns.get(name)
                 held.columns[name] = done if prev is None else np.union1d(prev, done)
-        drop = self.core.rejoin(entry.id, inventory, known=known)
+        # a durable warehouse (a data dir) that restarted wrote every put it acknowledged: a value recorded on it
+        # that it no longer holds was committed but never acknowledged, and becomes unwritten instead of lost
+        how: bool | str = DURABLE_REJOIN if known and entry.durable else known
+        drop = self.core.rejoin(entry.id, inventory, known=how)  # type: ignore[arg-type]
         if self.journal is not None:
-            self.journal.rejoin(entry.id, inventory, known)
+            self.journal.rejoin(entry.id, inventory, how)
         for c in req.pending:
             c.warehouse = entry.id
             out = reply.pending.add()
@@ -383,7 +396,10 @@ class Membership:
         instance = await self.probe(entry.host, entry.port)
         if entry.state != "rejoining":
             return
-        if instance == 0:
+        if instance == 0 and entry.durable:
+            logger.warning("[controller] warehouse id=%d address=%s:%d refuses connections, but it keeps a data dir: "
+                           "waiting up to %gs for it to restart", entry.id, entry.host, entry.port, self.grace)
+        elif instance == 0:
             self.retire(entry, "its address refuses connections")
         elif instance is not None and instance != entry.instance:
             self.retire(entry, "another process answers at its address")

@@ -11,10 +11,14 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from dockd.controller.catalog import Catalog
-from dockd.controller.partition import LOST, LOST_WAREHOUSE, _Consumer, _Partition
+from dockd.controller.partition import LOST, LOST_WAREHOUSE, NO_WAREHOUSE, _Consumer, _Partition
 from dockd.errors import DockDataLost, DockNotFound, DockValueError
 
 logger = logging.getLogger(__name__)
+
+
+DURABLE_REJOIN = "durable"
+"""`rejoin(known=...)` for a known warehouse with a data dir (journaled as is): what it lacks was never acknowledged."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -82,14 +86,19 @@ def warehouse_lost(cat: Catalog, warehouse: int) -> None:
     for part in cat.partitions.values():
         part.nbytes.pop(warehouse, None)
 
-def rejoin(cat: Catalog, warehouse: int, inventory: Mapping[str, Inventory], *, known: bool) -> list[str]:
+def rejoin(cat: Catalog, warehouse: int, inventory: Mapping[str, Inventory], *, known: bool | str) -> list[str]:
     """Reconcile what a rejoining warehouse holds with what this controller records.
 
     `known`: the controller remembers this warehouse (a journal, or it never
     went away). Then the records win: (sample, column)s recorded on the
     warehouse that it no longer holds become lost (DockDataLost when met),
     and partitions it holds that the dock no longer has are returned, for
-    the warehouse to free. Otherwise (a restart without a state dir) the
+    the warehouse to free. `known` == DURABLE_REJOIN: a warehouse with a data dir
+    that restarted; it wrote every put before acknowledging it, so what it no
+    longer holds was committed but never acknowledged (the kill came between
+    the commit and the file): those values become unwritten again (their
+    writer was told the put failed, and may write them again), not lost.
+    Otherwise (a restart without a state dir) the
     inventory is the truth: partitions are rebuilt from it, marked
     `recovered` (consumer progress before the restart is unknown); a value
     that another warehouse already holds under the same index stays there,
@@ -104,7 +113,15 @@ def rejoin(cat: Catalog, warehouse: int, inventory: Mapping[str, Inventory], *, 
                 mine = np.flatnonzero(loc[: part.size] == warehouse)
                 if held is not None and col in held.columns:
                     mine = mine[~np.isin(mine, held.columns[col], assume_unique=True)]
-                if len(mine):
+                if len(mine) and known == DURABLE_REJOIN:
+                    loc[mine] = NO_WAREHOUSE
+                    part.ready[mine] &= ~np.uint64(1 << part.columns[col])
+                    for cons in part.consumers.values():
+                        part.refresh(cons, mine)
+                    logger.warning("[controller] warehouse %d restarted from its data dir without %d values of column "
+                                   "%r of partition %r, committed but never acknowledged; they are unwritten again",
+                                   warehouse, len(mine), col, name)
+                elif len(mine):
                     loc[mine] = LOST_WAREHOUSE
                     cat.dead_warehouses.add(LOST_WAREHOUSE)
                     logger.warning("[controller] warehouse %d rejoined without %d values of column %r of "

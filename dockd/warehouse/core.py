@@ -51,6 +51,8 @@ from dockd.errors import DockFull, DockNotFound, DockValueError
 if TYPE_CHECKING:
     import torch
 
+    from dockd.warehouse.datadir import DataDir as Keeper
+
 Indexes = Sequence[int] | np.ndarray
 
 SMALL_READ = 8  # reads of up to this many samples per column take the scalar path (Warehouse.fetch)
@@ -62,7 +64,7 @@ META_VALUE = 16   # ... and each value it stores (index maps, ragged ends: 6-17 
 class _Body:
     """One put's body: its bytes are in use until every sample it holds is deleted."""
 
-    __slots__ = ("nbytes", "meta", "dead", "device_nbytes", "segment", "live", "first_column", "batches")
+    __slots__ = ("nbytes", "meta", "dead", "device_nbytes", "segment", "live", "first_column", "batches", "file")
 
     def __init__(self, nbytes: int, segment: object, live: int, first_column: str, device_nbytes: int = 0) -> None:
         self.nbytes = nbytes
@@ -73,6 +75,7 @@ class _Body:
         self.live = live                  # samples of this put not deleted yet
         self.first_column = first_column  # deletes are counted on this column's rows
         self.batches: list[tuple[str, int]] = []  # (column, batch id) of each of its runs
+        self.file: str | None = None  # its file in the data dir (Warehouse.keeper), if any
 
 
 class _Batch:
@@ -227,6 +230,7 @@ class Warehouse:
         self.device_used = 0
         self.device_reserved = 0
         self.parts: dict[str, _Part] = {}
+        self.keeper: Keeper | None = None  # the data dir (--data-dir): every store is written there first
 
     # -- capacity -------------------------------------------------------------------------
     def check_fits(self, nbytes: int) -> None:
@@ -309,13 +313,22 @@ class Warehouse:
 
     def store(self, partition: str, indexes: Indexes, columns: Sequence[pb.ColumnData], body: pa.Buffer | None,
               nbytes: int, segment: object = None, group_size: int = 0,
-              device: Sequence[torch.Tensor] | None = None) -> None:
+              device: Sequence[torch.Tensor] | None = None, token: int = 0) -> None:
         """Keep each run as a batch (a slice of body, or of `device[k - 1]` for a run in device
         buffer k: the warehouse's own copies, whose bytes `device_reserve` reserved) and file its
-        rows under the indexes; uses the reservations."""
+        rows under the indexes; uses the reservations. With a keeper (a data dir) the put is
+        written there first (`token`: the writer's, kept with it); if that fails nothing is stored,
+        the reservation is given back and the error raised."""
         device = device or ()
         device_nbytes = sum(int(t.numel()) for t in device)
         self.check_absent(partition, indexes, (c.name for c in columns))
+        file = None
+        if self.keeper is not None:
+            try:
+                file = self.keeper.stored(partition, _idx(indexes), columns, body, nbytes, group_size, token)
+            except Exception:
+                self.reserved -= nbytes
+                raise
         part = self.parts.setdefault(partition, _Part())
         if group_size:
             part.group_size = group_size
@@ -324,6 +337,7 @@ class Warehouse:
         idx = _idx(indexes)
         top = int(idx.max()) + 1 if len(idx) else 0
         owner = _Body(nbytes, segment, len(idx), columns[0].name if columns else "", device_nbytes)
+        owner.file = file
         for c in columns:
             col = part.columns.get(c.name)
             if col is None:
@@ -452,6 +466,8 @@ class Warehouse:
                 if b.body.first_column == name:
                     b.body.live -= len(rows)
                 touched[id(b.body)] = b.body
+        if self.keeper is not None and touched:
+            self.keeper.deleted(partition, idx)
         freed, segs = 0, []
         for body in touched.values():
             if body.live <= 0:
@@ -476,6 +492,8 @@ class Warehouse:
         self.reclaimable -= body.dead
         part.dead -= body.dead
         self._release(part, body.nbytes)
+        if body.file is not None and self.keeper is not None:
+            self.keeper.remove(body.file)
         return body.nbytes, self._unlink_segment(part, body)
 
     def _compact(self, part: _Part, body: _Body) -> tuple[int, object]:
@@ -497,6 +515,7 @@ class Warehouse:
         dst = np.frombuffer(new, dtype=np.uint8)
         owner = _Body(total, None, body.live, body.first_column)
         owner.meta = body.meta
+        owner.file = body.file  # (the file keeps every value; the deleted ones are recorded apart)
         for name, col, bid, b, idx, rows, starts, ends, at in plans:
             src = np.frombuffer(b.data, dtype=np.uint8) if b.data is not None and b.data.size else None
             pos = at
@@ -558,6 +577,8 @@ class Warehouse:
 
     def free(self, partition: str) -> int:
         part = self.parts.pop(partition, None)
+        if self.keeper is not None:
+            self.keeper.cleared(partition)
         if part is None:
             return 0
         self.used -= part.nbytes

@@ -192,7 +192,7 @@ class PutPipeline:
                 self.admission.release(unreserve=put.size, unreserve_device=put.dev_bytes, seg=put.seg)
             else:
                 self.warehouse.store(req.partition, res, req.columns, put.buf, put.size, put.seg, group_size(req),
-                                     device=put.dev)
+                                     device=put.dev, token=req.token)  # (with --data-dir: written there first)
         except Exception as e:  # noqa: BLE001 - the put's answer
             self._fail(put, e)
             return

@@ -1,0 +1,373 @@
+"""A warehouse's data dir (`dockd serve --join ADDR --data-dir DIR`): stored puts outlive the process.
+
+Every put the warehouse stores is also written to a file of its own in DIR,
+and fsync'd, before the writer is answered; frees, deletes and clears remove
+the files (or record the deleted samples) as they happen. A warehouse killed
+(SIGKILL included) and started again on the same DIR reads the files back into
+fresh sealed shared-memory segments, rebuilds its stored values, and rejoins
+its controller under the same warehouse id and instance with that inventory.
+Readers are still only ever handed sealed memfds: the files are read once, at
+start, and never mapped to a reader.
+
+Layout:
+
+    DIR/identity.json          the dock this dir belongs to, the warehouse id and instance,
+                               the put-id floor (commits of a new process never reuse an id)
+    DIR/p-<sha1(partition)>/   one directory per partition
+        <n>.put                one stored put: fixed header, JSON header, its columns' runs
+                               (a serialized PutRequest), its body
+        .<n>.tmp               a put being written: renamed to <n>.put once whole and fsync'd
+        deleted                int64 indexes of samples deleted while the rest of their put lives
+
+A `.tmp` file left by a kill is a put that was never acknowledged: it is
+removed at start with a log line. A `.put` file is complete (written under
+its temporary name, fsync'd, then renamed), and carries a CRC-32 of its runs
+and body; one that fails it refuses the start (`DockDataDirError`), as does a
+dir of another dock (another token, or another controller without a token)
+or of another user.
+
+The instance a warehouse with a data dir draws has bit 62 set
+(`membership.DURABLE`): its controller then waits out `--warehouse-grace` for
+a restart instead of declaring it lost when its address refuses connections,
+and a value it recorded on it that the restarted warehouse does not hold (its
+commit was applied but the kill came before the file was written, so the put
+was never acknowledged) becomes unwritten again rather than lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import stat
+import struct
+import zlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+
+from dockd import auth, shm
+from dockd._proto import dockd_pb2 as pb
+from dockd.controller.membership import DURABLE
+from dockd.errors import DockStateFull, DockValueError
+
+if TYPE_CHECKING:
+    from dockd.config import NodeConfig
+    from dockd.warehouse.admission import Admission
+    from dockd.warehouse.core import Warehouse
+    from dockd.warehouse.link import ControllerLink
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"DOCKDPUT"
+FORMAT = 1
+_HEAD = struct.Struct("<8sIIIQ")  # magic, format, JSON header bytes, runs bytes, body bytes
+IDENTITY = "identity.json"
+DELETED = "deleted"
+SEQ_GAP = 1 << 32  # put ids a process may use; the next process starts above them
+
+
+class DockDataDirError(DockValueError):
+    """A data dir that this warehouse must not adopt (another dock's, another user's, damaged)."""
+
+
+def dock_of(cfg: NodeConfig) -> dict:
+    """What ties a data dir to its dock: the token's fingerprint (never the token), and the controller."""
+    token = auth.load_token(cfg.token_file) if cfg.token_file else b""
+    fp = hashlib.sha256(b"dockd data dir\0" + token).hexdigest()[:32] if token else ""
+    return {"token": fp, "controller": cfg.join}
+
+
+def _part_dir(partition: str) -> str:
+    return "p-" + hashlib.sha1(partition.encode()).hexdigest()
+
+
+def _write_all(fd: int, bufs: Sequence) -> None:
+    views = [memoryview(b).cast("B") for b in bufs if len(memoryview(b))]
+    while views:
+        n = os.writev(fd, views[:512])
+        while n:
+            if n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+
+
+def _readinto(fd: int, view: memoryview) -> None:
+    while len(view):
+        n = os.readv(fd, [view])
+        if n <= 0:
+            raise EOFError("file ends early")
+        view = view[n:]
+
+
+class DataDir:
+    """The files of one warehouse's data dir; `Warehouse.keeper` while it stores."""
+
+    def __init__(self, path: str, dock: dict) -> None:
+        self.path = os.path.abspath(path)
+        self.dock = dock
+        self.instance = 0
+        self.wid = -1
+        self.port = 0  # the port the last process listened on (a restart with --port 0 takes it again)
+        self.seq = 0
+        self._next = 1
+        self.adopting: str | None = None  # the file being read back: store() must not write it again
+        self.files = 0
+        self.bytes = 0
+
+    # -- identity --------------------------------------------------------------------------------
+    def open(self) -> int:
+        """Check the dir is ours and this dock's (making it if need be); this process's instance."""
+        try:
+            os.makedirs(self.path, mode=0o700, exist_ok=True)
+            st = os.stat(self.path)
+        except OSError as e:
+            raise DockDataDirError(f"cannot use --data-dir {self.path}: {e.strerror or e}") from None
+        self._check_owner(self.path, st)
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            logger.warning("[datadir] %s is open to other users (mode %o); chmod 700 it", self.path, st.st_mode & 0o777)
+        ident = os.path.join(self.path, IDENTITY)
+        try:
+            with open(ident, "rb") as f:
+                self._check_owner(ident, os.fstat(f.fileno()))
+                rec = json.loads(f.read())
+        except FileNotFoundError:
+            rec = None
+        except (OSError, ValueError) as e:
+            raise DockDataDirError(f"--data-dir {self.path}: cannot read {IDENTITY} ({e}); move the dir away to "
+                                   "start this warehouse empty") from None
+        if rec is None:
+            if any(n.startswith("p-") for n in os.listdir(self.path)):
+                raise DockDataDirError(f"--data-dir {self.path} holds stored puts but no {IDENTITY}; move the dir "
+                                       "away (or give an empty one) to start this warehouse empty")
+            self.instance = secrets.randbits(62) | DURABLE | 1
+            self.seq = 0
+        else:
+            self._check_dock(rec.get("dock", {}), f"{ident}")
+            self.instance = int(rec["instance"]) | DURABLE
+            self.wid = int(rec.get("warehouse", -1))
+            self.port = int(rec.get("port", 0))
+            self.seq = int(rec.get("seq", 0)) + SEQ_GAP
+        self._save_identity()
+        return self.instance
+
+    def _check_owner(self, path: str, st: os.stat_result) -> None:
+        if st.st_uid != os.getuid():
+            raise DockDataDirError(
+                f"--data-dir: {path} belongs to uid {st.st_uid}, not to this warehouse's user (uid {os.getuid()}); "
+                "a warehouse adopts only its own user's data. Run it as that user, or give it a dir of its own")
+
+    def _check_dock(self, theirs: dict, where: str) -> None:
+        mine = self.dock
+        if theirs.get("token", "") != mine["token"]:
+            what = ("was written by a dock with another token" if theirs.get("token") and mine["token"] else
+                    "was written by a dock with a token, and this warehouse has none" if theirs.get("token") else
+                    "was written by a dock without a token, and this warehouse has one")
+            raise DockDataDirError(
+                f"--data-dir {self.path} belongs to another dock: {where} {what} (controller "
+                f"{theirs.get('controller') or '?'}). Its samples are not this dock's; give this warehouse another "
+                "--data-dir, or remove that one if its data is no longer wanted")
+        if not mine["token"] and theirs.get("controller") != mine["controller"]:
+            raise DockDataDirError(
+                f"--data-dir {self.path} belongs to another dock: {where} was written by a warehouse of the "
+                f"controller at {theirs.get('controller')!s}, and this one joins {mine['controller']} (without a "
+                "token the controller's address names the dock). Give it --join "
+                f"{theirs.get('controller')}, another --data-dir, or remove that one if its data is no longer wanted")
+
+    def _save_identity(self) -> None:
+        rec = {"format": FORMAT, "dock": self.dock, "warehouse": self.wid, "port": self.port, "instance": self.instance,
+               "seq": self.seq}
+        tmp = os.path.join(self.path, f".{IDENTITY}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(rec, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, os.path.join(self.path, IDENTITY))
+
+    def prime(self, link: ControllerLink) -> None:
+        """A restarted warehouse rejoins under its id, and numbers its commits above the last process's."""
+        link._seq = self.seq
+        if self.wid >= 0:
+            link.wid = self.wid
+
+    def joined(self, wid: int, port: int) -> None:
+        """Joined as warehouse `wid`, listening on `port`: what a restart comes back as."""
+        if (wid, port) != (self.wid, self.port):
+            self.wid, self.port = wid, port
+            self._save_identity()
+
+    # -- puts --------------------------------------------------------------------------------------
+    def stored(self, partition: str, idx: np.ndarray, columns: Sequence[pb.ColumnData], body: pa.Buffer | None,
+               nbytes: int, group_size: int, token: int) -> str:
+        """Write one put (its indexes known) and fsync it; its file's path."""
+        if self.adopting is not None:
+            return self.adopting
+        d = os.path.join(self.path, _part_dir(partition))
+        n, self._next = self._next, self._next + 1
+        final = os.path.join(d, f"{n:016x}.put")
+        tmp = os.path.join(d, f".{n:016x}.tmp")
+        runs = pb.PutRequest(partition=partition, indexes=idx.tolist(), columns=columns).SerializeToString()
+        data = memoryview(body).cast("B")[:nbytes] if body is not None and nbytes else memoryview(b"")
+        crc = zlib.crc32(data, zlib.crc32(runs))
+        head = json.dumps({"dock": self.dock, "partition": partition, "group_size": group_size, "token": token,
+                           "crc": crc}).encode()
+        try:
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except FileNotFoundError:
+                os.makedirs(d, mode=0o700, exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                _write_all(fd, [_HEAD.pack(MAGIC, FORMAT, len(head), len(runs), len(data)), head, runs, data])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, final)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            free = shutil.disk_usage(self.path).free if os.path.isdir(self.path) else 0
+            raise DockStateFull(f"this put was not stored: writing it to --data-dir {self.path} failed "
+                                f"({e.strerror or e}; {free} bytes free there). Free room there and retry") from None
+        self.files += 1
+        self.bytes += len(data)
+        return final
+
+    def remove(self, path: str) -> None:
+        """A put whose samples are all gone."""
+        try:
+            self.bytes -= os.stat(path).st_size
+            os.unlink(path)
+            self.files -= 1
+        except FileNotFoundError:
+            pass
+
+    def deleted(self, partition: str, idx: np.ndarray) -> None:
+        """Samples deleted while the rest of their put lives (their file still holds them)."""
+        if self.adopting is not None or not len(idx):
+            return
+        d = os.path.join(self.path, _part_dir(partition))
+        try:
+            with open(os.path.join(d, DELETED), "ab") as f:
+                f.write(np.asarray(idx, dtype="<i8").tobytes())
+        except FileNotFoundError:  # (nothing of the partition is stored)
+            pass
+
+    def cleared(self, partition: str) -> None:
+        d = os.path.join(self.path, _part_dir(partition))
+        if os.path.isdir(d):
+            gone = [e for e in os.scandir(d) if e.name.endswith(".put")]
+            self.files -= len(gone)
+            self.bytes -= sum(e.stat().st_size for e in gone)
+            shutil.rmtree(d, ignore_errors=True)
+
+    # -- restart -----------------------------------------------------------------------------------
+    def adopt(self, warehouse: Warehouse, admission: Admission, tokens) -> tuple[int, int]:
+        """Read every stored put back (into sealed segments when big), store it again, apply the recorded
+        deletes, and remember the puts' tokens (a writer re-sending one is answered, not stored twice).
+        Returns (puts, bytes)."""
+        puts, total, torn = 0, 0, 0
+        entries = []
+        for part in sorted(os.scandir(self.path), key=lambda e: e.name):
+            if not part.name.startswith("p-") or not part.is_dir(follow_symlinks=False):
+                continue
+            for e in os.scandir(part.path):
+                if e.name.endswith(".tmp"):
+                    logger.warning("[datadir] removing %s: a put being written when the last process ended "
+                                   "(never acknowledged)", e.path)
+                    os.unlink(e.path)
+                    torn += 1
+                elif e.name.endswith(".put"):
+                    entries.append((int(e.name[:-4], 16), e.path, part.path))
+        entries.sort()
+        self._next = (entries[-1][0] + 1) if entries else 1
+        parts: dict[str, str] = {}
+        try:
+            for _, path, pdir in entries:
+                partition, nbytes, token, idx = self._adopt_one(path, warehouse, admission)
+                parts[pdir] = partition
+                if token:
+                    tokens.done(token, idx.tolist())
+                puts += 1
+                total += nbytes
+        finally:
+            self.adopting = None
+        for pdir, partition in parts.items():
+            try:
+                with open(os.path.join(pdir, DELETED), "rb") as f:
+                    dead = np.frombuffer(f.read(), dtype="<i8")
+            except FileNotFoundError:
+                continue
+            if len(dead):
+                self.adopting = ""  # (recorded already)
+                try:
+                    admission.free(partition, dead.astype(np.int64))
+                finally:
+                    self.adopting = None
+        logger.info("[datadir] adopted dir=%s puts=%d bytes=%d torn_removed=%d partitions=%d", self.path, puts, total,
+                    torn, len(parts))
+        return puts, total
+
+    def _adopt_one(self, path: str, warehouse: Warehouse, admission: Admission) -> tuple[str, int, int, np.ndarray]:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self._check_owner(path, os.fstat(fd))
+            head = os.pread(fd, _HEAD.size, 0)
+            if len(head) < _HEAD.size:
+                raise self._damaged(path, "its header is cut short")
+            magic, fmt, hlen, rlen, blen = _HEAD.unpack(head)
+            if magic != MAGIC or fmt != FORMAT:
+                raise self._damaged(path, "it is not a dockd stored put of this version")
+            if os.fstat(fd).st_size != _HEAD.size + hlen + rlen + blen:
+                raise self._damaged(path, "its size does not match its header")
+            meta = json.loads(os.pread(fd, hlen, _HEAD.size))
+            self._check_dock(meta.get("dock", {}), path)
+            runs = os.pread(fd, rlen, _HEAD.size + hlen)
+            if blen:
+                if not warehouse.reserve(blen):
+                    raise DockDataDirError(
+                        f"--data-dir {self.path} holds more than this warehouse's --capacity ({warehouse.capacity} "
+                        "bytes) allows; restart it with at least the capacity it had")
+                dest = admission.allocate(blen)
+                buf = dest.buffer if isinstance(dest, shm.Segment) else dest
+                os.lseek(fd, _HEAD.size + hlen + rlen, os.SEEK_SET)
+                _readinto(fd, memoryview(dest.writable() if isinstance(dest, shm.Segment) else buf).cast("B"))
+                if isinstance(dest, shm.Segment):
+                    dest.seal()
+                data = memoryview(buf).cast("B")[:blen]
+            else:
+                dest, buf, data = None, None, memoryview(b"")
+            if zlib.crc32(data, zlib.crc32(runs)) != meta["crc"]:
+                raise self._damaged(path, "its checksum does not match (the file was damaged after it was written)")
+        except DockDataDirError:
+            raise
+        except (OSError, ValueError, KeyError, EOFError) as e:
+            raise self._damaged(path, f"it cannot be read ({e})") from None
+        finally:
+            os.close(fd)
+        req = pb.PutRequest.FromString(runs)
+        idx = np.asarray(req.indexes, dtype=np.int64)
+        self.adopting = path
+        warehouse.store(meta["partition"], idx, req.columns, buf, blen,
+                        dest if isinstance(dest, shm.Segment) else None, meta["group_size"])
+        self.files += 1
+        self.bytes += blen
+        return meta["partition"], blen, int(meta.get("token", 0)), idx
+
+    def _damaged(self, path: str, why: str) -> DockDataDirError:
+        return DockDataDirError(
+            f"--data-dir: {path} is damaged: {why}. Move that file out of the dir to start without it; the values "
+            "it held are then missing (the controller makes them unwritten again)")
+
+    def stats(self) -> dict:
+        return {"path": self.path, "files": self.files, "bytes": self.bytes}
+
