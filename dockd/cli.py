@@ -76,7 +76,7 @@ def _serve(args) -> int:
         host=args.host, port=args.port, grpc_port=args.grpc_port, advertise=args.advertise,
         controller=args.controller, warehouse=not args.no_warehouse, join=args.join or "",
         capacity=parse_size(args.capacity), device_capacity=parse_size(args.device_capacity), lease_timeout=args.lease_timeout, shm=not args.no_shm,
-        state_dir=args.state_dir or "", join_timeout=args.join_timeout, controller_grace=args.controller_grace,
+        state_dir=args.state_dir or "", data_dir=args.data_dir or "", join_timeout=args.join_timeout, controller_grace=args.controller_grace,
         warehouse_grace=args.warehouse_grace, token_file=args.token_file or config.env("DOCKD_TOKEN_FILE"),
         daemon_token_file=args.daemon_token_file or "", insecure=args.insecure, max_connections=args.max_connections,
         handshake_timeout=args.handshake_timeout, stall_timeout=args.stall_timeout, idle_timeout=args.idle_timeout,
@@ -172,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --controller: run only the controller (no data on this node; it can restart without loss)")
     s.add_argument("--state-dir", metavar="DIR",
                    help="with --controller: journal the controller's state in DIR and recover it on restart")
+    s.add_argument("--data-dir", metavar="DIR",
+                   help="with --join: write each stored put to a file in DIR before acknowledging it, so that a "
+                        "warehouse killed and restarted on the same DIR re-adopts its samples (tmpfs such as "
+                        "/dev/shm for speed; see docs/operations.md)")
     s.add_argument("--join-timeout", type=float, default=None, metavar="SECONDS",
                    help="a warehouse waits this long for its controller at start (default: as long as it takes)")
     s.add_argument("--controller-grace", type=float, default=60.0, metavar="SECONDS",

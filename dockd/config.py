@@ -157,6 +157,9 @@ class NodeConfig:
     """Controller: seconds a warehouse whose connection dropped has to rejoin before its samples are lost."""
     state_dir: str = ""
     """Controller: journal its state here and recover it on restart (empty: keep nothing)."""
+    data_dir: str = ""
+    """Warehouse (--join): keep every stored put in a file here before it is acknowledged, and re-adopt
+    them when restarted on the same dir (empty: stored data lives only in this process)."""
     shm: bool = True
     """Serve same-host clients over a Unix socket with shared-memory payloads (Linux)."""
     token_file: str = ""
@@ -225,6 +228,12 @@ class NodeConfig:
             raise DockValueError("--no-warehouse needs --controller: a node without a warehouse only runs the controller")
         if self.state_dir and not self.controller:
             raise DockValueError("--state-dir is the controller's journal; give it with --controller")
+        if self.data_dir and not self.join:
+            raise DockValueError("--data-dir keeps a joining warehouse's data across restarts; give it with --join "
+                                 "(the controller's own warehouse restarts with the controller: not supported)")
+        if self.data_dir and self.device_capacity:
+            raise DockValueError("--data-dir does not keep the device tier's bytes; drop --device-capacity, or "
+                                 "--data-dir")
         for name in ("controller_grace", "warehouse_grace", "handshake_timeout", "stall_timeout", "idle_timeout",
                      "daemon_timeout", "heartbeat_interval", "heartbeat_timeout"):
             if getattr(self, name) <= 0:

@@ -47,6 +47,7 @@ from dockd.warehouse.admission import Admission
 from dockd.warehouse.checkpoint import Checkpoints
 from dockd.warehouse.commit import LocalCommitter, RemoteCommitter
 from dockd.warehouse.core import Warehouse
+from dockd.warehouse.datadir import DataDir, dock_of
 from dockd.warehouse.dispatch import WAREHOUSE_KINDS, Dispatcher, RequestHandler, controller_handlers, plain
 from dockd.warehouse.fetch import FetchPath
 from dockd.warehouse.link import ControllerLink
@@ -63,7 +64,7 @@ logger = logging.getLogger(__name__)
 class Node:
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
-        self.instance = secrets.randbits(63) | 1
+        self.instance = secrets.randbits(62) | 1  # (bit 62 is set only with a data dir: membership.DURABLE)
         self.metrics = Metrics()  # (each Peer times its requests here)
         self._metrics_server: MetricsServer | None = None
         self.metrics_port = 0
@@ -73,6 +74,7 @@ class Node:
         self._wid = -1
         self._stopping: asyncio.Event | None = None
         self.warehouse = Warehouse(cfg.capacity, cfg.device_capacity)
+        self.data_dir = DataDir(cfg.data_dir, dock_of(cfg)) if cfg.data_dir else None  # opened by start()
         self.segments = Segments(keep_bytes=min(cfg.capacity // 4, 4 << 30), watch=watch_pid)
         self.keys = Keys(cfg)
         self.listeners = Listeners(cfg, self.keys, self, self.instance, on_unix_peer=self.segments.connected)
@@ -123,12 +125,19 @@ class Node:
         loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         self.links.bind(loop)
+        if self.data_dir is not None:  # stored puts of a previous process, and its identity
+            self.instance = self.listeners.instance = self.data_dir.open()
+            if not self.cfg.port:  # its controller and clients know it at the address it had
+                self.cfg.port = self.data_dir.port
         self.listeners.budget_descriptors()
         await self.listeners.listen_tcp()
         self.keys.publish(self.port)
         if self.cfg.shm and shm.available() and self.cfg.warehouse:
             self.admission.use_segments(shm.segment_budget())
             self.listeners.listen_unix()
+        if self.data_dir is not None:
+            self.warehouse.keeper = self.data_dir
+            self.data_dir.adopt(self.warehouse, self.admission, self.puts.tokens)
         reg = pb.RegisterWarehouse(host=self.cfg.advertise or self.cfg.host, port=self.port, capacity=self.cfg.capacity,
                                    unix=self.unix_name, instance=self.instance, protocol=PROTOCOL_VERSION)
         if self.controller is not None:
@@ -141,7 +150,11 @@ class Node:
                                        grace=self.cfg.controller_grace)
             assert isinstance(self.committer, RemoteCommitter)  # (a node without a controller commits over its link)
             self.committer.link = self.link
+            if self.data_dir is not None:
+                self.data_dir.prime(self.link)
             await self.link.start(self.cfg.join_timeout)
+            if self.data_dir is not None:
+                self.data_dir.joined(self.link.wid, self.port)
         from dockd.warehouse.admin import start_grpc
 
         figures = Figures(self)
