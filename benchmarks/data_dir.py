@@ -76,12 +76,12 @@ def main(argv: list[str] | None = None) -> int:
             rates: dict[str, list[tuple[float, float, float]]] = {s: [] for s in SIDES}
             for side in SIDES:  # warm-up: connections, staging buffers, the segment pool
                 _round(docks[side], size, batch, max(2, calls // 4), side)
-            for r in range(args.rounds):
-                order = SIDES if r % 2 == 0 else tuple(reversed(SIDES))
+            for rnd in range(args.rounds):
+                order = SIDES if rnd % 2 == 0 else tuple(reversed(SIDES))
                 for side in order:
                     rates[side].append(_round(docks[side], size, batch, calls, side))
             med = {s: tuple(statistics.median(v[i] for v in rates[s]) for i in range(3)) for s in SIDES}
-            row = {"shape": name, "rounds": args.rounds}
+            row: dict = {"shape": name, "rounds": args.rounds}
             for s in SIDES:
                 row[f"put_{s}_MBps"], row[f"puts_{s}_per_s"], row[f"get_{s}_MBps"] = med[s]
             for s in ("tmpfs", "disk"):
@@ -89,15 +89,15 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"get_{s}_ratio"] = med[s][2] / med["none"][2]
             rows.append(row)
     finally:
-        for d in docks.values():
-            d.close()
+        for dock in docks.values():
+            dock.close()
         for p in procs:
             p.terminate()
             p.wait()
             if p.stdout is not None:
                 p.stdout.close()
-        for d in dirs.values():
-            shutil.rmtree(d, ignore_errors=True)
+        for path in dirs.values():
+            shutil.rmtree(path, ignore_errors=True)
 
     print(f"Warehouse data dir vs none, same-host client ({os.cpu_count()} CPUs, medians of {args.rounds} "
           f"alternating rounds; tmpfs {args.tmpfs}, disk {args.disk})\n")

@@ -241,6 +241,35 @@ def test_a_torn_temporary_file_is_ignored(data_dir):
         assert d.stats()["partitions"]["t"]["samples"] == 6
 
 
+def test_a_restarted_durable_warehouse_lacking_a_commit_unwrites_it():
+    """The kill came between a commit and its file: the values the controller recorded are unwritten
+    again (the put was never acknowledged), not lost; a warehouse without a data dir loses them."""
+    import numpy as np
+
+    from dockd.controller.core import Controller
+    from dockd.controller.warehouses import DURABLE_REJOIN, Inventory
+
+    for known, lost in ((DURABLE_REJOIN, False), (True, True)):
+        core = Controller()
+        core.commit("p", ["x"], warehouse=1, new_count=4, nbytes=40)
+        core.commit("p", ["x"], warehouse=1, new_count=4, nbytes=40)  # (its file never made it)
+        core.commit("p", ["y"], warehouse=1, indexes=[0, 1], nbytes=20)  # (nor this one's)
+        assert core.ready_count("p", "c", ["x"]) == 8
+        held = Inventory(1, 40, {"x": np.arange(4, dtype=np.int64)})
+        core.rejoin(1, {"p": held}, known=known)
+        if lost:
+            with pytest.raises(dockd.DockDataLost):
+                core.locate("p", [4], ["x"])
+            continue
+        assert core.ready_count("p", "c", ["x"]) == 4  # samples 4..7 have no value: not offered, not lost
+        assert core.ready_count("p", "c", ["x", "y"]) == 0
+        assert core.locate("p", [0, 1, 2, 3], ["x"]).tolist() == [[1, 1, 1, 1]]
+        with pytest.raises(dockd.DockNotFound):
+            core.locate("p", [4], ["x"])
+        core.commit("p", ["y"], warehouse=1, indexes=[0, 1], nbytes=20)  # the writer's retry is accepted
+        assert core.ready_count("p", "c", ["x", "y"]) == 2
+
+
 def _refused(args: list[str]) -> str:
     """Start `dockd serve ARGS`, which must refuse to start; its stderr."""
     proc = subprocess.run([sys.executable, "-m", "dockd", "serve", *args], capture_output=True, text=True, timeout=60)
