@@ -69,12 +69,14 @@ def _setup_logging(level: str, fmt: str = "text") -> None:
 
 
 def _serve(args) -> int:
+    from dockd import owners
     from dockd.config import NodeConfig, parse_size
     from dockd.warehouse.daemon import serve
 
     cfg = NodeConfig(
         host=args.host, port=args.port, grpc_port=args.grpc_port, advertise=args.advertise,
         controller=args.controller, warehouse=not args.no_warehouse, join=args.join or "",
+        controllers=owners.parse(args.controllers) if args.controllers else (),
         capacity=parse_size(args.capacity), device_capacity=parse_size(args.device_capacity), lease_timeout=args.lease_timeout, shm=not args.no_shm,
         state_dir=args.state_dir or "", data_dir=args.data_dir or "", join_timeout=args.join_timeout, controller_grace=args.controller_grace,
         warehouse_grace=args.warehouse_grace, token_file=args.token_file or config.env("DOCKD_TOKEN_FILE"),
@@ -158,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--advertise", default="", help="host name others use to reach this node (default: --host)")
     s.add_argument("--controller", action="store_true", help="also host the controller")
     s.add_argument("--join", metavar="HOST:PORT", help="join the controller at HOST:PORT as a warehouse")
+    s.add_argument("--controllers", metavar="HOST:PORT,...",
+                   help="with --controller: every controller of the dock, this one's address among them, the same "
+                        "list on each; partitions are spread over them (warehouses --join any one)")
     s.add_argument("--capacity", default="8GiB", help="bytes this warehouse holds before puts wait (default 8GiB)")
     s.add_argument("--device-capacity", default="0",
                    help="bytes of accelerator memory the device tier holds for put(device='keep'), all of this "

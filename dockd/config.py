@@ -6,7 +6,7 @@ import dataclasses
 import os
 import re
 
-from dockd import limits
+from dockd import limits, owners
 from dockd.errors import DockValueError
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 1000**2, "MIB": 1 << 20,
@@ -141,6 +141,9 @@ class NodeConfig:
     """Host a warehouse (only a controller may run without one: --no-warehouse)."""
     join: str = ""
     """host:port of the controller to join as a warehouse (required without controller)."""
+    controllers: tuple[str, ...] = ()
+    """Controller: every controller's host:port, this one's among them, the same list on each
+    (several controllers share the metadata: dockd.owners); empty: this is the dock's only one."""
     capacity: int = 8 << 30
     """Bytes this warehouse holds before puts wait (backpressure)."""
     device_capacity: int = 0
@@ -226,6 +229,13 @@ class NodeConfig:
             raise DockValueError(f"lease timeout must be > 0 seconds, got {self.lease_timeout}")
         if not self.warehouse and not self.controller:
             raise DockValueError("--no-warehouse needs --controller: a node without a warehouse only runs the controller")
+        if self.controllers:
+            if not self.controller:
+                raise DockValueError("--controllers goes with --controller (warehouses --join any one of them)")
+            if self.port == 0:
+                raise DockValueError("--controllers needs a fixed --port: the other daemons find this controller "
+                                     "at the address the list gives")
+            owners.own_index(self.controllers, self.host, self.port, self.advertise)
         if self.state_dir and not self.controller:
             raise DockValueError("--state-dir is the controller's journal; give it with --controller")
         if self.data_dir and not self.join:

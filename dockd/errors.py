@@ -146,6 +146,10 @@ def from_status(status: dockd_pb2.Status) -> DockError:
         return DockDrained(msg)
     if code == pb.STATE_FULL:
         return DockStateFull(msg)
+    if code == pb.UNAVAILABLE:
+        err = DockConnectionError(msg)
+        err.retry = False  # the daemon that answered is there: re-sending to it (or another) would not help now
+        return err
     return DockError(f"{pb.Code.Name(code) if code in pb.Code.values() else code}: {msg}")
 
 
@@ -178,6 +182,8 @@ def to_status(exc: BaseException, status: dockd_pb2.Status) -> None:
         status.code = pb.DRAINED
     elif isinstance(exc, DockStateFull):
         status.code = pb.STATE_FULL
+    elif isinstance(exc, DockConnectionError):
+        status.code = pb.UNAVAILABLE
     elif isinstance(exc, (ValueError, TypeError)):
         status.code = pb.INVALID_ARGUMENT
     else:

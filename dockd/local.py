@@ -4,7 +4,10 @@
         dock = dockd.connect(cluster.address)
 
 Node 0 hosts the controller and a warehouse; nodes 1..N-1 are warehouses that
-join it. Ports are picked by the daemons and read from their ready lines.
+join it. Ports are picked by the daemons and read from their ready lines. With
+`controllers=K`, nodes 0..K-1 each host one of K controllers (and a warehouse)
+that share the metadata (dockd.owners); they listen on free ports picked here,
+since each must know the others' addresses when it starts.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import os
 import secrets
 import selectors
+import socket
 import subprocess
 import sys
 import time
@@ -32,6 +36,7 @@ class LocalCluster:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
         self.nodes: list[dict] = []
+        self.controllers: list[str] = []  # the controllers' "host:port", the dock's order (node 0's first)
         self._finalizer = weakref.finalize(self, _stop_all, self.procs)
 
     @property
@@ -72,6 +77,20 @@ def _stop_all(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
             p.stdout.close()
 
 
+def free_ports(host: str, count: int) -> list[int]:
+    """`count` distinct ports free on `host` right now (held open together while they are picked)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def spawn_node(args: list[str], *, timeout: float = 60.0, env: dict | None = None,
                prefix: Sequence[str] = ()) -> tuple[subprocess.Popen, dict]:
     """Start `dockd serve ARGS` (behind a `prefix` such as `ip netns exec NS`) and wait for
@@ -110,14 +129,21 @@ def read_ready(proc: subprocess.Popen, *, timeout: float = 60.0) -> dict:
 
 def start_local(num_warehouses: int = 1, *, capacity: int | str = "4GiB", lease_timeout: float | None = None,
                 host: str = "127.0.0.1", log_level: str = "WARNING", timeout: float = 60.0,
-                token_file: str | None = None, extra_args: list[str] | None = None) -> LocalCluster:
+                token_file: str | None = None, extra_args: list[str] | None = None,
+                controllers: int = 1) -> LocalCluster:
     """Start a controller and `num_warehouses` warehouses as local processes.
+
+    `controllers=K` (at most num_warehouses): the first K daemons each host one of K
+    controllers that share the dock's partitions (dockd.owners); `LocalCluster.controllers`
+    lists their addresses. Clients connect to any of them (`cluster.address` is the first).
 
     Without `token_file` clients need no token (loopback only); the daemons still
     share a per-dock secret, handed to them here, that proves the daemon role to
     each other, so a client cannot send daemon-to-daemon messages."""
     if not isinstance(num_warehouses, int) or num_warehouses < 1:
         raise DockValueError(f"num_warehouses must be a positive int, got {num_warehouses!r}")
+    if not isinstance(controllers, int) or not 1 <= controllers <= num_warehouses:
+        raise DockValueError(f"controllers must be an int in 1..num_warehouses ({num_warehouses}), got {controllers!r}")
     cap = parse_size(capacity)
     common = ["--host", host, "--port", "0", "--grpc-port", "0", "--capacity", str(cap), "--log-level", log_level]
     if lease_timeout is not None:
@@ -128,10 +154,22 @@ def start_local(num_warehouses: int = 1, *, capacity: int | str = "4GiB", lease_
     cluster = LocalCluster()
     env = dict(os.environ, PYTHONUNBUFFERED="1", DOCKD_DAEMON_SECRET=secrets.token_hex(32))
     try:
-        proc, ready = spawn_node([*common, "--controller"], timeout=timeout, env=env)
-        cluster.procs.append(proc)
-        cluster.nodes.append(ready)
-        for _ in range(num_warehouses - 1):
+        if controllers == 1:
+            proc, ready = spawn_node([*common, "--controller"], timeout=timeout, env=env)
+            cluster.procs.append(proc)
+            cluster.nodes.append(ready)
+            cluster.controllers.append(cluster.address)
+        else:
+            ports = free_ports(host, controllers)
+            cluster.controllers = [f"{host}:{p}" for p in ports]
+            listed = ",".join(cluster.controllers)
+            for port in ports:  # (the first numbers the warehouses: the others register with it)
+                args = list(common)
+                args[args.index("--port") + 1] = str(port)
+                proc, ready = spawn_node([*args, "--controller", "--controllers", listed], timeout=timeout, env=env)
+                cluster.procs.append(proc)
+                cluster.nodes.append(ready)
+        for _ in range(num_warehouses - controllers):
             proc, ready = spawn_node([*common, "--join", cluster.address], timeout=timeout, env=env)
             cluster.procs.append(proc)
             cluster.nodes.append(ready)

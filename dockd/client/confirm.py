@@ -33,42 +33,58 @@ class Confirms:
                  stop: threading.Event) -> None:
         self._router = router
         self._connect_timeout = connect_timeout
-        self._pending: list[int] = []  # leases fetched but not yet confirmed to the controller
+        # leases fetched but not yet confirmed, by the controller that granted them ("": the first contact)
+        self._pending: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         self.wake = wake
         self._stop = stop
         self._flusher: threading.Thread | None = None
 
     def ctrl_call(self, frame: pb.Frame, *, timeout: float | None = None, deadline: float | None = None,
-                  scope: CallScope | None = None) -> tuple[pb.Frame, np.ndarray, list[int]]:
-        """A controller request, re-sent after a reconnect if the connection drops. Pending
-        confirms are delivered first, so the call sees this client's own gets applied."""
-        self.send(self.take())
+                  scope: CallScope | None = None, partition: str | None = None,
+                  at: str = "") -> tuple[pb.Frame, np.ndarray, list[int]]:
+        """A controller request (to the one that owns `partition`, or the one at `at`), re-sent after a
+        reconnect if the connection drops. Pending confirms are delivered first, so the call sees this
+        client's own gets applied."""
+        self.flush()
         return self._router.controller(lambda pool: pool.call(frame, timeout=timeout, scope=scope),
-                                       deadline=deadline)
+                                       deadline=deadline, partition=partition, at=at)
 
     # -- the queue -------------------------------------------------------------------------------
-    def soon(self, lease_id: int) -> None:
+    def soon(self, lease_id: int, at: str = "") -> None:
         with self._lock:
-            self._pending.append(lease_id)
+            self._pending.setdefault(at, []).append(lease_id)
             if self._flusher is None:
                 self._flusher = threading.Thread(target=_flush_loop, args=(weakref.ref(self), self.wake, self._stop),
                                                  name="dockd-confirm", daemon=True)
                 self._flusher.start()
         self.wake.set()
 
-    def take(self) -> list[int]:
+    def take(self, at: str = "") -> list[int]:
+        """The pending confirms of the controller at `at`."""
         with self._lock:
-            out, self._pending = self._pending, []
-        return out
+            return self._pending.pop(at, [])
 
-    def put_back(self, leases: list[int]) -> None:
+    def put_back(self, leases: list[int], at: str = "") -> None:
         """Confirms that did not reach the controller go out again with the next request."""
         if leases:
             with self._lock:
-                self._pending[:0] = leases
+                self._pending[at] = leases + self._pending.get(at, [])
 
-    def send(self, leases: list[int], *, retry: bool = True) -> None:
+    def flush(self, *, retry: bool = True) -> None:
+        """Deliver every pending confirm, to each controller its own."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        items = list(pending.items())
+        for k, (at, leases) in enumerate(items):
+            try:
+                self.send(leases, at, retry=retry)  # (a failed send keeps its own confirms pending)
+            except BaseException:
+                for later, rest in items[k + 1:]:
+                    self.put_back(rest, later)
+                raise
+
+    def send(self, leases: list[int], at: str = "", *, retry: bool = True) -> None:
         """Deliver confirms and wait for the controller's answer (a one-way frame to a controller
         that just died would vanish without an error); on failure they stay pending."""
         if not leases:
@@ -76,11 +92,15 @@ class Confirms:
         frame = pb.Frame(confirm=pb.ConfirmRequest(leases=leases))
         try:
             if retry:
-                reply, _, _ = self._router.controller(lambda pool: pool.call(frame))
+                reply, _, _ = self._router.controller(lambda pool: pool.call(frame), at=at)
+            elif at:
+                limit = self._connect_timeout
+                reply, _, _ = self._router.controller(lambda pool: pool.call(frame, timeout=limit), at=at,
+                                                      deadline=time.monotonic() + limit)
             else:
                 reply, _, _ = self._router.ctrl.call(frame, timeout=self._connect_timeout)
         except BaseException:
-            self.put_back(leases)
+            self.put_back(leases, at)
             raise
         late = len(reply.confirm_reply.unknown) + len(reply.confirm_reply.refused)
         if late:  # the gets already returned: say it, the samples were handed out again
@@ -90,9 +110,9 @@ class Confirms:
     # -- one lease -------------------------------------------------------------------------------
     def confirm(self, lease: Lease) -> None:
         """Dock.confirm: DockLeaseError when the lease is gone or another client's without its ticket."""
-        self.send(self.take())
+        self.send(self.take(lease.controller), lease.controller)
         frame = pb.Frame(confirm=pb.ConfirmRequest(leases=[lease.id], tickets=[lease.ticket]))
-        reply, _, _ = self._router.controller(lambda pool: pool.call(frame))
+        reply, _, _ = self._router.controller(lambda pool: pool.call(frame), at=lease.controller)
         r = reply.confirm_reply
         if r.refused:
             raise DockLeaseError(f"lease {lease.id} belongs to another client: hand it over with its ticket")
@@ -107,15 +127,15 @@ class Confirms:
         """Confirm a get's lease before its values are returned; DockLeaseError if it is gone (expired,
         or released with this client's session), so samples handed out again are never returned.
         A controller that cannot be reached leaves the confirm pending, as for any get."""
-        leases = [*self.take(), lease.id]
+        leases = [*self.take(lease.controller), lease.id]
         frame = pb.Frame(confirm=pb.ConfirmRequest(leases=leases))
         limit = self._connect_timeout
         try:
             reply, _, _ = self._router.controller(lambda pool: pool.call(frame, timeout=limit),
-                                                  deadline=time.monotonic() + limit)
+                                                  deadline=time.monotonic() + limit, at=lease.controller)
         except DockConnectionError as e:
             logger.warning("[client] could not confirm lease=%d (%s); it goes out with the next request", lease.id, e)
-            self.put_back(leases)
+            self.put_back(leases, lease.controller)
             self.wake.set()
             return
         r = reply.confirm_reply
@@ -138,16 +158,22 @@ class Confirms:
         frame = pb.Frame(release=pb.ReleaseRequest(lease=lease.id, ticket=lease.ticket))
         limit = self._connect_timeout
         try:
-            self._router.controller(lambda pool: pool.call(frame, timeout=limit), deadline=time.monotonic() + limit)
+            self._router.controller(lambda pool: pool.call(frame, timeout=limit), deadline=time.monotonic() + limit,
+                                    at=lease.controller)
         except Exception as e:  # noqa: BLE001 - never mask the error that made the get fail
             logger.warning("[client] could not release lease=%d after a failed fetch: %s", lease.id, e)
 
-    def release_token(self, token: int) -> None:
+    def release_token(self, token: int, at: str = "") -> None:
         """Give back whatever lease an interrupted acquire got, so no sample stays leased to a call
         nobody waits for (best effort: otherwise the lease expires)."""
         frame = pb.Frame(release=pb.ReleaseRequest(token=token))
         try:
-            self._router.ctrl.call(frame, timeout=self._connect_timeout)
+            if at:
+                limit = self._connect_timeout
+                self._router.controller(lambda pool: pool.call(frame, timeout=limit), at=at,
+                                        deadline=time.monotonic() + limit)
+            else:
+                self._router.ctrl.call(frame, timeout=self._connect_timeout)
         except BaseException as e:  # noqa: BLE001 - never mask the interruption itself
             logger.debug("[client] could not release an interrupted acquire: %s", e)
 
@@ -178,7 +204,7 @@ def _flush_loop(ref: weakref.ref, wake: threading.Event, stop: threading.Event) 
         if confirms is None:
             return
         try:
-            confirms.send(confirms.take())  # reconnects if the controller restarted
+            confirms.flush()  # reconnects if a controller restarted
         except DockError as e:  # gone for good, or closing: unconfirmed leases expire and are handed out again
             logger.warning("[client] could not confirm fetched leases: %s", e)
         confirms.send_unpins()

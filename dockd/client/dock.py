@@ -261,7 +261,7 @@ class Dock:
             if time.monotonic() - started > CONFIRM_NOW_AFTER_S or self._router.reconnects != reconnects:
                 self._confirms.confirm_now(lease, time.monotonic() - started)  # the lease may be gone: check first
             else:
-                self._confirms.soon(lease.id)
+                self._confirms.soon(lease.id, lease.controller)
         batch = Batch(partition, lease.indexes, values, step=lease.step, rank_weights=lease.rank_weights)
         if target is not None:
             batch = Batch(partition, lease.indexes, {c: to_device(batch[c], target) for c in columns},
@@ -313,7 +313,7 @@ class Dock:
         if not idx:
             raise DockValueError("indexes is empty")
         req = pb.LocateRequest(partition=partition, indexes=idx, columns=list(columns))
-        reply, _, _ = self._ctrl_call(pb.Frame(locate=req))
+        reply, _, _ = self._ctrl_call(pb.Frame(locate=req), partition=partition)
         loc = reply.locate_reply
         self._router.learn(loc.warehouses)
         locs = np.asarray(loc.locations, dtype=np.int64).reshape(len(columns), len(idx))
@@ -334,24 +334,26 @@ class Dock:
         if seconds is not None and not seconds > 0:
             raise DockValueError(f"seconds must be > 0, got {seconds}")
         req = pb.ExtendRequest(lease=lease.id, ticket=lease.ticket, seconds=seconds or 0.0)
-        reply, _, _ = self._ctrl_call(pb.Frame(extend=req))
+        reply, _, _ = self._ctrl_call(pb.Frame(extend=req), at=lease.controller)
         return reply.extend_reply.seconds
 
     def release(self, lease: Lease) -> int:
         """Low-level: give a lease's samples back to the pool for this consumer."""
-        reply, _, _ = self._ctrl_call(pb.Frame(release=pb.ReleaseRequest(lease=lease.id, ticket=lease.ticket)))
+        reply, _, _ = self._ctrl_call(pb.Frame(release=pb.ReleaseRequest(lease=lease.id, ticket=lease.ticket)),
+                                      at=lease.controller)
         return reply.release_reply.released
 
     def clear(self, partition: str) -> int:
         """Free a partition's data on every warehouse and forget its metadata; returns its sample count."""
         validate.check_partition(partition)
-        reply, _, _ = self._ctrl_call(pb.Frame(clear=pb.ClearRequest(partition=partition)))
+        reply, _, _ = self._ctrl_call(pb.Frame(clear=pb.ClearRequest(partition=partition)), partition=partition)
         return reply.clear_reply.samples
 
     # -- partitions and their samples --------------------------------------------------------------
     def _partition_op(self, partition: str, **op) -> pb.PartitionReply:
         validate.check_partition(partition)
-        reply, _, _ = self._ctrl_call(pb.Frame(partition=pb.PartitionRequest(partition=partition, **op)))
+        reply, _, _ = self._ctrl_call(pb.Frame(partition=pb.PartitionRequest(partition=partition, **op)),
+                                      partition=partition)
         return reply.partition_reply
 
     def create_partition(self, partition: str, *, group_size: int = 1,
@@ -463,8 +465,9 @@ class Dock:
         version and its byte counters since it started (`put_bytes`, `get_bytes`); one that
         does not answer gets an `error` instead.
         """
-        reply, _, _ = self._ctrl_call(pb.Frame(stats=pb.StatsRequest()))
-        return stats_.stats(reply.stats_reply, self._router, traffic=traffic, connect_timeout=self.connect_timeout)
+        replies = {addr: self._ctrl_call(pb.Frame(stats=pb.StatsRequest()), at=addr)[0].stats_reply
+                   for addr in self._router.controllers or [self._router.address]}
+        return stats_.stats(replies, self._router, traffic=traffic, connect_timeout=self.connect_timeout)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def close(self) -> None:
@@ -474,7 +477,7 @@ class Dock:
                 return
             self._closed = True
         try:
-            self._confirms.send(self._confirms.take(), retry=False)
+            self._confirms.flush(retry=False)
         except DockError as e:
             logger.warning("[client] could not confirm fetched leases while closing: %s", e)
         self._finalizer()

@@ -41,6 +41,7 @@ class Lease:
     ticket: bytes = b""  # the hand-over proof (see the class docstring)
     step: int = 0        # rank-aware gets: the step this share belongs to
     rank_weights: list[float] = dataclasses.field(default_factory=list)  # ... each rank's sum of balance_by
+    controller: str = ""  # several controllers: the address of the one that granted it ("": the first contact)
 
 
 def acquire_request(consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None,
@@ -82,7 +83,8 @@ class Acquirer:
         """Send `req` (with this client's pending confirms) to the controller, re-sent after a
         reconnect with what is left of its timeout; an interrupted one gives back what it got."""
         timeout = None if req.timeout < 0 else req.timeout
-        confirms = self._confirms.take()
+        at = self._router.owner(req.partition)
+        confirms = self._confirms.take(at)
         req.confirm.extend(confirms)
         deadline = None if timeout is None else time.monotonic() + timeout
         used: list[Pool] = []
@@ -95,15 +97,17 @@ class Acquirer:
                            timeout=None if timeout is None else req.timeout + 30.0)
 
         try:
-            reply, body, fds = self._router.controller(send, deadline=deadline)
+            reply, body, fds = self._router.controller(send, deadline=deadline, at=at)
         except DockConnectionError:
-            self._confirms.put_back(confirms)
+            self._confirms.put_back(confirms, at)
             raise
         except BaseException as e:
             if not isinstance(e, DockError):  # interrupted (Ctrl-C, cancelled): a lease may be on its way to us
-                self._confirms.release_token(req.token)
+                self._confirms.release_token(req.token, at)
             raise
-        return self._lease(req, Reply(reply, body, fds), used[0], lazy)
+        lease = self._lease(req, Reply(reply, body, fds), used[0], lazy)
+        lease.controller = at
+        return lease
 
     def _lease(self, req: pb.AcquireRequest, reply: Reply, pool: Pool, lazy: bool) -> Lease:
         a = reply.frame.acquire_reply

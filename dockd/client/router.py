@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from dockd import wire
+from dockd import owners, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.connection import Connection, Credentials, Pool, timed_out
 from dockd.client.transport import Context, Endpoint, Transport, candidates, is_local
@@ -71,6 +71,10 @@ class Router:
         self.ctrl = self._open_pool(self._fallback(Endpoint(host, port)))
         self.home = -1
         self.reconnects = 0  # times the controller connection was made again (its sessions' leases may be gone)
+        # several controllers (dockd.owners): every one's address in the dock's order, and the pools to the
+        # others than the first contact, opened on first use
+        self.controllers: list[str] = []
+        self._others: dict[str, Pool] = {}
 
     @property
     def address(self) -> str:
@@ -144,6 +148,8 @@ class Router:
         if better is not None:
             old, self.ctrl = self.ctrl, better
             self._close_pool(old)
+        if hello.controllers:
+            self.controllers = list(hello.controllers)
         fresh = {w.id: w for w in hello.warehouses}
         with self.lock:
             stale = [wid for wid, pool in self.pools.items()
@@ -246,8 +252,21 @@ class Router:
         return f"{info.host}:{info.port}" if info is not None else f"id {wid}"
 
     # -- calls ---------------------------------------------------------------------------------
-    def controller(self, call: Callable[[Pool], T], *, deadline: float | None = None) -> T:
-        """Run `call(pool)` against the controller; on a lost connection, reconnect and run it again."""
+    def owner(self, partition: str) -> str:
+        """The address of the controller that owns `partition` ("" : the one this client first reached)."""
+        if len(self.controllers) <= 1:
+            return ""
+        address = self.controllers[owners.owner_index(partition, len(self.controllers))]
+        return "" if address == self.address else address
+
+    def controller(self, call: Callable[[Pool], T], *, deadline: float | None = None, partition: str | None = None,
+                   at: str = "") -> T:
+        """Run `call(pool)` against the controller (with several: the one that owns `partition`, or the
+        one at address `at`); on a lost connection, reconnect and run it again."""
+        if partition is not None:
+            at = self.owner(partition)
+        if at and at != self.address:
+            return self._other_controller(at, call, deadline)
         give_up = None
         while True:
             pool = self.ctrl
@@ -265,6 +284,56 @@ class Router:
                 elif now >= give_up:
                     raise DockConnectionError(f"the dockd controller at {self.address} kept failing: {e}") from None
                 self._reconnect(pool, give_up, e)
+
+    def _other_controller(self, address: str, call: Callable[[Pool], T], deadline: float | None) -> T:
+        """controller() for one of several controllers other than the first contact."""
+        give_up = None
+        while True:
+            now = time.monotonic()
+            pool = self._others.get(address)
+            if pool is None:
+                limit = give_up or (now + self.reconnect_timeout if deadline is None
+                                    else min(deadline, now + self.reconnect_timeout))
+                pool = self._retry(lambda: self._open_controller(address), limit, address)
+            try:
+                return call(pool)
+            except DockConnectionError as e:
+                if self.closed:
+                    raise DockClosed("the dock client was closed while this call was in flight") from None
+                if not getattr(e, "retry", True):
+                    raise
+                now = time.monotonic()
+                if give_up is None:
+                    give_up = now + self.reconnect_timeout if deadline is None else min(deadline, now + self.reconnect_timeout)
+                    logger.warning("[client] lost the controller at %s (%s); reconnecting", address, e)
+                elif now >= give_up:
+                    raise DockConnectionError(f"the dockd controller at {address} kept failing: {e}") from None
+                with self.lock:
+                    if self._others.get(address) is pool:
+                        del self._others[address]
+                        self.reconnects += 1
+                self._close_pool(pool)
+
+    def _open_controller(self, address: str) -> Pool:
+        """A pool to the controller at `address` over the best transport it offers (checked with a Hello)."""
+        host, _, port = address.rpartition(":")
+        plain = self._open_pool(self._fallback(Endpoint(host, int(port))))
+        try:
+            hello = self._hello(plain)
+            if not hello.hosts_controller:
+                raise DockConnectionError(f"{address} does not host a dockd controller")
+            better = self._better(Endpoint(host, int(port), hello.unix, advertised=hello), plain.via)
+        except BaseException:
+            self._close_pool(plain)
+            raise
+        if better is not None:
+            self._close_pool(plain)
+            plain = better
+        with self.lock:
+            pool = self._others.setdefault(address, plain)
+        if pool is not plain:
+            self._close_pool(plain)
+        return pool
 
     def _reconnect(self, failed: Pool, give_up: float, cause: Exception) -> None:
         with self._reconnecting:

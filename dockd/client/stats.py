@@ -36,16 +36,29 @@ def _partition(p: pb.PartitionStats) -> dict[str, Any]:
     }
 
 
-def stats(s: pb.StatsReply, router: Router, *, traffic: bool, connect_timeout: float) -> dict[str, Any]:
-    """The dict Dock.stats returns, from the controller's reply `s`."""
-    parts = {p.name: _partition(p) for p in s.partitions}
+def stats(replies: dict[str, pb.StatsReply], router: Router, *, traffic: bool,
+          connect_timeout: float) -> dict[str, Any]:
+    """The dict Dock.stats returns, from each controller's reply (by its address): each partition
+    from the controller that owns it (named in its "controller"), the warehouses as the first
+    controller sees them (every controller knows each warehouse; it numbers them), gets waiting
+    summed over the controllers."""
+    first = next(iter(replies.values()))
+    parts = {}
+    for address, s in replies.items():
+        for p in s.partitions:
+            parts[p.name] = {**_partition(p), "controller": address}
     whs = {
         w.id: {"address": f"{w.host}:{w.port}", "alive": w.alive, "state": w.state or "joined",
                "capacity": w.capacity, "bytes": w.used}
-        for w in s.warehouses
+        for w in first.warehouses
     }
+    if len(replies) > 1:  # bytes a warehouse holds: each controller counts its own partitions'
+        for s in list(replies.values())[1:]:
+            for w in s.warehouses:
+                if w.id in whs:
+                    whs[w.id]["bytes"] += w.used
     if traffic:
-        router.learn(s.warehouses)
+        router.learn(first.warehouses)
         for wid, w in whs.items():
             if not w["alive"]:
                 continue
@@ -58,11 +71,12 @@ def stats(s: pb.StatsReply, router: Router, *, traffic: bool, connect_timeout: f
                      device_bytes=hello.device_used, device_capacity=hello.device_capacity,
                      metadata_bytes=hello.metadata, freed_bytes=hello.freed, reclaimable_bytes=hello.reclaimable)
     return {
-        "version": s.version,
+        "version": first.version,
         "controller": router.address,
+        "controllers": list(replies),
         "samples": sum(p["samples"] for p in parts.values()),
         "bytes": sum(w["bytes"] for w in whs.values()),
-        "waiting": s.waiting,
+        "waiting": sum(s.waiting for s in replies.values()),
         "partitions": parts,
         "warehouses": whs,
     }

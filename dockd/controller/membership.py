@@ -201,10 +201,14 @@ class Membership:
             self.retire(e, "a new process took over its address")
         if peer is not None:
             self._start_heartbeats()
-        entry = self.entries.get(req.id) if req.rejoin else None
+        entry = self.entries.get(req.id) if req.rejoin or req.assigned else None
         known = entry is not None and entry.instance == req.instance
         if entry is None or not known:
-            if req.rejoin and entry is None and req.id < MAX_WAREHOUSES:
+            if req.assigned:  # several controllers: the first one numbers the warehouses (dockd.owners)
+                if req.id >= MAX_WAREHOUSES:
+                    raise DockValueError(f"warehouse id {req.id} is past the limit {MAX_WAREHOUSES}")
+                wid = req.id
+            elif req.rejoin and entry is None and req.id < MAX_WAREHOUSES:
                 wid = req.id  # a controller without a journal: keep the id clients know it by
             else:
                 wid = max(self.entries, default=-1) + 1

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from dockd import limits
+from dockd import limits, owners
 from dockd._proto import dockd_pb2 as pb
 from dockd._version import __version__
 from dockd.controller.acquiring import STALENESS_BUCKETS, Acquiring, where_of
@@ -50,6 +50,9 @@ class ControllerService:
         core: the pure controller (a fresh one, or none to rebuild from `state_dir`).
         local: the warehouse hosted in this process (see LocalWarehouse), or None for a controller without one.
         state_dir: journal decisions there and rebuild from it on start (None: keep nothing).
+        controllers, own: the dock's controllers and this one's index among them, when there are
+            several; each owns the partitions `dockd.owners.owner_index` gives it and refuses requests
+            about the others'.
         warehouse_grace: seconds a warehouse whose connection dropped has to rejoin.
         clock: the time lease deadlines, timeouts and grace go by (a test's may be moved by hand;
             it then calls `timers.run_due()`).
@@ -57,7 +60,10 @@ class ControllerService:
 
     def __init__(self, core: Controller, *, local: LocalWarehouse | None = None,
                  state_dir: str | None = None, warehouse_grace: float = 15.0, fsync_interval: float = 0.05,
-                 daemon_timeout: float = 30.0, checkpoint_root: str = "", clock: Clock = time.monotonic) -> None:
+                 daemon_timeout: float = 30.0, checkpoint_root: str = "", clock: Clock = time.monotonic,
+                 controllers: tuple[str, ...] = (), own: int = 0) -> None:
+        self.controllers = controllers  # several controllers: all of them, in the dock's order (dockd.owners)
+        self.own = own  # ... and this one's place among them
         self.daemon_timeout = daemon_timeout
         self.checkpoint_root = checkpoint_root  # checkpoints are written and read only below it ("": anywhere)
         self.core = core
@@ -174,10 +180,20 @@ class ControllerService:
         self.waiting.wake_every()
 
     # -- requests ---------------------------------------------------------------------------
+    def check_owner(self, partition: str) -> None:
+        """Refuse a request about a partition another controller owns (clients and warehouses route
+        by the same list, so only a client that knows another list, or none, gets here)."""
+        if self.controllers and owners.owner_index(partition, len(self.controllers)) != self.own:
+            owner = self.controllers[owners.owner_index(partition, len(self.controllers))]
+            raise DockValueError(f"partition {partition!r} belongs to the controller at {owner}, not to this one "
+                                 f"({self.controllers[self.own]}); the dock's controllers are "
+                                 f"{','.join(self.controllers)}: connect with a client of this dockd version")
+
     def commit(self, req: pb.CommitRequest, then=None, peer: Peer | None = None) -> np.ndarray | None:
         """Apply a commit; returns its indexes. With `then`, a commit of new samples to a partition
         that has max_pending samples pending waits (up to req.timeout): None is returned and `then`
         gets the indexes (or the error) when it is applied, from inside the event loop."""
+        self.check_owner(req.partition)
         if then is not None and self.pacer.must_wait(req):
             return self.pacer.park(req, then, peer)
         return self.apply_commit(req)
@@ -205,6 +221,7 @@ class ControllerService:
 
     def acquire(self, peer: Peer, frame: pb.Frame) -> None:
         r = frame.acquire
+        self.check_owner(r.partition)
         self.leasing.confirm(peer, r.confirm, ())
         cells = max(len(r.columns), 1) * max(r.dp_size, 1)
         if r.allow_partial and r.count * cells > limits.MAX_CELLS:  # "what is ready, up to a lot": up to what a reply holds
@@ -234,6 +251,7 @@ class ControllerService:
         return self.leasing.release(peer, req)
 
     async def clear(self, req: pb.ClearRequest) -> int:
+        self.check_owner(req.partition)
         if self.journal is not None and req.partition in self.core.partitions:
             self.journal.clear(req.partition)  # written ahead
         n = self.core.clear(req.partition)
@@ -250,6 +268,7 @@ class ControllerService:
         name, op, out = req.partition, req.WhichOneof("op"), pb.PartitionReply()
         if not name:
             raise DockValueError("partition must be a non-empty string")
+        self.check_owner(name)
         if op == "list":  # reads only: nothing to journal, nobody to wake
             ls = req.list
             limit = min(ls.limit or 1000, limits.MAX_SAMPLES)
@@ -320,12 +339,15 @@ class ControllerService:
 
 
     async def save(self, req: pb.PartitionRequest) -> pb.PartitionReply:
+        self.check_owner(req.partition)
         return await self.checkpoints.save(req)
 
     async def load(self, req: pb.PartitionRequest) -> pb.PartitionReply:
+        self.check_owner(req.partition)
         return await self.checkpoints.load(req)
 
     def locate(self, req: pb.LocateRequest) -> pb.Frame:
+        self.check_owner(req.partition)
         locs = self.core.locate(req.partition, list(req.indexes), list(req.columns)).ravel().tolist()
         out = pb.Frame()
         out.locate_reply.locations.extend(locs)

@@ -24,6 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
+from dockd import owners
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockConnectionError
 from dockd.peer import Peer
@@ -125,3 +126,26 @@ class RemoteCommitter:
             # A put whose commit was answered before this free (the link delivers both in order)
             # was applied before the clear: it must not land after it.
             entry[1] = entry[1] or self.link.answered(entry[0])
+
+
+class RoutingCommitter:
+    """Several controllers: each put commits to the controller that owns its partition
+    (`dockd.owners`), through that controller's committer (local or over its link)."""
+
+    def __init__(self, committers: list[LocalCommitter | RemoteCommitter]) -> None:
+        self.committers = committers
+
+    def of(self, partition: str) -> LocalCommitter | RemoteCommitter:
+        return self.committers[owners.owner_index(partition, len(self.committers))]
+
+    def commit(self, req: pb.CommitRequest, limit: float, peer: Peer, then: Then) -> None:
+        self.of(req.partition).commit(req, limit, peer, then)
+
+    def in_flight(self, partition: str) -> bool:
+        return self.of(partition).in_flight(partition)
+
+    async def landed(self, partition: str, ready: Callable[[], bool]) -> None:
+        await self.of(partition).landed(partition, ready)
+
+    def cleared(self, partition: str) -> None:
+        self.of(partition).cleared(partition)

@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Mapping
 
 import numpy as np
 
-from dockd import shm
+from dockd import owners, shm
 from dockd._proto import dockd_pb2 as pb
 from dockd._version import __version__
 from dockd.config import NodeConfig
@@ -45,12 +45,12 @@ from dockd.metrics import Metrics, MetricsServer
 from dockd.peer import Peer
 from dockd.warehouse.admission import Admission
 from dockd.warehouse.checkpoint import Checkpoints
-from dockd.warehouse.commit import LocalCommitter, RemoteCommitter
+from dockd.warehouse.commit import LocalCommitter, RemoteCommitter, RoutingCommitter
 from dockd.warehouse.core import Warehouse
 from dockd.warehouse.datadir import DataDir, dock_of
 from dockd.warehouse.dispatch import WAREHOUSE_KINDS, Dispatcher, RequestHandler, controller_handlers, plain
 from dockd.warehouse.fetch import FetchPath
-from dockd.warehouse.link import ControllerLink
+from dockd.warehouse.link import ControllerLink, discover_controllers
 from dockd.warehouse.links import Links
 from dockd.warehouse.listen import Keys, Listeners, watch_pid
 from dockd.warehouse.put import PutPipeline
@@ -83,25 +83,29 @@ class Node:
         self.checkpoints = Checkpoints(self.warehouse, self.segments, wid=lambda: self.wid,
                                        check_warehouse=self._check_warehouse)
         self.controller: ControllerService | None = None
-        self.link: ControllerLink | None = None
+        self.link: ControllerLink | None = None  # to the controller that numbers warehouses (with several: the first)
+        self.other_links: dict[int, ControllerLink] = {}  # several controllers: to each of the others, by index
         if cfg.controller:
             self.controller = ControllerService(
                 Controller(lease_timeout=cfg.lease_timeout, max_samples=cfg.max_samples), local=HostedWarehouse(self),
                 state_dir=cfg.state_dir or None, warehouse_grace=cfg.warehouse_grace, daemon_timeout=cfg.daemon_timeout,
-                checkpoint_root=cfg.checkpoint_root,
+                checkpoint_root=cfg.checkpoint_root, controllers=cfg.controllers,
+                own=owners.own_index(cfg.controllers, cfg.host, cfg.port, cfg.advertise) if cfg.controllers else 0,
             )
             members = self.controller.members  # heartbeats to the warehouses (see controller.membership)
             members.heartbeat_interval, members.heartbeat_timeout = cfg.heartbeat_interval, cfg.heartbeat_timeout
-            self.committer: LocalCommitter | RemoteCommitter = LocalCommitter(self.controller)
-        else:
-            self.committer = RemoteCommitter(None)  # (its link is made once this node listens)
+            local = LocalCommitter(self.controller)
+            self.committer: LocalCommitter | RoutingCommitter = local if not cfg.controllers else RoutingCommitter(
+                [local if k == self.controller.own else RemoteCommitter(None) for k in range(len(cfg.controllers))])
+        else:  # (its links are made once this node listens and knows the dock's controllers)
+            self.committer = RoutingCommitter([RemoteCommitter(None)])
         self.admission.on_clear = self.committer.cleared
         self.puts = PutPipeline(warehouse=self.warehouse, segments=self.segments, admission=self.admission,
                                 committer=self.committer, metrics=self.metrics, wid=lambda: self.wid,
                                 check_warehouse=self._check_warehouse)
         self.fetches = FetchPath(warehouse=self.warehouse, segments=self.segments, links=self.links,
                                  committer=self.committer, metrics=self.metrics, wid=lambda: self.wid)
-        self.dispatcher = Dispatcher(self._handlers(), self.keys.server_auth, controller_peer=self._link_peer,
+        self.dispatcher = Dispatcher(self._handlers(), self.keys.server_auth, from_controller=self._from_a_controller,
                                      unpin=lambda peer, pins: self.segments.unpin(peer.pid, pins))
 
     @property
@@ -117,8 +121,12 @@ class Node:
         """This node's warehouse id (-1: none, or not joined yet)."""
         return self.link.wid if self.link is not None else self._wid
 
-    def _link_peer(self) -> Peer | None:
-        return self.link.peer if self.link is not None else None
+    def _links(self) -> list[ControllerLink]:
+        return ([self.link] if self.link is not None else []) + list(self.other_links.values())
+
+    def _from_a_controller(self, peer: Peer) -> bool:
+        """Whether `peer` is this warehouse's link to a controller (which frees, measures, dumps its data)."""
+        return any(peer is link.peer for link in self._links())
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -142,19 +150,7 @@ class Node:
                                    unix=self.unix_name, instance=self.instance, protocol=PROTOCOL_VERSION)
         if self.controller is not None:
             self.controller.start()
-            if self.cfg.warehouse:
-                self._wid = self.controller.register(None, reg).id
-        else:
-            self.link = ControllerLink(self.cfg.join, make_peer=self.listeners.make_link_peer, registration=reg,
-                                       inventory=self.warehouse.inventory, on_drop=self.admission.free,
-                                       grace=self.cfg.controller_grace)
-            assert isinstance(self.committer, RemoteCommitter)  # (a node without a controller commits over its link)
-            self.committer.link = self.link
-            if self.data_dir is not None:
-                self.data_dir.prime(self.link)
-            await self.link.start(self.cfg.join_timeout)
-            if self.data_dir is not None:
-                self.data_dir.joined(self.link.wid, self.port)
+        await self._join(reg)
         from dockd.warehouse.admin import start_grpc
 
         figures = Figures(self)
@@ -170,6 +166,63 @@ class Node:
             self.cfg.host, self.port, self.grpc_port, self.metrics_port or "-", self.controller is not None, self.wid,
             room, self.cfg.state_dir or "-",
         )
+
+    async def _join(self, reg: pb.RegisterWarehouse) -> None:
+        """Register this node's warehouse with the dock's controllers. The first of them numbers it (with
+        one controller, that one); the others take that id. Each commits the puts of the partitions it
+        owns (dockd.owners); links to the others are made in the background (one that is down stalls
+        only its partitions' puts)."""
+        if self.controller is not None and not self.cfg.warehouse:
+            return  # a controller without a warehouse: nothing to register
+        if self.controller is not None:
+            controllers, own = list(self.cfg.controllers), self.controller.own
+        else:
+            controllers = await discover_controllers(self.listeners.make_link_peer, self.cfg.join,
+                                                     self.listeners.link_tls, self.cfg.join_timeout)
+            controllers, own = controllers or [self.cfg.join], -1
+            if len(controllers) > 1:
+                assert isinstance(self.committer, RoutingCommitter)  # (a joining node routes; see __init__)
+                self.committer.committers = [RemoteCommitter(None) for _ in controllers]
+        n = len(controllers)
+        if n > 1 and self.data_dir is not None:
+            raise DockValueError("--data-dir is not supported on a dock with several controllers yet; drop one of "
+                                 "the two")
+        if own == 0:  # this process numbers the warehouses (the only controller, or the first of several)
+            assert self.controller is not None
+            self._wid = self.controller.register(None, reg).id
+        else:
+            self.link = self._link_to(controllers[0], 0, n, reg)
+            if self.data_dir is not None:
+                self.data_dir.prime(self.link)
+            await self.link.start(self.cfg.join_timeout)
+            if self.data_dir is not None:
+                self.data_dir.joined(self.link.wid, self.port)
+        for k in range(1, n):
+            assigned = pb.RegisterWarehouse()
+            assigned.CopyFrom(reg)
+            assigned.id, assigned.assigned = self.wid, True
+            if k == own:
+                assert self.controller is not None
+                self.controller.register(None, assigned)
+            else:
+                self.other_links[k] = self._link_to(controllers[k], k, n, assigned)
+                self.other_links[k].start_in_background()
+        if n > 1:
+            logger.info("[node] warehouse=%d registers with controllers=%s (numbered by %s)", self.wid,
+                        ",".join(controllers), controllers[0])
+
+    def _link_to(self, address: str, k: int, n: int, reg: pb.RegisterWarehouse) -> ControllerLink:
+        """The link to controller `k` of `n`: its commits, and a rejoin inventory of its partitions only."""
+        def owned(pending: list[pb.CommitRequest]) -> list[pb.InventoryPartition]:
+            return [p for p in self.warehouse.inventory(pending) if owners.owner_index(p.name, n) == k]
+
+        link = ControllerLink(address, make_peer=self.listeners.make_link_peer, registration=reg,
+                              inventory=owned if n > 1 else self.warehouse.inventory, on_drop=self.admission.free,
+                              grace=self.cfg.controller_grace)
+        committer = self.committer.committers[k] if isinstance(self.committer, RoutingCommitter) else self.committer
+        assert isinstance(committer, RemoteCommitter)  # (a controller of another process)
+        committer.link = link
+        return link
 
     def ready_line(self) -> str:
         return json.dumps(
@@ -194,8 +247,8 @@ class Node:
             self._grpc.stop(grace=0.5)
         if self._metrics_server is not None:
             self._metrics_server.close()
-        if self.link is not None:
-            self.link.close(leave=True)
+        for link in self._links():
+            link.close(leave=True)
         if self.controller is not None:
             self.controller.shutdown()
         self.admission.shutdown()
@@ -225,8 +278,8 @@ class Node:
         self.segments.disconnected(peer.pid)
         self.links.lost(peer)
         self.admission.lost(peer)
-        if self.link is not None:
-            self.link.connection_lost(peer)
+        for link in self._links():
+            link.connection_lost(peer)
         if self.controller is not None:
             self.controller.on_lost(peer)
 
@@ -245,7 +298,7 @@ class Node:
         return table
 
     def _from_controller(self, peer: Peer, kind: str) -> None:
-        if peer is not self._link_peer():  # only this warehouse's controller frees, measures, dumps its data
+        if not self._from_a_controller(peer):  # only this warehouse's controllers free, measure, dump its data
             raise DockAuthError(f"{kind} requests come from this warehouse's controller only")
 
     def _free(self, peer: Peer, frame: pb.Frame) -> None:
@@ -276,6 +329,7 @@ class Node:
         if self.controller is not None:
             out.warehouses.extend(self.controller.warehouse_infos())
             out.controller = f"{self.cfg.advertise or self.cfg.host}:{self.port}"
+            out.controllers.extend(self.cfg.controllers)
         else:
             out.controller = self.cfg.join or ""
         peer.reply(frame, pb.Frame(hello_reply=out))
@@ -367,8 +421,8 @@ def serve(cfg: NodeConfig, *, announce=sys.stdout) -> int:
             await starting
         except asyncio.CancelledError:
             logger.info("[node] stopped before it was ready")
-            if node.link is not None:
-                node.link.close()
+            for link in node._links():
+                link.close()
             return 0
         except (DockError, OSError) as e:
             logger.error("[node] cannot start: %s", e)

@@ -48,15 +48,15 @@ class Dispatcher:
     Args:
         table: kind -> handler.
         server_auth: who may claim which role (its failures are counted).
-        controller_peer: this warehouse's connection to its controller (None: none), which may send daemon kinds.
+        from_controller: whether a connection is this warehouse's link to a controller, which may send daemon kinds.
         unpin: gives back the segment pins a frame returns (peer, pins).
     """
 
     def __init__(self, table: dict[str, RequestHandler], server_auth: auth.ServerAuth,
-                 controller_peer: Callable[[], Peer | None], unpin: Callable[[Peer, Any], None]) -> None:
+                 from_controller: Callable[[Peer], bool], unpin: Callable[[Peer, Any], None]) -> None:
         self.table = table
         self.server_auth = server_auth
-        self.controller_peer = controller_peer
+        self.from_controller = from_controller
         self.unpin = unpin
 
     def on_request(self, peer: Peer, frame: pb.Frame, body, fds: list[int]) -> None:
@@ -70,7 +70,7 @@ class Dispatcher:
                 os.close(fd)
             raise DockProtocolError(f"a {kind} request cannot carry {len(fds)} file descriptors")
         if kind in DAEMON_KINDS and self.server_auth.roles and peer.role != auth.DAEMON \
-                and peer is not self.controller_peer():
+                and not self.from_controller(peer):
             self.server_auth.failed("daemon_message")
             raise DockAuthError(f"a {kind} request is a daemon-to-daemon message; this connection is a client's")
         if body is None:  # (a frame with a body was checked when it was admitted)

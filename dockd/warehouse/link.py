@@ -121,6 +121,16 @@ class ControllerLink:
                 "check the address (--join)"
             ) from None
 
+    def start_in_background(self) -> None:
+        """Join the controller whenever it is there, without waiting for it (one of several
+        controllers that is not up yet stalls only the puts of the partitions it owns)."""
+        self._task = asyncio.ensure_future(self._run())
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("[link] gave up joining the controller at %s: %s", self.address, task.exception())
+
     def close(self, leave: bool = False) -> None:
         self._closing = True
         if leave and self.peer is not None and not self.peer.closed and self.joined.is_set():
@@ -359,3 +369,32 @@ async def _peek_frame(sock: socket.socket, limit: int = 4096) -> tuple[pb.Frame,
 def _wake(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+async def discover_controllers(make_peer: Callable[[], Peer], address: str, link_tls: tls.LinkTls | None,
+                               timeout: float | None) -> list[str]:
+    """The dock's controllers, asked of the controller at `address` (a Hello), waiting for it up to
+    `timeout` seconds (None: as long as it takes). Empty: the dock has one controller, that one."""
+    host, _, port = address.rpartition(":")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = BACKOFF_MIN
+    while True:
+        try:
+            _, peer = await asyncio.wait_for(open_link(make_peer, host, int(port), link_tls), 5.0)
+            try:
+                assert peer.authed is not None  # (an outgoing connection's, made once it connected)
+                await asyncio.wait_for(peer.authed, 10.0)
+                reply, _ = await asyncio.wait_for(
+                    peer.request(pb.Frame(hello=pb.Hello(client="warehouse", protocol=wire.PROTOCOL_VERSION))), 10.0)
+            finally:
+                peer.close()
+            return list(reply.hello_reply.controllers)
+        except DockAuthError:
+            raise
+        except (DockError, OSError, asyncio.TimeoutError) as e:
+            if deadline is not None and time.monotonic() + delay > deadline:
+                raise DockConnectionError(
+                    f"cannot reach the controller at {address} to join it within {timeout:g}s ({e or 'timed out'}); "
+                    "start it, or check the address (--join)") from None
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, BACKOFF_MAX)

@@ -188,7 +188,7 @@ def test_put_then_fetch_through_a_joined_warehouse_commits_over_its_link():
     async def main():
         async with (_running(controller=True, capacity=1 << 20) as ctl,
                     _running(join=f"127.0.0.1:{ctl.port}", join_timeout=20, capacity=1 << 20) as node):
-            assert isinstance(node.committer, RemoteCommitter) and node.wid >= 0 and node.wid != ctl.wid
+            assert isinstance(node.committer.of("q"), RemoteCommitter) and node.wid >= 0 and node.wid != ctl.wid
             peer = await _connect(node)
             values = torch.arange(10, dtype=torch.float32)
             assert await _put(peer, "q", values) == list(range(10))

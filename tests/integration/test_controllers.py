@@ -1,0 +1,143 @@
+"""Several controllers share the metadata plane: partitions are spread over them by name
+(dockd.owners), warehouses register with each, clients reach the owner of each partition
+from whichever controller they connected to, and the death of one controller stalls only
+the partitions it owns; restarted on its state dir, it recovers them."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+
+import pytest
+import torch
+
+import dockd
+from dockd import owners
+from dockd.errors import DockConnectionError, DockTimeout, DockValueError
+from dockd.local import free_ports, spawn_node
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _names(controllers: list[str], per: int = 2) -> dict[str, list[str]]:
+    """Partition names, `per` owned by each controller."""
+    out: dict[str, list[str]] = {c: [] for c in controllers}
+    k = 0
+    while any(len(v) < per for v in out.values()):
+        name = f"part-{k}"
+        owner = controllers[owners.owner_index(name, len(controllers))]
+        if len(out[owner]) < per:
+            out[owner].append(name)
+        k += 1
+    return out
+
+
+def test_owner_index_is_stable_and_spreads_names_evenly():
+    assert owners.owner_index("anything", 1) == 0
+    assert owners.owner_index("rollout-17", 4) == owners.owner_index("rollout-17", 4)
+    counts = collections.Counter(owners.owner_index(f"step-{i}", 4) for i in range(4000))
+    assert set(counts) == {0, 1, 2, 3} and min(counts.values()) > 850, counts
+
+
+def test_controllers_option_is_checked():
+    assert owners.parse("a:1, b:2") == ("a:1", "b:2")
+    for bad in ("a", "a:x", "a:1,a:1", ":5"):
+        with pytest.raises(DockValueError, match="--controllers"):
+            owners.parse(bad)
+    with pytest.raises(DockValueError, match="does not name this controller"):
+        owners.own_index(("127.0.0.1:7001", "127.0.0.1:7002"), "127.0.0.1", 7003)
+
+
+def test_partitions_are_spread_and_every_operation_reaches_its_owner():
+    with dockd.start_local(num_warehouses=3, controllers=2) as cluster:
+        names = _names(cluster.controllers)
+        with dockd.connect(cluster.controllers[1]) as dock:  # any controller will do
+            for name in sum(names.values(), []):
+                dock.create_partition(name, group_size=2)
+                dock.put({"x": torch.arange(8).reshape(8, 1) + len(name), "r": list(range(8))}, partition=name,
+                         group_size=2, tags={"age": [i % 4 for i in range(8)]})
+            st = dock.stats()
+            assert st["controllers"] == cluster.controllers
+            for owner, parts in names.items():
+                for name in parts:
+                    p = st["partitions"][name]
+                    assert (p["controller"], p["samples"], p["group_size"]) == (owner, 8, 2)
+            for name in sum(names.values(), []):
+                # groups, tag filters and ordering, exactly-once per consumer, seal: on each partition's owner
+                b = dock.get("trainer", ["x"], 4, partition=name, groups=True, where={"age": (0, 1)}, order_by="-age",
+                             timeout=10)
+                assert sorted(b.indexes) == [0, 1, 4, 5]
+                assert [int(v[0]) for v in b["x"]] == [i + len(name) for i in b.indexes]
+                dock.seal(name)
+                rest = dock.get("trainer", ["x", "r"], 4, partition=name, groups=True, timeout=10)
+                assert sorted(rest.indexes) == [2, 3, 6, 7] and list(rest["r"]) == list(rest.indexes)
+                with pytest.raises(dockd.DockDrained):
+                    dock.get("trainer", ["x"], 2, partition=name, groups=True, timeout=10)
+                lease = dock.acquire("other", ["x"], 2, partition=name)  # leases live on the owner too
+                assert dock.extend(lease, 30) == 30
+                assert dock.release(lease) == 2
+                assert len(dock.read(name, [7], ["x"])["x"]) == 1
+            st = dock.stats()
+            assert all(st["partitions"][n]["consumers"]["trainer"]["taken"] == 8 for n in sum(names.values(), []))
+            assert dock.clear(names[cluster.controllers[1]][0]) == 8
+            assert names[cluster.controllers[1]][0] not in dock.stats()["partitions"]
+        with dockd.connect(cluster.warehouses[2]) as dock:  # a warehouse's address leads to the controllers
+            assert dock.stats()["controllers"] == cluster.controllers
+
+
+def _controller(ports: list[int], k: int, state_dir: str, env: dict) -> tuple:
+    listed = ",".join(f"127.0.0.1:{p}" for p in ports)
+    return spawn_node(["--host", "127.0.0.1", "--port", str(ports[k]), "--grpc-port", "0", "--controller",
+                       "--no-warehouse", "--controllers", listed, "--state-dir", state_dir, "--log-level", "WARNING"],
+                      env=env)
+
+
+@pytest.mark.slow
+def test_a_dead_controller_stalls_only_its_partitions_and_recovers_them_on_restart(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DOCKD_DAEMON_SECRET="ab" * 32)
+    ports = free_ports("127.0.0.1", 2)
+    addrs = [f"127.0.0.1:{p}" for p in ports]
+    procs = []
+    try:
+        for k in range(2):
+            procs.append(_controller(ports, k, str(tmp_path / f"state{k}"), env)[0])
+        for _ in range(2):
+            procs.append(spawn_node(["--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--join", addrs[0],
+                                     "--controller-grace", "2", "--log-level", "WARNING"], env=env)[0])
+        names = _names(addrs, per=1)
+        live, dead = names[addrs[0]][0], names[addrs[1]][0]
+        with dockd.connect(addrs[0], reconnect_timeout=2.0) as dock:
+            for name in (live, dead):
+                dock.put({"x": torch.arange(6).reshape(6, 1)}, partition=name)
+                assert dock.get("c", ["x"], 2, partition=name, timeout=10).indexes == [0, 1]
+            dock.stats()  # (delivers the confirms)
+            procs[1].send_signal(signal.SIGKILL)
+            procs[1].wait()
+            procs[1].stdout.close()
+            # the live controller's partition goes on
+            dock.put({"x": torch.arange(2).reshape(2, 1)}, partition=live)
+            assert dock.get("c", ["x"], 6, partition=live, timeout=10).indexes == [2, 3, 4, 5, 6, 7]
+            # the dead one's stalls: gets and puts fail after the client's and the warehouse's grace
+            with pytest.raises((DockConnectionError, DockTimeout)):
+                dock.get("c", ["x"], 1, partition=dead, timeout=3)
+            with pytest.raises(DockConnectionError):
+                dock.put({"x": torch.zeros(1, 1, dtype=torch.int64)}, partition=dead)
+            procs[1] = _controller(ports, 1, str(tmp_path / "state1"), env)[0]
+            # back on its journal: what was taken stays taken, the rest is handed out once
+            got = dock.get("c", ["x"], 4, partition=dead, timeout=30)
+            assert got.indexes == [2, 3, 4, 5] and [int(v[0]) for v in got["x"]] == [2, 3, 4, 5]
+            st = dock.stats()
+            assert st["partitions"][dead]["controller"] == addrs[1]
+            assert st["partitions"][dead]["consumers"]["c"]["taken"] == 6
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except Exception:  # noqa: BLE001
+                    p.kill()
+                    p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
