@@ -156,6 +156,12 @@ class ControllerService:
 
     # -- membership -------------------------------------------------------------------------
     def register(self, peer: Peer | None, req: pb.RegisterWarehouse) -> pb.RegisterReply:
+        if self.controllers:  # another controller's partitions in a rejoin inventory are not this one's to adopt
+            n = len(self.controllers)
+            mine = [p for p in req.inventory if owners.owner_index(p.name, n) == self.own]
+            if len(mine) != len(req.inventory):
+                del req.inventory[:]
+                req.inventory.extend(mine)
         return self.members.register(peer, req, self.apply_commit)
 
     def warehouse_infos(self, ids=None, *, usage: bool = True) -> list[pb.WarehouseInfo]:

@@ -9,10 +9,11 @@ import asyncio
 import numpy as np
 import pytest
 
+from dockd import owners
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.core import Controller
 from dockd.controller.service import ControllerService
-from dockd.errors import DockDataLost, DockFull, DockTimeout
+from dockd.errors import DockDataLost, DockFull, DockTimeout, DockValueError
 
 
 class FakeClock:
@@ -242,5 +243,32 @@ def test_a_paced_commit_that_waits_its_timeout_fails_with_dock_full():
         assert "waited 4 s for them" in str(answers[0])
         assert d.svc.core.partitions["p"].size == 1 and "p" not in d.svc.paced
         d.svc.shutdown()
+
+    run(main())
+
+
+def test_one_of_several_controllers_refuses_partitions_it_does_not_own_and_their_inventory():
+    async def main():
+        ctl = ("10.0.0.1:7450", "10.0.0.2:7450")
+        names = [f"p{i}" for i in range(40)]
+        mine = [n for n in names if owners.owner_index(n, 2) == 1]
+        theirs = [n for n in names if owners.owner_index(n, 2) == 0]
+        svc = ControllerService(Controller(), controllers=ctl, own=1)
+        first = pb.RegisterWarehouse(host="10.0.0.8", port=7000, capacity=1 << 30, instance=4, id=0, assigned=True)
+        assert svc.register(FakePeer("warehouse"), first).id == 0  # (the id the first controller gave it)
+        svc.commit(pb.CommitRequest(partition=mine[0], columns=["x"], new_count=2, warehouse=0, nbytes=16))
+        with pytest.raises(DockValueError, match="belongs to the controller at 10.0.0.1:7450"):
+            svc.commit(pb.CommitRequest(partition=theirs[0], columns=["x"], new_count=2, warehouse=0, nbytes=16))
+        with pytest.raises(DockValueError, match="belongs to the controller"):
+            svc.acquire(FakePeer(), pb.Frame(acquire=pb.AcquireRequest(partition=theirs[0], consumer="c",
+                                                                       columns=["x"], count=1)))
+        # a warehouse rejoining with what it holds: only this controller's partitions are adopted
+        reg = pb.RegisterWarehouse(host="10.0.0.9", port=7000, capacity=1 << 30, instance=5, rejoin=True, id=3,
+                                   assigned=True)
+        for name in (mine[1], theirs[1]):
+            reg.inventory.add(name=name, columns=[pb.InventoryColumn(name="x", runs=[0, 4])])
+        assert svc.register(FakePeer("warehouse"), reg).id == 3
+        assert mine[1] in svc.core.partitions and theirs[1] not in svc.core.partitions
+        svc.shutdown()
 
     run(main())
