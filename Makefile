@@ -1,6 +1,7 @@
 # One entry point for humans and CI.
 #   make run    set up a virtualenv and run the demo on a local dock
-#   make test   set up (frameworks for the plugin tests included) and run the tests
+#   make test   set up (frameworks for the plugin tests and the Mooncake engine included) and run the tests
+#   make mooncake  the Mooncake Transfer Engine (.[mooncake]) and the system library it loads (libibverbs1)
 #   make docs   build the documentation site (API reference from the docstrings) into site/
 #   make dist   build the sdist and the wheel into dist/
 PYTHON ?= python3
@@ -11,7 +12,7 @@ STAMP := $(VENV)/.dockd-installed
 # spec would pull a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: setup run test test-fast frameworks proto bench bench-peers check docs dist clean
+.PHONY: setup run test test-fast frameworks mooncake proto bench bench-peers check docs dist clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +32,21 @@ frameworks: setup
 	@if [ "$$(uname -sm)" = "Linux x86_64" ] && ! $(PY) -c "import nvidia.nccl" 2>/dev/null; then \
 		$(PY) -m pip install -q 'nvidia-nccl-cu13>=2.20'; fi
 
-test: frameworks
+# The Mooncake Transfer Engine (tests/integration/test_mooncake.py is skipped without it): the RDMA
+# user-space libraries its wheel links (libibverbs1, from apt where it is missing and we are root),
+# then the wheel (.[mooncake]). Linux x86_64 only.
+mooncake: setup
+	@if [ "$$(uname -sm)" = "Linux x86_64" ]; then \
+		if ! ldconfig -p | grep -q 'libibverbs.so.1 '; then \
+			if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+				(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 ibverbs-providers >/dev/null) \
+					|| echo "make mooncake: could not install libibverbs1; the Mooncake tests will be skipped"; \
+			else echo "make mooncake: libibverbs1 is missing (as root: apt-get install libibverbs1 ibverbs-providers)"; fi; \
+		fi; \
+		$(PY) -c "import mooncake.engine" 2>/dev/null || $(PY) -m pip install -q -e '.[mooncake]' $(TORCH); \
+	fi
+
+test: frameworks mooncake
 	$(PY) -m pytest
 
 test-fast: setup

@@ -86,7 +86,24 @@ def _serve(args) -> int:
         daemon_timeout=args.daemon_timeout, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
         heartbeat_interval=args.heartbeat_interval, heartbeat_timeout=args.heartbeat_timeout,
         tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_ca=args.tls_ca or "",
+        transport=args.transport, mooncake_protocol=args.mooncake_protocol,
     )
+    if cfg.warehouse and cfg.transport == "auto" and not cfg.shm:
+        logging.getLogger("dockd").info("[mooncake] transport=socket: --transport auto with --no-shm (the engine serves "
+                                        "reads from shared-memory segments)")
+    elif cfg.warehouse and cfg.transport != "socket":  # this process's Mooncake engine, before the node starts
+        from dockd.errors import DockError
+        from dockd.warehouse import mooncake
+
+        try:
+            chosen = mooncake.start(cfg.transport, cfg.host, cfg.advertise, cfg.mooncake_protocol)
+        except DockError as e:
+            logging.getLogger("dockd").error("[node] cannot start: %s", e)
+            return 2
+        if chosen == "mooncake" and (cfg.token_file or cfg.tls_cert):
+            logging.getLogger("dockd").warning(
+                "[serve] --transport %s: the Mooncake engine's data path has no authentication or encryption; the "
+                "token and TLS guard only the dock's own connections (see docs/cluster.md)", cfg.transport)
     if cfg.insecure and not cfg.token_file:
         logging.getLogger("dockd").warning(
             "[serve] --insecure: no authentication; anyone who reaches %s:%d can read, write and wedge this dock",
@@ -173,6 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "client dies or releases them, go back to that consumer's pool. Per lease: "
                         "acquire(lease_timeout=...), longer with dock.extend(lease)")
     s.add_argument("--no-shm", action="store_true", help="serve same-host clients over TCP only (no shared memory)")
+    s.add_argument("--transport", choices=["auto", "socket", "mooncake"], default="socket",
+                   help="how remote readers get stored bytes: socket (default: in the TCP stream), mooncake (read "
+                        "with the Mooncake Transfer Engine from registered memory; refuses to start without it), "
+                        "auto (mooncake where the engine starts, logged)")
+    s.add_argument("--mooncake-protocol", choices=["tcp", "rdma"], default="tcp",
+                   help="the Mooncake engine's protocol (default tcp; rdma needs RDMA NICs)")
     s.add_argument("--no-warehouse", action="store_true",
                    help="with --controller: run only the controller (no data on this node; it can restart without loss)")
     s.add_argument("--state-dir", metavar="DIR",

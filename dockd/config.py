@@ -19,7 +19,9 @@ ENV_VARS = {
     "DOCKD_RECONNECT_TIMEOUT": "seconds a client keeps retrying a daemon that went away before it gives up (default 30)",
     "DOCKD_FETCH_TIMEOUT": "seconds a get without a timeout (and fetch, read) waits for a warehouse to answer before "
                            "DockTimeout (default 60)",
-    "DOCKD_TRANSPORT": "'auto' (default: shared memory to same-host daemons, TCP otherwise) or 'tcp'",
+    "DOCKD_TRANSPORT": "'auto' (default: shared memory to same-host daemons, Mooncake where the warehouse runs its "
+                       "engine and the package is installed, TCP otherwise), 'tcp', or 'mooncake' (required: reads "
+                       "from a warehouse that cannot use it raise)",
     "DOCKD_SPIN_US": "microseconds a same-host client call polls for its reply before sleeping (default 200; 0: never)",
     "DOCKD_RECV_POOL_BYTES": "bytes of warm receive buffers a client keeps for large socket replies (default 1 GiB)",
     "DOCKD_DEVICE_LINK_TIMEOUT": "seconds a device link's join or transfer may take before it is aborted (default 60)",
@@ -92,6 +94,19 @@ def env_float(name: str, default: float) -> float:
         raise DockValueError(f"environment variable {name}={raw!r} is not a number") from None
 
 
+#: What a client's `transport` setting may be (dockd.client.transport): tried in order under "auto".
+CLIENT_TRANSPORTS = ("auto", "tcp", "mooncake")
+#: How a daemon serves remote readers (`dockd serve --transport`, dockd.warehouse.mooncake).
+SERVE_TRANSPORTS = ("auto", "socket", "mooncake")
+
+
+def client_transport(value: str) -> str:
+    """A client's `transport` setting, checked (dockd.connect(transport=...), DOCKD_TRANSPORT)."""
+    if value not in CLIENT_TRANSPORTS:
+        raise DockValueError(f"transport {value!r}: use one of {', '.join(CLIENT_TRANSPORTS)}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ClientConfig:
     """A client's settings from the environment (see ENV_VARS); arguments to `dockd.connect` override them."""
@@ -110,8 +125,8 @@ class ClientConfig:
     @classmethod
     def from_env(cls) -> ClientConfig:
         transport = env("DOCKD_TRANSPORT", "auto")
-        if transport not in ("auto", "tcp"):
-            raise DockValueError(f"DOCKD_TRANSPORT={transport!r}: use 'auto' or 'tcp'")
+        if transport not in CLIENT_TRANSPORTS:
+            raise DockValueError(f"DOCKD_TRANSPORT={transport!r}: use 'auto', 'tcp' or 'mooncake'")
         return cls(
             warehouse=env("DOCKD_WAREHOUSE"),
             connect_timeout=env_float("DOCKD_CONNECT_TIMEOUT", 10.0),
@@ -165,6 +180,12 @@ class NodeConfig:
     them when restarted on the same dir (empty: stored data lives only in this process)."""
     shm: bool = True
     """Serve same-host clients over a Unix socket with shared-memory payloads (Linux)."""
+    transport: str = "socket"
+    """How remote readers get stored bytes: "socket" (in the frames' bodies over TCP), "mooncake" (read with
+    their Mooncake Transfer Engine from registered segments; the daemon refuses to start without one) or
+    "auto" (Mooncake where the engine starts). See dockd.warehouse.mooncake."""
+    mooncake_protocol: str = "tcp"
+    """The Mooncake engine's protocol: "tcp", or "rdma" on nodes with RDMA NICs."""
     token_file: str = ""
     """File holding the dock's token: every connection must prove it (challenge-response)."""
     daemon_token_file: str = ""
@@ -211,6 +232,13 @@ class NodeConfig:
     (its controller); "": tls_cert itself (one self-signed certificate for the whole dock)."""
 
     def __post_init__(self) -> None:
+        if self.transport not in SERVE_TRANSPORTS:
+            raise DockValueError(f"--transport {self.transport!r}: use one of {', '.join(SERVE_TRANSPORTS)}")
+        if self.transport == "mooncake" and not self.shm:
+            raise DockValueError("--transport mooncake serves reads from the shared-memory segments it registers "
+                                 "with the engine; drop --no-shm")
+        if self.mooncake_protocol not in ("tcp", "rdma"):
+            raise DockValueError(f"--mooncake-protocol {self.mooncake_protocol!r}: use 'tcp' or 'rdma'")
         if self.controller == bool(self.join):
             raise DockValueError(
                 "a node either hosts the controller (--controller) or joins one (--join HOST:PORT), exactly one of the two"

@@ -39,8 +39,10 @@ Series (all prefixed `dockd_`):
     paced_puts_total                                    puts that had to wait for max_pending
     sample_staleness                                    histogram: trainer version minus version of samples handed out
 
-`transport` is `shm` for same-host clients (Unix socket, shared memory) and
-`tcp` otherwise. A get whose columns live on two warehouses counts on both.
+`transport` is `shm` for same-host clients (Unix socket, shared memory),
+`mooncake` for gets whose bytes readers pulled with the Mooncake Transfer Engine
+(`dockd serve --transport mooncake|auto`; bytes such a get still carried in the
+frame body count as `tcp`), and `tcp` otherwise. A get whose columns live on two warehouses counts on both.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1
            30.0, 60.0, 120.0)
 #: Partitions (most recently created first) whose progress series the controller exports.
 MAX_PARTITIONS = 32
-TRANSPORTS = ("shm", "tcp")
+TRANSPORTS = ("shm", "tcp", "mooncake")
 
 
 class Histogram:
@@ -119,6 +121,11 @@ class Metrics:
         t = "shm" if shm else "tcp"
         self.get_samples[t] += samples
         self.get_bytes[t] += nbytes
+
+    def got(self, transport: str, samples: int, nbytes: int) -> None:
+        """A get served over `transport` (one of TRANSPORTS)."""
+        self.get_samples[transport] += samples
+        self.get_bytes[transport] += nbytes
 
     def request(self, op: str, seconds: float) -> None:
         h = self.requests.get(op)

@@ -2,7 +2,8 @@
 
 One snapshot is `Dock.stats(traffic=True)` with the time it was taken; two
 snapshots give each warehouse's bytes in and out per second. The view is drawn
-with rich: warehouses (address, state, used of capacity, traffic), then per
+with rich: warehouses (address, state, used of capacity, traffic, how each serves remote
+readers: "socket" or "mooncake"), then per
 partition each consumer's progress (taken of the partition's samples, with
 what it could take now, holds under lease and waits for), the slowest
 consumer marked.
@@ -82,7 +83,7 @@ def render(snap: dict[str, Any], *, address: str, error: str = "") -> Group:
         parts.append(Text(f"unreachable: {error}", style="bold red"))
 
     wt = Table(title="warehouses", title_justify="left", expand=False)
-    for col in ("id", "address", "state", "used", "", "in/s", "out/s", "version"):
+    for col in ("id", "address", "state", "used", "", "in/s", "out/s", "serves", "version"):
         wt.add_column(col, justify="right" if col in ("id", "in/s", "out/s") else "left", no_wrap=True)
     for wid, w in sorted(whs.items()):
         cap = w["capacity"] or 1
@@ -92,7 +93,7 @@ def render(snap: dict[str, Any], *, address: str, error: str = "") -> Group:
             str(wid), w["address"], Text(state if "error" not in w else "unreachable", style=style),
             f"{human_bytes(w['bytes'])} / {human_bytes(w['capacity'])}",
             ProgressBar(total=cap, completed=min(w["bytes"], cap), width=10),
-            _rate(w, "in_per_s"), _rate(w, "out_per_s"), w.get("version", "-"),
+            _rate(w, "in_per_s"), _rate(w, "out_per_s"), w.get("serves", "-"), w.get("version", "-"),
         )
     parts.append(wt)
 

@@ -70,9 +70,19 @@ def stats(replies: dict[str, pb.StatsReply], router: Router, *, traffic: bool,
             w.update(version=hello.version, put_bytes=hello.put_bytes, get_bytes=hello.get_bytes,
                      device_bytes=hello.device_used, device_capacity=hello.device_capacity,
                      metadata_bytes=hello.metadata, freed_bytes=hello.freed, reclaimable_bytes=hello.reclaimable)
+            if hello.transport:  # how it serves remote readers: "socket" or "mooncake"
+                w["serves"] = hello.transport
+    for wid, w in whs.items():  # how this client reads from each warehouse it has a pool for
+        pool = router.pools.get(wid)
+        if pool is not None:
+            w["transport"] = getattr(pool.via, "effective", pool.transport)
+            note = getattr(pool.via, "declined", "")
+            if note:
+                w["transport_note"] = note
     return {
         "version": first.version,
         "controller": router.address,
+        "transport": router.ctx.config.transport,
         "controllers": list(replies),
         "samples": sum(p["samples"] for p in parts.values()),
         "bytes": sum(w["bytes"] for w in whs.values()),

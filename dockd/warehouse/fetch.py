@@ -4,7 +4,8 @@ A reply carries one run per stored slice. Big slices of shared-memory segments
 go by descriptor to same-host readers (pinned for the reader's process until
 it gives them back); device-tier slices are shared by handle with a same-node
 reader or sent over a device link to one on another node; everything else is
-body bytes (no copy).
+body bytes (no copy). A reader that asks for a Mooncake answer (`FetchRequest.mooncake`) gets the
+registered segment spans its runs use named instead, and reads them itself (`dockd.warehouse.mooncake`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockError, DockNotFound
 from dockd.metrics import Metrics
 from dockd.peer import Peer
+from dockd.warehouse import mooncake
 from dockd.warehouse.commit import Committer
 from dockd.warehouse.core import Warehouse
 from dockd.warehouse.links import Links
@@ -47,9 +49,16 @@ class FetchPath:
         self.committer = committer
         self.metrics = metrics
         self._wid = wid
+        self.mooncake = mooncake.attach(segments)  # (None: this daemon runs no Mooncake engine)
 
     def fetch(self, peer: Peer, frame: pb.Frame) -> None:
         req = frame.fetch
+        if req.mooncake_done:  # Mooncake answers this reader has read: unpin their segments
+            if self.mooncake is not None:
+                self.mooncake.done(peer, req.mooncake_done, self.segments)
+            if not req.columns:
+                peer.reply(frame, pb.Frame(fetch_reply=pb.FetchReply()))
+                return
         wanted = [(c.name, list(c.indexes)) for c in req.columns]
         try:
             found = self.warehouse.fetch(req.partition, wanted)
@@ -73,6 +82,9 @@ class FetchPath:
 
     def _reply(self, peer: Peer, frame: pb.Frame, found) -> None:
         req = frame.fetch
+        if req.mooncake and not peer.passes_fds and not req.device and not req.HasField("link"):
+            self._reply_mooncake(peer, frame, found)
+            return
         reply = pb.FetchReply()
         link = None
         shared: list | None = None
@@ -91,6 +103,58 @@ class FetchPath:
         if link is not None and shared:  # each buffer's used span, in buffer order, after the reply
             spans = codec.spans(reply.columns, "device_buffer")
             self.links.send(bytes(req.link.id), [_flat(shared[k - 1][1])[lo:hi] for k, (lo, hi) in sorted(spans.items())])
+
+    def _reply_mooncake(self, peer: Peer, frame: pb.Frame, found) -> None:
+        """A Mooncake answer: runs of registered segments (big enough) as remote spans the reader reads
+        with its engine, pinned until it names the loan read; the rest (small runs, private memory,
+        device-tier data as host bytes) in the body. Without an engine: all in the body, and why."""
+        req = frame.fetch
+        samples = max((len(c.indexes) for c in req.columns), default=0)
+        eng = self.mooncake
+        if eng is None:
+            cols, body, lent = self.encode(peer, found, samples)
+            reply = pb.FetchReply(mooncake_refused=f"this warehouse serves remote readers over the socket "
+                                                   f"({mooncake.why()})")
+            reply.columns.extend(cols)
+            peer.reply(frame, pb.Frame(pins=[s.sid for s in lent], fetch_reply=reply), body.buffers, body.size, lent)
+            return
+        body = codec.Body()
+        segs: list = []
+        bases: list[int] = []
+        index: dict[int, int] = {}
+        out = []
+        nbytes = remote = 0
+        for name, slices in found:
+            col = pb.ColumnData(name=name)
+            for batch, r0, r1 in slices:
+                run = batch.run(r0, r1)
+                nbytes += run.nbytes
+                lo, _ = batch.span(r0, r1)
+                seg = batch.segment
+                addr = eng.remote(seg) if seg is not None and batch.device is None and \
+                    run.nbytes >= shm.SHM_MIN_VALUE else None
+                if addr is None:
+                    run.offset = body.add(memoryview(batch.host(lo, run.nbytes)))
+                else:
+                    k = index.get(id(seg))
+                    if k is None:
+                        segs.append(seg)
+                        bases.append(addr)
+                        k = index[id(seg)] = len(segs)
+                    run.segment, run.offset = k, batch.data.address - seg.buffer.address + lo
+                    remote += run.nbytes
+                col.runs.append(run)
+            out.append(col)
+        reply = pb.FetchReply(columns=out)
+        if segs:
+            for k, (lo, hi) in sorted(codec.spans(out, "segment").items()):
+                reply.remote_segments.add(address=bases[k - 1] + lo, nbytes=hi - lo, offset=lo)
+            reply.mooncake_session, reply.mooncake_protocol = eng.session, eng.protocol
+            reply.mooncake_loan = eng.lend(peer, segs, self.segments)
+        self.metrics.got("mooncake" if remote else "tcp", samples, remote or nbytes)
+        if remote and nbytes > remote:
+            self.metrics.got("tcp", 0, nbytes - remote)
+        peer.reply(frame, pb.Frame(fetch_reply=reply), body.buffers, body.size)
 
     def encode(self, peer: Peer, found, samples: int, shared: list | None = None,
                link=None) -> tuple[list[pb.ColumnData], codec.Body, list]:

@@ -77,6 +77,8 @@ class Segments:
         self._staging: dict[int, collections.OrderedDict[int, np.ndarray]] = {}
         self._conns: collections.Counter = collections.Counter()  # pid -> its open same-host connections
         self.created = self.reused = 0
+        # called with each segment created (dockd.warehouse.mooncake registers it with its engine once)
+        self.on_create: Callable[[shm.Segment], object] | None = None
 
     # -- storage --------------------------------------------------------------------------------
     def take(self, size: int) -> shm.Segment:
@@ -95,6 +97,8 @@ class Segments:
         else:
             seg = shm.Segment.create(size, "dockd-store", capacity=cls)
             self.created += 1
+            if self.on_create is not None:
+                self.on_create(seg)
         self._live[seg.sid] = seg
         return seg
 

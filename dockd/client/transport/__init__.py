@@ -10,6 +10,7 @@ Built in (best first, as `transport="auto"` tries them):
 | name | module | frames | put payload | fetch payload |
 |---|---|---|---|---|
 | `shm` | `shm.py` | Unix socket | staged in a sealed memfd, named | passed memfd segments, mapped copy-on-write; device-tier data by IPC handle |
+| `mooncake` | `mooncake.py` | TCP | in the frame | read by the client's Mooncake Transfer Engine from the warehouse's registered segments (small runs in the frame) |
 | `tcp` | `device_link.py` | TCP | in the frame | in the frame; device-tier data over a device link (NCCL/HCCL/gloo) when the get names a device |
 | `tcp` | `tcp.py` | TCP | in the frame | in the frame |
 
@@ -48,8 +49,11 @@ Contract (what an implementation provides; see `Transport` for signatures):
   dropped); `close()`.
 
 A new transport is one module defining a `Transport` subclass decorated with
-`@register`, plus its import at the bottom of this file. A Mooncake Transfer
-Engine transport would: take `name = "mooncake"`, `auto = True` and a
+`@register`, plus its import at the bottom of this file. The Mooncake Transfer
+Engine transport (`mooncake.py`) is built this way, with one difference from the
+plan below: the warehouse names its engine session in each fetch answer rather
+than in its hello, so a warehouse without an engine says so there (and a client
+requiring Mooncake raises). The plan was: take `name = "mooncake"`, `auto = True` and a
 priority between `shm` and `tcp`; apply when the daemon's hello
 (`Endpoint.advertised`) names a Mooncake segment (a field the wire contract
 would gain) and the engine imports; send frames over TCP (subclass `TcpTransport`); in `send_put`,
@@ -258,6 +262,7 @@ def _close_all(fds) -> None:
 
 
 # the built-in transports (a new one: its module, imported here)
-from dockd.client.transport import device_link, shm, tcp  # noqa: E402,F401
+# (mooncake after device_link: it builds on it)
+from dockd.client.transport import device_link, mooncake, shm, tcp  # noqa: E402,F401
 
 __all__ = ["Context", "Endpoint", "Put", "Reply", "Transport", "candidates", "is_local", "register"]
