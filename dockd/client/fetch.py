@@ -121,12 +121,23 @@ class Fetcher:
 
     def _failed(self, lease: Lease, parts, wid: int, e: DockConnectionError, silent: bool, took: float):
         """The error of a fetch from `wid` that failed: DockTimeout for one that is there but silent
-        (its connections are dropped, so a late answer is never read), else DockDataLost."""
+        (its connections are dropped, so a late answer is never read) or that keeps its data across a
+        restart (--data-dir) and is still a member, else DockDataLost."""
         cols = [c for c, _ in parts]
         samples = sorted({i for _, pos in parts for i in (lease.indexes if pos is None else _at(lease, pos))})
         if not timed_out(e):
-            return DockDataLost(f"cannot read columns {cols} of {len(samples)} samples from warehouse {wid}: {e}",
-                                indexes=samples, columns=cols)
+            known = self._router.warehouses.get(wid)
+            state = self._router.warehouse_state(wid) if known is not None and known.durable else ""
+            if state not in ("rejoining", "joined", "unresponsive"):
+                return DockDataLost(f"cannot read columns {cols} of {len(samples)} samples from warehouse {wid}: {e}",
+                                    indexes=samples, columns=cols)
+            self._router.forget(wid)
+            return DockTimeout(  # (a warehouse with a data dir restarting: the controller waits for it)
+                f"cannot read columns {cols} of {len(samples)} samples of partition {lease.partition!r} from warehouse "
+                f"{wid} at {self._router.address_of(wid)} ({e}), but it keeps its data across restarts (--data-dir) "
+                f"and the controller still counts it as a member ({state}): its restart brings the samples back. "
+                "They stay in the dock (a get's lease is released, so they are handed out again); retry later"
+            )
         self._router.forget(wid)
         why = (f"the controller reports that it stopped answering, and it did not answer within {took:.1f}s either"
                if silent else f"it did not answer within {took:.1f}s")

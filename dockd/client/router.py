@@ -37,7 +37,7 @@ from dockd import owners, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.connection import Connection, Credentials, Pool, timed_out
 from dockd.client.transport import Context, Endpoint, Transport, candidates, is_local
-from dockd.errors import DockClosed, DockConnectionError, DockValueError
+from dockd.errors import DockClosed, DockConnectionError, DockError, DockValueError
 
 T = TypeVar("T")
 
@@ -246,6 +246,16 @@ class Router:
             known = self.warehouses.get(w.id)
             if known is None or (known.host, known.port) == (w.host, w.port):
                 self.warehouses[w.id] = w
+
+    def warehouse_state(self, wid: int) -> str:
+        """The controller's word on warehouse `wid` now ("joined", "rejoining", ...; "" when it is
+        no member, or the controller cannot say within a connect_timeout)."""
+        try:
+            hello, = self.controller(lambda pool: (self._hello(pool),), deadline=time.monotonic() + self.connect_timeout)
+        except DockError:
+            return ""
+        self.learn(hello.warehouses)
+        return next((w.state or "joined" for w in hello.warehouses if w.id == wid), "")
 
     def address_of(self, wid: int) -> str:
         info = self.warehouses.get(wid)

@@ -112,7 +112,8 @@ class WarehouseEntry:
     def info(self, used: int = 0) -> pb.WarehouseInfo:
         # clients see an unresponsive warehouse as not alive: they do not choose it for their puts
         return pb.WarehouseInfo(id=self.id, host=self.host, port=self.port, alive=self.state == "joined",
-                                capacity=self.capacity, used=used, unix=self.unix, state=self.state)
+                                capacity=self.capacity, used=used, unix=self.unix, state=self.state,
+                                durable=self.durable)
 
     def record(self) -> dict:
         # unresponsive is a passing state of a joined member: a restarted controller waits for its rejoin
