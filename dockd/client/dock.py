@@ -42,7 +42,7 @@ from dockd.client.lease import Acquirer, Lease, acquire_request
 from dockd.client.links import ReaderLinks
 from dockd.client.router import CallScope, Router
 from dockd.client.transport import Context
-from dockd.config import ClientConfig, env
+from dockd.config import ClientConfig, client_transport, env
 from dockd.errors import DockClosed, DockError, DockTypeError, DockValueError
 
 logger = logging.getLogger(__name__)
@@ -85,16 +85,22 @@ class Dock:
             stopped answering makes the get raise DockTimeout while its lease still holds.
         tls: the CA file (PEM) to check the daemons' TLS certificates with, for a dock whose daemons
             run with --tls-cert: TCP connections then use TLS (default $DOCKD_TLS_CA; "": no TLS).
+        transport: how to read from warehouses on other hosts: "auto" (the default, or
+            $DOCKD_TRANSPORT: shared memory on this host, Mooncake where the warehouse serves it and
+            the package is installed, TCP otherwise), "tcp", or "mooncake" (required: a read from a
+            warehouse that cannot serve it raises, naming why).
             A client without it refuses a TLS dock, and one with it a dock without TLS, at once
             (DockAuthError).
     """
 
     def __init__(self, address: str, *, warehouse: int | str | None = None, connect_timeout: float | None = None,
                  reconnect_timeout: float | None = None, token: str | bytes | None = None, name: str = "",
-                 fetch_timeout: float | None = None, tls: str | None = None) -> None:
+                 fetch_timeout: float | None = None, tls: str | None = None, transport: str | None = None) -> None:
         config = ClientConfig.from_env()
         if tls is not None:
             config = dataclasses.replace(config, tls=str(tls))
+        if transport is not None:
+            config = dataclasses.replace(config, transport=client_transport(transport))
         self.connect_timeout = connect_timeout if connect_timeout is not None else config.connect_timeout
         self.reconnect_timeout = reconnect_timeout if reconnect_timeout is not None else config.reconnect_timeout
         self.fetch_timeout = fetch_timeout if fetch_timeout is not None else config.fetch_timeout

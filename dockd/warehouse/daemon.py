@@ -43,6 +43,7 @@ from dockd.controller.service import ControllerService
 from dockd.errors import DockAuthError, DockError, DockValueError
 from dockd.metrics import Metrics, MetricsServer
 from dockd.peer import Peer
+from dockd.warehouse import mooncake
 from dockd.warehouse.admission import Admission
 from dockd.warehouse.checkpoint import Checkpoints
 from dockd.warehouse.commit import LocalCommitter, RemoteCommitter, RoutingCommitter
@@ -228,7 +229,7 @@ class Node:
         return json.dumps(
             {"event": "ready", "host": self.cfg.host, "port": self.port, "grpc_port": self.grpc_port,
              "metrics_port": self.metrics_port or None, "warehouse": self.wid, "controller": self.controller is not None,
-             "version": __version__}
+             "version": __version__, **mooncake.ready_fields()}
         )
 
     async def serve_until_stopped(self) -> None:
@@ -326,6 +327,7 @@ class Node:
                             put_bytes=sum(m.put_bytes.values()), get_bytes=sum(m.get_bytes.values()),
                             device_used=w.device_used, device_capacity=w.device_capacity,
                             metadata=w.meta, freed=w.freed, reclaimable=w.reclaimable)
+        mooncake.hello(out)
         if self.controller is not None:
             out.warehouses.extend(self.controller.warehouse_infos())
             out.controller = f"{self.cfg.advertise or self.cfg.host}:{self.port}"

@@ -377,7 +377,7 @@ async def discover_controllers(make_peer: Callable[[], Peer], address: str, link
     `timeout` seconds (None: as long as it takes). Empty: the dock has one controller, that one."""
     host, _, port = address.rpartition(":")
     deadline = None if timeout is None else time.monotonic() + timeout
-    delay = BACKOFF_MIN
+    delay, waiting_logged = BACKOFF_MIN, 0.0
     while True:
         try:
             _, peer = await asyncio.wait_for(open_link(make_peer, host, int(port), link_tls), 5.0)
@@ -392,7 +392,11 @@ async def discover_controllers(make_peer: Callable[[], Peer], address: str, link
         except DockAuthError:
             raise
         except (DockError, OSError, asyncio.TimeoutError) as e:
-            if deadline is not None and time.monotonic() + delay > deadline:
+            now = time.monotonic()
+            if now - waiting_logged > 30:
+                waiting_logged = now
+                logger.warning("[link] waiting for the controller at %s (%s); retrying", address, e or "timed out")
+            if deadline is not None and now + delay > deadline:
                 raise DockConnectionError(
                     f"cannot reach the controller at {address} to join it within {timeout:g}s ({e or 'timed out'}); "
                     "start it, or check the address (--join)") from None
