@@ -22,6 +22,7 @@ that would not come back as itself (a tuple, a set) is refused.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -181,17 +182,14 @@ def split_column(name: str, values: Any) -> Sequence[Any]:
         if values.ndim == 0:
             raise DockValueError(f"column {name!r}: a 0-d array has no sample axis; pass a list of values")
         return list(values)
+    if type(values) is list:  # (the common case, without the Sequence ABC's check)
+        return values
     if isinstance(values, (str, bytes, dict)) or not isinstance(values, Sequence):
         raise DockTypeError(
             f"column {name!r}: expected a list with one value per sample or a tensor/array whose first "
             f"dimension is the sample axis, got {type(values).__name__}"
         )
     return values
-
-
-def column_length(values: Any) -> int:
-    t = batched(values)
-    return int(t.shape[0]) if t is not None else len(values)
 
 
 def encode_columns(columns: Mapping[str, Any], body: Body) -> list[pb.ColumnData]:
@@ -326,8 +324,13 @@ def _msgpack_default(obj: Any) -> Any:
     raise TypeError(type(obj).__name__)
 
 
+_packers = threading.local()  # one Packer per thread (a Packer keeps a buffer: not shared between threads)
+
+
 def _msgpack_run(col: pb.ColumnData, name: str, values: list[Any], start: int, body: Body) -> None:
-    packer = msgpack.Packer(use_bin_type=True, default=_msgpack_default, strict_types=True)
+    packer = getattr(_packers, "packer", None)
+    if packer is None:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True, default=_msgpack_default, strict_types=True)
     blobs = []
     for i, v in enumerate(values):
         try:

@@ -27,14 +27,14 @@ def split_columns(columns: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
     """Each column as one batched tensor or a sequence of values, and the number of samples."""
     if not isinstance(columns, Mapping) or not columns:
         raise DockTypeError("columns must be a non-empty dict of column name -> values")
-    split = {}
+    split, counts = {}, {}
     for name, values in columns.items():
         if not isinstance(name, str) or not name:
             raise DockTypeError(f"column names must be non-empty strings, got {name!r}")
         validate.text(name, "column name")
         t = codec.batched(values)  # kept whole: encoded as one buffer
         split[name] = t if t is not None else codec.split_column(name, values)
-    counts = {k: codec.column_length(v) for k, v in split.items()}
+        counts[name] = int(t.shape[0]) if t is not None else len(split[name])
     n = next(iter(counts.values()))
     if n == 0 or len(set(counts.values())) != 1:
         raise DockValueError(f"every column needs the same positive number of values, got {counts}")
