@@ -78,7 +78,8 @@ def _serve(args) -> int:
         controller=args.controller, warehouse=not args.no_warehouse, join=args.join or "",
         controllers=owners.parse(args.controllers) if args.controllers else (),
         capacity=parse_size(args.capacity), device_capacity=parse_size(args.device_capacity), lease_timeout=args.lease_timeout, shm=not args.no_shm,
-        state_dir=args.state_dir or "", data_dir=args.data_dir or "", join_timeout=args.join_timeout, controller_grace=args.controller_grace,
+        state_dir=args.state_dir or "", data_dir=args.data_dir or "",
+        spill_dir=args.spill_dir or "", spill_capacity=parse_size(args.spill_capacity), join_timeout=args.join_timeout, controller_grace=args.controller_grace,
         warehouse_grace=args.warehouse_grace, token_file=args.token_file or config.env("DOCKD_TOKEN_FILE"),
         daemon_token_file=args.daemon_token_file or "", insecure=args.insecure, max_connections=args.max_connections,
         handshake_timeout=args.handshake_timeout, stall_timeout=args.stall_timeout, idle_timeout=args.idle_timeout,
@@ -204,6 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --join: write each stored put to a file in DIR before acknowledging it, so that a "
                         "warehouse killed and restarted on the same DIR re-adopts its samples (tmpfs such as "
                         "/dev/shm for speed; see docs/operations.md)")
+    s.add_argument("--spill-dir", metavar="DIR",
+                   help="when --capacity is full, move stored puts nobody is reading to Arrow IPC files in DIR (least "
+                        "recently used first) and read them back on a fetch; puts fail with DockFull only once the "
+                        "spill space is full too (see docs/operations.md)")
+    s.add_argument("--spill-capacity", default="0", metavar="SIZE",
+                   help="with --spill-dir: bytes of spill files at most (default 0: the disk's free space less a "
+                        "margin of 1 GiB or 5%%)")
     s.add_argument("--join-timeout", type=float, default=None, metavar="SECONDS",
                    help="a warehouse waits this long for its controller at start (default: as long as it takes)")
     s.add_argument("--controller-grace", type=float, default=60.0, metavar="SECONDS",

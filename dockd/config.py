@@ -178,6 +178,11 @@ class NodeConfig:
     data_dir: str = ""
     """Warehouse (--join): keep every stored put in a file here before it is acknowledged, and re-adopt
     them when restarted on the same dir (empty: stored data lives only in this process)."""
+    spill_dir: str = ""
+    """Warehouse: when host memory (--capacity) is full, move stored puts nobody is reading to Arrow IPC
+    files here, least recently used first, and read them back on a fetch (empty: puts wait for room)."""
+    spill_capacity: int = 0
+    """Bytes of spill files at most (0: the filesystem's free space less a margin)."""
     shm: bool = True
     """Serve same-host clients over a Unix socket with shared-memory payloads (Linux)."""
     transport: str = "socket"
@@ -269,6 +274,13 @@ class NodeConfig:
         if self.data_dir and not self.join:
             raise DockValueError("--data-dir keeps a joining warehouse's data across restarts; give it with --join "
                                  "(the controller's own warehouse restarts with the controller: not supported)")
+        if self.spill_capacity < 0:
+            raise DockValueError(f"--spill-capacity must be >= 0 bytes (0: up to the disk's free space), got "
+                                 f"{self.spill_capacity}")
+        if self.spill_capacity and not self.spill_dir:
+            raise DockValueError("--spill-capacity goes with --spill-dir")
+        if self.spill_dir and not self.warehouse:
+            raise DockValueError("--spill-dir is a warehouse's; drop it with --no-warehouse")
         if self.data_dir and self.device_capacity:
             raise DockValueError("--data-dir does not keep the device tier's bytes; drop --device-capacity, or "
                                  "--data-dir")

@@ -21,6 +21,11 @@ Series (all prefixed `dockd_`):
     device_shared_bytes_total                           device-tier bytes read through shared device memory
     device_linked_bytes_total                           device-tier bytes sent over device links (other nodes)
     device_links                                        device links open (cross-node device reads)
+    spill_out_bytes_total                               --spill-dir: bytes of stored puts spilled out of memory
+    spill_restored_bytes_total                          ... brought back into memory by a fetch (restored)
+    spill_read_bytes_total                              ... read for a reply straight from their file (no room)
+    warehouse_spilled_bytes                             ... bytes of stored puts out of memory now
+    spill_file_bytes / spill_capacity_bytes             ... bytes in spill files now, and --spill-capacity (0: the disk)
     connections                                         open connections
     auth_failures_total{reason}
     controller only:
@@ -111,6 +116,9 @@ class Metrics:
         self.spilled_bytes = 0  # device-tier puts stored in host memory instead
         self.device_shared_bytes = 0  # device-tier bytes fetched as shared device memory
         self.device_linked_bytes = 0  # device-tier bytes sent over device links
+        self.spill_out_bytes = 0  # stored puts spilled to files (dockd.warehouse.spill)
+        self.spill_restored_bytes = 0  # spilled puts restored into memory by a fetch
+        self.spill_read_bytes = 0  # spilled puts read for a reply without restoring them
 
     def put(self, shm: bool, samples: int, nbytes: int) -> None:
         t = "shm" if shm else "tcp"
@@ -147,6 +155,11 @@ class WarehouseUsage(Protocol):
     meta: int
     device_used: int
     device_capacity: int
+    spilled: int
+
+    @property
+    def spill_figures(self) -> tuple[int, int] | None:
+        """With a spill tier: (bytes in spill files, --spill-capacity); else None."""
 
 
 class NodeFigures(Protocol):
@@ -239,6 +252,19 @@ def _warehouse_families(w: WarehouseUsage, m: Metrics, device_links: int) -> Ite
                               "over device links", value=m.device_linked_bytes)
     yield GaugeMetricFamily("dockd_device_links", "device links open (cross-node device reads)",
                             value=device_links)
+    spill = w.spill_figures
+    if spill is not None:
+        yield CounterMetricFamily("dockd_spill_out_bytes", "bytes of stored puts spilled out of memory to files "
+                                  "(--spill-dir)", value=m.spill_out_bytes)
+        yield CounterMetricFamily("dockd_spill_restored_bytes", "bytes of spilled puts brought back into memory by "
+                                  "a fetch", value=m.spill_restored_bytes)
+        yield CounterMetricFamily("dockd_spill_read_bytes", "bytes of spilled puts read for a reply straight from "
+                                  "their file (no room to restore them)", value=m.spill_read_bytes)
+        yield GaugeMetricFamily("dockd_warehouse_spilled_bytes", "bytes of stored puts out of memory now (in spill "
+                                "files, or in data-dir files only)", value=w.spilled)
+        yield GaugeMetricFamily("dockd_spill_file_bytes", "bytes in spill files now", value=spill[0])
+        yield GaugeMetricFamily("dockd_spill_capacity_bytes", "--spill-capacity (0: the disk's free space less "
+                                "a margin)", value=spill[1])
 
 
 def _controller_families(ctl: ControllerService) -> Iterator[Metric]:

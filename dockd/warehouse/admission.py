@@ -4,7 +4,10 @@ A put reserves its size in the warehouse before its body is read. While the
 warehouse is full, puts wait in one FIFO queue (the daemon stops reading their
 connections meanwhile, which pushes back on the writers through TCP) until room
 is freed or their timeout passes (DockFull). A put that could never fit fails
-at once; one whose client disconnects leaves the queue.
+at once; one whose client disconnects leaves the queue. With a spill tier
+(`--spill-dir`) a put that finds no room spills stored puts to files first
+(`Warehouse.reserve`); the head of the queue retries that every
+`spill.RETRY_S`, and DockFull comes only when nothing more could be spilled.
 
 Bodies are received into shared-memory segments when same-host readers may map
 them, as long as the process's descriptor budget for stored segments lasts;
@@ -46,6 +49,7 @@ class Admission:
         self.segment_budget = 0  # segments (descriptor + mapping each) this process may hold
         self._over_budget_warned = False
         self.on_clear: Callable[[str], None] = lambda partition: None  # a partition was freed whole
+        self._retry: asyncio.TimerHandle | None = None  # with a spill tier: the queue's next try to spill
 
     def use_segments(self, budget: int) -> None:
         """Receive big bodies into shared memory, at most `budget` stored segments."""
@@ -97,21 +101,32 @@ class Admission:
                 self.waiters.pop(0)
                 continue
             if not self.warehouse.reserve(size):
+                if self.warehouse.tier is not None and self._retry is None:  # (a pin may go, a file be freed)
+                    from dockd.warehouse.spill import RETRY_S
+
+                    self._retry = asyncio.get_running_loop().call_later(RETRY_S, self._retry_spill)
                 break
             self.waiters.pop(0)
             fut.set_result(None)
+
+    def _retry_spill(self) -> None:
+        self._retry = None
+        self.admit_waiters()
 
     def _timeout(self, fut: asyncio.Future, size: int) -> None:
         if fut.done():
             return
         w = self.warehouse
-        fut.set_exception(
-            DockFull(
-                f"warehouse {self._wid()} stayed full: {size} bytes did not fit next to {w.used} stored (and "
-                f"{w.meta} of their bookkeeping) and {w.reserved} in flight of {w.capacity} within the put "
-                "timeout. Clear finished partitions, consume faster, or raise --capacity."
-            )
-        )
+        if w.tier is not None:
+            msg = (f"warehouse {self._wid()} stayed full in memory and on disk: {size} bytes did not fit next to "
+                   f"{w.used} stored in memory (and {w.meta} of bookkeeping) and {w.reserved} in flight of "
+                   f"--capacity {w.capacity}, and no more could be spilled: {w.tier.describe()}; {w.spilled} bytes "
+                   "are spilled. Clear finished partitions, consume faster, or raise --capacity or --spill-capacity.")
+        else:
+            msg = (f"warehouse {self._wid()} stayed full: {size} bytes did not fit next to {w.used} stored (and "
+                   f"{w.meta} of their bookkeeping) and {w.reserved} in flight of {w.capacity} within the put "
+                   "timeout. Clear finished partitions, consume faster, raise --capacity, or give it a --spill-dir.")
+        fut.set_exception(DockFull(msg))
         self.admit_waiters()
 
     def lost(self, peer: Peer) -> None:
@@ -123,6 +138,8 @@ class Admission:
             self.admit_waiters()
 
     def shutdown(self) -> None:
+        if self._retry is not None:
+            self._retry.cancel()
         for _, fut, _ in self.waiters:
             if not fut.done():
                 fut.set_exception(DockError("the warehouse is shutting down"))

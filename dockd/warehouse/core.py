@@ -31,14 +31,22 @@ with `device` holding the bytes instead of `data`. Its bytes are counted
 apart from host memory (`device_reserve`, `device_used`); a put whose device
 bytes do not fit is stored in host memory instead (the daemon spills it).
 
+The spill tier (`tier`, `dockd.warehouse.spill`): with one, `lru` orders the
+in-memory puts from least to most recently stored or read; a put that finds no room
+(`reserve`) has the tier spill puts from its front to files (`mark_spilled`: their
+batches keep their rows, their bytes leave memory, `spilled` counts them), and a fetch
+of a spilled put has the tier restore it (`mark_restored`) or read it for that reply.
+
 Checkpoint files of a warehouse's partitions are written and read by
 `dockd.warehouse.checkpoint`.
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -52,6 +60,7 @@ if TYPE_CHECKING:
     import torch
 
     from dockd.warehouse.datadir import DataDir as Keeper
+    from dockd.warehouse.spill import Spilled, SpillTier
 
 Indexes = Sequence[int] | np.ndarray
 
@@ -64,7 +73,8 @@ META_VALUE = 16   # ... and each value it stores (index maps, ragged ends: 6-17 
 class _Body:
     """One put's body: its bytes are in use until every sample it holds is deleted."""
 
-    __slots__ = ("nbytes", "meta", "dead", "device_nbytes", "segment", "live", "first_column", "batches", "file")
+    __slots__ = ("nbytes", "meta", "dead", "device_nbytes", "segment", "live", "first_column", "batches", "file",
+                 "buf", "spill", "file_layout")
 
     def __init__(self, nbytes: int, segment: object, live: int, first_column: str, device_nbytes: int = 0) -> None:
         self.nbytes = nbytes
@@ -76,6 +86,9 @@ class _Body:
         self.first_column = first_column  # deletes are counted on this column's rows
         self.batches: list[tuple[str, int]] = []  # (column, batch id) of each of its runs
         self.file: str | None = None  # its file in the data dir (Warehouse.keeper), if any
+        self.file_layout = False  # whether that file's body is laid out as `buf` (not after a compaction)
+        self.buf: pa.Buffer | None = None  # the body its batches slice (None: spilled, or none)
+        self.spill: Spilled | None = None  # where it is while spilled (dockd.warehouse.spill)
 
 
 class _Batch:
@@ -83,11 +96,12 @@ class _Batch:
     indexes) or, when `order` is set, for the indexes `order` sorts into `keys`."""
 
     __slots__ = ("kind", "dtype", "shape", "unit", "ends", "lengths", "data", "device", "segment", "count", "first",
-                 "keys", "order", "body")
+                 "keys", "order", "body", "at")
 
     def __init__(self, run: pb.Run, data: pa.Buffer | None, segment: object, rows: np.ndarray, body: _Body | None = None,
                  device: torch.Tensor | None = None) -> None:
         self.body = body
+        self.at = (0, 0)  # while its put is spilled (data None): where its bytes are in the put's body
         self.device = device  # device tier: the run's bytes as a uint8 tensor (then data is None)
         self.kind = run.kind
         self.dtype = run.dtype
@@ -153,7 +167,10 @@ class _Batch:
         return (int(self.ends[r0 - 1]) if r0 else 0), int(self.ends[r1 - 1])
 
     def host(self, lo: int, n: int) -> pa.Buffer:
-        """Bytes [lo, lo + n) in host memory (a view; a copy for a device-tier batch)."""
+        """Bytes [lo, lo + n) in host memory (a view; a copy for a device-tier batch; a read of its
+        file while its put is spilled)."""
+        if self.data is None and self.device is None and self.body is not None and self.body.spill is not None:
+            return self.body.spill.read().slice(self.at[0] + lo, n)
         if self.device is None:
             assert self.data is not None  # (a batch's bytes are in data or on the device)
             return self.data if lo == 0 and n == self.data.size else self.data.slice(lo, n)
@@ -198,7 +215,7 @@ class _Column:
 
 
 class _Part:
-    __slots__ = ("columns", "nbytes", "meta", "dead", "device_nbytes", "group_size", "segments")
+    __slots__ = ("columns", "nbytes", "meta", "dead", "device_nbytes", "group_size", "segments", "spilled", "bodies")
 
     def __init__(self) -> None:
         self.columns: dict[str, _Column] = {}
@@ -208,6 +225,8 @@ class _Part:
         self.device_nbytes = 0
         self.group_size = 0  # known once a put of new samples landed here
         self.segments: list = []  # shared-memory segments its puts landed in
+        self.spilled = 0  # bytes of its puts spilled (not in nbytes)
+        self.bodies: dict[int, _Body] = {}  # with a spill tier: its puts, by id
 
 
 def _idx(indexes: Indexes) -> np.ndarray:
@@ -231,6 +250,9 @@ class Warehouse:
         self.device_reserved = 0
         self.parts: dict[str, _Part] = {}
         self.keeper: Keeper | None = None  # the data dir (--data-dir): every store is written there first
+        self.tier: SpillTier | None = None  # the spill tier (--spill-dir): what does not fit goes to files
+        self.lru: OrderedDict[int, tuple[str, _Body]] = OrderedDict()  # with a tier: in-memory puts, least recent first
+        self.spilled = 0  # bytes of stored puts spilled (out of memory; not in `used`)
 
     # -- capacity -------------------------------------------------------------------------
     def check_fits(self, nbytes: int) -> None:
@@ -240,9 +262,14 @@ class Warehouse:
                 "split it into smaller puts or start the warehouse with a larger --capacity"
             )
 
-    def reserve(self, nbytes: int) -> bool:
+    def reserve(self, nbytes: int, spill: bool = True) -> bool:
+        """Reserve room for `nbytes` (with a spill tier and `spill`: spilling puts to make it)."""
         if self.used + self.meta + self.reserved + nbytes > self.capacity:
-            return False
+            if not spill or self.tier is None:
+                return False
+            self.tier.make_room(nbytes)
+            if self.used + self.meta + self.reserved + nbytes > self.capacity:
+                return False
         self.reserved += nbytes
         return True
 
@@ -338,6 +365,8 @@ class Warehouse:
         top = int(idx.max()) + 1 if len(idx) else 0
         owner = _Body(nbytes, segment, len(idx), columns[0].name if columns else "", device_nbytes)
         owner.file = file
+        owner.file_layout = file is not None
+        owner.buf = body
         for c in columns:
             col = part.columns.get(c.name)
             if col is None:
@@ -367,6 +396,95 @@ class Warehouse:
         self.device_reserved -= device_nbytes
         self.device_used += device_nbytes
         part.device_nbytes += device_nbytes
+        if self.tier is not None:
+            part.bodies[id(owner)] = owner
+            if body is not None and nbytes and not device_nbytes:
+                self.lru[id(owner)] = (partition, owner)
+
+    # -- the spill tier ----------------------------------------------------------------------------
+    @property
+    def spill_figures(self) -> tuple[int, int] | None:
+        """With a spill tier: (bytes in spill files, --spill-capacity); else None (dockd.metrics)."""
+        return (self.tier.bytes, self.tier.capacity) if self.tier is not None else None
+
+    def spill_candidates(self) -> Iterator[tuple[str, _Body]]:
+        """In-memory puts the tier may spill, least recently stored or read first: (partition, body)."""
+        for partition, body in self.lru.values():
+            if body.buf is not None and body.spill is None and not body.device_nbytes:
+                yield partition, body
+
+    def mark_spilled(self, partition: str, body: _Body, where: Spilled) -> object:
+        """`body` is now in `where`: its memory goes (returns its segment, for the pool)."""
+        base = body.buf
+        assert base is not None
+        part = self.parts[partition]
+        for name, bid in body.batches:
+            b = part.columns[name].batches[bid]
+            if b is None or b.data is None or not b.data.size:
+                continue
+            b.at = (b.data.address - base.address, b.data.size)
+            b.data, b.segment = None, None
+        seg = self._unlink_segment(part, body)
+        body.segment, body.buf, body.spill = None, None, where
+        self.lru.pop(id(body), None)
+        part.nbytes -= body.nbytes
+        self.used -= body.nbytes
+        part.spilled += body.nbytes
+        self.spilled += body.nbytes
+        return seg
+
+    def mark_restored(self, partition: str, part: _Part, body: _Body, buf: pa.Buffer, segment: object) -> None:
+        """A spilled put is in memory again, in `buf` (of `segment`, if one), whose room was reserved."""
+        for name, bid in body.batches:
+            b = part.columns[name].batches[bid]
+            if b is None or b.data is not None or b.device is not None:
+                continue
+            b.data, b.segment = buf.slice(b.at[0], b.at[1]), segment
+        body.buf, body.segment, body.spill = buf, segment, None
+        if segment is not None:
+            part.segments.append(segment)
+        self.lru[id(body)] = (partition, body)
+        self.reserved -= body.nbytes
+        self.used += body.nbytes
+        part.nbytes += body.nbytes
+        part.spilled -= body.nbytes
+        self.spilled -= body.nbytes
+
+    def _resolve(self, partition: str, part: _Part, out: list[tuple[str, list[tuple]]]) -> list[tuple[str, list[tuple]]]:
+        """A fetch's slices with their puts in memory: each spilled one restored, or (no room) its
+        batches cloned onto a read of its file for this reply. Marks the puts as just read."""
+        seen: dict[int, pa.Buffer | None] = {}
+        clones: dict[int, _Batch] = {}
+        lru = self.lru
+        for _, slices in out:
+            for b, _, _ in slices:
+                body = b.body
+                if body is None or id(body) in seen:
+                    continue
+                key = id(body)
+                if body.spill is not None:
+                    assert self.tier is not None  # (only a tier spills)
+                    seen[key] = self.tier.bring_back(partition, part, body)
+                else:
+                    seen[key] = None
+                    if key in lru:
+                        lru.move_to_end(key)
+        if not any(v is not None for v in seen.values()):
+            return out
+        res = []
+        for name, slices in out:
+            new = []
+            for b, r0, r1 in slices:
+                buf = seen.get(id(b.body)) if b.body is not None else None
+                if buf is not None and b.data is None and b.device is None:
+                    c = clones.get(id(b))
+                    if c is None:
+                        c = clones[id(b)] = copy.copy(b)
+                        c.data, c.segment = buf.slice(b.at[0], b.at[1]), None
+                    b = c
+                new.append((b, r0, r1))
+            res.append((name, new))
+        return res
 
     # -- reads and frees -----------------------------------------------------------------------
     def fetch(self, partition: str, wanted: Sequence[tuple[str, Indexes]]) -> list[tuple[str, list[tuple]]]:
@@ -389,6 +507,8 @@ class Warehouse:
                     f"column {name!r} of samples {idx[~ok][:8].tolist()} of partition {partition!r} is not in this warehouse"
                 )
             out.append((name, self._slices(col, idx) if col is not None else []))  # (None: idx is empty)
+        if self.tier is not None:
+            return self._resolve(partition, part, out)
         return out
 
     @staticmethod
@@ -472,9 +592,9 @@ class Warehouse:
         for body in touched.values():
             if body.live <= 0:
                 n, seg = self._drop_body(part, body)
-            elif body.device_nbytes == 0 and body.nbytes >= COMPACT_MIN and \
+            elif body.device_nbytes == 0 and body.spill is None and body.nbytes >= COMPACT_MIN and \
                     2 * body.dead >= body.nbytes - 64 * len(body.batches):  # (runs are padded to 64 bytes)
-                n, seg = self._compact(part, body)
+                n, seg = self._compact(partition, part, body)
             else:
                 continue
             freed += n
@@ -491,12 +611,22 @@ class Warehouse:
         self.device_used -= body.device_nbytes
         self.reclaimable -= body.dead
         part.dead -= body.dead
-        self._release(part, body.nbytes)
+        part.bodies.pop(id(body), None)
+        self.lru.pop(id(body), None)
+        if body.spill is not None:  # (its bytes are in a file, not in memory)
+            part.spilled -= body.nbytes
+            self.spilled -= body.nbytes
+            self.freed += body.nbytes
+            assert self.tier is not None
+            self.tier.discard(body.spill)
+            body.spill = None
+        else:
+            self._release(part, body.nbytes)
         if body.file is not None and self.keeper is not None:
             self.keeper.remove(body.file)
         return body.nbytes, self._unlink_segment(part, body)
 
-    def _compact(self, part: _Part, body: _Body) -> tuple[int, object]:
+    def _compact(self, partition: str, part: _Part, body: _Body) -> tuple[int, object]:
         """Copy a body's live values into a new body of their size; (bytes freed, old segment)."""
         plans, total = [], 0
         for name, bid in body.batches:
@@ -516,6 +646,12 @@ class Warehouse:
         owner = _Body(total, None, body.live, body.first_column)
         owner.meta = body.meta
         owner.file = body.file  # (the file keeps every value; the deleted ones are recorded apart)
+        owner.buf = new
+        if self.tier is not None:
+            part.bodies.pop(id(body), None)
+            self.lru.pop(id(body), None)
+            part.bodies[id(owner)] = owner
+            self.lru[id(owner)] = (partition, owner)
         for name, col, bid, b, idx, rows, starts, ends, at in plans:
             src = np.frombuffer(b.data, dtype=np.uint8) if b.data is not None and b.data.size else None
             pos = at
@@ -581,11 +717,18 @@ class Warehouse:
             self.keeper.cleared(partition)
         if part is None:
             return 0
+        for key, body in part.bodies.items():
+            self.lru.pop(key, None)
+            if body.spill is not None:
+                assert self.tier is not None
+                self.tier.discard(body.spill)
+                body.spill = None
         self.used -= part.nbytes
+        self.spilled -= part.spilled
         self.meta -= part.meta
         self.reclaimable -= part.dead
         self.device_used -= part.device_nbytes
-        return part.nbytes
+        return part.nbytes + part.spilled
 
     def segments_of(self, partition: str) -> list:
         """The shared-memory segments a partition's data lives in."""
@@ -603,7 +746,7 @@ class Warehouse:
                 skip[(c.partition, name)] = new if prev is None else np.concatenate((prev, new))
         out = []
         for name, part in self.parts.items():
-            inv = pb.InventoryPartition(name=name, group_size=part.group_size, nbytes=part.nbytes)
+            inv = pb.InventoryPartition(name=name, group_size=part.group_size, nbytes=part.nbytes + part.spilled)
             for col_name, col in part.columns.items():
                 idx = np.flatnonzero(col.batch_of >= 0)
                 drop = skip.get((name, col_name))
@@ -623,7 +766,8 @@ class Warehouse:
             "reserved": self.reserved,
             "device_capacity": self.device_capacity,
             "device_used": self.device_used,
-            "partitions": {name: p.nbytes for name, p in self.parts.items()},
+            "spilled": self.spilled,
+            "partitions": {name: p.nbytes + p.spilled for name, p in self.parts.items()},
         }
 
 

@@ -56,6 +56,7 @@ from dockd.warehouse.links import Links
 from dockd.warehouse.listen import Keys, Listeners, watch_pid
 from dockd.warehouse.put import PutPipeline
 from dockd.warehouse.segments import Segments
+from dockd.warehouse.spill import SpillTier
 from dockd.warehouse.tasks import failed, reply_when_done, spawn
 from dockd.wire import PROTOCOL_VERSION, check_protocol
 
@@ -83,6 +84,8 @@ class Node:
         self.admission = Admission(self.warehouse, self.segments, lambda: self.wid)
         self.checkpoints = Checkpoints(self.warehouse, self.segments, wid=lambda: self.wid,
                                        check_warehouse=self._check_warehouse)
+        self.spill = SpillTier(cfg.spill_dir, cfg.spill_capacity, warehouse=self.warehouse, admission=self.admission,
+                               segments=self.segments, metrics=self.metrics) if cfg.spill_dir else None
         self.controller: ControllerService | None = None
         self.link: ControllerLink | None = None  # to the controller that numbers warehouses (with several: the first)
         self.other_links: dict[int, ControllerLink] = {}  # several controllers: to each of the others, by index
@@ -144,6 +147,8 @@ class Node:
         if self.cfg.shm and shm.available() and self.cfg.warehouse:
             self.admission.use_segments(shm.segment_budget())
             self.listeners.listen_unix()
+        if self.spill is not None:  # (before the data dir's puts come back: what exceeds --capacity spills)
+            self.spill.open()
         if self.data_dir is not None:
             self.warehouse.keeper = self.data_dir
             self.data_dir.adopt(self.warehouse, self.admission, self.puts.tokens)
@@ -161,7 +166,9 @@ class Node:
             self._metrics_server = MetricsServer(figures)
             await self._metrics_server.start(self.cfg.metrics_host, self.cfg.metrics_port)
             self.metrics_port = self._metrics_server.port
-        room = f" capacity={self.cfg.capacity}" if self.cfg.warehouse else ""  # a controller-only node stores nothing
+        room = f" capacity={self.cfg.capacity}" if self.cfg.warehouse else ""
+        if self.spill is not None:
+            room += f" spill_dir={self.spill.path} spill_capacity={self.cfg.spill_capacity or 'disk'}"  # a controller-only node stores nothing
         logger.info(
             "[node] serving address=%s:%d grpc_port=%d metrics_port=%s controller=%s warehouse=%d%s state_dir=%s",
             self.cfg.host, self.port, self.grpc_port, self.metrics_port or "-", self.controller is not None, self.wid,
@@ -326,7 +333,7 @@ class Node:
                             version=__version__, used=w.used, capacity=w.capacity,
                             put_bytes=sum(m.put_bytes.values()), get_bytes=sum(m.get_bytes.values()),
                             device_used=w.device_used, device_capacity=w.device_capacity,
-                            metadata=w.meta, freed=w.freed, reclaimable=w.reclaimable)
+                            metadata=w.meta, freed=w.freed, reclaimable=w.reclaimable, spilled=w.spilled)
         mooncake.hello(out)
         if self.controller is not None:
             out.warehouses.extend(self.controller.warehouse_infos())

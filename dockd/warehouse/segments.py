@@ -153,6 +153,10 @@ class Segments:
             held[seg.sid] += 1
             self._pinned[seg.sid] += 1
 
+    def pinned(self, seg: shm.Segment) -> bool:
+        """Whether a reader (or the warehouse itself) maps `seg` now: its data must stay where it is."""
+        return self._pinned.get(seg.sid, 0) > 0
+
     def hold(self, segs: Iterable[shm.Segment]) -> None:
         """Keep segments from being reused while the warehouse itself reads them (a checkpoint)."""
         for seg in segs:
