@@ -409,7 +409,7 @@ class Warehouse:
 
     def spill_candidates(self) -> Iterator[tuple[str, _Body]]:
         """In-memory puts the tier may spill, least recently stored or read first: (partition, body)."""
-        for partition, body in self.lru.values():
+        for partition, body in list(self.lru.values()):  # (a snapshot: the caller spills as it goes)
             if body.buf is not None and body.spill is None and not body.device_nbytes:
                 yield partition, body
 

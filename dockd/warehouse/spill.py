@@ -166,7 +166,7 @@ class SpillTier:
         self.full_reason = ""
         room = self.room()
         skipped_pinned = 0
-        for partition, body in list(w.spill_candidates()):
+        for partition, body in w.spill_candidates():
             if need <= 0:
                 break
             if isinstance(body.segment, shm.Segment) and self.segments.pinned(body.segment):
