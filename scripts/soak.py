@@ -22,6 +22,19 @@ of its death), and a get's worth of samples may be missing where a process was
 SIGKILLed after its get confirmed them and before it wrote them down (both are
 counted). Exits 1 if that check fails.
 
+With --chaos it is instead the chaos test (tests/reliability/test_chaos.py) for
+--minutes: a controller with a state dir and two warehouses with data dirs, one
+producer and one consumer process, and every --min-gap..--max-gap seconds (at
+random) a random one of them SIGKILLed and started again (a worker sometimes at
+the riskiest moment: the producer with its put in flight, the consumer right
+after a get returned, before its confirm went out). One line per kill; at the
+end the producer stops, the consumer takes what is left, and the accounting is
+printed: ids acknowledged, delivered, duplicates allowed (re-delivery of batches
+whose confirm never reached the controller) and unexplained, lost. Exits 1 on a
+violation or when the stream stalls for --stall seconds after a kill.
+
+    .venv/bin/python scripts/soak.py --chaos --minutes 10
+
 Not part of the test suite: it takes minutes and most of two cores.
 """
 
@@ -32,6 +45,7 @@ import collections
 import multiprocessing as mp
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -188,6 +202,77 @@ def check_delivery(logdir: str, killed: dict[str, float], sizes: dict[int, int],
     return problems
 
 
+def chaos(args) -> int:
+    """--chaos: random SIGKILLs of random daemons and workers under a stream; the delivery accounting."""
+    import importlib.util
+
+    # (by path: a `tests` package installed in site-packages would shadow the checkout's)
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "reliability",
+                        "test_chaos.py")
+    spec = importlib.util.spec_from_file_location("dockd_chaos_harness", path)
+    harness = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = harness
+    spec.loader.exec_module(harness)
+    ChaosDock, delivered_count, wait_progress = harness.ChaosDock, harness.delivered_count, harness.wait_progress
+
+    rng = random.Random(args.seed)
+    workdir = tempfile.mkdtemp(prefix="dockd-chaos-soak-")
+    print(f"chaos soak: {args.minutes:g} min, a kill every {args.min_gap:g}..{args.max_gap:g} s (seed {args.seed}); "
+          f"logs in {workdir}", flush=True)
+    dock = ChaosDock(workdir)
+    kills: collections.Counter = collections.Counter()
+    acc = None
+    stalled = ""
+    try:
+        dock.start_producer()
+        dock.start_consumer()
+        wait_progress(dock, 40, args.stall)
+        t0 = time.monotonic()
+        end = t0 + args.minutes * 60
+        while time.monotonic() < end:
+            at = min(end, time.monotonic() + rng.uniform(args.min_gap, args.max_gap))
+            while time.monotonic() < at:
+                dock.check_alive()
+                time.sleep(max(0.0, min(0.5, at - time.monotonic())))
+            if time.monotonic() >= end:
+                break
+            kind = rng.choice(ChaosDock.KINDS)
+            which = rng.randrange(len(dock.whs)) if kind == "warehouse" else 0
+            after = ""
+            if kind in ("producer", "consumer") and rng.random() < 0.5:
+                after = "T" if kind == "producer" else "R"
+            down = rng.choice((0.0, 0.0, rng.uniform(0, 3)))
+            killed_at = time.monotonic()
+            what = dock.kill(kind, which, down=down, after=after)
+            kills[kind] += 1
+            line = (f"[{killed_at - t0:6.1f}s] SIGKILL {what}{' after ' + after if after else ''}"
+                    f"{f', down {down:.1f}s' if down else ''}")
+            try:
+                wait_progress(dock, 8, args.stall)
+            except AssertionError as e:
+                stalled = f"after the SIGKILL of the {what}: {e}"
+                print(f"{line}: STALL {e}", flush=True)
+                break
+            print(f"{line}; delivering again after {time.monotonic() - killed_at:.1f}s; "
+                  f"delivered so far {delivered_count(dock.logs)}", flush=True)
+        if not stalled:
+            acc = dock.drain(timeout=args.stall)
+    finally:
+        dock.close()
+    print(f"\nkills: {dict(kills)} ({sum(kills.values())})")
+    problems = [stalled] if stalled else []
+    if acc is not None:
+        print(acc.summary())
+        problems += acc.violations()
+    for line in problems:
+        print("VIOLATION " + line)
+    if problems:
+        print(f"logs kept in {workdir}")
+        return 1
+    shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=10.0)
@@ -205,7 +290,18 @@ def main(argv=None) -> int:
     ap.add_argument("--confirm-window", type=float, default=2.0,
                     help="a killed consumer's deliveries this close to its death may be re-delivered")
     ap.add_argument("--csv", help="write every sample (time, pid, rss_kib, fds) to this file")
+    ap.add_argument("--chaos", action="store_true",
+                    help="instead: random SIGKILLs of the controller, warehouses, producer and consumer (see above)")
+    ap.add_argument("--min-gap", type=float, default=3.0, help="--chaos: seconds between kills, at least")
+    ap.add_argument("--max-gap", type=float, default=15.0, help="--chaos: seconds between kills, at most")
+    ap.add_argument("--stall", type=float, default=60.0,
+                    help="--chaos: seconds without delivery after a kill that count as a hang")
+    ap.add_argument("--seed", type=int, default=None, help="--chaos: seed of the kill schedule (default: random)")
     args = ap.parse_args(argv)
+    if args.chaos:
+        if args.seed is None:
+            args.seed = random.randrange(1 << 30)
+        return chaos(args)
 
     import dockd
 
