@@ -73,8 +73,10 @@ def render(snap: dict[str, Any], *, address: str, error: str = "") -> Group:
     parts: list = []
     whs = snap["warehouses"]
     alive = sum(w["alive"] for w in whs.values())
+    several = len(snap.get("controllers", ())) > 1
+    where = f"controllers {','.join(snap['controllers'])}" if several else f"controller {address}"
     head = Text.assemble(
-        ("dockd ", "bold"), (snap.get("version") or "?", "bold cyan"), f"  controller {address}  ",
+        ("dockd ", "bold"), (snap.get("version") or "?", "bold cyan"), f"  {where}  ",
         f"warehouses {alive}/{len(whs)} alive  samples {snap['samples']:,}  stored {human_bytes(snap['bytes'])}  "
         f"gets waiting {snap['waiting']}",
     )
@@ -105,7 +107,9 @@ def render(snap: dict[str, Any], *, address: str, error: str = "") -> Group:
                    + (f", groups of {p['group_size']}" if p["group_size"] > 1 else "")
                    + (f", {p['deleted']:,} deleted" if p.get("deleted") else "")
                    + (" (sealed)" if p.get("sealed") else "")
-                   + (" (recovered)" if p["recovered"] else ""), title_justify="left")
+                   + (" (recovered)" if p["recovered"] else "")
+                   + (f"  [controller {p['controller']}]" if several and p.get("controller") else ""),
+                   title_justify="left")
         for col in ("consumer", "taken", "", "ready", "leased", "waiting"):
             pt.add_column(col, justify="left" if col in ("consumer", "") else "right", no_wrap=True)
         late = slowest(p["consumers"])

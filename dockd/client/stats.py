@@ -69,7 +69,8 @@ def stats(replies: dict[str, pb.StatsReply], router: Router, *, traffic: bool,
                 continue
             w.update(version=hello.version, put_bytes=hello.put_bytes, get_bytes=hello.get_bytes,
                      device_bytes=hello.device_used, device_capacity=hello.device_capacity,
-                     metadata_bytes=hello.metadata, freed_bytes=hello.freed, reclaimable_bytes=hello.reclaimable)
+                     metadata_bytes=hello.metadata, freed_bytes=hello.freed, reclaimable_bytes=hello.reclaimable,
+                     spilled_bytes=hello.spilled)
             if hello.transport:  # how it serves remote readers: "socket" or "mooncake"
                 w["serves"] = hello.transport
     for wid, w in whs.items():  # how this client reads from each warehouse it has a pool for
