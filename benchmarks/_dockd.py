@@ -82,21 +82,21 @@ def connect(address: str, path: str, **kwargs: Any) -> Any:
 
     if path == "shm" and path_unavailable("shm"):
         raise RuntimeError(path_unavailable("shm"))
-    if path != "auto" and _has_transport_choice():
-        kwargs[TRANSPORT_KWARG] = path
+    if path == "auto" or not (_has_transport_choice() or _has_transport_env()):
         return dockd.connect(address, **kwargs)
-    if path == "auto" or not _has_transport_env():
-        return dockd.connect(address, **kwargs)
-    wanted = {"shm": "auto", "socket": "tcp"}[path]
-    old = os.environ.get(TRANSPORT_ENV)
-    os.environ[TRANSPORT_ENV] = wanted  # read once, when the client connects
-    try:
-        dock = dockd.connect(address, **kwargs)
-    finally:
-        if old is None:
-            os.environ.pop(TRANSPORT_ENV, None)
-        else:
-            os.environ[TRANSPORT_ENV] = old
+    wanted = {"shm": "auto", "socket": "tcp"}[path]  # (dockd's names: auto = shared memory on this host)
+    if _has_transport_choice():
+        dock = dockd.connect(address, **kwargs, **{TRANSPORT_KWARG: wanted})
+    else:
+        old = os.environ.get(TRANSPORT_ENV)
+        os.environ[TRANSPORT_ENV] = wanted  # read once, when the client connects
+        try:
+            dock = dockd.connect(address, **kwargs)
+        finally:
+            if old is None:
+                os.environ.pop(TRANSPORT_ENV, None)
+            else:
+                os.environ[TRANSPORT_ENV] = old
     used = transport_in_use(dock)
     if path == "shm" and used not in (None, "shm"):
         dock.close()
