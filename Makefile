@@ -1,6 +1,7 @@
 # One entry point for humans and CI.
 #   make run    set up a virtualenv and run the demo on a local dock
 #   make test   set up (frameworks for the plugin tests and the Mooncake engine included) and run the tests
+#               but the slow ones; `make test-slow` runs those (CI runs both)
 #   make mooncake  the Mooncake Transfer Engine (.[mooncake]) and the system library it loads (libibverbs1)
 #   make docs   build the documentation site (API reference from the docstrings) into site/
 #   make dist   build the sdist and the wheel into dist/
@@ -12,7 +13,7 @@ STAMP := $(VENV)/.dockd-installed
 # spec would pull a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: setup run test test-fast frameworks mooncake proto bench bench-peers check docs dist clean
+.PHONY: setup run test test-slow test-fast frameworks mooncake proto bench bench-peers check docs dist clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,7 +48,11 @@ mooncake: setup
 	fi
 
 test: frameworks mooncake
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not slow"
+
+# the slow tests (Ray clusters, the wheel in a fresh venv, GRPO training, the chaos test, ...): CI runs them too
+test-slow: frameworks mooncake
+	$(PY) -m pytest -m slow
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow"
