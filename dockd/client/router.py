@@ -14,6 +14,11 @@ go to. Calls go through it:
   `warehouse=`) and re-sends the put; puts carry a token, so a warehouse
   that already applied one answers the retry without storing it twice.
 
+With several controllers (dockd.owners) the first contact's Hello lists them
+all; a request about a partition goes to its owner (`controller(...,
+partition=)`), a lease call to the controller that granted the lease (`at=`),
+each over a pool of its own, reconnected the same way.
+
 Retries back off from 50 ms to 1 s and give up after `reconnect_timeout`
 seconds (or the call's own deadline, if sooner) with a DockConnectionError
 naming the daemon's host:port.
