@@ -192,9 +192,6 @@ class Node:
                 assert isinstance(self.committer, RoutingCommitter)  # (a joining node routes; see __init__)
                 self.committer.committers = [RemoteCommitter(None) for _ in controllers]
         n = len(controllers)
-        if n > 1 and self.data_dir is not None:
-            raise DockValueError("--data-dir is not supported on a dock with several controllers yet; drop one of "
-                                 "the two")
         if own == 0:  # this process numbers the warehouses (the only controller, or the first of several)
             assert self.controller is not None
             self._wid = self.controller.register(None, reg).id
@@ -213,8 +210,10 @@ class Node:
                 assert self.controller is not None
                 self.controller.register(None, assigned)
             else:
-                self.other_links[k] = self._link_to(controllers[k], k, n, assigned)
-                self.other_links[k].start_in_background()
+                link = self.other_links[k] = self._link_to(controllers[k], k, n, assigned)
+                if self.data_dir is not None:  # (a restart rejoins each controller with its partitions' inventory)
+                    self.data_dir.prime(link)
+                link.start_in_background()
         if n > 1:
             logger.info("[node] warehouse=%d registers with controllers=%s (numbered by %s)", self.wid,
                         ",".join(controllers), controllers[0])

@@ -141,3 +141,46 @@ def test_a_dead_controller_stalls_only_its_partitions_and_recovers_them_on_resta
                     p.wait()
             if p.stdout is not None:
                 p.stdout.close()
+
+
+def test_a_warehouse_with_a_data_dir_comes_back_to_every_controller(tmp_path):
+    """A durable warehouse (--data-dir) killed and restarted rejoins each controller with that
+    controller's partitions: nothing is lost, nothing taken comes again, on either controller."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DOCKD_DAEMON_SECRET="cd" * 32)
+    ports = free_ports("127.0.0.1", 2)
+    addrs = [f"127.0.0.1:{p}" for p in ports]
+    data = tmp_path / "data"
+    wh_args = ["--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--join", addrs[1], "--data-dir", str(data),
+               "--log-level", "WARNING"]
+    procs = []
+    try:
+        for k in range(2):
+            procs.append(_controller(ports, k, str(tmp_path / f"state{k}"), env)[0])
+        procs.append(spawn_node(wh_args, env=env)[0])
+        names = _names(addrs, per=1)
+        with dockd.connect(addrs[0]) as dock:
+            for (name,) in names.values():
+                dock.put({"x": torch.arange(10).reshape(10, 1) * 3}, partition=name)
+                assert dock.get("c", ["x"], 4, partition=name, timeout=10).indexes == [0, 1, 2, 3]
+            dock.stats()  # (delivers the confirms)
+            procs[2].send_signal(signal.SIGKILL)
+            procs[2].wait()
+            procs[2].stdout.close()
+            procs[2] = spawn_node(wh_args, env=env)[0]
+            for (name,) in names.values():
+                got = dock.get("c", ["x"], 6, partition=name, timeout=30)
+                assert got.indexes == [4, 5, 6, 7, 8, 9] and [int(v[0]) for v in got["x"]] == [3 * i for i in got.indexes]
+            st = dock.stats()
+            assert {st["partitions"][name]["controller"] for (name,) in names.values()} == set(addrs)
+            assert all(w["state"] == "joined" for w in st["warehouses"].values())
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except Exception:  # noqa: BLE001
+                    p.kill()
+                    p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
