@@ -383,3 +383,24 @@ def spawn_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+def put_get_round(dock: Any, size: int, batch: int, calls: int, tag: str,
+                  timeout: float = 120.0) -> tuple[float, float, float]:
+    """(put MB/s, puts/s, get MB/s): `calls` puts of `batch` samples of `size` random bytes to a fresh
+    partition, then as many gets of `batch` by one consumer; the partition is cleared after."""
+    import torch
+
+    x = torch.randint(0, 255, (batch, size), dtype=torch.uint8)
+    part = f"{tag}-{size}-{time.monotonic_ns()}"
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        dock.put({"x": x}, partition=part, timeout=timeout)
+    t1 = time.perf_counter()
+    for _ in range(calls):
+        got = dock.get("c", ["x"], batch, partition=part, timeout=timeout)
+        assert len(got["x"]) == batch
+    t2 = time.perf_counter()
+    dock.clear(part)
+    mb = calls * batch * size / 1e6
+    return mb / (t1 - t0), calls / (t1 - t0), mb / (t2 - t1)

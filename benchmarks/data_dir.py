@@ -19,8 +19,9 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from .common import put_get_round
 
 # name -> (bytes per sample, samples per put, puts per round)
 SHAPES = {"8 x 1MiB": (1 << 20, 8, 16), "256 x 4KiB": (4 << 10, 256, 16), "1 x 4KiB": (4 << 10, 1, 200)}
@@ -29,21 +30,7 @@ SIDES = ("none", "tmpfs", "disk")
 
 def _round(dock, size: int, batch: int, calls: int, tag: str) -> tuple[float, float, float]:
     """(put MB/s, puts/s, get MB/s) for `calls` puts of `batch` samples of `size` bytes, then as many gets."""
-    import torch
-
-    x = torch.randint(0, 255, (batch, size), dtype=torch.uint8)
-    part = f"dd-{tag}-{size}-{time.monotonic_ns()}"
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        dock.put({"x": x}, partition=part)
-    t1 = time.perf_counter()
-    for _ in range(calls):
-        got = dock.get("c", ["x"], batch, partition=part, timeout=60)
-        assert len(got["x"]) == batch
-    t2 = time.perf_counter()
-    dock.clear(part)
-    mb = calls * batch * size / 1e6
-    return mb / (t1 - t0), calls / (t1 - t0), mb / (t2 - t1)
+    return put_get_round(dock, size, batch, calls, f"dd-{tag}", timeout=60.0)
 
 
 def main(argv: list[str] | None = None) -> int:

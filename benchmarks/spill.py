@@ -21,8 +21,9 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from .common import put_get_round
 
 # name -> (bytes per sample, samples per put)
 SHAPES = {"8 x 1MiB": (1 << 20, 8), "64 x 64KiB": (64 << 10, 64)}
@@ -31,22 +32,8 @@ SIDES = ("memory", "disk", "tmpfs")
 
 def _round(dock, size: int, batch: int, total: int, tag: str) -> tuple[float, float]:
     """(put MB/s, get MB/s) for puts of `batch` samples of `size` bytes, `total` bytes in all, then gets of all."""
-    import torch
-
-    x = torch.randint(0, 255, (batch, size), dtype=torch.uint8)
-    calls = max(1, total // (batch * size))
-    part = f"sp-{tag}-{size}-{time.monotonic_ns()}"
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        dock.put({"x": x}, partition=part, timeout=120)
-    t1 = time.perf_counter()
-    for _ in range(calls):
-        got = dock.get("c", ["x"], batch, partition=part, timeout=120)
-        assert len(got["x"]) == batch
-    t2 = time.perf_counter()
-    dock.clear(part)
-    mb = calls * batch * size / 1e6
-    return mb / (t1 - t0), mb / (t2 - t1)
+    put, _, get = put_get_round(dock, size, batch, max(1, total // (batch * size)), f"sp-{tag}")
+    return put, get
 
 
 def main(argv: list[str] | None = None) -> int:

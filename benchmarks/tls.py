@@ -17,8 +17,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from .common import put_get_round
 
 SIZES = {"1MiB": 1 << 20, "64KiB": 64 << 10}
 
@@ -35,21 +36,8 @@ def _cert(directory: Path) -> tuple[str, str]:
 
 def _round(dock, size: int, batch: int, calls: int, tag: str) -> tuple[float, float]:
     """(put MB/s, get MB/s) for `calls` puts of `batch` samples of `size` bytes, then as many gets."""
-    import torch
-
-    x = torch.randint(0, 255, (batch, size), dtype=torch.uint8)
-    part = f"tls-{tag}-{size}-{time.monotonic_ns()}"
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        dock.put({"x": x}, partition=part)
-    t1 = time.perf_counter()
-    for _ in range(calls):
-        got = dock.get("c", ["x"], batch, partition=part, timeout=60)
-        assert len(got["x"]) == batch
-    t2 = time.perf_counter()
-    dock.clear(part)
-    mb = calls * batch * size / 1e6
-    return mb / (t1 - t0), mb / (t2 - t1)
+    put, _, get = put_get_round(dock, size, batch, calls, f"tls-{tag}", timeout=60.0)
+    return put, get
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -281,35 +281,21 @@ class Router:
         if partition is not None:
             at = self.owner(partition)
         if at and at != self.address:
-            return self._other_controller(at, call, deadline)
-        give_up = None
-        while True:
-            pool = self.ctrl
-            try:
-                return call(pool)
-            except DockConnectionError as e:
-                if self.closed:
-                    raise DockClosed("the dock client was closed while this call was in flight") from None
-                if not getattr(e, "retry", True):
-                    raise
-                now = time.monotonic()
-                if give_up is None:
-                    give_up = now + self.reconnect_timeout if deadline is None else min(deadline, now + self.reconnect_timeout)
-                    logger.warning("[client] lost the controller at %s (%s); reconnecting", self.address, e)
-                elif now >= give_up:
-                    raise DockConnectionError(f"the dockd controller at {self.address} kept failing: {e}") from None
-                self._reconnect(pool, give_up, e)
+            return self._calling(at, call, deadline, lambda limit: self._other_pool(at, limit),
+                                 lambda pool, give_up, e: self._drop_other(at, pool))
+        return self._calling(self.address, call, deadline, lambda limit: self.ctrl, self._reconnect)
 
-    def _other_controller(self, address: str, call: Callable[[Pool], T], deadline: float | None) -> T:
-        """controller() for one of several controllers other than the first contact."""
+    def _calling(self, address: str, call: Callable[[Pool], T], deadline: float | None,
+                 pool_of: Callable[[float], Pool], recover: Callable[[Pool, float, Exception], None]) -> T:
+        """Run `call(pool_of(limit))` against the controller at `address`; on a lost connection,
+        `recover` and run it again, for up to reconnect_timeout (and not past `deadline`)."""
+        def limit() -> float:  # (from now: a call may have waited long before its connection dropped)
+            now = time.monotonic()
+            return now + self.reconnect_timeout if deadline is None else min(deadline, now + self.reconnect_timeout)
+
         give_up = None
         while True:
-            now = time.monotonic()
-            pool = self._others.get(address)
-            if pool is None:
-                limit = give_up or (now + self.reconnect_timeout if deadline is None
-                                    else min(deadline, now + self.reconnect_timeout))
-                pool = self._retry(lambda: self._open_controller(address), limit, address)
+            pool = pool_of(give_up or limit())
             try:
                 return call(pool)
             except DockConnectionError as e:
@@ -317,17 +303,24 @@ class Router:
                     raise DockClosed("the dock client was closed while this call was in flight") from None
                 if not getattr(e, "retry", True):
                     raise
-                now = time.monotonic()
                 if give_up is None:
-                    give_up = now + self.reconnect_timeout if deadline is None else min(deadline, now + self.reconnect_timeout)
+                    give_up = limit()
                     logger.warning("[client] lost the controller at %s (%s); reconnecting", address, e)
-                elif now >= give_up:
+                elif time.monotonic() >= give_up:
                     raise DockConnectionError(f"the dockd controller at {address} kept failing: {e}") from None
-                with self.lock:
-                    if self._others.get(address) is pool:
-                        del self._others[address]
-                        self.reconnects += 1
-                self._close_pool(pool)
+                recover(pool, give_up, e)
+
+    def _other_pool(self, address: str, limit: float) -> Pool:
+        """The pool to one of several controllers other than the first contact (opened, retried until `limit`)."""
+        pool = self._others.get(address)
+        return pool if pool is not None else self._retry(lambda: self._open_controller(address), limit, address)
+
+    def _drop_other(self, address: str, pool: Pool) -> None:
+        with self.lock:
+            if self._others.get(address) is pool:
+                del self._others[address]
+                self.reconnects += 1
+        self._close_pool(pool)
 
     def _open_controller(self, address: str) -> Pool:
         """A pool to the controller at `address` over the best transport it offers (checked with a Hello)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import os
 import signal
+import subprocess
 
 import pytest
 import torch
@@ -93,6 +94,20 @@ def _controller(ports: list[int], k: int, state_dir: str, env: dict) -> tuple:
                       env=env)
 
 
+def _stop(procs: list) -> None:
+    """Stop daemons started here (warehouses before controllers) and close their pipes."""
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if p.stdout is not None:
+            p.stdout.close()
+
+
 @pytest.mark.slow
 def test_a_dead_controller_stalls_only_its_partitions_and_recovers_them_on_restart(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1", DOCKD_DAEMON_SECRET="ab" * 32)
@@ -131,16 +146,7 @@ def test_a_dead_controller_stalls_only_its_partitions_and_recovers_them_on_resta
             assert st["partitions"][dead]["controller"] == addrs[1]
             assert st["partitions"][dead]["consumers"]["c"]["taken"] == 6
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except Exception:  # noqa: BLE001
-                    p.kill()
-                    p.wait()
-            if p.stdout is not None:
-                p.stdout.close()
+        _stop(procs)
 
 
 def test_a_warehouse_with_a_data_dir_comes_back_to_every_controller(tmp_path):
@@ -174,13 +180,4 @@ def test_a_warehouse_with_a_data_dir_comes_back_to_every_controller(tmp_path):
             assert {st["partitions"][name]["controller"] for (name,) in names.values()} == set(addrs)
             assert all(w["state"] == "joined" for w in st["warehouses"].values())
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except Exception:  # noqa: BLE001
-                    p.kill()
-                    p.wait()
-            if p.stdout is not None:
-                p.stdout.close()
+        _stop(procs)
