@@ -299,20 +299,6 @@ class RayNodes:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
-def cpu_ticks(pids: list[int]) -> float:
-    """CPU seconds (user + system) used so far by these processes (gone ones count 0)."""
-    hz = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-        except (OSError, IndexError, ValueError):
-            continue
-    return total / hz
-
-
 def system_cpu() -> tuple[float, float]:
     """(busy, total) jiffies of all CPUs from /proc/stat."""
     with open("/proc/stat") as f:

@@ -28,7 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .cluster import Agents, DockdNodes, RayNodes, cpu_ticks, dock_token, system_cpu
+from ..controller_load.procstat import cpu_seconds as cpu_ticks
+from .cluster import Agents, DockdNodes, RayNodes, dock_token, system_cpu
 from .config import MultinodeConfig
 from .model import Workload, traffic
 from .netns import Topology, list_namespaces, namespace_pids
