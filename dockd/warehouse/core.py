@@ -53,8 +53,8 @@ import numpy as np
 import pyarrow as pa
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.codec import ITEMSIZE
 from dockd.errors import DockFull, DockNotFound, DockValueError
+from dockd.warehouse.layout import Indexes, _Batch, _Body, _Column, _idx, _numbers, _Part, _runs
 
 if TYPE_CHECKING:
     import torch
@@ -62,175 +62,10 @@ if TYPE_CHECKING:
     from dockd.warehouse.datadir import DataDir as Keeper
     from dockd.warehouse.spill import Spilled, SpillTier
 
-Indexes = Sequence[int] | np.ndarray
-
 SMALL_READ = 8  # reads of up to this many samples per column take the scalar path (Warehouse.fetch)
 COMPACT_MIN = 64 << 10  # bytes of a put's body from which deletes compact it (smaller ones wait for all)
 META_PUT = 1024   # bytes of bookkeeping a put costs (objects per put and run; ~900 measured for one value)
 META_VALUE = 16   # ... and each value it stores (index maps, ragged ends: 6-17 measured)
-
-
-class _Body:
-    """One put's body: its bytes are in use until every sample it holds is deleted."""
-
-    __slots__ = ("nbytes", "meta", "dead", "device_nbytes", "segment", "live", "first_column", "batches", "file",
-                 "buf", "spill", "file_layout")
-
-    def __init__(self, nbytes: int, segment: object, live: int, first_column: str, device_nbytes: int = 0) -> None:
-        self.nbytes = nbytes
-        self.meta = 0
-        self.dead = 0  # host bytes of its values that were deleted (held until it is compacted or freed)
-        self.device_nbytes = device_nbytes
-        self.segment = segment
-        self.live = live                  # samples of this put not deleted yet
-        self.first_column = first_column  # deletes are counted on this column's rows
-        self.batches: list[tuple[str, int]] = []  # (column, batch id) of each of its runs
-        self.file: str | None = None  # its file in the data dir (Warehouse.keeper), if any
-        self.file_layout = False  # whether that file's body is laid out as `buf` (not after a compaction)
-        self.buf: pa.Buffer | None = None  # the body its batches slice (None: spilled, or none)
-        self.spill: Spilled | None = None  # where it is while spilled (dockd.warehouse.spill)
-
-
-class _Batch:
-    """One stored run: values back to back in `data`, for the samples `first`.. (consecutive
-    indexes) or, when `order` is set, for the indexes `order` sorts into `keys`."""
-
-    __slots__ = ("kind", "dtype", "shape", "unit", "ends", "lengths", "data", "device", "segment", "count", "first",
-                 "keys", "order", "body", "at")
-
-    def __init__(self, run: pb.Run, data: pa.Buffer | None, segment: object, rows: np.ndarray, body: _Body | None = None,
-                 device: torch.Tensor | None = None) -> None:
-        self.body = body
-        self.at = (0, 0)  # while its put is spilled (data None): where its bytes are in the put's body
-        self.device = device  # device tier: the run's bytes as a uint8 tensor (then data is None)
-        self.kind = run.kind
-        self.dtype = run.dtype
-        self.shape = tuple(run.shape)
-        self.count = run.count
-        self.data = data
-        self.segment = segment
-        self.lengths = self.ends = None
-        if run.kind == pb.MSGPACK:
-            self.unit = 1
-        elif self.shape and self.shape[0] == -1:
-            self.unit = math.prod(self.shape[1:]) * ITEMSIZE[run.dtype]  # bytes per unit of the first dimension
-        else:
-            self.unit = math.prod(self.shape) * ITEMSIZE[run.dtype]  # bytes per value
-        if run.kind == pb.MSGPACK or (self.shape and self.shape[0] == -1):
-            small = run.nbytes < (1 << 32)
-            self.lengths = np.asarray(run.lengths, dtype=np.uint32 if small else np.uint64)
-            self.ends = np.cumsum(self.lengths, dtype=np.uint64)
-            if self.unit != 1:
-                self.ends *= np.uint64(self.unit)
-            if small:
-                self.ends = self.ends.astype(np.uint32)
-        self.first = int(rows[0]) if len(rows) else 0
-        if not len(rows) or (int(rows[-1]) - self.first == len(rows) - 1
-                             and (len(rows) < 3 or bool((rows[1:] - rows[:-1] == 1).all()))):
-            self.keys = self.order = None
-        else:  # indexes in any order (a put of existing samples): look rows up
-            self.order = np.argsort(rows, kind="stable").astype(np.int32)
-            self.keys = rows[self.order]
-
-    def indexes(self) -> np.ndarray:
-        """The sample index of each row."""
-        if self.order is None:
-            return np.arange(self.first, self.first + self.count, dtype=np.int64)
-        out = np.empty(self.count, dtype=np.int64)
-        out[self.order] = self.keys
-        return out
-
-    def offsets(self) -> np.ndarray:
-        """Byte offset of each row's start, and the end (count + 1 values)."""
-        if self.ends is None:
-            return np.arange(self.count + 1, dtype=np.int64) * self.unit
-        return np.concatenate(([0], self.ends.astype(np.int64)))
-
-    def rows(self, idx: np.ndarray) -> np.ndarray:
-        """Rows of samples `idx` (all stored in this batch)."""
-        if self.order is None:
-            return idx - self.first
-        assert self.keys is not None  # (set together with order)
-        return self.order[np.searchsorted(self.keys, idx)].astype(np.int64)
-
-    def row(self, i: int) -> int:
-        """The row of sample i (stored in this batch)."""
-        if self.order is None:
-            return i - self.first
-        assert self.keys is not None and self.order is not None
-        return int(self.order[int(np.searchsorted(self.keys, i))])
-
-    def span(self, r0: int, r1: int) -> tuple[int, int]:
-        """Byte range of rows [r0, r1) within the batch."""
-        if self.ends is None:
-            return r0 * self.unit, r1 * self.unit
-        return (int(self.ends[r0 - 1]) if r0 else 0), int(self.ends[r1 - 1])
-
-    def host(self, lo: int, n: int) -> pa.Buffer:
-        """Bytes [lo, lo + n) in host memory (a view; a copy for a device-tier batch; a read of its
-        file while its put is spilled)."""
-        if self.data is None and self.device is None and self.body is not None and self.body.spill is not None:
-            return self.body.spill.read().slice(self.at[0] + lo, n)
-        if self.device is None:
-            assert self.data is not None  # (a batch's bytes are in data or on the device)
-            return self.data if lo == 0 and n == self.data.size else self.data.slice(lo, n)
-        return pa.py_buffer(self.device[lo : lo + n].cpu().numpy())
-
-    def run(self, r0: int, r1: int) -> pb.Run:
-        """Rows [r0, r1) as a run (offset left to the caller)."""
-        lo, hi = self.span(r0, r1)
-        out = pb.Run(kind=self.kind, count=r1 - r0, dtype=self.dtype, shape=self.shape, nbytes=hi - lo)
-        if self.lengths is not None:
-            out.lengths.extend(self.lengths[r0:r1].tolist())
-        return out
-
-
-class _Column:
-    """Where each sample's value of one column is: its batch id by sample index (-1: none)."""
-
-    __slots__ = ("batch_of", "batches")
-
-    def __init__(self) -> None:
-        self.batch_of = np.full(0, -1, dtype=np.int32)
-        self.batches: list[_Batch | None] = []
-
-    def grow(self, size: int) -> None:
-        if size <= len(self.batch_of):
-            return
-        cap = max(size, len(self.batch_of) + len(self.batch_of) // 2, 1024)
-        b = np.full(cap, -1, dtype=np.int32)
-        b[: len(self.batch_of)] = self.batch_of
-        self.batch_of = b
-
-    def present(self, idx: np.ndarray) -> np.ndarray:
-        ok = idx < len(self.batch_of)
-        ok[ok] = self.batch_of[idx[ok]] >= 0
-        return ok
-
-    def batch(self, bid: int) -> _Batch:
-        """A batch that batch_of names (one whose values are all deleted is named nowhere)."""
-        b = self.batches[bid]
-        assert b is not None
-        return b
-
-
-class _Part:
-    __slots__ = ("columns", "nbytes", "meta", "dead", "device_nbytes", "group_size", "segments", "spilled", "bodies")
-
-    def __init__(self) -> None:
-        self.columns: dict[str, _Column] = {}
-        self.nbytes = 0
-        self.meta = 0
-        self.dead = 0  # host bytes of deleted values its puts still hold
-        self.device_nbytes = 0
-        self.group_size = 0  # known once a put of new samples landed here
-        self.segments: list = []  # shared-memory segments its puts landed in
-        self.spilled = 0  # bytes of its puts spilled (not in nbytes)
-        self.bodies: dict[int, _Body] = {}  # with a spill tier: its puts, by id
-
-
-def _idx(indexes: Indexes) -> np.ndarray:
-    return np.asarray(indexes, dtype=np.int64).reshape(-1)
 
 
 class Warehouse:
@@ -496,7 +331,7 @@ class Warehouse:
         for name, indexes in wanted:
             col = part.columns.get(name)
             if col is not None and isinstance(indexes, list) and len(indexes) <= SMALL_READ:
-                small = self._slices_small(col, indexes)
+                small = col.slices_small(indexes)
                 if small is not None:
                     out.append((name, small))
                     continue
@@ -506,48 +341,10 @@ class Warehouse:
                 raise DockNotFound(
                     f"column {name!r} of samples {idx[~ok][:8].tolist()} of partition {partition!r} is not in this warehouse"
                 )
-            out.append((name, self._slices(col, idx) if col is not None else []))  # (None: idx is empty)
+            out.append((name, col.slices(idx) if col is not None else []))  # (None: idx is empty)
         if self.tier is not None:
             return self._resolve(partition, part, out)
         return out
-
-    @staticmethod
-    def _slices_small(col: _Column, indexes: list[int]) -> list[tuple] | None:
-        """_slices for a few indexes, without array work (a small get's inline read costs ~10
-        numpy calls otherwise); None if one is not stored here (the caller then says which)."""
-        out: list[tuple] = []
-        batch_of, n = col.batch_of, len(col.batch_of)
-        for i in indexes:
-            bid = int(batch_of[i]) if 0 <= i < n else -1
-            if bid < 0:
-                return None
-            b = col.batch(bid)
-            r = b.row(i)
-            if out and out[-1][0] is b and out[-1][2] == r:
-                out[-1] = (b, out[-1][1], r + 1)
-            else:
-                out.append((b, r, r + 1))
-        return out
-
-    @staticmethod
-    def _slices(col: _Column, idx: np.ndarray) -> list[tuple]:
-        """Consecutive rows of one batch become one slice."""
-        if not len(idx):
-            return []
-        b = col.batch_of[idx]
-        if b[0] == b[-1] and (b == b[0]).all():  # the common case: all from one put
-            r = col.batch(int(b[0])).rows(idx)
-        else:
-            bs = np.unique(b)
-            r = np.empty(len(idx), dtype=np.int64)
-            for bid in bs.tolist():
-                sel = b == bid
-                r[sel] = col.batch(bid).rows(idx[sel])
-        breaks = np.flatnonzero((b[1:] != b[:-1]) | (r[1:] != r[:-1] + 1)) + 1
-        starts = np.concatenate(([0], breaks)).tolist()
-        ends = np.concatenate((breaks, [len(idx)])).tolist()
-        bl, rl = b.tolist(), r.tolist()
-        return [(col.batches[bl[s]], rl[s], rl[e - 1] + 1) for s, e in zip(starts, ends)]
 
     def has(self, partition: str, wanted: Sequence[tuple[str, Indexes]]) -> bool:
         part = self.parts.get(partition)
@@ -769,31 +566,3 @@ class Warehouse:
             "spilled": self.spilled,
             "partitions": {name: p.nbytes + p.spilled for name, p in self.parts.items()},
         }
-
-
-def _numbers(column: str, b: _Batch, r0: int, r1: int) -> np.ndarray:
-    import msgpack
-
-    offs = b.offsets()
-    data = memoryview(b.host(0, int(offs[-1])))
-    out = np.empty(r1 - r0, dtype=np.float64)
-    for k, r in enumerate(range(r0, r1)):
-        try:
-            v = msgpack.unpackb(data[offs[r]:offs[r + 1]])
-        except Exception:  # noqa: BLE001 - an extension type (not a plain number)
-            v = None
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise DockValueError(f"column {column!r} holds Python values that are not numbers ({type(v).__name__}): "
-                                 "it cannot weigh samples (balance_by); put the lengths as a tag or a numeric column")
-        out[k] = v
-    return out
-
-
-def _runs(idx: np.ndarray) -> list[int]:
-    """Sorted indexes as [start, stop) pairs, flattened."""
-    if not len(idx):
-        return []
-    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
-    starts = np.concatenate([idx[:1], idx[breaks]])
-    stops = np.concatenate([idx[breaks - 1] + 1, idx[-1:] + 1])
-    return np.stack([starts, stops], axis=1).ravel().tolist()

@@ -53,7 +53,8 @@ from dockd.errors import DockValueError
 if TYPE_CHECKING:
     from dockd.metrics import Metrics
     from dockd.warehouse.admission import Admission
-    from dockd.warehouse.core import Warehouse, _Body, _Part
+    from dockd.warehouse.core import Warehouse
+    from dockd.warehouse.layout import _Body, _Part
     from dockd.warehouse.segments import Segments
 
 logger = logging.getLogger(__name__)
