@@ -355,15 +355,16 @@ async def _peek_frame(sock: socket.socket, limit: int = 4096) -> tuple[pb.Frame,
                 want += hlen
                 continue
             return wire.parse_header(data[wire.PREFIX.size : want]), want
-        if data:  # part of it: the rest is on its way
-            await asyncio.sleep(0.001)
-            continue
+        # wait until `want` bytes are there (or the connection ends): the socket reads as readable only
+        # then (SO_RCVLOWAT; a part of the frame that arrived already would otherwise wake us at once)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
         readable: asyncio.Future[None] = loop.create_future()
         loop.add_reader(sock.fileno(), _wake, readable)
         try:
             await readable
         finally:
             loop.remove_reader(sock.fileno())
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
 
 def _wake(fut: asyncio.Future[None]) -> None:
