@@ -53,8 +53,8 @@ def load_engine_class() -> Any:
         from mooncake.engine import TransferEngine
     except ModuleNotFoundError as e:
         raise EngineUnavailable(
-            f"the Mooncake Transfer Engine is not installed ({e}): pip install 'dockd[mooncake]' "
-            "(the package mooncake-transfer-engine-non-cuda; mooncake-transfer-engine on CUDA machines)"
+            f"the Mooncake Transfer Engine is not installed ({e}): pip install mooncake-transfer-engine-non-cuda "
+            "(mooncake-transfer-engine on CUDA machines; from a dockd checkout: pip install -e '.[mooncake]')"
         ) from None
     except ImportError as e:
         hint = ""
@@ -62,7 +62,7 @@ def load_engine_class() -> Any:
             hint = " (the RDMA user-space libraries: apt-get install libibverbs1 ibverbs-providers, or `make mooncake`)"
         elif "cuda" in str(e).lower():
             hint = (" (this is the CUDA build of the engine: install mooncake-transfer-engine-non-cuda on a "
-                    "machine without CUDA, i.e. pip install 'dockd[mooncake]')")
+                    "machine without CUDA: pip install mooncake-transfer-engine-non-cuda)")
         raise EngineUnavailable(f"the Mooncake Transfer Engine does not load: {e}{hint}") from None
     return TransferEngine
 

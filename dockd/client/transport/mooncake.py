@@ -219,7 +219,7 @@ class MooncakeTransport(DeviceLinkTransport):
         return EngineUnavailable(
             f"transport='mooncake' is required (dockd.connect(transport=...) or DOCKD_TRANSPORT), but reads from "
             f"warehouse {self.endpoint.warehouse} at {self.describe()} cannot use it: {why}. Start that warehouse "
-            "with `dockd serve --transport mooncake`, install the engine here (pip install 'dockd[mooncake]'), "
+            "with `dockd serve --transport mooncake`, install the engine here (pip install mooncake-transfer-engine-non-cuda), "
             "or use transport='auto'"
         )
 
