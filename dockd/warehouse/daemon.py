@@ -30,6 +30,7 @@ import logging
 import secrets
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Mapping
 
 import numpy as np
@@ -182,11 +183,13 @@ class Node:
         only its partitions' puts)."""
         if self.controller is not None and not self.cfg.warehouse:
             return  # a controller without a warehouse: nothing to register
+        timeout = self.cfg.join_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         if self.controller is not None:
             controllers, own = list(self.cfg.controllers), self.controller.own
         else:
             controllers = await discover_controllers(self.listeners.make_link_peer, self.cfg.join,
-                                                     self.listeners.link_tls, self.cfg.join_timeout)
+                                                     self.listeners.link_tls, timeout)
             controllers, own = controllers or [self.cfg.join], -1
             if len(controllers) > 1:
                 assert isinstance(self.committer, RoutingCommitter)  # (a joining node routes; see __init__)
@@ -199,7 +202,7 @@ class Node:
             self.link = self._link_to(controllers[0], 0, n, reg)
             if self.data_dir is not None:
                 self.data_dir.prime(self.link)
-            await self.link.start(self.cfg.join_timeout)
+            await self.link.start(None if deadline is None else max(0.1, deadline - time.monotonic()))
             if self.data_dir is not None:
                 self.data_dir.joined(self.link.wid, self.port)
         for k in range(1, n):
