@@ -80,7 +80,7 @@ def _serve(args) -> int:
         capacity=parse_size(args.capacity), device_capacity=parse_size(args.device_capacity), lease_timeout=args.lease_timeout, shm=not args.no_shm,
         state_dir=args.state_dir or "", data_dir=args.data_dir or "",
         spill_dir=args.spill_dir or "", spill_capacity=parse_size(args.spill_capacity), join_timeout=args.join_timeout, controller_grace=args.controller_grace,
-        warehouse_grace=args.warehouse_grace, token_file=args.token_file or config.env("DOCKD_TOKEN_FILE"),
+        warehouse_grace=args.warehouse_grace, replicas=args.replicas, token_file=args.token_file or config.env("DOCKD_TOKEN_FILE"),
         daemon_token_file=args.daemon_token_file or "", insecure=args.insecure, max_connections=args.max_connections,
         handshake_timeout=args.handshake_timeout, stall_timeout=args.stall_timeout, idle_timeout=args.idle_timeout,
         min_rate=parse_size(args.min_rate), max_samples=args.max_samples, checkpoint_root=args.checkpoint_root or "",
@@ -256,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "until it answers again (default 5)")
     s.add_argument("--warehouse-grace", type=float, default=15.0, metavar="SECONDS",
                    help="controller: a warehouse that dropped its connection has this long to rejoin (default 15)")
+    s.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="controller: 2 keeps each put's values on two warehouses before the put is answered, so a "
+                        "warehouse lost for good loses nothing (default 1; give every controller the same N)")
     s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0: pick a free one; default: off)")
     s.add_argument("--metrics-host", default="127.0.0.1",

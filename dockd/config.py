@@ -175,6 +175,9 @@ class NodeConfig:
     """Controller: seconds a warehouse whose connection dropped has to rejoin before its samples are lost."""
     state_dir: str = ""
     """Controller: journal its state here and recover it on restart (empty: keep nothing)."""
+    replicas: int = 1
+    """Controller: 2 keeps each put's values on two warehouses (the one it was put to, and a copy on the next
+    one) before the put is answered, so a warehouse lost for good loses nothing; 1: one warehouse."""
     data_dir: str = ""
     """Warehouse (--join): keep every stored put in a file here before it is acknowledged, and re-adopt
     them when restarted on the same dir (empty: stored data lives only in this process)."""
@@ -269,6 +272,10 @@ class NodeConfig:
                 raise DockValueError("--controllers needs a fixed --port: the other daemons find this controller "
                                      "at the address the list gives")
             owners.own_index(self.controllers, self.host, self.port, self.advertise)
+        if self.replicas not in (1, 2):
+            raise DockValueError(f"--replicas is 1 or 2 (warehouses holding each value), got {self.replicas}")
+        if self.replicas != 1 and not self.controller:
+            raise DockValueError("--replicas is the controller's (dock-wide); give it with --controller")
         if self.state_dir and not self.controller:
             raise DockValueError("--state-dir is the controller's journal; give it with --controller")
         if self.data_dir and not self.join:

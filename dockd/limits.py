@@ -130,10 +130,12 @@ def check(frame: pb.Frame) -> None:
         _count("tag filters", len(r.list.where), MAX_TAGS)
         for t in r.list.where:
             _name("tag name", t.name)
-    elif kind in ("free", "measure"):
+    elif kind in ("free", "measure", "replicate"):
         m = getattr(frame, kind)
         _name("partition name", m.partition)
         _count("samples", len(m.indexes))
+        if kind == "replicate":
+            _columns(m.columns)
     elif kind == "register":
         _count("partitions", len(frame.register.inventory), MAX_PARTITIONS)
         _count("pending commits", len(frame.register.pending), MAX_PARTITIONS)

@@ -130,12 +130,13 @@ def read_ready(proc: subprocess.Popen, *, timeout: float = 60.0) -> dict:
 def start_local(num_warehouses: int = 1, *, capacity: int | str = "4GiB", lease_timeout: float | None = None,
                 host: str = "127.0.0.1", log_level: str = "WARNING", timeout: float = 60.0,
                 token_file: str | None = None, extra_args: list[str] | None = None,
-                controllers: int = 1) -> LocalCluster:
+                controllers: int = 1, replicas: int = 1) -> LocalCluster:
     """Start a controller and `num_warehouses` warehouses as local processes.
 
     `controllers=K` (at most num_warehouses): the first K daemons each host one of K
     controllers that share the dock's partitions (dockd.owners); `LocalCluster.controllers`
     lists their addresses. Clients connect to any of them (`cluster.address` is the first).
+    `replicas=2`: each put's values are kept on two warehouses (`dockd serve --replicas 2`).
 
     Without `token_file` clients need no token (loopback only); the daemons still
     share a per-dock secret, handed to them here, that proves the daemon role to
@@ -151,11 +152,12 @@ def start_local(num_warehouses: int = 1, *, capacity: int | str = "4GiB", lease_
     if token_file is not None:
         common += ["--token-file", str(token_file)]
     common += list(extra_args or ())
+    ctl = ["--replicas", str(replicas)] if replicas != 1 else []
     cluster = LocalCluster()
     env = dict(os.environ, PYTHONUNBUFFERED="1", DOCKD_DAEMON_SECRET=secrets.token_hex(32))
     try:
         if controllers == 1:
-            proc, ready = spawn_node([*common, "--controller"], timeout=timeout, env=env)
+            proc, ready = spawn_node([*common, "--controller", *ctl], timeout=timeout, env=env)
             cluster.procs.append(proc)
             cluster.nodes.append(ready)
             cluster.controllers.append(cluster.address)
@@ -166,7 +168,8 @@ def start_local(num_warehouses: int = 1, *, capacity: int | str = "4GiB", lease_
             for port in ports:  # (the first numbers the warehouses: the others register with it)
                 args = list(common)
                 args[args.index("--port") + 1] = str(port)
-                proc, ready = spawn_node([*args, "--controller", "--controllers", listed], timeout=timeout, env=env)
+                proc, ready = spawn_node([*args, "--controller", "--controllers", listed, *ctl], timeout=timeout,
+                                         env=env)
                 cluster.procs.append(proc)
                 cluster.nodes.append(ready)
         for _ in range(num_warehouses - controllers):

@@ -33,6 +33,8 @@ def _partition(p: pb.PartitionStats) -> dict[str, Any]:
         "stale": p.stale,
         "stale_retired": p.stale_retired,
         "paced_puts": p.paced,
+        "replicated": p.replicated,
+        "under_replicated": p.under_replicated,
     }
 
 

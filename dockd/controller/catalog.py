@@ -11,7 +11,7 @@ import numpy as np
 
 from dockd import limits
 from dockd.controller import selection
-from dockd.controller.partition import FREE, INT64_MAX, LOST_WAREHOUSE, NO_WAREHOUSE, TAKEN, _check_tags, _Partition
+from dockd.controller.partition import FREE, INT64_MAX, NO_WAREHOUSE, PENDING_WAREHOUSE, TAKEN, _check_tags, _Partition
 from dockd.errors import DockFull, DockNotFound, DockValueError
 
 PUT_KEYS_KEPT = 4096  # per warehouse: recent commits remembered so a re-sent one is applied once
@@ -63,12 +63,16 @@ class Catalog:
         idx = self._commit(partition, columns, warehouse, indexes, new_count, group_size, nbytes)
         if tags:
             self._set_tags(self.partitions[partition], idx, tags)
+        self.remember(warehouse, put_id, idx)
+        return idx
+
+    def remember(self, warehouse: int, put_id: int, idx: np.ndarray) -> None:
+        """A commit applied: re-sent with the same put_id, it gets these indexes back."""
         if put_id:
             keys = self.put_keys.setdefault(warehouse, collections.OrderedDict())
             keys[put_id] = idx
             if len(keys) > PUT_KEYS_KEPT:
                 keys.popitem(last=False)
-        return idx
 
     def _commit(self, partition: str, columns: Sequence[str], warehouse: int,
                 indexes: Sequence[int] | np.ndarray | None, new_count: int, group_size: int,
@@ -289,9 +293,9 @@ class Catalog:
         if not len(idx):
             return 0
         frees = self.pending_frees.setdefault(part.name, {})
-        for loc in part.loc.values():
+        for loc in [*part.loc.values(), *part.rloc.values()]:  # (homes and replicas)
             where = loc[idx]
-            held = where < LOST_WAREHOUSE
+            held = where < PENDING_WAREHOUSE
             for w in np.unique(where[held]).tolist():
                 frees.setdefault(w, []).append(idx[where == w])
             loc[idx] = NO_WAREHOUSE

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from dockd import limits
-from dockd.controller import persist, selection, warehouses
+from dockd.controller import persist, replicas, selection, warehouses
 from dockd.controller.catalog import Catalog
 from dockd.controller.leases import AcquireResult, Lease, LeaseBook
 from dockd.controller.partition import FREE, LEASED, LOST_WAREHOUSE, NO_WAREHOUSE, TAKEN
@@ -80,6 +80,11 @@ class Controller:
         return self.catalog.commit(partition, columns, warehouse=warehouse, indexes=indexes, new_count=new_count,
                                    group_size=group_size, nbytes=nbytes, put_id=put_id, tags=tags)
 
+    def commit_replica(self, partition: str, columns: Sequence[str], *, warehouse: int,
+                       indexes: Sequence[int] | np.ndarray, nbytes: int = 0, put_id: int = 0) -> np.ndarray:
+        return replicas.commit_replica(self.catalog, partition, columns, warehouse=warehouse, indexes=indexes,
+                                       nbytes=nbytes, put_id=put_id)
+
     def create_partition(self, partition: str, **options: Any) -> None:
         self.catalog.create_partition(partition, **options)
 
@@ -116,8 +121,9 @@ class Controller:
     def locate(self, partition: str, indexes: Sequence[int], columns: Sequence[str]) -> np.ndarray:
         return warehouses.locate(self.catalog, partition, indexes, columns)
 
-    def warehouse_lost(self, warehouse: int) -> None:
-        warehouses.warehouse_lost(self.catalog, warehouse)
+    def warehouse_lost(self, warehouse: int) -> int:
+        """Values of `warehouse` with a replica move there (how many); the rest are lost."""
+        return warehouses.warehouse_lost(self.catalog, warehouse)
 
     def rejoin(self, warehouse: int, inventory: Mapping[str, Inventory], *, known: bool) -> list[str]:
         return warehouses.rejoin(self.catalog, warehouse, inventory, known=known)
@@ -355,6 +361,7 @@ class Controller:
         if name in self.partitions:
             raise DockValueError(f"partition {name!r} exists; clear it or load the checkpoint under another name")
         p = persist.import_partition(dict(d, name=name, nbytes=[]))
+        p.rloc.clear()  # (the checkpoint's values come back once; --replicas 2 copies them again)
         n = p.size
         for loc in p.loc.values():
             held = loc[:n]

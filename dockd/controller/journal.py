@@ -43,6 +43,7 @@ Records (the first element names the kind):
 
     W  warehouse entry (id, host, port, unix, capacity, instance, state)
     C  commit          (partition, columns, warehouse, indexes | None, new_count, group_size, nbytes, put_id[, tags])
+    A  replica commit  (partition, columns, warehouse, indexes, nbytes, put_id): it holds a copy (--replicas 2)
     G  lease granted   (id, partition, consumer, indexes, seconds left, token, owner session)
     E  lease extended  (id, seconds left)
     F  leases confirmed (ids)
@@ -136,7 +137,7 @@ _NO_PREALLOC = 1 << 62
 _LEGACY_WALL = 1e8  # a lease time above this was written as a wall-clock deadline (older dockd)
 # records written before the request they record was applied: one the controller then refused
 # replays to the same refusal, which replay skips
-_AHEAD = frozenset("CPDSVTXEFRY")
+_AHEAD = frozenset("CAPDSVTXEFRY")
 
 
 def _fallocate():
@@ -502,6 +503,9 @@ class Journal:
             rec.append(_pack_tags(tags))
         self.append(rec)
 
+    def replica(self, partition, columns, warehouse, indexes, nbytes, put_id) -> None:
+        self.append(["A", partition, list(columns), warehouse, _pack_idx(indexes), nbytes, put_id])
+
     def create(self, partition: str, group_size: int, retire, max_staleness: int = -1, retire_stale: bool = False,
                max_pending: int = 0) -> None:
         rec = ["P", partition, group_size, list(retire)]
@@ -580,6 +584,9 @@ def _apply(core: Controller, warehouses: dict[int, dict], rec: list, now: float)
         _, part, cols, wid, idx, new_count, gs, nbytes, put_id, *tags = rec
         core.commit(part, cols, warehouse=wid, indexes=None if idx is None else _unpack_idx(idx), new_count=new_count,
                     group_size=gs, nbytes=nbytes, put_id=put_id, tags=_unpack_tags(tags[0]) if tags else None)
+    elif kind == "A":
+        _, part, cols, wid, idx, nbytes, put_id = rec
+        core.commit_replica(part, cols, warehouse=wid, indexes=_unpack_idx(idx), nbytes=nbytes, put_id=put_id)
     elif kind == "P":
         core.create_partition(rec[1], group_size=rec[2], retire=rec[3], **dict(zip(
             ("max_staleness", "retire_stale", "max_pending"), rec[4:])))

@@ -3,6 +3,7 @@ and column set (a *subscription*) a bitmap of the samples that request could tak
 
     ready      uint64   one bit per column (up to 64 columns per partition)
     loc[col]   uint16   warehouse id holding that column of the sample
+    rloc[col]  uint16   warehouse id holding its replica (--replicas 2; see `replicas`)
     state[c]   uint8    per consumer: FREE, LEASED, TAKEN or LOST
 
     gone       bool     deleted (by delete or retirement): never handed out again
@@ -27,6 +28,7 @@ from dockd.errors import DockValueError
 FREE, LEASED, TAKEN, LOST = 0, 1, 2, 3
 NO_WAREHOUSE = 0xFFFF
 LOST_WAREHOUSE = 0xFFFE  # a (sample, column) whose warehouse rejoined without it
+PENDING_WAREHOUSE = 0xFFFD  # in rloc: a replica on its way (see replicas)
 MAX_COLUMNS = 64
 MAX_TAGS = 16
 VERSION_TAG = "version"  # the reserved tag holding each sample's policy version (put(version=...))
@@ -147,6 +149,7 @@ class _Partition:
         self.ready = np.zeros(self.capacity, dtype=np.uint64)
         self.columns: dict[str, int] = {}
         self.loc: dict[str, np.ndarray] = {}
+        self.rloc: dict[str, np.ndarray] = {}  # made for a column once it has a replica
         self.consumers: dict[str, _Consumer] = {}
         self.nbytes: dict[int, int] = {}
         self.recovered = False  # rebuilt from warehouse inventories: consumer progress before it is unknown
@@ -176,8 +179,9 @@ class _Partition:
         self.gone = _grown(self.gone, cap)
         for name, arr in self.tags.items():
             self.tags[name] = _grown(arr, cap)
-        for col, arr in self.loc.items():
-            self.loc[col] = _grown(arr, cap, fill=NO_WAREHOUSE)
+        for locs in (self.loc, self.rloc):
+            for col, arr in locs.items():
+                locs[col] = _grown(arr, cap, fill=NO_WAREHOUSE)
         for cons in self.consumers.values():
             cons.state = _grown(cons.state, cap)
             for sub in cons.subs.values():
@@ -345,6 +349,7 @@ class _Partition:
     def metadata_bytes(self) -> int:
         """Bytes of metadata held for this partition (all arrays)."""
         total = self.ready.nbytes + self.gone.nbytes + sum(a.nbytes for a in self.loc.values())
+        total += sum(a.nbytes for a in self.rloc.values())
         total += sum(a.nbytes for a in self.tags.values())
         for cons in self.consumers.values():
             total += cons.state.nbytes

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dockd.controller.partition import FREE, LEASED, _Partition
+from dockd.controller.partition import FREE, LEASED, NO_WAREHOUSE, PENDING_WAREHOUSE, _Partition
 from dockd.errors import DockValueError
 
 if TYPE_CHECKING:
@@ -22,6 +22,9 @@ def export_partition(p: _Partition) -> dict:
         "name": p.name, "group_size": p.group_size, "size": n, "recovered": p.recovered,
         "ready": p.ready[:n].tobytes(), "columns": list(p.columns),
         "loc": [p.loc[c][:n].tobytes() for c in p.columns],
+        # replicas (a copy still on its way counts as none: it is made again)
+        "rloc": [[c, np.where(a[:n] == PENDING_WAREHOUSE, NO_WAREHOUSE, a[:n]).astype(np.uint16).tobytes()]
+                 for c, a in p.rloc.items()],
         "nbytes": [[w, b] for w, b in p.nbytes.items()],
         "consumers": [[name, c.state[:n].tobytes(), c.taken] for name, c in p.consumers.items()],
         "gone": p.gone[:n].tobytes(), "deleted": p.deleted, "sealed": p.sealed, "retire": list(p.retire),
@@ -40,6 +43,9 @@ def import_partition(d: dict) -> _Partition:
     for col, raw in zip(d["columns"], d["loc"]):
         p.bit(col)
         p.loc[col][:n] = np.frombuffer(raw, dtype=np.uint16)
+    for col, raw in d.get("rloc", ()):
+        p.rloc[col] = np.full(p.capacity, NO_WAREHOUSE, dtype=np.uint16)
+        p.rloc[col][:n] = np.frombuffer(raw, dtype=np.uint16)
     p.nbytes = {w: b for w, b in d["nbytes"]}
     if "gone" in d:
         p.gone[:n] = np.frombuffer(d["gone"], dtype=bool)

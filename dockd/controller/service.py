@@ -10,6 +10,7 @@ turns results into frames. Its parts:
     checkpoints      save and load of partitions
     warehouse_calls  frees, measures and checkpoint files asked of the warehouses
     membership       warehouses joining, rejoining, probed and declared lost
+    replication      --replicas 2: where each put's copy goes, and repairs of missing copies
 
 Every timer runs on the service's `clock` (`clock.Timers`), so tests can move time by hand.
 """
@@ -33,6 +34,7 @@ from dockd.controller.journal import Journal
 from dockd.controller.leasing import Leasing
 from dockd.controller.membership import Membership
 from dockd.controller.pacing import Pacer
+from dockd.controller.replication import Replication
 from dockd.controller.waiters import Waiters
 from dockd.controller.warehouse_calls import LocalWarehouse, WarehouseCalls
 from dockd.errors import DockClosed, DockNotFound, DockValueError
@@ -54,6 +56,7 @@ class ControllerService:
             several; each owns the partitions `dockd.owners.owner_index` gives it and refuses requests
             about the others'.
         warehouse_grace: seconds a warehouse whose connection dropped has to rejoin.
+        replicas: 2 keeps every put's values on two warehouses (see `replication`); 1: on one.
         clock: the time lease deadlines, timeouts and grace go by (a test's may be moved by hand;
             it then calls `timers.run_due()`).
     """
@@ -61,7 +64,7 @@ class ControllerService:
     def __init__(self, core: Controller, *, local: LocalWarehouse | None = None,
                  state_dir: str | None = None, warehouse_grace: float = 15.0, fsync_interval: float = 0.05,
                  daemon_timeout: float = 30.0, checkpoint_root: str = "", clock: Clock = time.monotonic,
-                 controllers: tuple[str, ...] = (), own: int = 0) -> None:
+                 controllers: tuple[str, ...] = (), own: int = 0, replicas: int = 1) -> None:
         self.controllers = controllers  # several controllers: all of them, in the dock's order (dockd.owners)
         self.own = own  # ... and this one's place among them
         self.daemon_timeout = daemon_timeout
@@ -79,6 +82,7 @@ class ControllerService:
         self.acquiring = Acquiring(self)
         self.checkpoints = Checkpoints(self)
         self.calls = WarehouseCalls(self)
+        self.replication = Replication(self, replicas)
         self._sync_timer: Timer | None = None
         self._syncing = False
         self.closing = False
@@ -126,6 +130,7 @@ class ControllerService:
     def start(self) -> None:
         """Rebuild from the state dir, if any (in the event loop, before serving)."""
         if self.journal is None:
+            self.replication.start()
             return
         core, records = self.journal.load(lease_timeout=self.core.lease_timeout, now=self.clock())
         core.max_samples = self.core.max_samples
@@ -133,6 +138,7 @@ class ControllerService:
         self.leasing.ticket_key = self.journal.secret()
         self.members.restore(records)
         self.leasing.schedule_expiry()
+        self.replication.start()
         self._sync_timer = self.timers.call_later(self.journal.fsync_interval, self._sync)
 
     def _sync(self) -> None:
@@ -208,6 +214,8 @@ class ControllerService:
         entry = self.members.get(req.warehouse)
         if entry is None or not entry.alive:
             raise DockValueError(f"warehouse {req.warehouse} is not a live member of this dock")
+        if req.replica:
+            return self.replication.commit(req)
         indexes = list(req.indexes) if req.indexes else None
         gs = req.group_size or 1
         if req.partition in self.checkpoints.loading:
@@ -371,6 +379,8 @@ class ControllerService:
                                    retire_stale=p["retire_stale"], max_pending=p["max_pending"], stale=p["stale"],
                                    stale_retired=p["stale_retired"], pending=p["pending"],
                                    paced=len(self.paced.get(p["name"], ())))
+            if self.replication.replicas > 1:
+                ps.replicated, ps.under_replicated = self.replication.counts(p["name"])
             for c, n in p["columns"].items():
                 ps.columns.append(c)
                 ps.column_ready.append(n)
@@ -385,6 +395,7 @@ class ControllerService:
         self.pacer.close(DockClosed("the controller is shutting down"))
         self.waiting.close(DockClosed("the controller is shutting down"))
         self.members.close()
+        self.replication.close()
         self.leasing.close()
         if self._sync_timer is not None:
             self._sync_timer.cancel()

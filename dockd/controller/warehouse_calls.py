@@ -35,6 +35,9 @@ class LocalWarehouse(Protocol):
     async def dump(self, req: pb.DumpRequest) -> pb.DumpReply:
         """Write (or, with req.load, store) a checkpoint file of what this warehouse holds of a partition."""
 
+    async def replicate(self, req: pb.ReplicateRequest) -> int:
+        """Copy values this warehouse holds to req.target as their replica; returns the bytes sent."""
+
     def inline(self, peer: Peer, partition: str, columns: list[str], indexes: np.ndarray,
                locations: np.ndarray) -> tuple[list[pb.ColumnData], Any, list]:
         """For an acquire: the whole columns this warehouse holds, encoded for the reply (may be empty)."""

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from dockd.controller import replicas
 from dockd.controller.catalog import Catalog
 from dockd.controller.partition import LOST, LOST_WAREHOUSE, NO_WAREHOUSE, _Consumer, _Partition
 from dockd.errors import DockDataLost, DockNotFound, DockValueError
@@ -80,11 +81,15 @@ def locate(cat: Catalog, partition: str, indexes: Sequence[int], columns: Sequen
             )
     return locs
 
-def warehouse_lost(cat: Catalog, warehouse: int) -> None:
+def warehouse_lost(cat: Catalog, warehouse: int) -> int:
+    """`warehouse` left the dock: its values with a replica move to it (returns how many); the
+    others are lost (DockDataLost when met)."""
+    moved = replicas.promote(cat, warehouse)
     cat.dead_warehouses.add(warehouse)
     cat.put_keys.pop(warehouse, None)
     for part in cat.partitions.values():
         part.nbytes.pop(warehouse, None)
+    return moved
 
 def rejoin(cat: Catalog, warehouse: int, inventory: Mapping[str, Inventory], *, known: bool | str) -> list[str]:
     """Reconcile what a rejoining warehouse holds with what this controller records.
@@ -126,6 +131,11 @@ def rejoin(cat: Catalog, warehouse: int, inventory: Mapping[str, Inventory], *, 
                     cat.dead_warehouses.add(LOST_WAREHOUSE)
                     logger.warning("[controller] warehouse %d rejoined without %d values of column %r of "
                                    "partition %r; they are lost", warehouse, len(mine), col, name)
+            for col, rl in part.rloc.items():  # replicas it no longer holds are made again elsewhere
+                mine = np.flatnonzero(rl[: part.size] == warehouse)
+                if held is not None and col in held.columns:
+                    mine = mine[~np.isin(mine, held.columns[col], assume_unique=True)]
+                rl[mine] = NO_WAREHOUSE
             if held is not None:
                 part.nbytes[warehouse] = held.nbytes
                 if part.deleted:  # samples deleted while it was away: it frees them now

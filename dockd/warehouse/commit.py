@@ -33,6 +33,19 @@ from dockd.peer import Peer
 Then = Callable[[np.ndarray | list | BaseException, bool], None]
 
 
+class Committed(list):
+    """A commit's indexes, with the warehouse to copy the put to before answering it (--replicas 2)."""
+
+    def __init__(self, indexes, replica: pb.WarehouseInfo) -> None:
+        super().__init__(indexes)
+        self.replica = replica
+
+
+def answered(reply: pb.CommitReply) -> list:
+    """A commit's answer as its outcome: the indexes (a `Committed` when there is a copy to make)."""
+    return Committed(reply.indexes, reply.replica) if reply.HasField("replica") else list(reply.indexes)
+
+
 class Committer(Protocol):
     def commit(self, req: pb.CommitRequest, limit: float, peer: Peer, then: Then) -> None:
         """Commit a put's metadata (waiting up to `limit` seconds for an absent controller); `then` gets
@@ -56,12 +69,19 @@ class LocalCommitter:
 
     def commit(self, req: pb.CommitRequest, limit: float, peer: Peer, then: Then) -> None:
         try:
-            idx = self.controller.commit(req, lambda res: then(res, False), peer)  # (None: paced, answered later)
+            idx = self.controller.commit(req, lambda res: then(self._copy_to(req, res), False), peer)  # (None: paced)
         except Exception as e:  # noqa: BLE001 - the put's answer
             then(e, False)
             return
         if idx is not None:
-            then(idx, False)
+            then(self._copy_to(req, idx), False)
+
+    def _copy_to(self, req: pb.CommitRequest, res):
+        """The outcome, with the warehouse to copy the put to (--replicas 2), if any."""
+        if isinstance(res, BaseException):
+            return res
+        target = self.controller.replication.target_of(req, res)
+        return res if target is None else Committed(res.tolist(), target)
 
     def in_flight(self, partition: str) -> bool:
         return False

@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Mapping
 
 import numpy as np
 
-from dockd import owners, shm
+from dockd import auth, owners, shm
 from dockd._proto import dockd_pb2 as pb
 from dockd._version import __version__
 from dockd.config import NodeConfig
@@ -56,6 +56,7 @@ from dockd.warehouse.link import ControllerLink, discover_controllers
 from dockd.warehouse.links import Links
 from dockd.warehouse.listen import Keys, Listeners, watch_pid
 from dockd.warehouse.put import PutPipeline
+from dockd.warehouse.replica import Replicator
 from dockd.warehouse.segments import Segments
 from dockd.warehouse.spill import SpillTier
 from dockd.warehouse.tasks import failed, reply_when_done, spawn
@@ -94,7 +95,7 @@ class Node:
             self.controller = ControllerService(
                 Controller(lease_timeout=cfg.lease_timeout, max_samples=cfg.max_samples), local=HostedWarehouse(self),
                 state_dir=cfg.state_dir or None, warehouse_grace=cfg.warehouse_grace, daemon_timeout=cfg.daemon_timeout,
-                checkpoint_root=cfg.checkpoint_root, controllers=cfg.controllers,
+                checkpoint_root=cfg.checkpoint_root, controllers=cfg.controllers, replicas=cfg.replicas,
                 own=owners.own_index(cfg.controllers, cfg.host, cfg.port, cfg.advertise) if cfg.controllers else 0,
             )
             members = self.controller.members  # heartbeats to the warehouses (see controller.membership)
@@ -105,9 +106,12 @@ class Node:
         else:  # (its links are made once this node listens and knows the dock's controllers)
             self.committer = RoutingCommitter([RemoteCommitter(None)])
         self.admission.on_clear = self.committer.cleared
+        self.replicator = Replicator(self.warehouse, self.listeners.make_link_peer, self.listeners.link_tls,
+                                     timeout=cfg.daemon_timeout)
         self.puts = PutPipeline(warehouse=self.warehouse, segments=self.segments, admission=self.admission,
                                 committer=self.committer, metrics=self.metrics, wid=lambda: self.wid,
-                                check_warehouse=self._check_warehouse)
+                                check_warehouse=self._check_warehouse, replicator=self.replicator,
+                                daemon=lambda peer: not self.keys.server_auth.roles or peer.role == auth.DAEMON)
         self.fetches = FetchPath(warehouse=self.warehouse, segments=self.segments, links=self.links,
                                  committer=self.committer, metrics=self.metrics, wid=lambda: self.wid)
         self.dispatcher = Dispatcher(self._handlers(), self.keys.server_auth, from_controller=self._from_a_controller,
@@ -262,6 +266,7 @@ class Node:
         if self.controller is not None:
             self.controller.shutdown()
         self.admission.shutdown()
+        self.replicator.close()
         self.listeners.close()
         self.links.close()
         await self.listeners.wait_closed()
@@ -302,6 +307,7 @@ class Node:
             "measure": plain(self._measure),
             "dump": plain(self._dump),
             "hello": plain(self._hello),
+            "replicate": plain(self._replicate),
         }
         assert set(table) == WAREHOUSE_KINDS
         table.update(controller_handlers(self.controller, where=f"{self.cfg.host}:{self.port}", join=self.cfg.join))
@@ -325,6 +331,13 @@ class Node:
     def _dump(self, peer: Peer, frame: pb.Frame) -> None:
         self._from_controller(peer, "dump")
         spawn(reply_when_done(peer, frame, self.checkpoints.dump(frame.dump), "dump_reply"))
+
+    def _replicate(self, peer: Peer, frame: pb.Frame) -> None:
+        self._from_controller(peer, "replicate")
+        spawn(reply_when_done(peer, frame, self._replicated(frame.replicate), "replicate_reply"))
+
+    async def _replicated(self, req: pb.ReplicateRequest) -> pb.ReplicateReply:
+        return pb.ReplicateReply(nbytes=await self.replicator.serve(req))
 
     def _hello(self, peer: Peer, frame: pb.Frame) -> None:
         check_protocol(frame.hello.protocol, f"the client {frame.hello.client or peer.name}")
@@ -368,6 +381,9 @@ class HostedWarehouse:
 
     async def dump(self, req: pb.DumpRequest) -> pb.DumpReply:
         return await self._node.checkpoints.dump(req)
+
+    async def replicate(self, req: pb.ReplicateRequest) -> int:
+        return await self._node.replicator.serve(req)
 
     def inline(self, peer: Peer, partition: str, columns: list[str], indexes: np.ndarray, locations: np.ndarray):
         return self._node.fetches.inline(peer, partition, columns, indexes, locations)

@@ -31,8 +31,8 @@ RequestHandler = Callable[[Peer, pb.Frame, Any, list[int]], None]
 
 CONTROLLER_KINDS = frozenset({"acquire", "confirm", "release", "extend", "clear", "stats", "register", "commit",
                               "locate", "leave", "partition"})
-WAREHOUSE_KINDS = frozenset({"put", "fetch", "free", "measure", "dump", "hello"})
-DAEMON_KINDS = frozenset({"register", "commit", "leave", "free", "measure", "dump"})  # only daemons of this dock
+WAREHOUSE_KINDS = frozenset({"put", "fetch", "free", "measure", "dump", "hello", "replicate"})
+DAEMON_KINDS = frozenset({"register", "commit", "leave", "free", "measure", "dump", "replicate"})  # only daemons of this dock
 #: Every request kind a daemon serves (the rest of the Frame's kinds are replies and the handshake's).
 SERVED_KINDS = CONTROLLER_KINDS | WAREHOUSE_KINDS
 
@@ -93,9 +93,9 @@ def controller_handlers(ctl, *, where: str, join: str) -> dict[str, RequestHandl
         return dict.fromkeys(CONTROLLER_KINDS, refuse)
 
     def commit(peer: Peer, frame: pb.Frame) -> None:
-        idx = ctl.commit(frame.commit, functools.partial(commit_answer, peer, frame))  # (None: paced, answered later)
+        idx = ctl.commit(frame.commit, functools.partial(commit_answer, ctl, peer, frame))  # (None: paced, later)
         if idx is not None:
-            peer.reply(frame, pb.Frame(commit_reply=pb.CommitReply(indexes=idx.tolist())))
+            commit_answer(ctl, peer, frame, idx)
 
     def register(peer: Peer, frame: pb.Frame) -> None:
         check_protocol(frame.register.protocol, f"the warehouse at {frame.register.host}:{frame.register.port}")
@@ -130,9 +130,14 @@ async def _cleared(clearing) -> pb.ClearReply:
     return pb.ClearReply(samples=await clearing)
 
 
-def commit_answer(peer: Peer, frame: pb.Frame, res) -> None:
-    """The late answer to a commit that waited for its partition's consumers (max_pending)."""
+def commit_answer(ctl, peer: Peer, frame: pb.Frame, res) -> None:
+    """A commit's answer: its indexes and where to copy the put (--replicas 2), or the error (at once, or
+    once a commit that waited for its partition's consumers, max_pending, is applied)."""
     if isinstance(res, BaseException):
         peer.reply_error(frame, res)
-    else:
-        peer.reply(frame, pb.Frame(commit_reply=pb.CommitReply(indexes=res.tolist())))
+        return
+    reply = pb.CommitReply(indexes=res.tolist())
+    target = ctl.replication.target_of(frame.commit, res)
+    if target is not None:
+        reply.replica.CopyFrom(target)
+    peer.reply(frame, pb.Frame(commit_reply=reply))

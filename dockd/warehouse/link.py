@@ -37,6 +37,7 @@ from dockd import tls, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockProtocolError, DockTimeout, from_status
 from dockd.peer import Peer
+from dockd.warehouse.commit import answered
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +271,7 @@ class ControllerLink:
         if exc is not None:
             p.fut.set_exception(exc)
         else:
-            p.fut.set_result(list(f.result()[0].commit_reply.indexes))
+            p.fut.set_result(answered(f.result()[0].commit_reply))
 
     def _arm(self, p: _Pending) -> None:
         if p.timer is None and not p.fut.done():

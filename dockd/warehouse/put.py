@@ -8,7 +8,10 @@
     validate the put against its bytes, once (`_validate`): runs fit, msgpack values decode,
              explicit indexes' columns are unwritten here
     commit   through the committer (controller in this process, or over the link)
-    store    once the commit is answered; then the writer is answered
+    store    once the commit is answered
+    copy     (--replicas 2) to the warehouse the commit's answer names (`replica.Replicator`);
+             then the writer is answered. A copy that fails leaves the values with one
+             warehouse (the put is answered, and the controller's repair copies them later)
 
 A put re-sent with a token already seen (the client lost the reply) is
 answered with the first attempt's outcome and stores nothing. Stores cannot
@@ -30,13 +33,14 @@ import numpy as np
 
 from dockd import codec, limits, shm
 from dockd._proto import dockd_pb2 as pb
-from dockd.errors import DockError, DockProtocolError
+from dockd.errors import DockAuthError, DockError, DockProtocolError
 from dockd.metrics import Metrics
 from dockd.peer import Peer
 from dockd.warehouse.admission import Admission
 from dockd.warehouse.commit import Committer
 from dockd.warehouse.core import Warehouse
 from dockd.warehouse.device_put import take_device
+from dockd.warehouse.replica import Replicator
 from dockd.warehouse.segments import Segments
 from dockd.warehouse.tasks import failed, spawn
 
@@ -69,11 +73,16 @@ class PutPipeline:
         committer: commits a put's metadata (`commit.LocalCommitter` or `commit.RemoteCommitter`).
         wid: this node's warehouse id (for commits).
         check_warehouse: raises when this daemon runs no warehouse.
+        replicator: copies puts to the warehouse holding their replica (--replicas 2).
+        daemon: whether a connection is another daemon's (only daemons send replicas).
     """
 
     def __init__(self, *, warehouse: Warehouse, segments: Segments, admission: Admission, committer: Committer,
-                 metrics: Metrics, wid: Callable[[], int], check_warehouse: Callable[[], None]) -> None:
+                 metrics: Metrics, wid: Callable[[], int], check_warehouse: Callable[[], None],
+                 replicator: Replicator | None = None, daemon: Callable[[Peer], bool] = lambda peer: True) -> None:
         self.warehouse = warehouse
+        self.replicator = replicator
+        self._daemon = daemon
         self.segments = segments
         self.admission = admission
         self.committer = committer
@@ -96,7 +105,11 @@ class PutPipeline:
     def _admit(self, peer: Peer, req: pb.PutRequest, size: int) -> asyncio.Future | None:
         """Check a put's header (a malformed one is refused before any room is spent on it) and
         reserve room for its `size` host bytes."""
+        if req.replica and not self._daemon(peer):
+            raise DockAuthError("a replica put is a daemon-to-daemon message; this connection is a client's")
         Warehouse.validate_put(req)
+        if req.replica and (not req.indexes or req.device_buffers or req.staging):
+            raise DockProtocolError("a replica put names the indexes it copies and carries its values in its body")
         return self.admission.reserve(peer, size, req.timeout)
 
     # -- receive -------------------------------------------------------------------------------
@@ -165,6 +178,7 @@ class PutPipeline:
         commit = pb.CommitRequest(
             partition=req.partition, indexes=req.indexes, new_count=req.new_count, group_size=req.group_size or 1,
             columns=[c.name for c in req.columns], warehouse=self._wid(), nbytes=size, tags=req.tags,
+            replica=req.replica,
         )
         if not req.indexes:  # new samples may wait for the partition's consumers (max_pending), as long as the put may
             commit.has_timeout, commit.timeout = True, req.timeout
@@ -197,6 +211,24 @@ class PutPipeline:
             self._fail(put, e)
             return
         out = res.tolist() if isinstance(res, np.ndarray) else list(res)
+        target = getattr(res, "replica", None)
+        if target is not None and not cleared and self.replicator is not None:
+            spawn(self._copy_then_answer(put, out, target))
+            return
+        self._answer(put, out)
+
+    async def _copy_then_answer(self, put: _Put, out: list[int], target: pb.WarehouseInfo) -> None:
+        req = put.frame.put
+        try:
+            await self.replicator.copy(req.partition, out, [c.name for c in req.columns], target)  # type: ignore[union-attr]
+        except Exception as e:  # noqa: BLE001 - stored and committed: the controller's repair copies it later
+            logger.warning("[warehouse] copying a put to its replica on warehouse %d (%s:%d) failed partition=%s "
+                           "samples=%d: %s; answered with one copy, the controller repairs it", target.id, target.host,
+                           target.port, req.partition, len(out), e)
+        self._answer(put, out)
+
+    def _answer(self, put: _Put, out: list[int]) -> None:
+        req = put.frame.put
         self.tokens.done(req.token, out)
         self.metrics.put(put.peer.passes_fds, len(out), put.size + put.dev_bytes)
         put.peer.reply(put.frame, pb.Frame(put_reply=pb.PutReply(indexes=out, spilled_bytes=put.spilled)))

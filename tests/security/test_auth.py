@@ -36,6 +36,11 @@ def test_a_client_cannot_send_daemon_messages(cluster, dock, partition, raw):
                                                warehouse=0)),
         pb.Frame(id=3, commit=pb.CommitRequest(partition=partition, new_count=4, columns=["x"], warehouse=1)),
         pb.Frame(id=4, leave=pb.LeaveRequest(id=1)),
+        # a client's "replica" of samples would be served if their warehouse were lost
+        pb.Frame(id=10, put=pb.PutRequest(partition=partition, indexes=[0], replica=True,
+                                          columns=[pb.ColumnData(name="x")])),
+        pb.Frame(id=11, replicate=pb.ReplicateRequest(partition=partition, indexes=[0], columns=["x"],
+                                                      target=pb.WarehouseInfo(id=1, host="127.0.0.1", port=1))),
     ]
     for frame in attacks:
         reply = c.call(frame)

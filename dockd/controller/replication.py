@@ -1,0 +1,145 @@
+"""The controller's side of `--replicas 2` on the wire (the records are in `replicas`).
+
+    commit     a put's commit is answered with the warehouse its home copies it to (`target`),
+               and its values are marked as having a copy on the way; the copy's own commit
+               (`CommitRequest.replica`, from the warehouse that stored it) is journaled and recorded
+    repair     every REPAIR_INTERVAL seconds: copies that did not arrive within COPY_DEADLINE
+               are forgotten, and values with a live home and no replica are copied by their
+               home (`ReplicateRequest`) to its target, at most MAX_REPAIRS requests at a time
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dockd._proto import dockd_pb2 as pb
+from dockd.controller import replicas
+from dockd.controller.clock import Timer
+from dockd.errors import DockValueError
+
+if TYPE_CHECKING:
+    from dockd.controller.service import ControllerService
+
+logger = logging.getLogger(__name__)
+
+REPAIR_INTERVAL = 1.0
+COPY_DEADLINE = 60.0  # seconds a put's copy may take before its values count as without a replica
+MAX_REPAIRS = 4  # repair requests out at a time
+REPAIR_SAMPLES = 4096  # samples per repair request
+
+
+class Replication:
+    def __init__(self, svc: ControllerService, replicas: int) -> None:
+        if replicas not in (1, 2):
+            raise DockValueError(f"--replicas is 1 (one copy of each value) or 2 (two warehouses), got {replicas}")
+        self.svc = svc
+        self.replicas = replicas
+        self._timer: Timer | None = None
+        self._copies: list[tuple[float, str, list[str], np.ndarray]] = []  # (deadline, partition, columns, indexes)
+        self._repairs: set[asyncio.Task] = set()
+        self.repaired = 0  # values copied by repairs (for tests and logs)
+
+    def start(self) -> None:
+        if self.replicas > 1 and self._timer is None:
+            self._timer = self.svc.timers.call_later(REPAIR_INTERVAL, self._tick)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for task in self._repairs:
+            task.cancel()
+
+    # -- puts -----------------------------------------------------------------------------------
+    def _joined(self) -> list[int]:
+        return [e.id for e in self.svc.members.entries.values() if e.state == "joined"]
+
+    def target_of(self, req: pb.CommitRequest, idx: np.ndarray) -> pb.WarehouseInfo | None:
+        """Where the warehouse that committed `req` copies it before answering its writer (None: no
+        copy: one replica, a copy's own commit, or no other warehouse joined; a repair makes it later)."""
+        if self.replicas < 2 or req.replica or req.partition not in self.svc.core.partitions:
+            return None
+        wid = replicas.target(self._joined(), req.warehouse)
+        if wid is None:
+            return None
+        idx = np.asarray(idx, dtype=np.int64)
+        part = self.svc.core.partitions[req.partition]
+        replicas.mark_pending(part, req.columns, idx)
+        self._copies.append((self.svc.clock() + COPY_DEADLINE, req.partition, list(req.columns), idx))
+        return self.svc.members.infos([wid], usage=False)[0]
+
+    def commit(self, req: pb.CommitRequest) -> np.ndarray:
+        """A warehouse holds a copy of written values (journaled ahead, like a commit)."""
+        svc = self.svc
+        applied = req.put_id and req.put_id in svc.core.put_keys.get(req.warehouse, ())
+        if svc.journal is not None and not applied:
+            svc.journal.room()
+            svc.journal.replica(req.partition, req.columns, req.warehouse, list(req.indexes), req.nbytes, req.put_id)
+        return svc.core.commit_replica(req.partition, list(req.columns), warehouse=req.warehouse,
+                                       indexes=list(req.indexes), nbytes=req.nbytes, put_id=req.put_id)
+
+    def counts(self, partition: str) -> tuple[int, int]:
+        return replicas.counts(self.svc.core.partitions[partition])
+
+    # -- repairs --------------------------------------------------------------------------------
+    def _tick(self) -> None:
+        self._timer = self.svc.timers.call_later(REPAIR_INTERVAL, self._tick)
+        now = self.svc.clock()
+        keep = []
+        for copy in self._copies:
+            deadline, partition, columns, idx = copy
+            part = self.svc.core.partitions.get(partition)
+            if part is None:
+                continue
+            if deadline <= now:
+                replicas.unmark(part, columns, idx)
+            else:
+                keep.append(copy)
+        self._copies = keep
+        if len(self._repairs) < MAX_REPAIRS:
+            self._repair()
+
+    def _repair(self) -> None:
+        members = self.svc.members
+        joined = self._joined()
+        live = {e.id for e in members.entries.values() if e.alive}
+        for part in list(self.svc.core.partitions.values()):
+            for (home, col), idx in replicas.missing(part, self.svc.core.dead_warehouses, live).items():
+                wid = replicas.target(joined, home)
+                if wid is None:
+                    continue
+                idx = idx[:REPAIR_SAMPLES]
+                replicas.mark_pending(part, [col], idx)
+                req = pb.ReplicateRequest(partition=part.name, indexes=idx.tolist(), columns=[col],
+                                          target=members.infos([wid], usage=False)[0])
+                task = asyncio.ensure_future(self._ask(home, req, idx))
+                self._repairs.add(task)
+                task.add_done_callback(self._repairs.discard)
+                if len(self._repairs) >= MAX_REPAIRS:
+                    return
+
+    async def _ask(self, home: int, req: pb.ReplicateRequest, idx: np.ndarray) -> None:
+        """Ask `home` to copy values to req.target; values whose copy failed are repaired again later."""
+        try:
+            entry = self.svc.members.get(home)
+            if entry is None or not entry.alive:
+                raise DockValueError(f"warehouse {home} is not live")
+            if entry.local:
+                assert self.svc.local is not None  # (a local member is the warehouse in this process)
+                await asyncio.wait_for(self.svc.local.replicate(req), self.svc.daemon_timeout)
+            else:
+                assert entry.peer is not None
+                await asyncio.wait_for(entry.peer.request(pb.Frame(replicate=req)), self.svc.daemon_timeout)
+            self.repaired += len(idx)
+            logger.info("[controller] replicated partition=%s column=%s samples=%d from=%d to=%d", req.partition,
+                        req.columns[0], len(idx), home, req.target.id)
+        except Exception as e:  # noqa: BLE001 - a repair that failed is retried
+            part = self.svc.core.partitions.get(req.partition)
+            if part is not None:
+                replicas.unmark(part, req.columns, idx)
+            logger.warning("[controller] replicating partition=%s samples=%d from warehouse %d to %d failed: %s",
+                           req.partition, len(idx), home, req.target.id, e)

@@ -1,0 +1,107 @@
+"""Replicas (`dockd serve --controller --replicas 2`): every acknowledged put is held by two warehouses,
+so a warehouse killed with SIGKILL and never restarted loses nothing: its values are served from
+their replicas, bit-exact, and copied again until every value has two holders; a second loss after
+that repair loses nothing either. A dock with one warehouse answers puts with one copy and
+repairs them once a second warehouse joins. Real `dockd serve` processes on loopback."""
+
+from __future__ import annotations
+
+import signal
+
+import numpy as np
+import pytest
+
+import dockd
+from dockd.local import spawn_node
+from tests.conftest import wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _values(k: int, n: int) -> dict:
+    return {"x": np.arange(n * 16, dtype=np.float32).reshape(n, 16) + 1000 * k, "who": [k] * n}
+
+
+def _replicas(dock, partition: str) -> tuple[int, int]:
+    s = dock.stats()["partitions"][partition]
+    return s["replicated"], s["under_replicated"]
+
+
+def _kill(proc) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def _check_all(dock, partition: str, consumer: str, writers: int, n: int) -> None:
+    got = dock.get(consumer, ["x", "who"], writers * n, partition=partition, timeout=30)
+    assert sorted(got.indexes) == list(range(writers * n))
+    xs, who = got["x"], got["who"]
+    for k in range(writers):
+        rows = [i for i, w in enumerate(who) if w == k]
+        assert len(rows) == n
+        expect = _values(k, n)["x"]
+        back = np.stack([np.asarray(xs[i]) for i in rows])
+        assert np.array_equal(back[np.argsort(back[:, 0])], expect), f"writer {k}'s values differ"
+
+
+def test_a_warehouse_killed_for_good_loses_nothing_and_its_copies_are_made_again():
+    n, partition = 6, "rollouts"
+    cluster = dockd.start_local(num_warehouses=3, replicas=2, capacity="256MiB",
+                                extra_args=["--warehouse-grace", "2"])
+    try:
+        addresses = [f"127.0.0.1:{node['port']}" for node in cluster.nodes]
+        docks = [dockd.connect(cluster.address, warehouse=a) for a in addresses]
+        for k, d in enumerate(docks):
+            d.put(_values(k, n), partition=partition)
+        # acknowledged puts are already on two warehouses each
+        assert _replicas(docks[0], partition) == (3 * n * 2, 0)
+        used = {wid: w["bytes"] for wid, w in docks[0].stats()["warehouses"].items()}
+        assert len(used) == 3 and all(v > 0 for v in used.values()), used
+
+        _kill(cluster.procs[2])  # a warehouse (not the controller's daemon), never restarted
+        wait_until(lambda: docks[0].stats()["warehouses"][2]["state"] == "lost", 30, "warehouse 2 lost")
+        _check_all(docks[0], partition, "after-first-loss", 3, n)
+        # the values it held, and the replicas it kept for warehouse 1, are copied again
+        wait_until(lambda: _replicas(docks[0], partition) == (3 * n * 2, 0), 30, "replicas made again")
+
+        _kill(cluster.procs[1])  # a second loss, after the repair: still nothing lost
+        wait_until(lambda: docks[0].stats()["warehouses"][1]["state"] == "lost", 30, "warehouse 1 lost")
+        _check_all(docks[0], partition, "after-second-loss", 3, n)
+        # one warehouse left: every value is there, none has a second holder
+        assert _replicas(docks[0], partition) == (0, 3 * n * 2)
+    finally:
+        cluster.close()
+
+
+def test_puts_made_with_one_warehouse_are_copied_once_a_second_one_joins():
+    partition = "p"
+    ctrl, ready = spawn_node(["--controller", "--port", "0", "--replicas", "2", "--capacity", "128MiB"])
+    address = f"127.0.0.1:{ready['port']}"
+    extra = None
+    try:
+        dock = dockd.connect(address)
+        dock.put(_values(0, 4), partition=partition)
+        assert _replicas(dock, partition) == (0, 8)  # answered with the one copy there is
+        extra, _ = spawn_node(["--join", address, "--port", "0", "--capacity", "128MiB"])
+        wait_until(lambda: _replicas(dock, partition) == (8, 0), 30, "the repair copied the puts")
+        used = {wid: w["bytes"] for wid, w in dock.stats()["warehouses"].items()}
+        assert used[1] == used[0] > 0, used  # the new warehouse holds a copy of everything
+        got = dock.get("c", ["x"], 4, partition=partition, timeout=10)
+        assert np.array_equal(np.stack([np.asarray(v) for v in got["x"]]), _values(0, 4)["x"])
+        dock.close()
+    finally:
+        for proc in (extra, ctrl):
+            if proc is not None:
+                _kill(proc)
+
+
+def test_a_dock_without_replicas_reports_none():
+    cluster = dockd.start_local(num_warehouses=2, capacity="64MiB")
+    try:
+        dock = dockd.connect(cluster.address)
+        dock.put(_values(0, 2), partition="p")
+        assert _replicas(dock, "p") == (0, 0)
+    finally:
+        cluster.close()
