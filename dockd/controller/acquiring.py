@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
+from dockd.controller import selection
 from dockd.controller.leases import AcquireResult
 from dockd.controller.partition import VERSION_TAG
 from dockd.controller.rounds import Round
@@ -73,6 +74,19 @@ class Acquiring:
                     raise
             svc.leasing.schedule_expiry()
         return res
+
+    def near_ready(self, r: pb.AcquireRequest) -> dict[int, int]:
+        """Warehouse id -> samples ready for get `r` with all its columns there (staleness bound and
+        where applied): how Waiters.wake finds the waiting gets it can serve from their own node."""
+        part = self.svc.core.partitions.get(r.partition)
+        if part is None or len(part.nbytes) < 2:  # (data on one warehouse: nothing to prefer)
+            return {}
+        v = selection.view(part, r.consumer, list(r.columns), r.count, r.groups)
+        if v is None:
+            return {}
+        where, _ = selection.staleness_filter(part, r.max_staleness - 1 if r.max_staleness else None, where_of(r),
+                                              r.order_by)
+        return selection.ready_by_warehouse(part, v[2], v[3], list(r.columns), where)
 
     def _share(self, r: pb.AcquireRequest, sid: bytes) -> AcquireResult | None:
         """A rank-aware get (see Controller.share); a round to balance is weighed in the background."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from dockd.controller.partition import FREE, INT64_MAX, LEASED, VERSION_TAG, _Consumer, _Partition, _Sub
+from dockd.controller.partition import FREE, INT64_MAX, LEASED, NO_WAREHOUSE, VERSION_TAG, _Consumer, _Partition, _Sub
 from dockd.errors import DockDrained, DockValueError
 
 Where = Mapping[str, tuple[int, int]]
@@ -104,6 +104,23 @@ def held_on(part: _Partition, idx: np.ndarray, wid: int, columns: Sequence[str])
     for c in columns:
         ok &= part.loc[c][idx] == wid
     return ok
+
+
+def ready_by_warehouse(part: _Partition, sub: _Sub, gs: int, columns: Sequence[str],
+                       where: Where | None = None) -> dict[int, int]:
+    """Warehouse id -> how many samples `sub` could take now (within `where`) that have every one
+    of `columns` on that warehouse: what a waiting near get could have without crossing a link."""
+    if not sub.eligible.total:
+        return {}
+    units = np.flatnonzero(sub.eligible.bits)
+    if where:
+        units = units[within(part, units * gs, where)]
+    idx = units * gs
+    at = part.loc[columns[0]][idx]
+    for c in columns[1:]:
+        at = np.where(part.loc[c][idx] == at, at, NO_WAREHOUSE)
+    wids, n = np.unique(at[at != NO_WAREHOUSE], return_counts=True)
+    return dict(zip(wids.tolist(), (n * gs).tolist()))
 
 
 def near_first(part: _Partition, sub: _Sub, want: int, gs: int, near: int, columns: Sequence[str]) -> np.ndarray:

@@ -1,6 +1,8 @@
 """Gets waiting for data. A blocked acquire is parked per partition and retried when a commit,
 a release or a lost warehouse changes that partition; its timeout is a timer on the service's
-clock, never a poll."""
+clock, never a poll. A waiting get that asked for its own warehouse's samples first (near) is
+served from them ahead of earlier gets of other nodes when they cover it (at most PASS_OVER
+times per earlier get), so the samples a node commits go to that node's readers, not across links."""
 
 from __future__ import annotations
 
@@ -16,12 +18,17 @@ from dockd.peer import Peer
 if TYPE_CHECKING:
     from dockd.controller.service import ControllerService
 
+#: How many times a waiting get may see a later near get of the same consumer served before it
+#: (from that get's own warehouse); then it goes first again, so no get starves behind local ones.
+PASS_OVER = 16
+
 
 @dataclasses.dataclass(slots=True, eq=False)
 class Waiter:
     peer: Peer
     frame: pb.Frame
     timer: Timer | None = None
+    passed_over: int = 0  # later near gets served before this one (see PASS_OVER)
 
 
 class Waiters:
@@ -57,9 +64,10 @@ class Waiters:
         ws = self.by_partition.get(partition)
         if not ws:
             return
-        acq = self.svc.acquiring
+        if any(w.frame.acquire.near for w in ws) and not self._wake_near(partition, list(ws)):
+            return
         short: dict[tuple | Waiter, int] = {}  # (consumer, columns, groups) -> smallest count found unmet
-        for w in list(ws):
+        for w in list(self.by_partition.get(partition, ())):
             r = w.frame.acquire
             # (a rank-aware or filtered get is tried on its own: its needs differ from its neighbours')
             key = (r.consumer, tuple(sorted(r.columns)), r.groups, r.max_staleness) \
@@ -67,20 +75,64 @@ class Waiters:
             need = 1 if r.allow_partial else r.count
             if need >= short.get(key, 1 << 62):
                 continue
-            try:
-                res = acq.attempt(w.peer, r)
-            except DockStateFull:  # the state dir is full: the gets stay parked, and are tried again soon
-                self._retry_later()
+            served = self._try(partition, w)
+            if served is None:
                 return
-            except DockError as e:
-                self.drop(partition, w)
-                w.peer.reply_error(w.frame, e)
-                continue
-            if res is not None:
-                self.drop(partition, w)
-                acq.reply(w.peer, w.frame, r, res)
-            else:
+            if not served:
                 short[key] = min(short.get(key, 1 << 62), need)
+
+    def _wake_near(self, partition: str, ws: list[Waiter]) -> bool:
+        """The first pass of wake: each waiting near get whose own warehouse holds enough ready samples
+        is tried before the earlier gets of the same consumer (they take what is left in the second
+        pass, or wait for the next commit). False: stop waking (the state dir is full)."""
+        acq = self.svc.acquiring
+        ready: dict[tuple | Waiter, dict[int, int]] = {}  # per kind of request: warehouse -> samples ready
+        earlier: dict[str, list[Waiter]] = {}  # consumer -> its gets seen so far and still waiting
+        held: set[str] = set()  # consumers with an earlier get passed over PASS_OVER times: no more passing
+        for w in ws:
+            r = w.frame.acquire
+            if r.near and not r.dp_size and r.consumer not in held:
+                key = (r.consumer, tuple(sorted(r.columns)), r.groups, r.max_staleness) if not r.where else w
+                if key not in ready:
+                    try:
+                        ready[key] = acq.near_ready(r)
+                    except DockError:
+                        ready[key] = {}  # the second pass answers it with the error
+                if ready[key].get(r.near - 1, 0) >= (1 if r.allow_partial else r.count):
+                    served = self._try(partition, w)
+                    if served is None:
+                        return False
+                    if served:
+                        for v in earlier.get(r.consumer, ()):
+                            v.passed_over += 1
+                            if v.passed_over >= PASS_OVER:
+                                held.add(r.consumer)
+                        for k in [k for k in ready if isinstance(k, Waiter) or k[0] == r.consumer]:
+                            del ready[k]  # what this consumer could take has changed
+                        continue
+            earlier.setdefault(r.consumer, []).append(w)
+            if w.passed_over >= PASS_OVER:
+                held.add(r.consumer)
+        return True
+
+    def _try(self, partition: str, w: Waiter) -> bool | None:
+        """Try a waiting get once: True when answered (served or failed), False when it still waits,
+        None when the state dir is full (every get stays parked and is tried again soon)."""
+        acq = self.svc.acquiring
+        try:
+            res = acq.attempt(w.peer, w.frame.acquire)
+        except DockStateFull:
+            self._retry_later()
+            return None
+        except DockError as e:
+            self.drop(partition, w)
+            w.peer.reply_error(w.frame, e)
+            return True
+        if res is None:
+            return False
+        self.drop(partition, w)
+        acq.reply(w.peer, w.frame, w.frame.acquire, res)
+        return True
 
     def wake_every(self) -> None:
         for part in list(self.by_partition):
