@@ -29,7 +29,7 @@ import time
 import traceback
 from typing import Any
 
-from .workload import CONSUMERS, check_values, make_chunk, sample_key, value_bytes
+from .workload import CONSUMERS, check_values, key_node, make_chunk, sample_key, value_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -130,17 +130,20 @@ class Agent:
         _sleep_until(start_at)
         t0 = time.monotonic()
         keys: list[int] = []
-        nbytes, calls, waits = 0, 0, []
+        nbytes, calls, waits, local, at = 0, 0, [], [], []
         while len(keys) < quota:
             c0 = time.monotonic()
             _, values = self.backend.get(slot, part, consumer, columns, min(chunk, quota - len(keys)), timeout)
             waits.append(round(time.monotonic() - c0, 4))
+            at.append(round(c0 - start_at, 4))
             touch(values)  # zero-copy or lazily mapped results pay their page faults here
-            keys += check_values(values, it)
+            got = check_values(values, it)
+            local.append(sum(key_node(k) == self.node for k in got))
+            keys += got
             nbytes += value_bytes(values)
             calls += 1
         return {"start": t0, "end": time.monotonic(), "bytes": nbytes, "keys": keys, "calls": calls,
-                "in_calls_s": sum(waits), "call_s": waits}
+                "in_calls_s": sum(waits), "call_s": waits, "call_at": at, "call_local": local}
 
 
 def split_quota(quota: int, workers: int) -> list[int]:
@@ -168,6 +171,8 @@ def merge_workers(reports: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any
             m[k] = m.get(k, 0) + r.get(k, 0)
         m["keys"] = m["keys"] + r["keys"]
         m["call_s"] = m.get("call_s", []) + r.get("call_s", [])
+        for k in ("call_at", "call_local"):
+            m[k] = m.get(k, []) + r.get(k, [])
         m["workers"] += 1
     return out
 

@@ -315,6 +315,11 @@ class Topology:
             }
         return res
 
+    def tcp_stats(self) -> dict[int, dict[str, int]]:
+        """Per node: TCP counters (see ``tcp_counters``), cumulative."""
+        return {node.index: tcp_counters(_run(["ip", "netns", "exec", node.ns, "cat", "/proc/net/snmp",
+                                               "/proc/net/netstat"]).stdout) for node in self.nodes}
+
     @staticmethod
     def _tc_stats(ns: str) -> dict[str, dict[str, int]]:
         out = _run(["ip", "netns", "exec", ns, "tc", "-s", "-j", "qdisc", "show"])
@@ -329,6 +334,19 @@ class Topology:
             "shaping": "tbf on the node's eth0 (egress) and on its switch port (egress toward the node)",
             "nodes": [{"index": n.index, "namespace": n.ns, "ip": n.ip, "switch_port": n.port} for n in self.nodes],
         }
+
+
+def tcp_counters(text: str) -> dict[str, int]:
+    """From ``/proc/net/snmp`` and ``/proc/net/netstat`` (pairs of lines ``Kind: names`` / ``Kind: values``):
+    TCP segments retransmitted, retransmission timeouts (each leaves its flow idle for at least the 200 ms
+    minimum RTO) and tail-loss probes."""
+    fields: dict[str, int] = {}
+    lines = text.splitlines()
+    for head, vals in zip(lines[::2], lines[1::2]):
+        kind, names = head.split(":", 1)
+        fields.update({f"{kind}.{k}": int(v) for k, v in zip(names.split(), vals.split(":", 1)[1].split())})
+    return {"retrans_segs": fields.get("Tcp.RetransSegs", 0), "rto_timeouts": fields.get("TcpExt.TCPTimeouts", 0),
+            "loss_probes": fields.get("TcpExt.TCPLossProbes", 0)}
 
 
 @contextlib.contextmanager

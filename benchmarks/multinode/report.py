@@ -8,6 +8,7 @@ by the analytic model of the same configuration.
 from __future__ import annotations
 
 import logging
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,26 @@ def traffic_table(results: dict[str, Any]) -> str:
                    "busiest link MB (model)", "all links MB"], rows)
 
 
+def reads_table(results: dict[str, Any]) -> str:
+    """Per run, medians over the measured iterations: the share of read bytes served on the reader's own
+    node, a put's time (the commit's round trip to the controller included), and what the links lost:
+    tbf drops, TCP segments sent again, retransmission timeouts (each idles a flow >= 200 ms)."""
+    rows = []
+    for r in sorted(main_runs(results), key=lambda r: (r["nodes"], list(LAYOUT_LABEL).index(r["layout"]))):
+        its = [i for i in r.get("iterations", []) if not i.get("warmup")]
+        if r.get("status") != "ok" or not its or "link_drops" not in its[0]:
+            continue
+        local = [1 - sum(i["remote_read_bytes"].values()) / max(1, sum(i["warehouse_served"].values())) for i in its]
+        puts = [st["rollout"]["in_calls_s"] / max(1, st["rollout"]["calls"]) for i in its for st in i["stages"].values()]
+        drops = [sum(d["tx_drops"] + d["rx_drops"] for d in i["link_drops"].values()) for i in its]
+        tcp = {k: [sum(t[k] for t in i["tcp"].values()) for i in its] for k in ("retrans_segs", "rto_timeouts")}
+        rows.append([str(r["nodes"]), LAYOUT_LABEL[r["layout"]], f"{statistics.median(local):.0%}",
+                     _f(statistics.median(puts) * 1e3, 0), _f(statistics.median(drops), 0),
+                     _f(statistics.median(tcp["retrans_segs"]), 0), f"{statistics.mean(tcp['rto_timeouts']):.1f}"])
+    return _table(["N", "layout", "reads on the reader's node", "put ms (p50)", "tbf drops / iteration",
+                   "TCP segments resent / iteration", "TCP timeouts / iteration (mean)"], rows) if rows else ""
+
+
 def half_cap_table(results: dict[str, Any]) -> str:
     rows = []
     for r in results.get("runs", []):
@@ -236,6 +257,9 @@ def markdown_report(results: dict[str, Any], *, plot_name: str | None = None) ->
     parts += ["### Throughput (one iteration = every node writes its batch, every consumer takes it)",
               throughput_table(results), checks_table(results),
               "### Traffic per iteration (payload + protocol bytes on the links)", traffic_table(results)]
+    reads = reads_table(results)
+    if reads:
+        parts += ["### Where reads go, what a put waits, what the links lose (medians over the iterations)", reads]
     hc = half_cap_table(results)
     if hc:
         parts += ["### Links or CPUs? The same runs with the link cap halved", hc]

@@ -217,7 +217,7 @@ def _iterations(topo: Topology, n: int, layout: str, agents: Agents, cfg: Multin
 def _one_iteration(topo: Topology, n: int, layout: str, agents: Agents, cfg: MultinodeConfig, k: int,
                    warehouse_nodes: dict[int, int]) -> dict[str, Any]:
     part = f"{layout}-{topo.rate_mbit:g}-it{k}"
-    c0 = topo.counters()
+    c0, q0, t0 = topo.counters(), topo.qdisc_stats(), topo.tcp_stats()
     start_at = time.monotonic() + START_DELAY_S
     msg = {"cmd": "iter", "partition": part, "iteration": k, "start_at": start_at,
            "batch_per_node": cfg.batch_per_node, "put_chunk": cfg.put_chunk, "get_chunk": cfg.get_chunk,
@@ -233,7 +233,7 @@ def _one_iteration(topo: Topology, n: int, layout: str, agents: Agents, cfg: Mul
     finally:
         timeline = sampler.stop()
     busy1, total1 = system_cpu()
-    c1 = topo.counters()
+    c1, q1, t1 = topo.counters(), topo.qdisc_stats(), topo.tcp_stats()
     stats = agents[0].call({"cmd": "stats"}, cfg.command_timeout_s)
     agents[0].call({"cmd": "clear", "partition": part}, cfg.command_timeout_s)
 
@@ -267,6 +267,8 @@ def _one_iteration(topo: Topology, n: int, layout: str, agents: Agents, cfg: Mul
         "warehouse_stored": stored,
         "warehouse_served": served,
         "remote_read_bytes": remote_reads,
+        "link_drops": {i: {k: q1[i][k] - q0[i][k] for k in ("tx_drops", "rx_drops")} for i in range(n)},
+        "tcp": {i: {k: t1[i][k] - t0[i][k] for k in t1[i]} for i in range(n)},
         "cpu_busy": (busy1 - busy0) / (total1 - total0) if total1 > total0 else None,
         "delivery": verify_delivery(written, taken),
         "stages": {i: {s: _stage_record(rep, start_at) for s, rep in node.items()} for i, node in enumerate(stages)},
