@@ -4,7 +4,8 @@ Each warehouse gets one fetch request for the columns (and samples) it holds;
 its pool's transport carries it and builds the reply's buffers (body, mapped
 segments, device memory), and `dockd.codec.decode_reply` turns them into
 values. A warehouse that does not answer in time raises DockTimeout naming
-it; one that cannot be reached raises DockDataLost naming what it held.
+it; one that cannot be reached raises DockDataLost naming what it held
+(DockTimeout when its data comes back: a data dir's restart, or replicas).
 """
 
 from __future__ import annotations
@@ -122,9 +123,16 @@ class Fetcher:
     def _failed(self, lease: Lease, parts, wid: int, e: DockConnectionError, silent: bool, took: float):
         """The error of a fetch from `wid` that failed: DockTimeout for one that is there but silent
         (its connections are dropped, so a late answer is never read) or that keeps its data across a
-        restart (--data-dir) and is still a member, else DockDataLost."""
+        restart (--data-dir) and is still a member, or whose dock keeps replicas, else DockDataLost."""
         cols = [c for c, _ in parts]
         samples = sorted({i for _, pos in parts for i in (lease.indexes if pos is None else _at(lease, pos))})
+        if not timed_out(e) and self._router.replicas > 1:
+            self._router.forget(wid)
+            return DockTimeout(  # (the controller moves its values to their replicas once it declares it lost)
+                f"cannot read columns {cols} of {len(samples)} samples of partition {lease.partition!r} from warehouse "
+                f"{wid} at {self._router.address_of(wid)} ({e}); the dock keeps a replica of each value (--replicas "
+                f"{self._router.replicas}), read once the controller declares the warehouse lost. They stay in the "
+                "dock (a get's lease is released, so they are handed out again); retry")
         if not timed_out(e):
             known = self._router.warehouses.get(wid)
             state = self._router.warehouse_state(wid) if known is not None and known.durable else ""

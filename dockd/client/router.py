@@ -73,6 +73,7 @@ class Router:
         self.pools: dict[int, Pool] = {}
         self.warehouses: dict[int, pb.WarehouseInfo] = {}
         self.closed = False
+        self.replicas = 1  # warehouses holding each value (the controller's --replicas)
         self.ctrl = self._open_pool(self._fallback(Endpoint(host, port)))
         self.home = -1
         self.reconnects = 0  # times the controller connection was made again (its sessions' leases may be gone)
@@ -155,6 +156,7 @@ class Router:
             self._close_pool(old)
         if hello.controllers:
             self.controllers = list(hello.controllers)
+        self.replicas = hello.replicas or 1
         fresh = {w.id: w for w in hello.warehouses}
         with self.lock:
             stale = [wid for wid, pool in self.pools.items()

@@ -11,10 +11,25 @@ import numpy as np
 
 from dockd import limits
 from dockd.controller import selection
-from dockd.controller.partition import FREE, INT64_MAX, NO_WAREHOUSE, PENDING_WAREHOUSE, TAKEN, _check_tags, _Partition
+from dockd.controller.partition import (
+    FREE,
+    INT64_MAX,
+    LOST,
+    NO_WAREHOUSE,
+    PENDING_WAREHOUSE,
+    TAKEN,
+    _check_tags,
+    _Partition,
+)
 from dockd.errors import DockFull, DockNotFound, DockValueError
 
 PUT_KEYS_KEPT = 4096  # per warehouse: recent commits remembered so a re-sent one is applied once
+TOKENS_KEPT = 16384  # per dock: recent puts' writer tokens, so a put re-sent to another warehouse is applied once
+
+
+class StoredElsewhere(np.ndarray):
+    """The indexes of a re-sent put (same writer token) whose values are held already: the warehouse
+    answers with them and stores nothing."""
 
 
 class Catalog:
@@ -27,6 +42,8 @@ class Catalog:
         self.dead_warehouses: set[int] = set()
         # per warehouse, put_id -> indexes of its recent commits (a re-sent commit is answered, not re-applied)
         self.put_keys: dict[int, collections.OrderedDict[int, np.ndarray]] = {}
+        # writer token -> (partition, columns, indexes) of recent puts (see `stored` and `commit`)
+        self.tokens: collections.OrderedDict[int, tuple[str, tuple[str, ...], np.ndarray]] = collections.OrderedDict()
         # deleted samples whose data a warehouse still holds: partition -> warehouse -> index arrays
         # (the service sends the frees; replaying a journal refills it, and a second free is harmless)
         self.pending_frees: dict[str, dict[int, list[np.ndarray]]] = {}
@@ -43,6 +60,7 @@ class Catalog:
         nbytes: int = 0,
         put_id: int = 0,
         tags: Mapping[str, Sequence[int]] | None = None,
+        token: int = 0,
     ) -> np.ndarray:
         """Record that `warehouse` now holds `columns` of some samples; returns their indexes.
 
@@ -52,18 +70,68 @@ class Catalog:
         (warehouse, put_id) was applied recently is not applied again: the
         indexes it got are returned (a warehouse re-sends commits whose reply it
         lost to a controller restart). `tags`: per-sample integer tags (one value for all, or one each).
+        `token`: the writer's put token. A put re-sent to another warehouse after its first
+        attempt's warehouse went away is committed again with the same token: its values are
+        written again at the indexes the first attempt got where that warehouse lost them
+        (answered, not lost); `stored` tells the re-sends whose values are all still held.
         """
         if put_id:
             recent = self.put_keys.get(warehouse)
             done = recent.get(put_id) if recent is not None else None
             if done is not None:
                 return done
+        seen = self.tokens.get(token) if token else None
+        if seen is not None and seen[0] == partition and partition in self.partitions:
+            idx = self._rewrite(self.partitions[partition], seen[1], seen[2], warehouse, nbytes)
+            self.remember(warehouse, put_id, idx)
+            return idx
         if tags:
             _check_tags(tags, new_count if indexes is None else len(indexes))
         idx = self._commit(partition, columns, warehouse, indexes, new_count, group_size, nbytes)
         if tags:
             self._set_tags(self.partitions[partition], idx, tags)
         self.remember(warehouse, put_id, idx)
+        if token:
+            self.tokens[token] = (partition, tuple(columns), idx)
+            if len(self.tokens) > TOKENS_KEPT:
+                self.tokens.popitem(last=False)
+        return idx
+
+    def _unheld(self, part: _Partition, column: str, idx: np.ndarray) -> np.ndarray:
+        """Which of `idx` (not deleted) have no live warehouse holding `column`: unwritten again, or on
+        a warehouse that left the dock."""
+        loc = part.loc[column][idx]
+        out: np.ndarray = loc >= PENDING_WAREHOUSE
+        if self.dead_warehouses:
+            out |= np.isin(loc, np.fromiter(self.dead_warehouses, dtype=np.uint16))
+        out &= ~part.gone[idx]
+        return out
+
+    def stored(self, partition: str, token: int) -> np.ndarray | None:
+        """The indexes a put with writer token `token` got, if every value it wrote is still held by a
+        live warehouse (or deleted since): a re-send of it is answered with them and stored nowhere."""
+        seen = self.tokens.get(token) if token else None
+        if seen is None or seen[0] != partition or partition not in self.partitions:
+            return None
+        part = self.partitions[partition]
+        if any(self._unheld(part, c, seen[2]).any() for c in seen[1]):
+            return None
+        return seen[2].view(StoredElsewhere)
+
+    def _rewrite(self, part: _Partition, columns: Sequence[str], idx: np.ndarray, warehouse: int,
+                 nbytes: int) -> np.ndarray:
+        """A re-sent put whose values its first warehouse lost: `warehouse` holds them now."""
+        changed = []
+        for c in columns:
+            sel = idx[self._unheld(part, c, idx)]
+            part.loc[c][sel] = warehouse
+            part.ready[sel] |= np.uint64(1 << part.columns[c])
+            changed.append(sel)
+        sel = np.unique(np.concatenate(changed)) if changed else idx[:0]
+        part.nbytes[warehouse] = part.nbytes.get(warehouse, 0) + nbytes
+        for cons in part.consumers.values():  # (a consumer that met them lost may take them now)
+            cons.state[sel[cons.state[sel] == LOST]] = FREE
+            part.refresh(cons, sel)
         return idx
 
     def remember(self, warehouse: int, put_id: int, idx: np.ndarray) -> None:

@@ -76,9 +76,9 @@ class Controller:
     def commit(self, partition: str, columns: Sequence[str], *, warehouse: int,
                indexes: Sequence[int] | np.ndarray | None = None, new_count: int = 0,
                group_size: int = 1, nbytes: int = 0, put_id: int = 0,
-               tags: Mapping[str, Sequence[int]] | None = None) -> np.ndarray:
+               tags: Mapping[str, Sequence[int]] | None = None, token: int = 0) -> np.ndarray:
         return self.catalog.commit(partition, columns, warehouse=warehouse, indexes=indexes, new_count=new_count,
-                                   group_size=group_size, nbytes=nbytes, put_id=put_id, tags=tags)
+                                   group_size=group_size, nbytes=nbytes, put_id=put_id, tags=tags, token=token)
 
     def commit_replica(self, partition: str, columns: Sequence[str], *, warehouse: int,
                        indexes: Sequence[int] | np.ndarray, nbytes: int = 0, put_id: int = 0) -> np.ndarray:
@@ -121,9 +121,13 @@ class Controller:
     def locate(self, partition: str, indexes: Sequence[int], columns: Sequence[str]) -> np.ndarray:
         return warehouses.locate(self.catalog, partition, indexes, columns)
 
-    def warehouse_lost(self, warehouse: int) -> int:
-        """Values of `warehouse` with a replica move there (how many); the rest are lost."""
+    def warehouse_lost(self, warehouse: int) -> dict[str, dict[str, np.ndarray]]:
+        """Values of `warehouse` with a replica move there, those whose copy was on its way become
+        unwritten (returned, for the journal), the rest are lost."""
         return warehouses.warehouse_lost(self.catalog, warehouse)
+
+    def unwrite(self, values: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+        replicas.unwrite(self.catalog, {p: dict(cols) for p, cols in values.items()})
 
     def rejoin(self, warehouse: int, inventory: Mapping[str, Inventory], *, known: bool) -> list[str]:
         return warehouses.rejoin(self.catalog, warehouse, inventory, known=known)

@@ -42,14 +42,15 @@ dead holder's lease ends at most one lease span after the restart.
 Records (the first element names the kind):
 
     W  warehouse entry (id, host, port, unix, capacity, instance, state)
-    C  commit          (partition, columns, warehouse, indexes | None, new_count, group_size, nbytes, put_id[, tags])
+    C  commit          (partition, columns, warehouse, indexes | None, new_count, group_size, nbytes, put_id[, tags
+                       [, writer token]])
     A  replica commit  (partition, columns, warehouse, indexes, nbytes, put_id): it holds a copy (--replicas 2)
     G  lease granted   (id, partition, consumer, indexes, seconds left, token, owner session)
     E  lease extended  (id, seconds left)
     F  leases confirmed (ids)
     R  lease released  (id): given back, expired, or its client went away
     X  partition cleared
-    L  warehouse lost  (id)
+    L  warehouse lost  (id[, {partition: {column: indexes}} of its values unwritten, their copy on its way])
     J  warehouse rejoined (id, inventory, known)
     P  partition created or its options set (partition, group_size, retire_when_consumed_by[,
        max_staleness, retire_stale, max_pending])
@@ -78,6 +79,7 @@ import struct
 import time
 import zlib
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -496,11 +498,13 @@ class Journal:
         self.append(["W", entry], applied=True)
 
     def commit(self, partition, columns, warehouse, indexes, new_count, group_size, nbytes, put_id,
-               tags=None) -> None:
+               tags=None, token: int = 0) -> None:
         rec = ["C", partition, list(columns), warehouse, None if indexes is None else _pack_idx(indexes),
                new_count, group_size, nbytes, put_id]
-        if tags:
-            rec.append(_pack_tags(tags))
+        if tags or token:
+            rec.append(_pack_tags(tags or {}))
+        if token:
+            rec.append(token)
         self.append(rec)
 
     def replica(self, partition, columns, warehouse, indexes, nbytes, put_id) -> None:
@@ -548,8 +552,11 @@ class Journal:
     def clear(self, partition: str) -> None:
         self.append(["X", partition])
 
-    def lost(self, wid: int) -> None:
-        self.append(["L", wid], applied=True)
+    def lost(self, wid: int, unwritten: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        rec: list = ["L", wid]
+        if unwritten:
+            rec.append({p: {c: _pack_idx(ix) for c, ix in cols.items()} for p, cols in unwritten.items()})
+        self.append(rec, applied=True)
 
     def rejoin(self, wid: int, inventory: Mapping[str, Inventory], known: bool) -> None:
         self.append(["J", wid, _pack_inventory(inventory), known], applied=True)
@@ -581,9 +588,10 @@ def apply(core: Controller, warehouses: dict[int, dict], rec: list, now: float) 
 def _apply(core: Controller, warehouses: dict[int, dict], rec: list, now: float) -> None:
     kind = rec[0]
     if kind == "C":
-        _, part, cols, wid, idx, new_count, gs, nbytes, put_id, *tags = rec
+        _, part, cols, wid, idx, new_count, gs, nbytes, put_id, *more = rec
         core.commit(part, cols, warehouse=wid, indexes=None if idx is None else _unpack_idx(idx), new_count=new_count,
-                    group_size=gs, nbytes=nbytes, put_id=put_id, tags=_unpack_tags(tags[0]) if tags else None)
+                    group_size=gs, nbytes=nbytes, put_id=put_id, tags=_unpack_tags(more[0]) if more else None,
+                    token=more[1] if len(more) > 1 else 0)
     elif kind == "A":
         _, part, cols, wid, idx, nbytes, put_id = rec
         core.commit_replica(part, cols, warehouse=wid, indexes=_unpack_idx(idx), nbytes=nbytes, put_id=put_id)
@@ -617,6 +625,8 @@ def _apply(core: Controller, warehouses: dict[int, dict], rec: list, now: float)
     elif kind == "W":
         warehouses[int(rec[1]["id"])] = rec[1]
     elif kind == "L":
+        if len(rec) > 2:  # (its copies on their way were not journaled: what they left unwritten was)
+            core.unwrite({p: {c: _unpack_idx(ix) for c, ix in cols.items()} for p, cols in rec[2].items()})
         core.warehouse_lost(rec[1])
         if rec[1] in warehouses:
             warehouses[rec[1]]["state"] = "lost"

@@ -413,9 +413,9 @@ class Membership:
         entry.state = "left" if on_purpose else "lost"
         entry.peer = None
         held = self.core.warehouse_bytes().get(entry.id, 0)
-        self.core.warehouse_lost(entry.id)
+        unwritten = self.core.warehouse_lost(entry.id)
         if self.journal is not None:
-            self.journal.lost(entry.id)
+            self.journal.lost(entry.id, unwritten)
             self._save(entry)
         level = logging.WARNING if held and not on_purpose else logging.INFO
         logger.log(level, "[controller] warehouse %s id=%d address=%s:%d bytes=%d reason=%r",

@@ -74,8 +74,10 @@ def unmark(part: _Partition, columns: Iterable[str], idx: np.ndarray) -> None:
 
 def commit_replica(cat: Catalog, partition: str, columns: Sequence[str], *, warehouse: int,
                    indexes: Sequence[int] | np.ndarray, nbytes: int = 0, put_id: int = 0) -> np.ndarray:
-    """Record that `warehouse` holds a copy of written values; returns their indexes. Refused for
-    values not written, deleted, held by `warehouse` itself, or with another replica already."""
+    """Record that `warehouse` holds a copy of written values; returns the indexes recorded (those
+    deleted meanwhile are not: the warehouse frees them). From the values' own warehouse it says
+    their copy could not be made: they have no replica yet (the repair makes one). Refused for
+    values not written, or with another replica already."""
     if put_id:
         recent = cat.put_keys.get(warehouse)
         done = recent.get(put_id) if recent is not None else None
@@ -88,15 +90,23 @@ def commit_replica(cat: Catalog, partition: str, columns: Sequence[str], *, ware
     bad = idx[(idx < 0) | (idx >= part.size)]
     if len(bad):
         raise DockNotFound(f"sample indexes {bad[:8].tolist()} do not exist in partition {partition!r}")
-    for c in columns:
+    idx = idx[~part.gone[idx]]  # (a consumer may have taken and retired them while they were copied)
+    if not len(idx):
+        cat.remember(warehouse, put_id, idx)
+        return idx
+    home = [part.loc[c][idx] == warehouse if c in part.loc else np.zeros(len(idx), bool) for c in columns]
+    if all(h.all() for h in home):  # the copy failed: repaired later
+        unmark(part, columns, idx)
+        return idx
+    for c, h in zip(columns, home):
         b = part.columns.get(c)
         unwritten = idx if b is None else idx[(part.ready[idx] >> np.uint64(b)) & np.uint64(1) == 0]
         if len(unwritten):
             raise DockNotFound(f"column {c!r} of samples {unwritten[:8].tolist()} of partition {partition!r} is not "
-                               "written (deleted since?): there is nothing to replicate")
-        if (part.loc[c][idx] == warehouse).any():
-            raise DockValueError(f"warehouse {warehouse} holds column {c!r} of these samples already; a replica "
-                                 "lives on another warehouse")
+                               "written: there is nothing to replicate")
+        if h.any():
+            raise DockValueError(f"warehouse {warehouse} holds column {c!r} of some of these samples already; a "
+                                 "replica lives on another warehouse")
         have = rloc(part, c)[idx]
         other = (have < _MARKS) & (have != warehouse)
         if other.any():
@@ -109,11 +119,13 @@ def commit_replica(cat: Catalog, partition: str, columns: Sequence[str], *, ware
     return idx
 
 
-def promote(cat: Catalog, warehouse: int) -> int:
-    """`warehouse` left the dock: its values with a live replica move there (returns how many);
-    replicas it held are gone."""
+def promote(cat: Catalog, warehouse: int) -> dict[str, dict[str, np.ndarray]]:
+    """`warehouse` left the dock: its values with a live replica move there; replicas it held are
+    gone. Its values whose copy was still on its way were never acknowledged (a copy that fails is
+    reported before the put is answered): they become unwritten, not lost (returned, partition ->
+    column -> indexes, for the journal: `unwrite` replays it)."""
     dead = np.fromiter(cat.dead_warehouses | {warehouse}, dtype=np.uint16)
-    moved = 0
+    unwritten: dict[str, dict[str, np.ndarray]] = {}
     for part in cat.partitions.values():
         n = part.size
         for col, arr in part.rloc.items():
@@ -123,9 +135,25 @@ def promote(cat: Catalog, warehouse: int) -> int:
             if len(up):
                 loc[up] = rl[up]
                 rl[up] = NO_WAREHOUSE
-                moved += len(up)
-            rl[(loc == warehouse) & (rl == PENDING)] = NO_WAREHOUSE
-    return moved
+            cut = np.flatnonzero((loc == warehouse) & (rl == PENDING))
+            if len(cut):
+                unwritten.setdefault(part.name, {})[col] = cut
+    unwrite(cat, unwritten)
+    return unwritten
+
+
+def unwrite(cat: Catalog, values: dict[str, dict[str, np.ndarray]]) -> None:
+    """Values never acknowledged whose warehouse left: unwritten again (a re-send of their put writes them)."""
+    for name, cols in values.items():
+        part = cat.partitions.get(name)
+        if part is None:
+            continue
+        for col, idx in cols.items():
+            part.loc[col][idx] = NO_WAREHOUSE
+            rloc(part, col)[idx] = NO_WAREHOUSE
+            part.ready[idx] &= ~np.uint64(1 << part.columns[col])
+            for cons in part.consumers.values():
+                part.refresh(cons, idx)
 
 
 def missing(part: _Partition, dead: set[int], live: set[int]) -> dict[tuple[int, str], np.ndarray]:
@@ -151,14 +179,16 @@ def missing(part: _Partition, dead: set[int], live: set[int]) -> dict[tuple[int,
 
 
 def counts(part: _Partition) -> tuple[int, int]:
-    """(values with a replica, written values without one) of a partition."""
+    """(values with a replica, written values without one and without a copy on its way) of a partition."""
     n = part.size
     have = lack = 0
     for col, b in part.columns.items():
         written = ((part.ready[:n] >> np.uint64(b)) & np.uint64(1)) == 1
         written &= part.loc[col][:n] < _MARKS
         rl = part.rloc.get(col)
-        with_ = written & (rl[:n] < _MARKS) if rl is not None else np.zeros(n, dtype=bool)
-        have += int(np.count_nonzero(with_))
-        lack += int(np.count_nonzero(written & ~with_))
+        if rl is None:
+            lack += int(np.count_nonzero(written))
+            continue
+        have += int(np.count_nonzero(written & (rl[:n] < _MARKS)))
+        lack += int(np.count_nonzero(written & (rl[:n] == NO_WAREHOUSE)))
     return have, lack

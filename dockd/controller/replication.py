@@ -76,7 +76,11 @@ class Replication:
         """A warehouse holds a copy of written values (journaled ahead, like a commit)."""
         svc = self.svc
         applied = req.put_id and req.put_id in svc.core.put_keys.get(req.warehouse, ())
-        if svc.journal is not None and not applied:
+        part = svc.core.partitions.get(req.partition)
+        idx = np.asarray(req.indexes, dtype=np.int64)
+        failed = part is not None and len(idx) > 0 and idx.min() >= 0 and idx.max() < part.size and all(
+            c in part.loc and (part.loc[c][idx] == req.warehouse).all() for c in req.columns)  # (a copy that failed)
+        if svc.journal is not None and not applied and not failed:
             svc.journal.room()
             svc.journal.replica(req.partition, req.columns, req.warehouse, list(req.indexes), req.nbytes, req.put_id)
         return svc.core.commit_replica(req.partition, list(req.columns), warehouse=req.warehouse,

@@ -81,15 +81,15 @@ def locate(cat: Catalog, partition: str, indexes: Sequence[int], columns: Sequen
             )
     return locs
 
-def warehouse_lost(cat: Catalog, warehouse: int) -> int:
-    """`warehouse` left the dock: its values with a replica move to it (returns how many); the
-    others are lost (DockDataLost when met)."""
-    moved = replicas.promote(cat, warehouse)
+def warehouse_lost(cat: Catalog, warehouse: int) -> dict[str, dict[str, np.ndarray]]:
+    """`warehouse` left the dock: its values with a replica move to it, those whose copy was on its
+    way become unwritten (returned: see replicas.promote), the others are lost (DockDataLost when met)."""
+    unwritten = replicas.promote(cat, warehouse)
     cat.dead_warehouses.add(warehouse)
     cat.put_keys.pop(warehouse, None)
     for part in cat.partitions.values():
         part.nbytes.pop(warehouse, None)
-    return moved
+    return unwritten
 
 def rejoin(cat: Catalog, warehouse: int, inventory: Mapping[str, Inventory], *, known: bool | str) -> list[str]:
     """Reconcile what a rejoining warehouse holds with what this controller records.

@@ -26,6 +26,7 @@ import numpy as np
 
 from dockd import owners
 from dockd._proto import dockd_pb2 as pb
+from dockd.controller.catalog import StoredElsewhere
 from dockd.errors import DockConnectionError
 from dockd.peer import Peer
 
@@ -41,8 +42,11 @@ class Committed(list):
         self.replica = replica
 
 
-def answered(reply: pb.CommitReply) -> list:
-    """A commit's answer as its outcome: the indexes (a `Committed` when there is a copy to make)."""
+def answered(reply: pb.CommitReply) -> list | np.ndarray:
+    """A commit's answer as its outcome: the indexes (a `Committed` when there is a copy to make, a
+    `StoredElsewhere` when another warehouse holds a re-sent put's values)."""
+    if reply.stored:
+        return np.asarray(reply.indexes, dtype=np.int64).view(StoredElsewhere)
     return Committed(reply.indexes, reply.replica) if reply.HasField("replica") else list(reply.indexes)
 
 
@@ -78,7 +82,7 @@ class LocalCommitter:
 
     def _copy_to(self, req: pb.CommitRequest, res):
         """The outcome, with the warehouse to copy the put to (--replicas 2), if any."""
-        if isinstance(res, BaseException):
+        if isinstance(res, (BaseException, StoredElsewhere)):
             return res
         target = self.controller.replication.target_of(req, res)
         return res if target is None else Committed(res.tolist(), target)

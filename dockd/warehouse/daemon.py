@@ -354,6 +354,7 @@ class Node:
             out.warehouses.extend(self.controller.warehouse_infos())
             out.controller = f"{self.cfg.advertise or self.cfg.host}:{self.port}"
             out.controllers.extend(self.cfg.controllers)
+            out.replicas = self.cfg.replicas
         else:
             out.controller = self.cfg.join or ""
         peer.reply(frame, pb.Frame(hello_reply=out))

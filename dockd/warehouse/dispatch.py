@@ -21,6 +21,7 @@ from typing import Any
 
 from dockd import auth, limits
 from dockd._proto import dockd_pb2 as pb
+from dockd.controller.catalog import StoredElsewhere
 from dockd.errors import DockAuthError, DockProtocolError, DockValueError
 from dockd.peer import Peer
 from dockd.warehouse.tasks import reply_when_done, spawn
@@ -136,8 +137,8 @@ def commit_answer(ctl, peer: Peer, frame: pb.Frame, res) -> None:
     if isinstance(res, BaseException):
         peer.reply_error(frame, res)
         return
-    reply = pb.CommitReply(indexes=res.tolist())
-    target = ctl.replication.target_of(frame.commit, res)
+    reply = pb.CommitReply(indexes=res.tolist(), stored=isinstance(res, StoredElsewhere))
+    target = None if reply.stored else ctl.replication.target_of(frame.commit, res)
     if target is not None:
         reply.replica.CopyFrom(target)
     peer.reply(frame, pb.Frame(commit_reply=reply))

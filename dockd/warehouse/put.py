@@ -33,6 +33,7 @@ import numpy as np
 
 from dockd import codec, limits, shm
 from dockd._proto import dockd_pb2 as pb
+from dockd.controller.catalog import StoredElsewhere
 from dockd.errors import DockAuthError, DockError, DockProtocolError
 from dockd.metrics import Metrics
 from dockd.peer import Peer
@@ -60,6 +61,7 @@ class _Put:
     size: int            # reserved host bytes: the body, and what device runs spilled after it
     dev: list            # device-tier copies
     spilled: int
+    held: bool = False   # a replica of values this warehouse holds already (a repair that crossed the put's copy)
 
     @property
     def dev_bytes(self) -> int:
@@ -166,11 +168,12 @@ class PutPipeline:
         if req.token and self.tokens.again(peer, frame, lambda: self.admission.release(unreserve=size)):
             return
         dev, spilled = [], 0
+        held = req.replica and self.warehouse.has(req.partition, [(c.name, req.indexes) for c in req.columns])
         try:
             if req.device_buffers:
                 buf, seg, size, dev, spilled = take_device(peer, req, buf, seg, size, self.warehouse, self.segments,
                                                            self.metrics)
-            self._validate(req, buf, size, dev)
+            self._validate(req, buf, size, dev, held)
         except Exception as e:
             self.admission.release(unreserve=size, unreserve_device=sum(int(t.numel()) for t in dev))
             self.tokens.done(req.token, None, e)
@@ -178,19 +181,20 @@ class PutPipeline:
         commit = pb.CommitRequest(
             partition=req.partition, indexes=req.indexes, new_count=req.new_count, group_size=req.group_size or 1,
             columns=[c.name for c in req.columns], warehouse=self._wid(), nbytes=size, tags=req.tags,
-            replica=req.replica,
+            replica=req.replica, token=0 if req.replica else req.token,
         )
         if not req.indexes:  # new samples may wait for the partition's consumers (max_pending), as long as the put may
             commit.has_timeout, commit.timeout = True, req.timeout
-        put = _Put(peer, frame, buf, seg, size, dev, spilled)
+        put = _Put(peer, frame, buf, seg, size, dev, spilled, held)
         self.committer.commit(commit, req.timeout, peer, functools.partial(self._land, put))
 
-    def _validate(self, req: pb.PutRequest, buf, size: int, dev: list) -> None:
+    def _validate(self, req: pb.PutRequest, buf, size: int, dev: list, held: bool = False) -> None:
         """The put against its bytes, once they are all ours: its runs fit the body and device copies,
-        its msgpack values decode, and (explicit indexes) its columns are unwritten here."""
+        its msgpack values decode, and (explicit indexes) its columns are unwritten here (a replica
+        of values `held` here already is committed, not stored again)."""
         Warehouse.validate_put(req, size, [int(t.numel()) for t in dev])
         codec.check_msgpack(req.columns, buf)
-        if req.indexes:
+        if req.indexes and not held:
             self.warehouse.check_absent(req.partition, req.indexes, (c.name for c in req.columns))
 
     # -- store ---------------------------------------------------------------------------------
@@ -202,8 +206,16 @@ class PutPipeline:
             self._fail(put, res)
             return
         try:
-            if cleared:  # cleared after the controller applied it: answered, and gone as the clear says
+            # cleared after the controller applied it: answered, and gone as the clear says; or a put re-sent
+            # here after its first warehouse went away, whose values a warehouse holds: answered, not stored
+            if cleared or put.held or isinstance(res, StoredElsewhere):
                 self.admission.release(unreserve=put.size, unreserve_device=put.dev_bytes, seg=put.seg)
+            elif req.replica:  # stored whole; what the controller did not record (deleted meanwhile) is freed
+                self.warehouse.store(req.partition, req.indexes, req.columns, put.buf, put.size, put.seg, 0,
+                                     token=req.token)
+                dropped = np.setdiff1d(np.asarray(req.indexes, dtype=np.int64), np.asarray(res, dtype=np.int64))
+                if len(dropped):
+                    self.admission.free(req.partition, dropped)
             else:
                 self.warehouse.store(req.partition, res, req.columns, put.buf, put.size, put.seg, group_size(req),
                                      device=put.dev, token=req.token)  # (with --data-dir: written there first)
@@ -218,13 +230,25 @@ class PutPipeline:
         self._answer(put, out)
 
     async def _copy_then_answer(self, put: _Put, out: list[int], target: pb.WarehouseInfo) -> None:
+        """Copy the stored put to `target`, then answer it. A copy that fails is reported to the controller
+        first (its values have one holder: the controller repairs them), so that values whose copy is
+        still on its way when this warehouse dies were never acknowledged (see controller.replicas)."""
         req = put.frame.put
+        columns = [c.name for c in req.columns]
         try:
-            await self.replicator.copy(req.partition, out, [c.name for c in req.columns], target)  # type: ignore[union-attr]
+            await self.replicator.copy(req.partition, out, columns, target)  # type: ignore[union-attr]
         except Exception as e:  # noqa: BLE001 - stored and committed: the controller's repair copies it later
             logger.warning("[warehouse] copying a put to its replica on warehouse %d (%s:%d) failed partition=%s "
                            "samples=%d: %s; answered with one copy, the controller repairs it", target.id, target.host,
                            target.port, req.partition, len(out), e)
+            report = pb.CommitRequest(partition=req.partition, indexes=out, columns=columns, warehouse=self._wid(),
+                                      replica=True)
+            done = asyncio.get_running_loop().create_future()
+            self.committer.commit(report, req.timeout, put.peer, lambda res, cleared: done.set_result(res))
+            res = await done
+            if isinstance(res, BaseException):
+                self._fail(put, res)  # (its re-send is answered from what the controller holds: see Catalog.stored)
+                return
         self._answer(put, out)
 
     def _answer(self, put: _Put, out: list[int]) -> None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from dockd.local import read_ready
+from tests.conftest import wait_until
 
 PARTITION = "s"
 CONSUMER = "c"
@@ -56,6 +57,7 @@ def note(line):
 note(f"START {os.getpid()}")
 with dockd.connect(address) as d:
     i = base
+    home = None
     while not os.path.exists(stop):
         ids = list(range(i, i + PUT_COUNT))
         i += PUT_COUNT  # a failed put's ids are never put again: they may or may not be in the dock
@@ -68,6 +70,9 @@ with dockd.connect(address) as d:
             time.sleep(0.2)
             continue
         note("A " + " ".join(map(str, ids)) + " / " + " ".join(map(str, idx)))  # acknowledged, at these indexes
+        if d._router.home != home:
+            home = d._router.home
+            note(f"H {home}")  # the warehouse its puts go to (the test kills it with a put in flight)
         time.sleep(interval)
 note("STOP")
 """
@@ -110,7 +115,7 @@ with dockd.connect(address) as d:
                 note(f"ERR {type(e).__name__}: {str(e)[:200]!r}")
                 time.sleep(0.1)
             continue
-        except dockd.DockDataLost as e:  # never: a warehouse with a data dir keeps its samples
+        except dockd.DockDataLost as e:  # never: a data dir or a replica keeps every acknowledged sample
             note(f"LOST {str(e)[:300]!r}")
             continue
         ok = all(torch.equal(x, torch.full((WIDTH,), float(k))) for k, x in zip(b["id"], b["x"]))
@@ -137,11 +142,14 @@ def _code(body: str) -> str:
 # -- the dock and the processes --------------------------------------------------------------------
 class ChaosDock:
     """A controller (--state-dir, --no-warehouse) and two warehouses (--data-dir), a producer process
-    and a consumer process; each can be SIGKILLed and started again as itself."""
+    and a consumer process; each can be SIGKILLed and started again as itself. With `replicas`, the
+    controller keeps two copies of each put (--replicas 2) and the warehouses have no data dir: a
+    killed one can stay dead."""
 
     def __init__(self, workdir: str, *, warehouses: int = 2, put_interval: float = 0.02, think: float = 0.03,
-                 lease_timeout: float = LEASE_TIMEOUT) -> None:
+                 lease_timeout: float = LEASE_TIMEOUT, replicas: bool = False) -> None:
         self.workdir = workdir
+        self.replicas = replicas
         self.put_interval = put_interval
         self.think = think
         self.lease_timeout = lease_timeout
@@ -186,12 +194,13 @@ class ChaosDock:
     def start_controller(self) -> None:
         self.ctrl, ready = self._spawn(["--controller", "--no-warehouse", "--state-dir", self.state_dir,
                                         "--port", str(self.ctrl_port), "--lease-timeout", str(self.lease_timeout),
-                                        "--warehouse-grace", "60"])
+                                        "--warehouse-grace", "60", *(["--replicas", "2"] if self.replicas else [])])
         self.ctrl_port = ready["port"]
 
     def start_warehouse(self, i: int) -> None:
-        self.whs[i], ready = self._spawn(["--join", self.address, "--data-dir", self.data_dirs[i],
-                                          "--capacity", "1GiB", "--port", str(self.wh_ports[i])])
+        keep = [] if self.replicas else ["--data-dir", self.data_dirs[i]]
+        self.whs[i], ready = self._spawn(["--join", self.address, *keep, "--capacity", "1GiB",
+                                          "--port", str(self.wh_ports[i])])
         self.wh_ports[i] = ready["port"]
 
     # workers
@@ -214,6 +223,21 @@ class ChaosDock:
 
     def log_of(self, kind: str) -> str:
         return os.path.join(self.logs, f"{kind}.{self.incarnations[kind]}.log")
+
+    def kill_for_good(self, which: int, after_put: bool = False) -> None:
+        """SIGKILL warehouse `which` and never start it again (replicas keep its samples); with
+        `after_put`, the producer's home warehouse the moment a put of its is in flight."""
+        if after_put:
+            which = self.producer_home()
+            self._wait_for_line(self.log_of("producer"), "T ", 10)
+        self._note(f"--- SIGKILL warehouse{which} for good{' with a put in flight' if after_put else ''}")
+        _sigkill(self.whs[which])
+        self.whs[which] = None
+
+    def producer_home(self) -> int:
+        with open(self.log_of("producer")) as f:
+            homes = [ln.split()[1] for ln in f if ln.startswith("H ")]
+        return int(homes[-1])
 
     def kill(self, kind: str, which: int = 0, down: float = 0.0, after: str = "") -> str:
         """SIGKILL one process of `kind` and start it again (`down` seconds later); what was done.
@@ -508,3 +532,38 @@ def test_kill_each_kind_in_turn_is_exactly_once(tmp_path):
     assert not acc.violations(), "\n".join(acc.violations()) + f"\n{acc.summary()}\nlogs: {workdir}"
     assert acc.acked >= 200 and acc.distinct >= acc.acked
     assert acc.cut_puts >= 1  # the producer killed with its put in flight
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_warehouses_killed_for_good_lose_nothing_with_replicas(tmp_path):
+    """--replicas 2, warehouses without data dirs: two of three warehouses are SIGKILLed and never
+    come back (one of them with the producer's put in flight to it), the controller is SIGKILLed and
+    restarted on its state dir; every acknowledged sample is delivered, none twice, no DockDataLost."""
+    import dockd
+
+    workdir = str(tmp_path)
+    dock = ChaosDock(workdir, warehouses=3, replicas=True)
+
+    def repaired() -> bool:
+        with dockd.connect(dock.address) as d:
+            return d.stats()["partitions"][PARTITION]["under_replicated"] == 0
+
+    try:
+        dock.start_producer()
+        dock.start_consumer()
+        wait_progress(dock, 40, 60)
+        dock.kill_for_good(0, after_put=True)
+        wait_progress(dock, 40, 60)
+        wait_until(repaired, 30, "every value on two warehouses again")
+        dock.kill("controller")
+        wait_progress(dock, 40, 60)
+        wait_until(repaired, 30, "every value on two warehouses again")
+        dock.kill_for_good(dock.producer_home(), after_put=True)
+        wait_progress(dock, 40, 60)
+        acc = dock.drain(timeout=30)
+    finally:
+        dock.close()
+    print(acc.summary())
+    assert not acc.violations(), "\n".join(acc.violations()) + f"\n{acc.summary()}\nlogs: {workdir}"
+    assert acc.acked >= 150 and acc.distinct >= acc.acked

@@ -105,3 +105,37 @@ def test_a_dock_without_replicas_reports_none():
         assert _replicas(dock, "p") == (0, 0)
     finally:
         cluster.close()
+
+
+def test_a_put_re_sent_to_another_warehouse_is_applied_once(monkeypatch):
+    """A client re-sends a put to another warehouse when its warehouse goes away (same put token):
+    answered with the first attempt's indexes while their values are held, written again at those
+    indexes once their warehouse is lost. The re-sends are forced here by giving two puts one token."""
+    from dockd.client import put as client_put
+
+    cluster = dockd.start_local(num_warehouses=3, capacity="64MiB", extra_args=["--warehouse-grace", "2"])
+    try:
+        z, a, b = (dockd.connect(cluster.address, warehouse=cluster.warehouses[k]) for k in (0, 1, 2))
+        values = _values(7, 4)
+        monkeypatch.setattr(client_put.ids, "random_bits", lambda bits: 0x5EED)
+        first = a.put(values, partition="p")
+        again = z.put(values, partition="p")  # the first attempt's values are on warehouse 1: nothing stored
+        monkeypatch.undo()
+        assert again == first == [0, 1, 2, 3]
+        stats = a.stats()
+        assert stats["partitions"]["p"]["samples"] == 4 and stats["warehouses"][0]["bytes"] == 0, stats
+        z.close()
+
+        _kill(cluster.procs[1])
+        wait_until(lambda: a.stats()["warehouses"][1]["state"] == "lost", 30, "warehouse 1 lost")
+        with pytest.raises(dockd.DockDataLost):
+            b.get("c", ["x"], 4, partition="p", timeout=10)
+        monkeypatch.setattr(client_put.ids, "random_bits", lambda bits: 0x5EED)
+        assert b.put(values, partition="p") == first  # its warehouse is gone: written again, at the same indexes
+        monkeypatch.undo()
+        got = b.get("c", ["x", "who"], 4, partition="p", timeout=10)
+        assert sorted(got.indexes) == first and b.stats()["partitions"]["p"]["samples"] == 4
+        assert np.array_equal(np.stack([np.asarray(v) for v in got["x"]]), values["x"][np.argsort(got.indexes)])
+        b.close()
+    finally:
+        cluster.close()

@@ -48,8 +48,8 @@ def test_replica_commits_that_do_not_describe_a_copy_are_refused():
     c.commit("p", ["z"], warehouse=0, indexes=[0])
     with pytest.raises(DockNotFound, match="not written"):
         c.commit_replica("p", ["z"], warehouse=1, indexes=[1])
-    with pytest.raises(DockValueError, match="holds column 'z' of these samples already"):
-        c.commit_replica("p", ["z"], warehouse=0, indexes=[0])
+    with pytest.raises(DockValueError, match="holds column 'x' of some of these samples already"):
+        c.commit_replica("p", ["x"], warehouse=0, indexes=[3, 4])
     with pytest.raises(DockValueError, match="already has its replica on warehouse 1"):
         c.commit_replica("p", ["x"], warehouse=2, indexes=[0])
     with pytest.raises(DockNotFound, match="do not exist"):
@@ -60,7 +60,7 @@ def test_replica_commits_that_do_not_describe_a_copy_are_refused():
 
 def test_a_lost_warehouse_s_values_move_to_their_replicas_and_nothing_is_lost():
     c = _dock()
-    assert c.warehouse_lost(1) == 8  # samples 4-7, two columns each, now live on warehouse 2
+    assert c.warehouse_lost(1) == {}  # samples 4-7 now live on warehouse 2 (none left unwritten)
     part = c.partitions["p"]
     assert part.loc["x"][:8].tolist() == [0, 0, 0, 0, 2, 2, 2, 2]
     # the replicas warehouse 1 held (of 0-3) are gone; 4-7 are home on 2 without a replica now
@@ -91,8 +91,9 @@ def test_a_pending_copy_is_neither_a_replica_nor_repaired_until_it_is_given_up()
     idx = np.arange(4)
     replicas.mark_pending(part, ["x"], idx)
     assert part.rloc["x"][:4].tolist() == [PENDING_WAREHOUSE] * 4
-    assert replicas.missing(part, set(), {0, 1}) == {} and replicas.counts(part) == (0, 4)
-    assert c.warehouse_lost(0) == 0  # a copy on its way is not a replica to promote
+    assert replicas.missing(part, set(), {0, 1}) == {} and replicas.counts(part) == (0, 0)  # (on its way: not under-replicated)
+    # a copy on its way is no replica: the put was not answered yet, its values are unwritten again
+    assert c.warehouse_lost(0)["p"]["x"].tolist() == [0, 1, 2, 3] and part.ready[:4].tolist() == [0] * 4
     c2 = Controller()
     c2.commit("p", ["x"], warehouse=0, new_count=4)
     replicas.mark_pending(c2.partitions["p"], ["x"], idx)
@@ -133,3 +134,54 @@ def test_replicas_survive_the_journal_and_a_snapshot_but_not_a_copy_on_its_way(t
     core.partitions["p"].loc["x"][:2] = 0  # (compare the snapshot path too)
     snap = Controller.restore(core.snapshot(0.0), wall_offset=0.0)
     assert snap.partitions["p"].rloc["x"][:4].tolist() == [1, 1, NO_WAREHOUSE, NO_WAREHOUSE]
+
+
+def test_a_copy_that_failed_is_reported_by_the_home_and_repaired_later():
+    c = Controller()
+    c.commit("p", ["x"], warehouse=0, new_count=4)
+    part = c.partitions["p"]
+    replicas.mark_pending(part, ["x"], np.arange(4))
+    # the home itself commits the "replica": its copy failed, the values have none (not a pending one)
+    assert c.commit_replica("p", ["x"], warehouse=0, indexes=[0, 1, 2, 3]).tolist() == [0, 1, 2, 3]
+    assert part.rloc["x"][:4].tolist() == [NO_WAREHOUSE] * 4
+    assert replicas.missing(part, set(), {0, 1})[(0, "x")].tolist() == [0, 1, 2, 3]
+
+
+def test_values_whose_copy_was_on_its_way_when_their_warehouse_died_were_never_acknowledged(tmp_path):
+    j = Journal(tmp_path)
+    core, _ = j.load(lease_timeout=60, now=0.0)
+    core.commit("p", ["x"], warehouse=0, new_count=2, token=11)
+    j.commit("p", ["x"], 0, None, 2, 1, 0, 0, None, 11)
+    core.commit("p", ["x"], warehouse=0, new_count=2, token=12)
+    j.commit("p", ["x"], 0, None, 2, 1, 0, 0, None, 12)
+    replicas.mark_pending(core.partitions["p"], ["x"], np.array([2, 3]))  # put 12's copy on its way
+    core.commit_replica("p", ["x"], warehouse=1, indexes=[0, 1])
+    j.replica("p", ["x"], 1, [0, 1], 0, 0)
+    unwritten = core.warehouse_lost(0)
+    j.lost(0, unwritten)
+    assert {p: {c: ix.tolist() for c, ix in cols.items()} for p, cols in unwritten.items()} == {"p": {"x": [2, 3]}}
+    # put 11 is served from its replica; put 12 was never answered: unwritten, not lost
+    assert core.acquire("p", "t", ["x"], 4, allow_partial=True).indexes.tolist() == [0, 1]
+    assert core.ready_count("p", "u", ["x"]) == 2
+    # its writer re-sends it (same token) to warehouse 2: written again at the same indexes
+    assert core.catalog.stored("p", 12) is None and core.catalog.stored("p", 11).tolist() == [0, 1]
+    again = core.commit("p", ["x"], warehouse=2, new_count=2, token=12)
+    j.commit("p", ["x"], 2, None, 2, 1, 0, 0, None, 12)
+    assert again.tolist() == [2, 3] and core.partitions["p"].size == 4
+    assert core.locate("p", [0, 1, 2, 3], ["x"]).tolist() == [[1, 1, 2, 2]]
+    j.sync()
+    j.close()
+    back, _ = Journal(tmp_path).load(lease_timeout=60, now=0.0)
+    assert back.locate("p", [0, 1, 2, 3], ["x"]).tolist() == [[1, 1, 2, 2]] and back.partitions["p"].size == 4
+
+
+def test_a_put_re_sent_elsewhere_after_its_warehouse_died_fills_the_same_samples():
+    c = Controller()
+    c.commit("p", ["x"], warehouse=0, new_count=3, token=5)
+    c.warehouse_lost(0)
+    with pytest.raises(DockDataLost):
+        c.acquire("p", "t", ["x"], 3)
+    # a consumer met them lost; the re-send (same token) at warehouse 1 makes them readable again
+    assert c.commit("p", ["x"], warehouse=1, new_count=3, token=5).tolist() == [0, 1, 2]
+    assert sorted(c.acquire("p", "t", ["x"], 3).indexes.tolist()) == [0, 1, 2]
+    assert c.catalog.stored("p", 5).tolist() == [0, 1, 2]
