@@ -186,6 +186,8 @@ class Acquiring:
 
     def reply(self, peer: Peer, frame: pb.Frame, r: pb.AcquireRequest, res: AcquireResult) -> None:
         svc = self.svc
+        if svc.replication.replicas > 1 and len(res.indexes):  # (values whose warehouse is away: from their replica)
+            res.locations = svc.replication.readable(r.partition, r.columns, res.indexes, res.locations)
         locs = res.locations.ravel().tolist()
         out = pb.Frame()
         reply = out.acquire_reply  # filled in place: building a message and wrapping it would copy it

@@ -86,6 +86,24 @@ class Replication:
         return svc.core.commit_replica(req.partition, list(req.columns), warehouse=req.warehouse,
                                        indexes=list(req.indexes), nbytes=req.nbytes, put_id=req.put_id)
 
+    def readable(self, partition: str, columns, idx: np.ndarray, locs: np.ndarray) -> np.ndarray:
+        """A get's locations (columns x samples), with values whose warehouse is away (rejoining, or not
+        answering) but whose replica's is joined read from the replica."""
+        away = [e.id for e in self.svc.members.entries.values() if e.state in ("rejoining", "unresponsive")]
+        if not away or not np.isin(locs, away).any():
+            return locs
+        part = self.svc.core.partitions[partition]
+        joined = self._joined()
+        out = locs.copy()
+        for row, c in enumerate(columns):
+            rl = part.rloc.get(c)
+            if rl is None:
+                continue
+            alt = rl[idx]
+            swap = np.isin(out[row], away) & np.isin(alt, joined)
+            out[row][swap] = alt[swap]
+        return out
+
     def counts(self, partition: str) -> tuple[int, int]:
         return replicas.counts(self.svc.core.partitions[partition])
 

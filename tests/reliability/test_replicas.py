@@ -139,3 +139,24 @@ def test_a_put_re_sent_to_another_warehouse_is_applied_once(monkeypatch):
         b.close()
     finally:
         cluster.close()
+
+
+def test_values_of_a_warehouse_that_stopped_answering_are_read_from_their_replicas():
+    cluster = dockd.start_local(num_warehouses=3, replicas=2, capacity="64MiB",
+                                extra_args=["--heartbeat-timeout", "1", "--heartbeat-interval", "0.2"])
+    stopped = None
+    try:
+        writer = dockd.connect(cluster.address, warehouse=cluster.warehouses[2])
+        writer.put(_values(3, 6), partition="p")
+        stopped = cluster.procs[2]
+        stopped.send_signal(signal.SIGSTOP)  # its connections stay open: away, not lost
+        reader = dockd.connect(cluster.address, warehouse=cluster.warehouses[0])
+        wait_until(lambda: reader.stats()["warehouses"][2]["state"] == "unresponsive", 30, "warehouse 2 unresponsive")
+        got = reader.get("c", ["x"], 6, partition="p", timeout=10)
+        back = np.stack([np.asarray(v) for v in got["x"]])
+        assert np.array_equal(back, _values(3, 6)["x"][got.indexes]), "read from the replicas"
+        reader.close()
+    finally:
+        if stopped is not None:
+            stopped.send_signal(signal.SIGCONT)
+        cluster.close()
