@@ -54,7 +54,7 @@ import pyarrow as pa
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockFull, DockNotFound, DockValueError
-from dockd.warehouse.layout import Indexes, _Batch, _Body, _Column, _idx, _numbers, _Part, _runs
+from dockd.warehouse.layout import SMALL_RUN, Indexes, _Batch, _Body, _Column, _idx, _numbers, _Part, _runs
 
 if TYPE_CHECKING:
     import torch
@@ -162,6 +162,11 @@ class Warehouse:
         part = self.parts.get(partition)
         if part is None:
             return
+        if len(indexes) <= SMALL_RUN:  # (a few samples: scalar looks first, arrays only to name a duplicate)
+            few = [int(i) for i in indexes]
+            columns = [c for c in columns if c in part.columns and part.columns[c].any_present(few)]
+            if not columns:
+                return
         idx = _idx(indexes)
         for c in columns:
             col = part.columns.get(c)
@@ -197,7 +202,8 @@ class Warehouse:
         if segment is not None:
             part.segments.append(segment)
         idx = _idx(indexes)
-        top = int(idx.max()) + 1 if len(idx) else 0
+        few = idx.tolist() if len(idx) <= SMALL_RUN else None  # (a few samples: filed with scalar writes)
+        top = (max(few, default=-1) if few is not None else int(idx.max()) if len(idx) else -1) + 1
         owner = _Body(nbytes, segment, len(idx), columns[0].name if columns else "", device_nbytes)
         owner.file = file
         owner.file_layout = file is not None
@@ -217,8 +223,14 @@ class Warehouse:
                     data = body.slice(run.offset, run.nbytes)
                 else:
                     data = pa.py_buffer(b"")
-                rows = idx[k : k + run.count]
-                col.batch_of[rows] = len(col.batches)
+                bid = len(col.batches)
+                if few is not None:
+                    rows: np.ndarray | list[int] = few[k : k + run.count]
+                    for r in rows:
+                        col.batch_of[r] = bid
+                else:
+                    rows = idx[k : k + run.count]
+                    col.batch_of[rows] = bid
                 owner.batches.append((c.name, len(col.batches)))  # (names, not objects: no reference cycle)
                 col.batches.append(_Batch(run, data, None if dev is not None else segment, rows, owner, dev))
                 k += run.count

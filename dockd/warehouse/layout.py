@@ -16,6 +16,8 @@ from dockd._proto import dockd_pb2 as pb
 from dockd.codec import ITEMSIZE
 from dockd.errors import DockValueError
 
+SMALL_RUN = 8  # runs of at most this many values are filed with scalar code (a per-sample put's)
+
 if TYPE_CHECKING:
     import torch
 
@@ -52,7 +54,8 @@ class _Batch:
     __slots__ = ("kind", "dtype", "shape", "unit", "ends", "lengths", "data", "device", "segment", "count", "first",
                  "keys", "order", "body", "at")
 
-    def __init__(self, run: pb.Run, data: pa.Buffer | None, segment: object, rows: np.ndarray, body: _Body | None = None,
+    def __init__(self, run: pb.Run, data: pa.Buffer | None, segment: object, rows: np.ndarray | list[int],
+                 body: _Body | None = None,
                  device: torch.Tensor | None = None) -> None:
         self.body = body
         self.at = (0, 0)  # while its put is spilled (data None): where its bytes are in the put's body
@@ -72,17 +75,31 @@ class _Batch:
             self.unit = math.prod(self.shape) * ITEMSIZE[run.dtype]  # bytes per value
         if run.kind == pb.MSGPACK or (self.shape and self.shape[0] == -1):
             small = run.nbytes < (1 << 32)
-            self.lengths = np.asarray(run.lengths, dtype=np.uint32 if small else np.uint64)
-            self.ends = np.cumsum(self.lengths, dtype=np.uint64)
-            if self.unit != 1:
-                self.ends *= np.uint64(self.unit)
-            if small:
-                self.ends = self.ends.astype(np.uint32)
-        self.first = int(rows[0]) if len(rows) else 0
-        if not len(rows) or (int(rows[-1]) - self.first == len(rows) - 1
-                             and (len(rows) < 3 or bool((rows[1:] - rows[:-1] == 1).all()))):
+            kind = np.uint32 if small else np.uint64
+            self.lengths = np.array(run.lengths, dtype=kind)
+            if run.count <= SMALL_RUN:  # (a few values: Python sums)
+                ends, total = [], 0
+                for length in run.lengths:
+                    total += length * self.unit
+                    ends.append(total)
+                self.ends = np.array(ends, dtype=kind)
+            else:
+                ends_ = np.cumsum(self.lengths, dtype=np.uint64)
+                if self.unit != 1:
+                    ends_ *= np.uint64(self.unit)
+                self.ends = ends_.astype(np.uint32) if small else ends_
+        n = len(rows)
+        self.first = int(rows[0]) if n else 0
+        if n <= SMALL_RUN:  # (scalar checks for a few rows)
+            listed = rows.tolist() if isinstance(rows, np.ndarray) else list(rows)
+            in_order = all(b - a == 1 for a, b in zip(listed, listed[1:]))
+        else:
+            arr = np.asarray(rows)
+            in_order = int(arr[-1]) - self.first == n - 1 and bool((arr[1:] - arr[:-1] == 1).all())
+        if in_order:
             self.keys = self.order = None
         else:  # indexes in any order (a put of existing samples): look rows up
+            rows = np.asarray(rows, dtype=np.int64)
             self.order = np.argsort(rows, kind="stable").astype(np.int32)
             self.keys = rows[self.order]
 
@@ -160,6 +177,11 @@ class _Column:
         ok = idx < len(self.batch_of)
         ok[ok] = self.batch_of[idx[ok]] >= 0
         return ok
+
+    def any_present(self, indexes: list[int]) -> bool:
+        """Whether any of a few indexes is stored (scalar: no array work)."""
+        batch_of, n = self.batch_of, len(self.batch_of)
+        return any(0 <= i < n and batch_of[i] >= 0 for i in indexes)
 
     def batch(self, bid: int) -> _Batch:
         """A batch that batch_of names (one whose values are all deleted is named nowhere)."""
