@@ -107,6 +107,7 @@ def render(snap: dict[str, Any], *, address: str, error: str = "") -> Group:
                    + (f", groups of {p['group_size']}" if p["group_size"] > 1 else "")
                    + (f", {p['deleted']:,} deleted" if p.get("deleted") else "")
                    + (" (sealed)" if p.get("sealed") else "")
+                   + (f", {p['under_replicated']:,} values on one warehouse" if p.get("under_replicated") else "")
                    + (" (recovered)" if p["recovered"] else "")
                    + (f"  [controller {p['controller']}]" if several and p.get("controller") else ""),
                    title_justify="left")

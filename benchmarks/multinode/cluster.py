@@ -182,10 +182,11 @@ def dock_token(workdir: Path) -> dict[str, str]:
 
 
 class DockdNodes:
-    """``dockd serve`` on every node: node 0 hosts the controller, the others join it."""
+    """``dockd serve`` on every node: node 0 hosts the controller (``replicas``: its --replicas), the others
+    join it."""
 
     def __init__(self, topo: Topology, n: int, workdir: Path, *, capacity: str, timeout: float,
-                 env_extra: dict[str, str] | None = None) -> None:
+                 env_extra: dict[str, str] | None = None, replicas: int = 1) -> None:
         self.procs: list[subprocess.Popen] = []
         self.ready: list[dict[str, Any]] = []
         env = dict(spawn_env(), PYTHONUNBUFFERED="1", **(env_extra or {}))
@@ -196,7 +197,7 @@ class DockdNodes:
         try:
             for node in topo.nodes[:n]:
                 log = workdir / f"dockd-node{node.index}.log"
-                role = ["--controller"] if node.index == 0 else ["--join", self.controller]
+                role = ["--controller", "--replicas", str(replicas)] if node.index == 0 else ["--join", self.controller]
                 try:
                     proc, ready = spawn_node(["--host", node.ip, *common, *role], timeout=timeout, env=env,
                                              prefix=_session_prefix(node, log))

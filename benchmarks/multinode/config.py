@@ -10,9 +10,11 @@ from .netns import DEFAULT_PREFIX, DEFAULT_SUBNET, check_prefix
 
 KiB = 1024
 
-LAYOUTS = ("central", "distributed", "ray")
+LAYOUTS = ("central", "distributed", "replicated", "ray")
 """central: one dockd warehouse on node 0 for every worker; distributed: one warehouse per node, each worker
-writes to its own node's; ray: one Ray actor buffer on node 0 (MindSpeed-RL TransferDock style)."""
+writes to its own node's; replicated: distributed with ``dockd serve --replicas 2`` (each put is copied to the
+next node's warehouse before it is answered); ray: one Ray actor buffer on node 0 (MindSpeed-RL TransferDock
+style)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -38,7 +40,7 @@ class MultinodeConfig:
     """Workers per consumer stage on every node (threads of the node's agent, each with its own connection and
     an equal share of the node's quota), like the data-parallel ranks of a trainer."""
     prefer_local: bool = True
-    """distributed layout: consumers take their own node's samples first (``Dock.get(prefer_local=True)``),
+    """distributed and replicated layouts: consumers take their own node's samples first (``Dock.get(prefer_local=True)``),
     then others; False: strict FIFO by index, so (N-1)/N of the reads cross links."""
     put_chunk: int = 8
     """Samples per rollout put."""

@@ -23,6 +23,11 @@ distributed (one warehouse per node, each writer writes to its own)::
     every node sends and receives b·R·(N-1)/N (a reader finds 1/N of its samples at home)
     every warehouse stores b·W and serves b·R
 
+replicated (distributed, and each put copied to the next node's warehouse before it is answered)::
+
+    as distributed, plus b·W more sent and received by every node (N > 1)
+    every warehouse stores 2·b·W and serves b·R (readers read the home copy)
+
 The busiest link bounds the iteration from below: ``T >= max bytes / C``, so
 central throughput stays at about C / max(W, R) samples/s whatever N,
 and distributed throughput grows as N²/(N-1) · C/R ~ N · C/R. Protocol
@@ -38,7 +43,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 CENTRAL_LIKE = ("central", "ray")
-LAYOUTS = ("central", "distributed", "ray")
+LAYOUTS = ("central", "distributed", "replicated", "ray")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +98,12 @@ def traffic(layout: str, nodes: int, wl: Workload, *, link_bytes_per_s: float | 
         warehouses = 1
         stored, served, served_remote = samples * w, samples * r, (n - 1) * b * r
     else:
+        copies = b * w if layout == "replicated" and n > 1 else 0  # (to the next node, from the previous one)
         x = b * r * (n - 1) / n
-        node0 = {"rx": x, "tx": x}
-        other = {"rx": x, "tx": x} if n > 1 else None
+        node0 = {"rx": x + copies, "tx": x + copies}
+        other = {"rx": x + copies, "tx": x + copies} if n > 1 else None
         warehouses = n
-        stored, served, served_remote = b * w, b * r, x
+        stored, served, served_remote = b * w + copies, b * r, x
     links = [node0] + ([other] if other else [])
     busiest = max(max(d.values()) for d in links)
     total_link = node0["rx"] + node0["tx"] + (n - 1) * ((other or {}).get("rx", 0) + (other or {}).get("tx", 0))

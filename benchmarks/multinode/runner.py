@@ -56,9 +56,11 @@ def run_all(cfg: MultinodeConfig, tag: str, workdir: Path) -> dict[str, Any]:
                         burst_bytes=cfg.link_burst_bytes or None, sysctls=cfg.node_sysctls)
         with topo:
             out["topologies"][str(n)] = topo.describe()
-            dockd_layouts = [l for l in cfg.layouts if l != "ray"]
+            dockd_layouts = [l for l in cfg.layouts if l in ("central", "distributed")]
             if dockd_layouts:
                 out["runs"] += _run_dockd(topo, n, cfg, workdir, tag, dockd_layouts)
+            if "replicated" in cfg.layouts:  # (a dock of its own: --replicas is the controller's)
+                out["runs"] += _run_dockd(topo, n, cfg, workdir, tag, ["replicated"], replicas=2)
             if "ray" in cfg.layouts:
                 out["runs"] += _run_ray(topo, n, cfg, workdir, tag)
         left = [ns for ns in list_namespaces() if ns.startswith(tag)]
@@ -75,12 +77,12 @@ def _failed(layout: str, n: int, cfg: MultinodeConfig, error: str) -> dict[str, 
 
 
 def _run_dockd(topo: Topology, n: int, cfg: MultinodeConfig, workdir: Path, tag: str,
-               layouts: list[str]) -> list[dict[str, Any]]:
+               layouts: list[str], replicas: int = 1) -> list[dict[str, Any]]:
     t0 = time.perf_counter()
     try:
         auth = dock_token(workdir)
         daemons = DockdNodes(topo, n, workdir, capacity=cfg.daemon_capacity, timeout=cfg.start_timeout_s,
-                             env_extra=auth)
+                             env_extra=auth, replicas=replicas)
     except Exception as e:
         return [_failed(l, n, cfg, str(e)) for l in layouts]
     runs: list[dict[str, Any]] = []
@@ -96,7 +98,7 @@ def _run_dockd(topo: Topology, n: int, cfg: MultinodeConfig, workdir: Path, tag:
             home = wids[0] if layout == "central" else None
             setup = {"cmd": "setup", "backend": "dockd", "controller": daemons.controller, "warehouse": home,
                      "consumer_workers": cfg.consumer_workers,
-                     "prefer_local": bool(cfg.prefer_local and layout == "distributed")}
+                     "prefer_local": bool(cfg.prefer_local and layout != "central")}
             expect = [wids[0]] * n if layout == "central" else wids
 
             def check_homes(replies: list[dict[str, Any]], expect: list[int] = expect) -> None:
@@ -110,7 +112,8 @@ def _run_dockd(topo: Topology, n: int, cfg: MultinodeConfig, workdir: Path, tag:
                                     controller_pid=daemons.pids()[0],
                                     warehouse_nodes={w: i for i, w in enumerate(wids)},
                                     extra={"startup_s": startup, "controller": daemons.controller,
-                                           "warehouse_ids": wids, "authenticated": bool(auth)})
+                                           "warehouse_ids": wids, "authenticated": bool(auth),
+                                           "replicas": replicas})
     finally:
         agents.close()
         daemons.close()
@@ -241,7 +244,7 @@ def _one_iteration(topo: Topology, n: int, layout: str, agents: Agents, cfg: Mul
     end = max(s["end"] for node in stages for s in node.values())
     written = [key for node in stages for key in node["rollout"]["keys"]]
     taken = {c: [key for node in stages for key in node[c]["keys"]] for c in CONSUMERS}
-    central = layout != "distributed"
+    central = layout not in ("distributed", "replicated")
     col_bytes = cfg.column_bytes
     served = {i: 0 for i in range(n)}
     remote_reads = {i: 0 for i in range(n)}

@@ -254,3 +254,22 @@ def test_streaming_table_and_report():
     # the multinode report carries the section, with a load-benchmark figure when the results give one
     assert report.streaming_cpu_figure({})[0] == model.STREAMING_CPU_S_PER_REQUEST
     assert report.streaming_cpu_figure({"streaming_cpu_s_per_request": 4e-4})[0] == 4e-4
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_replicated_traffic_adds_one_copy_of_each_write_per_link(n):
+    w, b = wl(), 32
+    d, r = model.traffic("distributed", n, w), model.traffic("replicated", n, w)
+    extra = b * w.written_bytes if n > 1 else 0
+    assert r["per_warehouse_stored_bytes"] == d["per_warehouse_stored_bytes"] + extra
+    assert r["per_warehouse_served_bytes"] == d["per_warehouse_served_bytes"]  # (readers read the home copy)
+    assert r["node0_link"] == {"rx": d["node0_link"]["rx"] + extra, "tx": d["node0_link"]["tx"] + extra}
+    assert r["busiest_link_bytes"] == d["busiest_link_bytes"] + extra
+
+
+def test_the_replicated_layout_is_reported_against_distributed():
+    runs = [{"layout": lay, "nodes": 4, "check": None, "status": "ok",
+             "summary": {"samples_per_s": sps, "warehouse_served": {0: 1}, "per_warehouse_served": 1}}
+            for lay, sps in (("central", 100.0), ("distributed", 400.0), ("replicated", 300.0))]
+    checks = {c["id"]: c for c in report.compute_checks({"runs": runs})}
+    assert checks["replicated_vs_distributed"]["value"] == pytest.approx(0.75)

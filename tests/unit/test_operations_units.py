@@ -72,3 +72,7 @@ def test_the_view_marks_the_slowest_consumer_and_unreachable_warehouses():
     console = Console(file=io.StringIO(), width=100)
     console.print(render(snap, address="h:1"))
     assert "partition step-1: 10 samples, groups of 2, 4 deleted (sealed)" in console.file.getvalue()
+    snap["partitions"]["step-1"].update(under_replicated=6)
+    console = Console(file=io.StringIO(), width=120)
+    console.print(render(snap, address="h:1"))
+    assert "(sealed), 6 values on one warehouse" in " ".join(console.file.getvalue().split())
