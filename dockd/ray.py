@@ -118,6 +118,7 @@ def launch(
     shm: bool = True,
     log_level: str = "WARNING",
     timeout: float = 120.0,
+    replicas: int = 1,
 ) -> str:
     """Start a dock on the Ray cluster (or find the one running); its controller's "host:port".
 
@@ -140,6 +141,8 @@ def launch(
         shm: serve same-host clients over shared memory (False: TCP only, ``--no-shm``).
         log_level: the daemons' log level; their logs go to the Ray worker logs.
         timeout: seconds each daemon may take to report ready.
+        replicas: 2 keeps every put's values on two warehouses (``dockd serve --replicas 2``), so a
+            node that dies loses nothing; 1: one.
     """
     ray = initialized_ray("launch")
     args = _serve_args(capacity, lease_timeout, port, watch_interval, num_cpus, shm, log_level, timeout)
@@ -151,7 +154,7 @@ def launch(
     node0 = node_zero()
     t0 = time.monotonic()
     token, daemon_token = secrets.token_hex(32), secrets.token_hex(32)
-    info = start_controller(namespace, node0, [*args, "--controller"], num_cpus, timeout, token, daemon_token)
+    info = start_controller(namespace, node0, [*args, "--controller", "--replicas", str(replicas)], num_cpus, timeout, token, daemon_token)
     address: str = info["address"]
     # another launch may have started this controller first: warehouses join whichever runs, with its tokens
     controller = get_actor(CONTROLLER_NAME, namespace)

@@ -150,7 +150,7 @@ def ray_cluster() -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def dock_address(ray_cluster: Any) -> Iterator[str]:
-    address = dock_ray.launch("256MiB", lease_timeout=30.0, watch_interval=0.5)
+    address = dock_ray.launch("256MiB", lease_timeout=30.0, watch_interval=0.5, replicas=2)
     try:
         yield address
     finally:
@@ -256,6 +256,8 @@ def test_killed_warehouse_actor_takes_its_daemon_and_is_replaced(dock_address: s
 
     infos = dock_ray.warehouses()
     nid, old = next((n, i) for n, i in sorted(infos.items()) if i["role"] == "warehouse")
+    with dockd.connect(dock_address, warehouse=old["address"]) as writer:  # (the dock keeps two replicas)
+        kept = writer.put({"x": list(range(8))}, partition="kept")
     ray.kill(ray.get_actor(dock_ray.WAREHOUSE_PREFIX + nid, namespace="dockd"))  # SIGKILLs the actor
     wait_until(lambda: _gone(old["pid"]), 30, f"daemon pid={old['pid']} to die with its actor", interval=0.2)
 
@@ -272,6 +274,9 @@ def test_killed_warehouse_actor_takes_its_daemon_and_is_replaced(dock_address: s
         whs = dock.stats()["warehouses"]
     assert whs[new["warehouse"]]["alive"] is True
     assert len(_live(whs)) == 3
+    with dockd.connect(dock_address) as dock:  # what it held is read from the replicas
+        got = dock.get("c", ["x"], 8, partition="kept", timeout=30)
+        assert sorted(got.indexes) == kept and sorted(got["x"]) == list(range(8))
 
 
 @slow
