@@ -205,7 +205,8 @@ class Dock:
         first the ready samples whose columns are all on this client's home
         warehouse (its own node's, by default), then the others in the usual
         order: reads stay on the node where they can, at the price of strict
-        FIFO (and a scan of the partition per get). Once the partition is
+        FIFO (and a scan of the partition per get); a get that waits is also
+        served first from its home warehouse's new samples. Once the partition is
         sealed (`seal`) a get takes what is left, and raises DockDrained when
         nothing is.
 
