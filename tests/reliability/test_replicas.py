@@ -160,3 +160,28 @@ def test_values_of_a_warehouse_that_stopped_answering_are_read_from_their_replic
         if stopped is not None:
             stopped.send_signal(signal.SIGCONT)
         cluster.close()
+
+
+def test_replicas_with_several_controllers():
+    """Each controller keeps the replicas of the partitions it owns (same warehouse ids everywhere)."""
+    cluster = dockd.start_local(num_warehouses=3, controllers=2, replicas=2, capacity="64MiB",
+                                extra_args=["--warehouse-grace", "2"])
+    try:
+        writer = dockd.connect(cluster.address, warehouse=cluster.warehouses[2])
+        names = [f"p{k}" for k in range(6)]
+        for k, name in enumerate(names):
+            writer.put(_values(k, 3), partition=name)
+        stats = writer.stats()["partitions"]
+        assert {stats[n]["controller"] for n in names} == set(cluster.controllers)  # (both own some)
+        assert all(stats[n]["replicated"] == 6 for n in names), stats
+        writer.close()
+        _kill(cluster.procs[2])  # the warehouse that every put went to, not a controller's
+        reader = dockd.connect(cluster.address)
+        wait_until(lambda: reader.stats()["warehouses"][2]["state"] == "lost", 30, "warehouse 2 lost")
+        for k, name in enumerate(names):
+            got = reader.get("c", ["x"], 3, partition=name, timeout=10)
+            back = np.stack([np.asarray(v) for v in got["x"]])
+            assert np.array_equal(back, _values(k, 3)["x"][got.indexes])
+        reader.close()
+    finally:
+        cluster.close()
