@@ -20,6 +20,7 @@ from dockd._proto import dockd_pb2 as pb
 from dockd.controller import replicas
 from dockd.controller.clock import Timer
 from dockd.errors import DockValueError
+from dockd.logutil import Throttle
 
 if TYPE_CHECKING:
     from dockd.controller.service import ControllerService
@@ -30,6 +31,7 @@ REPAIR_INTERVAL = 1.0
 COPY_DEADLINE = 60.0  # seconds a put's copy may take before its values count as without a replica
 MAX_REPAIRS = 4  # repair requests out at a time
 REPAIR_SAMPLES = 4096  # samples per repair request
+_failures = Throttle()  # (a repair that keeps failing, e.g. into a full warehouse, is retried every second)
 
 
 class Replication:
@@ -163,5 +165,5 @@ class Replication:
             part = self.svc.core.partitions.get(req.partition)
             if part is not None:
                 replicas.unmark(part, req.columns, idx)
-            logger.warning("[controller] replicating partition=%s samples=%d from warehouse %d to %d failed: %s",
-                           req.partition, len(idx), home, req.target.id, e)
+            _failures.log(logger, logging.WARNING, "[controller] replicating partition=%s samples=%d from warehouse %d "
+                          "to %d failed: %s; retried", req.partition, len(idx), home, req.target.id, e)

@@ -35,6 +35,7 @@ from dockd import codec, limits, shm
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.catalog import StoredElsewhere
 from dockd.errors import DockAuthError, DockError, DockProtocolError
+from dockd.logutil import Throttle
 from dockd.metrics import Metrics
 from dockd.peer import Peer
 from dockd.warehouse.admission import Admission
@@ -48,6 +49,7 @@ from dockd.warehouse.tasks import failed, spawn
 logger = logging.getLogger(__name__)
 
 PUT_TOKENS_KEPT = 4096
+_copy_failures = Throttle()  # (every put fails its copy while the second warehouse is down or full)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -238,9 +240,9 @@ class PutPipeline:
         try:
             await self.replicator.copy(req.partition, out, columns, target)  # type: ignore[union-attr]
         except Exception as e:  # noqa: BLE001 - stored and committed: the controller's repair copies it later
-            logger.warning("[warehouse] copying a put to its replica on warehouse %d (%s:%d) failed partition=%s "
-                           "samples=%d: %s; answered with one copy, the controller repairs it", target.id, target.host,
-                           target.port, req.partition, len(out), e)
+            _copy_failures.log(logger, logging.WARNING, "[warehouse] copying a put to its replica on warehouse %d "
+                               "(%s:%d) failed partition=%s samples=%d: %s; answered with one copy, the controller "
+                               "repairs it", target.id, target.host, target.port, req.partition, len(out), e)
             report = pb.CommitRequest(partition=req.partition, indexes=out, columns=columns, warehouse=self._wid(),
                                       replica=True)
             done = asyncio.get_running_loop().create_future()
