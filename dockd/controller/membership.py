@@ -58,6 +58,7 @@ import numpy as np
 
 from dockd import wire
 from dockd._proto import dockd_pb2 as pb
+from dockd.controller.catalog import StoredElsewhere
 from dockd.controller.clock import Clock, Timer, Timers
 from dockd.controller.core import Controller
 from dockd.controller.warehouses import DURABLE_REJOIN, Inventory
@@ -360,7 +361,9 @@ class Membership:
             c.warehouse = entry.id
             out = reply.pending.add()
             try:
-                out.indexes.extend(commit(c).tolist())  # a re-sent commit gets its first answer back
+                idx = commit(c)  # a re-sent commit gets its first answer back
+                out.indexes.extend(idx.tolist())
+                out.stored = isinstance(idx, StoredElsewhere)
             except DockError as e:
                 to_status(e, out.status)
         return drop

@@ -231,7 +231,10 @@ class ControllerLink:
                 if res.status.code != pb.OK:
                     p.fut.set_exception(from_status(res.status))
                 else:
-                    p.fut.set_result(list(res.indexes))
+                    p.fut.set_result(answered(res))
+        else:  # commits made before the first join (a link made in the background): they go out now
+            for _, p in pending:
+                self._send(p)
 
     # -- commits ----------------------------------------------------------------------------------
     def commit(self, req: pb.CommitRequest, limit: float) -> asyncio.Future:

@@ -181,3 +181,38 @@ def test_a_warehouse_with_a_data_dir_comes_back_to_every_controller(tmp_path):
             assert all(w["state"] == "joined" for w in st["warehouses"].values())
     finally:
         _stop(procs)
+
+
+def test_a_put_made_before_the_warehouse_reached_its_partition_s_controller_goes_out_when_it_does(tmp_path):
+    """A warehouse joins the first controller at once and the others in the background: a put whose
+    controller it has not reached yet waits for it, and is committed once the link is up (it was
+    left waiting for ever)."""
+    import threading
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DOCKD_DAEMON_SECRET="cd" * 32)
+    ports = free_ports("127.0.0.1", 2)
+    addrs = [f"127.0.0.1:{p}" for p in ports]
+    procs = [_controller(ports, 0, str(tmp_path / "state0"), env)[0]]
+    try:
+        procs.append(spawn_node(["--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--join", addrs[0],
+                                 "--log-level", "WARNING"], env=env)[0])
+        late = _names(addrs, per=1)[addrs[1]][0]
+        out: dict = {}
+
+        def put() -> None:
+            try:
+                with dockd.connect(addrs[0]) as dock:
+                    out["indexes"] = dock.put({"x": torch.arange(4).reshape(4, 1)}, partition=late)
+            except Exception as e:  # noqa: BLE001 - reported below
+                out["error"] = e
+
+        writer = threading.Thread(target=put, daemon=True)
+        writer.start()
+        writer.join(1.0)
+        assert writer.is_alive(), f"the put should wait for its controller, got {out}"
+        procs.insert(1, _controller(ports, 1, str(tmp_path / "state1"), env)[0])
+        writer.join(30)
+        assert not writer.is_alive(), "the put still waits after its controller came up"
+        assert out == {"indexes": [0, 1, 2, 3]}, out
+    finally:
+        _stop(procs)
