@@ -75,11 +75,9 @@ class Catalog:
         written again at the indexes the first attempt got where that warehouse lost them
         (answered, not lost); `stored` tells the re-sends whose values are all still held.
         """
-        if put_id:
-            recent = self.put_keys.get(warehouse)
-            done = recent.get(put_id) if recent is not None else None
-            if done is not None:
-                return done
+        done = self.recall(warehouse, put_id)
+        if done is not None:
+            return done
         seen = self.tokens.get(token) if token else None
         if seen is not None and seen[0] == partition and partition in self.partitions:
             idx = self._rewrite(self.partitions[partition], seen[1], seen[2], warehouse, nbytes)
@@ -133,6 +131,11 @@ class Catalog:
             cons.state[sel[cons.state[sel] == LOST]] = FREE
             part.refresh(cons, sel)
         return idx
+
+    def recall(self, warehouse: int, put_id: int) -> np.ndarray | None:
+        """The indexes commit `put_id` of `warehouse` got, if it was applied recently (else None)."""
+        recent = self.put_keys.get(warehouse) if put_id else None
+        return recent.get(put_id) if recent is not None else None
 
     def remember(self, warehouse: int, put_id: int, idx: np.ndarray) -> None:
         """A commit applied: re-sent with the same put_id, it gets these indexes back."""

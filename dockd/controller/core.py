@@ -127,7 +127,7 @@ class Controller:
         return warehouses.warehouse_lost(self.catalog, warehouse)
 
     def unwrite(self, values: Mapping[str, Mapping[str, np.ndarray]]) -> None:
-        replicas.unwrite(self.catalog, {p: dict(cols) for p, cols in values.items()})
+        replicas.unwrite(self.catalog, values)
 
     def rejoin(self, warehouse: int, inventory: Mapping[str, Inventory], *, known: bool) -> list[str]:
         return warehouses.rejoin(self.catalog, warehouse, inventory, known=known)

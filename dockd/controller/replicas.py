@@ -22,7 +22,7 @@ controller sees those values without a replica and repairs them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -78,11 +78,9 @@ def commit_replica(cat: Catalog, partition: str, columns: Sequence[str], *, ware
     deleted meanwhile are not: the warehouse frees them). From the values' own warehouse it says
     their copy could not be made: they have no replica yet (the repair makes one). Refused for
     values not written, or with another replica already."""
-    if put_id:
-        recent = cat.put_keys.get(warehouse)
-        done = recent.get(put_id) if recent is not None else None
-        if done is not None:
-            return done
+    done = cat.recall(warehouse, put_id)
+    if done is not None:
+        return done
     part = cat.part(partition)
     idx = np.asarray(indexes, dtype=np.int64).reshape(-1)
     if not len(idx):
@@ -142,7 +140,7 @@ def promote(cat: Catalog, warehouse: int) -> dict[str, dict[str, np.ndarray]]:
     return unwritten
 
 
-def unwrite(cat: Catalog, values: dict[str, dict[str, np.ndarray]]) -> None:
+def unwrite(cat: Catalog, values: Mapping[str, Mapping[str, np.ndarray]]) -> None:
     """Values never acknowledged whose warehouse left: unwritten again (a re-send of their put writes them)."""
     for name, cols in values.items():
         part = cat.partitions.get(name)

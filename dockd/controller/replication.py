@@ -75,14 +75,11 @@ class Replication:
         return self.svc.members.infos([wid], usage=False)[0]
 
     def commit(self, req: pb.CommitRequest) -> np.ndarray:
-        """A warehouse holds a copy of written values (journaled ahead, like a commit)."""
+        """A warehouse holds a copy of written values, or (their own warehouse) could not make it;
+        journaled ahead, like a commit (a failed copy replays to nothing: copies on their way are
+        not journaled)."""
         svc = self.svc
-        applied = req.put_id and req.put_id in svc.core.put_keys.get(req.warehouse, ())
-        part = svc.core.partitions.get(req.partition)
-        idx = np.asarray(req.indexes, dtype=np.int64)
-        failed = part is not None and len(idx) > 0 and idx.min() >= 0 and idx.max() < part.size and all(
-            c in part.loc and (part.loc[c][idx] == req.warehouse).all() for c in req.columns)  # (a copy that failed)
-        if svc.journal is not None and not applied and not failed:
+        if svc.journal is not None and svc.core.catalog.recall(req.warehouse, req.put_id) is None:
             svc.journal.room()
             svc.journal.replica(req.partition, req.columns, req.warehouse, list(req.indexes), req.nbytes, req.put_id)
         return svc.core.commit_replica(req.partition, list(req.columns), warehouse=req.warehouse,

@@ -19,6 +19,7 @@ Real `dockd serve` processes and real client processes on loopback."""
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import shutil
 import signal
@@ -224,13 +225,12 @@ class ChaosDock:
     def log_of(self, kind: str) -> str:
         return os.path.join(self.logs, f"{kind}.{self.incarnations[kind]}.log")
 
-    def kill_for_good(self, which: int, after_put: bool = False) -> None:
-        """SIGKILL warehouse `which` and never start it again (replicas keep its samples); with
-        `after_put`, the producer's home warehouse the moment a put of its is in flight."""
-        if after_put:
-            which = self.producer_home()
-            self._wait_for_line(self.log_of("producer"), "T ", 10)
-        self._note(f"--- SIGKILL warehouse{which} for good{' with a put in flight' if after_put else ''}")
+    def kill_home_for_good(self) -> None:
+        """SIGKILL the producer's home warehouse the moment a put of its is in flight, and never start
+        it again (replicas keep its samples)."""
+        which = self.producer_home()
+        self._wait_for_line(self.log_of("producer"), "T ", 10)
+        self._note(f"--- SIGKILL warehouse{which} for good with a put in flight")
         _sigkill(self.whs[which])
         self.whs[which] = None
 
@@ -510,26 +510,32 @@ def wait_progress(dock: ChaosDock, samples: int, timeout: float) -> None:
         time.sleep(0.1)
 
 
-# -- the test ---------------------------------------------------------------------------------------
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_kill_each_kind_in_turn_is_exactly_once(tmp_path):
-    workdir = str(tmp_path)
-    dock = ChaosDock(workdir)
+# -- the tests --------------------------------------------------------------------------------------
+def stream_through(dock: ChaosDock, steps) -> Accounting:
+    """Run the producer and the consumer through `steps` (each followed by 40 more samples delivered),
+    drain, and check the accounting; the dock is closed in the end."""
     try:
         dock.start_producer()
         dock.start_consumer()
         wait_progress(dock, 40, 60)
-        for kind, which, after in (("controller", 0, ""), ("warehouse", 0, ""), ("producer", 0, "T"),
-                                   ("consumer", 0, "R"), ("warehouse", 1, ""), ("producer", 0, ""),
-                                   ("consumer", 0, ""), ("controller", 0, "")):
-            dock.kill(kind, which, after=after)
+        for step in steps:
+            step()
             wait_progress(dock, 40, 60)
         acc = dock.drain(timeout=30)
     finally:
         dock.close()
     print(acc.summary())
-    assert not acc.violations(), "\n".join(acc.violations()) + f"\n{acc.summary()}\nlogs: {workdir}"
+    assert not acc.violations(), "\n".join(acc.violations()) + f"\n{acc.summary()}\nlogs: {dock.workdir}"
+    return acc
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_kill_each_kind_in_turn_is_exactly_once(tmp_path):
+    dock = ChaosDock(str(tmp_path))
+    kills = (("controller", 0, ""), ("warehouse", 0, ""), ("producer", 0, "T"), ("consumer", 0, "R"),
+             ("warehouse", 1, ""), ("producer", 0, ""), ("consumer", 0, ""), ("controller", 0, ""))
+    acc = stream_through(dock, [functools.partial(dock.kill, kind, which, after=after) for kind, which, after in kills])
     assert acc.acked >= 200 and acc.distinct >= acc.acked
     assert acc.cut_puts >= 1  # the producer killed with its put in flight
 
@@ -538,32 +544,19 @@ def test_kill_each_kind_in_turn_is_exactly_once(tmp_path):
 @pytest.mark.timeout(240)
 def test_warehouses_killed_for_good_lose_nothing_with_replicas(tmp_path):
     """--replicas 2, warehouses without data dirs: two of three warehouses are SIGKILLed and never
-    come back (one of them with the producer's put in flight to it), the controller is SIGKILLed and
+    come back (each with the producer's put in flight to it), the controller is SIGKILLed and
     restarted on its state dir; every acknowledged sample is delivered, none twice, no DockDataLost."""
     import dockd
 
-    workdir = str(tmp_path)
-    dock = ChaosDock(workdir, warehouses=3, replicas=True)
+    dock = ChaosDock(str(tmp_path), warehouses=3, replicas=True)
 
-    def repaired() -> bool:
-        with dockd.connect(dock.address) as d:
-            return d.stats()["partitions"][PARTITION]["under_replicated"] == 0
+    def repaired() -> None:
+        def done() -> bool:
+            with dockd.connect(dock.address) as d:
+                return d.stats()["partitions"][PARTITION]["under_replicated"] == 0
 
-    try:
-        dock.start_producer()
-        dock.start_consumer()
-        wait_progress(dock, 40, 60)
-        dock.kill_for_good(0, after_put=True)
-        wait_progress(dock, 40, 60)
-        wait_until(repaired, 30, "every value on two warehouses again")
-        dock.kill("controller")
-        wait_progress(dock, 40, 60)
-        wait_until(repaired, 30, "every value on two warehouses again")
-        dock.kill_for_good(dock.producer_home(), after_put=True)
-        wait_progress(dock, 40, 60)
-        acc = dock.drain(timeout=30)
-    finally:
-        dock.close()
-    print(acc.summary())
-    assert not acc.violations(), "\n".join(acc.violations()) + f"\n{acc.summary()}\nlogs: {workdir}"
+        wait_until(done, 30, "every value on two warehouses again")
+
+    acc = stream_through(dock, [dock.kill_home_for_good, repaired, functools.partial(dock.kill, "controller"), repaired,
+                                dock.kill_home_for_good])
     assert acc.acked >= 150 and acc.distinct >= acc.acked
