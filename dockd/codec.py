@@ -103,28 +103,71 @@ if not TYPE_CHECKING:
     torch = lazy_torch(globals(), on_load=_torch_loaded)
 
 
+class Joined:
+    """Per-sample 1-D CPU tensors of one dtype whose bytes go back to back in a body. They are
+    concatenated only when the body is written: straight into the destination when it is a
+    staging buffer (`Body.write_into`, the put's one copy), else once, when the bytes are read."""
+
+    __slots__ = ("tensors", "dtype", "nbytes", "_view")
+
+    def __init__(self, tensors: list, dtype, nbytes: int) -> None:
+        self.tensors, self.dtype, self.nbytes = tensors, dtype, nbytes
+        self._view: memoryview | None = None
+
+    def view(self) -> memoryview:
+        if self._view is None:
+            with torch.no_grad():
+                self._view = _bytes(torch.cat(self.tensors))
+        return self._view
+
+    def write_into(self, dst: memoryview) -> None:
+        if self._view is not None:
+            dst[:] = self._view
+            return
+        with torch.no_grad():
+            torch.cat(self.tensors, out=torch.frombuffer(dst, dtype=torch.uint8).view(self.dtype))
+
+
 class Body:
     """Buffers laid out back to back, each run starting at an ALIGN-byte offset; kept as a
-    list (no concatenation), written with vectored I/O."""
+    list (no concatenation), written with vectored I/O or into one buffer (`write_into`)."""
 
-    __slots__ = ("buffers", "size")
+    __slots__ = ("_parts", "size")
 
     def __init__(self) -> None:
-        self.buffers: list[memoryview | bytes] = []
+        self._parts: list[memoryview | bytes | Joined] = []
         self.size = 0
 
-    def add(self, *parts: memoryview) -> int:
+    def add(self, *parts: memoryview | Joined) -> int:
         """Append parts contiguously at the next aligned offset; returns that offset."""
         pad = -self.size % ALIGN
         if pad:
-            self.buffers.append(_PAD[:pad])
+            self._parts.append(_PAD[:pad])
             self.size += pad
         off = self.size
         for data in parts:
             if data.nbytes:
-                self.buffers.append(data)
+                self._parts.append(data)
                 self.size += data.nbytes
         return off
+
+    @property
+    def buffers(self) -> list[memoryview | bytes]:
+        """The body as buffers (values still to be concatenated are, now)."""
+        if any(type(p) is Joined for p in self._parts):
+            self._parts = [p.view() if type(p) is Joined else p for p in self._parts]
+        return self._parts  # type: ignore[return-value]  # (none is a Joined any more)
+
+    def write_into(self, dst: memoryview) -> None:
+        """Write the whole body into `dst` (at least `size` bytes, byte-addressed)."""
+        off = 0
+        for p in self._parts:
+            n = p.nbytes if type(p) is not bytes else len(p)
+            if type(p) is Joined:
+                p.write_into(dst[off : off + n])
+            else:
+                dst[off : off + n] = memoryview(p).cast("B")
+            off += n
 
 
 # -- encoding --------------------------------------------------------------------------------
@@ -240,9 +283,15 @@ def device_column(name: str, values: Any, keep: Any) -> tuple[pb.ColumnData, tor
     return col, flat
 
 
+_PLAIN = frozenset((str, int, float, bool, bytes, type(None)))
+
+
 def _runs(col: pb.ColumnData, name: str, values: Sequence[Any], body: Body) -> None:
     """Split per-sample values into runs: tensors of one dtype and trailing shape, or msgpack values."""
     if _one_ragged_run(col, values, body):
+        return
+    if all(type(v) in _PLAIN for v in values):  # (scalars: one msgpack run, without looking for tensors)
+        _msgpack_run(col, name, values if type(values) is list else list(values), 0, body)
         return
     start = 0
     key: tuple = ()  # (no value's key is (): the first value starts the first group)
@@ -260,22 +309,23 @@ def _runs(col: pb.ColumnData, name: str, values: Sequence[Any], body: Body) -> N
 
 
 def _one_ragged_run(col: pb.ColumnData, values: Sequence[Any], body: Body) -> bool:
-    """The common case in one pass of C-level iteration: 1-D tensors of one dtype (token ids,
-    log-probs, masks). False when the column is anything else."""
+    """The common case, checked in C-level passes: 1-D tensors of one dtype (token ids, log-probs,
+    masks). Their bytes join the body as one `Joined` part. False when the column is anything else."""
     if not values or not all(type(v) is torch.Tensor for v in values):
         return False
     first = values[0]
     if first.dtype not in _NAMES or first.layout != torch.strided or first.is_quantized:
         return False
-    if {(v.dtype, v.dim()) for v in values} != {(first.dtype, 1)}:
-        return False
+    if len({v.dtype for v in values}) != 1 or {v.dim() for v in values} != {1}:
+        return False  # (one set per property: cheaper than one set of tuples)
     lengths = [v.numel() for v in values]
     run = col.runs.add(kind=pb.TENSOR, count=len(values), dtype=_NAMES[first.dtype], shape=[-1], lengths=lengths)
-    flat = torch.cat(values if isinstance(values, (list, tuple)) else list(values)).detach()
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    data = _bytes(flat)
-    run.offset, run.nbytes = body.add(data), data.nbytes
+    if all(v.is_cpu for v in values):
+        nbytes = sum(lengths) * first.element_size()
+        run.offset, run.nbytes = body.add(Joined(list(values), first.dtype, nbytes)), nbytes
+    else:  # (accelerator tensors: joined there, then one copy to the host)
+        data = _bytes(torch.cat(list(values)).detach().cpu())
+        run.offset, run.nbytes = body.add(data), data.nbytes
     return True
 
 

@@ -129,3 +129,35 @@ def test_decode_reply_reads_what_encode_columns_wrote_from_the_buffers_it_is_giv
     cols[0].runs[0].segment = 2  # a run in a buffer the reply did not carry
     with pytest.raises(DockProtocolError, match="not passed"):
         codec.decode_reply(cols, {0: (flat, 0)})
+
+
+def test_a_body_written_into_one_buffer_is_the_body_its_buffers_hold():
+    """Ragged 1-D columns are joined only when the body is written: straight into a same-host put's
+    staging buffer (`write_into`, one copy) or once, when its buffers are read; both give the same bytes."""
+    grad = [torch.randn(n, requires_grad=True) for n in (5, 0, 3)]
+    columns = {
+        "ids": [torch.arange(n, dtype=torch.int64) for n in (4, 1, 0)],
+        "mask": [torch.tensor([True, False]), torch.tensor([], dtype=torch.bool), torch.tensor([True])],
+        "half": [torch.randn(3).to(torch.bfloat16), torch.randn(1).to(torch.bfloat16), torch.randn(2).to(torch.bfloat16)],
+        "logp": grad,
+        "strided": [torch.arange(10.0)[::2], torch.arange(4.0)[1:], torch.zeros(1)],
+        "reward": [1.5, -2.0, 0.0],           # plain scalars: one msgpack run
+        "uid": ["a", "bc", ""],
+        "mixed": [torch.zeros(0), torch.ones(2, 2), torch.ones(1, 2)],  # not all 1-D: the per-value path
+    }
+    written, read = codec.Body(), codec.Body()
+    cols = codec.encode_columns(columns, written)
+    assert codec.encode_columns(columns, read) == cols
+    dst = bytearray(written.size + 7)
+    written.write_into(memoryview(dst))
+    raw = b"".join(bytes(memoryview(b).cast("B")) for b in read.buffers)
+    assert bytes(dst[: written.size]) == raw and len(raw) == read.size
+    codec.check_columns(cols, written.size)
+    out = dict(zip(columns, codec.decode_reply(cols, {0: (np.frombuffer(dst, dtype=np.uint8), 0)})))
+    for name in ("ids", "mask", "half", "strided"):
+        assert [v.dtype for v in out[name]] == [v.dtype for v in columns[name]]
+        assert all(torch.equal(a, b) for a, b in zip(out[name], columns[name]))
+    assert all(torch.equal(a, b.detach()) for a, b in zip(out["logp"], grad))
+    assert out["reward"] == [1.5, -2.0, 0.0] and out["uid"] == ["a", "bc", ""]
+    assert [tuple(v.shape) for v in out["mixed"]] == [(0,), (2, 2), (1, 2)]
+    assert [r.kind for r in cols[5].runs] == [pb.MSGPACK] and [len(c.runs) for c in cols[:5]] == [1] * 5

@@ -91,12 +91,7 @@ class ShmTransport(Transport):
         buf = self.staging.take(body.size)
         try:
             assert buf.view is not None  # a buffer is dropped only after it is given back
-            dst = memoryview(buf.view)  # type: ignore[arg-type]  # numpy declares __buffer__ only for Python 3.12+
-            off = 0
-            for b in body.buffers:
-                src = memoryview(b).cast("B")
-                dst[off : off + src.nbytes] = src
-                off += src.nbytes
+            body.write_into(memoryview(buf.view))  # type: ignore[arg-type]  # numpy declares __buffer__ only for Python 3.12+
             req.staging, req.shm_size = buf.id, body.size
             for attempt in (0, 1):
                 try:
