@@ -162,12 +162,13 @@ class Body:
         """Write the whole body into `dst` (at least `size` bytes, byte-addressed)."""
         off = 0
         for p in self._parts:
-            n = p.nbytes if type(p) is not bytes else len(p)
-            if type(p) is Joined:
-                p.write_into(dst[off : off + n])
+            if isinstance(p, Joined):
+                p.write_into(dst[off : off + p.nbytes])
+                off += p.nbytes
             else:
-                dst[off : off + n] = memoryview(p).cast("B")
-            off += n
+                src = memoryview(p).cast("B")
+                dst[off : off + src.nbytes] = src
+                off += src.nbytes
 
 
 # -- encoding --------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,7 +27,7 @@ import numpy as np
 from dockd import auth, shm, tls, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.recv_pool import RecvPool, recv_pool  # noqa: F401 - RecvPool: also importable from here
-from dockd.client.transport import Context, Endpoint, Transport
+from dockd.client.transport import ALIVE_EVERY_S, ANSWER_GRACE_S, PROBE_S, Context, Endpoint, Transport  # noqa: F401
 from dockd.client.transport.tcp import TcpTransport
 from dockd.errors import DockAuthError, DockClosed, DockConnectionError, DockProtocolError, from_status
 
@@ -75,6 +75,7 @@ class Connection:
         self._poll.register(self.sock, select.POLLIN)
         self._deadline: float | None = None
         self._stall: float | None = None  # once a reply's header is in: seconds its body may go without a byte
+        self._alive: Callable[[], bool | float] | None = None  # asked when the deadline passes: wait on?
         self._fds: collections.deque[int] = collections.deque()
         self.max_body = max_body
         self._buf = bytearray(_SCRATCH)
@@ -198,19 +199,24 @@ class Connection:
             self._raise_io(e)
 
     def call(self, frame: pb.Frame, buffers: Sequence = (), body_size: int = 0, *, fds: Sequence[int] = (),
-             timeout: float | None = None, stall: float | None = None) -> tuple[pb.Frame, np.ndarray, list[int]]:
+             timeout: float | None = None, stall: float | None = None,
+             alive: Callable[[], bool | float] | None = None) -> tuple[pb.Frame, np.ndarray, list[int]]:
         """Send a request and wait for its reply: (frame, body, descriptors). The caller owns the descriptors.
 
         `timeout` bounds the wait for the reply's header; with `stall`, a body that is arriving
         may then take longer as long as no `stall` seconds pass without a byte (a large reply is
-        not cut off for its size). A reply that does not come in time leaves the connection broken:
-        a late answer is never read by anyone. Raises the mapped error on a non-OK status."""
+        not cut off for its size). With `alive`, a reply that does not come in time is waited for
+        more each time `alive()` says so: True (the daemon is there, working on it) for ALIVE_EVERY_S
+        seconds, a number for that many.
+        A reply that does not come in time leaves the connection broken: a late answer is never
+        read by anyone. Raises the mapped error on a non-OK status."""
         self._enter()
         self.busy = True
         try:
             self.send(frame, buffers, body_size, fds)
             self._deadline = None if timeout is None else time.monotonic() + timeout
             self._stall = stall if timeout is not None else None
+            self._alive = alive if timeout is not None else None
             reply, body, got = self._read_frame()
         except TimeoutError:
             self.broken = True
@@ -218,7 +224,7 @@ class Connection:
         except OSError as e:
             self._raise_io(e)
         finally:
-            self._deadline = self._stall = None
+            self._deadline = self._stall = self._alive = None
             self._leave()
         if reply.id != frame.id and reply.id != 0:
             self.broken = True
@@ -293,6 +299,10 @@ class Connection:
                 continue
             wait_ms = -1.0 if self._deadline is None else (self._deadline - now) * 1e3
             if self._deadline is not None and wait_ms <= 0 or not self._poll.poll(wait_ms):
+                more = self._alive() if self._alive is not None else False
+                if more:
+                    self._deadline = time.monotonic() + (ALIVE_EVERY_S if more is True else more)
+                    continue
                 raise TimeoutError("timed out")
 
     def _read_frame(self) -> tuple[pb.Frame, np.ndarray, list[int]]:
@@ -364,6 +374,8 @@ class Pool:
         self._idle: list[Connection] = []
         self._all: set[Connection] = set()
         self._lock = threading.Lock()
+        self._probing = threading.Lock()
+        self._answered = -ALIVE_EVERY_S  # when the daemon last answered a probe (monotonic)
         self.closed = False
 
     @property
@@ -376,12 +388,12 @@ class Pool:
         return self.via.name
 
     def call(self, frame: pb.Frame, buffers: Sequence = (), size: int = 0, *, fds: Sequence[int] = (),
-             timeout: float | None = None, scope: Any = None,
-             stall: float | None = None) -> tuple[pb.Frame, np.ndarray, list[int]]:
+             timeout: float | None = None, scope: Any = None, stall: float | None = None,
+             alive: Callable[[], bool | float] | None = None) -> tuple[pb.Frame, np.ndarray, list[int]]:
         """One request on a pooled connection (a broken or interrupted one is dropped, never reused).
         `timeout` bounds making a connection (if none is idle) and the wait for the reply together;
-        `stall`: see Connection.call; `scope`: a CallScope that may cancel it. Segments the daemon lent
-        that this process no longer maps are reported with it."""
+        `stall`, `alive`: see Connection.call; `scope`: a CallScope that may cancel it. Segments the
+        daemon lent that this process no longer maps are reported with it."""
         deadline = None if timeout is None else time.monotonic() + timeout
         conn = self.get(timeout)
         unpins = self.via.take_unpins()
@@ -391,7 +403,7 @@ class Pool:
             if scope is not None:
                 scope.enter(conn)
             left = None if deadline is None else max(0.001, deadline - time.monotonic())
-            return conn.call(frame, buffers, size, fds=fds, timeout=left, stall=stall)
+            return conn.call(frame, buffers, size, fds=fds, timeout=left, stall=stall, alive=alive)
         finally:
             if scope is not None:
                 scope.leave(conn)
@@ -412,6 +424,26 @@ class Pool:
                 conn.close()
                 raise DockClosed("the dock client is closed")
         return conn
+
+    def answers(self) -> bool:
+        """Whether the daemon is there: it answered a Hello on a new connection within PROBE_S
+        seconds, now or in the last ALIVE_EVERY_S seconds (one probe at a time per pool). A daemon
+        busy with a long request answers; one that is stopped or hung does not."""
+        with self._probing:
+            if time.monotonic() - self._answered < ALIVE_EVERY_S:
+                return True
+            try:
+                conn = Connection(self.host, self.port, transport=self.via, connect_timeout=PROBE_S, creds=self.creds)
+            except DockConnectionError:
+                return False
+            try:
+                conn.call(pb.Frame(hello=pb.Hello(client="probe", protocol=wire.PROTOCOL_VERSION)), timeout=PROBE_S)
+            except DockConnectionError:
+                return False
+            finally:
+                conn.close()
+            self._answered = time.monotonic()
+            return True
 
     def put(self, conn: Connection) -> None:
         with self._lock:

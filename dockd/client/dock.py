@@ -163,7 +163,10 @@ class Dock:
         run of `group_size` consecutive samples one group). With `indexes`, adds
         columns to existing samples (also those `reserve` handed out). `timeout`
         bounds the wait for warehouse capacity (None: wait as long as it takes),
-        then DockFull. `tags`: integer tags of these samples, such as
+        then DockFull. A home warehouse that answers neither the put (by its timeout + 1 s) nor a
+        probe is left: the put goes to another warehouse, applied once (its token). A put with a
+        timeout that is still not answered 2 x timeout + 10 s after the call (a stopped controller)
+        raises DockTimeout; it was not acknowledged, and is applied once if the dock finishes it. `tags`: integer tags of these samples, such as
         ``{"age": 0}`` (one value for all, or a list with one per sample), that
         gets can filter (`where`) and order (`order_by`) by; `set_tags` changes
         them later.

@@ -13,7 +13,7 @@ import numpy as np
 from dockd import ids
 from dockd._proto import dockd_pb2 as pb
 from dockd.client import validate
-from dockd.client.connection import Pool
+from dockd.client.connection import ANSWER_GRACE_S, Pool
 from dockd.client.router import CallScope, Router
 from dockd.client.transport import Reply
 from dockd.errors import DockConnectionError, DockError, DockValueError
@@ -93,8 +93,9 @@ class Acquirer:
             if deadline is not None:  # a retry after a reconnect waits only for what is left
                 req.timeout = max(0.0, deadline - time.monotonic())
             used[:] = [pool]
-            return pool.call(pb.Frame(acquire=req), scope=scope,
-                           timeout=None if timeout is None else req.timeout + 30.0)
+            # (waited for as long as the controller answers probes: a stopped one is reconnected to)
+            return pool.call(pb.Frame(acquire=req), scope=scope, alive=pool.answers,
+                             timeout=ANSWER_GRACE_S if timeout is None else req.timeout + ANSWER_GRACE_S)
 
         try:
             reply, body, fds = self._router.controller(send, deadline=deadline, at=at)

@@ -9,18 +9,21 @@ away (the put's token makes a re-sent put apply once).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dockd import codec, device_share, ids
 from dockd._proto import dockd_pb2 as pb
 from dockd.client import validate
-from dockd.client.connection import Pool
+from dockd.client.connection import ANSWER_GRACE_S, Pool
 from dockd.client.router import Router
 from dockd.client.transport import Put
-from dockd.errors import DockTypeError, DockValueError
+from dockd.errors import DockConnectionError, DockTimeout, DockTypeError, DockValueError
 
 logger = logging.getLogger(__name__)
+
+PUT_SLACK_S = 10.0
 
 
 def split_columns(columns: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
@@ -92,16 +95,30 @@ def put_request(columns: Mapping[str, Any], *, partition: str, indexes: Sequence
         host.columns.extend(codec.encode_columns(split, hbody))
         return host, hbody
 
-    return Put(req, body, kept=bool(kept), as_host=as_host), tensors
+    # a put with a timeout is given up (DockTimeout) after 2 x timeout + PUT_SLACK_S: its timeout bounds each
+    # wait in the warehouse (room, pacing, an absent controller), and the slack covers storing and copying it
+    deadline = None if timeout is None else time.monotonic() + 2 * timeout + PUT_SLACK_S
+    return Put(req, body, kept=bool(kept), as_host=as_host, answer_s=(timeout or 0.0) + ANSWER_GRACE_S,
+               deadline=deadline), tensors
 
 
 def send(router: Router, put: Put, warned: set[str]) -> list[int]:
     """Send `put` to the home warehouse (re-homed and re-sent if it goes away); its indexes."""
 
     def attempt(wid: int, pool: Pool) -> pb.Frame:
-        return pool.via.send_put(pool, put)
+        try:
+            return pool.via.send_put(pool, put)
+        except DockConnectionError:
+            if not put.late:
+                raise  # (a warehouse that went away or is silent: the router re-homes the put and re-sends it)
+            raise DockTimeout(
+                f"the put to partition {put.req.partition!r} was not answered within {put.req.timeout:g}s x 2 + "
+                f"{PUT_SLACK_S:g}s by warehouse {wid} at {pool.address}, which is there (it answers probes) but did "
+                "not finish it: is the dockd controller stopped or hung (`dockd status`)? The put was not "
+                "acknowledged; it is still applied (once) if the warehouse finishes it later"
+            ) from None
 
-    reply = router.warehouse(attempt)
+    reply = router.warehouse(attempt, put.deadline)
     if reply.put_reply.spilled_bytes and "spill" not in warned:
         warned.add("spill")
         logger.warning("[client] put(device='keep'): %d bytes were stored in host memory: the warehouse's device "

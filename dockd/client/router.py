@@ -42,7 +42,7 @@ from dockd import owners, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.connection import Connection, Credentials, Pool, timed_out
 from dockd.client.transport import Context, Endpoint, Transport, candidates, is_local
-from dockd.errors import DockClosed, DockConnectionError, DockError, DockValueError
+from dockd.errors import DockClosed, DockConnectionError, DockError, DockTimeout, DockValueError
 
 T = TypeVar("T")
 
@@ -345,13 +345,17 @@ class Router:
             self._close_pool(plain)
         return pool
 
+    def _within(self, give_up: float) -> float:
+        """Seconds a connection attempt may take: connect_timeout, and not past `give_up`."""
+        return max(0.001, min(self.connect_timeout, give_up - time.monotonic()))
+
     def _reconnect(self, failed: Pool, give_up: float, cause: Exception) -> None:
         with self._reconnecting:
             if self.ctrl is not failed:
                 return  # another thread already did
             fresh = self._open_pool(self._fallback(Endpoint(self.host, self.port)))
             try:
-                hello = self._retry(lambda: self._hello(fresh), give_up, self.address, cause)
+                hello = self._retry(lambda: self._hello(fresh, self._within(give_up)), give_up, self.address, cause)
                 if not hello.hosts_controller:
                     raise DockConnectionError(f"{self.address} no longer hosts the dockd controller")
             except BaseException:
@@ -363,12 +367,18 @@ class Router:
             self._adopt(hello)
             logger.info("[client] reconnected to the controller at %s transport=%s", self.address, self.ctrl.transport)
 
-    def warehouse(self, call: Callable[[int, Pool], T]) -> T:
-        """Run `call(wid, pool)` against the home warehouse; if it is unreachable, re-home and run it again."""
+    def warehouse(self, call: Callable[[int, Pool], T], deadline: float | None = None) -> T:
+        """Run `call(wid, pool)` against the home warehouse; if it is unreachable, re-home and run it again
+        (for up to reconnect_timeout, and not past `deadline`)."""
+        def limit() -> float:
+            later = time.monotonic() + self.reconnect_timeout
+            return later if deadline is None else min(later, deadline)
+
         give_up = None
         if self.home < 0:
-            give_up = time.monotonic() + self.reconnect_timeout
-            self.home = self._retry(lambda: self._rehome(-1), give_up, f"a live warehouse of the dock at {self.address}")
+            first = give_up = limit()
+            self.home = self._retry(lambda: self._rehome(-1, first), first,
+                                    f"a live warehouse of the dock at {self.address}")
         fresh = False  # a failure on a pooled connection is first retried on a new one to the same warehouse
         while True:
             wid = self.home
@@ -380,20 +390,28 @@ class Router:
                 if not getattr(e, "retry", True):
                     raise
                 self.forget(wid)
-                if not fresh:  # e.g. the daemon closed an idle connection: nothing is wrong with the warehouse
+                silent = timed_out(e)  # it answered neither the call nor a probe: stopped or hung
+                if not fresh and not silent:  # e.g. the daemon closed an idle connection: the warehouse is fine
                     fresh = True
                     continue
                 info = self.warehouses.get(wid)
                 where = f"{info.host}:{info.port}" if info is not None else f"id {wid}"
                 if give_up is None:
-                    give_up = time.monotonic() + self.reconnect_timeout
+                    give_up = limit()
                     logger.warning("[client] lost home warehouse %d at %s (%s); re-homing", wid, where, e)
                 elif time.monotonic() >= give_up:
                     raise DockConnectionError(f"the dockd warehouse at {where} kept failing: {e}") from None
-                self.home = self._retry(functools.partial(self._rehome, wid), give_up, where, e)
+                self.home = self._retry(functools.partial(self._rehome, wid, give_up), give_up, where, e)
+                if silent and self.home == wid:
+                    raise DockTimeout(
+                        f"the dockd warehouse {wid} at {where} did not answer ({e}) and there is no other live "
+                        "warehouse to send the request to; it was not acknowledged. A put may still be applied "
+                        "if that warehouse resumes (once). Check the warehouse (stopped? hung? `dockd status`)"
+                    ) from None
 
-    def _rehome(self, failed: int) -> int:
-        hello, = self.controller(lambda pool: (self._hello(pool),))
+    def _rehome(self, failed: int, give_up: float) -> int:
+        hello, = self.controller(
+            lambda pool: (self._hello(pool, self._within(give_up)),), deadline=give_up)
         self._adopt(hello)
         try:
             home = self._choose_home(exclude=failed if self.pinned is None else None, retrying=True)

@@ -79,6 +79,10 @@ class Staging:
                 return
         _drop(buf)
 
+    def drop(self, buf: StagingBuffer) -> None:
+        """A buffer not to be used again (the warehouse may still read what it holds)."""
+        _drop(buf)
+
     def close(self) -> None:
         with self._lock:
             self.closed = True

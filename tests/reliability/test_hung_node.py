@@ -134,6 +134,61 @@ def test_a_fetch_that_outlives_its_lease_returns_nothing_so_no_sample_is_deliver
             assert (progress["taken"], progress["leased"]) == (8, 0), progress
 
 
+def test_a_put_to_a_stopped_warehouse_goes_to_another_and_is_applied_once(partition):
+    """A put whose home warehouse stops answering is not waited on for ever: once it answers neither
+    the put (its timeout + 1 s) nor a probe, the put is re-sent to another warehouse, with its token,
+    so the stopped one's copy is not applied again when it runs on. A client pinned to it gets
+    DockTimeout instead, and that put too is applied once, when the warehouse runs on."""
+    big = torch.arange(4 * 64 * 1024, dtype=torch.float32).reshape(4, -1)  # 1 MiB: through the staging buffer
+    with dockd.start_local(2, capacity="256MiB", extra_args=FAST_HEARTBEATS) as cluster:
+        hung_address = cluster.warehouses[1]
+        with dockd.connect(cluster.address) as d, dockd.connect(cluster.address, warehouse=hung_address) as pinned:
+            d._router.home = 1  # (as a client on warehouse 1's host would be)
+            assert d.put({"x": big[:2]}, partition=partition) == [0, 1]
+            pinned.put({"x": big[:1]}, partition=partition + "-other")  # (its connection is made: the put goes out)
+            with stopped(cluster.procs[1].pid):
+                for values in (big[2:], torch.zeros(1, 4)):  # a staged put, then a small one
+                    got, err, took = timed(d.put, {"x": values}, partition=partition, timeout=1)
+                    assert err is None and took < 12, (err, took)
+                assert got == [4] and d._router.home == 0
+                _, err, took = timed(pinned.put, {"x": torch.ones(1, 4)}, partition=partition, timeout=1)
+                assert isinstance(err, dockd.DockTimeout) and hung_address in str(err), err
+                assert took < 12, took
+            wait_until(lambda: d.stats()["warehouses"][1]["state"] == "joined", what="joined again")
+            expected = {**{i: big[i] for i in range(4)}, 4: torch.zeros(4), 5: torch.ones(4)}
+            got = {}
+            deadline = time.monotonic() + 15
+            while len(got) < 6 and time.monotonic() < deadline:  # (the pinned put lands once the warehouse runs)
+                with contextlib.suppress(dockd.DockTimeout):
+                    batch = d.get("c", ["x"], 8, partition=partition, timeout=1, allow_partial=True)
+                    assert not set(batch.indexes) & set(got), "a sample was delivered twice"
+                    got.update(zip(batch.indexes, batch["x"]))
+            assert sorted(got) == sorted(expected)  # each put applied once
+            assert all(torch.equal(got[i], expected[i]) for i in expected)
+            assert d.stats()["partitions"][partition]["samples"] == 6
+
+
+def test_with_a_stopped_controller_puts_and_gets_end_within_their_timeout_and_nothing_is_applied_twice(partition):
+    """The controller stopped: a put whose warehouse (which answers) waits on it raises DockTimeout after
+    2 x timeout + 10 s, saying so; it is applied, once, when the controller runs on. A get ends too."""
+    with dockd.start_local(2, capacity="256MiB", extra_args=FAST_HEARTBEATS) as cluster:
+        with dockd.connect(cluster.address, warehouse=cluster.warehouses[1]) as d:
+            d.put({"x": torch.zeros(2, 4)}, partition=partition)
+            with stopped(cluster.procs[0].pid):
+                _, err, took = timed(d.put, {"x": torch.ones(2, 4)}, partition=partition, timeout=1)
+                assert isinstance(err, dockd.DockTimeout) and "controller stopped or hung" in str(err), err
+                assert 11 < took < 16, took
+                _, err, took = timed(d.get, "c", ["x"], 4, partition=partition, timeout=1)
+                assert isinstance(err, dockd.DockConnectionError) and "answer" in str(err), err
+                assert took < 12, took
+            batch = wait_until(lambda: d.get("c", ["x"], 4, partition=partition, timeout=5, allow_partial=True),
+                               what="a get after the controller runs on")
+            taken = batch.indexes + (d.get("c", ["x"], 4, partition=partition, timeout=3, allow_partial=True).indexes
+                                     if len(batch) < 4 else [])
+            assert sorted(taken) == [0, 1, 2, 3]  # the timed-out put was applied once, when it could be
+            assert d.stats()["partitions"][partition]["samples"] == 4
+
+
 def _daemon_dock(tmp_path, *extra):
     """A controller and a warehouse with a known daemon token: (procs, controller address, warehouse
     address, warehouse pid, dock token, daemon token)."""

@@ -73,6 +73,7 @@ import ipaddress
 import logging
 import os
 import socket
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -86,6 +87,14 @@ from dockd.config import ClientConfig
 if TYPE_CHECKING:
     from dockd.client.connection import Pool
     from dockd.client.links import ReaderLinks
+
+
+#: A daemon that answers no Hello within PROBE_S seconds is silent (stopped, hung), as the controller's
+#: default --heartbeat-timeout counts it; a request waiting on one that answers waits ALIVE_EVERY_S more.
+PROBE_S = ALIVE_EVERY_S = 5.0
+#: A request that may wait `timeout` seconds in the daemon (for room, for samples) and has no answer
+#: this many seconds after that has its daemon probed (`Pool.answers`).
+ANSWER_GRACE_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -119,6 +128,22 @@ class Put:
     body: codec.Body
     kept: bool = False
     as_host: Callable[[], tuple[pb.PutRequest, codec.Body]] | None = None  # the same put with device columns as bytes
+    answer_s: float | None = None  # seconds its answer may take before its warehouse is probed (None: no probe)
+    deadline: float | None = None  # (monotonic) when to stop waiting for an answer, even from a warehouse that is there
+    late: bool = False             # the deadline passed while waiting
+
+    def alive(self, pool: Pool) -> Callable[[], bool | float]:
+        """For `Pool.call`: whether to keep waiting for the put's answer (its warehouse answers a probe),
+        and for how long (not past the deadline)."""
+        def check() -> bool | float:
+            if self.deadline is None:
+                return pool.answers()
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                self.late = True
+                return False
+            return pool.answers() and min(left, ALIVE_EVERY_S)
+        return check
 
 
 @dataclasses.dataclass(slots=True)
@@ -185,7 +210,7 @@ class Transport:
                 _log.warning("[client] put(device='keep') to warehouse %s over %s (not the same node, or "
                              "DOCKD_TRANSPORT=tcp): its device columns are sent and stored as host bytes",
                              self.endpoint.warehouse, self.name.upper())
-        reply, _, _ = pool.call(pb.Frame(put=req), body.buffers, body.size)
+        reply, _, _ = pool.call(pb.Frame(put=req), body.buffers, body.size, timeout=put.answer_s, alive=put.alive(pool))
         return reply
 
     def fetch(self, pool: Pool, wid: int, req: pb.FetchRequest, device, timeout: float | None) -> Reply:

@@ -24,7 +24,7 @@ from dockd import codec, device_share, shm
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.staging import Staging
 from dockd.client.transport import Context, Endpoint, Put, Reply, Transport, is_local, register
-from dockd.errors import DockConnectionError, DockProtocolError, StagingUnknown
+from dockd.errors import DockConnectionError, DockError, DockProtocolError, StagingUnknown
 
 
 @register
@@ -86,24 +86,38 @@ class ShmTransport(Transport):
 
         req, body = put.req, put.body
         if body.size < shm.SHM_MIN_BODY:
-            reply, _, _ = pool.call(pb.Frame(put=req), body.buffers, body.size)
+            reply, _, _ = pool.call(pb.Frame(put=req), body.buffers, body.size, timeout=put.answer_s,
+                                    alive=put.alive(pool))
             return reply
         buf = self.staging.take(body.size)
+        done = False
         try:
             assert buf.view is not None  # a buffer is dropped only after it is given back
             body.write_into(memoryview(buf.view))  # type: ignore[arg-type]  # numpy declares __buffer__ only for Python 3.12+
             req.staging, req.shm_size = buf.id, body.size
             for attempt in (0, 1):
                 try:
-                    reply, _, _ = pool.call(pb.Frame(put=req), fds=[] if buf.registered else [buf.fd])
+                    reply, _, _ = pool.call(pb.Frame(put=req), fds=[] if buf.registered else [buf.fd],
+                                            timeout=put.answer_s, alive=put.alive(pool))
                     break
                 except StagingUnknown:  # the warehouse dropped our registration (many buffers, a restart)
                     if attempt:
                         raise
                     buf.registered = False
             buf.registered = True
+            done = True
+        except DockConnectionError:
+            raise  # (not answered: see below)
+        except DockError:
+            done = True  # answered (an error): the warehouse is done with the buffer
+            raise
         finally:
-            self.staging.give(buf)
+            # a put without an answer (a silent warehouse, a dropped connection) may still be taken in
+            # when the warehouse resumes: its buffer is dropped, never refilled by another put under it
+            if done:
+                self.staging.give(buf)
+            else:
+                self.staging.drop(buf)
         return reply
 
     def fetch(self, pool, wid: int, req: pb.FetchRequest, device, timeout: float | None) -> Reply:
