@@ -171,22 +171,22 @@ def test_a_put_to_a_stopped_warehouse_goes_to_another_and_is_applied_once(partit
 def test_with_a_stopped_controller_puts_and_gets_end_within_their_timeout_and_nothing_is_applied_twice(partition):
     """The controller stopped: a put whose warehouse (which answers) waits on it raises DockTimeout after
     2 x timeout + 10 s, saying so; it is applied, once, when the controller runs on. A get ends too."""
-    with dockd.start_local(2, capacity="256MiB", extra_args=FAST_HEARTBEATS) as cluster:
-        with dockd.connect(cluster.address, warehouse=cluster.warehouses[1]) as d:
-            d.put({"x": torch.zeros(2, 4)}, partition=partition)
-            with stopped(cluster.procs[0].pid):
-                _, err, took = timed(d.put, {"x": torch.ones(2, 4)}, partition=partition, timeout=1)
-                assert isinstance(err, dockd.DockTimeout) and "controller stopped or hung" in str(err), err
-                assert 11 < took < 16, took
-                _, err, took = timed(d.get, "c", ["x"], 4, partition=partition, timeout=1)
-                assert isinstance(err, dockd.DockConnectionError) and "answer" in str(err), err
-                assert took < 12, took
-            batch = wait_until(lambda: d.get("c", ["x"], 4, partition=partition, timeout=5, allow_partial=True),
-                               what="a get after the controller runs on")
-            taken = batch.indexes + (d.get("c", ["x"], 4, partition=partition, timeout=3, allow_partial=True).indexes
-                                     if len(batch) < 4 else [])
-            assert sorted(taken) == [0, 1, 2, 3]  # the timed-out put was applied once, when it could be
-            assert d.stats()["partitions"][partition]["samples"] == 4
+    with dockd.start_local(2, capacity="256MiB", extra_args=FAST_HEARTBEATS) as cluster, \
+            dockd.connect(cluster.address, warehouse=cluster.warehouses[1]) as d:
+        d.put({"x": torch.zeros(2, 4)}, partition=partition)
+        with stopped(cluster.procs[0].pid):
+            _, err, took = timed(d.put, {"x": torch.ones(2, 4)}, partition=partition, timeout=1)
+            assert isinstance(err, dockd.DockTimeout) and "controller stopped or hung" in str(err), err
+            assert 11 < took < 16, took
+            _, err, took = timed(d.get, "c", ["x"], 4, partition=partition, timeout=1)
+            assert isinstance(err, dockd.DockConnectionError) and "answer" in str(err), err
+            assert took < 12, took
+        batch = wait_until(lambda: d.get("c", ["x"], 4, partition=partition, timeout=5, allow_partial=True),
+                           what="a get after the controller runs on")
+        taken = batch.indexes + (d.get("c", ["x"], 4, partition=partition, timeout=3, allow_partial=True).indexes
+                                 if len(batch) < 4 else [])
+        assert sorted(taken) == [0, 1, 2, 3]  # the timed-out put was applied once, when it could be
+        assert d.stats()["partitions"][partition]["samples"] == 4
 
 
 def _daemon_dock(tmp_path, *extra):
