@@ -76,6 +76,7 @@ class Connection:
         self._deadline: float | None = None
         self._stall: float | None = None  # once a reply's header is in: seconds its body may go without a byte
         self._alive: Callable[[], bool | float] | None = None  # asked when the deadline passes: wait on?
+        self._wait: float | None = None  # the call's timeout (a send that makes no progress for it asks `_alive`)
         self._fds: collections.deque[int] = collections.deque()
         self.max_body = max_body
         self._buf = bytearray(_SCRATCH)
@@ -194,9 +195,39 @@ class Connection:
         if fds:
             frame.fds = len(fds)
         try:
-            wire.sendall(self.sock, [wire.header(frame, body_size), *buffers], shm.fds_ancillary(fds))
+            if self._alive is None:
+                wire.sendall(self.sock, [wire.header(frame, body_size), *buffers], shm.fds_ancillary(fds))
+            else:
+                self._send_watched([wire.header(frame, body_size), *buffers], shm.fds_ancillary(fds))
+        except TimeoutError:
+            raise
         except OSError as e:
             self._raise_io(e)
+
+    def _send_watched(self, buffers: Sequence, ancillary: list) -> None:
+        """wire.sendall, but a daemon that takes no byte for the call's timeout is asked about as
+        a reply that does not come is (`alive`): a stopped one does not block a put's send for ever."""
+        assert self._alive is not None and self._wait is not None
+        bufs = [memoryview(b).cast("B") for b in buffers if len(b)]
+        writable = select.poll()
+        writable.register(self.sock, select.POLLOUT)
+        deadline = time.monotonic() + self._wait
+        while bufs:
+            try:
+                wire.consume(bufs, self.sock.sendmsg(bufs[: wire.IOV_MAX], ancillary, socket.MSG_DONTWAIT))
+                ancillary = []
+                deadline = time.monotonic() + self._wait
+                continue
+            except BlockingIOError:
+                pass
+            left = deadline - time.monotonic()
+            if left > 0 and writable.poll(left * 1e3):
+                continue
+            if time.monotonic() >= deadline:
+                more = self._alive()
+                if not more:
+                    raise TimeoutError("timed out")
+                deadline = time.monotonic() + (ALIVE_EVERY_S if more is True else more)
 
     def call(self, frame: pb.Frame, buffers: Sequence = (), body_size: int = 0, *, fds: Sequence[int] = (),
              timeout: float | None = None, stall: float | None = None,
@@ -207,24 +238,27 @@ class Connection:
         may then take longer as long as no `stall` seconds pass without a byte (a large reply is
         not cut off for its size). With `alive`, a reply that does not come in time is waited for
         more each time `alive()` says so: True (the daemon is there, working on it) for ALIVE_EVERY_S
-        seconds, a number for that many.
+        seconds, a number for that many; so is a send that makes no progress for `timeout` seconds.
         A reply that does not come in time leaves the connection broken: a late answer is never
         read by anyone. Raises the mapped error on a non-OK status."""
         self._enter()
         self.busy = True
         try:
+            self._alive, self._wait = (alive, timeout) if timeout is not None else (None, None)
             self.send(frame, buffers, body_size, fds)
             self._deadline = None if timeout is None else time.monotonic() + timeout
             self._stall = stall if timeout is not None else None
-            self._alive = alive if timeout is not None else None
             reply, body, got = self._read_frame()
         except TimeoutError:
             self.broken = True
             raise _no_answer(f"dockd at {self.address} did not answer within {timeout:g}s") from None
+        except DockConnectionError:  # (already says what failed, and whether a retry can help)
+            self.broken = True
+            raise
         except OSError as e:
             self._raise_io(e)
         finally:
-            self._deadline = self._stall = self._alive = None
+            self._deadline = self._stall = self._alive = self._wait = None
             self._leave()
         if reply.id != frame.id and reply.id != 0:
             self.broken = True

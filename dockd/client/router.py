@@ -346,8 +346,9 @@ class Router:
         return pool
 
     def _within(self, give_up: float) -> float:
-        """Seconds a connection attempt may take: connect_timeout, and not past `give_up`."""
-        return max(0.001, min(self.connect_timeout, give_up - time.monotonic()))
+        """Seconds a connection attempt may take: connect_timeout, and not past `give_up` (but at
+        least half a second: an attempt that cannot succeed would hide the error that led to it)."""
+        return max(0.5, min(self.connect_timeout, give_up - time.monotonic()))
 
     def _reconnect(self, failed: Pool, give_up: float, cause: Exception) -> None:
         with self._reconnecting:

@@ -168,6 +168,25 @@ def test_a_put_to_a_stopped_warehouse_goes_to_another_and_is_applied_once(partit
             assert d.stats()["partitions"][partition]["samples"] == 6
 
 
+def test_a_socket_put_larger_than_the_socket_buffers_is_not_stuck_in_its_send(partition, monkeypatch):
+    """Over TCP a 64 MiB body does not fit the kernel's buffers: the send itself would block on a
+    stopped warehouse. It is watched like the wait for the answer, and the put goes elsewhere."""
+    monkeypatch.setenv("DOCKD_TRANSPORT", "tcp")
+    big = torch.arange(16 << 20, dtype=torch.float32).reshape(1, -1)
+    with dockd.start_local(2, capacity="1GiB", extra_args=FAST_HEARTBEATS) as cluster, \
+            dockd.connect(cluster.address) as d:
+        d._router.home = 1  # (as a client on warehouse 1's host would be)
+        assert d.put({"x": torch.zeros(1, 4)}, partition=partition + "-other") == [0]
+        with stopped(cluster.procs[1].pid):
+            got, err, took = timed(d.put, {"x": big}, partition=partition, timeout=1)
+            assert err is None and got == [0] and took < 20, (err, took)
+        assert d._router.home == 0
+        batch = d.get("c", ["x"], 1, partition=partition, timeout=5)
+        assert torch.equal(batch["x"][0], big[0])
+        wait_until(lambda: d.stats()["warehouses"][1]["state"] == "joined", what="joined again")
+        assert d.stats()["partitions"][partition]["samples"] == 1
+
+
 def test_with_a_stopped_controller_puts_and_gets_end_within_their_timeout_and_nothing_is_applied_twice(partition):
     """The controller stopped: a put whose warehouse (which answers) waits on it raises DockTimeout after
     2 x timeout + 10 s, saying so; it is applied, once, when the controller runs on. A get ends too."""
