@@ -29,7 +29,7 @@ from dockd._proto import dockd_pb2 as pb
 from dockd.client.recv_pool import RecvPool, recv_pool  # noqa: F401 - RecvPool: also importable from here
 from dockd.client.transport import ALIVE_EVERY_S, ANSWER_GRACE_S, PROBE_S, Context, Endpoint, Transport  # noqa: F401
 from dockd.client.transport.tcp import TcpTransport
-from dockd.errors import DockAuthError, DockClosed, DockConnectionError, DockProtocolError, from_status
+from dockd.errors import DockAuthError, DockClosed, DockConnectionError, DockError, DockProtocolError, from_status
 
 logger = logging.getLogger(__name__)
 
@@ -468,14 +468,15 @@ class Pool:
                 return True
             try:
                 conn = Connection(self.host, self.port, transport=self.via, connect_timeout=PROBE_S, creds=self.creds)
+                try:
+                    conn.call(pb.Frame(hello=pb.Hello(client="probe", protocol=wire.PROTOCOL_VERSION)),
+                              timeout=PROBE_S)
+                finally:
+                    conn.close()
             except DockConnectionError:
                 return False
-            try:
-                conn.call(pb.Frame(hello=pb.Hello(client="probe", protocol=wire.PROTOCOL_VERSION)), timeout=PROBE_S)
-            except DockConnectionError:
-                return False
-            finally:
-                conn.close()
+            except DockError:
+                pass  # (an answer, if not a welcome one: the daemon is there)
             self._answered = time.monotonic()
             return True
 
