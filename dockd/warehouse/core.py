@@ -128,7 +128,7 @@ class Warehouse:
     def validate_put(req: pb.PutRequest, body_size: int | None = None, device_sizes: Sequence[int] | None = None) -> int:
         """Check a put's header (and its runs against the body, when its size is known); the
         number of samples. The one place a put is validated."""
-        from dockd.codec import check_columns
+        from dockd.runcheck import check_columns
 
         if not req.partition:
             raise DockValueError("partition must be a non-empty string")

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
-from dockd import codec, limits, shm
+from dockd import limits, runcheck, shm
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.catalog import StoredElsewhere
 from dockd.errors import DockAuthError, DockError, DockProtocolError
@@ -195,7 +195,7 @@ class PutPipeline:
         its msgpack values decode, and (explicit indexes) its columns are unwritten here (a replica
         of values `held` here already is committed, not stored again)."""
         Warehouse.validate_put(req, size, [int(t.numel()) for t in dev])
-        codec.check_msgpack(req.columns, buf)
+        runcheck.check_msgpack(req.columns, buf)
         if req.indexes and not held:
             self.warehouse.check_absent(req.partition, req.indexes, (c.name for c in req.columns))
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from dockd import codec
+from dockd import codec, runcheck
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockProtocolError, DockTypeError, DockValueError
 
@@ -18,7 +18,7 @@ def encode(values) -> tuple[pb.ColumnData, bytearray]:
     assert len(raw) == body.size
     for run in col.runs:
         assert run.offset % codec.ALIGN == 0
-    codec.check_columns([col], body.size)
+    runcheck.check_columns([col], body.size)
     return col, bytearray(raw) or bytearray(1)
 
 
@@ -75,18 +75,18 @@ def test_check_columns_rejects_runs_that_do_not_describe_their_bytes():
         return [pb.ColumnData(name="x", runs=[pb.Run(**run)])]
 
     with pytest.raises(DockProtocolError, match="runs past"):
-        codec.check_columns(col(kind=pb.TENSOR, count=1, dtype="float32", shape=[4], offset=64, nbytes=16), 70)
+        runcheck.check_columns(col(kind=pb.TENSOR, count=1, dtype="float32", shape=[4], offset=64, nbytes=16), 70)
     with pytest.raises(DockProtocolError, match="does not match"):
-        codec.check_columns(col(kind=pb.TENSOR, count=1, dtype="float32", shape=[5], offset=0, nbytes=16), 64)
+        runcheck.check_columns(col(kind=pb.TENSOR, count=1, dtype="float32", shape=[5], offset=0, nbytes=16), 64)
     with pytest.raises(DockProtocolError, match="unknown dtype"):
-        codec.check_columns(col(kind=pb.TENSOR, count=1, dtype="float13", shape=[1], nbytes=2), 64)
+        runcheck.check_columns(col(kind=pb.TENSOR, count=1, dtype="float13", shape=[1], nbytes=2), 64)
     with pytest.raises(DockProtocolError, match="lengths"):
-        codec.check_columns(col(kind=pb.TENSOR, count=2, dtype="int8", shape=[-1], lengths=[1], nbytes=1), 64)
+        runcheck.check_columns(col(kind=pb.TENSOR, count=2, dtype="int8", shape=[-1], lengths=[1], nbytes=1), 64)
     with pytest.raises(DockProtocolError, match="does not add up"):
-        codec.check_columns(col(kind=pb.MSGPACK, count=2, lengths=[1, 2], nbytes=4), 64)
+        runcheck.check_columns(col(kind=pb.MSGPACK, count=2, lengths=[1, 2], nbytes=4), 64)
     with pytest.raises(DockValueError, match="same positive number"):
-        codec.check_columns([pb.ColumnData(name="x", runs=[pb.Run(kind=pb.MSGPACK, count=1, lengths=[1], nbytes=1)]),
-                             pb.ColumnData(name="y")], 64)
+        runcheck.check_columns([pb.ColumnData(name="x", runs=[pb.Run(kind=pb.MSGPACK, count=1, lengths=[1], nbytes=1)]),
+                                pb.ColumnData(name="y")], 64)
 
 
 def test_a_batched_tensor_is_one_run_and_comes_back_as_views_of_one_buffer():
@@ -152,7 +152,7 @@ def test_a_body_written_into_one_buffer_is_the_body_its_buffers_hold():
     written.write_into(memoryview(dst))
     raw = b"".join(bytes(memoryview(b).cast("B")) for b in read.buffers)
     assert bytes(dst[: written.size]) == raw and len(raw) == read.size
-    codec.check_columns(cols, written.size)
+    runcheck.check_columns(cols, written.size)
     out = dict(zip(columns, codec.decode_reply(cols, {0: (np.frombuffer(dst, dtype=np.uint8), 0)})))
     for name in ("ids", "mask", "half", "strided"):
         assert [v.dtype for v in out[name]] == [v.dtype for v in columns[name]]
