@@ -132,11 +132,12 @@ class Body:
     """Buffers laid out back to back, each run starting at an ALIGN-byte offset; kept as a
     list (no concatenation), written with vectored I/O or into one buffer (`write_into`)."""
 
-    __slots__ = ("_parts", "size")
+    __slots__ = ("_parts", "size", "_joined")
 
     def __init__(self) -> None:
         self._parts: list[memoryview | bytes | Joined] = []
         self.size = 0
+        self._joined = False  # a part is a Joined (not concatenated yet)
 
     def add(self, *parts: memoryview | Joined) -> int:
         """Append parts contiguously at the next aligned offset; returns that offset."""
@@ -149,13 +150,15 @@ class Body:
             if data.nbytes:
                 self._parts.append(data)
                 self.size += data.nbytes
+                self._joined = self._joined or type(data) is Joined
         return off
 
     @property
     def buffers(self) -> list[memoryview | bytes]:
         """The body as buffers (values still to be concatenated are, now)."""
-        if any(type(p) is Joined for p in self._parts):
-            self._parts = [p.view() if type(p) is Joined else p for p in self._parts]
+        if self._joined:
+            self._parts = [p.view() if isinstance(p, Joined) else p for p in self._parts]
+            self._joined = False
         return self._parts  # type: ignore[return-value]  # (none is a Joined any more)
 
     def write_into(self, dst: memoryview) -> None:

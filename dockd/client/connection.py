@@ -27,7 +27,7 @@ import numpy as np
 from dockd import auth, shm, tls, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.recv_pool import RecvPool, recv_pool  # noqa: F401 - RecvPool: also importable from here
-from dockd.client.transport import ALIVE_EVERY_S, ANSWER_GRACE_S, PROBE_S, Context, Endpoint, Transport  # noqa: F401
+from dockd.client.transport import ALIVE_EVERY_S, PROBE_S, Context, Endpoint, Transport
 from dockd.client.transport.tcp import TcpTransport
 from dockd.errors import DockAuthError, DockClosed, DockConnectionError, DockError, DockProtocolError, from_status
 
@@ -224,10 +224,14 @@ class Connection:
             if left > 0 and writable.poll(left * 1e3):
                 continue
             if time.monotonic() >= deadline:
-                more = self._alive()
-                if not more:
-                    raise TimeoutError("timed out")
-                deadline = time.monotonic() + (ALIVE_EVERY_S if more is True else more)
+                deadline = time.monotonic() + self._wait_more()
+
+    def _wait_more(self) -> float:
+        """Seconds more to wait for a daemon that is late (`alive` says), else TimeoutError."""
+        more = self._alive() if self._alive is not None else False
+        if not more:
+            raise TimeoutError("timed out")
+        return ALIVE_EVERY_S if more is True else more
 
     def call(self, frame: pb.Frame, buffers: Sequence = (), body_size: int = 0, *, fds: Sequence[int] = (),
              timeout: float | None = None, stall: float | None = None,
@@ -333,11 +337,7 @@ class Connection:
                 continue
             wait_ms = -1.0 if self._deadline is None else (self._deadline - now) * 1e3
             if self._deadline is not None and wait_ms <= 0 or not self._poll.poll(wait_ms):
-                more = self._alive() if self._alive is not None else False
-                if more:
-                    self._deadline = time.monotonic() + (ALIVE_EVERY_S if more is True else more)
-                    continue
-                raise TimeoutError("timed out")
+                self._deadline = time.monotonic() + self._wait_more()
 
     def _read_frame(self) -> tuple[pb.Frame, np.ndarray, list[int]]:
         if self._lo == self._hi:

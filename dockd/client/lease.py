@@ -13,9 +13,9 @@ import numpy as np
 from dockd import ids
 from dockd._proto import dockd_pb2 as pb
 from dockd.client import validate
-from dockd.client.connection import ANSWER_GRACE_S, Pool
+from dockd.client.connection import Pool
 from dockd.client.router import CallScope, Router
-from dockd.client.transport import Reply
+from dockd.client.transport import ANSWER_GRACE_S, Reply
 from dockd.errors import DockConnectionError, DockError, DockValueError
 
 if TYPE_CHECKING:

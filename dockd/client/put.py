@@ -16,9 +16,9 @@ from typing import Any
 from dockd import codec, device_share, ids
 from dockd._proto import dockd_pb2 as pb
 from dockd.client import validate
-from dockd.client.connection import ANSWER_GRACE_S, Pool
+from dockd.client.connection import Pool
 from dockd.client.router import Router
-from dockd.client.transport import Put
+from dockd.client.transport import ANSWER_GRACE_S, Put
 from dockd.errors import DockConnectionError, DockTimeout, DockTypeError, DockValueError
 
 logger = logging.getLogger(__name__)

@@ -291,13 +291,9 @@ class Router:
                  pool_of: Callable[[float], Pool], recover: Callable[[Pool, float, Exception], None]) -> T:
         """Run `call(pool_of(limit))` against the controller at `address`; on a lost connection,
         `recover` and run it again, for up to reconnect_timeout (and not past `deadline`)."""
-        def limit() -> float:  # (from now: a call may have waited long before its connection dropped)
-            now = time.monotonic()
-            return now + self.reconnect_timeout if deadline is None else min(deadline, now + self.reconnect_timeout)
-
         give_up = None
         while True:
-            pool = pool_of(give_up or limit())
+            pool = pool_of(give_up or self._give_up(deadline))
             try:
                 return call(pool)
             except DockConnectionError as e:
@@ -306,7 +302,7 @@ class Router:
                 if not getattr(e, "retry", True):
                     raise
                 if give_up is None:
-                    give_up = limit()
+                    give_up = self._give_up(deadline)
                     logger.warning("[client] lost the controller at %s (%s); reconnecting", address, e)
                 elif time.monotonic() >= give_up:
                     raise DockConnectionError(f"the dockd controller at {address} kept failing: {e}") from None
@@ -345,6 +341,12 @@ class Router:
             self._close_pool(plain)
         return pool
 
+    def _give_up(self, deadline: float | None) -> float:
+        """When to stop retrying a daemon that went away: reconnect_timeout from now (a call may have
+        waited long before its connection dropped), and not past `deadline`."""
+        later = time.monotonic() + self.reconnect_timeout
+        return later if deadline is None else min(later, deadline)
+
     def _within(self, give_up: float) -> float:
         """Seconds a connection attempt may take: connect_timeout, and not past `give_up` (but at
         least half a second: an attempt that cannot succeed would hide the error that led to it)."""
@@ -371,13 +373,9 @@ class Router:
     def warehouse(self, call: Callable[[int, Pool], T], deadline: float | None = None) -> T:
         """Run `call(wid, pool)` against the home warehouse; if it is unreachable, re-home and run it again
         (for up to reconnect_timeout, and not past `deadline`)."""
-        def limit() -> float:
-            later = time.monotonic() + self.reconnect_timeout
-            return later if deadline is None else min(later, deadline)
-
         give_up = None
         if self.home < 0:
-            first = give_up = limit()
+            first = give_up = self._give_up(deadline)
             self.home = self._retry(lambda: self._rehome(-1, first), first,
                                     f"a live warehouse of the dock at {self.address}")
         fresh = False  # a failure on a pooled connection is first retried on a new one to the same warehouse
@@ -398,7 +396,7 @@ class Router:
                 info = self.warehouses.get(wid)
                 where = f"{info.host}:{info.port}" if info is not None else f"id {wid}"
                 if give_up is None:
-                    give_up = limit()
+                    give_up = self._give_up(deadline)
                     logger.warning("[client] lost home warehouse %d at %s (%s); re-homing", wid, where, e)
                 elif time.monotonic() >= give_up:
                     raise DockConnectionError(f"the dockd warehouse at {where} kept failing: {e}") from None

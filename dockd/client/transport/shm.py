@@ -106,10 +106,8 @@ class ShmTransport(Transport):
                     buf.registered = False
             buf.registered = True
             done = True
-        except DockConnectionError:
-            raise  # (not answered: see below)
-        except DockError:
-            done = True  # answered (an error): the warehouse is done with the buffer
+        except DockError as e:
+            done = not isinstance(e, DockConnectionError)  # (an answer, if an error: the warehouse is done with it)
             raise
         finally:
             # a put without an answer (a silent warehouse, a dropped connection) may still be taken in
