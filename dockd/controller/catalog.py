@@ -5,7 +5,7 @@ and the frees deletes leave for the warehouses. Leases and rounds are the contro
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -61,6 +61,7 @@ class Catalog:
         put_id: int = 0,
         tags: Mapping[str, Sequence[int]] | None = None,
         token: int = 0,
+        away: Collection[int] = (),
     ) -> np.ndarray:
         """Record that `warehouse` now holds `columns` of some samples; returns their indexes.
 
@@ -73,14 +74,17 @@ class Catalog:
         `token`: the writer's put token. A put re-sent to another warehouse after its first
         attempt's warehouse went away is committed again with the same token: its values are
         written again at the indexes the first attempt got where that warehouse lost them
-        (answered, not lost); `stored` tells the re-sends whose values are all still held.
+        (answered, not lost), and where `away` (warehouses that do not answer now) holds them: a
+        warehouse that went away between a commit and storing its values never stores them, and one
+        that comes back from its data dir without them makes them unwritten; `stored` tells the
+        re-sends whose values are all still held.
         """
         done = self.recall(warehouse, put_id)
         if done is not None:
             return done
         seen = self.tokens.get(token) if token else None
         if seen is not None and seen[0] == partition and partition in self.partitions:
-            idx = self._rewrite(self.partitions[partition], seen[1], seen[2], warehouse, nbytes)
+            idx = self._rewrite(self.partitions[partition], seen[1], seen[2], warehouse, nbytes, away)
             self.remember(warehouse, put_id, idx)
             return idx
         if tags:
@@ -95,33 +99,36 @@ class Catalog:
                 self.tokens.popitem(last=False)
         return idx
 
-    def _unheld(self, part: _Partition, column: str, idx: np.ndarray) -> np.ndarray:
+    def _unheld(self, part: _Partition, column: str, idx: np.ndarray, away: Collection[int] = ()) -> np.ndarray:
         """Which of `idx` (not deleted) have no live warehouse holding `column`: unwritten again, or on
-        a warehouse that left the dock."""
+        a warehouse that left the dock (or is in `away`)."""
         loc = part.loc[column][idx]
         out: np.ndarray = loc >= PENDING_WAREHOUSE
-        if self.dead_warehouses:
-            out |= np.isin(loc, np.fromiter(self.dead_warehouses, dtype=np.uint16))
+        gone = self.dead_warehouses.union(away) if away else self.dead_warehouses
+        if gone:
+            out |= np.isin(loc, np.fromiter(gone, dtype=np.uint16))
         out &= ~part.gone[idx]
         return out
 
-    def stored(self, partition: str, token: int) -> np.ndarray | None:
+    def stored(self, partition: str, token: int, away: Collection[int] = ()) -> np.ndarray | None:
         """The indexes a put with writer token `token` got, if every value it wrote is still held by a
-        live warehouse (or deleted since): a re-send of it is answered with them and stored nowhere."""
+        live warehouse not in `away` (or deleted since): a re-send of it is answered with them and
+        stored nowhere."""
         seen = self.tokens.get(token) if token else None
         if seen is None or seen[0] != partition or partition not in self.partitions:
             return None
         part = self.partitions[partition]
-        if any(self._unheld(part, c, seen[2]).any() for c in seen[1]):
+        if any(self._unheld(part, c, seen[2], away).any() for c in seen[1]):
             return None
         return seen[2].view(StoredElsewhere)
 
     def _rewrite(self, part: _Partition, columns: Sequence[str], idx: np.ndarray, warehouse: int,
-                 nbytes: int) -> np.ndarray:
-        """A re-sent put whose values its first warehouse lost: `warehouse` holds them now."""
+                 nbytes: int, away: Collection[int] = ()) -> np.ndarray:
+        """A re-sent put whose values its first warehouse lost (or may never have stored: it is
+        `away`): `warehouse` holds them now."""
         changed = []
         for c in columns:
-            sel = idx[self._unheld(part, c, idx)]
+            sel = idx[self._unheld(part, c, idx, away)]
             part.loc[c][sel] = warehouse
             part.ready[sel] |= np.uint64(1 << part.columns[c])
             changed.append(sel)

@@ -17,7 +17,7 @@ partition); a confirm, a release or an expiry ends a lease on both sides.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -76,9 +76,11 @@ class Controller:
     def commit(self, partition: str, columns: Sequence[str], *, warehouse: int,
                indexes: Sequence[int] | np.ndarray | None = None, new_count: int = 0,
                group_size: int = 1, nbytes: int = 0, put_id: int = 0,
-               tags: Mapping[str, Sequence[int]] | None = None, token: int = 0) -> np.ndarray:
+               tags: Mapping[str, Sequence[int]] | None = None, token: int = 0,
+               away: Collection[int] = ()) -> np.ndarray:
         return self.catalog.commit(partition, columns, warehouse=warehouse, indexes=indexes, new_count=new_count,
-                                   group_size=group_size, nbytes=nbytes, put_id=put_id, tags=tags, token=token)
+                                   group_size=group_size, nbytes=nbytes, put_id=put_id, tags=tags, token=token,
+                                   away=away)
 
     def commit_replica(self, partition: str, columns: Sequence[str], *, warehouse: int,
                        indexes: Sequence[int] | np.ndarray, nbytes: int = 0, put_id: int = 0) -> np.ndarray:

@@ -43,7 +43,7 @@ Records (the first element names the kind):
 
     W  warehouse entry (id, host, port, unix, capacity, instance, state)
     C  commit          (partition, columns, warehouse, indexes | None, new_count, group_size, nbytes, put_id[, tags
-                       [, writer token]])
+                       [, writer token[, warehouses not answering when a put with that token was re-sent]]])
     A  replica commit  (partition, columns, warehouse, indexes, nbytes, put_id): it holds a copy (--replicas 2)
     G  lease granted   (id, partition, consumer, indexes, seconds left, token, owner session)
     E  lease extended  (id, seconds left)
@@ -498,13 +498,15 @@ class Journal:
         self.append(["W", entry], applied=True)
 
     def commit(self, partition, columns, warehouse, indexes, new_count, group_size, nbytes, put_id,
-               tags=None, token: int = 0) -> None:
+               tags=None, token: int = 0, away=()) -> None:
         rec = ["C", partition, list(columns), warehouse, None if indexes is None else _pack_idx(indexes),
                new_count, group_size, nbytes, put_id]
         if tags or token:
             rec.append(_pack_tags(tags or {}))
         if token:
             rec.append(token)
+            if away:
+                rec.append(sorted(away))
         self.append(rec)
 
     def replica(self, partition, columns, warehouse, indexes, nbytes, put_id) -> None:
@@ -591,7 +593,7 @@ def _apply(core: Controller, warehouses: dict[int, dict], rec: list, now: float)
         _, part, cols, wid, idx, new_count, gs, nbytes, put_id, *more = rec
         core.commit(part, cols, warehouse=wid, indexes=None if idx is None else _unpack_idx(idx), new_count=new_count,
                     group_size=gs, nbytes=nbytes, put_id=put_id, tags=_unpack_tags(more[0]) if more else None,
-                    token=more[1] if len(more) > 1 else 0)
+                    token=more[1] if len(more) > 1 else 0, away=more[2] if len(more) > 2 else ())
     elif kind == "A":
         _, part, cols, wid, idx, nbytes, put_id = rec
         core.commit_replica(part, cols, warehouse=wid, indexes=_unpack_idx(idx), nbytes=nbytes, put_id=put_id)

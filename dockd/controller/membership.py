@@ -165,6 +165,11 @@ class Membership:
     def get(self, wid: int) -> WarehouseEntry | None:
         return self.entries.get(wid)
 
+    def away(self, but: int = -1) -> list[int]:
+        """Members (other than `but`) that do not answer now: unresponsive, disconnected (rejoining),
+        or gone. What they were committed may not have reached their storage."""
+        return [i for i, e in self.entries.items() if i != but and not (e.state == "joined" and e.connected)]
+
     def infos(self, ids=None, *, usage: bool = True) -> list[pb.WarehouseInfo]:
         used = self.core.warehouse_bytes() if usage else {}
         ids = self.entries.keys() if ids is None else [i for i in ids if i in self.entries]

@@ -223,16 +223,19 @@ class ControllerService:
                                  "the load returned")
         tags = {t.name: list(t.values) for t in req.tags} or None
         applied = req.put_id and req.put_id in self.core.put_keys.get(req.warehouse, ())  # (re-sent: answered again)
-        stored = None if applied else self.core.catalog.stored(req.partition, req.token)
+        # a put re-sent to this warehouse (its writer's token seen before): values held by a warehouse that does not
+        # answer now count as not held, since it may have gone away between their commit and storing them
+        away = self.members.away(but=req.warehouse) if req.token in self.core.catalog.tokens and not applied else ()
+        stored = None if applied else self.core.catalog.stored(req.partition, req.token, away)
         if stored is not None:  # a put re-sent to this warehouse whose values another one holds: nothing to apply
             return stored
         if self.journal is not None and not applied:  # written ahead: a commit the journal cannot take is not applied
             self.journal.room()
             self.journal.commit(req.partition, req.columns, req.warehouse, indexes, req.new_count, gs, req.nbytes,
-                                req.put_id, tags, req.token)
+                                req.put_id, tags, req.token, away)
         idx = self.core.commit(req.partition, list(req.columns), warehouse=req.warehouse, indexes=indexes,
                                new_count=req.new_count, group_size=gs, nbytes=req.nbytes, put_id=req.put_id, tags=tags,
-                               token=req.token)
+                               token=req.token, away=away)
         if req.partition in self.waiters:
             self.waiting.wake(req.partition)
         return idx

@@ -208,6 +208,55 @@ def test_with_a_stopped_controller_puts_and_gets_end_within_their_timeout_and_no
         assert d.stats()["partitions"][partition]["samples"] == 4
 
 
+def test_a_put_re_sent_while_its_first_warehouse_is_away_is_stored_by_the_second(tmp_path, partition):
+    """The first warehouse committed the put and stopped before storing it (commit-then-store), so the
+    client re-sent it to another warehouse with its token. The values count as held only by a warehouse
+    that answers: the second one stores them and is recorded as their holder. The first is then killed
+    and restarts from its data dir without them; the acknowledged samples stay readable (before: the
+    re-send was answered "held elsewhere" and not stored, and the restart made them unwritten)."""
+    ctrl, ready = spawn_node(["--controller", "--port", "0", "--capacity", "256MiB", *FAST_HEARTBEATS])
+    address = f"127.0.0.1:{ready['port']}"
+    wh_args = ["--join", address, "--capacity", "256MiB", "--data-dir", str(tmp_path / "wh1"), *FAST_HEARTBEATS]
+    wh, ready = spawn_node(["--port", "0", *wh_args])
+    wh_port = ready["port"]
+    procs = [ctrl, wh]
+    try:
+        with dockd.connect(address, warehouse=f"127.0.0.1:{wh_port}") as first:
+            first.put({"x": torch.zeros(1, 4)}, partition=partition)  # (its connections are made)
+        with dockd.connect(address) as d:
+            d._router.home = 1  # (as a client on warehouse 1's host would be)
+            assert d.put({"x": torch.zeros(1, 4)}, partition=partition) == [1]
+            result: list = []
+            with stopped(ctrl.pid):  # the commit waits in the controller's socket ...
+                sender = threading.Thread(target=lambda: result.append(timed(d.put, {"x": torch.ones(2, 4)},
+                                                                               partition=partition, timeout=1)))
+                sender.start()
+                time.sleep(1.0)
+                os.kill(wh.pid, signal.SIGSTOP)  # ... and its answer will wait, unread, in the warehouse's
+            sender.join(60)
+            got, err, _ = result[0]
+            assert err is None and got == [2, 3] and d._router.home == 0, (got, err)
+            wh.kill()  # never ran on: killed between its commit and storing the values
+            wh.wait(20)
+            wh.stdout.close()
+            wh, _ = spawn_node(["--port", str(wh_port), *wh_args])
+            procs[1] = wh
+            wait_until(lambda: d.stats()["warehouses"][1]["state"] == "joined", what="warehouse 1 back")
+            batch = drain(d, partition, 4)
+            assert sorted(batch) == [0, 1, 2, 3]
+            values = d.get("c2", ["x"], 4, partition=partition, timeout=5)
+            assert [float(v.sum()) for v in values["x"]] == [0.0, 0.0, 4.0, 4.0]
+            assert d.stats()["partitions"][partition]["samples"] == 4  # applied once
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.terminate()
+                p.wait(20)
+            if p.stdout is not None and not p.stdout.closed:
+                p.stdout.close()
+
+
 def _daemon_dock(tmp_path, *extra):
     """A controller and a warehouse with a known daemon token: (procs, controller address, warehouse
     address, warehouse pid, dock token, daemon token)."""

@@ -185,3 +185,25 @@ def test_a_put_re_sent_elsewhere_after_its_warehouse_died_fills_the_same_samples
     assert c.commit("p", ["x"], warehouse=1, new_count=3, token=5).tolist() == [0, 1, 2]
     assert sorted(c.acquire("p", "t", ["x"], 3).indexes.tolist()) == [0, 1, 2]
     assert c.catalog.stored("p", 5).tolist() == [0, 1, 2]
+
+
+def test_a_put_re_sent_while_its_warehouse_is_away_moves_its_values_to_the_new_one(tmp_path):
+    """Warehouse 0 committed the put but does not answer now (it may never have stored the values):
+    a re-send with the same token is not "held elsewhere", warehouse 1 stores the values and holds
+    them on record, and warehouse 0 coming back from its data dir without them loses nothing. The
+    journal keeps which warehouses were away, so a replay moves the same values."""
+    j = Journal(tmp_path)
+    c, _ = j.load(lease_timeout=60, now=0.0)
+    j.commit("p", ["x"], 0, None, 2, 1, 16, 1, None, 5)
+    c.commit("p", ["x"], warehouse=0, new_count=2, nbytes=16, put_id=1, token=5)
+    assert c.catalog.stored("p", 5).tolist() == [0, 1]  # warehouse 0 answers: held there
+    assert c.catalog.stored("p", 5, away=[0]) is None
+    j.commit("p", ["x"], 1, None, 2, 1, 16, 1, None, 5, [0])
+    assert c.commit("p", ["x"], warehouse=1, new_count=2, nbytes=16, put_id=1, token=5, away=[0]).tolist() == [0, 1]
+    assert c.locate("p", [0, 1], ["x"]).tolist() == [[1, 1]]
+    c.rejoin(0, {}, known=DURABLE_REJOIN)  # back from its data dir without them
+    assert sorted(c.acquire("p", "t", ["x"], 2).indexes.tolist()) == [0, 1]
+    j.sync()
+    j.close()
+    back, _ = Journal(tmp_path).load(lease_timeout=60, now=0.0)
+    assert back.locate("p", [0, 1], ["x"]).tolist() == [[1, 1]] and back.partitions["p"].size == 2
