@@ -20,7 +20,9 @@ import asyncio
 import logging
 import resource
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pyarrow as pa
 
 from dockd import shm
@@ -50,6 +52,7 @@ class Admission:
         self._over_budget_warned = False
         self.on_clear: Callable[[str], None] = lambda partition: None  # a partition was freed whole
         self._retry: asyncio.TimerHandle | None = None  # with a spill tier: the queue's next try to spill
+        self._copier: ThreadPoolExecutor | None = None  # big staged payloads are copied in here (copy_in_off_loop)
 
     def use_segments(self, budget: int) -> None:
         """Receive big bodies into shared memory, at most `budget` stored segments."""
@@ -140,6 +143,8 @@ class Admission:
     def shutdown(self) -> None:
         if self._retry is not None:
             self._retry.cancel()
+        if self._copier is not None:
+            self._copier.shutdown(wait=False)
         for _, fut, _ in self.waiters:
             if not fut.done():
                 fut.set_exception(DockError("the warehouse is shutting down"))
@@ -154,14 +159,32 @@ class Admission:
     def copy_in(self, staged, size: int):
         """Copy a staged payload into storage of ours: a warm pool segment (or private memory past
         the descriptor budget)."""
+        dst, done = self._destination(size)
+        memoryview(dst).cast("B")[:] = memoryview(staged)[:size]
+        return done()
+
+    async def copy_in_off_loop(self, staged, size: int):
+        """`copy_in` with the copy itself in a worker thread (it releases the GIL): a payload of
+        hundreds of MiB into fresh pages takes seconds, during which the event loop keeps answering
+        heartbeats, probes and other requests."""
+        dst, done = self._destination(size)
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="dockd-copy-in")
+        await asyncio.get_running_loop().run_in_executor(self._copier, _copy, dst, staged, size)
+        return done()
+
+    def _destination(self, size: int):
+        """Where a copied-in payload goes, and what to call once it is there (it returns the body)."""
         if size >= shm.SHM_MIN_BODY and self.segment_room():
             seg = self.segments.take(size)
-            seg.writable()[:] = memoryview(staged)[:size]
-            seg.seal()
-            return seg
+
+            def sealed():
+                seg.seal()
+                return seg
+
+            return seg.writable(), sealed
         buf = pa.allocate_buffer(size)
-        memoryview(buf).cast("B")[:] = memoryview(staged)[:size]
-        return buf
+        return buf, lambda: buf
 
     def segment_room(self) -> bool:
         """Whether one more stored segment fits the descriptor budget (warns once when it does not)."""
@@ -177,3 +200,8 @@ class Admission:
                 shm.Segment.live, soft,
             )
         return False
+
+
+def _copy(dst, staged, size: int) -> None:
+    """One payload copy; numpy releases the GIL for it."""
+    np.copyto(np.frombuffer(dst, dtype=np.uint8, count=size), np.frombuffer(staged, dtype=np.uint8, count=size))

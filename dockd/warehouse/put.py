@@ -48,6 +48,11 @@ from dockd.warehouse.tasks import failed, spawn
 
 logger = logging.getLogger(__name__)
 
+COPY_OFF_LOOP = 64 << 20
+"""A staged payload this big is copied in by a worker thread: into fresh pages (a warehouse's first
+puts of a size) that takes ~1 s per GiB on a VM, long enough to miss heartbeats and probes; under it
+the copy stays on the loop (at most ~50 ms into fresh pages, a few ms into warm ones)."""
+
 PUT_TOKENS_KEPT = 4096
 _copy_failures = Throttle()  # (every put fails its copy while the second warehouse is down or full)
 
@@ -141,21 +146,29 @@ class PutPipeline:
         else:
             self._received(peer, frame, body)
             return
-        if wait is not None:
+        if wait is not None or (staged is not None and req.shm_size >= COPY_OFF_LOOP):
             spawn(self._when_admitted(wait, peer, frame, staged))
             return
         self._received(peer, frame, self.admission.copy_in(staged, req.shm_size) if staged is not None else None)
 
     async def _when_admitted(self, wait, peer: Peer, frame: pb.Frame, staged) -> None:
+        """A put that waits for room, or whose staged payload is big enough to be copied in off the loop."""
         try:
-            await wait
+            if wait is not None:
+                await wait
         except asyncio.CancelledError:  # its client went away while it waited for room
             return
         except Exception as e:
             peer.reply_error(frame, e)
             return
+        size = frame.put.shm_size
         try:
-            body = self.admission.copy_in(staged, frame.put.shm_size) if staged is not None else None
+            if staged is None:
+                body = None
+            elif size >= COPY_OFF_LOOP:
+                body = await self.admission.copy_in_off_loop(staged, size)
+            else:
+                body = self.admission.copy_in(staged, size)
             self._received(peer, frame, body)
         except Exception as e:
             peer.reply_error(frame, e)

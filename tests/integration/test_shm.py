@@ -124,6 +124,24 @@ def test_odd_sized_large_bodies_on_both_paths(cluster, partition, monkeypatch):
         assert torch.equal(torch.stack(d.read(partition, [0, 1, 2], ["x"])["x"]), data)
 
 
+def test_a_staged_put_copied_in_off_the_event_loop_arrives_whole(cluster, partition):
+    """A same-host put of COPY_OFF_LOOP bytes or more is copied into the warehouse's storage by a worker
+    thread, so the daemon keeps answering meanwhile: its bytes arrive whole, into a fresh segment and
+    then a recycled one, and a small put to the same warehouse is served next to it."""
+    from dockd.warehouse.put import COPY_OFF_LOOP
+
+    data = torch.randint(0, 255, (1, COPY_OFF_LOOP + 12_345), dtype=torch.uint8)
+    with dockd.connect(cluster.address, warehouse=1) as d:
+        for rep in range(2):
+            data[0, :8] = rep
+            assert d.put({"x": data}, partition=partition) == [0]
+            assert d.put({"x": torch.full((1, 4), float(rep))}, partition=partition + "-small") == [rep]
+            b = d.get("c", ["x"], 1, partition=partition, timeout=30)
+            assert torch.equal(b["x"][0], data[0])
+            del b
+            d.clear(partition)
+
+
 def test_a_warehouse_at_its_descriptor_limit_copies_puts_instead_of_dropping_clients():
     """Every same-host put body is a segment holding a descriptor. With `ulimit -n 256` the
     daemon stops near its budget (256 - 160 reserved for connections, descriptors in flight and
