@@ -180,19 +180,20 @@ class Warehouse:
 
     def store(self, partition: str, indexes: Indexes, columns: Sequence[pb.ColumnData], body: pa.Buffer | None,
               nbytes: int, segment: object = None, group_size: int = 0,
-              device: Sequence[torch.Tensor] | None = None, token: int = 0) -> None:
+              device: Sequence[torch.Tensor] | None = None, token: int = 0, room: str | None = None) -> None:
         """Keep each run as a batch (a slice of body, or of `device[k - 1]` for a run in device
         buffer k: the warehouse's own copies, whose bytes `device_reserve` reserved) and file its
         rows under the indexes; uses the reservations. With a keeper (a data dir) the put is
-        written there first (`token`: the writer's, kept with it); if that fails nothing is stored,
-        the reservation is given back and the error raised."""
+        written there first (`token`: the writer's, kept with it; into `room`, the disk room taken for
+        it before its commit, if any); if that fails nothing is stored, the reservation is given back
+        and the error raised."""
         device = device or ()
         device_nbytes = sum(int(t.numel()) for t in device)
         self.check_absent(partition, indexes, (c.name for c in columns))
         file = None
         if self.keeper is not None:
             try:
-                file = self.keeper.stored(partition, _idx(indexes), columns, body, nbytes, group_size, token)
+                file = self.keeper.stored(partition, _idx(indexes), columns, body, nbytes, group_size, token, room)
             except Exception:
                 self.reserved -= nbytes
                 raise

@@ -214,16 +214,61 @@ class DataDir:
             self._save_identity()
 
     # -- puts --------------------------------------------------------------------------------------
+    def room(self, partition: str, columns: Sequence[pb.ColumnData], nbytes: int, samples: int) -> str | None:
+        """Disk room for a put's file, taken before the put is committed (a file of its own, allocated
+        whole: `posix_fallocate`), so that a full disk fails the put before the controller records
+        its values, not after. Its path, for `stored` (or `give_back` when the put is not stored);
+        None while adopting. A `.free-` file, so that a kill leaves nothing adopted."""
+        if self.adopting is not None:
+            return None
+        # what the file can take: headers (the JSON one with the partition and the dock), the runs and
+        # the indexes (at most 11 bytes each as a varint with its tag), the body
+        size = (_HEAD.size + 1024 + 2 * len(partition.encode()) + len(json.dumps(self.dock))
+                + sum(c.ByteSize() for c in columns) + 11 * samples + nbytes)
+        path = self._take_free(size)
+        if path is None:
+            self._free_seq += 1
+            path = os.path.join(self.path, f".free-{self._free_seq:x}")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            free = shutil.disk_usage(self.path).free if os.path.isdir(self.path) else 0
+            raise DockStateFull(f"this put was not stored: --data-dir {self.path} has no room for its {size} "
+                                f"bytes ({e.strerror or e}; {free} bytes free there). Free room there and "
+                                "retry") from None
+        return path
+
+    def give_back(self, room: str | None) -> None:
+        """Room taken for a put that was not stored (it failed, or its values are held already)."""
+        if room is None:
+            return
+        try:
+            size = os.stat(room).st_size
+            if len(self._free) < FREE_FILES and self._free_bytes + size <= FREE_BYTES:
+                self._free.append((size, room))
+                self._free_bytes += size
+            else:
+                os.unlink(room)
+        except FileNotFoundError:
+            pass
+
     def stored(self, partition: str, idx: np.ndarray, columns: Sequence[pb.ColumnData], body: pa.Buffer | None,
-               nbytes: int, group_size: int, token: int) -> str:
-        """Write one put (its indexes known) and fsync it; its file's path."""
+               nbytes: int, group_size: int, token: int, room: str | None = None) -> str:
+        """Write one put (its indexes known) and fsync it, into its `room` if one was taken; its
+        file's path."""
         if self.adopting is not None:
             return self.adopting
         d = os.path.join(self.path, _part_dir(partition))
         n, self._next = self._next, self._next + 1
         final = os.path.join(d, f"{n:016x}.put")
         tmp = os.path.join(d, f".{n:016x}.tmp")
-        over = self._take_free(nbytes)
+        over = room if room is not None else self._take_free(nbytes)
         runs = pb.PutRequest(partition=partition, indexes=idx.tolist(), columns=columns).SerializeToString()
         data = memoryview(body).cast("B")[:nbytes] if body is not None and nbytes else memoryview(b"")
         crc = zlib.crc32(data, zlib.crc32(runs))

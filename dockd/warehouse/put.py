@@ -69,6 +69,7 @@ class _Put:
     dev: list            # device-tier copies
     spilled: int
     held: bool = False   # a replica of values this warehouse holds already (a repair that crossed the put's copy)
+    room: str | None = None  # with a data dir: the disk room taken for its file before the commit
 
     @property
     def dev_bytes(self) -> int:
@@ -189,6 +190,10 @@ class PutPipeline:
                 buf, seg, size, dev, spilled = take_device(peer, req, buf, seg, size, self.warehouse, self.segments,
                                                            self.metrics)
             self._validate(req, buf, size, dev, held)
+            keeper = self.warehouse.keeper
+            # a full data dir fails the put here, before the controller records its values
+            room = None if keeper is None or held else keeper.room(req.partition, req.columns, size,
+                                                                    len(req.indexes) or req.new_count)
         except Exception as e:
             self.admission.release(unreserve=size, unreserve_device=sum(int(t.numel()) for t in dev))
             self.tokens.done(req.token, None, e)
@@ -200,7 +205,7 @@ class PutPipeline:
         )
         if not req.indexes:  # new samples may wait for the partition's consumers (max_pending), as long as the put may
             commit.has_timeout, commit.timeout = True, req.timeout
-        put = _Put(peer, frame, buf, seg, size, dev, spilled, held)
+        put = _Put(peer, frame, buf, seg, size, dev, spilled, held, room)
         self.committer.commit(commit, req.timeout, peer, functools.partial(self._land, put))
 
     def _validate(self, req: pb.PutRequest, buf, size: int, dev: list, held: bool = False) -> None:
@@ -216,8 +221,11 @@ class PutPipeline:
     def _land(self, put: _Put, res, cleared: bool) -> None:
         """The commit's outcome: store the put (unless it failed, or was cleared since) and answer it."""
         req = put.frame.put
+        keeper = self.warehouse.keeper
         if isinstance(res, BaseException):
             self.admission.release(unreserve=put.size, unreserve_device=put.dev_bytes, seg=put.seg)
+            if keeper is not None:
+                keeper.give_back(put.room)
             self._fail(put, res)
             return
         try:
@@ -225,16 +233,20 @@ class PutPipeline:
             # here after its first warehouse went away, whose values a warehouse holds: answered, not stored
             if cleared or put.held or isinstance(res, StoredElsewhere):
                 self.admission.release(unreserve=put.size, unreserve_device=put.dev_bytes, seg=put.seg)
+                if keeper is not None:
+                    keeper.give_back(put.room)
             elif req.replica:  # stored whole; what the controller did not record (deleted meanwhile) is freed
                 self.warehouse.store(req.partition, req.indexes, req.columns, put.buf, put.size, put.seg, 0,
-                                     token=req.token)
+                                     token=req.token, room=put.room)
                 dropped = np.setdiff1d(np.asarray(req.indexes, dtype=np.int64), np.asarray(res, dtype=np.int64))
                 if len(dropped):
                     self.admission.free(req.partition, dropped)
             else:
                 self.warehouse.store(req.partition, res, req.columns, put.buf, put.size, put.seg, group_size(req),
-                                     device=put.dev, token=req.token)  # (with --data-dir: written there first)
+                                     device=put.dev, token=req.token, room=put.room)  # (--data-dir: written first)
         except Exception as e:  # noqa: BLE001 - the put's answer
+            if keeper is not None:
+                keeper.give_back(put.room)  # (unless its file was written, or removed on failing)
             self._fail(put, e)
             return
         out = res.tolist() if isinstance(res, np.ndarray) else list(res)

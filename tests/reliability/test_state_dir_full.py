@@ -1,5 +1,5 @@
-"""The controller's state dir when it is full or failing (issue 18, finding 5), and lease
-deadlines across a restart whose wall clock jumped (finding 10).
+"""The controller's state dir when it is full or failing (issue 18, finding 5), a warehouse's data
+dir when it is full, and lease deadlines across a restart whose wall clock jumped (finding 10).
 
 A request whose journal record cannot be written whole applies nothing and fails with
 DockStateFull; a short or failed write never leaves half a record for a later one to follow;
@@ -25,6 +25,7 @@ import dockd.controller.journal as journal_mod
 from dockd.controller.journal import Journal
 from dockd.errors import DockLeaseError, DockStateFull
 from dockd.local import spawn_node
+from tests.conftest import wait_until
 from tests.integration.test_cluster import Procs, free_port
 
 pytestmark = pytest.mark.timeout(240)
@@ -320,3 +321,43 @@ def test_a_wall_clock_jump_across_a_restart_neither_expires_a_live_lease_nor_str
             raise AssertionError(f"a live lease expired across the restart: {e}") from None
         back = d.get("dead", ["x"], 4, partition="p", timeout=20)  # its samples come back within its 3 s
         assert sorted(back.indexes) == sorted(dead.indexes) and time.monotonic() - t0 < 15
+
+
+def test_a_full_data_dir_fails_puts_before_their_commit_and_strands_no_sample(small_fs, partition):
+    """A warehouse with a data dir on a full disk refuses a put before its commit (the room for its file
+    is taken first): the controller never records values that were not stored, so no get meets a
+    sample that is not there, and every acknowledged sample is delivered. Before, the put failed after
+    its commit, and the first get to reach such a sample failed with DockNotFound, again and again
+    (FIFO hands out the same batch), stranding the acknowledged samples around it."""
+    ctrl, ready = spawn_node(["--controller", "--no-warehouse", "--port", "0"])
+    address = f"127.0.0.1:{ready['port']}"
+    wh, _ = spawn_node(["--port", "0", "--join", address, "--data-dir", str(small_fs / "wh"), "--capacity", "64MiB"])
+    try:
+        with dockd.connect(address) as d:
+            acked: dict[int, float] = {}
+            refused = 0
+            for k in range(40):  # 64 KiB each: the 1 MiB disk holds about 15
+                try:
+                    idx = d.put({"x": torch.full((1, 16 << 10), float(k))}, partition=partition)
+                    acked[idx[0]] = float(k)
+                except DockStateFull as e:
+                    assert "data-dir" in str(e) and "Free room there" in str(e), e
+                    refused += 1
+            assert acked and refused >= 10, (len(acked), refused)
+            assert d.stats()["partitions"][partition]["samples"] == len(acked)
+            b = d.get("c", ["x"], len(acked), partition=partition, timeout=10)
+            assert {i: float(x[0]) for i, x in zip(b.indexes, b["x"])} == acked
+            d.clear(partition)  # room again: puts go through without a restart
+
+            def put_goes_through() -> bool:
+                try:
+                    return d.put({"x": torch.zeros(1, 16 << 10)}, partition=partition + "-2") == [0]
+                except DockStateFull:  # (the frees reach the warehouse a moment after the clear)
+                    return False
+
+            wait_until(put_goes_through, 10, "a put once the data dir has room")
+    finally:
+        for p in (wh, ctrl):
+            p.terminate()
+            p.wait(20)
+            p.stdout.close()
