@@ -168,10 +168,14 @@ class Admission:
         hundreds of MiB into fresh pages takes seconds, during which the event loop keeps answering
         heartbeats, probes and other requests."""
         dst, done = self._destination(size)
+        await self.in_worker(_copy, dst, staged, size)
+        return done()
+
+    async def in_worker(self, fn, *args):
+        """`fn(*args)` in this warehouse's worker thread (big copies and writes that release the GIL)."""
         if self._copier is None:
             self._copier = ThreadPoolExecutor(1, thread_name_prefix="dockd-copy-in")
-        await asyncio.get_running_loop().run_in_executor(self._copier, _copy, dst, staged, size)
-        return done()
+        return await asyncio.get_running_loop().run_in_executor(self._copier, fn, *args)
 
     def _destination(self, size: int):
         """Where a copied-in payload goes, and what to call once it is there (it returns the body)."""

@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     import torch
 
     from dockd.warehouse.datadir import DataDir as Keeper
+    from dockd.warehouse.datadir import Room
     from dockd.warehouse.spill import Spilled, SpillTier
 
 SMALL_READ = 8  # reads of up to this many samples per column take the scalar path (Warehouse.fetch)
@@ -180,7 +181,7 @@ class Warehouse:
 
     def store(self, partition: str, indexes: Indexes, columns: Sequence[pb.ColumnData], body: pa.Buffer | None,
               nbytes: int, segment: object = None, group_size: int = 0,
-              device: Sequence[torch.Tensor] | None = None, token: int = 0, room: str | None = None) -> None:
+              device: Sequence[torch.Tensor] | None = None, token: int = 0, room: Room | None = None) -> None:
         """Keep each run as a batch (a slice of body, or of `device[k - 1]` for a run in device
         buffer k: the warehouse's own copies, whose bytes `device_reserve` reserved) and file its
         rows under the indexes; uses the reservations. With a keeper (a data dir) the put is

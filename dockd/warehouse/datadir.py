@@ -17,14 +17,19 @@ Layout:
         <n>.put                one stored put: fixed header, JSON header, its columns' runs
                                (a serialized PutRequest), its body
         .<n>.tmp               a put being written: renamed to <n>.put once whole and fsync'd
-    DIR/.free-<n>              the file of a freed put, kept to write a later put over (a put
-                               written over one is renamed to its <n>.put once whole and fsync'd)
+    DIR/.free-<n>              the file of a freed put, kept to write a later put over, or the
+                               room taken for a put before its commit (allocated whole, so a full
+                               disk fails the put before the controller records it; a big put's
+                               body is written into it and flushed before the commit, its header
+                               after); renamed to its <n>.put once whole and fsync'd
         deleted                int64 indexes of samples deleted while the rest of their put lives
 
 A `.tmp` file left by a kill is a put that was never acknowledged: it is
-removed at start with a log line. A `.put` file is complete (written under
-its temporary name, fsync'd, then renamed), and carries a CRC-32 of its runs
-and body; one that fails it refuses the start (`DockDataDirError`), as does a
+removed at start with a log line, as is a `.free-` file. A `.put` file is
+complete (written under its temporary name, fsync'd, then renamed), and
+carries a CRC-32 of its runs and body (format 1), or one of each (format 2:
+the body written first, at the end of the room, the JSON header padded up to
+it); one that fails it refuses the start (`DockDataDirError`), as does a
 dir of another dock (another token, or another controller without a token)
 or of another user.
 
@@ -39,6 +44,8 @@ was never acknowledged) becomes unwritten again rather than lost.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -68,12 +75,21 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAGIC = b"DOCKDPUT"
-FORMAT = 1
+FORMAT = 2  # 1: one checksum of runs and body; 2: one each, the body written at the end of its room
 _HEAD = struct.Struct("<8sIIIQ")  # magic, format, JSON header bytes, runs bytes, body bytes
 IDENTITY = "identity.json"
 DELETED = "deleted"
 SEQ_GAP = 1 << 32  # put ids a process may use; the next process starts above them
 FREE_FILES, FREE_BYTES = 64, 1 << 30  # files of freed puts kept to write the next puts over (see DataDir.stored)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Room:
+    """Disk room taken for a put's file before its commit (`DataDir.room`)."""
+    path: str
+    size: int                    # bytes allocated: headers and runs first, the body in the last `nbytes`
+    nbytes: int
+    crc_body: int | None = None  # set once `prewrite` wrote the body there and flushed it
 
 
 class DockDataDirError(DockValueError):
@@ -214,11 +230,11 @@ class DataDir:
             self._save_identity()
 
     # -- puts --------------------------------------------------------------------------------------
-    def room(self, partition: str, columns: Sequence[pb.ColumnData], nbytes: int, samples: int) -> str | None:
+    def room(self, partition: str, columns: Sequence[pb.ColumnData], nbytes: int, samples: int) -> Room | None:
         """Disk room for a put's file, taken before the put is committed (a file of its own, allocated
         whole: `posix_fallocate`), so that a full disk fails the put before the controller records
-        its values, not after. Its path, for `stored` (or `give_back` when the put is not stored);
-        None while adopting. A `.free-` file, so that a kill leaves nothing adopted."""
+        its values, not after; for `prewrite` and `stored` (or `give_back` when the put is not
+        stored). None while adopting. A `.free-` file, so that a kill leaves nothing adopted."""
         if self.adopting is not None:
             return None
         # what the file can take: headers (the JSON one with the partition and the dock), the runs and
@@ -238,38 +254,70 @@ class DataDir:
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.unlink(path)
-            free = shutil.disk_usage(self.path).free if os.path.isdir(self.path) else 0
-            raise DockStateFull(f"this put was not stored: --data-dir {self.path} has no room for its {size} "
-                                f"bytes ({e.strerror or e}; {free} bytes free there). Free room there and "
-                                "retry") from None
-        return path
+            raise self._full(e, f"has no room for its {size} bytes") from None
+        return Room(path, size, nbytes)
 
-    def give_back(self, room: str | None) -> None:
+    def prewrite(self, room: Room, body) -> None:
+        """Write a put's body into its room, at the end where `stored` expects it, and flush it to disk
+        before the put is committed. Big puts do this in a worker thread, so the event loop writes only
+        the header once the commit has given the put its indexes."""
+        data = memoryview(body).cast("B")[: room.nbytes]
+        try:
+            fd = os.open(room.path, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                at, left = room.size - room.nbytes, data
+                while len(left):
+                    n = os.pwrite(fd, left, at)
+                    left, at = left[n:], at + n
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise self._full(e, "could not be written") from None
+        room.crc_body = zlib.crc32(data)
+
+    def give_back(self, room: Room | None) -> None:
         """Room taken for a put that was not stored (it failed, or its values are held already)."""
         if room is None:
             return
         try:
-            size = os.stat(room).st_size
+            size = os.stat(room.path).st_size
             if len(self._free) < FREE_FILES and self._free_bytes + size <= FREE_BYTES:
-                self._free.append((size, room))
+                self._free.append((size, room.path))
                 self._free_bytes += size
             else:
-                os.unlink(room)
+                os.unlink(room.path)
         except FileNotFoundError:
             pass
 
+    def _full(self, e: OSError, what: str) -> DockStateFull:
+        free = shutil.disk_usage(self.path).free if os.path.isdir(self.path) else 0
+        return DockStateFull(f"this put was not stored: its file in --data-dir {self.path} {what} "
+                             f"({e.strerror or e}; {free} bytes free there). Free room there and retry")
+
     def stored(self, partition: str, idx: np.ndarray, columns: Sequence[pb.ColumnData], body: pa.Buffer | None,
-               nbytes: int, group_size: int, token: int, room: str | None = None) -> str:
-        """Write one put (its indexes known) and fsync it, into its `room` if one was taken; its
-        file's path."""
+               nbytes: int, group_size: int, token: int, room: Room | None = None) -> str:
+        """Write one put (its indexes known) and fsync it, into its `room` if one was taken (only its
+        header, if `prewrite` wrote the body there); its file's path."""
         if self.adopting is not None:
             return self.adopting
         d = os.path.join(self.path, _part_dir(partition))
         n, self._next = self._next, self._next + 1
         final = os.path.join(d, f"{n:016x}.put")
-        tmp = os.path.join(d, f".{n:016x}.tmp")
-        over = room if room is not None else self._take_free(nbytes)
         runs = pb.PutRequest(partition=partition, indexes=idx.tolist(), columns=columns).SerializeToString()
+        if room is not None and room.crc_body is not None:
+            head = json.dumps({"dock": self.dock, "partition": partition, "group_size": group_size, "token": token,
+                               "crc": zlib.crc32(runs), "crc_body": room.crc_body}).encode()
+            at = room.size - room.nbytes  # where the body is: the JSON header is padded up to it
+            if _HEAD.size + len(head) + len(runs) <= at:
+                head += b" " * (at - _HEAD.size - len(head) - len(runs))
+                self._header_over(room.path, final, d, [_HEAD.pack(MAGIC, FORMAT, len(head), len(runs), nbytes), head,
+                                                         runs], at + nbytes)
+                self.files += 1
+                self.bytes += nbytes
+                return final
+        tmp = os.path.join(d, f".{n:016x}.tmp")
+        over = room.path if room is not None else self._take_free(nbytes)
         data = memoryview(body).cast("B")[:nbytes] if body is not None and nbytes else memoryview(b"")
         crc = zlib.crc32(data, zlib.crc32(runs))
         head = json.dumps({"dock": self.dock, "partition": partition, "group_size": group_size, "token": token,
@@ -286,7 +334,7 @@ class DataDir:
                     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 size = _HEAD.size + len(head) + len(runs) + len(data)
-                _write_all(fd, [_HEAD.pack(MAGIC, FORMAT, len(head), len(runs), len(data)), head, runs, data])
+                _write_all(fd, [_HEAD.pack(MAGIC, 1, len(head), len(runs), len(data)), head, runs, data])
                 if over is not None:
                     os.ftruncate(fd, size)
                 os.fsync(fd)
@@ -298,12 +346,31 @@ class DataDir:
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            free = shutil.disk_usage(self.path).free if os.path.isdir(self.path) else 0
-            raise DockStateFull(f"this put was not stored: writing it to --data-dir {self.path} failed "
-                                f"({e.strerror or e}; {free} bytes free there). Free room there and retry") from None
+            raise self._full(e, "could not be written") from None
         self.files += 1
         self.bytes += len(data)
         return final
+
+    def _header_over(self, path: str, final: str, d: str, header: list, size: int) -> None:
+        """Write a put's header at the start of its room, whose body is written and flushed already;
+        cut the room to `size`, fsync, and move it into place."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                data = b"".join(header)
+                if os.pwrite(fd, data, 0) != len(data):
+                    raise OSError(errno.EIO, "short write")
+                os.ftruncate(fd, size)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if not os.path.isdir(d):
+                os.makedirs(d, mode=0o700, exist_ok=True)
+            os.rename(path, final)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise self._full(e, "could not be written") from None
 
     def remove(self, path: str) -> None:
         """A put whose samples are all gone: its file is kept to write a later put over, or deleted."""
@@ -409,7 +476,7 @@ class DataDir:
             if len(head) < _HEAD.size:
                 raise self._damaged(path, "its header is cut short")
             magic, fmt, hlen, rlen, blen = _HEAD.unpack(head)
-            if magic != MAGIC or fmt != FORMAT:
+            if magic != MAGIC or fmt not in (1, FORMAT):
                 raise self._damaged(path, "it is not a dockd stored put of this version")
             if os.fstat(fd).st_size != _HEAD.size + hlen + rlen + blen:
                 raise self._damaged(path, "its size does not match its header")
@@ -430,7 +497,9 @@ class DataDir:
                 data = memoryview(buf).cast("B")[:blen]
             else:
                 dest, buf, data = None, None, memoryview(b"")
-            if zlib.crc32(data, zlib.crc32(runs)) != meta["crc"]:
+            # (format 2: the runs and the body each have their checksum; the body was written first)
+            if (zlib.crc32(data, zlib.crc32(runs)) != meta["crc"] if fmt == 1 else
+                    zlib.crc32(runs) != meta["crc"] or zlib.crc32(data) != meta["crc_body"]):
                 raise self._damaged(path, "its checksum does not match (the file was damaged after it was written)")
         except DockDataDirError:
             raise

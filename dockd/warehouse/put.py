@@ -41,6 +41,7 @@ from dockd.peer import Peer
 from dockd.warehouse.admission import Admission
 from dockd.warehouse.commit import Committer
 from dockd.warehouse.core import Warehouse
+from dockd.warehouse.datadir import Room
 from dockd.warehouse.device_put import take_device
 from dockd.warehouse.replica import Replicator
 from dockd.warehouse.segments import Segments
@@ -52,6 +53,11 @@ COPY_OFF_LOOP = 64 << 20
 """A staged payload this big is copied in by a worker thread: into fresh pages (a warehouse's first
 puts of a size) that takes ~1 s per GiB on a VM, long enough to miss heartbeats and probes; under it
 the copy stays on the loop (at most ~50 ms into fresh pages, a few ms into warm ones)."""
+
+WRITE_OFF_LOOP = 16 << 20
+"""With a data dir, a put this big has its body written into its file and flushed to disk by a worker
+thread before its commit (a 512 MiB put held the event loop for about 2 s on a VM's disk); the loop
+then writes only the header. Smaller puts are written whole after the commit, on the loop."""
 
 PUT_TOKENS_KEPT = 4096
 _copy_failures = Throttle()  # (every put fails its copy while the second warehouse is down or full)
@@ -69,7 +75,7 @@ class _Put:
     dev: list            # device-tier copies
     spilled: int
     held: bool = False   # a replica of values this warehouse holds already (a repair that crossed the put's copy)
-    room: str | None = None  # with a data dir: the disk room taken for its file before the commit
+    room: Room | None = None  # with a data dir: the disk room taken for its file before the commit
 
     @property
     def dev_bytes(self) -> int:
@@ -206,7 +212,23 @@ class PutPipeline:
         if not req.indexes:  # new samples may wait for the partition's consumers (max_pending), as long as the put may
             commit.has_timeout, commit.timeout = True, req.timeout
         put = _Put(peer, frame, buf, seg, size, dev, spilled, held, room)
+        if room is not None and size >= WRITE_OFF_LOOP:
+            spawn(self._write_then_commit(put, commit))
+            return
         self.committer.commit(commit, req.timeout, peer, functools.partial(self._land, put))
+
+    async def _write_then_commit(self, put: _Put, commit: pb.CommitRequest) -> None:
+        """A big put to a warehouse with a data dir: its body goes to disk off the loop, then it is committed."""
+        keeper = self.warehouse.keeper
+        assert keeper is not None and put.room is not None  # (only puts that took room come here)
+        try:
+            await self.admission.in_worker(keeper.prewrite, put.room, put.buf)
+        except Exception as e:  # noqa: BLE001 - the put's answer
+            self.admission.release(unreserve=put.size, unreserve_device=put.dev_bytes, seg=put.seg)
+            keeper.give_back(put.room)
+            self._fail(put, e)
+            return
+        self.committer.commit(commit, put.frame.put.timeout, put.peer, functools.partial(self._land, put))
 
     def _validate(self, req: pb.PutRequest, buf, size: int, dev: list, held: bool = False) -> None:
         """The put against its bytes, once they are all ours: its runs fit the body and device copies,
