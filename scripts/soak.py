@@ -50,6 +50,7 @@ import signal
 import sys
 import tempfile
 import time
+import types
 
 GROUP = 8
 NAMES = ("reference", "actor_train")
@@ -202,17 +203,30 @@ def check_delivery(logdir: str, killed: dict[str, float], sizes: dict[int, int],
     return problems
 
 
-def chaos(args) -> int:
-    """--chaos: random SIGKILLs of random daemons and workers under a stream; the delivery accounting."""
+def chaos_harness():
+    """The chaos test's module (tests/reliability/test_chaos.py), loaded from this checkout."""
     import importlib.util
 
-    # (by path: a `tests` package installed in site-packages would shadow the checkout's)
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "reliability",
-                        "test_chaos.py")
-    spec = importlib.util.spec_from_file_location("dockd_chaos_harness", path)
+    # (by path: a `tests` package installed in site-packages, as some packages ship one, would shadow
+    # the checkout's; the module itself imports tests.conftest, so `tests` is made the checkout's)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    tests = types.ModuleType("tests")
+    tests.__path__ = [os.path.join(root, "tests")]
+    sys.modules["tests"] = tests
+    spec = importlib.util.spec_from_file_location("dockd_chaos_harness", os.path.join(root, "tests", "reliability",
+                                                                                       "test_chaos.py"))
+    assert spec is not None and spec.loader is not None
     harness = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = harness
     spec.loader.exec_module(harness)
+    return harness
+
+
+def chaos(args) -> int:
+    """--chaos: random SIGKILLs of random daemons and workers under a stream; the delivery accounting."""
+    harness = chaos_harness()
     ChaosDock, delivered_count, wait_progress = harness.ChaosDock, harness.delivered_count, harness.wait_progress
 
     rng = random.Random(args.seed)

@@ -4,6 +4,7 @@ versions everywhere, JSON logs."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -309,3 +310,15 @@ def test_the_deployment_examples_are_valid_commands():
                          warehouse=not args.no_warehouse, token_file=args.token_file or "",
                          metrics_port=args.metrics_port, state_dir=args.state_dir or "")
         assert cfg.metrics_port == 7452, argv
+
+
+def test_the_chaos_soak_loads_its_harness_from_anywhere(tmp_path):
+    """`scripts/soak.py --chaos` runs the chaos test's harness; run from another directory, the
+    harness's own imports of this checkout's test helpers resolve (they once failed before any kill)."""
+    soak = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts",
+                        "soak.py")
+    code = (f"import runpy; m = runpy.run_path({soak!r}, run_name='soak'); h = m['chaos_harness'](); "
+            "print(h.ChaosDock.__name__, callable(h.delivered_count))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["ChaosDock", "True"], out.stdout
