@@ -64,7 +64,7 @@ class Admission:
     def reserve(self, peer: Peer, size: int, timeout: float) -> asyncio.Future | None:
         """Reserve room for a put: None when done, else a future that resolves once it fits (or DockFull)."""
         self.warehouse.check_fits(size)
-        if not self.waiters and self.warehouse.reserve(size):
+        if not self.waiters and self.warehouse.reserve(size, queued=True):
             return None
         fut = asyncio.get_running_loop().create_future()
         self.waiters.append((size, fut, peer))
@@ -103,7 +103,7 @@ class Admission:
             if fut.done():
                 self.waiters.pop(0)
                 continue
-            if not self.warehouse.reserve(size):
+            if not self.warehouse.reserve(size, queued=True):
                 if self.warehouse.tier is not None and self._retry is None:  # (a pin may go, a file be freed)
                     from dockd.warehouse.spill import RETRY_S
 

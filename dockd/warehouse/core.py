@@ -98,12 +98,13 @@ class Warehouse:
                 "split it into smaller puts or start the warehouse with a larger --capacity"
             )
 
-    def reserve(self, nbytes: int, spill: bool = True) -> bool:
-        """Reserve room for `nbytes` (with a spill tier and `spill`: spilling puts to make it)."""
+    def reserve(self, nbytes: int, spill: bool = True, queued: bool = False) -> bool:
+        """Reserve room for `nbytes` (with a spill tier and `spill`: spilling puts to make it; for a put
+        `queued` for room, big ones in the background: False until they have left memory)."""
         if self.used + self.meta + self.reserved + nbytes > self.capacity:
             if not spill or self.tier is None:
                 return False
-            self.tier.make_room(nbytes)
+            self.tier.make_room(nbytes, background=queued)
             if self.used + self.meta + self.reserved + nbytes > self.capacity:
                 return False
         self.reserved += nbytes

@@ -11,6 +11,7 @@ import contextlib
 import os
 import shutil
 import signal
+import threading
 import time
 import urllib.request
 
@@ -19,6 +20,7 @@ import torch
 
 import dockd
 from dockd.local import spawn_node
+from dockd.warehouse.spill import WRITE_OFF_LOOP
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -126,6 +128,46 @@ def test_puts_of_four_times_the_capacity_spill_and_come_back_bit_exact(spill_dir
         m = scrape(port)
         assert m["dockd_warehouse_spilled_bytes"] == 0 and m["dockd_spill_file_bytes"] == 0, m
         assert m["dockd_warehouse_used_bytes"] == 0, m
+
+
+def test_big_puts_spill_in_the_background_and_come_back_bit_exact(spill_dir):
+    """Puts of WRITE_OFF_LOOP bytes or more are written to their spill files by a worker thread and
+    leave memory once a file is whole; the put waiting for the room is let in then. A partition
+    cleared while its puts are being written leaves no file behind."""
+    big = WRITE_OFF_LOOP // 4  # float32 values: one sample is one big put
+    with node("--controller", "--capacity", "20MiB", "--spill-dir", spill_dir) as (_, ready), \
+            dockd.connect(f"127.0.0.1:{ready['port']}") as d:
+        for k in range(4):  # 16 MiB of another partition, the first to spill
+            d.put({"x": torch.full((1, big), float(k))}, partition="r")
+        sent: dict[int, torch.Tensor] = {}
+        errors: list[BaseException] = []
+
+        def producer() -> None:
+            try:
+                for k in range(12):  # 48 MiB more: each put spills one or two of those before it
+                    x = torch.randn(1, big, generator=torch.Generator().manual_seed(k))
+                    sent[d.put({"x": x}, partition="p", timeout=30)[0]] = x[0]
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        t = threading.Thread(target=producer)
+        t.start()
+        wait_until(lambda: sent, 30, "the first put that spills")
+        d.clear("r")  # (its puts may be on their way to files)
+        t.join(60)
+        assert not errors, errors
+        m = scrape(ready["metrics_port"])
+        assert m["dockd_spill_out_bytes_total"] >= 16 * MIB, m
+        assert m["dockd_warehouse_used_bytes"] <= 20 * MIB, m
+        got = d.get("a", ["x"], len(sent), partition="p", timeout=30)
+        assert sorted(got.indexes) == sorted(sent)
+        for pos, k in enumerate(got.indexes):
+            assert torch.equal(got["x"][pos], sent[k]), k
+        del got
+        d.clear("p")
+        wait_until(lambda: not spill_files(spill_dir), 10, "every spill file to go")
+        m = scrape(ready["metrics_port"])
+        assert m["dockd_warehouse_spilled_bytes"] == 0 and m["dockd_spill_file_bytes"] == 0, m
 
 
 def test_deleted_samples_take_their_spill_files_with_them(spill_dir):
