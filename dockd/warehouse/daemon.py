@@ -206,7 +206,13 @@ class Node:
             self.link = self._link_to(controllers[0], 0, n, reg)
             if self.data_dir is not None:
                 self.data_dir.prime(self.link)
-            await self.link.start(None if deadline is None else max(0.1, deadline - time.monotonic()))
+            if n > 1 and self.link.wid >= 0:
+                # a restart on its data dir has its id: it needs no number from the first controller, so
+                # that one is joined in the background like the others (one that is down stalls only
+                # its own partitions, also across this warehouse's restart)
+                self.link.start_in_background()
+            else:
+                await self.link.start(None if deadline is None else max(0.1, deadline - time.monotonic()))
             if self.data_dir is not None:
                 self.data_dir.joined(self.link.wid, self.port)
         for k in range(1, n):
@@ -344,7 +350,8 @@ class Node:
         m, w = self.metrics, self.warehouse
         out = pb.HelloReply(protocol=PROTOCOL_VERSION, hosts_controller=self.controller is not None, warehouse_id=self.wid,
                             unix=self.unix_name, instance=self.instance,
-                            joined=self.link.joined.is_set() if self.link is not None else self.wid >= 0,
+                            joined=(any(link.joined.is_set() for link in self._links()) if self.link is not None
+                                    else self.wid >= 0),
                             version=__version__, used=w.used, capacity=w.capacity,
                             put_bytes=sum(m.put_bytes.values()), get_bytes=sum(m.get_bytes.values()),
                             device_used=w.device_used, device_capacity=w.device_capacity,

@@ -17,6 +17,7 @@ import dockd
 from dockd import owners
 from dockd.errors import DockConnectionError, DockTimeout, DockValueError
 from dockd.local import free_ports, spawn_node
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -179,6 +180,44 @@ def test_a_warehouse_with_a_data_dir_comes_back_to_every_controller(tmp_path):
             st = dock.stats()
             assert {st["partitions"][name]["controller"] for (name,) in names.values()} == set(addrs)
             assert all(w["state"] == "joined" for w in st["warehouses"].values())
+    finally:
+        _stop(procs)
+
+
+def test_a_durable_warehouse_restarted_while_the_first_controller_is_down_serves_the_others(tmp_path):
+    """The first controller numbers warehouses, so a new one cannot join while it is down; a warehouse
+    restarted on its data dir knows its id and needs no number: it comes back to the controllers that
+    are up (their partitions are served again) and to the first one once that is back."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DOCKD_DAEMON_SECRET="cd" * 32)
+    ports = free_ports("127.0.0.1", 2)
+    addrs = [f"127.0.0.1:{p}" for p in ports]
+    data = tmp_path / "data"
+    wh_args = ["--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--join", addrs[1], "--data-dir", str(data),
+               "--log-level", "WARNING"]
+    procs = []
+    try:
+        for k in range(2):
+            procs.append(_controller(ports, k, str(tmp_path / f"state{k}"), env)[0])
+        procs.append(spawn_node(wh_args, env=env)[0])
+        names = _names(addrs, per=1)
+        with dockd.connect(addrs[1]) as dock:
+            for (name,) in names.values():
+                dock.put({"x": torch.arange(10).reshape(10, 1) * 3}, partition=name)
+            for k in (0, 2):  # the first controller, then the warehouse
+                procs[k].send_signal(signal.SIGKILL)
+                procs[k].wait()
+                procs[k].stdout.close()
+            procs[2] = spawn_node(wh_args, env=env, timeout=30)[0]  # ready without the first controller
+            (mine,) = names[addrs[1]]
+            got = dock.get("c", ["x"], 10, partition=mine, timeout=30)
+            assert got.indexes == list(range(10)) and [int(v[0]) for v in got["x"]] == [3 * i for i in got.indexes]
+            procs[0] = _controller(ports, 0, str(tmp_path / "state0"), env)[0]
+            (first,) = names[addrs[0]]
+            got = dock.get("c", ["x"], 10, partition=first, timeout=60)
+            assert got.indexes == list(range(10)) and [int(v[0]) for v in got["x"]] == [3 * i for i in got.indexes]
+            # (its link to the first controller retries every second at most)
+            wait_until(lambda: all(w["state"] == "joined" for w in dock.stats()["warehouses"].values()), 30,
+                       "the warehouse to rejoin the first controller")
     finally:
         _stop(procs)
 
