@@ -140,8 +140,6 @@ class DataDir:
         self.seq = 0
         self._next = 1
         self.adopting: str | None = None  # the file being read back: store() must not write it again
-        self.files = 0
-        self.bytes = 0
         # files of freed puts: writing a put over one reuses its pages (on tmpfs a fresh page is allocated
         # and zeroed at about half the speed of a copy into one that exists)
         self._free: list[tuple[int, str]] = []
@@ -313,8 +311,6 @@ class DataDir:
                 head += b" " * (at - _HEAD.size - len(head) - len(runs))
                 self._header_over(room.path, final, d, [_HEAD.pack(MAGIC, FORMAT, len(head), len(runs), nbytes), head,
                                                          runs], at + nbytes)
-                self.files += 1
-                self.bytes += nbytes
                 return final
         tmp = os.path.join(d, f".{n:016x}.tmp")
         over = room.path if room is not None else self._take_free(nbytes)
@@ -347,8 +343,6 @@ class DataDir:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise self._full(e, "could not be written") from None
-        self.files += 1
-        self.bytes += len(data)
         return final
 
     def _header_over(self, path: str, final: str, d: str, header: list, size: int) -> None:
@@ -376,8 +370,6 @@ class DataDir:
         """A put whose samples are all gone: its file is kept to write a later put over, or deleted."""
         try:
             size = os.stat(path).st_size
-            self.bytes -= size
-            self.files -= 1
             if len(self._free) < FREE_FILES and self._free_bytes + size <= FREE_BYTES:
                 self._free_seq += 1
                 free = os.path.join(self.path, f".free-{self._free_seq:x}")
@@ -512,15 +504,9 @@ class DataDir:
         self.adopting = path
         warehouse.store(meta["partition"], idx, req.columns, buf, blen,
                         dest if isinstance(dest, shm.Segment) else None, meta["group_size"])
-        self.files += 1
-        self.bytes += blen
         return meta["partition"], blen, int(meta.get("token", 0)), idx
 
     def _damaged(self, path: str, why: str) -> DockDataDirError:
         return DockDataDirError(
             f"--data-dir: {path} is damaged: {why}. Move that file out of the dir to start without it; the values "
             "it held are then missing (the controller makes them unwritten again)")
-
-    def stats(self) -> dict:
-        return {"path": self.path, "files": self.files, "bytes": self.bytes}
-
