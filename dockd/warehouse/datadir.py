@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import hashlib
 import json
 import logging
@@ -276,17 +275,8 @@ class DataDir:
 
     def give_back(self, room: Room | None) -> None:
         """Room taken for a put that was not stored (it failed, or its values are held already)."""
-        if room is None:
-            return
-        try:
-            size = os.stat(room.path).st_size
-            if len(self._free) < FREE_FILES and self._free_bytes + size <= FREE_BYTES:
-                self._free.append((size, room.path))
-                self._free_bytes += size
-            else:
-                os.unlink(room.path)
-        except FileNotFoundError:
-            pass
+        if room is not None:
+            self._keep_or_delete(room.path, rename=False)
 
     def _full(self, e: OSError, what: str) -> DockStateFull:
         free = shutil.disk_usage(self.path).free if os.path.isdir(self.path) else 0
@@ -303,24 +293,23 @@ class DataDir:
         n, self._next = self._next, self._next + 1
         final = os.path.join(d, f"{n:016x}.put")
         runs = pb.PutRequest(partition=partition, indexes=idx.tolist(), columns=columns).SerializeToString()
-        if room is not None and room.crc_body is not None:
-            head = json.dumps({"dock": self.dock, "partition": partition, "group_size": group_size, "token": token,
-                               "crc": zlib.crc32(runs), "crc_body": room.crc_body}).encode()
+        meta = {"dock": self.dock, "partition": partition, "group_size": group_size, "token": token}
+        parts: list | None = None
+        if room is not None and room.crc_body is not None:  # format 2: the body is in place at the room's end
+            head = json.dumps({**meta, "crc": zlib.crc32(runs), "crc_body": room.crc_body}).encode()
             at = room.size - room.nbytes  # where the body is: the JSON header is padded up to it
             if _HEAD.size + len(head) + len(runs) <= at:
                 head += b" " * (at - _HEAD.size - len(head) - len(runs))
-                self._header_over(room.path, final, d, [_HEAD.pack(MAGIC, FORMAT, len(head), len(runs), nbytes), head,
-                                                         runs], at + nbytes)
-                return final
-        tmp = os.path.join(d, f".{n:016x}.tmp")
+                parts, size = [_HEAD.pack(MAGIC, FORMAT, len(head), len(runs), nbytes), head, runs], at + nbytes
+        if parts is None:  # format 1, written whole
+            data = memoryview(body).cast("B")[:nbytes] if body is not None and nbytes else memoryview(b"")
+            head = json.dumps({**meta, "crc": zlib.crc32(data, zlib.crc32(runs))}).encode()
+            parts = [_HEAD.pack(MAGIC, 1, len(head), len(runs), len(data)), head, runs, data]
+            size = _HEAD.size + len(head) + len(runs) + len(data)
         over = room.path if room is not None else self._take_free(nbytes)
-        data = memoryview(body).cast("B")[:nbytes] if body is not None and nbytes else memoryview(b"")
-        crc = zlib.crc32(data, zlib.crc32(runs))
-        head = json.dumps({"dock": self.dock, "partition": partition, "group_size": group_size, "token": token,
-                           "crc": crc}).encode()
+        tmp = over if over is not None else os.path.join(d, f".{n:016x}.tmp")
         try:
             if over is not None:  # (a kill while it is written leaves a .free file: never adopted)
-                tmp = over
                 fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
             else:
                 try:
@@ -329,8 +318,7 @@ class DataDir:
                     os.makedirs(d, mode=0o700, exist_ok=True)
                     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                size = _HEAD.size + len(head) + len(runs) + len(data)
-                _write_all(fd, [_HEAD.pack(MAGIC, 1, len(head), len(runs), len(data)), head, runs, data])
+                _write_all(fd, parts)
                 if over is not None:
                     os.ftruncate(fd, size)
                 os.fsync(fd)
@@ -345,36 +333,22 @@ class DataDir:
             raise self._full(e, "could not be written") from None
         return final
 
-    def _header_over(self, path: str, final: str, d: str, header: list, size: int) -> None:
-        """Write a put's header at the start of its room, whose body is written and flushed already;
-        cut the room to `size`, fsync, and move it into place."""
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-            try:
-                data = b"".join(header)
-                if os.pwrite(fd, data, 0) != len(data):
-                    raise OSError(errno.EIO, "short write")
-                os.ftruncate(fd, size)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            if not os.path.isdir(d):
-                os.makedirs(d, mode=0o700, exist_ok=True)
-            os.rename(path, final)
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            raise self._full(e, "could not be written") from None
-
     def remove(self, path: str) -> None:
         """A put whose samples are all gone: its file is kept to write a later put over, or deleted."""
+        self._keep_or_delete(path, rename=True)
+
+    def _keep_or_delete(self, path: str, *, rename: bool) -> None:
+        """Keep a file among the free ones (`rename`: to a `.free-` name first) while they stay under
+        FREE_FILES and FREE_BYTES, else delete it; one already gone is nothing to do."""
         try:
             size = os.stat(path).st_size
             if len(self._free) < FREE_FILES and self._free_bytes + size <= FREE_BYTES:
-                self._free_seq += 1
-                free = os.path.join(self.path, f".free-{self._free_seq:x}")
-                os.rename(path, free)
-                self._free.append((size, free))
+                if rename:
+                    self._free_seq += 1
+                    free = os.path.join(self.path, f".free-{self._free_seq:x}")
+                    os.rename(path, free)
+                    path = free
+                self._free.append((size, path))
                 self._free_bytes += size
             else:
                 os.unlink(path)

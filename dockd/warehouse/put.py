@@ -224,8 +224,7 @@ class PutPipeline:
         try:
             await self.admission.in_worker(keeper.prewrite, put.room, put.buf)
         except Exception as e:  # noqa: BLE001 - the put's answer
-            self.admission.release(unreserve=put.size, unreserve_device=put.dev_bytes, seg=put.seg)
-            keeper.give_back(put.room)
+            self._drop(put)
             self._fail(put, e)
             return
         self.committer.commit(commit, put.frame.put.timeout, put.peer, functools.partial(self._land, put))
@@ -243,20 +242,15 @@ class PutPipeline:
     def _land(self, put: _Put, res, cleared: bool) -> None:
         """The commit's outcome: store the put (unless it failed, or was cleared since) and answer it."""
         req = put.frame.put
-        keeper = self.warehouse.keeper
         if isinstance(res, BaseException):
-            self.admission.release(unreserve=put.size, unreserve_device=put.dev_bytes, seg=put.seg)
-            if keeper is not None:
-                keeper.give_back(put.room)
+            self._drop(put)
             self._fail(put, res)
             return
         try:
             # cleared after the controller applied it: answered, and gone as the clear says; or a put re-sent
             # here after its first warehouse went away, whose values a warehouse holds: answered, not stored
             if cleared or put.held or isinstance(res, StoredElsewhere):
-                self.admission.release(unreserve=put.size, unreserve_device=put.dev_bytes, seg=put.seg)
-                if keeper is not None:
-                    keeper.give_back(put.room)
+                self._drop(put)
             elif req.replica:  # stored whole; what the controller did not record (deleted meanwhile) is freed
                 self.warehouse.store(req.partition, req.indexes, req.columns, put.buf, put.size, put.seg, 0,
                                      token=req.token, room=put.room)
@@ -267,8 +261,7 @@ class PutPipeline:
                 self.warehouse.store(req.partition, res, req.columns, put.buf, put.size, put.seg, group_size(req),
                                      device=put.dev, token=req.token, room=put.room)  # (--data-dir: written first)
         except Exception as e:  # noqa: BLE001 - the put's answer
-            if keeper is not None:
-                keeper.give_back(put.room)  # (unless its file was written, or removed on failing)
+            self._give_back_room(put)  # (unless its file was written, or removed on failing)
             self._fail(put, e)
             return
         out = res.tolist() if isinstance(res, np.ndarray) else list(res)
@@ -299,6 +292,16 @@ class PutPipeline:
                 self._fail(put, res)  # (its re-send is answered from what the controller holds: see Catalog.stored)
                 return
         self._answer(put, out)
+
+    def _drop(self, put: _Put) -> None:
+        """A put that is not stored: its room in memory, its segment and its disk room go back."""
+        self.admission.release(unreserve=put.size, unreserve_device=put.dev_bytes, seg=put.seg)
+        self._give_back_room(put)
+
+    def _give_back_room(self, put: _Put) -> None:
+        if put.room is not None:
+            assert self.warehouse.keeper is not None  # (only a keeper takes room)
+            self.warehouse.keeper.give_back(put.room)
 
     def _answer(self, put: _Put, out: list[int]) -> None:
         req = put.frame.put

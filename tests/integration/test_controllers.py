@@ -150,76 +150,84 @@ def test_a_dead_controller_stalls_only_its_partitions_and_recovers_them_on_resta
         _stop(procs)
 
 
+class _DurableDock:
+    """Two controllers with state dirs (`procs[0]`, `procs[1]`) and a warehouse with a data dir that
+    --joins the second (`procs[2]`); `restart(k)` SIGKILLs daemon k and starts it again."""
+
+    def __init__(self, tmp_path) -> None:
+        self.tmp_path = tmp_path
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", DOCKD_DAEMON_SECRET="cd" * 32)
+        self.ports = free_ports("127.0.0.1", 2)
+        self.addrs = [f"127.0.0.1:{p}" for p in self.ports]
+        self.wh_args = ["--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--join", self.addrs[1],
+                        "--data-dir", str(tmp_path / "data"), "--log-level", "WARNING"]
+        self.procs: list = []
+        try:
+            for k in range(3):
+                self.procs.append(self.start(k))
+        except BaseException:
+            _stop(self.procs)
+            raise
+
+    def start(self, k: int) -> subprocess.Popen:
+        if k < 2:
+            return _controller(self.ports, k, str(self.tmp_path / f"state{k}"), self.env)[0]
+        return spawn_node(self.wh_args, env=self.env)[0]
+
+    def kill(self, k: int) -> None:
+        self.procs[k].send_signal(signal.SIGKILL)
+        self.procs[k].wait()
+        self.procs[k].stdout.close()
+
+
 def test_a_warehouse_with_a_data_dir_comes_back_to_every_controller(tmp_path):
     """A durable warehouse (--data-dir) killed and restarted rejoins each controller with that
     controller's partitions: nothing is lost, nothing taken comes again, on either controller."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", DOCKD_DAEMON_SECRET="cd" * 32)
-    ports = free_ports("127.0.0.1", 2)
-    addrs = [f"127.0.0.1:{p}" for p in ports]
-    data = tmp_path / "data"
-    wh_args = ["--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--join", addrs[1], "--data-dir", str(data),
-               "--log-level", "WARNING"]
-    procs = []
+    dd = _DurableDock(tmp_path)
     try:
-        for k in range(2):
-            procs.append(_controller(ports, k, str(tmp_path / f"state{k}"), env)[0])
-        procs.append(spawn_node(wh_args, env=env)[0])
-        names = _names(addrs, per=1)
-        with dockd.connect(addrs[0]) as dock:
+        names = _names(dd.addrs, per=1)
+        with dockd.connect(dd.addrs[0]) as dock:
             for (name,) in names.values():
                 dock.put({"x": torch.arange(10).reshape(10, 1) * 3}, partition=name)
                 assert dock.get("c", ["x"], 4, partition=name, timeout=10).indexes == [0, 1, 2, 3]
             dock.stats()  # (delivers the confirms)
-            procs[2].send_signal(signal.SIGKILL)
-            procs[2].wait()
-            procs[2].stdout.close()
-            procs[2] = spawn_node(wh_args, env=env)[0]
+            dd.kill(2)
+            dd.procs[2] = dd.start(2)
             for (name,) in names.values():
                 got = dock.get("c", ["x"], 6, partition=name, timeout=30)
                 assert got.indexes == [4, 5, 6, 7, 8, 9] and [int(v[0]) for v in got["x"]] == [3 * i for i in got.indexes]
             st = dock.stats()
-            assert {st["partitions"][name]["controller"] for (name,) in names.values()} == set(addrs)
+            assert {st["partitions"][name]["controller"] for (name,) in names.values()} == set(dd.addrs)
             assert all(w["state"] == "joined" for w in st["warehouses"].values())
     finally:
-        _stop(procs)
+        _stop(dd.procs)
 
 
 def test_a_durable_warehouse_restarted_while_the_first_controller_is_down_serves_the_others(tmp_path):
     """The first controller numbers warehouses, so a new one cannot join while it is down; a warehouse
     restarted on its data dir knows its id and needs no number: it comes back to the controllers that
     are up (their partitions are served again) and to the first one once that is back."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", DOCKD_DAEMON_SECRET="cd" * 32)
-    ports = free_ports("127.0.0.1", 2)
-    addrs = [f"127.0.0.1:{p}" for p in ports]
-    data = tmp_path / "data"
-    wh_args = ["--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--join", addrs[1], "--data-dir", str(data),
-               "--log-level", "WARNING"]
-    procs = []
+    dd = _DurableDock(tmp_path)
     try:
-        for k in range(2):
-            procs.append(_controller(ports, k, str(tmp_path / f"state{k}"), env)[0])
-        procs.append(spawn_node(wh_args, env=env)[0])
-        names = _names(addrs, per=1)
-        with dockd.connect(addrs[1]) as dock:
+        names = _names(dd.addrs, per=1)
+        with dockd.connect(dd.addrs[1]) as dock:
             for (name,) in names.values():
                 dock.put({"x": torch.arange(10).reshape(10, 1) * 3}, partition=name)
-            for k in (0, 2):  # the first controller, then the warehouse
-                procs[k].send_signal(signal.SIGKILL)
-                procs[k].wait()
-                procs[k].stdout.close()
-            procs[2] = spawn_node(wh_args, env=env, timeout=30)[0]  # ready without the first controller
-            (mine,) = names[addrs[1]]
+            dd.kill(0)  # the first controller, then the warehouse
+            dd.kill(2)
+            dd.procs[2] = dd.start(2)  # ready without the first controller
+            (mine,) = names[dd.addrs[1]]
             got = dock.get("c", ["x"], 10, partition=mine, timeout=30)
             assert got.indexes == list(range(10)) and [int(v[0]) for v in got["x"]] == [3 * i for i in got.indexes]
-            procs[0] = _controller(ports, 0, str(tmp_path / "state0"), env)[0]
-            (first,) = names[addrs[0]]
+            dd.procs[0] = dd.start(0)
+            (first,) = names[dd.addrs[0]]
             got = dock.get("c", ["x"], 10, partition=first, timeout=60)
             assert got.indexes == list(range(10)) and [int(v[0]) for v in got["x"]] == [3 * i for i in got.indexes]
             # (its link to the first controller retries every second at most)
             wait_until(lambda: all(w["state"] == "joined" for w in dock.stats()["warehouses"].values()), 30,
                        "the warehouse to rejoin the first controller")
     finally:
-        _stop(procs)
+        _stop(dd.procs)
 
 
 def test_a_put_made_before_the_warehouse_reached_its_partition_s_controller_goes_out_when_it_does(tmp_path):
