@@ -30,6 +30,7 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
 
 
+@pytest.mark.slow  # (CI runs it: make test-slow)
 def test_quick_run_writes_json_table_and_plot(tmp_path):
     out = tmp_path / "r.json"
     png = tmp_path / "r.png"

@@ -42,6 +42,7 @@ def test_step_summary_and_sustained():
     assert sustained([slow]) is None
 
 
+@pytest.mark.slow  # (CI runs it: make test-slow)
 @pytest.mark.timeout(120)
 def test_quick_run_reports_rates_and_cpu(tmp_path):
     from benchmarks.controller_load.__main__ import main

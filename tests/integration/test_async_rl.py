@@ -130,6 +130,7 @@ def test_async_dock_mirrors_the_new_calls(cluster, partition):
     asyncio.run(_async_calls(cluster.address, partition))
 
 
+@pytest.mark.slow  # (CI runs it: make test-slow)
 def test_versions_and_options_survive_a_controller_sigkill_with_a_state_dir(tmp_path):
     procs = Procs()
     try:

@@ -203,6 +203,7 @@ def test_a_warehouse_with_a_data_dir_comes_back_to_every_controller(tmp_path):
         _stop(dd.procs)
 
 
+@pytest.mark.slow  # (CI runs it: make test-slow)
 def test_a_durable_warehouse_restarted_while_the_first_controller_is_down_serves_the_others(tmp_path):
     """The first controller numbers warehouses, so a new one cannot join while it is down; a warehouse
     restarted on its data dir knows its id and needs no number: it comes back to the controllers that

@@ -101,6 +101,7 @@ with dockd.connect(sys.argv[1]) as d:
 """
 
 
+@pytest.mark.slow  # (CI runs it: make test-slow)
 def test_writes_stay_on_the_writers_node_and_reads_cross_the_link(two_hosts, token, tmp_path):
     a, b, procs = two_hosts
     daemon_token = tmp_path / "daemon-token"  # what lets a warehouse on another host join

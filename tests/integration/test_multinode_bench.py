@@ -85,6 +85,7 @@ def _check_run(run: dict, n: int, batch_per_node: int) -> None:
             assert link["rx"] > 0 and link["tx"] > 0, node
 
 
+@pytest.mark.slow  # (CI runs it: make test-slow)
 def test_quick_run_central_and_distributed(tmp_path):  # about 17 s on the 2-core VM
     _needs_root()
     prefix = "dkt" + secrets.token_hex(2)

@@ -96,6 +96,7 @@ def test_full_warehouse_applies_backpressure_then_dockfull(partition):
         assert d.stats()["warehouses"][0]["bytes"] < 1 << 20
 
 
+@pytest.mark.slow  # (CI runs it: make test-slow)
 def test_dead_warehouse_makes_loss_visible(partition):
     with (dockd.start_local(2) as c,
           dockd.connect(c.address, warehouse=0) as d0,

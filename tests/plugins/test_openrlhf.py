@@ -221,6 +221,7 @@ def test_sample_clear_and_limit(make_buffer: Any, dock_cluster: dockd.LocalClust
     assert dock.stats()["partitions"][partition]["deleted"] == 12
 
 
+@pytest.mark.slow  # (CI runs it: make test-slow)
 def test_buffers_sharing_a_name_keep_sharing_after_clear(
     make_buffer: Any, dock_cluster: dockd.LocalCluster, run_python: Any
 ) -> None:
@@ -418,6 +419,7 @@ def test_ray_worker_hook_installs_in_a_fresh_process(dock_cluster: dockd.LocalCl
     assert out.split() == ["DockReplayBuffer", "hook", dock_cluster.address]
 
 
+@pytest.mark.slow  # (CI runs it: make test-slow)
 @pytest.mark.filterwarnings("ignore::ResourceWarning")
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

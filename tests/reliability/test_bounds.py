@@ -231,6 +231,7 @@ def test_large_headers_of_all_connections_share_one_budget(patient_node, raw, pr
     still_serves(address)
 
 
+@pytest.mark.slow  # (CI runs it: make test-slow)
 def test_a_put_trickled_in_below_the_minimum_rate_gives_its_room_back(patient_node, raw):
     """Finding 7: a 500 MiB put sending one byte every 20 s stayed under the stall timeout and
     held its admitted capacity: every other put got DockFull for minutes."""

@@ -359,6 +359,7 @@ def test_without_a_data_dir_nothing_changes(data_dir):
         NodeConfig(controller=True, data_dir=data_dir)
 
 
+@pytest.mark.slow  # (CI runs it: make test-slow)
 def test_chaos_kill_under_a_stream_is_exactly_once(data_dir):
     """A producer and a consumer stream while the warehouse is SIGKILLed and restarted 3 times: every
     acknowledged sample reaches the consumer once, none twice, none reported lost by the dock."""

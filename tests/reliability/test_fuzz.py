@@ -93,6 +93,7 @@ def target():
         proc.stdout.close()
 
 
+@pytest.mark.slow  # (CI runs it: make test-slow)
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(frames=st.lists(wire_bytes(), min_size=1, max_size=4))
 def test_the_daemon_survives_whatever_it_is_sent(target, frames, raw, proc_stats):

@@ -134,6 +134,7 @@ def test_a_fetch_that_outlives_its_lease_returns_nothing_so_no_sample_is_deliver
             assert (progress["taken"], progress["leased"]) == (8, 0), progress
 
 
+@pytest.mark.slow  # (CI runs it: make test-slow)
 def test_a_put_to_a_stopped_warehouse_goes_to_another_and_is_applied_once(partition):
     """A put whose home warehouse stops answering is not waited on for ever: once it answers neither
     the put (its timeout + 1 s) nor a probe, the put is re-sent to another warehouse, with its token,
@@ -168,6 +169,7 @@ def test_a_put_to_a_stopped_warehouse_goes_to_another_and_is_applied_once(partit
             assert d.stats()["partitions"][partition]["samples"] == 6
 
 
+@pytest.mark.slow  # (CI runs it: make test-slow)
 def test_a_socket_put_larger_than_the_socket_buffers_is_not_stuck_in_its_send(partition, monkeypatch):
     """Over TCP a 64 MiB body does not fit the kernel's buffers: the send itself would block on a
     stopped warehouse. It is watched like the wait for the answer, and the put goes elsewhere."""
@@ -187,6 +189,7 @@ def test_a_socket_put_larger_than_the_socket_buffers_is_not_stuck_in_its_send(pa
         assert d.stats()["partitions"][partition]["samples"] == 1
 
 
+@pytest.mark.slow  # (CI runs it: make test-slow)
 def test_with_a_stopped_controller_puts_and_gets_end_within_their_timeout_and_nothing_is_applied_twice(partition):
     """The controller stopped: a put whose warehouse (which answers) waits on it raises DockTimeout after
     2 x timeout + 10 s, saying so; it is applied, once, when the controller runs on. A get ends too."""
@@ -208,6 +211,7 @@ def test_with_a_stopped_controller_puts_and_gets_end_within_their_timeout_and_no
         assert d.stats()["partitions"][partition]["samples"] == 4
 
 
+@pytest.mark.slow  # (CI runs it: make test-slow)
 def test_a_put_re_sent_while_its_first_warehouse_is_away_is_stored_by_the_second(tmp_path, partition):
     """The first warehouse committed the put and stopped before storing it (commit-then-store), so the
     client re-sent it to another warehouse with its token. The values count as held only by a warehouse
@@ -309,6 +313,7 @@ def test_a_registration_never_displaces_a_live_warehouse(tmp_path, raw, partitio
         _stop(procs)
 
 
+@pytest.mark.slow  # (CI runs it: make test-slow)
 def test_a_registration_cannot_take_a_stopped_warehouses_place_but_a_restart_can(tmp_path, raw, partition):
     procs, address, wh_address, ready, key, daemon_key = _daemon_dock(tmp_path, *FAST_HEARTBEATS)
     try:

@@ -298,6 +298,7 @@ if _shift:
 """
 
 
+@pytest.mark.slow  # (CI runs it: make test-slow)
 @pytest.mark.parametrize("shift", [3600.0, -3600.0], ids=["clock+1h", "clock-1h"])
 def test_a_wall_clock_jump_across_a_restart_neither_expires_a_live_lease_nor_strands_a_dead_one(tmp_path, docks,
                                                                                                 shift):
