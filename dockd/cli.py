@@ -177,7 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grpc-port", type=int, default=0, help="gRPC health/admin port (0: pick a free one)")
     s.add_argument("--advertise", default="", help="host name others use to reach this node (default: --host)")
     s.add_argument("--controller", action="store_true", help="also host the controller")
-    s.add_argument("--join", metavar="HOST:PORT", help="join the controller at HOST:PORT as a warehouse")
+    s.add_argument("--join", metavar="HOST:PORT[,...]",
+                   help="join the controller at HOST:PORT as a warehouse; with several controllers, any of them, or "
+                        "a comma-separated list of some (the first that answers gives the rest)")
     s.add_argument("--controllers", metavar="HOST:PORT,...",
                    help="with --controller: every controller of the dock, this one's address among them, the same "
                         "list on each; partitions are spread over them (warehouses --join any one)")

@@ -155,7 +155,8 @@ class NodeConfig:
     warehouse: bool = True
     """Host a warehouse (only a controller may run without one: --no-warehouse)."""
     join: str = ""
-    """host:port of the controller to join as a warehouse (required without controller)."""
+    """host:port of the controller to join as a warehouse (required without controller); with several
+    controllers, a comma-separated list of some of them: the first that answers names them all."""
     controllers: tuple[str, ...] = ()
     """Controller: every controller's host:port, this one's among them, the same list on each
     (several controllers share the metadata: dockd.owners); empty: this is the dock's only one."""
@@ -239,6 +240,11 @@ class NodeConfig:
     """CA file (PEM) this daemon checks other daemons' certificates with when it connects to them
     (its controller); "": tls_cert itself (one self-signed certificate for the whole dock)."""
 
+    @property
+    def join_addresses(self) -> list[str]:
+        """The controllers --join names, in order (the first names the dock in a data dir without a token)."""
+        return [a.strip() for a in self.join.split(",") if a.strip()]
+
     def __post_init__(self) -> None:
         if self.transport not in SERVE_TRANSPORTS:
             raise DockValueError(f"--transport {self.transport!r}: use one of {', '.join(SERVE_TRANSPORTS)}")
@@ -251,8 +257,8 @@ class NodeConfig:
             raise DockValueError(
                 "a node either hosts the controller (--controller) or joins one (--join HOST:PORT), exactly one of the two"
             )
-        if self.join and not re.fullmatch(r".+:\d+", self.join):
-            raise DockValueError(f"--join expects HOST:PORT, got {self.join!r}")
+        if self.join and not all(re.fullmatch(r".+:\d+", a) for a in self.join_addresses):
+            raise DockValueError(f"--join expects HOST:PORT (or several, comma-separated), got {self.join!r}")
         if not 0 <= self.port < 65536 or not 0 <= self.grpc_port < 65536:
             raise DockValueError(f"ports must be in 0..65535, got {self.port} and {self.grpc_port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:

@@ -181,8 +181,9 @@ class Node:
         )
 
     async def _join(self, reg: pb.RegisterWarehouse) -> None:
-        """Register this node's warehouse with the dock's controllers. The first of them numbers it (with
-        one controller, that one); the others take that id. Each commits the puts of the partitions it
+        """Register this node's warehouse with the dock's controllers (learned from the first of the
+        addresses --join gives, or a restart's data dir remembers, that answers). The first of them
+        numbers it (with one controller, that one); the others take that id. Each commits the puts of the partitions it
         owns (dockd.owners); links to the others are made in the background (one that is down stalls
         only its partitions' puts)."""
         if self.controller is not None and not self.cfg.warehouse:
@@ -192,9 +193,12 @@ class Node:
         if self.controller is not None:
             controllers, own = list(self.cfg.controllers), self.controller.own
         else:
-            controllers = await discover_controllers(self.listeners.make_link_peer, self.cfg.join,
+            addresses = self.cfg.join_addresses
+            if self.data_dir is not None:  # a restart also asks the controllers the last process knew
+                addresses += [a for a in self.data_dir.controllers if a not in addresses]
+            controllers = await discover_controllers(self.listeners.make_link_peer, addresses,
                                                      self.listeners.link_tls, timeout)
-            controllers, own = controllers or [self.cfg.join], -1
+            own = -1
             if len(controllers) > 1:
                 assert isinstance(self.committer, RoutingCommitter)  # (a joining node routes; see __init__)
                 self.committer.committers = [RemoteCommitter(None) for _ in controllers]
@@ -214,7 +218,7 @@ class Node:
             else:
                 await self.link.start(None if deadline is None else max(0.1, deadline - time.monotonic()))
             if self.data_dir is not None:
-                self.data_dir.joined(self.link.wid, self.port)
+                self.data_dir.joined(self.link.wid, self.port, controllers)
         for k in range(1, n):
             assigned = pb.RegisterWarehouse()
             assigned.CopyFrom(reg)

@@ -12,7 +12,8 @@ start, and never mapped to a reader.
 Layout:
 
     DIR/identity.json          the dock this dir belongs to, the warehouse id and instance,
-                               the put-id floor (commits of a new process never reuse an id)
+                               the put-id floor (commits of a new process never reuse an id),
+                               the dock's controllers (a restart asks them all for the list)
     DIR/p-<sha1(partition)>/   one directory per partition
         <n>.put                one stored put: fixed header, JSON header, its columns' runs
                                (a serialized PutRequest), its body
@@ -99,7 +100,7 @@ def dock_of(cfg: NodeConfig) -> dict:
     """What ties a data dir to its dock: the token's fingerprint (never the token), and the controller."""
     token = auth.load_token(cfg.token_file) if cfg.token_file else b""
     fp = hashlib.sha256(b"dockd data dir\0" + token).hexdigest()[:32] if token else ""
-    return {"token": fp, "controller": cfg.join}
+    return {"token": fp, "controller": cfg.join_addresses[0] if cfg.join else ""}
 
 
 def _part_dir(partition: str) -> str:
@@ -137,6 +138,7 @@ class DataDir:
         self.wid = -1
         self.port = 0  # the port the last process listened on (a restart with --port 0 takes it again)
         self.seq = 0
+        self.controllers: list[str] = []  # the dock's controllers when it last joined
         self._next = 1
         self.adopting: str | None = None  # the file being read back: store() must not write it again
         # files of freed puts: writing a put over one reuses its pages (on tmpfs a fresh page is allocated
@@ -178,6 +180,7 @@ class DataDir:
             self.wid = int(rec.get("warehouse", -1))
             self.port = int(rec.get("port", 0))
             self.seq = int(rec.get("seq", 0)) + SEQ_GAP
+            self.controllers = [str(a) for a in rec.get("controllers", ())]
         self._save_identity()
         return self.instance
 
@@ -206,7 +209,7 @@ class DataDir:
 
     def _save_identity(self) -> None:
         rec = {"format": FORMAT, "dock": self.dock, "warehouse": self.wid, "port": self.port, "instance": self.instance,
-               "seq": self.seq}
+               "seq": self.seq, "controllers": self.controllers}
         tmp = os.path.join(self.path, f".{IDENTITY}.tmp")
         with open(tmp, "w") as f:
             json.dump(rec, f)
@@ -220,10 +223,11 @@ class DataDir:
         if self.wid >= 0:
             link.wid = self.wid
 
-    def joined(self, wid: int, port: int) -> None:
-        """Joined as warehouse `wid`, listening on `port`: what a restart comes back as."""
-        if (wid, port) != (self.wid, self.port):
-            self.wid, self.port = wid, port
+    def joined(self, wid: int, port: int, controllers: list[str]) -> None:
+        """Joined as warehouse `wid`, listening on `port`, to the dock's `controllers`: what a restart
+        comes back as (asking those controllers too, should the one it --joins be down)."""
+        if (wid, port, controllers) != (self.wid, self.port, self.controllers):
+            self.wid, self.port, self.controllers = wid, port, list(controllers)
             self._save_identity()
 
     # -- puts --------------------------------------------------------------------------------------

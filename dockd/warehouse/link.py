@@ -376,34 +376,39 @@ def _wake(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-async def discover_controllers(make_peer: Callable[[], Peer], address: str, link_tls: tls.LinkTls | None,
+async def discover_controllers(make_peer: Callable[[], Peer], addresses: list[str], link_tls: tls.LinkTls | None,
                                timeout: float | None) -> list[str]:
-    """The dock's controllers, asked of the controller at `address` (a Hello), waiting for it up to
-    `timeout` seconds (None: as long as it takes). Empty: the dock has one controller, that one."""
-    host, _, port = address.rpartition(":")
+    """The dock's controllers, asked of the first of `addresses` that answers (a Hello), trying them
+    in turn for up to `timeout` seconds (None: as long as it takes)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     delay, waiting_logged = BACKOFF_MIN, 0.0
     while True:
-        try:
-            _, peer = await asyncio.wait_for(open_link(make_peer, host, int(port), link_tls), 5.0)
+        errors = []
+        for address in addresses:
+            host, _, port = address.rpartition(":")
             try:
-                assert peer.authed is not None  # (an outgoing connection's, made once it connected)
-                await asyncio.wait_for(peer.authed, 10.0)
-                reply, _ = await asyncio.wait_for(
-                    peer.request(pb.Frame(hello=pb.Hello(client="warehouse", protocol=wire.PROTOCOL_VERSION))), 10.0)
-            finally:
-                peer.close()
-            return list(reply.hello_reply.controllers)
-        except DockAuthError:
-            raise
-        except (DockError, OSError, asyncio.TimeoutError) as e:
-            now = time.monotonic()
-            if now - waiting_logged > 30:
-                waiting_logged = now
-                logger.warning("[link] waiting for the controller at %s (%s); retrying", address, e or "timed out")
-            if deadline is not None and now + delay > deadline:
-                raise DockConnectionError(
-                    f"cannot reach the controller at {address} to join it within {timeout:g}s ({e or 'timed out'}); "
-                    "start it, or check the address (--join)") from None
-            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-            delay = min(delay * 2, BACKOFF_MAX)
+                _, peer = await asyncio.wait_for(open_link(make_peer, host, int(port), link_tls), 5.0)
+                try:
+                    assert peer.authed is not None  # (an outgoing connection's, made once it connected)
+                    await asyncio.wait_for(peer.authed, 10.0)
+                    reply, _ = await asyncio.wait_for(
+                        peer.request(pb.Frame(hello=pb.Hello(client="warehouse", protocol=wire.PROTOCOL_VERSION))), 10.0)
+                finally:
+                    peer.close()
+                return list(reply.hello_reply.controllers) or [address]  # (none: the dock's only controller)
+            except DockAuthError:
+                raise
+            except (DockError, OSError, asyncio.TimeoutError) as e:
+                errors.append(f"{address}: {e or 'timed out'}" if len(addresses) > 1 else str(e or "timed out"))
+        now = time.monotonic()
+        which = (f"the controller at {addresses[0]}" if len(addresses) == 1 else
+                 f"any of the controllers at {', '.join(addresses)}")
+        if now - waiting_logged > 30:
+            waiting_logged = now
+            logger.warning("[link] waiting for %s (%s); retrying", which, "; ".join(errors))
+        if deadline is not None and now + delay > deadline:
+            raise DockConnectionError(
+                f"cannot reach {which} to join within {timeout:g}s ({'; '.join(errors)}); start it, or check the "
+                "address (--join)") from None
+        await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+        delay = min(delay * 2, BACKOFF_MAX)

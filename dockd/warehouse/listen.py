@@ -78,7 +78,8 @@ class Keys:
 
     def _controller_secret(self) -> bytes | None:
         """The daemon secret of a controller on this host (None, said once, when there is none)."""
-        key = auth.read_daemon_secret(int(self.cfg.join.rpartition(":")[2]))
+        key = next((k for a in self.cfg.join_addresses if (k := auth.read_daemon_secret(int(a.rpartition(":")[2])))),
+                   None)
         if key is not None:
             self.server_auth.daemon_key = key  # and this daemon asks the same of whoever claims the role
         elif not self._no_daemon_key_warned:

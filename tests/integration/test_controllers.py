@@ -152,14 +152,14 @@ def test_a_dead_controller_stalls_only_its_partitions_and_recovers_them_on_resta
 
 class _DurableDock:
     """Two controllers with state dirs (`procs[0]`, `procs[1]`) and a warehouse with a data dir that
-    --joins the second (`procs[2]`); `restart(k)` SIGKILLs daemon k and starts it again."""
+    --joins controller `join` (`procs[2]`); `kill(k)` SIGKILLs daemon k, `start(k)` starts it again."""
 
-    def __init__(self, tmp_path) -> None:
+    def __init__(self, tmp_path, join: int = 1) -> None:
         self.tmp_path = tmp_path
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", DOCKD_DAEMON_SECRET="cd" * 32)
         self.ports = free_ports("127.0.0.1", 2)
         self.addrs = [f"127.0.0.1:{p}" for p in self.ports]
-        self.wh_args = ["--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--join", self.addrs[1],
+        self.wh_args = ["--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--join", self.addrs[join],
                         "--data-dir", str(tmp_path / "data"), "--log-level", "WARNING"]
         self.procs: list = []
         try:
@@ -227,6 +227,36 @@ def test_a_durable_warehouse_restarted_while_the_first_controller_is_down_serves
             # (its link to the first controller retries every second at most)
             wait_until(lambda: all(w["state"] == "joined" for w in dock.stats()["warehouses"].values()), 30,
                        "the warehouse to rejoin the first controller")
+    finally:
+        _stop(dd.procs)
+
+
+def test_a_durable_warehouse_that_joins_the_first_controller_comes_back_while_that_one_is_down(tmp_path):
+    """A warehouse that --joins the first controller learns the dock's controllers from it; its data dir
+    keeps that list, so a restart while the first one is down asks the others and serves their
+    partitions (it waited for the first for ever). A new warehouse given several --join addresses
+    asks the next one when the first does not answer."""
+    dd = _DurableDock(tmp_path, join=0)
+    try:
+        names = _names(dd.addrs, per=1)
+        (mine,) = names[dd.addrs[1]]
+        with dockd.connect(dd.addrs[1]) as dock:
+            dock.put({"x": torch.arange(10).reshape(10, 1) * 3}, partition=mine)
+            dd.kill(0)  # the first controller, then the warehouse
+            dd.kill(2)
+            dd.procs[2] = dd.start(2)  # ready without the controller it --joins
+            got = dock.get("c", ["x"], 10, partition=mine, timeout=30)
+            assert got.indexes == list(range(10)) and [int(v[0]) for v in got["x"]] == [3 * i for i in got.indexes]
+        dd.procs[0] = dd.start(0)
+        (nobody,) = free_ports("127.0.0.1", 1)
+        new, ready = spawn_node(["--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--join",
+                                 f"127.0.0.1:{nobody},{dd.addrs[1]}", "--log-level", "WARNING"], env=dd.env)
+        dd.procs.append(new)
+        with dockd.connect(dd.addrs[0]) as dock:
+            wait_until(lambda: len(dock.stats()["warehouses"]) == 2 and all(
+                w["state"] == "joined" for w in dock.stats()["warehouses"].values()), 30,
+                "the new warehouse and the restarted one to join both controllers")
+            assert ready["warehouse"] in {int(k) for k in dock.stats()["warehouses"]}
     finally:
         _stop(dd.procs)
 

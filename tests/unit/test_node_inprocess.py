@@ -148,6 +148,14 @@ def test_a_warehouse_without_the_controller_refuses_controller_kinds_saying_wher
             node.dispatcher.table[kind](None, pb.Frame(), None, [])
 
 
+def test_join_takes_one_controller_or_several_and_names_a_bad_address():
+    assert _cfg(join="10.0.0.1:7450").join_addresses == ["10.0.0.1:7450"]
+    assert _cfg(join="10.0.0.1:7450, 10.0.0.2:7450").join_addresses == ["10.0.0.1:7450", "10.0.0.2:7450"]
+    with pytest.raises(DockValueError, match=r"--join expects HOST:PORT \(or several, comma-separated\), got "
+                                             r"'10.0.0.1:7450,10.0.0.2'"):
+        _cfg(join="10.0.0.1:7450,10.0.0.2")
+
+
 def test_unknown_kinds_get_a_clear_error_and_the_connection_stays():
     async def main():
         async with _running(controller=True, capacity=1 << 20) as node:
