@@ -23,6 +23,9 @@ ENV_VARS = {
                        "engine and the package is installed, TCP otherwise), 'tcp', or 'mooncake' (required: reads "
                        "from a warehouse that cannot use it raise)",
     "DOCKD_SPIN_US": "microseconds a same-host client call polls for its reply before sleeping (default 200; 0: never)",
+    "DOCKD_COMMIT_BATCH": "warehouse daemons: 0 sends every commit to the controller alone, as its own message (default 1: "
+                          "the commits of puts read together go as one message; 0 is the baseline of "
+                          "benchmarks.commit_batch)",
     "DOCKD_RECV_POOL_BYTES": "bytes of warm receive buffers a client keeps for large socket replies (default 1 GiB)",
     "DOCKD_DEVICE_LINK_TIMEOUT": "seconds a device link's join or transfer may take before it is aborted (default 60)",
     "DOCKD_TOKEN": "the dock's token, for clients (prefer DOCKD_TOKEN_FILE)",

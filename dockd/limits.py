@@ -28,6 +28,7 @@ MAX_PARKED = 1024         # gets of one connection waiting for data at once
 MAX_PARKED_DOCK = 1 << 16 # ... of all connections
 MAX_TAGS = 16             # tags in one request (a partition holds at most 16)
 MAX_RANKS = 1 << 16       # data-parallel ranks of one rank-aware get
+MAX_COMMIT_BATCH = 256    # commits a warehouse coalesces into one message to its controller
 MAX_LINKS = 256           # device links one warehouse keeps open (cross-node device reads)
 LINK_ID_BYTES = 16
 MAX_RENDEZVOUS = 4108     # bytes of a device link's rendezvous (HcclRootInfo, the largest)
@@ -59,6 +60,13 @@ def _tags(tags: Collection[pb.Tag]) -> None:
 def _timeout(value: float) -> None:
     if not (value == -1 or 0 <= value <= MAX_TIMEOUT):  # (NaN fails both)
         raise DockValueError(f"a timeout of {value} seconds: give 0..{MAX_TIMEOUT:g}, or -1 for none")
+
+
+def _commit(r: pb.CommitRequest) -> None:
+    _name("partition name", r.partition)
+    _columns(r.columns)
+    _count("samples", max(r.new_count, len(r.indexes), r.group_size))
+    _tags(r.tags)
 
 
 def check(frame: pb.Frame) -> None:
@@ -115,11 +123,11 @@ def check(frame: pb.Frame) -> None:
     elif kind == "clear":
         _name("partition name", frame.clear.partition)
     elif kind == "commit":
-        r = frame.commit
-        _name("partition name", r.partition)
-        _columns(r.columns)
-        _count("samples", max(r.new_count, len(r.indexes), r.group_size))
-        _tags(r.tags)
+        _commit(frame.commit)
+    elif kind == "commits":
+        _count("commits in a batch", len(frame.commits.commits), MAX_COMMIT_BATCH)
+        for r in frame.commits.commits:
+            _commit(r)
     elif kind == "partition":
         r = frame.partition
         _name("partition name", r.partition)

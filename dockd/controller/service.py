@@ -27,6 +27,7 @@ from dockd import limits, owners
 from dockd._proto import dockd_pb2 as pb
 from dockd._version import __version__
 from dockd.controller.acquiring import STALENESS_BUCKETS, Acquiring, where_of
+from dockd.controller.catalog import StoredElsewhere
 from dockd.controller.checkpoints import Checkpoints
 from dockd.controller.clock import Clock, Timer, Timers
 from dockd.controller.core import Controller
@@ -37,7 +38,7 @@ from dockd.controller.pacing import Pacer
 from dockd.controller.replication import Replication
 from dockd.controller.waiters import Waiters
 from dockd.controller.warehouse_calls import LocalWarehouse, WarehouseCalls
-from dockd.errors import DockClosed, DockNotFound, DockValueError
+from dockd.errors import DockClosed, DockError, DockNotFound, DockValueError, to_status
 from dockd.peer import Peer
 
 __all__ = ["STALENESS_BUCKETS", "ControllerService", "LocalWarehouse"]
@@ -210,7 +211,41 @@ class ControllerService:
             return self.pacer.park(req, then, peer)
         return self.apply_commit(req)
 
-    def apply_commit(self, req: pb.CommitRequest) -> np.ndarray:
+    def commit_batch(self, batch: pb.CommitBatch) -> pb.CommitBatchReply:
+        """Apply a warehouse's coalesced commits in order, each on its own: one that fails has its error
+        in its result; one that would wait for its partition's consumers (max_pending) is not applied and
+        says so (`wait`), and its warehouse sends it again alone. Waiting gets are tried once per
+        partition, after the last commit."""
+        reply = pb.CommitBatchReply()
+        woken: set[str] = set()
+        for req in batch.commits:
+            out = reply.results.add()
+            try:
+                self.check_owner(req.partition)
+                if self.pacer.must_wait(req) and req.put_id not in self.core.put_keys.get(req.warehouse, ()):
+                    out.wait = True
+                    continue
+                self.commit_reply(req, self.apply_commit(req, woken), out)
+            except Exception as e:  # noqa: BLE001 - this commit's answer; the others stand
+                if not isinstance(e, DockError):
+                    logger.error("[controller] commit failed partition=%s warehouse=%d", req.partition, req.warehouse,
+                                 exc_info=e)
+                to_status(e, out.status)
+        for partition in woken:
+            self.waiting.wake(partition)
+        return reply
+
+    def commit_reply(self, req: pb.CommitRequest, res: np.ndarray, out: pb.CommitReply) -> None:
+        """Fill a commit's answer: its indexes, and where to copy the put (--replicas 2)."""
+        out.indexes.extend(res.tolist())
+        out.stored = isinstance(res, StoredElsewhere)
+        target = None if out.stored else self.replication.target_of(req, res)
+        if target is not None:
+            out.replica.CopyFrom(target)
+
+    def apply_commit(self, req: pb.CommitRequest, woken: set[str] | None = None) -> np.ndarray:
+        """Apply one commit and wake the gets waiting on its partition (or, given `woken`, add the
+        partition there for the caller to wake)."""
         entry = self.members.get(req.warehouse)
         if entry is None or not entry.alive:
             raise DockValueError(f"warehouse {req.warehouse} is not a live member of this dock")
@@ -237,7 +272,10 @@ class ControllerService:
                                new_count=req.new_count, group_size=gs, nbytes=req.nbytes, put_id=req.put_id, tags=tags,
                                token=req.token, away=away)
         if req.partition in self.waiters:
-            self.waiting.wake(req.partition)
+            if woken is None:
+                self.waiting.wake(req.partition)
+            else:
+                woken.add(req.partition)
         return idx
 
     def acquire(self, peer: Peer, frame: pb.Frame) -> None:

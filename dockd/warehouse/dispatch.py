@@ -21,7 +21,6 @@ from typing import Any
 
 from dockd import auth, limits
 from dockd._proto import dockd_pb2 as pb
-from dockd.controller.catalog import StoredElsewhere
 from dockd.errors import DockAuthError, DockProtocolError, DockValueError
 from dockd.peer import Peer
 from dockd.warehouse.tasks import reply_when_done, spawn
@@ -31,9 +30,9 @@ from dockd.wire import check_protocol
 RequestHandler = Callable[[Peer, pb.Frame, Any, list[int]], None]
 
 CONTROLLER_KINDS = frozenset({"acquire", "confirm", "release", "extend", "clear", "stats", "register", "commit",
-                              "locate", "leave", "partition"})
+                              "commits", "locate", "leave", "partition"})
 WAREHOUSE_KINDS = frozenset({"put", "fetch", "free", "measure", "dump", "hello", "replicate"})
-DAEMON_KINDS = frozenset({"register", "commit", "leave", "free", "measure", "dump", "replicate"})  # only daemons of this dock
+DAEMON_KINDS = frozenset({"register", "commit", "commits", "leave", "free", "measure", "dump", "replicate"})  # only daemons of this dock
 #: Every request kind a daemon serves (the rest of the Frame's kinds are replies and the handshake's).
 SERVED_KINDS = CONTROLLER_KINDS | WAREHOUSE_KINDS
 
@@ -116,6 +115,7 @@ def controller_handlers(ctl, *, where: str, join: str) -> dict[str, RequestHandl
             released=ctl.release(peer, frame.release)))),
         "extend": lambda peer, frame: peer.reply(frame, pb.Frame(extend_reply=ctl.extend(peer, frame.extend))),
         "commit": commit,
+        "commits": lambda peer, frame: peer.reply(frame, pb.Frame(commits_reply=ctl.commit_batch(frame.commits))),
         "stats": lambda peer, frame: peer.reply(frame, pb.Frame(stats_reply=ctl.stats())),
         "locate": lambda peer, frame: peer.reply(frame, ctl.locate(frame.locate)),
         "leave": lambda peer, frame: ctl.leave(peer, frame.leave),
@@ -137,8 +137,6 @@ def commit_answer(ctl, peer: Peer, frame: pb.Frame, res) -> None:
     if isinstance(res, BaseException):
         peer.reply_error(frame, res)
         return
-    reply = pb.CommitReply(indexes=res.tolist(), stored=isinstance(res, StoredElsewhere))
-    target = None if reply.stored else ctl.replication.target_of(frame.commit, res)
-    if target is not None:
-        reply.replica.CopyFrom(target)
+    reply = pb.CommitReply()
+    ctl.commit_reply(frame.commit, res, reply)
     peer.reply(frame, pb.Frame(commit_reply=reply))

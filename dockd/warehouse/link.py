@@ -24,6 +24,7 @@ settings do not match its controller's stops at its first join with the reason.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import logging
@@ -33,8 +34,9 @@ import ssl
 import time
 from collections.abc import Callable
 
-from dockd import tls, wire
+from dockd import limits, tls, wire
 from dockd._proto import dockd_pb2 as pb
+from dockd.config import env
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockProtocolError, DockTimeout, from_status
 from dockd.peer import Peer
 from dockd.warehouse.commit import answered
@@ -42,6 +44,10 @@ from dockd.warehouse.commit import answered
 logger = logging.getLogger(__name__)
 
 BACKOFF_MIN, BACKOFF_MAX = 0.05, 1.0
+BATCH_BYTES = 4 << 20  # bytes of commits a batch collects before it goes (besides MAX_COMMIT_BATCH of them)
+#: DOCKD_COMMIT_BATCH=0: every commit goes to the controller at once, alone (the baseline benchmarks.commit_batch
+#: measures coalescing against); unset or 1: coalesced
+COALESCE = env("DOCKD_COMMIT_BATCH", "1") != "0"
 KEEPALIVE = (5, 2, 3)  # idle seconds, interval seconds, probes: a dead peer is noticed in ~11 s
 
 
@@ -67,6 +73,7 @@ class _Pending:
     fut: asyncio.Future
     limit: float                      # seconds this commit may wait for an absent controller
     sent: asyncio.Future | None = None  # the request on the wire (done the moment its reply is read)
+    slot: int = -1                      # its place in the CommitBatch that carried it (-1: sent alone)
     timer: asyncio.TimerHandle | None = None
 
 
@@ -99,6 +106,8 @@ class ControllerLink:
         self.joined = asyncio.Event()
         self._lost = asyncio.Event()
         self._pending: dict[int, _Pending] = {}  # put_id -> commit waiting for its reply, in order
+        self._queue: collections.deque[_Pending] = collections.deque()  # joined: not sent yet (the next batch)
+        self._flush_at: asyncio.Handle | None = None
         self._seq = 0
         self._task: asyncio.Task | None = None
         self._closing = False
@@ -144,6 +153,7 @@ class ControllerLink:
             if not p.fut.done():
                 p.fut.set_exception(DockConnectionError("the warehouse is shutting down"))
         self._pending.clear()
+        self._queue.clear()
 
     def connection_lost(self, peer: Peer) -> None:
         if peer is self.peer:
@@ -187,11 +197,13 @@ class ControllerLink:
                 continue
             delay, waiting_logged = BACKOFF_MIN, 0.0
             self._down_since = None
-            for p in self._pending.values():
+            self.joined.set()
+            for p in self._pending.values():  # made before the first join, or while this (re)join was answered
                 if p.timer is not None:
                     p.timer.cancel()
                     p.timer = None
-            self.joined.set()
+                if p.sent is None:
+                    self._enqueue(p)
             await self._lost.wait()
             self.joined.clear()
             if self._closing:
@@ -232,9 +244,7 @@ class ControllerLink:
                     p.fut.set_exception(from_status(res.status))
                 else:
                     p.fut.set_result(answered(res))
-        else:  # commits made before the first join (a link made in the background): they go out now
-            for _, p in pending:
-                self._send(p)
+            self._queue.clear()  # (every commit queued before the rejoin went with it)
 
     # -- commits ----------------------------------------------------------------------------------
     def commit(self, req: pb.CommitRequest, limit: float) -> asyncio.Future:
@@ -246,35 +256,98 @@ class ControllerLink:
         p = _Pending(req, fut, min(limit, self.grace) if limit >= 0 else self.grace)
         self._pending[req.put_id] = p
         if self.joined.is_set():
-            self._send(p)
+            self._enqueue(p)
         else:
             self._arm(p)
         return fut
 
-    def _send(self, p: _Pending) -> None:
-        assert self.peer is not None  # (sent once joined: connected)
+    def _enqueue(self, p: _Pending) -> None:
+        """Queue a commit for the batch that goes at the end of this turn of the loop, with every other
+        commit of the puts read in the same turn (the busier the warehouse, the more each batch carries;
+        a commit never waits for another)."""
+        if not COALESCE:
+            self._send_alone(p)
+            return
+        self._queue.append(p)
+        if self._flush_at is None:
+            self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Send the queued commits as one CommitBatch (up to MAX_COMMIT_BATCH of them; one alone)."""
+        self._flush_at = None
+        if not self.joined.is_set() or self.peer is None:
+            return  # the rejoin sends them (RegisterWarehouse.pending)
+        out: list[_Pending] = []
+        size = 0
+        while self._queue and len(out) < limits.MAX_COMMIT_BATCH and size < BATCH_BYTES:
+            p = self._queue.popleft()
+            if self._pending.get(p.req.put_id) is p and p.sent is None and not p.fut.done():
+                p.req.warehouse = self.wid
+                size += p.req.ByteSize()
+                out.append(p)
+        if self._queue:  # (more than one batch holds)
+            self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
+        if len(out) < 2:
+            for p in out:  # (one commit goes as it did before coalescing)
+                self._send_alone(p)
+            return
+        sent = self.peer.request(pb.Frame(commits=pb.CommitBatch(commits=[p.req for p in out])))
+        for slot, p in enumerate(out):
+            p.sent, p.slot = sent, slot
+        sent.add_done_callback(functools.partial(self._batch_answered, out))
+
+    def _batch_answered(self, out: list[_Pending], f: asyncio.Future) -> None:
+        exc = f.exception() if not f.cancelled() else DockConnectionError("commit cancelled")
+        if not isinstance(exc, DockConnectionError):  # (the link is down: they go out again with the rejoin)
+            results = f.result()[0].commits_reply.results if exc is None else ()
+            if exc is None and len(results) != len(out):
+                exc = DockProtocolError(f"the controller answered {len(results)} of a batch of {len(out)} commits")
+            for slot, p in enumerate(out):
+                if exc is not None:
+                    self._resolve(p, exc)
+                elif results[slot].wait:  # its partition paces puts: sent alone, it waits at the controller
+                    self._send_alone(p)
+                elif results[slot].status.code != pb.OK:
+                    self._resolve(p, from_status(results[slot].status))
+                else:
+                    self._resolve(p, answered(results[slot]))
+
+    def _send_alone(self, p: _Pending) -> None:
+        assert self.peer is not None  # (joined, or its batch was just answered on it)
+        p.slot = -1
         p.req.warehouse = self.wid
         p.sent = self.peer.request(pb.Frame(commit=p.req))
         p.sent.add_done_callback(functools.partial(self._committed, p))
+
+    def _resolve(self, p: _Pending, res) -> None:
+        if self._pending.get(p.req.put_id) is p:
+            del self._pending[p.req.put_id]
+        if p.fut.done():
+            return
+        if isinstance(res, BaseException):
+            p.fut.set_exception(res)
+        else:
+            p.fut.set_result(res)
 
     def answered(self, put_id: int) -> bool:
         """Whether the controller's answer to commit `put_id` has been read from the connection (its
         future resolves a moment later): requests read after it were sent after it was applied."""
         p = self._pending.get(put_id)
-        return p is None or (p.sent is not None and p.sent.done() and not p.sent.cancelled()
-                             and p.sent.exception() is None)
+        if p is None:
+            return True
+        sent = p.sent
+        if sent is None or not sent.done() or sent.cancelled() or sent.exception() is not None:
+            return False
+        if p.slot < 0:
+            return True
+        results = sent.result()[0].commits_reply.results
+        return p.slot < len(results) and not results[p.slot].wait and results[p.slot].status.code == pb.OK
 
     def _committed(self, p: _Pending, f: asyncio.Future) -> None:
         exc = f.exception() if not f.cancelled() else DockConnectionError("commit cancelled")
         if isinstance(exc, DockConnectionError):
             return  # the link is down: it stays pending and goes out again with the rejoin
-        self._pending.pop(p.req.put_id, None)
-        if p.fut.done():
-            return
-        if exc is not None:
-            p.fut.set_exception(exc)
-        else:
-            p.fut.set_result(answered(f.result()[0].commit_reply))
+        self._resolve(p, exc if exc is not None else answered(f.result()[0].commit_reply))
 
     def _arm(self, p: _Pending) -> None:
         if p.timer is None and not p.fut.done():

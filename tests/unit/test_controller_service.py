@@ -247,6 +247,41 @@ def test_a_paced_commit_that_waits_its_timeout_fails_with_dock_full():
     run(main())
 
 
+def test_a_commit_batch_answers_each_commit_on_its_own_and_leaves_paced_ones_unapplied():
+    """A warehouse's coalesced commits: applied in order, an error answers only its own commit, a
+    commit that would wait for its partition's consumers is not applied (`wait`), a get waiting on the
+    partition is served, and a commit re-sent is answered again, not applied twice."""
+    async def main():
+        d = Dock()
+        d.svc.partition(pb.PartitionRequest(partition="paced", create=pb.CreatePartition(max_pending=1)))
+        d.put("paced", 1)
+        c = FakePeer("c", b"session-c")
+        waiting = d.get(c, "p", 3)
+        assert d.answer(c, waiting) is None
+
+        def new(partition: str, n: int, put_id: int, **kw) -> pb.CommitRequest:
+            return pb.CommitRequest(partition=partition, columns=["x"], new_count=n, warehouse=d.wid, nbytes=8 * n,
+                                    put_id=put_id, has_timeout=True, timeout=30.0, **kw)
+
+        batch = pb.CommitBatch(commits=[
+            new("p", 2, 1),
+            pb.CommitRequest(partition="p", columns=["y"], indexes=[999], warehouse=d.wid, nbytes=8, put_id=2),
+            new("paced", 1, 3),
+            new("p", 1, 4),
+        ])
+        out = d.svc.commit_batch(batch).results
+        assert [list(r.indexes) for r in out] == [[0, 1], [], [], [2]]
+        assert out[1].status.code != pb.OK and "999" in out[1].status.message
+        assert out[2].wait and out[2].status.code == pb.OK and d.svc.core.partitions["paced"].size == 1
+        assert not out[0].wait and not out[3].wait
+        assert list(d.answer(c, waiting).acquire_reply.indexes) == [0, 1, 2]
+        again = d.svc.commit_batch(pb.CommitBatch(commits=[new("p", 2, 1)])).results  # (re-sent: answered again)
+        assert list(again[0].indexes) == [0, 1] and d.svc.core.partitions["p"].size == 3
+        d.svc.shutdown()
+
+    run(main())
+
+
 def test_one_of_several_controllers_refuses_partitions_it_does_not_own_and_their_inventory():
     async def main():
         ctl = ("10.0.0.1:7450", "10.0.0.2:7450")
