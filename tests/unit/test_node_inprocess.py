@@ -210,6 +210,36 @@ def test_put_then_fetch_through_a_joined_warehouse_commits_over_its_link():
     _run(main())
 
 
+def test_a_commit_made_while_a_rejoin_is_being_answered_goes_out_after_it():
+    """A put whose commit is made while the warehouse's rejoin is on its way to the controller (it is
+    not in that rejoin's list of pending commits) is sent once the rejoin is answered, not held until
+    the next one."""
+    async def main():
+        async with (_running(controller=True, capacity=1 << 20) as ctl,
+                    _running(join=f"127.0.0.1:{ctl.port}", join_timeout=20, capacity=1 << 20) as node):
+            peer = await _connect(node)
+            assert await _put(peer, "q", torch.arange(4, dtype=torch.float32)) == [0, 1, 2, 3]
+            link = node.link
+            assert link is not None
+            register, made = link._register, []
+
+            async def register_with_a_commit_meanwhile(p):
+                task = asyncio.ensure_future(register(p))
+                await asyncio.sleep(0)  # (the rejoin is built and sent: it waits for its answer)
+                made.append(link.commit(pb.CommitRequest(partition="q", columns=["x"], new_count=2, group_size=1,
+                                                         nbytes=8), 10.0))
+                await task
+
+            link._register = register_with_a_commit_meanwhile
+            link.peer.close()  # the link drops: the warehouse rejoins
+            await asyncio.wait_for(link.joined.wait(), 10)
+            while not made or not link.joined.is_set():
+                await asyncio.sleep(0.01)
+            assert list(await asyncio.wait_for(made[0], 5)) == [4, 5]
+
+    _run(main())
+
+
 # -- room ---------------------------------------------------------------------------------------------
 def test_a_put_past_capacity_waits_for_room_and_a_clear_frees_it():
     async def main():
