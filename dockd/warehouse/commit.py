@@ -27,7 +27,7 @@ import numpy as np
 from dockd import owners
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.catalog import StoredElsewhere
-from dockd.errors import DockConnectionError
+from dockd.errors import DockConnectionError, from_status
 from dockd.peer import Peer
 
 #: The outcome of a commit: its indexes (or the error), and whether its partition was cleared after it applied.
@@ -48,6 +48,11 @@ def answered(reply: pb.CommitReply) -> list | np.ndarray:
     if reply.stored:
         return np.asarray(reply.indexes, dtype=np.int64).view(StoredElsewhere)
     return Committed(reply.indexes, reply.replica) if reply.HasField("replica") else list(reply.indexes)
+
+
+def outcome(reply: pb.CommitReply) -> list | np.ndarray | BaseException:
+    """A commit's answer in a batch or a rejoin's list: the error its status carries, else `answered`."""
+    return from_status(reply.status) if reply.status.code != pb.OK else answered(reply)
 
 
 class Committer(Protocol):

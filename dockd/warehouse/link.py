@@ -37,9 +37,9 @@ from collections.abc import Callable
 from dockd import limits, tls, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.config import env
-from dockd.errors import DockAuthError, DockConnectionError, DockError, DockProtocolError, DockTimeout, from_status
+from dockd.errors import DockAuthError, DockConnectionError, DockError, DockProtocolError, DockTimeout
 from dockd.peer import Peer
-from dockd.warehouse.commit import answered
+from dockd.warehouse.commit import answered, outcome
 
 logger = logging.getLogger(__name__)
 
@@ -234,16 +234,10 @@ class ControllerLink:
             logger.info("[link] freeing partition=%s: the dock cleared it while the controller was away", name)
             self.on_drop(name)
         if rejoin:
-            for (put_id, p), res in zip(pending, out.pending):
-                self._pending.pop(put_id, None)
+            for (_, p), res in zip(pending, out.pending):
                 if p.timer is not None:
                     p.timer.cancel()
-                if p.fut.done():
-                    continue
-                if res.status.code != pb.OK:
-                    p.fut.set_exception(from_status(res.status))
-                else:
-                    p.fut.set_result(answered(res))
+                self._resolve(p, outcome(res))
             self._queue.clear()  # (every commit queued before the rejoin went with it)
 
     # -- commits ----------------------------------------------------------------------------------
@@ -307,10 +301,8 @@ class ControllerLink:
                     self._resolve(p, exc)
                 elif results[slot].wait:  # its partition paces puts: sent alone, it waits at the controller
                     self._send_alone(p)
-                elif results[slot].status.code != pb.OK:
-                    self._resolve(p, from_status(results[slot].status))
                 else:
-                    self._resolve(p, answered(results[slot]))
+                    self._resolve(p, outcome(results[slot]))
 
     def _send_alone(self, p: _Pending) -> None:
         assert self.peer is not None  # (joined, or its batch was just answered on it)
