@@ -8,14 +8,31 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 import uuid
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 import dockd
 
 torch.set_num_threads(1)
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of a daemon's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(m: dict, name: str, **labels) -> float:
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 @pytest.fixture(scope="session")

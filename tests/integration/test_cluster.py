@@ -21,7 +21,7 @@ import torch
 
 import dockd
 from dockd.local import read_ready, spawn_node
-from tests.conftest import wait_until
+from tests.conftest import scrape, value, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -287,15 +287,6 @@ def test_rl_partition_state_survives_a_controller_sigkill_with_a_state_dir(procs
             d.get("train", ["x"], 1, partition="p", timeout=10)
 
 
-def _request_counts(metrics_port: int) -> dict[str, float]:
-    """Requests a daemon answered, by kind (its dockd_request_seconds counters)."""
-    import re
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    return {op: float(n) for op, n in re.findall(r'dockd_request_seconds_count\{op="(\w+)"\} ([0-9.e+]+)', text)}
-
-
 def test_puts_read_together_commit_in_one_message_each_with_its_own_outcome(procs):
     """A warehouse sends the commits of the puts it reads in one turn as one message to its controller:
     each put is still answered with its own indexes (or its own error), and every value is readable."""
@@ -313,7 +304,7 @@ def test_puts_read_together_commit_in_one_message_each_with_its_own_outcome(proc
     async def main() -> tuple[list, list, dict]:
         async with await dockd.connect_async(address, warehouse=0) as dock:
             first = await puts(dock, 17)  # (opens the connections the puts below use)
-            before = _request_counts(ready["metrics_port"])
+            before = scrape(ready["metrics_port"])
             wh.send_signal(signal.SIGSTOP)  # the puts below wait in its sockets, and are read together
             try:
                 pending = asyncio.ensure_future(puts(dock, 16, bad=True))
@@ -323,12 +314,14 @@ def test_puts_read_together_commit_in_one_message_each_with_its_own_outcome(proc
             return first, await pending, before
 
     first, second, before = asyncio.run(main())
-    after = _request_counts(ready["metrics_port"])
+    after = scrape(ready["metrics_port"])
     assert isinstance(second[-1], dockd.DockError) and "10000" in str(second[-1]), second[-1]
     got = [i for res in first + second[:-1] for i in res]
     assert sorted(got) == list(range(33))
-    batches = after.get("commits", 0) - before.get("commits", 0)
-    alone = after.get("commit", 0) - before.get("commit", 0)  # (a turn that read one put sends its commit alone)
+    def sent(op: str) -> float:
+        return value(after, "dockd_request_seconds_count", op=op) - value(before, "dockd_request_seconds_count", op=op)
+
+    batches, alone = sent("commits"), sent("commit")  # (a turn that read one put sends its commit alone)
     assert batches >= 1 and batches + alone < 17, f"17 commits went as {batches} batches and {alone} alone"
     with dockd.connect(address) as d:
         b = d.get("c", ["x"], 33, partition="p", timeout=10)

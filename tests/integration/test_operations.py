@@ -20,24 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import dockd
 from dockd.local import spawn_node
-from tests.conftest import wait_until
+from tests.conftest import scrape, value, wait_until
 
 ROW = 64  # bytes per sample of a (n, 16) float32 column: runs stay 64-byte aligned, so payload bytes are exact
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    """{(sample name, sorted labels): value} of a daemon's /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def value(m: dict, name: str, **labels) -> float:
-    return m.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 @pytest.fixture(scope="module")
