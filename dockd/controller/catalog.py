@@ -12,6 +12,7 @@ import numpy as np
 from dockd import limits
 from dockd.controller import selection
 from dockd.controller.partition import (
+    FEW,
     FREE,
     INT64_MAX,
     LOST,
@@ -193,10 +194,21 @@ class Catalog:
                         f"{partition!r}; a sample's column is written once"
                     )
         newbits = 0
-        for c, b in zip(columns, bits):
+        for b in bits:
             newbits |= 1 << b
-            part.loc[c][idx] = warehouse
-        part.ready[idx] |= np.uint64(newbits)
+        if len(idx) <= FEW:  # (one sample at a time: numpy calls on tiny arrays cost more)
+            few = idx.tolist()
+            for c in columns:
+                loc = part.loc[c]
+                for i in few:
+                    loc[i] = warehouse
+            ready = part.ready
+            for i in few:
+                ready[i] = ready.item(i) | newbits
+        else:
+            for c in columns:
+                part.loc[c][idx] = warehouse
+            part.ready[idx] |= np.uint64(newbits)
         part.nbytes[warehouse] = part.nbytes.get(warehouse, 0) + nbytes
         for cons in part.consumers.values():
             subs = [s for s in cons.subs.values() if s.mask & newbits]

@@ -198,7 +198,7 @@ class Controller:
             if again is not None:
                 lease = self.leases[again]
                 held = self.partitions[lease.partition]
-                locs = np.stack([held.loc[c][lease.indexes] for c in columns]) if all(
+                locs = held.locations(columns, lease.indexes) if all(
                     c in held.loc for c in columns) else np.full((len(columns), len(lease.indexes)), NO_WAREHOUSE,
                                                                  np.uint16)
                 return AcquireResult(lease.id, lease.indexes, locs)
@@ -214,7 +214,7 @@ class Controller:
                               seed=seed, where=where, order_by=order_by, near=near)
         if idx is None:
             return None
-        locs = part.loc[columns[0]][idx][None] if len(columns) == 1 else np.stack([part.loc[c][idx] for c in columns])
+        locs = part.locations(columns, idx)
         if self.dead_warehouses:
             warehouses.check_lost(self.catalog, part, cons, columns, idx, locs)
         lease = self.grant(self.book.new_id(), partition, consumer, idx, owner=owner,

@@ -34,6 +34,9 @@ MAX_TAGS = 16
 VERSION_TAG = "version"  # the reserved tag holding each sample's policy version (put(version=...))
 INT64_MAX = (1 << 63) - 1
 _BLOCK_SHIFT = 10
+#: Up to this many samples (or group members), eligibility and commits are updated one sample at a
+#: time: a numpy call on a tiny array costs about as much as a dozen scalar updates.
+FEW = 8
 
 
 
@@ -57,7 +60,7 @@ class _Eligible:
         self.bits, self.blocks = bits, blocks
 
     def _count(self, units: np.ndarray, delta: int) -> None:
-        if len(units) <= 8:  # np.add.at costs more than a few scalar updates
+        if len(units) <= FEW:  # np.add.at costs more than a few scalar updates
             for b in (units >> _BLOCK_SHIFT).tolist():
                 self.blocks[b] += delta
         else:
@@ -65,7 +68,7 @@ class _Eligible:
         self.total += delta * len(units)
 
     def set(self, units: np.ndarray) -> None:
-        if len(units) <= 8:  # a few units: scalar updates cost less than the array calls
+        if len(units) <= FEW:  # a few units: scalar updates cost less than the array calls
             self._flip(units.tolist(), True)
             return
         new = units[~self.bits[units]]
@@ -74,13 +77,20 @@ class _Eligible:
             self._count(new, 1)
 
     def clear(self, units: np.ndarray) -> None:
-        if len(units) <= 8:
+        if len(units) <= FEW:
             self._flip(units.tolist(), False)
             return
         old = units[self.bits[units]]
         if len(old):
             self.bits[old] = False
             self._count(old, -1)
+
+    def flip(self, on: list[int], off: list[int]) -> None:
+        """Set the units `on` and clear the units `off` (a few of each)."""
+        if on:
+            self._flip(on, True)
+        if off:
+            self._flip(off, False)
 
     def _flip(self, units: list[int], value: bool) -> None:
         bits, blocks, delta = self.bits, self.blocks, 1 if value else -1
@@ -96,9 +106,9 @@ class _Eligible:
         need = n
         if self.total == 0:
             return np.empty(0, dtype=np.int64)
-        for b in np.flatnonzero(self.blocks):
-            lo = int(b) << _BLOCK_SHIFT
-            found = np.flatnonzero(self.bits[lo : lo + (1 << _BLOCK_SHIFT)]) + lo
+        for b in self.blocks.nonzero()[0].tolist():  # (.nonzero of a 1-D array: np.flatnonzero without its wrappers)
+            lo = b << _BLOCK_SHIFT
+            found = self.bits[lo : lo + (1 << _BLOCK_SHIFT)].nonzero()[0] + lo
             out.append(found[:need])
             need -= len(out[-1])
             if need <= 0:
@@ -262,6 +272,14 @@ class _Partition:
             self.loc[column] = np.full(self.capacity, NO_WAREHOUSE, dtype=np.uint16)
         return b
 
+    def locations(self, columns: Sequence[str], idx: np.ndarray) -> np.ndarray:
+        """uint16 [len(columns), len(idx)]: the warehouse holding each column of samples idx."""
+        if len(idx) <= FEW:
+            few = idx.tolist()
+            return np.array([[self.loc[c].item(i) for i in few] for c in columns], dtype=np.uint16).reshape(
+                len(columns), len(few))
+        return np.stack([self.loc[c][idx] for c in columns])
+
     def mask_of(self, columns: Iterable[str]) -> int | None:
         """The bit mask of known columns, or None if any column is unknown."""
         mask = 0
@@ -280,8 +298,11 @@ class _Partition:
 
     def refresh(self, cons: _Consumer, idx: np.ndarray, subs: Iterable[_Sub] | None = None) -> None:
         """Recompute eligibility of samples idx (and their groups) in the given subscriptions."""
+        few = idx.tolist() if len(idx) <= FEW else None
         for sub in cons.subs.values() if subs is None else subs:
-            if sub.groups:
+            if few is not None and (not sub.groups or len(few) * self.group_size <= FEW):
+                self._refresh_few(cons, few, sub)
+            elif sub.groups:
                 gs = self.group_size
                 groups = np.unique(idx // gs)
                 members = (groups[:, None] * gs + np.arange(gs)).ravel()
@@ -292,6 +313,19 @@ class _Partition:
                 ok = self._sample_ok(cons, sub.mask, idx)
                 sub.eligible.set(idx[ok])
                 sub.eligible.clear(idx[~ok])
+
+    def _refresh_few(self, cons: _Consumer, idx: list[int], sub: _Sub) -> None:
+        """refresh for a few samples, one at a time (numpy calls on tiny arrays cost more)."""
+        ready, state, m = self.ready, cons.state, sub.mask
+        if sub.groups:
+            gs = self.group_size
+            units = sorted({i // gs for i in idx})
+            ok = [all(ready.item(k) & m == m and state.item(k) == FREE for k in range(g * gs, g * gs + gs))
+                  for g in units]
+        else:
+            units = idx
+            ok = [ready.item(i) & m == m and state.item(i) == FREE for i in idx]
+        sub.eligible.flip([u for u, y in zip(units, ok) if y], [u for u, y in zip(units, ok) if not y])
 
     def taken_out(self, cons: _Consumer, idx: np.ndarray) -> None:
         """Samples idx just left the pool of `cons`: no subscription of it may offer them (or their groups)."""

@@ -91,7 +91,7 @@ class Rounds:
         cons = part.consumer(consumer)
         if rnd.done[dp_rank]:  # all its readers confirmed it: a late reader sees it again, nothing to confirm
             idx = rnd.share_idx[dp_rank]
-            return AcquireResult(0, idx, np.stack([part.loc[c][idx] for c in columns]), step, rnd.weights)
+            return AcquireResult(0, idx, part.locations(columns, idx), step, rnd.weights)
         lease = ctl.leases.get(rnd.shares[dp_rank])
         if lease is None:  # expired before all its readers confirmed: a fresh share, from the pool
             view = selection.view(part, consumer, columns, count, groups)
@@ -115,7 +115,7 @@ class Rounds:
                     ctl.extend(lease.id, deadline)
             lease.holders[owner] = mp_rank
         idx = lease.indexes
-        locs = np.stack([part.loc[c][idx] for c in columns])
+        locs = part.locations(columns, idx)
         if ctl.dead_warehouses:
             warehouses.check_lost(ctl.catalog, part, cons, columns, idx, locs)
         return AcquireResult(lease.id, idx, locs, step, rnd.weights)
@@ -155,7 +155,7 @@ class Rounds:
                                   f"{dp_size} ranks")
         idx = (units[:, None] * gs + np.arange(gs)).ravel() if groups else units
         if ctl.dead_warehouses:
-            warehouses.check_lost(ctl.catalog, part, cons, columns, idx, np.stack([part.loc[c][idx] for c in columns]))
+            warehouses.check_lost(ctl.catalog, part, cons, columns, idx, part.locations(columns, idx))
         hold = ctl.grant(ctl.book.new_id(), part.name, consumer, idx,
                          deadline=now + (lease_timeout or ctl.lease_timeout), in_order=lease_timeout is None)
         rnd = Round(key, step, idx, hold.id)

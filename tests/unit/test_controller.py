@@ -219,3 +219,61 @@ def test_property_no_double_delivery_no_loss_groups_whole(ops):
                 delivered[who] += r.indexes.tolist()
     for who in "ab":
         assert sorted(delivered[who]) == list(range(size))
+
+
+def _replay(ops, gs: int, few: int):
+    """Run `ops` on a fresh controller with FEW = few; returns what every call answered and the final state."""
+    from dockd.controller import catalog, partition
+
+    saved = partition.FEW, catalog.FEW
+    partition.FEW = catalog.FEW = few
+    try:
+        c = Controller()
+        answers, leases, size = [], [], 0
+        for op in ops:
+            if op[0] == "put":
+                size += len(put(c, "p", ["x"], op[1] * gs, gs=gs))
+            elif op[0] == "col" and size:
+                idx = sorted({(op[1] + 7 * k) % size for k in range(op[2])})
+                idx = [i for i in idx if not c.partitions["p"].ready[i] & np.uint64(2)]
+                if idx:
+                    answers.append(c.commit("p", ["y"], warehouse=op[2] % 3, indexes=idx).tolist())
+            elif op[0] == "get" and size:
+                _, who, n, groups, both = op
+                r = c.acquire("p", who, ["x", "y"] if both else ["x"], n * gs if groups else n, groups=groups,
+                              allow_partial=True)
+                answers.append(None if r is None else (r.indexes.tolist(), r.locations.tolist()))
+                if r is not None:
+                    leases.append(r.lease)
+            elif op[0] == "end" and leases:
+                lease = leases.pop(op[1] % len(leases))
+                answers.append(c.confirm(lease) if op[2] else c.release(lease) is not None)
+        part = c.partitions.get("p")
+        state = None if part is None else (
+            part.ready[: part.size].tolist(), {k: v[: part.size].tolist() for k, v in part.loc.items()},
+            {name: (cons.state[: part.size].tolist(), cons.taken, cons.leased,
+                    {key: (np.flatnonzero(s.eligible.bits).tolist(), s.eligible.blocks.tolist(), s.eligible.total)
+                     for key, s in cons.subs.items()})
+             for name, cons in part.consumers.items()})
+        return answers, state
+    finally:
+        partition.FEW, catalog.FEW = saved
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    gs=st.sampled_from([1, 3]),
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("put"), st.integers(1, 12)),
+            st.tuples(st.just("col"), st.integers(0, 100), st.integers(1, 12)),
+            st.tuples(st.just("get"), st.sampled_from("ab"), st.integers(1, 10), st.booleans(), st.booleans()),
+            st.tuples(st.just("end"), st.integers(0, 5), st.booleans()),
+        ),
+        max_size=50,
+    ),
+)
+def test_few_sample_paths_answer_and_leave_the_state_as_the_array_paths_do(ops, gs):
+    """Commits, eligibility updates and locations of a few samples go one sample at a time (FEW);
+    the same operations with those paths off (FEW = 0) must answer the same and leave the same state."""
+    assert _replay(ops, gs, few=8) == _replay(ops, gs, few=0)
