@@ -106,8 +106,8 @@ class _Eligible:
         need = n
         if self.total == 0:
             return np.empty(0, dtype=np.int64)
-        for b in self.blocks.nonzero()[0].tolist():  # (.nonzero of a 1-D array: np.flatnonzero without its wrappers)
-            lo = b << _BLOCK_SHIFT
+        for b in self.blocks.nonzero()[0]:  # (.nonzero of a 1-D array: np.flatnonzero without its wrappers)
+            lo = int(b) << _BLOCK_SHIFT
             found = self.bits[lo : lo + (1 << _BLOCK_SHIFT)].nonzero()[0] + lo
             out.append(found[:need])
             need -= len(out[-1])
