@@ -12,7 +12,6 @@ import numpy as np
 from dockd import limits
 from dockd.controller import selection
 from dockd.controller.partition import (
-    FEW,
     FREE,
     INT64_MAX,
     LOST,
@@ -193,22 +192,7 @@ class Catalog:
                         f"column {c!r} is already written for samples {dup[:8].tolist()} of partition "
                         f"{partition!r}; a sample's column is written once"
                     )
-        newbits = 0
-        for b in bits:
-            newbits |= 1 << b
-        if len(idx) <= FEW:  # (one sample at a time: numpy calls on tiny arrays cost more)
-            few = idx.tolist()
-            for c in columns:
-                loc = part.loc[c]
-                for i in few:
-                    loc[i] = warehouse
-            ready = part.ready
-            for i in few:
-                ready[i] = ready.item(i) | newbits
-        else:
-            for c in columns:
-                part.loc[c][idx] = warehouse
-            part.ready[idx] |= np.uint64(newbits)
+        newbits = part.write(columns, bits, idx, warehouse)
         part.nbytes[warehouse] = part.nbytes.get(warehouse, 0) + nbytes
         for cons in part.consumers.values():
             subs = [s for s in cons.subs.values() if s.mask & newbits]

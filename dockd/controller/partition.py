@@ -272,6 +272,27 @@ class _Partition:
             self.loc[column] = np.full(self.capacity, NO_WAREHOUSE, dtype=np.uint16)
         return b
 
+    def write(self, columns: Sequence[str], bits: Sequence[int], idx: np.ndarray, warehouse: int) -> int:
+        """Record `warehouse` as the holder of `columns` (their `bits`) of samples idx and mark those
+        columns ready; returns the columns' bit mask."""
+        newbits = 0
+        for b in bits:
+            newbits |= 1 << b
+        if len(idx) <= FEW:  # (one sample at a time: numpy calls on tiny arrays cost more)
+            few = idx.tolist()
+            for c in columns:
+                loc = self.loc[c]
+                for i in few:
+                    loc[i] = warehouse
+            ready = self.ready
+            for i in few:
+                ready[i] = ready.item(i) | newbits
+        else:
+            for c in columns:
+                self.loc[c][idx] = warehouse
+            self.ready[idx] |= np.uint64(newbits)
+        return newbits
+
     def locations(self, columns: Sequence[str], idx: np.ndarray) -> np.ndarray:
         """uint16 [len(columns), len(idx)]: the warehouse holding each column of samples idx."""
         if len(idx) <= FEW:

@@ -223,10 +223,9 @@ def test_property_no_double_delivery_no_loss_groups_whole(ops):
 
 def _replay(ops, gs: int, few: int):
     """Run `ops` on a fresh controller with FEW = few; returns what every call answered and the final state."""
-    from dockd.controller import catalog, partition
+    from dockd.controller import partition
 
-    saved = partition.FEW, catalog.FEW
-    partition.FEW = catalog.FEW = few
+    saved, partition.FEW = partition.FEW, few
     try:
         c = Controller()
         answers, leases, size = [], [], 0
@@ -257,7 +256,7 @@ def _replay(ops, gs: int, few: int):
              for name, cons in part.consumers.items()})
         return answers, state
     finally:
-        partition.FEW, catalog.FEW = saved
+        partition.FEW = saved
 
 
 @settings(max_examples=80, deadline=None)
