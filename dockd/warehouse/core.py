@@ -54,7 +54,18 @@ import pyarrow as pa
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockFull, DockNotFound, DockValueError
-from dockd.warehouse.layout import SMALL_RUN, Indexes, _Batch, _Body, _Column, _idx, _numbers, _Part, _runs
+from dockd.warehouse.layout import (
+    SMALL_RUN,
+    Indexes,
+    _Batch,
+    _Body,
+    _Column,
+    _first_of_range,
+    _idx,
+    _numbers,
+    _Part,
+    _runs,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -160,7 +171,10 @@ class Warehouse:
                 raise DockValueError(f"{n} new samples is not a multiple of group_size={gs}")
         return n
 
-    def check_absent(self, partition: str, indexes: Indexes, columns: Iterable[str]) -> None:
+    def check_absent(self, partition: str, indexes: Indexes, columns: Iterable[str],
+                     first: int | None = None) -> None:
+        """Raise if any of `columns` is stored for any of `indexes` (`first`: they are known to be
+        consecutive from this one, as a put of new samples' are)."""
         part = self.parts.get(partition)
         if part is None:
             return
@@ -173,7 +187,11 @@ class Warehouse:
         for c in columns:
             col = part.columns.get(c)
             if col is not None:
-                dup = idx[col.present(idx)]
+                if first is not None:  # (a slice: no fancy indexing)
+                    taken = col.batch_of[first : first + len(idx)] >= 0
+                    dup = idx[: len(taken)][taken] if taken.any() else idx[:0]
+                else:
+                    dup = idx[col.present(idx)]
                 if len(dup):
                     raise DockValueError(
                         f"column {c!r} is already written for samples {dup[:8].tolist()} of partition {partition!r}; "
@@ -191,11 +209,14 @@ class Warehouse:
         and the error raised."""
         device = device or ()
         device_nbytes = sum(int(t.numel()) for t in device)
-        self.check_absent(partition, indexes, (c.name for c in columns))
+        idx = _idx(indexes)
+        few = idx.tolist() if len(idx) <= SMALL_RUN else None  # (a few samples: filed with scalar writes)
+        first = _first_of_range(idx) if few is None else None  # (consecutive indexes: filed by slices)
+        self.check_absent(partition, idx, (c.name for c in columns), first)
         file = None
         if self.keeper is not None:
             try:
-                file = self.keeper.stored(partition, _idx(indexes), columns, body, nbytes, group_size, token, room)
+                file = self.keeper.stored(partition, idx, columns, body, nbytes, group_size, token, room)
             except Exception:
                 self.reserved -= nbytes
                 raise
@@ -204,9 +225,8 @@ class Warehouse:
             part.group_size = group_size
         if segment is not None:
             part.segments.append(segment)
-        idx = _idx(indexes)
-        few = idx.tolist() if len(idx) <= SMALL_RUN else None  # (a few samples: filed with scalar writes)
-        top = (max(few, default=-1) if few is not None else int(idx.max()) if len(idx) else -1) + 1
+        top = (max(few, default=-1) if few is not None else first + len(idx) - 1 if first is not None
+               else int(idx.max()) if len(idx) else -1) + 1
         owner = _Body(nbytes, segment, len(idx), columns[0].name if columns else "", device_nbytes)
         owner.file = file
         owner.file_layout = file is not None
@@ -227,15 +247,20 @@ class Warehouse:
                 else:
                     data = pa.py_buffer(b"")
                 bid = len(col.batches)
+                start = None
                 if few is not None:
                     rows: np.ndarray | list[int] = few[k : k + run.count]
                     for r in rows:
                         col.batch_of[r] = bid
+                elif first is not None:
+                    start = first + k
+                    rows = idx[k : k + run.count]
+                    col.batch_of[start : start + run.count] = bid
                 else:
                     rows = idx[k : k + run.count]
                     col.batch_of[rows] = bid
                 owner.batches.append((c.name, len(col.batches)))  # (names, not objects: no reference cycle)
-                col.batches.append(_Batch(run, data, None if dev is not None else segment, rows, owner, dev))
+                col.batches.append(_Batch(run, data, None if dev is not None else segment, rows, owner, dev, start))
                 k += run.count
         self.reserved -= nbytes
         self.used += nbytes

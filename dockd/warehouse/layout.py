@@ -5,6 +5,7 @@ described in `dockd.warehouse.core`, whose `Warehouse` is the only writer of the
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -56,7 +57,8 @@ class _Batch:
 
     def __init__(self, run: pb.Run, data: pa.Buffer | None, segment: object, rows: np.ndarray | list[int],
                  body: _Body | None = None,
-                 device: torch.Tensor | None = None) -> None:
+                 device: torch.Tensor | None = None, first: int | None = None) -> None:
+        """`first`: the rows are known to be consecutive from this index (then `rows` is not looked at)."""
         self.body = body
         self.at = (0, 0)  # while its put is spilled (data None): where its bytes are in the put's body
         self.device = device  # device tier: the run's bytes as a uint8 tensor (then data is None)
@@ -76,18 +78,23 @@ class _Batch:
         if run.kind == pb.MSGPACK or (self.shape and self.shape[0] == -1):
             small = run.nbytes < (1 << 32)
             kind = np.uint32 if small else np.uint64
-            self.lengths = np.array(run.lengths, dtype=kind)
             if run.count <= SMALL_RUN:  # (a few values: Python sums)
+                self.lengths = np.array(run.lengths, dtype=kind)
                 ends, total = [], 0
                 for length in run.lengths:
                     total += length * self.unit
                     ends.append(total)
                 self.ends = np.array(ends, dtype=kind)
-            else:
-                ends_ = np.cumsum(self.lengths, dtype=np.uint64)
-                if self.unit != 1:
-                    ends_ *= np.uint64(self.unit)
-                self.ends = ends_.astype(np.uint32) if small else ends_
+            else:  # (fromiter: numpy's generic sequence conversion is twice as slow on a repeated field)
+                self.lengths = np.fromiter(run.lengths, dtype=kind, count=run.count)
+                ends_ = np.fromiter(itertools.accumulate(run.lengths), dtype=kind, count=run.count)
+                if self.unit != 1:  # (the run's byte count was checked: no end overflows its dtype)
+                    np.multiply(ends_, self.unit, out=ends_, casting="unsafe")
+                self.ends = ends_
+        if first is not None:
+            self.first = first
+            self.keys = self.order = None
+            return
         n = len(rows)
         self.first = int(rows[0]) if n else 0
         if n <= SMALL_RUN:  # (scalar checks for a few rows)
@@ -243,6 +250,17 @@ class _Part:
 
 def _idx(indexes: Indexes) -> np.ndarray:
     return np.asarray(indexes, dtype=np.int64).reshape(-1)
+
+
+def _first_of_range(idx: np.ndarray) -> int | None:
+    """The first of `idx` if they are consecutive and rising (a put of new samples' indexes), else None."""
+    n = len(idx)
+    if not n:
+        return None
+    first = int(idx[0])
+    if int(idx[-1]) - first != n - 1 or (n > 2 and not bool((idx[1:] - idx[:-1] == 1).all())):
+        return None
+    return first
 
 
 def _numbers(column: str, b: _Batch, r0: int, r1: int) -> np.ndarray:

@@ -96,6 +96,25 @@ def test_duplicate_columns():
     assert w.used == 0 and not w.has("p", [("x", [3])])
 
 
+def test_a_consecutive_range_that_overlaps_a_stored_one_names_the_samples_written_twice():
+    w = Warehouse(1 << 30)
+    first = [torch.arange(n) for n in range(1, 41)]  # ragged, more than SMALL_RUN: the range paths
+    cols, buf = encoded(first)
+    w.reserve(buf.size)
+    w.store("p", list(range(100, 140)), cols, buf, buf.size)
+    # a range that starts before, overlaps, and runs past every index stored so far
+    again, buf2 = encoded([torch.zeros(3)] * 60)
+    w.reserve(buf2.size)
+    with pytest.raises(DockValueError, match=r"samples \[130, 131, 132, 133, 134, 135, 136, 137\]"):
+        w.store("p", list(range(130, 190)), again, buf2, buf2.size)
+    with pytest.raises(DockValueError, match=r"samples \[100, 101"):
+        w.check_absent("p", np.arange(40, 110), ["x"], first=40)
+    w.check_absent("p", np.arange(140, 400), ["x"], first=140)  # past the end of what the column has seen
+    w.store("p", list(range(140, 200)), again, buf2, buf2.size)
+    got = fetched(w, "p", "x", [139, 100, 140, 199])
+    assert [t.tolist() for t in got[:2]] == [list(range(40)), [0]] and all(t.tolist() == [0.0] * 3 for t in got[2:])
+
+
 def _col(name: str, n: int) -> pb.ColumnData:
     return pb.ColumnData(name=name, runs=[pb.Run(kind=pb.MSGPACK, count=n, lengths=[1] * n, nbytes=n)])
 
