@@ -418,7 +418,7 @@ def decode_run(run: pb.Run, buf, base: int = 0) -> list[Any]:
     if run.nbytes == 0:
         dev = buf.device if isinstance(buf, torch.Tensor) else None
         if ragged:
-            return [torch.empty((n, *shape[1:]), dtype=dtype, device=dev) for n in run.lengths]
+            return [torch.empty((n, *shape[1:]), dtype=dtype, device=dev) for n in run.lengths[:]]
         return [torch.empty(shape, dtype=dtype, device=dev) for _ in range(run.count)]
     flat = _view(buf, dtype, run.nbytes // ITEMSIZE[run.dtype], off)
     if not ragged:
@@ -427,7 +427,7 @@ def decode_run(run: pb.Run, buf, base: int = 0) -> list[Any]:
         return list(flat.view(run.count, *shape).unbind(0))
     trail = shape[1:]
     unit = math.prod(trail)
-    parts = flat.split([n * unit for n in run.lengths])
+    parts = flat.split([n * unit for n in run.lengths[:]] if unit != 1 else run.lengths[:])
     return [p.view(-1, *trail) for p in parts] if trail else list(parts)
 
 
@@ -517,7 +517,7 @@ class Runs:
         for run, buf, base in self.runs:
             n = run.nbytes // ITEMSIZE[run.dtype]
             flats.append(_view(buf, dtype, n, run.offset - base) if n else torch.empty(0, dtype=dtype))
-            lengths.extend(run.lengths if run.shape[0] == -1 else [run.shape[0]] * run.count)
+            lengths.extend(run.lengths[:] if run.shape[0] == -1 else [run.shape[0]] * run.count)
         return (flats[0] if len(flats) == 1 else torch.cat(flats)), lengths, trail
 
     def stacked(self) -> torch.Tensor:

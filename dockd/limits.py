@@ -52,7 +52,7 @@ def _columns(names: Collection[str]) -> None:
 
 def _tags(tags: Collection[pb.Tag]) -> None:
     _count("tags", len(tags), MAX_TAGS)
-    for t in tags:
+    for t in tags[:]:  # type: ignore[index]  # (a repeated field or a list: see dockd.runcheck)
         _name("tag name", t.name)
         _count("tag values", len(t.values))
 
@@ -76,7 +76,7 @@ def check(frame: pb.Frame) -> None:
         r = frame.put
         _timeout(r.timeout)
         _name("partition name", r.partition)
-        _columns([c.name for c in r.columns])
+        _columns([c.name for c in r.columns[:]])
         _count("samples", max(r.new_count, len(r.indexes), r.group_size))
         _tags(r.tags)
         _count("device buffers", len(r.device_buffers), MAX_COLUMNS)

@@ -1,5 +1,9 @@
 """A put's runs checked against the bytes they describe: the one check of a put's columns,
-made by the warehouse before it stores them (`Warehouse.validate_put`, `PutPipeline`)."""
+made by the warehouse before it stores them (`Warehouse.validate_put`, `PutPipeline`).
+
+The put path takes repeated protobuf fields as lists first (`field[:]`, one call): a loop over the
+field itself fetches each item through the sequence protocol and ends by raising and catching an
+IndexError, about a third of the put path's protobuf cost on a GRPO-shaped put (8 columns)."""
 
 from __future__ import annotations
 
@@ -21,13 +25,14 @@ def check_columns(columns: Sequence[pb.ColumnData], body_size: int, device_sizes
     do not describe their bytes."""
     if not columns:
         raise DockValueError("a put needs at least one column")
+    columns = columns[:]  # (slices of a repeated field: see the module's docstring)
     names = [c.name for c in columns]
     if len(set(names)) != len(names) or not all(names):
         raise DockValueError(f"column names must be non-empty and distinct, got {names}")
     counts = {}
     for c in columns:
         n = 0
-        for run in c.runs:
+        for run in c.runs[:]:
             if run.device_buffer:
                 if run.device_buffer > len(device_sizes):
                     raise DockProtocolError(f"a run in device buffer {run.device_buffer} of {len(device_sizes)}")
@@ -48,7 +53,7 @@ def check_run(run: pb.Run, body_size: int) -> None:
     if run.offset + run.nbytes > body_size:
         raise DockProtocolError(f"a run at offset {run.offset} with {run.nbytes} bytes runs past the {body_size}-byte body")
     if run.kind == pb.MSGPACK:
-        if len(run.lengths) != run.count or sum(run.lengths) != run.nbytes:
+        if len(run.lengths) != run.count or sum(run.lengths[:]) != run.nbytes:  # ([:]: one list, see _Batch)
             raise DockProtocolError(f"a msgpack run of {run.count} values does not add up to its {run.nbytes} bytes")
         return
     if run.kind != pb.TENSOR:
@@ -61,7 +66,7 @@ def check_run(run: pb.Run, body_size: int) -> None:
         trail = shape[1:]
         if any(d < 0 for d in trail) or len(run.lengths) != run.count:
             raise DockProtocolError(f"a ragged run of {run.count} values has {len(run.lengths)} lengths")
-        elems = sum(run.lengths) * math.prod(trail)
+        elems = sum(run.lengths[:]) * math.prod(trail)
     else:
         if any(d < 0 for d in shape) or run.lengths:
             raise DockProtocolError(f"bad shape {shape} for a run of uniform values")
@@ -74,15 +79,15 @@ def check_msgpack(columns: Sequence[pb.ColumnData], body) -> None:
     """Every msgpack run of a put holds `count` whole msgpack values of the lengths it gives
     (checked once, when stored, so that readers never meet a value they cannot decode)."""
     mv = memoryview(body).cast("B") if body is not None else None
-    for c in columns:
-        for run in c.runs:
+    for c in columns[:]:
+        for run in c.runs[:]:
             if run.kind != pb.MSGPACK or run.device_buffer:
                 continue
             assert mv is not None  # (a run not in a device buffer is in the body)
             unpacker = msgpack.Unpacker(max_buffer_size=max(run.nbytes, 1))
             unpacker.feed(mv[run.offset : run.offset + run.nbytes])
             try:
-                for n in run.lengths:
+                for n in run.lengths[:]:
                     start = unpacker.tell()
                     unpacker.skip()
                     if unpacker.tell() - start != n:

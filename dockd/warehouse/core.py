@@ -54,6 +54,7 @@ import pyarrow as pa
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockFull, DockNotFound, DockValueError
+from dockd.runcheck import check_columns
 from dockd.warehouse.layout import (
     SMALL_RUN,
     Indexes,
@@ -141,14 +142,12 @@ class Warehouse:
     def validate_put(req: pb.PutRequest, body_size: int | None = None, device_sizes: Sequence[int] | None = None) -> int:
         """Check a put's header (and its runs against the body, when its size is known); the
         number of samples. The one place a put is validated."""
-        from dockd.runcheck import check_columns
-
         if not req.partition:
             raise DockValueError("partition must be a non-empty string")
         if body_size is None:  # before the body is in: only the shape of the request
             if not req.columns:
                 raise DockValueError("a put needs at least one column")
-            counts = {c.name: sum(r.count for r in c.runs) for c in req.columns}
+            counts = {c.name: sum(r.count for r in c.runs[:]) for c in req.columns[:]}
             n: int = next(iter(counts.values()))
             if n == 0 or any(v != n for v in counts.values()):
                 raise DockValueError(f"every column needs the same positive number of values, got {counts}")
@@ -212,7 +211,7 @@ class Warehouse:
         idx = _idx(indexes)
         few = idx.tolist() if len(idx) <= SMALL_RUN else None  # (a few samples: filed with scalar writes)
         first = _first_of_range(idx) if few is None else None  # (consecutive indexes: filed by slices)
-        self.check_absent(partition, idx, (c.name for c in columns), first)
+        self.check_absent(partition, idx, [c.name for c in columns[:]], first)
         file = None
         if self.keeper is not None:
             try:
@@ -231,13 +230,13 @@ class Warehouse:
         owner.file = file
         owner.file_layout = file is not None
         owner.buf = body
-        for c in columns:
+        for c in columns[:]:  # ([:]: see dockd.runcheck)
             col = part.columns.get(c.name)
             if col is None:
                 col = part.columns[c.name] = _Column()
             col.grow(top)
             k = 0
-            for run in c.runs:
+            for run in c.runs[:]:
                 dev = None
                 if run.device_buffer:
                     data, dev = None, device[run.device_buffer - 1][run.offset : run.offset + run.nbytes]

@@ -5,7 +5,6 @@ described in `dockd.warehouse.core`, whose `Warehouse` is the only writer of the
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -78,19 +77,21 @@ class _Batch:
         if run.kind == pb.MSGPACK or (self.shape and self.shape[0] == -1):
             small = run.nbytes < (1 << 32)
             kind = np.uint32 if small else np.uint64
+            # ([:] copies a repeated field into a list in one call: iterating the field itself
+            # fetches each item through the sequence protocol and ends by raising IndexError)
+            lengths = run.lengths[:]
+            self.lengths = np.array(lengths, dtype=kind)
             if run.count <= SMALL_RUN:  # (a few values: Python sums)
-                self.lengths = np.array(run.lengths, dtype=kind)
                 ends, total = [], 0
-                for length in run.lengths:
+                for length in lengths:
                     total += length * self.unit
                     ends.append(total)
                 self.ends = np.array(ends, dtype=kind)
-            else:  # (fromiter: numpy's generic sequence conversion is twice as slow on a repeated field)
-                self.lengths = np.fromiter(run.lengths, dtype=kind, count=run.count)
-                ends_ = np.fromiter(itertools.accumulate(run.lengths), dtype=kind, count=run.count)
-                if self.unit != 1:  # (the run's byte count was checked: no end overflows its dtype)
-                    np.multiply(ends_, self.unit, out=ends_, casting="unsafe")
-                self.ends = ends_
+            else:
+                ends_ = np.cumsum(self.lengths, dtype=np.uint64)
+                if self.unit != 1:
+                    ends_ *= np.uint64(self.unit)
+                self.ends = ends_.astype(np.uint32) if small else ends_
         if first is not None:
             self.first = first
             self.keys = self.order = None

@@ -190,7 +190,7 @@ class PutPipeline:
         if req.token and self.tokens.again(peer, frame, lambda: self.admission.release(unreserve=size)):
             return
         dev, spilled = [], 0
-        held = req.replica and self.warehouse.has(req.partition, [(c.name, req.indexes) for c in req.columns])
+        held = req.replica and self.warehouse.has(req.partition, [(c.name, req.indexes) for c in req.columns[:]])
         try:
             if req.device_buffers:
                 buf, seg, size, dev, spilled = take_device(peer, req, buf, seg, size, self.warehouse, self.segments,
@@ -206,7 +206,7 @@ class PutPipeline:
             raise
         commit = pb.CommitRequest(
             partition=req.partition, indexes=req.indexes, new_count=req.new_count, group_size=req.group_size or 1,
-            columns=[c.name for c in req.columns], warehouse=self._wid(), nbytes=size, tags=req.tags,
+            columns=[c.name for c in req.columns[:]], warehouse=self._wid(), nbytes=size, tags=req.tags,
             replica=req.replica, token=0 if req.replica else req.token,
         )
         if not req.indexes:  # new samples may wait for the partition's consumers (max_pending), as long as the put may
@@ -236,7 +236,7 @@ class PutPipeline:
         Warehouse.validate_put(req, size, [int(t.numel()) for t in dev])
         runcheck.check_msgpack(req.columns, buf)
         if req.indexes and not held:
-            self.warehouse.check_absent(req.partition, req.indexes, (c.name for c in req.columns))
+            self.warehouse.check_absent(req.partition, req.indexes, (c.name for c in req.columns[:]))
 
     # -- store ---------------------------------------------------------------------------------
     def _land(self, put: _Put, res, cleared: bool) -> None:
@@ -276,7 +276,7 @@ class PutPipeline:
         first (its values have one holder: the controller repairs them), so that values whose copy is
         still on its way when this warehouse dies were never acknowledged (see controller.replicas)."""
         req = put.frame.put
-        columns = [c.name for c in req.columns]
+        columns = [c.name for c in req.columns[:]]
         try:
             await self.replicator.copy(req.partition, out, columns, target)  # type: ignore[union-attr]
         except Exception as e:  # noqa: BLE001 - stored and committed: the controller's repair copies it later
