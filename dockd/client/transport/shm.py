@@ -68,7 +68,7 @@ class ShmTransport(Transport):
         n, anc, flags, _ = sock.recvmsg_into([mv], shm._ANC, socket.MSG_DONTWAIT)
         if anc:
             fds.extend(shm.recv_fds(anc))
-        if flags & socket.MSG_CTRUNC:  # the reply's segments are lost; the stream is out of step
+        if flags & shm.MSG_CTRUNC:  # the reply's segments are lost; the stream is out of step
             soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
             err = DockConnectionError(
                 f"the kernel dropped shared-memory descriptors sent by dockd at {self.describe()}: this process "
