@@ -171,3 +171,22 @@ def test_grpo_touch_columns_counts_every_column():
     assert touch_columns(nested, GRPO_COLUMNS, 4, "t") == 4
     with pytest.raises(RuntimeError, match="'uid' came back with 3 values"):
         touch_columns(dict(data, uid=data["uid"][:3]), GRPO_COLUMNS, 4, "t")
+
+
+def test_request_instructions_reads_the_totals_and_the_copies_out_of_a_callgrind_annotation():
+    from benchmarks.request_instructions import totals
+
+    annotated = """--------------------------------------------------------------------------------
+Ir
+--------------------------------------------------------------------------------
+1,234,567 (100.0%)  PROGRAM TOTALS
+
+--------------------------------------------------------------------------------
+Ir                 file:function
+--------------------------------------------------------------------------------
+  400,000 (32.40%)  ./string/../sysdeps/x86_64/multiarch/memmove-vec-unaligned-erms.S:__memcpy_avx_unaligned_erms [libc.so.6]
+  300,000 (24.30%)  Python/ceval.c:_PyEval_EvalFrameDefault [libpython3.11.so.1.0]
+   34,567 ( 2.80%)  ./string/../sysdeps/x86_64/multiarch/memset-vec-unaligned-erms.S:__memset_avx2_unaligned_erms [libc.so.6]
+   12,000 ( 0.97%)  ???:memsetlike_user_function [mylib.so]
+"""
+    assert totals(annotated) == (1_234_567, 1_234_567 - 400_000 - 34_567)
