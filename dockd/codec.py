@@ -468,6 +468,7 @@ def decode_reply(columns: Sequence[pb.ColumnData], buffers: Mapping[int, tuple[A
     client's transport builds it from what the reply carried (dockd.client.transport). With `lazy`,
     each column stays `Runs` until its values are asked for."""
     try:
+        columns = columns[:]  # (a list: see dockd.wire)
         if lazy:
             return [Runs.of(c, buffers) for c in columns]
         return [decode_column(c, buffers) for c in columns]
@@ -488,7 +489,7 @@ class Runs:
 
     @classmethod
     def of(cls, col: pb.ColumnData, buffers: Mapping[int, tuple[Any, int]]) -> Runs:
-        return cls([(run, *buffers[buffer_key(run)]) for run in col.runs])
+        return cls([(run, *buffers[buffer_key(run)]) for run in col.runs[:]])
 
     def __len__(self) -> int:
         return self.count

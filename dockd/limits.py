@@ -46,13 +46,13 @@ def _count(what: str, n: int, limit: int = MAX_SAMPLES) -> None:
 
 def _columns(names: Collection[str]) -> None:
     _count("columns", len(names), MAX_COLUMNS)
-    for c in names:
+    for c in names[:]:  # type: ignore[index]  # (a repeated field or a list: see dockd.wire)
         _name("column name", c)
 
 
 def _tags(tags: Collection[pb.Tag]) -> None:
     _count("tags", len(tags), MAX_TAGS)
-    for t in tags[:]:  # type: ignore[index]  # (a repeated field or a list: see dockd.runcheck)
+    for t in tags[:]:  # type: ignore[index]  # (a repeated field or a list: see dockd.wire)
         _name("tag name", t.name)
         _count("tag values", len(t.values))
 
@@ -96,14 +96,15 @@ def check(frame: pb.Frame) -> None:
         _columns(r.balance_by)
         _name("order_by", r.order_by)
         _count("tag filters", len(r.where), MAX_TAGS)
-        for t in r.where:
+        for t in r.where[:]:
             _name("tag name", t.name)
     elif kind == "fetch":
         _name("partition name", frame.fetch.partition)
-        _columns([c.name for c in frame.fetch.columns])
-        for c in frame.fetch.columns:
+        columns = frame.fetch.columns[:]
+        _columns([c.name for c in columns])
+        for c in columns:
             _count("samples", len(c.indexes))
-        _count("sample-columns (samples x columns)", sum(len(c.indexes) for c in frame.fetch.columns), MAX_CELLS)
+        _count("sample-columns (samples x columns)", sum(len(c.indexes) for c in columns), MAX_CELLS)
         if frame.fetch.HasField("link"):
             link = frame.fetch.link
             if len(link.id) != LINK_ID_BYTES:

@@ -119,11 +119,12 @@ class Acquirer:
                 "[client] partition %r was rebuilt after a controller restart without a state dir: samples this "
                 "consumer took before the restart can be handed out again (start the controller with --state-dir "
                 "to keep consumer progress)", req.partition)
-        idx = list(a.indexes)
-        columns = list(req.columns)
-        inline = dict(zip((c.name for c in a.inline), pool.via.decode(a.inline, reply, lazy=lazy)))
+        idx = a.indexes[:]  # (lists: see dockd.wire)
+        columns = req.columns[:]
+        got = a.inline[:]
+        inline = dict(zip((c.name for c in got), pool.via.decode(got, reply, lazy=lazy)))
         locs = None  # only needed to fetch what did not come inline
         if len(inline) < len(columns):
-            locs = np.asarray(a.locations, dtype=np.int64).reshape(len(columns), len(idx))
+            locs = np.asarray(a.locations[:], dtype=np.int64).reshape(len(columns), len(idx))
         return Lease(a.lease, req.partition, columns, idx, locs, inline, bytes(a.ticket), a.step,
-                     list(a.rank_weights))
+                     a.rank_weights[:])

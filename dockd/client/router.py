@@ -249,7 +249,7 @@ class Router:
     def learn(self, infos) -> None:
         """Warehouses named by a controller reply: new ones are added; for known ones at the same
         address, the state (joined, unresponsive, ...) is brought up to date."""
-        for w in infos:
+        for w in infos[:]:  # (a list: see dockd.wire)
             known = self.warehouses.get(w.id)
             if known is None or (known.host, known.port) == (w.host, w.port):
                 self.warehouses[w.id] = w

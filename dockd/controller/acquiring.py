@@ -28,7 +28,7 @@ STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
 
 def where_of(r) -> dict[str, tuple[int, int]] | None:
-    return {t.name: (t.lo, t.hi) for t in r.where} or None
+    return {t.name: (t.lo, t.hi) for t in r.where[:]} or None  # ([:]: see dockd.wire)
 
 
 def _lease_seconds(r: pb.AcquireRequest) -> float | None:
@@ -55,7 +55,7 @@ class Acquiring:
         if again is None and svc.journal is not None:
             svc.journal.room()
         res = core.acquire(
-            r.partition, r.consumer, list(r.columns), r.count,
+            r.partition, r.consumer, r.columns[:], r.count,
             groups=r.groups, allow_partial=r.allow_partial, shuffle=r.shuffle,
             seed=r.seed if r.has_seed else None, owner=sid, now=svc.clock(), token=r.token,
             lease_timeout=_lease_seconds(r), where=where_of(r), order_by=r.order_by,
@@ -81,12 +81,12 @@ class Acquiring:
         part = self.svc.core.partitions.get(r.partition)
         if part is None or len(part.nbytes) < 2:  # (data on one warehouse: nothing to prefer)
             return {}
-        v = selection.view(part, r.consumer, list(r.columns), r.count, r.groups)
+        v = selection.view(part, r.consumer, r.columns[:], r.count, r.groups)
         if v is None:
             return {}
         where, _ = selection.staleness_filter(part, r.max_staleness - 1 if r.max_staleness else None, where_of(r),
                                               r.order_by)
-        return selection.ready_by_warehouse(part, v[2], v[3], list(r.columns), where)
+        return selection.ready_by_warehouse(part, v[2], v[3], r.columns[:], where)
 
     def _share(self, r: pb.AcquireRequest, sid: bytes) -> AcquireResult | None:
         """A rank-aware get (see Controller.share); a round to balance is weighed in the background."""
@@ -98,11 +98,11 @@ class Acquiring:
         for name in r.balance_by:
             if name not in r.columns and not self._is_tag(r.partition, name):
                 raise DockValueError(f"balance_by={name!r} is neither a tag of partition {r.partition!r} nor one of "
-                                     f"the columns this get reads ({list(r.columns)})")
+                                     f"the columns this get reads ({r.columns[:]})")
         if svc.journal is not None:
             svc.journal.room()
         res = svc.core.share(
-            r.partition, r.consumer, list(r.columns), r.count, dp_rank=r.dp_rank, dp_size=r.dp_size,
+            r.partition, r.consumer, r.columns[:], r.count, dp_rank=r.dp_rank, dp_size=r.dp_size,
             mp_rank=r.mp_rank, mp_size=r.mp_size or 1, mp_group=r.mp_group, step=r.step if r.has_step else None,
             groups=r.groups, where=where_of(r), order_by=r.order_by, balance=bool(r.balance_by), owner=sid,
             now=svc.clock(), lease_timeout=_lease_seconds(r),
@@ -202,7 +202,7 @@ class Acquiring:
         part = svc.core.partitions.get(r.partition)
         reply.recovered = part is not None and part.recovered
         if r.inline and svc.local is not None:
-            cols, body, segs = svc.local.inline(peer, r.partition, list(r.columns), res.indexes, res.locations)
+            cols, body, segs = svc.local.inline(peer, r.partition, r.columns[:], res.indexes, res.locations)
             reply.inline.extend(cols)
             out.pins.extend(s.sid for s in segs)
             peer.reply(frame, out, body.buffers, body.size, segs)

@@ -84,7 +84,7 @@ class Leasing:
             return
         svc, core = self.svc, self.svc.core
         done, unknown, refused, sealed, mine = [], [], [], set(), []
-        for k, lid in enumerate(leases):
+        for k, lid in enumerate(leases[:]):  # ([:]: see dockd.wire)
             try:
                 lease = self.owned(peer, lid, tickets[k] if k < len(tickets) else b"")
             except DockLeaseError:

@@ -71,7 +71,7 @@ class Replication:
         idx = np.asarray(idx, dtype=np.int64)
         part = self.svc.core.partitions[req.partition]
         replicas.mark_pending(part, req.columns, idx)
-        self._copies.append((self.svc.clock() + COPY_DEADLINE, req.partition, list(req.columns), idx))
+        self._copies.append((self.svc.clock() + COPY_DEADLINE, req.partition, req.columns[:], idx))
         return self.svc.members.infos([wid], usage=False)[0]
 
     def commit(self, req: pb.CommitRequest) -> np.ndarray:
@@ -82,7 +82,7 @@ class Replication:
         if svc.journal is not None and svc.core.catalog.recall(req.warehouse, req.put_id) is None:
             svc.journal.room()
             svc.journal.replica(req.partition, req.columns, req.warehouse, list(req.indexes), req.nbytes, req.put_id)
-        return svc.core.commit_replica(req.partition, list(req.columns), warehouse=req.warehouse,
+        return svc.core.commit_replica(req.partition, req.columns[:], warehouse=req.warehouse,
                                        indexes=list(req.indexes), nbytes=req.nbytes, put_id=req.put_id)
 
     def readable(self, partition: str, columns, idx: np.ndarray, locs: np.ndarray) -> np.ndarray:

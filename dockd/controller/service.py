@@ -268,7 +268,7 @@ class ControllerService:
             self.journal.room()
             self.journal.commit(req.partition, req.columns, req.warehouse, indexes, req.new_count, gs, req.nbytes,
                                 req.put_id, tags, req.token, away)
-        idx = self.core.commit(req.partition, list(req.columns), warehouse=req.warehouse, indexes=indexes,
+        idx = self.core.commit(req.partition, req.columns[:], warehouse=req.warehouse, indexes=indexes,
                                new_count=req.new_count, group_size=gs, nbytes=req.nbytes, put_id=req.put_id, tags=tags,
                                token=req.token, away=away)
         if req.partition in self.waiters:

@@ -192,15 +192,15 @@ class Waiters:
 
     def timeout_error(self, r: pb.AcquireRequest) -> DockTimeout:
         core = self.svc.core
-        ready = core.ready_count(r.partition, r.consumer, list(r.columns), r.groups)
+        ready = core.ready_count(r.partition, r.consumer, r.columns[:], r.groups)
         unit = "samples in whole groups" if r.groups else "samples"
-        what = f"get(consumer={r.consumer!r}, partition={r.partition!r}, columns={list(r.columns)})"
+        what = f"get(consumer={r.consumer!r}, partition={r.partition!r}, columns={r.columns[:]})"
         after = seconds(r.timeout)
         if r.dp_size:  # a rank-aware get waits for a whole step's batch, or for its share of one being weighed
             return DockTimeout(
                 f"{what} of rank {r.dp_rank} of {r.dp_size} timed out after {after}: a step needs "
                 f"{r.count} x {r.dp_size} = {r.count * r.dp_size} {unit} ready at once, {ready} were."
-                + core.why_not_ready(r.partition, list(r.columns))
+                + core.why_not_ready(r.partition, r.columns[:])
                 + " Put more samples per step, lower count, or give a longer timeout.",
                 ready=ready,
             )
@@ -216,7 +216,7 @@ class Waiters:
                 ready=ready,
             )
         return DockTimeout(
-            f"{head}." + core.why_not_ready(r.partition, list(r.columns))
+            f"{head}." + core.why_not_ready(r.partition, r.columns[:])
             + " Pass allow_partial=True to take what is ready, or a longer timeout.",
             ready=ready,
         )

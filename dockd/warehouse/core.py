@@ -230,7 +230,7 @@ class Warehouse:
         owner.file = file
         owner.file_layout = file is not None
         owner.buf = body
-        for c in columns[:]:  # ([:]: see dockd.runcheck)
+        for c in columns[:]:  # ([:]: see dockd.wire)
             col = part.columns.get(c.name)
             if col is None:
                 col = part.columns[c.name] = _Column()

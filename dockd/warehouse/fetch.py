@@ -59,7 +59,7 @@ class FetchPath:
             if not req.columns:
                 peer.reply(frame, pb.Frame(fetch_reply=pb.FetchReply()))
                 return
-        wanted = [(c.name, list(c.indexes)) for c in req.columns]
+        wanted = [(c.name, c.indexes[:]) for c in req.columns[:]]  # ([:]: see dockd.wire)
         try:
             found = self.warehouse.fetch(req.partition, wanted)
         except DockNotFound:

@@ -77,9 +77,7 @@ class _Batch:
         if run.kind == pb.MSGPACK or (self.shape and self.shape[0] == -1):
             small = run.nbytes < (1 << 32)
             kind = np.uint32 if small else np.uint64
-            # ([:] copies a repeated field into a list in one call: iterating the field itself
-            # fetches each item through the sequence protocol and ends by raising IndexError)
-            lengths = run.lengths[:]
+            lengths = run.lengths[:]  # (a list: see dockd.wire)
             self.lengths = np.array(lengths, dtype=kind)
             if run.count <= SMALL_RUN:  # (a few values: Python sums)
                 ends, total = [], 0
