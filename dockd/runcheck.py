@@ -49,7 +49,7 @@ def check_run(run: pb.Run, body_size: int) -> None:
     if run.offset + run.nbytes > body_size:
         raise DockProtocolError(f"a run at offset {run.offset} with {run.nbytes} bytes runs past the {body_size}-byte body")
     if run.kind == pb.MSGPACK:
-        if len(run.lengths) != run.count or sum(run.lengths[:]) != run.nbytes:  # ([:]: one list, see _Batch)
+        if len(run.lengths) != run.count or sum(run.lengths[:]) != run.nbytes:  # ([:]: a list, see dockd.wire)
             raise DockProtocolError(f"a msgpack run of {run.count} values does not add up to its {run.nbytes} bytes")
         return
     if run.kind != pb.TENSOR:
