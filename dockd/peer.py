@@ -62,6 +62,7 @@ class Handler(Protocol):
     def allocate(self, size: int):  # -> pa.Buffer or shm.Segment, the body's destination
         ...
     def on_abandoned(self, peer: Peer, frame: pb.Frame, body_size: int) -> None: ...
+    def on_authed(self, peer: Peer) -> None: ...
     def on_lost(self, peer: Peer) -> None: ...
 
 
@@ -422,6 +423,7 @@ class Peer(asyncio.BufferedProtocol):
                 raise DockAuthError(f"authenticate first: got a {kind or 'bare'} frame before the Auth frame")
             reply = self._accept.verify(self._challenge, frame.auth)  # raises DockAuthError
             self.role, self.session = frame.auth.role, bytes(frame.auth.session)
+            self.handler.on_authed(self)
             self.reply(frame, pb.Frame(auth_reply=reply))
             return
         if kind != "challenge" or self._challenge is not None:

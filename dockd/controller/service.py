@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from dockd import limits, owners
+from dockd import auth, limits, owners
 from dockd._proto import dockd_pb2 as pb
 from dockd._version import __version__
 from dockd.controller.acquiring import STALENESS_BUCKETS, Acquiring, where_of
@@ -176,6 +176,13 @@ class ControllerService:
 
     def leave(self, peer: Peer, req: pb.LeaveRequest) -> None:
         self.members.leave(peer, req.id)
+
+    def on_authed(self, peer: Peer) -> None:
+        """A client connection joins its session as soon as it is authenticated, not at its first lease
+        request: a client that replaces the connection its leases were taken over (a reconnect, a better
+        transport) never leaves its session without a connection, which would give its leases back."""
+        if peer.role == auth.CLIENT:
+            self.leasing.session(peer)
 
     def on_lost(self, peer: Peer) -> None:
         if self.closing:  # the controller is stopping: what it recorded stands for the next start

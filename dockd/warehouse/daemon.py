@@ -298,6 +298,10 @@ class Node:
         if frame.WhichOneof("kind") == "put":
             self.admission.release(unreserve=body_size)
 
+    def on_authed(self, peer: Peer) -> None:
+        if self.controller is not None:
+            self.controller.on_authed(peer)
+
     def on_lost(self, peer: Peer) -> None:
         self.listeners.lost(peer)
         self.segments.disconnected(peer.pid)

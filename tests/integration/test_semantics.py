@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dockd
-from tests.conftest import wait_until
+from tests.conftest import scrape, value, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -65,6 +65,27 @@ os.kill(os.getpid(), 9)  # dies before fetching or confirming
     assert out.returncode == -9 and out.stdout.strip() == "[0, 1, 2, 3, 4]"
     b = dock.get("train", ["x"], 8, partition=partition, timeout=10)
     assert b.indexes == list(range(8))
+
+
+def test_a_lease_outlives_the_connection_that_took_it_while_its_client_has_another(partition):
+    # A client replaces its controller connection while it holds a lease (a reconnect after a
+    # controller restart, a better transport): the connection that took the lease closes first.
+    # The lease is the client's (its session's), and the client is still connected.
+    with dockd.start_local(1, extra_args=["--metrics-port", "0"]) as c, dockd.connect(c.address) as writer, \
+            dockd.connect(c.address) as reader:
+        metrics = c.nodes[0]["metrics_port"]
+        writer.put({"x": torch.arange(4)}, partition=partition)
+        lease = reader.acquire("c", ["x"], 4, partition=partition, timeout=10)
+        pool = reader._router.ctrl
+        took = pool.get()  # the connection the acquire went over (the only one: the values came inline)
+        spare = pool.get()  # a new connection of the same client, authenticated, with no request yet
+        pool.put(spare)
+        open_before = value(scrape(metrics), "dockd_connections")
+        took.close()
+        wait_until(lambda: value(scrape(metrics), "dockd_connections") < open_before,
+                   what="the daemon to see the connection close")
+        reader.confirm(lease)  # over the spare connection: the lease is still this client's
+        assert writer.stats()["partitions"][partition]["consumers"]["c"]["taken"] == 4
 
 
 def test_unconfirmed_lease_expires(partition):

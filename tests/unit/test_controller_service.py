@@ -9,7 +9,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from dockd import owners
+from dockd import auth, owners
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.core import Controller
 from dockd.controller.service import ControllerService
@@ -28,7 +28,7 @@ class FakePeer:
     """A client or warehouse connection as the service sees it: replies are recorded."""
 
     def __init__(self, name: str = "client", session: bytes = b"") -> None:
-        self.name, self.session, self.sid = name, session, None
+        self.name, self.session, self.sid, self.role = name, session, None, auth.CLIENT
         self.parked, self.closed = 0, False
         self.replies: list[tuple[pb.Frame, object]] = []  # (request frame, reply frame or exception)
 
@@ -118,6 +118,25 @@ def test_a_confirmed_lease_does_not_expire():
         await d.advance(60.0)
         assert d.svc.leases_expired == 0
         assert d.svc.stats().partitions[0].consumers[0].taken == 1
+        d.svc.shutdown()
+
+    run(main())
+
+
+def test_a_lease_is_kept_while_any_authenticated_connection_of_its_session_is_open():
+    async def main():
+        d = Dock()
+        d.put("p", 2)
+        took, spare = FakePeer("took", b"session-a"), FakePeer("spare", b"session-a")
+        d.svc.on_authed(took)
+        first = d.answer(took, d.get(took, "p", 1)).acquire_reply.lease
+        d.svc.on_authed(spare)  # the client's next connection (a reconnect), before any request on it
+        d.svc.on_lost(took)  # the connection that took the lease closes: the client is still there
+        assert not list(d.svc.confirm(spare, pb.ConfirmRequest(leases=[first])).unknown)
+        assert list(d.answer(spare, d.get(spare, "p", 1)).acquire_reply.indexes) == [1]
+        d.svc.on_lost(spare)  # its last connection: the client is gone, its lease goes back
+        other = FakePeer("other", b"session-b")
+        assert list(d.answer(other, d.get(other, "p", 1)).acquire_reply.indexes) == [1]
         d.svc.shutdown()
 
     run(main())
