@@ -77,8 +77,9 @@ def _ctl(*args: str) -> None:
     subprocess.run(["callgrind_control", *args], check=True, capture_output=True, timeout=120)
 
 
-def run_cases(count: int, src: str | None = None) -> dict[str, dict[str, float]]:
-    """Instructions per request of each case, with the daemon's code from `src` (default: this tree)."""
+def run_cases(count: int, src: str | None = None, keep: str | None = None) -> dict[str, dict[str, float]]:
+    """Instructions per request of each case, with the daemon's code from `src` (default: this tree);
+    `keep`: a directory that keeps the callgrind dumps (cg.PID.K, K the case's place in CASES)."""
     import secrets
 
     import torch
@@ -89,7 +90,8 @@ def run_cases(count: int, src: str | None = None) -> dict[str, dict[str, float]]
 
     from .columnar import grpo_samples
 
-    out_dir = tempfile.mkdtemp(prefix="dockd-callgrind-")
+    out_dir = os.path.abspath(keep) if keep else tempfile.mkdtemp(prefix="dockd-callgrind-")
+    os.makedirs(out_dir, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", DOCKD_DAEMON_SECRET=secrets.token_hex(32), PYTHONHASHSEED="0")
     cwd = os.getcwd()
     if src is not None:  # (`python -m dockd` looks in its working directory first)
@@ -145,7 +147,8 @@ def run_cases(count: int, src: str | None = None) -> dict[str, dict[str, float]]
                 res[name] = {"count": n, "instructions": total / n, "instructions_no_memcpy": rest / n}
     finally:
         cluster.close()
-        shutil.rmtree(out_dir, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(out_dir, ignore_errors=True)
     return res
 
 
@@ -172,12 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--count", type=int, default=200, help="requests per case (a quarter of it for the 64-sample cases)")
     ap.add_argument("--vs", metavar="DIR", help="also run the daemon from this checkout and give the ratio")
     ap.add_argument("--json", metavar="PATH", help="write the figures here")
+    ap.add_argument("--keep", metavar="DIR", help="keep this tree's callgrind dumps here (for callgrind_annotate)")
     args = ap.parse_args(argv)
     why = requirements()
     if why:
         print(f"request_instructions: skipped: {why}", file=sys.stderr)
         return 2
-    res: dict[str, Any] = {"cases": run_cases(args.count), "count": args.count}
+    res: dict[str, Any] = {"cases": run_cases(args.count, keep=args.keep), "count": args.count}
     if args.vs:
         res["vs"] = {"src": args.vs, "cases": run_cases(args.count, args.vs)}
     print(table(res))
