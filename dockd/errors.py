@@ -75,6 +75,7 @@ class DockConnectionError(DockError, ConnectionError):
     refused = False  # nothing listened at the address (yet): a starting daemon, or a wrong port
     timed_out = False  # the daemon did not answer in time
     retry = True  # another transport may still reach the daemon
+    replaced = False  # the client replaced these connections (a reconnect): send the call over the new ones
 
 
 class DockAuthError(DockError):

@@ -67,7 +67,7 @@ class Connection:
             err = DockConnectionError(
                 f"cannot connect to dockd at {self.address}: {e.strerror or e}. Is `dockd serve` running there?"
             )
-            # nothing listens (yet); a flag read by getattr, which dockd/errors.py does not declare:
+            # nothing listens (yet)
             err.refused = e.errno in (errno.ECONNREFUSED, errno.ENOENT)
             raise err from None
         self.sock.settimeout(None)  # blocking; reads wait in _recv_into (spin, then poll until the deadline)
@@ -392,6 +392,12 @@ def _no_answer(message: str) -> DockConnectionError:
     return err
 
 
+def _replaced(address: str) -> DockConnectionError:
+    err = DockConnectionError(f"the connections to dockd at {address} were replaced; the call goes to the new ones")
+    err.replaced = True
+    return err
+
+
 def timed_out(exc: BaseException) -> bool:
     """Whether `exc` says a daemon did not answer in time (rather than that it cannot be reached)."""
     return bool(getattr(exc, "timed_out", False))
@@ -411,6 +417,7 @@ class Pool:
         self._probing = threading.Lock()
         self._answered = -ALIVE_EVERY_S  # when the daemon last answered a probe (monotonic)
         self.closed = False
+        self.retired = False  # another pool took its place: no new calls, those in flight finish
 
     @property
     def address(self) -> str:
@@ -446,6 +453,8 @@ class Pool:
     def get(self, timeout: float | None = None) -> Connection:
         """An idle connection, or a new one (made within `timeout` seconds, at most connect_timeout)."""
         with self._lock:
+            if self.retired:
+                raise _replaced(self.address)
             if self.closed:
                 raise DockClosed("the dock client is closed; create a new one with dockd.connect()")
             if self._idle:
@@ -453,10 +462,12 @@ class Pool:
         limit = self.connect_timeout if timeout is None else max(0.001, min(timeout, self.connect_timeout))
         conn = Connection(self.host, self.port, transport=self.via, connect_timeout=limit, creds=self.creds)
         with self._lock:
-            self._all.add(conn)
-            if self.closed:
-                conn.close()
-                raise DockClosed("the dock client is closed")
+            gone = self.closed or self.retired
+            if not gone:
+                self._all.add(conn)
+        if gone:
+            conn.close()
+            raise _replaced(self.address) if self.retired else DockClosed("the dock client is closed")
         return conn
 
     def answers(self) -> bool:
@@ -482,16 +493,34 @@ class Pool:
 
     def put(self, conn: Connection) -> None:
         with self._lock:
-            if conn.broken or conn.closed or conn.busy or self.closed:
-                self._all.discard(conn)
-                conn.close()
-            else:
+            if not (conn.broken or conn.closed or conn.busy or self.closed or self.retired):
                 self._idle.append(conn)
+                return
+        self.discard(conn)
+
+    def retire(self) -> None:
+        """Another pool took this one's place (a reconnect, a better transport). Idle connections
+        close now; a call in flight finishes on its connection, which closes after it: closing it
+        under the call could cut off the answer to a request the daemon applied (a confirm then
+        looks failed and is sent again, too late). A call that picks this pool up after this is
+        told to go to its successor (a DockConnectionError with `replaced` set)."""
+        with self._lock:
+            self.retired = True
+            idle, self._idle = self._idle, []
+            self._all.difference_update(idle)
+            drained = not self._all and not self.closed
+        for c in idle:
+            c.close()
+        if drained:
+            self.close()
 
     def discard(self, conn: Connection) -> None:
         with self._lock:
             self._all.discard(conn)
+            drained = self.retired and not self._all and not self.closed
         conn.close()
+        if drained:
+            self.close()
 
     def close(self) -> None:
         with self._lock:

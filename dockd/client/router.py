@@ -104,6 +104,18 @@ class Router:
             if pool in self.all_pools:
                 self.all_pools.remove(pool)
 
+    def _replace_ctrl(self, pool: Pool) -> None:
+        """Send controller calls over `pool` from now on; the previous pool's calls in flight finish."""
+        old, self.ctrl = self.ctrl, pool
+        self._retire_pool(old)
+
+    def _retire_pool(self, pool: Pool) -> None:
+        """A controller pool that another took the place of: its calls in flight finish first (see
+        Pool.retire; closing it would cut off answers to requests the controller applied)."""
+        pool.retire()
+        with self.lock:
+            self.all_pools = [p for p in self.all_pools if not p.closed]
+
     def close(self) -> None:
         with self.lock:
             self.closed = True
@@ -152,8 +164,7 @@ class Router:
         """Take a controller's hello: a better transport to it if it offers one, and the warehouse table."""
         better = self._better(Endpoint(self.host, self.port, hello.unix, advertised=hello), self.ctrl.via)
         if better is not None:
-            old, self.ctrl = self.ctrl, better
-            self._close_pool(old)
+            self._replace_ctrl(better)
         if hello.controllers:
             self.controllers = list(hello.controllers)
         self.replicas = hello.replicas or 1
@@ -301,6 +312,8 @@ class Router:
                     raise DockClosed("the dock client was closed while this call was in flight") from None
                 if not getattr(e, "retry", True):
                     raise
+                if e.replaced:
+                    continue  # (another thread reconnected: the call goes to the new connections)
                 if give_up is None:
                     give_up = self._give_up(deadline)
                     logger.warning("[client] lost the controller at %s (%s); reconnecting", address, e)
@@ -318,7 +331,7 @@ class Router:
             if self._others.get(address) is pool:
                 del self._others[address]
                 self.reconnects += 1
-        self._close_pool(pool)
+        self._retire_pool(pool)
 
     def _open_controller(self, address: str) -> Pool:
         """A pool to the controller at `address` over the best transport it offers (checked with a Hello)."""
@@ -364,9 +377,8 @@ class Router:
             except BaseException:
                 self._close_pool(fresh)
                 raise
-            self.ctrl = fresh
+            self._replace_ctrl(fresh)
             self.reconnects += 1
-            self._close_pool(failed)
             self._adopt(hello)
             logger.info("[client] reconnected to the controller at %s transport=%s", self.address, self.ctrl.transport)
 

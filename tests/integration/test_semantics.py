@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -86,6 +88,38 @@ def test_a_lease_outlives_the_connection_that_took_it_while_its_client_has_anoth
                    what="the daemon to see the connection close")
         reader.confirm(lease)  # over the spare connection: the lease is still this client's
         assert writer.stats()["partitions"][partition]["consumers"]["c"]["taken"] == 4
+
+
+def test_a_call_in_flight_while_the_client_replaces_its_controller_connections_gets_its_answer(partition):
+    # Another thread of the client replaces its controller connections (a reconnect, a better
+    # transport) while a confirm waits for its answer. Closing the connection under that confirm
+    # made it look failed though the controller applied it, and the confirm sent again was refused.
+    from dockd.client.transport import Endpoint
+
+    with dockd.start_local(1) as c, dockd.connect(c.address) as d:
+        d.put({"x": torch.arange(4)}, partition=partition)
+        lease = d.acquire("c", ["x"], 4, partition=partition, timeout=10)
+        router, daemon, out = d._router, c.procs[0], {}
+        old = router.ctrl
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            def confirm():
+                try:
+                    d.confirm(lease)
+                    out["error"] = None
+                except dockd.DockError as e:
+                    out["error"] = e
+
+            t = threading.Thread(target=confirm)
+            t.start()
+            wait_until(lambda: len(old._all) > len(old._idle), what="the confirm to be in flight")
+            router._replace_ctrl(router._open_pool(router._fallback(Endpoint(router.host, router.port))))
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        t.join(30)
+        assert out == {"error": None}
+        assert old.closed  # (its last call done, the replaced pool closed)
+        assert d.stats()["partitions"][partition]["consumers"]["c"]["taken"] == 4
 
 
 def test_unconfirmed_lease_expires(partition):
