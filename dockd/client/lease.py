@@ -99,8 +99,10 @@ class Acquirer:
 
         try:
             reply, body, fds = self._router.controller(send, deadline=deadline, at=at)
-        except DockConnectionError:
+        except DockConnectionError as e:
             self._confirms.put_back(confirms, at)
+            if not e.retry:  # the answer came but could not be taken in (its descriptors were dropped):
+                self._confirms.release_token(req.token, at)  # give back the lease it carried, now
             raise
         except BaseException as e:
             if not isinstance(e, DockError):  # interrupted (Ctrl-C, cancelled): a lease may be on its way to us
