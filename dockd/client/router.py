@@ -310,7 +310,7 @@ class Router:
             except DockConnectionError as e:
                 if self.closed:
                     raise DockClosed("the dock client was closed while this call was in flight") from None
-                if not getattr(e, "retry", True):
+                if not e.retry:
                     raise
                 if e.replaced:
                     continue  # (another thread reconnected: the call goes to the new connections)
@@ -398,7 +398,7 @@ class Router:
             except DockConnectionError as e:
                 if self.closed:
                     raise DockClosed("the dock client was closed while this call was in flight") from None
-                if not getattr(e, "retry", True):
+                if not e.retry:
                     raise
                 self.forget(wid)
                 silent = timed_out(e)  # it answered neither the call nor a probe: stopped or hung

@@ -35,7 +35,7 @@ class Leasing:
     def session(self, peer: Peer) -> bytes:
         """The session a client connection belongs to (a connection without one is its own)."""
         sid = peer.sid
-        if sid is None:  # first request on this connection: register it with its session
+        if sid is None:  # registered at authentication (ControllerService.on_authed), or here at its first request
             # A connection without a session gets one nobody can name (a claimed session never
             # starts with a zero byte), so no other client can act on its leases.
             own = peer.session and not peer.session.startswith(b"\0")
