@@ -313,18 +313,24 @@ def _runs(col: pb.ColumnData, name: str, values: Sequence[Any], body: Body) -> N
 
 
 def _one_ragged_run(col: pb.ColumnData, values: Sequence[Any], body: Body) -> bool:
-    """The common case, checked in C-level passes: 1-D tensors of one dtype (token ids, log-probs,
-    masks). Their bytes join the body as one `Joined` part. False when the column is anything else."""
-    if not values or not all(type(v) is torch.Tensor for v in values):
+    """The common case: 1-D tensors of one dtype (token ids, log-probs, masks), checked in one pass
+    that reads each value's header once. Their bytes join the body as one `Joined` part. False when
+    the column is anything else."""
+    tensor = torch.Tensor
+    if not values or type(first := values[0]) is not tensor:
         return False
-    first = values[0]
-    if first.dtype not in _NAMES or first.layout != torch.strided or first.is_quantized:
+    dtype = first.dtype
+    if dtype not in _NAMES or first.layout != torch.strided or first.is_quantized:
         return False
-    if len({v.dtype for v in values}) != 1 or {v.dim() for v in values} != {1}:
-        return False  # (one set per property: cheaper than one set of tuples)
-    lengths = [v.numel() for v in values]
-    run = col.runs.add(kind=pb.TENSOR, count=len(values), dtype=_NAMES[first.dtype], shape=[-1], lengths=lengths)
-    if all(v.is_cpu for v in values):
+    lengths: list[int] = []
+    on_cpu = True
+    for v in values:
+        if type(v) is not tensor or v.dtype is not dtype or v.ndim != 1:
+            return False
+        lengths.append(v.numel())  # (its length: the value is 1-D)
+        on_cpu = on_cpu and v.is_cpu
+    run = col.runs.add(kind=pb.TENSOR, count=len(values), dtype=_NAMES[dtype], shape=[-1], lengths=lengths)
+    if on_cpu:
         nbytes = sum(lengths) * first.element_size()
         run.offset, run.nbytes = body.add(Joined(list(values), first.dtype, nbytes)), nbytes
     else:  # (accelerator tensors: joined there, then one copy to the host)

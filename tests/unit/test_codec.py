@@ -109,6 +109,28 @@ def test_ragged_tensors_of_one_dtype_are_one_run_with_lengths():
     assert all(torch.equal(a, b) for a, b in zip(out, values))
 
 
+def test_a_column_of_1d_tensors_is_one_run_only_when_every_value_has_the_first_ones_dtype():
+    """The one-pass check of the common ragged case: a later value of another dtype, another rank,
+    a tensor subclass or a Python value sends the column down the general path, values unchanged."""
+    cases = [
+        [torch.arange(3), torch.arange(2, dtype=torch.int32), torch.arange(4)],
+        [torch.arange(3), torch.ones(2, 2, dtype=torch.int64)],
+        [torch.arange(3), torch.nn.Parameter(torch.ones(2), requires_grad=False)],
+        [torch.arange(3), 5],
+    ]
+    for values in cases:
+        col, buf = encode(values)
+        assert len(col.runs) > 1
+        out = codec.decode_column(col, {0: (buf, 0)})
+        for got, want in zip(out, values):
+            if isinstance(want, torch.Tensor):
+                assert got.dtype == want.dtype and torch.equal(got, want.detach())
+            else:
+                assert got == want
+    col, _ = encode([torch.arange(3), torch.arange(0), torch.arange(5)])
+    assert len(col.runs) == 1 and list(col.runs[0].lengths) == [3, 0, 5]
+
+
 def test_msgpack_values_are_one_run_per_stretch_between_tensors():
     values = ["a", {"k": 1}, torch.ones(2), 3, None]
     col, buf = encode(values)
