@@ -102,7 +102,8 @@ class Fetcher:
             except DockConnectionError as e:  # a stale pooled connection: one more try on a fresh one
                 if timed_out(e) or until <= time.monotonic():
                     raise
-                self._router.forget(wid)
+                if not e.replaced:  # (else another thread dropped that pool already)
+                    self._router.forget(wid)
                 pool = self._router.pool(wid, left())
                 reply = pool.via.fetch(pool, wid, req, device, left())
         except LinkFailed as e:

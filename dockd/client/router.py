@@ -110,8 +110,8 @@ class Router:
         self._retire_pool(old)
 
     def _retire_pool(self, pool: Pool) -> None:
-        """A controller pool that another took the place of: its calls in flight finish first (see
-        Pool.retire; closing it would cut off answers to requests the controller applied)."""
+        """A pool that another takes the place of: its calls in flight finish first (see Pool.retire;
+        closing it would cut off answers to requests the daemon applied)."""
         pool.retire()
         with self.lock:
             self.all_pools = [p for p in self.all_pools if not p.closed]
@@ -251,11 +251,14 @@ class Router:
             raise
 
     def forget(self, wid: int) -> None:
-        """Drop the connections to a warehouse that failed (the next call reconnects)."""
+        """Drop the connections to a warehouse that failed: the next call reconnects. Other threads'
+        calls in flight on them finish on their own (their answer, or their own timeout): closing
+        the connections under them would make a call to a live warehouse fail as if the client
+        had been closed."""
         with self.lock:
             pool = self.pools.pop(wid, None)
         if pool is not None:
-            self._close_pool(pool)
+            self._retire_pool(pool)
 
     def learn(self, infos) -> None:
         """Warehouses named by a controller reply: new ones are added; for known ones at the same
@@ -400,6 +403,8 @@ class Router:
                     raise DockClosed("the dock client was closed while this call was in flight") from None
                 if not e.retry:
                     raise
+                if e.replaced:
+                    continue  # (another thread dropped these connections: the call goes to new ones)
                 self.forget(wid)
                 silent = timed_out(e)  # it answered neither the call nor a probe: stopped or hung
                 if not fresh and not silent:  # e.g. the daemon closed an idle connection: the warehouse is fine

@@ -122,6 +122,36 @@ def test_a_call_in_flight_while_the_client_replaces_its_controller_connections_g
         assert d.stats()["partitions"][partition]["consumers"]["c"]["taken"] == 4
 
 
+def test_a_put_in_flight_while_another_thread_drops_its_warehouse_connections_gets_its_answer(partition):
+    # Another thread drops the connections to the put's warehouse (its own call to it failed, e.g. on a
+    # stale connection) while the put waits for its answer. Closing them under the put made it fail
+    # with DockClosed ("the dock client was closed") on an open client, its outcome unknown.
+    with dockd.start_local(1) as c, dockd.connect(c.address) as d:
+        d.put({"x": torch.arange(4)}, partition=partition)
+        router, daemon, out = d._router, c.procs[0], {}
+        wid = router.home
+        old = router.pools[wid]
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            def put():
+                try:
+                    out["indexes"] = d.put({"x": torch.arange(4, 8)}, partition=partition)
+                except dockd.DockError as e:
+                    out["error"] = e
+
+            t = threading.Thread(target=put)
+            t.start()
+            wait_until(lambda: len(old._all) > len(old._idle), what="the put to be in flight")
+            router.forget(wid)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        t.join(30)
+        assert out == {"indexes": [4, 5, 6, 7]}
+        assert old.closed and router.pools.get(wid) is not old  # (its last call done, the dropped pool closed)
+        assert d.put({"x": torch.arange(8, 10)}, partition=partition) == [8, 9]  # (over new connections)
+        assert d.stats()["partitions"][partition]["samples"] == 10
+
+
 def test_unconfirmed_lease_expires(partition):
     with dockd.start_local(1, lease_timeout=0.5) as c, dockd.connect(c.address) as d:
         d.put({"x": torch.arange(4)}, partition=partition)
