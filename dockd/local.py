@@ -165,7 +165,7 @@ def start_local(num_warehouses: int = 1, *, capacity: int | str = "4GiB", lease_
             ports = free_ports(host, controllers)
             cluster.controllers = [f"{host}:{p}" for p in ports]
             listed = ",".join(cluster.controllers)
-            for port in ports:  # (the first numbers the warehouses: the others register with it)
+            for port in ports:  # (each numbers its own warehouse; they register with one another in the background)
                 args = list(common)
                 args[args.index("--port") + 1] = str(port)
                 proc, ready = spawn_node([*args, "--controller", "--controllers", listed, *ctl], timeout=timeout,

@@ -9,9 +9,11 @@ a partition (its samples, consumers, leases, tags, seal, checkpoints) lives on
 its owner, journaled in the owner's --state-dir; a controller that is down
 stalls only the partitions it owns.
 
-The first controller of the list also numbers the warehouses: a warehouse
-registers with it first and presents the id it got to the others, so a
-warehouse id means the same everywhere (clients keep one warehouse table).
+One controller numbers a new warehouse, which presents the id it got to the
+others, so a warehouse id means the same everywhere (clients keep one
+warehouse table): controller k numbers with ids k, k + K, k + 2K, ..., so any
+controller that answers can number one (a new warehouse is not kept out by
+one that is down) and no two give the same id.
 
 The list is part of the dock's identity: changing it (adding a controller,
 reordering) moves partitions to other owners, so it must stay the same across

@@ -144,10 +144,13 @@ class Membership:
     def __init__(self, core: Controller, journal, *, grace: float, on_change: Callable[[], None],
                  heartbeat_interval: float = HEARTBEAT_INTERVAL, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
                  clock: Clock = time.monotonic, timers: Timers | None = None,
-                 probe: Callable[[str, int], Awaitable[int | None]] | None = None) -> None:
+                 probe: Callable[[str, int], Awaitable[int | None]] | None = None,
+                 numbering: tuple[int, int] = (0, 1)) -> None:
         """`clock`: the time grace, heartbeats and probes go by (timers set through `timers`, one of
         that clock: a service passes its own); `probe`: how an address is asked which instance
-        answers there (probe_instance)."""
+        answers there (probe_instance); `numbering`: (k, n), this controller's place among the dock's
+        n controllers: it numbers new warehouses with ids k, k + n, k + 2n, ..., so that any of them
+        can number one (another takes the id as given) and no two give the same id."""
         self.timers = timers if timers is not None else Timers(clock)
         self.clock = self.timers.clock
         self.probe = probe or probe_instance
@@ -159,6 +162,7 @@ class Membership:
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.entries: dict[int, WarehouseEntry] = {}
+        self.numbering = numbering
         self._beat: Timer | None = None
         self._probes: dict[tuple[str, int, int], _Probe] = {}  # (address claimed, claimant) -> who answers there
 
@@ -211,16 +215,14 @@ class Membership:
         entry = self.entries.get(req.id) if req.rejoin or req.assigned else None
         known = entry is not None and entry.instance == req.instance
         if entry is None or not known:
-            if req.assigned:  # several controllers: the first one numbers the warehouses (dockd.owners)
+            if req.assigned:  # several controllers: another one numbered it
                 if req.id >= MAX_WAREHOUSES:
                     raise DockValueError(f"warehouse id {req.id} is past the limit {MAX_WAREHOUSES}")
                 wid = req.id
             elif req.rejoin and entry is None and req.id < MAX_WAREHOUSES:
                 wid = req.id  # a controller without a journal: keep the id clients know it by
             else:
-                wid = max(self.entries, default=-1) + 1
-                if wid >= MAX_WAREHOUSES:
-                    raise DockValueError(f"too many warehouses registered (limit {MAX_WAREHOUSES})")
+                wid = self._next_id()
             entry = self.entries[wid] = WarehouseEntry(wid, req.host, req.port, req.capacity, req.unix, req.instance)
         if entry.timer is not None:
             entry.timer.cancel()
@@ -241,6 +243,14 @@ class Membership:
             logger.info("[controller] warehouse joined id=%d address=%s:%d capacity=%d", entry.id, entry.host, entry.port,
                         entry.capacity)
         return reply
+
+    def _next_id(self) -> int:
+        """The id of a new warehouse: the next of this controller's own (see `numbering`)."""
+        k, n = self.numbering
+        wid = max((i for i in self.entries if i % n == k), default=k - n) + n
+        if wid >= MAX_WAREHOUSES:
+            raise DockValueError(f"too many warehouses registered (limit {MAX_WAREHOUSES})")
+        return wid
 
     def _may_take_over(self, e: WarehouseEntry, req: pb.RegisterWarehouse, same_address: bool) -> None:
         """Raise unless registration `req` may replace member `e`, which it claims (its address, or its

@@ -76,7 +76,7 @@ class ControllerService:
         self.timers = Timers(clock)
         self.journal = Journal(state_dir, fsync_interval=fsync_interval) if state_dir else None
         self.members = Membership(core, self.journal, grace=warehouse_grace, on_change=self.wake_all,
-                                  timers=self.timers)
+                                  timers=self.timers, numbering=(own, len(controllers)) if controllers else (0, 1))
         self.waiting = Waiters(self)
         self.pacer = Pacer(self)
         self.leasing = Leasing(self)

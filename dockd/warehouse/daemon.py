@@ -41,7 +41,7 @@ from dockd._version import __version__
 from dockd.config import NodeConfig
 from dockd.controller.core import Controller
 from dockd.controller.service import ControllerService
-from dockd.errors import DockAuthError, DockError, DockValueError
+from dockd.errors import DockAuthError, DockConnectionError, DockError, DockValueError
 from dockd.metrics import Metrics, MetricsServer
 from dockd.peer import Peer
 from dockd.warehouse import mooncake
@@ -63,6 +63,9 @@ from dockd.warehouse.tasks import failed, reply_when_done, spawn
 from dockd.wire import PROTOCOL_VERSION, check_protocol
 
 logger = logging.getLogger(__name__)
+
+NUMBER_TRY_S = 3.0
+"""With several controllers, how long a new warehouse waits for one to number it before it asks the next."""
 
 
 class Node:
@@ -182,10 +185,12 @@ class Node:
 
     async def _join(self, reg: pb.RegisterWarehouse) -> None:
         """Register this node's warehouse with the dock's controllers (learned from the first of the
-        addresses --join gives, or a restart's data dir remembers, that answers). The first of them
-        numbers it (with one controller, that one); the others take that id. Each commits the puts of the partitions it
-        owns (dockd.owners); links to the others are made in the background (one that is down stalls
-        only its partitions' puts)."""
+        addresses --join gives, or a restart's data dir remembers, that answers). One of them numbers
+        it: with one controller that one; with several, the one in this process if there is one, else
+        the first that answers, tried in the dock's order (each numbers its own ids, so one that is
+        down keeps no new warehouse out); the others take that id. Each commits the puts of the
+        partitions it owns (dockd.owners); links to the others are made in the background (one that
+        is down stalls only its partitions' puts)."""
         if self.controller is not None and not self.cfg.warehouse:
             return  # a controller without a warehouse: nothing to register
         timeout = self.cfg.join_timeout
@@ -203,37 +208,62 @@ class Node:
                 assert isinstance(self.committer, RoutingCommitter)  # (a joining node routes; see __init__)
                 self.committer.committers = [RemoteCommitter(None) for _ in controllers]
         n = len(controllers)
-        if own == 0:  # this process numbers the warehouses (the only controller, or the first of several)
+        if own >= 0:  # this process numbers its warehouse (the only controller, or one of several)
             assert self.controller is not None
             self._wid = self.controller.register(None, reg).id
-        else:
+            numbered_by = own
+        elif n == 1 or (self.data_dir is not None and self.data_dir.wid >= 0):
+            # one controller, or a restart on its data dir, which knows its id and needs no number:
+            # with several controllers each is joined in the background (one that is down stalls
+            # only its own partitions, also across this warehouse's restart)
+            numbered_by = 0
             self.link = self._link_to(controllers[0], 0, n, reg)
             if self.data_dir is not None:
                 self.data_dir.prime(self.link)
-            if n > 1 and self.link.wid >= 0:
-                # a restart on its data dir has its id: it needs no number from the first controller, so
-                # that one is joined in the background like the others (one that is down stalls only
-                # its own partitions, also across this warehouse's restart)
+            if n > 1:
                 self.link.start_in_background()
             else:
                 await self.link.start(None if deadline is None else max(0.1, deadline - time.monotonic()))
-            if self.data_dir is not None:
-                self.data_dir.joined(self.link.wid, self.port, controllers)
-        for k in range(1, n):
+        else:
+            numbered_by, self.link = await self._numbered(controllers, reg, deadline)
+        if self.data_dir is not None and self.wid >= 0:
+            self.data_dir.joined(self.wid, self.port, controllers)
+        for k in range(n):
+            if k == numbered_by:
+                continue
             assigned = pb.RegisterWarehouse()
             assigned.CopyFrom(reg)
             assigned.id, assigned.assigned = self.wid, True
-            if k == own:
-                assert self.controller is not None
-                self.controller.register(None, assigned)
-            else:
-                link = self.other_links[k] = self._link_to(controllers[k], k, n, assigned)
-                if self.data_dir is not None:  # (a restart rejoins each controller with its partitions' inventory)
-                    self.data_dir.prime(link)
-                link.start_in_background()
+            link = self.other_links[k] = self._link_to(controllers[k], k, n, assigned)
+            if self.data_dir is not None:  # (a restart rejoins each controller with its partitions' inventory)
+                self.data_dir.prime(link)
+            link.start_in_background()
         if n > 1:
             logger.info("[node] warehouse=%d registers with controllers=%s (numbered by %s)", self.wid,
-                        ",".join(controllers), controllers[0])
+                        ",".join(controllers), controllers[numbered_by])
+
+    async def _numbered(self, controllers: list[str], reg: pb.RegisterWarehouse,
+                        deadline: float | None) -> tuple[int, ControllerLink]:
+        """A new warehouse of a dock with several controllers joins the first that answers, each
+        tried for NUMBER_TRY_S in the dock's order and again until `deadline`: (its index, the link)."""
+        n, k, tries = len(controllers), 0, 0
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise DockConnectionError(
+                    f"none of the dock's controllers ({', '.join(controllers)}) answered within "
+                    f"{self.cfg.join_timeout:g}s to number this warehouse; start one, or check the addresses (--join)")
+            link = self._link_to(controllers[k], k, n, reg)
+            if self.data_dir is not None:
+                self.data_dir.prime(link)
+            try:
+                await link.start(NUMBER_TRY_S if left is None else max(0.1, min(NUMBER_TRY_S, left)))
+                return k, link
+            except DockConnectionError as e:
+                if tries < n:  # (the first round says which are down; later rounds go on quietly)
+                    logger.warning("[node] %s; asking the next controller", e)
+                tries += 1
+                k = (k + 1) % n
 
     def _link_to(self, address: str, k: int, n: int, reg: pb.RegisterWarehouse) -> ControllerLink:
         """The link to controller `k` of `n`: its commits, and a rejoin inventory of its partitions only."""

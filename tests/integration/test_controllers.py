@@ -207,9 +207,8 @@ def test_a_warehouse_with_a_data_dir_comes_back_to_every_controller(tmp_path):
 
 @pytest.mark.slow  # (CI runs it: make test-slow)
 def test_a_durable_warehouse_restarted_while_the_first_controller_is_down_serves_the_others(tmp_path):
-    """The first controller numbers warehouses, so a new one cannot join while it is down; a warehouse
-    restarted on its data dir knows its id and needs no number: it comes back to the controllers that
-    are up (their partitions are served again) and to the first one once that is back."""
+    """A warehouse restarted on its data dir knows its id and needs no number: it comes back to the
+    controllers that are up (their partitions are served again) and to the first one once that is back."""
     dd = _DurableDock(tmp_path)
     try:
         names = _names(dd.addrs, per=1)
@@ -231,6 +230,38 @@ def test_a_durable_warehouse_restarted_while_the_first_controller_is_down_serves
                        "the warehouse to rejoin the first controller")
     finally:
         _stop(dd.procs)
+
+
+def test_a_new_warehouse_joins_while_the_first_controller_is_down(tmp_path):
+    """Each controller numbers new warehouses with ids of its own, so a new warehouse joins while the
+    first controller is down: the next one that answers numbers it, its partitions are served at
+    once, and the warehouse joins the first controller when that one is back (it waited for the
+    first for ever, or until --join-timeout failed it)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DOCKD_DAEMON_SECRET="cd" * 32)
+    ports = free_ports("127.0.0.1", 2)
+    addrs = [f"127.0.0.1:{p}" for p in ports]
+    procs = [_controller(ports, 1, str(tmp_path / "state1"), env)[0]]  # (the first one is not up)
+    try:
+        new, ready = spawn_node(["--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--join",
+                                 f"{addrs[0]},{addrs[1]}", "--join-timeout", "30", "--log-level", "WARNING"],
+                                env=env, timeout=60)
+        procs.append(new)
+        wid = ready["warehouse"]
+        assert wid % 2 == 1  # (the second controller's ids: 1, 3, 5, ...)
+        names = _names(addrs, per=1)
+        (first,), (second,) = names[addrs[0]], names[addrs[1]]
+        with dockd.connect(addrs[1]) as dock:
+            assert dock.put({"x": torch.arange(4).reshape(4, 1)}, partition=second) == [0, 1, 2, 3]
+            assert dock.get("c", ["x"], 4, partition=second, timeout=10).indexes == [0, 1, 2, 3]
+        procs.insert(0, _controller(ports, 0, str(tmp_path / "state0"), env)[0])
+        with dockd.connect(addrs[0]) as dock:
+            wait_until(lambda: {int(k): w["state"] for k, w in dock.stats()["warehouses"].items()} == {wid: "joined"},
+                       30, "the warehouse to join the first controller under the id the second gave it")
+            assert dock.put({"x": torch.arange(4).reshape(4, 1) * 2}, partition=first) == [0, 1, 2, 3]
+            got = dock.get("c", ["x"], 4, partition=first, timeout=10)
+            assert got.indexes == [0, 1, 2, 3] and [int(v[0]) for v in got["x"]] == [0, 2, 4, 6]
+    finally:
+        _stop(procs)
 
 
 def test_a_durable_warehouse_that_joins_the_first_controller_comes_back_while_that_one_is_down(tmp_path):

@@ -301,6 +301,28 @@ def test_a_commit_batch_answers_each_commit_on_its_own_and_leaves_paced_ones_una
     run(main())
 
 
+def test_each_of_several_controllers_numbers_new_warehouses_with_ids_of_its_own():
+    async def main():
+        ctl = ("10.0.0.1:7450", "10.0.0.2:7450", "10.0.0.3:7450")
+        svc = ControllerService(Controller(), controllers=ctl, own=1)
+
+        def reg(port: int, **kw) -> pb.RegisterWarehouse:
+            return pb.RegisterWarehouse(host="10.0.0.8", port=port, capacity=1 << 30, instance=port, **kw)
+
+        # ids another controller gave are taken as given (4: one the first gave when it numbered all)
+        assert svc.register(FakePeer("warehouse"), reg(7000, id=0, assigned=True)).id == 0
+        assert svc.register(FakePeer("warehouse"), reg(7001, id=4, assigned=True)).id == 4
+        assert svc.register(FakePeer("warehouse"), reg(7002, id=5, assigned=True)).id == 5
+        # new ones: this controller's ids 1, 4, 7, ... above those of them taken
+        assert [svc.register(FakePeer("warehouse"), reg(7100 + i)).id for i in range(3)] == [7, 10, 13]
+        alone = ControllerService(Controller())
+        assert [alone.register(FakePeer("warehouse"), reg(7200 + i)).id for i in range(3)] == [0, 1, 2]
+        svc.shutdown()
+        alone.shutdown()
+
+    run(main())
+
+
 def test_one_of_several_controllers_refuses_partitions_it_does_not_own_and_their_inventory():
     async def main():
         ctl = ("10.0.0.1:7450", "10.0.0.2:7450")
