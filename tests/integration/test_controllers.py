@@ -234,20 +234,26 @@ def test_a_durable_warehouse_restarted_while_the_first_controller_is_down_serves
 
 def test_a_new_warehouse_joins_while_the_first_controller_is_down(tmp_path):
     """Each controller numbers new warehouses with ids of its own, so a new warehouse joins while the
-    first controller is down: the next one that answers numbers it, its partitions are served at
-    once, and the warehouse joins the first controller when that one is back (it waited for the
-    first for ever, or until --join-timeout failed it)."""
+    first controller is down: the second controller's own warehouse is numbered by it, a new one by
+    the next controller that answers; their partitions are served at once, and the warehouses join
+    the first controller when that one is back (they waited for the first for ever, or until
+    --join-timeout failed them)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", DOCKD_DAEMON_SECRET="cd" * 32)
     ports = free_ports("127.0.0.1", 2)
     addrs = [f"127.0.0.1:{p}" for p in ports]
-    procs = [_controller(ports, 1, str(tmp_path / "state1"), env)[0]]  # (the first one is not up)
+    procs: list = []
     try:
-        new, ready = spawn_node(["--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--join",
-                                 f"{addrs[0]},{addrs[1]}", "--join-timeout", "30", "--log-level", "WARNING"],
-                                env=env, timeout=60)
+        # the second controller, with a warehouse of its own, while the first is not up
+        second, ready = spawn_node(["--host", "127.0.0.1", "--port", str(ports[1]), "--grpc-port", "0", "--controller",
+                                    "--controllers", ",".join(addrs), "--join-timeout", "30", "--log-level",
+                                    "WARNING"], env=env, timeout=60)
+        procs.append(second)
+        new, joined = spawn_node(["--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--join",
+                                  f"{addrs[0]},{addrs[1]}", "--join-timeout", "30", "--log-level", "WARNING"],
+                                 env=env, timeout=60)
         procs.append(new)
-        wid = ready["warehouse"]
-        assert wid % 2 == 1  # (the second controller's ids: 1, 3, 5, ...)
+        wids = {ready["warehouse"], joined["warehouse"]}
+        assert wids == {1, 3}  # (the second controller's ids: 1, 3, 5, ...)
         names = _names(addrs, per=1)
         (first,), (second,) = names[addrs[0]], names[addrs[1]]
         with dockd.connect(addrs[1]) as dock:
@@ -255,8 +261,9 @@ def test_a_new_warehouse_joins_while_the_first_controller_is_down(tmp_path):
             assert dock.get("c", ["x"], 4, partition=second, timeout=10).indexes == [0, 1, 2, 3]
         procs.insert(0, _controller(ports, 0, str(tmp_path / "state0"), env)[0])
         with dockd.connect(addrs[0]) as dock:
-            wait_until(lambda: {int(k): w["state"] for k, w in dock.stats()["warehouses"].items()} == {wid: "joined"},
-                       30, "the warehouse to join the first controller under the id the second gave it")
+            wait_until(lambda: {int(k): w["state"] for k, w in dock.stats()["warehouses"].items()}
+                       == {wid: "joined" for wid in wids}, 30,
+                       "the warehouses to join the first controller under the ids the second gave them")
             assert dock.put({"x": torch.arange(4).reshape(4, 1) * 2}, partition=first) == [0, 1, 2, 3]
             got = dock.get("c", ["x"], 4, partition=first, timeout=10)
             assert got.indexes == [0, 1, 2, 3] and [int(v[0]) for v in got["x"]] == [0, 2, 4, 6]
