@@ -369,7 +369,13 @@ class Router:
         return max(0.5, min(self.connect_timeout, give_up - time.monotonic()))
 
     def _reconnect(self, failed: Pool, give_up: float, cause: Exception) -> None:
-        with self._reconnecting:
+        # another thread reconnecting (the confirm flusher, say) may try for longer than this call may
+        # wait: its lock is waited for only until this call gives up
+        if not self._reconnecting.acquire(timeout=max(0.0, give_up - time.monotonic())):
+            raise DockConnectionError(
+                f"cannot reach dockd at {self.address} in the time this call had (another thread of this client "
+                f"is still reconnecting): {cause}")
+        try:
             if self.ctrl is not failed:
                 return  # another thread already did
             fresh = self._open_pool(self._fallback(Endpoint(self.host, self.port)))
@@ -384,6 +390,8 @@ class Router:
             self.reconnects += 1
             self._adopt(hello)
             logger.info("[client] reconnected to the controller at %s transport=%s", self.address, self.ctrl.transport)
+        finally:
+            self._reconnecting.release()
 
     def warehouse(self, call: Callable[[int, Pool], T], deadline: float | None = None) -> T:
         """Run `call(wid, pool)` against the home warehouse; if it is unreachable, re-home and run it again

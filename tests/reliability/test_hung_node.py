@@ -211,6 +211,26 @@ def test_with_a_stopped_controller_puts_and_gets_end_within_their_timeout_and_no
         assert d.stats()["partitions"][partition]["samples"] == 4
 
 
+def test_a_get_ends_within_its_timeout_while_another_thread_waits_for_a_dead_controller(partition):
+    """Another thread of the client (the confirm flusher, or the user's) reconnecting to a controller
+    that is gone, for up to reconnect_timeout: a get(timeout=2) waited for that thread's reconnect
+    to end (29.5 s of its 30) before it could try its own."""
+    cluster = dockd.start_local(1)
+    try:
+        with dockd.connect(cluster.address, reconnect_timeout=30) as d:
+            d.put({"x": torch.arange(4)}, partition=partition)
+            cluster.procs[0].kill()
+            cluster.procs[0].wait()
+            other = threading.Thread(target=timed, args=(d.stats,), daemon=True)  # (no deadline of its own)
+            other.start()
+            wait_until(d._router._reconnecting.locked, what="the other thread to be reconnecting")
+            _, err, took = timed(d.get, "c", ["x"], 1, partition=partition, timeout=2)
+            assert took < 8, f"get(timeout=2) took {took:.1f}s"
+            assert isinstance(err, dockd.DockConnectionError) and "reconnecting" in str(err), err
+    finally:
+        cluster.close()
+
+
 @pytest.mark.slow  # (CI runs it: make test-slow)
 def test_a_put_re_sent_while_its_first_warehouse_is_away_is_stored_by_the_second(tmp_path, partition):
     """The first warehouse committed the put and stopped before storing it (commit-then-store), so the
