@@ -125,7 +125,7 @@ class Connection:
             auth.check_reply(ch, a, reply.auth_reply, creds.key, self.address)
             self.instance = ch.instance
         except TimeoutError:
-            raise _no_answer(f"dockd at {self.address} did not complete the handshake within {timeout:g}s: it accepts "
+            raise _no_answer(f"dockd at {self.address} did not complete the handshake within {timeout:.3g}s: it accepts "
                              "connections but does not answer (stopped, hung or overloaded?)") from None
         except OSError as e:
             self._raise_io(e)
@@ -255,7 +255,7 @@ class Connection:
             reply, body, got = self._read_frame()
         except TimeoutError:
             self.broken = True
-            raise _no_answer(f"dockd at {self.address} did not answer within {timeout:g}s") from None
+            raise _no_answer(f"dockd at {self.address} did not answer within {timeout:.3g}s") from None
         except DockConnectionError:  # (already says what failed, and whether a retry can help)
             self.broken = True
             raise

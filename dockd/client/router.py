@@ -327,7 +327,8 @@ class Router:
     def _other_pool(self, address: str, limit: float) -> Pool:
         """The pool to one of several controllers other than the first contact (opened, retried until `limit`)."""
         pool = self._others.get(address)
-        return pool if pool is not None else self._retry(lambda: self._open_controller(address), limit, address)
+        return pool if pool is not None else self._retry(lambda: self._open_controller(address, self._within(limit)),
+                                                         limit, address)
 
     def _drop_other(self, address: str, pool: Pool) -> None:
         with self.lock:
@@ -336,12 +337,13 @@ class Router:
                 self.reconnects += 1
         self._retire_pool(pool)
 
-    def _open_controller(self, address: str) -> Pool:
-        """A pool to the controller at `address` over the best transport it offers (checked with a Hello)."""
+    def _open_controller(self, address: str, timeout: float | None = None) -> Pool:
+        """A pool to the controller at `address` over the best transport it offers (checked with a Hello
+        answered within `timeout`, default connect_timeout)."""
         host, _, port = address.rpartition(":")
         plain = self._open_pool(self._fallback(Endpoint(host, int(port))))
         try:
-            hello = self._hello(plain)
+            hello = self._hello(plain, timeout)
             if not hello.hosts_controller:
                 raise DockConnectionError(f"{address} does not host a dockd controller")
             better = self._better(Endpoint(host, int(port), hello.unix, advertised=hello), plain.via)

@@ -9,6 +9,7 @@ import collections
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 import torch
@@ -148,6 +149,27 @@ def test_a_dead_controller_stalls_only_its_partitions_and_recovers_them_on_resta
             assert st["partitions"][dead]["consumers"]["c"]["taken"] == 6
     finally:
         _stop(procs)
+
+
+def test_a_get_of_a_partition_whose_controller_is_stopped_ends_within_its_timeout():
+    """The owner of a partition stopped (SIGSTOP: it accepts connections and answers nothing) before
+    this client ever spoke to it: the connection to it is made within the get's time. Its handshake
+    waited for the whole connect_timeout (a get(timeout=2) took 10 s)."""
+    with dockd.start_local(num_warehouses=3, controllers=2) as cluster:
+        names = _names(cluster.controllers, per=1)
+        (theirs,) = names[cluster.controllers[1]]
+        with dockd.connect(cluster.controllers[1]) as dock:
+            dock.put({"x": torch.arange(4).reshape(4, 1)}, partition=theirs)
+        os.kill(cluster.procs[1].pid, signal.SIGSTOP)
+        try:
+            with dockd.connect(cluster.controllers[0], reconnect_timeout=30) as dock:
+                t = time.monotonic()
+                with pytest.raises(DockConnectionError, match="does not answer"):
+                    dock.get("c", ["x"], 1, partition=theirs, timeout=2)
+                took = time.monotonic() - t
+                assert took < 6, f"get(timeout=2) took {took:.1f}s"
+        finally:
+            os.kill(cluster.procs[1].pid, signal.SIGCONT)
 
 
 class _DurableDock:
