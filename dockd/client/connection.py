@@ -247,6 +247,7 @@ class Connection:
         read by anyone. Raises the mapped error on a non-OK status."""
         self._enter()
         self.busy = True
+        started = time.monotonic()
         try:
             self._alive, self._wait = (alive, timeout) if timeout is not None else (None, None)
             self.send(frame, buffers, body_size, fds)
@@ -255,7 +256,9 @@ class Connection:
             reply, body, got = self._read_frame()
         except TimeoutError:
             self.broken = True
-            raise _no_answer(f"dockd at {self.address} did not answer within {timeout:.3g}s") from None
+            probed = " nor a probe (stopped, hung or overloaded?)" if self._alive is not None else ""
+            raise _no_answer(f"dockd at {self.address} did not answer within "
+                             f"{time.monotonic() - started:.3g}s{probed}") from None
         except DockConnectionError:  # (already says what failed, and whether a retry can help)
             self.broken = True
             raise

@@ -319,6 +319,8 @@ class Router:
                     continue  # (another thread reconnected: the call goes to the new connections)
                 if give_up is None:
                     give_up = self._give_up(deadline)
+                    if timed_out(e) and time.monotonic() >= give_up:
+                        raise  # (silent past the call's time, and probed: a reconnect would be silent too)
                     logger.warning("[client] lost the controller at %s (%s); reconnecting", address, e)
                 elif time.monotonic() >= give_up:
                     raise DockConnectionError(f"the dockd controller at {address} kept failing: {e}") from None
