@@ -151,10 +151,11 @@ def test_a_dead_controller_stalls_only_its_partitions_and_recovers_them_on_resta
         _stop(procs)
 
 
-def test_a_get_of_a_partition_whose_controller_is_stopped_ends_within_its_timeout():
+def test_a_get_of_a_partition_whose_controller_is_stopped_or_killed_ends_within_its_timeout():
     """The owner of a partition stopped (SIGSTOP: it accepts connections and answers nothing) before
     this client ever spoke to it: the connection to it is made within the get's time. Its handshake
-    waited for the whole connect_timeout (a get(timeout=2) took 10 s)."""
+    waited for the whole connect_timeout (a get(timeout=2) took 10 s). Killed, it is retried for the
+    get's time, not for reconnect_timeout."""
     with dockd.start_local(num_warehouses=3, controllers=2) as cluster:
         names = _names(cluster.controllers, per=1)
         (theirs,) = names[cluster.controllers[1]]
@@ -168,8 +169,14 @@ def test_a_get_of_a_partition_whose_controller_is_stopped_ends_within_its_timeou
                     dock.get("c", ["x"], 1, partition=theirs, timeout=2)
                 took = time.monotonic() - t
                 assert took < 6, f"get(timeout=2) took {took:.1f}s"
+                os.kill(cluster.procs[1].pid, signal.SIGKILL)
+                t = time.monotonic()
+                with pytest.raises(DockConnectionError, match="cannot reach"):
+                    dock.get("c", ["x"], 1, partition=theirs, timeout=2)
+                took = time.monotonic() - t
+                assert took < 6, f"get(timeout=2) took {took:.1f}s"
         finally:
-            os.kill(cluster.procs[1].pid, signal.SIGCONT)
+            os.kill(cluster.procs[1].pid, signal.SIGCONT)  # (a killed one: no matter)
 
 
 class _DurableDock:
