@@ -36,6 +36,9 @@ class Confirms:
         # leases fetched but not yet confirmed, by the controller that granted them ("": the first contact)
         self._pending: dict[str, list[int]] = {}
         self._lock = threading.Lock()
+        # confirms another thread took and is sending, by controller; an acquire waits for them (`take`)
+        self._sending: dict[str, int] = {}
+        self._sent = threading.Condition(self._lock)
         self.wake = wake
         self._stop = stop
         self._flusher: threading.Thread | None = None
@@ -45,8 +48,10 @@ class Confirms:
                   at: str = "") -> tuple[pb.Frame, np.ndarray, list[int]]:
         """A controller request (to the one that owns `partition`, or the one at `at`), re-sent after a
         reconnect if the connection drops. Pending confirms are delivered first, so the call sees this
-        client's own gets applied."""
+        client's own gets applied (those the flusher is sending too)."""
         self.flush()
+        with self._lock:
+            self._settle(lambda: self._sending, deadline)
         return self._router.controller(lambda pool: pool.call(frame, timeout=timeout, scope=scope),
                                        deadline=deadline, partition=partition, at=at)
 
@@ -60,10 +65,22 @@ class Confirms:
                 self._flusher.start()
         self.wake.set()
 
-    def take(self, at: str = "") -> list[int]:
-        """The pending confirms of the controller at `at`."""
+    def take(self, at: str = "", deadline: float | None = None) -> list[int]:
+        """The pending confirms of the controller at `at`, once those that another thread (the flusher)
+        is sending there are answered (waited for until `deadline`, at most connect_timeout). A request
+        sent before them could overtake them: a rank-aware get would then be handed its last share
+        again, its samples delivered twice."""
         with self._lock:
+            self._settle(lambda: self._sending.get(at, 0), deadline)
             return self._pending.pop(at, [])
+
+    def _settle(self, sending, deadline: float | None) -> None:
+        """Wait, holding the lock, while `sending()` (until `deadline`, at most connect_timeout)."""
+        limit = time.monotonic() + self._connect_timeout
+        if deadline is not None:
+            limit = min(limit, deadline)
+        while sending() and self._sent.wait(max(0.0, limit - time.monotonic())):
+            pass
 
     def put_back(self, leases: list[int], at: str = "") -> None:
         """Confirms that did not reach the controller go out again with the next request."""
@@ -75,14 +92,24 @@ class Confirms:
         """Deliver every pending confirm, to each controller its own."""
         with self._lock:
             pending, self._pending = self._pending, {}
+            for at in pending:
+                self._sending[at] = self._sending.get(at, 0) + 1
         items = list(pending.items())
-        for k, (at, leases) in enumerate(items):
-            try:
-                self.send(leases, at, retry=retry)  # (a failed send keeps its own confirms pending)
-            except BaseException:
-                for later, rest in items[k + 1:]:
-                    self.put_back(rest, later)
-                raise
+        try:
+            for k, (at, leases) in enumerate(items):
+                try:
+                    self.send(leases, at, retry=retry)  # (a failed send keeps its own confirms pending)
+                except BaseException:
+                    for later, rest in items[k + 1:]:
+                        self.put_back(rest, later)
+                    raise
+        finally:
+            with self._lock:
+                for at in pending:
+                    self._sending[at] -= 1
+                    if not self._sending[at]:
+                        del self._sending[at]
+                self._sent.notify_all()
 
     def send(self, leases: list[int], at: str = "", *, retry: bool = True) -> None:
         """Deliver confirms and wait for the controller's answer (a one-way frame to a controller

@@ -84,9 +84,9 @@ class Acquirer:
         reconnect with what is left of its timeout; an interrupted one gives back what it got."""
         timeout = None if req.timeout < 0 else req.timeout
         at = self._router.owner(req.partition)
-        confirms = self._confirms.take(at)
-        req.confirm.extend(confirms)
         deadline = None if timeout is None else time.monotonic() + timeout
+        confirms = self._confirms.take(at, deadline)
+        req.confirm.extend(confirms)
         used: list[Pool] = []
 
         def send(pool: Pool):

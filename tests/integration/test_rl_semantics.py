@@ -274,6 +274,33 @@ def test_streaming_dataset_with_workers_delivers_each_sample_once(cluster, parti
         assert sorted(got) == list(range(60))
 
 
+def test_a_rank_aware_get_waits_for_the_confirm_of_its_last_share_that_the_flusher_is_sending(cluster, partition):
+    """The confirm of a get goes out on its own (the flusher, 20 ms later) unless the next acquire takes
+    it along. A next rank-aware get sent while the flusher's confirm was on its way could reach the
+    controller first: the rank's step had not moved on, so it was handed the same share again and its
+    samples were delivered twice (CI: test_streaming_dataset_with_dp_ranks_and_workers)."""
+    import threading
+    import time
+
+    with dockd.connect(cluster.address) as dock:
+        dock.put({"x": torch.arange(8)}, partition=partition)
+        confirms, sending = dock._confirms, threading.Event()
+        send = confirms.send
+
+        def slow(leases, at="", **kw):  # (the flusher's confirm takes a while to reach the controller)
+            if threading.current_thread().name == "dockd-confirm":
+                sending.set()
+                time.sleep(0.5)
+            return send(leases, at, **kw)
+
+        confirms.send = slow
+        first = dock.get("trainer", ["x"], 2, partition=partition, dp_rank=0, dp_size=1, timeout=10)
+        assert sending.wait(10)  # (the flusher took the confirm and is on its way)
+        second = dock.get("trainer", ["x"], 2, partition=partition, dp_rank=0, dp_size=1, timeout=10)
+        assert (first.step, second.step) == (0, 1)
+        assert not set(first.indexes) & set(second.indexes), (first.indexes, second.indexes)
+
+
 def test_streaming_dataset_with_dp_ranks_and_workers(cluster, partition):
     import json
     import subprocess
