@@ -34,6 +34,20 @@ from dockd.errors import DockAuthError, DockClosed, DockConnectionError, DockErr
 logger = logging.getLogger(__name__)
 
 _SCRATCH = 64 << 10
+
+
+class _Forks:
+    """How many times this process is a fork of the one it started as (os.register_at_fork): a
+    child shares its parent's sockets, so the pools made before the fork are not its to use."""
+
+    count = 0
+
+    @classmethod
+    def forked(cls) -> None:
+        cls.count += 1
+
+
+os.register_at_fork(after_in_child=_Forks.forked)
 _NO_BODY = np.empty(0, dtype=np.uint8)
 CHALLENGE_GRACE_S = 1.0
 """Seconds a new TCP connection waits for the daemon's challenge before it asks the port, on a second
@@ -90,6 +104,7 @@ class Connection:
         # descriptor is released by the calling thread on its way out, so its number cannot be
         # reused by a new socket under a poll() that would then wait on the wrong one forever.
         self._close_lock = threading.Lock()
+        self._forks = _Forks.count  # (closed in a forked child: its parent's socket is not shut down)
         self._in_call = False
         self.instance = 0
         try:
@@ -179,8 +194,9 @@ class Connection:
             if self.closed:
                 return
             self.closed = True
-            with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RDWR)  # wakes a reader (poll sees the hang-up)
+            if self._forks == _Forks.count:
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_RDWR)  # wakes a reader (poll sees the hang-up)
             if not self._in_call:
                 self._release()
 
@@ -421,10 +437,19 @@ class Pool:
         self._answered = -ALIVE_EVERY_S  # when the daemon last answered a probe (monotonic)
         self.closed = False
         self.retired = False  # another pool took its place: no new calls, those in flight finish
+        self._pid, self._forks = os.getpid(), _Forks.count
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    def _check_process(self) -> None:
+        if self._forks != _Forks.count:
+            raise DockClosed(
+                f"this dock client was made in process {self._pid}, and this process ({os.getpid()}) is a fork of "
+                "it: the client's connections belong to the parent (both reading one socket would mix up their "
+                "answers). Make a client in this process with dockd.connect(address): in a DataLoader worker, in "
+                "the dataset's __iter__ or a worker_init_fn")
 
     @property
     def transport(self) -> str:
@@ -455,6 +480,7 @@ class Pool:
 
     def get(self, timeout: float | None = None) -> Connection:
         """An idle connection, or a new one (made within `timeout` seconds, at most connect_timeout)."""
+        self._check_process()
         with self._lock:
             if self.retired:
                 raise _replaced(self.address)

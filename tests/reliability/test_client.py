@@ -133,3 +133,40 @@ def test_descriptors_are_closed_on_every_path(cluster, partition):
 def test_values_that_would_change_type_are_refused(dock, partition, value):
     with pytest.raises(dockd.DockTypeError, match="would come back as a list"):
         dock.put({"x": [value]}, partition=partition)
+
+
+def test_a_client_used_in_a_forked_child_says_so_and_the_parent_goes_on(cluster, partition):
+    """A Dock used after os.fork() (a DataLoader worker handed the dataset's client) shares its parent's
+    sockets, and two processes reading one socket mix up their answers. The child's call raises
+    DockClosed saying what to do (it went out over the parent's connections before); closing the
+    client there leaves the parent's connections alone; a client made in the child works."""
+    import json
+
+    with dockd.connect(cluster.address) as d:
+        d.put({"x": torch.arange(8)}, partition=partition)
+        assert d.get("c", ["x"], 2, partition=partition, timeout=10).indexes == [0, 1]
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # (reports through the pipe, and leaves without running the parent's exit code)
+            try:
+                try:
+                    d.get("c", ["x"], 2, partition=partition, timeout=10)
+                    out = "the child used its parent's client"
+                except dockd.DockClosed as e:
+                    out = str(e)
+                d.close()
+                with dockd.connect(cluster.address) as mine:
+                    out += "|" + json.dumps(mine.get("c", ["x"], 2, partition=partition, timeout=10).indexes)
+            except BaseException as e:  # noqa: BLE001 - reported to the parent
+                out = f"{type(e).__name__}: {e}"
+            os.write(w, out.encode())
+            os._exit(0)
+        os.close(w)
+        os.waitpid(pid, 0)
+        with os.fdopen(r) as f:
+            out = f.read()
+        assert "is a fork of it" in out and "dockd.connect" in out, out
+        child = json.loads(out.split("|")[1])
+        assert len(child) == 2
+        rest = d.get("c", ["x"], 4, partition=partition, timeout=10).indexes  # (over the parent's own connections)
+        assert sorted([0, 1, *child, *rest]) == list(range(8))
