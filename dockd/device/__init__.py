@@ -21,12 +21,12 @@ from dockd.device.errors import (
     NcclError,
 )
 from dockd.device.hccl import HCCL_ROOT_INFO_BYTES, HcclLibrary, HcclRootInfo, hccl_dtype
-from dockd.device.nccl import NCCL_UNIQUE_ID_BYTES, NcclLibrary, NcclUniqueId, nccl_dtype
+from dockd.device.nccl import NCCL_UNIQUE_ID_BYTES, NcclLibrary, NcclUniqueId, nccl_dtype, own_host_env
 
 __all__ = [
     "BACKENDS", "HCCL_ENV", "HCCL_ROOT_INFO_BYTES", "NCCL_ENV", "NCCL_UNIQUE_ID_BYTES",
     "CollectiveError", "Communicator", "DeviceArgumentError", "DeviceDTypeError", "DeviceError",
     "DeviceLibraryNotFound", "DockDeviceError", "HcclError", "HcclLibrary", "HcclRootInfo", "NcclError",
     "NcclLibrary", "NcclUniqueId", "backend_for_device", "hccl_dtype", "load_backend", "load_hccl_library",
-    "load_nccl_library", "nccl_dtype",
+    "load_nccl_library", "nccl_dtype", "own_host_env",
 ]

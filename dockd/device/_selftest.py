@@ -5,7 +5,8 @@ scripts/gpu_check.py. NCCL on CUDA GPUs, or HCCL on Ascend NPUs (`backend="hccl"
 unique id and passes it through a queue, each rank runs `OPS[op]` on its own Communicator and
 checks its results against the expected tensors; a failed check raises in the child and
 `run_ranks` re-raises it. With fewer GPUs than ranks, ranks share GPUs
-(NCCL_MULTI_RANK_GPU_ENABLE=1, which NCCL >= 2.2x requires for that).
+(each rank then claims a host of its own, `own_host_env`: NCCL refuses two ranks on one GPU
+of one host, and they talk over its socket transport on loopback).
 """
 
 from __future__ import annotations
@@ -137,8 +138,10 @@ def _worker(rank: int, world: int, op: str, uid_q, res_q, kwargs: dict) -> None:
     ndev = mod.device_count()
     if ndev == 0:
         raise RuntimeError(f"no {kind} device visible to this process")
-    if ndev < world:
-        os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    if ndev < world and backend == "nccl":
+        from dockd.device import own_host_env
+
+        os.environ.update(own_host_env(f"rank{rank}"))
     dev = torch.device(kind, rank % ndev)
     mod.set_device(dev)
     from dockd.device import Communicator

@@ -16,6 +16,22 @@ from dockd.device.errors import DeviceArgumentError, DeviceDTypeError, NcclError
 NCCL_UNIQUE_ID_BYTES = 128
 
 
+def own_host_env(name: str) -> dict[str, str]:
+    """Environment that lets this process's NCCL rank share one GPU with another process's rank.
+
+    NCCL refuses two ranks of one communicator on the same GPU of the same host ("Duplicate GPU
+    detected", ncclInvalidUsage, since NCCL 2.5), and no setting turns that check off. It tells
+    hosts apart by a hash of NCCL_HOSTID (else hostname and boot id), read once per process at
+    its first communicator. So each process claims a host of its own, named `name`, and the
+    ranks talk over NCCL's socket transport on loopback, with no peer-to-peer, shared-memory or
+    NVLink-SHARP paths between "hosts". For tests and benchmarks on a machine with one GPU: it
+    measures sockets, not the GPU's links, and never belongs on a real cluster. Set it in each
+    process before that process's first NCCL call (a daemon inherits it when it is started).
+    """
+    return {"NCCL_HOSTID": f"dockd-{name}", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1",
+            "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
+
+
 class NcclUniqueId(ctypes.Structure):
     """typedef struct { char internal[NCCL_UNIQUE_ID_BYTES]; } ncclUniqueId;"""
 

@@ -3,8 +3,8 @@ does) gets device-tier data on its device over a device link made with dockd's b
 NVIDIA GPUs, HCCL on Ascend NPUs).
 
 The reader uses a second device when there is one; with one GPU both ends of an NCCL link share
-it (NCCL_MULTI_RANK_GPU_ENABLE=1, which NCCL 2.2x+ asks for before it puts two ranks on one GPU).
-HCCL needs two NPUs.
+it, the warehouse and the reader each claiming a host of their own (`own_host_env`: NCCL refuses
+two ranks on one GPU of one host). HCCL needs two NPUs.
 """
 
 from __future__ import annotations
@@ -13,22 +13,35 @@ import pytest
 import torch
 
 import dockd
+from dockd.device import own_host_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+
+
+def start_on_own_hosts(monkeypatch, **kw) -> dockd.LocalCluster:
+    """start_local for links whose two ends may share a GPU: the daemon claims a host of its own
+    for NCCL and this process, the reader, another (`own_host_env`), before either's first NCCL
+    call. NCCL refuses two ranks of one communicator on one GPU of one host."""
+    for k, v in own_host_env("warehouse").items():
+        monkeypatch.setenv(k, v)
+    cluster = dockd.start_local(1, **kw)  # each daemon copies the environment as it starts
+    monkeypatch.setenv("NCCL_HOSTID", own_host_env("reader")["NCCL_HOSTID"])
+    return cluster
 
 
 def test_remote_device_get_over_a_device_link(accel, monkeypatch):
     kind = accel
     ndev = getattr(torch, kind).device_count()  # torch.cuda, or torch.npu
-    if ndev < 2:
-        if kind == "npu":
-            pytest.skip("an HCCL link needs two NPUs")
-        monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")  # the warehouse inherits it
+    if ndev < 2 and kind == "npu":
+        pytest.skip("an HCCL link needs two NPUs")
     x = torch.randn(256, 1024, device=f"{kind}:0").bfloat16()
-    rag = [torch.arange(n, dtype=torch.int64, device=f"{kind}:0") for n in (1, 5, 1000, 3)] * 16
+    rag = [torch.arange(n, dtype=torch.int64, device=f"{kind}:0") for n in (1, 5, 1000, 3)] * 64  # one per row
     monkeypatch.setenv("DOCKD_DEVICE_LINK_TIMEOUT", "120")
     dev = torch.device(kind, min(1, ndev - 1))
-    with dockd.start_local(1, extra_args=["--device-capacity", "64MiB"]) as c, dockd.connect(c.address) as w:
+    args = ["--device-capacity", "64MiB"]
+    one_gpu = kind == "cuda" and ndev < 2
+    cluster = start_on_own_hosts(monkeypatch, extra_args=args) if one_gpu else dockd.start_local(1, extra_args=args)
+    with cluster as c, dockd.connect(c.address) as w:
         w.put({"x": x, "r": rag}, partition="p", device="keep")
         w.put({"x": x + 1, "r": rag}, partition="q", device="keep")
         monkeypatch.setenv("DOCKD_TRANSPORT", "tcp")
@@ -52,11 +65,11 @@ def test_device_data_on_several_devices_of_a_node_all_goes_over_one_link(accel, 
     if getattr(torch, kind).device_count() < 2:
         pytest.skip(f"needs two {kind} devices")
     monkeypatch.setenv("DOCKD_DEVICE_LINK_TIMEOUT", "120")
-    if kind == "cuda":  # the warehouse's end may be on the reader's GPU
-        monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
     parts = [torch.randn(32, 4096, device=f"{kind}:{i}") + i for i in (0, 1)]
     args = ["--device-capacity", "64MiB", "--metrics-port", "0"]
-    with dockd.start_local(1, extra_args=args) as c, dockd.connect(c.address) as w:
+    # the warehouse's end may be on the reader's GPU
+    cluster = start_on_own_hosts(monkeypatch, extra_args=args) if kind == "cuda" else dockd.start_local(1, extra_args=args)
+    with cluster as c, dockd.connect(c.address) as w:
         for x in parts:
             w.put({"x": x}, partition="p", device="keep")
         monkeypatch.setenv("DOCKD_TRANSPORT", "tcp")

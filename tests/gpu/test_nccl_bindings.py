@@ -1,7 +1,8 @@
 """NCCL through dockd.device on a real GPU: send/recv, broadcast, all_gather between two processes.
 
 Run on a GPU machine with `pytest -m gpu tests/gpu -q` (or scripts/gpu_check.py, which also
-prints bandwidth figures). With one GPU both ranks share it (NCCL_MULTI_RANK_GPU_ENABLE=1).
+prints bandwidth figures). With one GPU both ranks share it, each claiming a host of its own
+(`dockd.device.own_host_env`: NCCL refuses two ranks on one GPU of one host).
 """
 
 from __future__ import annotations

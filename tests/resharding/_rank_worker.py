@@ -195,8 +195,10 @@ def main() -> None:
     sc = json.loads(sys.argv[1])
     rank, port, out_dir = int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
     torch.set_num_threads(1)
-    if sc.get("device", "cpu") != "cpu":
-        os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    if sc.get("device", "cpu") != "cpu" and torch.cuda.device_count() < sc["world"]:
+        from dockd.device import own_host_env
+
+        os.environ.update(own_host_env(f"rank{rank}"))  # ranks share a GPU: NCCL needs them on "hosts" of their own
     store = dist.TCPStore("127.0.0.1", port, sc["world"], is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=sc["world"])
     errors: list[str] = []
