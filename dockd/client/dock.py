@@ -250,20 +250,20 @@ class Dock:
         DockLeaseError rather than return samples that were handed out again.
         """
         target = validate.device(device)
+        mapped = target if maps_device(target) else None  # device-tier data shared by handle, copied once
         started = time.monotonic()
         reconnects = self._router.reconnects
         lease = self.acquire(consumer, columns, count, partition=partition, timeout=timeout, groups=groups,
                              allow_partial=allow_partial, shuffle=shuffle, seed=seed, dp_rank=dp_rank,
                              dp_size=dp_size, mp_group=mp_group, step=step, balance_by=balance_by, where=where,
                              order_by=order_by, prefer_local=prefer_local, max_staleness=max_staleness, _scope=_scope,
-                             _lazy=True)
+                             _lazy=True, _device=mapped)
         if _scope is not None and _scope.cancelled:  # cancelled as the lease arrived: give it back, take nothing
             self.release(lease)
             raise DockClosed("the get was cancelled")
         left = self.fetch_timeout if timeout is None else max(FETCH_MIN_S, started + timeout - time.monotonic())
         try:
-            values = self._fetcher.fetch(lease, lazy=True, device=target if maps_device(target) else None,
-                                         deadline=time.monotonic() + left)
+            values = self._fetcher.fetch(lease, lazy=True, device=mapped, deadline=time.monotonic() + left)
         except BaseException:
             self._confirms.release_now(lease)
             raise
@@ -284,7 +284,7 @@ class Dock:
                 dp_size: int | None = None, mp_group: tuple[int, int, int] | None = None, step: int | None = None,
                 balance_by: str | Sequence[str] | None = None, where: Mapping[str, Any] | None = None,
                 order_by: str | None = None, prefer_local: bool = False, max_staleness: int | None = None,
-                _scope: CallScope | None = None, _lazy: bool = False) -> Lease:
+                _scope: CallScope | None = None, _lazy: bool = False, _device: Any = None) -> Lease:
         """Low-level: lease samples without fetching them (see get).
 
         With inline=True (the default) the values held by the controller's own
@@ -301,7 +301,8 @@ class Dock:
                               lease_timeout=lease_timeout, dp_rank=dp_rank, dp_size=dp_size, mp_group=mp_group,
                               step=step, balance_by=balance_by, where=where, order_by=order_by,
                               prefer_local=prefer_local, max_staleness=max_staleness, home=self._router.home)
-        return self._acquirer.acquire(req, scope=_scope, lazy=_lazy)
+        req.device = inline and _device is not None  # device-tier values inline too, shared by handle
+        return self._acquirer.acquire(req, scope=_scope, lazy=_lazy, device=_device)
 
     def fetch(self, lease: Lease, *, timeout: float | None = None) -> dict[str, list[Any]]:
         """Low-level: read a lease's values from the warehouses holding them, in parallel. A warehouse

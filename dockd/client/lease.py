@@ -78,11 +78,14 @@ class Acquirer:
         self._router = router
         self._confirms = confirms
         self._warned_recovered: set[str] = set()
+        self._unmappable = False  # an inline device buffer could not be mapped here: ask for none again
 
-    def acquire(self, req: pb.AcquireRequest, *, scope: CallScope | None, lazy: bool) -> Lease:
+    def acquire(self, req: pb.AcquireRequest, *, scope: CallScope | None, lazy: bool, device=None) -> Lease:
         """Send `req` (with this client's pending confirms) to the controller, re-sent after a
-        reconnect with what is left of its timeout; an interrupted one gives back what it got."""
+        reconnect with what is left of its timeout; an interrupted one gives back what it got.
+        `device`: where inline device-tier values (req.device) are copied."""
         timeout = None if req.timeout < 0 else req.timeout
+        req.device = req.device and not self._unmappable
         at = self._router.owner(req.partition)
         deadline = None if timeout is None else time.monotonic() + timeout
         confirms = self._confirms.take(at, deadline)
@@ -108,11 +111,11 @@ class Acquirer:
             if not isinstance(e, DockError):  # interrupted (Ctrl-C, cancelled): a lease may be on its way to us
                 self._confirms.release_token(req.token, at)
             raise
-        lease = self._lease(req, Reply(reply, body, fds), used[0], lazy)
+        lease = self._lease(req, Reply(reply, body, fds), used[0], lazy, device)
         lease.controller = at
         return lease
 
-    def _lease(self, req: pb.AcquireRequest, reply: Reply, pool: Pool, lazy: bool) -> Lease:
+    def _lease(self, req: pb.AcquireRequest, reply: Reply, pool: Pool, lazy: bool, device=None) -> Lease:
         a = reply.frame.acquire_reply
         self._router.learn(a.warehouses)
         if a.recovered and req.partition not in self._warned_recovered:
@@ -124,7 +127,18 @@ class Acquirer:
         idx = a.indexes[:]  # (lists: see dockd.wire)
         columns = req.columns[:]
         got = a.inline[:]
-        inline = dict(zip((c.name for c in got), pool.via.decode(got, reply, lazy=lazy)))
+        try:
+            values = pool.via.decode(got, reply, lazy=lazy, device=device, shared=a.device_buffers)
+        except DockValueError as e:
+            if not a.device_buffers:
+                raise
+            # device memory this process cannot map: every column is fetched (the device-tier ones as
+            # host bytes, as a fetch falls back), and later acquires ask for no device-tier values inline
+            logger.warning("[client] cannot map the device memory of the controller's warehouse (%s); fetching "
+                           "instead", e)
+            self._unmappable = True
+            got, values = [], []
+        inline = dict(zip((c.name for c in got), values))
         locs = None  # only needed to fetch what did not come inline
         if len(inline) < len(columns):
             locs = np.asarray(a.locations[:], dtype=np.int64).reshape(len(columns), len(idx))

@@ -202,8 +202,10 @@ class Acquiring:
         part = svc.core.partitions.get(r.partition)
         reply.recovered = part is not None and part.recovered
         if r.inline and svc.local is not None:
-            cols, body, segs = svc.local.inline(peer, r.partition, r.columns[:], res.indexes, res.locations)
+            cols, body, segs, shared = svc.local.inline(peer, r.partition, r.columns[:], res.indexes, res.locations,
+                                                        r.device)
             reply.inline.extend(cols)
+            reply.device_buffers.extend(shared)
             out.pins.extend(s.sid for s in segs)
             peer.reply(frame, out, body.buffers, body.size, segs)
             return

@@ -38,9 +38,10 @@ class LocalWarehouse(Protocol):
     async def replicate(self, req: pb.ReplicateRequest) -> int:
         """Copy values this warehouse holds to req.target as their replica; returns the bytes sent."""
 
-    def inline(self, peer: Peer, partition: str, columns: list[str], indexes: np.ndarray,
-               locations: np.ndarray) -> tuple[list[pb.ColumnData], Any, list]:
-        """For an acquire: the whole columns this warehouse holds, encoded for the reply (may be empty)."""
+    def inline(self, peer: Peer, partition: str, columns: list[str], indexes: np.ndarray, locations: np.ndarray,
+               device: bool = False) -> tuple[list[pb.ColumnData], Any, list, list[pb.DeviceBuffer]]:
+        """For an acquire: the whole columns this warehouse holds, encoded for the reply (may be empty),
+        and the device buffers of their device-tier runs (`device`: a same-node reader maps them)."""
 
 
 class WarehouseCalls:

@@ -431,8 +431,9 @@ class HostedWarehouse:
     async def replicate(self, req: pb.ReplicateRequest) -> int:
         return await self._node.replicator.serve(req)
 
-    def inline(self, peer: Peer, partition: str, columns: list[str], indexes: np.ndarray, locations: np.ndarray):
-        return self._node.fetches.inline(peer, partition, columns, indexes, locations)
+    def inline(self, peer: Peer, partition: str, columns: list[str], indexes: np.ndarray, locations: np.ndarray,
+               device: bool = False):
+        return self._node.fetches.inline(peer, partition, columns, indexes, locations, device)
 
 
 class Figures:

@@ -219,22 +219,28 @@ class FetchPath:
         run.segment, run.offset = k, batch.data.address - seg.buffer.address + lo  # where its batch starts, plus lo
         return True
 
-    def inline(self, peer: Peer, partition: str, columns: list[str], indexes: np.ndarray, locations: np.ndarray):
-        """For an acquire: the whole columns this node's warehouse holds, so the client needs no fetch for them."""
+    def inline(self, peer: Peer, partition: str, columns: list[str], indexes: np.ndarray, locations: np.ndarray,
+               device: bool = False):
+        """For an acquire: the whole columns this node's warehouse holds, so the client needs no fetch
+        for them, and the device buffers their device-tier runs are in. Device-tier columns come only
+        to a same-node reader that maps device memory (`device`), shared by handle as a fetch would;
+        for any other reader they are fetched, so that it chooses device memory or host bytes."""
         wid = self._wid()
         if wid < 0:
-            return [], codec.Body(), []
+            return [], codec.Body(), [], []
         idx = indexes.tolist()  # (one list for every column; scalar compares: gets are mostly small)
         wanted = [(c, idx) for c, row in zip(columns, locations.tolist()) if all(w == wid for w in row)]
         if not wanted or len(indexes) * len(wanted) > INLINE_CELLS:  # big gets fetch: their reply stays small
-            return [], codec.Body(), []
+            return [], codec.Body(), [], []
         try:
             found = self.warehouse.fetch(partition, wanted)
         except DockError:
-            return [], codec.Body(), []
-        # device-tier columns are fetched: the reader then chooses device memory or host bytes
-        found = [(name, slices) for name, slices in found if all(b.device is None for b, _, _ in slices)]
-        return self.encode(peer, found, len(indexes))
+            return [], codec.Body(), [], []
+        shared: list | None = [] if device and peer.passes_fds else None
+        if shared is None:
+            found = [(name, slices) for name, slices in found if all(b.device is None for b, _, _ in slices)]
+        cols, body, segs = self.encode(peer, found, len(indexes), shared)
+        return cols, body, segs, [d for d, _ in shared or ()]
 
 
 def _flat(t):

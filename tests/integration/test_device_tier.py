@@ -78,6 +78,43 @@ def test_keep_puts_into_the_device_tier_and_reads_back_bit_exact(tier):
         check(dockd.Batch("p", lease.indexes, d.fetch(lease)), 16)
 
 
+def fetches(cluster) -> int:
+    """Fetch requests the daemon has answered."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{cluster.nodes[0]['metrics_port']}/metrics", timeout=10).read()
+    for line in text.decode().splitlines():
+        if line.startswith('dockd_request_seconds_count{op="fetch"} '):
+            return int(float(line.split()[1]))
+    return 0
+
+
+def test_a_device_get_from_the_controllers_node_is_one_round_trip(tier, monkeypatch, caplog):
+    """Device-tier values held by the controller's own warehouse come shared by handle in the acquire
+    reply, with the host-tier ones, to a same-node reader that asks for a device: no fetch. A reader
+    that asks for host bytes fetches them; one that cannot map the memory fetches them as bytes."""
+    with dockd.connect(tier.address) as d:
+        d.put(sample_columns(16), partition="p", device="keep")
+        before, shared = fetches(tier), shared_bytes(tier)
+        check(d.get("mapped", ["x", "r", "uid"], 8, partition="p", device="cpu", timeout=10), 8)
+        assert fetches(tier) == before  # the acquire carried everything
+        assert shared_bytes(tier) > shared  # ... the device-tier runs as shared memory
+        check(d.get("bytes", ["x", "r", "uid"], 16, partition="p", timeout=10), 16)  # host bytes: fetched
+        assert fetches(tier) == before + 1
+
+        from dockd import device_share
+
+        def unmappable(desc):
+            raise dockd.DockValueError("the device holding this buffer is not visible to this process")
+
+        monkeypatch.setattr(device_share, "open_buffer", unmappable)
+        with caplog.at_level(logging.WARNING, logger="dockd"):
+            got = d.get("mapped", ["x", "r", "uid"], 8, partition="p", device="cpu", timeout=10)
+        assert "cannot map the device memory of the controller's warehouse" in caplog.text
+        assert got.indexes == list(range(8, 16))  # the rest, once: nothing lost or handed out twice
+        want = sample_columns(16)
+        assert torch.equal(got.stacked("x"), want["x"][8:]) and got["uid"] == want["uid"][8:]
+        assert fetches(tier) > before + 1  # fetched, as host bytes
+
+
 def test_a_full_or_absent_device_tier_spills_to_host_memory_and_says_so(tier, caplog):
     with dockd.connect(tier.address) as d, caplog.at_level(logging.WARNING, logger="dockd"):
         big = {"x": torch.ones(200, 512, dtype=torch.float32)}  # 400 KiB: more than the 256 KiB tier
