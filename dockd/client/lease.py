@@ -111,7 +111,11 @@ class Acquirer:
             if not isinstance(e, DockError):  # interrupted (Ctrl-C, cancelled): a lease may be on its way to us
                 self._confirms.release_token(req.token, at)
             raise
-        lease = self._lease(req, Reply(reply, body, fds), used[0], lazy, device)
+        try:
+            lease = self._lease(req, Reply(reply, body, fds), used[0], lazy, device)
+        except BaseException:  # its values could not be taken in (a device copy out of memory, a bad reply):
+            self._confirms.release_token(req.token, at)  # the samples go back now, not when the lease expires
+            raise
         lease.controller = at
         return lease
 

@@ -115,6 +115,24 @@ def test_a_device_get_from_the_controllers_node_is_one_round_trip(tier, monkeypa
         assert fetches(tier) > before + 1  # fetched, as host bytes
 
 
+def test_a_get_whose_inline_device_copy_fails_gives_its_samples_back_at_once(tier, monkeypatch):
+    """The reader runs out of device memory copying what the acquire shared: the get raises that
+    error and its samples go back to the pool at once, not when its lease expires."""
+    from dockd import device_share
+
+    with dockd.connect(tier.address) as d:
+        d.put(sample_columns(8), partition="p", device="keep")
+
+        def out_of_memory(desc):
+            raise torch.OutOfMemoryError("no room on the reader's device")
+
+        with monkeypatch.context() as m, pytest.raises(torch.OutOfMemoryError):
+            m.setattr(device_share, "open_buffer", out_of_memory)
+            d.get("c", ["x", "r", "uid"], 8, partition="p", device="cpu", timeout=10)
+        got = d.get("c", ["x", "r", "uid"], 8, partition="p", device="cpu", timeout=2)  # leases last minutes
+        check(got, 8)
+
+
 def test_a_full_or_absent_device_tier_spills_to_host_memory_and_says_so(tier, caplog):
     with dockd.connect(tier.address) as d, caplog.at_level(logging.WARNING, logger="dockd"):
         big = {"x": torch.ones(200, 512, dtype=torch.float32)}  # 400 KiB: more than the 256 KiB tier
