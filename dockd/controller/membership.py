@@ -213,6 +213,12 @@ class Membership:
         if peer is not None:
             self._start_heartbeats()
         entry = self.entries.get(req.id) if req.rejoin or req.assigned else None
+        earlier = None if req.rejoin else self._earlier_try(req)
+        if earlier is not None and not req.assigned:
+            entry = earlier  # its own first try, taken up again: the same id, not a second one
+        elif earlier is not None and earlier.id != req.id:
+            self.retire(earlier, f"the same process joined as warehouse {req.id}, numbered by another controller",
+                        on_purpose=True)
         known = entry is not None and entry.instance == req.instance
         if entry is None or not known:
             if req.assigned:  # several controllers: another one numbered it
@@ -243,6 +249,17 @@ class Membership:
             logger.info("[controller] warehouse joined id=%d address=%s:%d capacity=%d", entry.id, entry.host, entry.port,
                         entry.capacity)
         return reply
+
+    def _earlier_try(self, req: pb.RegisterWarehouse) -> WarehouseEntry | None:
+        """The member this joining process became on an earlier try that it gave up on before the answer
+        came (several controllers: it asks the next one after a few seconds): same instance, same
+        address, still waited for and holding nothing. A first join is the only one not sent as a
+        rejoin, so that entry can only be this process's own."""
+        for e in self.entries.values():
+            if (e.instance == req.instance and (e.host, e.port) == (req.host, req.port) and e.reachable
+                    and not e.connected and not self.core.warehouse_bytes().get(e.id, 0)):
+                return e
+        return None
 
     def _next_id(self) -> int:
         """The id of a new warehouse: the next of this controller's own (see `numbering`)."""

@@ -323,6 +323,34 @@ def test_each_of_several_controllers_numbers_new_warehouses_with_ids_of_its_own(
     run(main())
 
 
+def test_a_join_that_gave_up_on_a_controller_leaves_no_second_member_there():
+    """A new warehouse of a dock with several controllers asks the next one when a controller takes
+    more than a few seconds to answer; that controller may have taken it in meanwhile. When the same
+    process asks it again it is that member, not a second one; when it joins it under an id another
+    controller gave, the first try leaves (it stayed as a member that never came back)."""
+    async def main():
+        ctl = ("10.0.0.1:7450", "10.0.0.2:7450")
+        svc = ControllerService(Controller(), controllers=ctl, own=0)
+        reg = pb.RegisterWarehouse(host="10.0.0.8", port=7000, capacity=1 << 30, instance=0x77)
+        first = FakePeer("warehouse")
+        assert svc.register(first, reg).id == 0
+        svc.on_lost(first)  # it gave up waiting for the answer
+        again = FakePeer("warehouse")
+        assert svc.register(again, reg).id == 0  # asked again: the same member
+        assert [w.id for w in svc.stats().warehouses] == [0]
+        svc.on_lost(again)
+        assigned = pb.RegisterWarehouse()
+        assigned.CopyFrom(reg)
+        assigned.id, assigned.assigned = 1, True  # numbered by the second controller meanwhile
+        assert svc.register(FakePeer("warehouse"), assigned).id == 1
+        assert {w.id: w.state for w in svc.stats().warehouses} == {0: "left", 1: "joined"}
+        other = pb.RegisterWarehouse(host="10.0.0.9", port=7000, capacity=1 << 30, instance=0x78)
+        assert svc.register(FakePeer("warehouse"), other).id == 2  # another process: a member of its own
+        svc.shutdown()
+
+    run(main())
+
+
 def test_one_of_several_controllers_refuses_partitions_it_does_not_own_and_their_inventory():
     async def main():
         ctl = ("10.0.0.1:7450", "10.0.0.2:7450")
