@@ -17,11 +17,21 @@ as with a module-level import) and runs the module's `on_load` hook, once.
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
 _lock = threading.Lock()
+
+
+def _fresh_lock_in_child() -> None:
+    """A lock another thread of the parent held at a fork stays held in the child: take a fresh one."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_child)
 
 
 class LazyModule:

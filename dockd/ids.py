@@ -25,7 +25,10 @@ def random_bits(bits: int) -> int:
 
 
 def reseed_after_fork() -> None:
-    """A forked child must not hand out the ids its parent still holds in the pool."""
+    """A forked child must not hand out the ids its parent still holds in the pool, nor wait on a
+    lock another thread of the parent held at the fork (it would stay held in the child)."""
+    global _lock
+    _lock = threading.Lock()
     _pool.clear()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 
@@ -75,3 +76,16 @@ def recv_pool() -> RecvPool:
             if _POOL is None:
                 _POOL = RecvPool(ClientConfig.from_env().recv_pool_bytes)
     return _POOL
+
+
+def _fresh_locks_in_child() -> None:
+    """A fork copies locks as they are: one that another thread of the parent held at that moment
+    stays held for ever in the child, and the child's first large reply (or its drop of a tensor
+    received before the fork) would wait on it. The child, one thread here, takes fresh ones."""
+    global _POOL_LOCK
+    _POOL_LOCK = threading.Lock()
+    if _POOL is not None:
+        _POOL._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_locks_in_child)

@@ -47,6 +47,15 @@ _loaded: dict[str, ctypes.CDLL] = {}
 _lock = threading.Lock()
 
 
+def _fresh_lock_in_child() -> None:
+    """A lock another thread of the parent held at a fork stays held in the child: take a fresh one."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_child)
+
+
 def _ld_library_dirs() -> list[str]:
     return [d for d in config.env("LD_LIBRARY_PATH").split(os.pathsep) if d]
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import time
 
 import pytest
 import torch
@@ -170,3 +172,43 @@ def test_a_client_used_in_a_forked_child_says_so_and_the_parent_goes_on(cluster,
         assert len(child) == 2
         rest = d.get("c", ["x"], 4, partition=partition, timeout=10).indexes  # (over the parent's own connections)
         assert sorted([0, 1, *child, *rest]) == list(range(8))
+
+
+def test_a_child_forked_while_other_threads_held_the_clients_locks_does_not_hang(cluster, partition):
+    """A DataLoader forks its workers while the parent's other threads work: a lock one of them held at
+    that moment (the id pool's, the receive pool's) stays held in the child, whose own client then
+    waited on it for ever. The child takes fresh locks; its client puts and gets (a 2 MiB reply over
+    TCP, through the receive pool) and the child exits."""
+    from dockd import _lazy, ids
+    from dockd.client import recv_pool
+
+    with dockd.connect(cluster.address) as d:
+        d.put({"x": torch.arange(4)}, partition=partition)
+        held = [ids._lock, recv_pool.recv_pool()._lock, recv_pool._POOL_LOCK, _lazy._lock]
+        for lock in held:  # as other threads of this process hold them at the moment of the fork
+            lock.acquire()
+        try:
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    os.environ["DOCKD_TRANSPORT"] = "tcp"
+                    with dockd.connect(cluster.address) as mine:
+                        mine.put({"big": torch.ones(1, 2 << 20, dtype=torch.uint8)}, partition=partition + "-big")
+                        got = mine.get("c", ["big"], 1, partition=partition + "-big", timeout=10)
+                        code = 0 if int(got.stacked("big").sum()) == 2 << 20 else 2
+                        del got  # (its buffer goes back to the receive pool)
+                finally:
+                    os._exit(code)
+        finally:
+            for lock in held:
+                lock.release()
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung on a lock its parent's threads held at the fork")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+        assert d.get("c", ["x"], 4, partition=partition, timeout=10).indexes == [0, 1, 2, 3]
