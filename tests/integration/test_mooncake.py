@@ -223,3 +223,56 @@ def test_which_readers_try_the_engine():
     assert Moon in candidates(remote, ctx("auto")) and Moon not in candidates(local, ctx("auto"))
     assert Moon not in candidates(remote, ctx("tcp"))
     assert Moon not in candidates(Endpoint("192.0.2.1", 1), ctx("mooncake"))
+
+
+def test_a_forked_child_reads_over_tcp_and_a_required_engine_says_why(mooncake_dock, partition, monkeypatch):
+    """A process forked after its parent read with the engine (a DataLoader worker of a trainer that
+    read already) inherits the engine object but none of its threads: its reads waited for the
+    transfer timeout and failed, and a new engine started in the child hung. There the engine is
+    unavailable: the child's client reads over TCP, bit-exact, and one that requires the engine
+    fails at once saying why; the parent's engine goes on reading for the parent."""
+    import signal
+    import time
+
+    address, _, _ = mooncake_dock
+    monkeypatch.setenv("DOCKD_TRANSPORT", "mooncake")
+    values = [torch.full((1 << 16,), float(i)) for i in range(8)]  # 256 KiB each: engine reads
+    with dockd.connect(address, warehouse=1) as w1, dockd.connect(address, warehouse=0) as w0:
+        idx = w1.put({"x": values}, partition=partition)
+        got = w0.get("parent", ["x"], 4, partition=partition, timeout=30)
+        assert all(torch.equal(a, b) for a, b in zip(got["x"], values[:4]))
+        reads = client_mooncake.stats()["reads"]
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # (reports through the pipe, and leaves without running the parent's exit code)
+            out = ""
+            try:
+                with dockd.connect(address, warehouse=0, transport="mooncake") as required:
+                    try:
+                        required.get("child", ["x"], 8, partition=partition, timeout=30)
+                        out = "a required engine read in the fork"
+                    except dockd.DockError as e:
+                        out = str(e)
+                with dockd.connect(address, warehouse=0, transport="auto") as mine:
+                    b = mine.get("child", ["x"], 8, partition=partition, timeout=30)
+                    ok = b.indexes == idx and all(torch.equal(a, v) for a, v in zip(b["x"], values))
+                    out += f"|{ok}|{client_mooncake.stats()}"
+            except BaseException as e:  # noqa: BLE001 - reported to the parent
+                out += f"|{type(e).__name__}: {e}"
+            os.write(w, out.encode())
+            os._exit(0)
+        os.close(w)
+        deadline = time.monotonic() + 90
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's read hung")
+        with os.fdopen(r) as f:
+            out = f.read()
+        assert "is a fork of one that ran the Mooncake engine" in out and "spawn" in out, out
+        assert out.endswith("|True|{}"), out  # over TCP, bit-exact, no engine in the child
+        rest = w0.get("parent", ["x"], 4, partition=partition, timeout=30)  # the parent's engine still reads
+        assert all(torch.equal(a, b) for a, b in zip(rest["x"], values[4:]))
+        assert client_mooncake.stats()["reads"] > reads

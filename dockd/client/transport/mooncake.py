@@ -27,6 +27,7 @@ import functools
 import importlib.util
 import logging
 import mmap
+import os
 import threading
 import time
 import weakref
@@ -109,8 +110,17 @@ class ReceivePool:
                 self._idle.setdefault(size, []).append((mm, addr))
                 self.idle_bytes += size
                 return
-        self.engine.unregister_memory(addr)
+        if self.engine is not None:
+            self.engine.unregister_memory(addr)
         # (the mmap is freed with its last reference: the numpy views are gone by now)
+
+    def forked(self) -> None:
+        """In a forked child: the engine is the parent's and runs no thread here. Buffers still in use
+        are dropped when they come back, and nothing is unregistered with it."""
+        self._lock = threading.Lock()
+        self.engine, self.budget = None, 0
+        self._idle.clear()
+        self.idle_bytes = 0
 
 
 class ClientEngine:
@@ -155,6 +165,26 @@ class ClientEngine:
 _ENGINE: ClientEngine | None = None
 _ENGINE_ERROR: EngineUnavailable | None = None
 _LOCK = threading.Lock()
+_INHERITED: list[ClientEngine] = []  # a forked child's copy of its parent's engine (see _no_engine_in_child)
+
+
+def _no_engine_in_child() -> None:
+    """A forked child inherits the parent's engine object but none of its threads (a read with it
+    waited for the transfer timeout, 30 s, and failed), and an engine started anew in a fork of a
+    process that ran one hung. So in such a child the engine is unavailable: reads go over TCP,
+    and transport='mooncake' fails saying why."""
+    global _ENGINE, _ENGINE_ERROR, _LOCK
+    _LOCK = threading.Lock()
+    if _ENGINE is not None:
+        _ENGINE.pool.forked()
+        _INHERITED.append(_ENGINE)  # never destroyed here: its destructor waits for threads the child has not
+        _ENGINE = None
+        _ENGINE_ERROR = EngineUnavailable(
+            "this process is a fork of one that ran the Mooncake engine, which does not run in a fork; start "
+            "worker processes with the spawn method (a DataLoader's multiprocessing_context='spawn') to read with it")
+
+
+os.register_at_fork(after_in_child=_no_engine_in_child)
 
 
 def client_engine(hostname: str, protocol: str, budget: int) -> ClientEngine:
@@ -230,6 +260,8 @@ class MooncakeTransport(DeviceLinkTransport):
             return Transport.fetch(self, pool, wid, req, device, timeout)
         try:
             load_engine_class()
+            if _ENGINE_ERROR is not None:  # (it did not start, or cannot here: no request that asks for it)
+                raise _ENGINE_ERROR
         except EngineUnavailable as e:
             if self._required:
                 raise self._required_error(str(e)) from None
