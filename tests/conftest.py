@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -64,6 +65,19 @@ def wait_until(predicate, timeout: float = 30.0, what: str = "condition", interv
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(interval)
+
+
+def wait_child(pid: int, timeout: float, what: str) -> int:
+    """The exit code of forked child `pid`; if it has not exited within `timeout` s it is killed
+    and the test fails saying `what` (a child that hangs must not hang the test)."""
+    deadline = time.monotonic() + timeout
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(what)
+        time.sleep(0.1)
+    return os.waitstatus_to_exitcode(done[1])
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import dockd
+from tests.conftest import scrape, value
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -80,11 +81,7 @@ def test_keep_puts_into_the_device_tier_and_reads_back_bit_exact(tier):
 
 def fetches(cluster) -> int:
     """Fetch requests the daemon has answered."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{cluster.nodes[0]['metrics_port']}/metrics", timeout=10).read()
-    for line in text.decode().splitlines():
-        if line.startswith('dockd_request_seconds_count{op="fetch"} '):
-            return int(float(line.split()[1]))
-    return 0
+    return int(value(scrape(cluster.nodes[0]["metrics_port"]), "dockd_request_seconds_count", op="fetch"))
 
 
 def test_a_device_get_from_the_controllers_node_is_one_round_trip(tier, monkeypatch, caplog):

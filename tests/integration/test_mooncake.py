@@ -22,7 +22,7 @@ pytest.importorskip("mooncake.engine", reason="the Mooncake Transfer Engine is n
 import dockd  # noqa: E402
 from dockd.client.transport import mooncake as client_mooncake  # noqa: E402
 from dockd.warehouse.mooncake import EngineUnavailable  # noqa: E402
-from tests.conftest import serving  # noqa: E402
+from tests.conftest import serving, wait_child  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -231,9 +231,6 @@ def test_a_forked_child_reads_over_tcp_and_a_required_engine_says_why(mooncake_d
     transfer timeout and failed, and a new engine started in the child hung. There the engine is
     unavailable: the child's client reads over TCP, bit-exact, and one that requires the engine
     fails at once saying why; the parent's engine goes on reading for the parent."""
-    import signal
-    import time
-
     address, _, _ = mooncake_dock
     monkeypatch.setenv("DOCKD_TRANSPORT", "mooncake")
     values = [torch.full((1 << 16,), float(i)) for i in range(8)]  # 256 KiB each: engine reads
@@ -262,13 +259,7 @@ def test_a_forked_child_reads_over_tcp_and_a_required_engine_says_why(mooncake_d
             os.write(w, out.encode())
             os._exit(0)
         os.close(w)
-        deadline = time.monotonic() + 90
-        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if done[0] == 0:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child's read hung")
+        wait_child(pid, 90, "the forked child's read hung")
         with os.fdopen(r) as f:
             out = f.read()
         assert "is a fork of one that ran the Mooncake engine" in out and "spawn" in out, out

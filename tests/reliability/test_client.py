@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import time
 
 import pytest
 import torch
 
 import dockd
+from tests.conftest import wait_child
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -203,12 +202,5 @@ def test_a_child_forked_while_other_threads_held_the_clients_locks_does_not_hang
         finally:
             for lock in held:
                 lock.release()
-        deadline = time.monotonic() + 60
-        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if done[0] == 0:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child hung on a lock its parent's threads held at the fork")
-        assert os.waitstatus_to_exitcode(done[1]) == 0
+        assert wait_child(pid, 60, "the forked child hung on a lock its parent's threads held at the fork") == 0
         assert d.get("c", ["x"], 4, partition=partition, timeout=10).indexes == [0, 1, 2, 3]
