@@ -12,8 +12,10 @@ freed when the last descriptor and mapping of it are gone, whoever crashed.
   into a segment of its own, taken warm from its pool, and seals that segment
   against future writes. Two copies into warm memory run several times faster
   than one copy into fresh pages (the kernel hands out fresh shared pages at
-  about 1 GB/s on the development VM). Nothing a writer does to its staging
-  memfd after the put reaches the stored data.
+  about 1 GB/s on the development VM). The writer lends the buffer: the
+  warehouse may answer before it copies the bulk out, and copies it before
+  it reads another request; the writer reuses the buffer only once a later
+  put is answered (`dockd.client.staging`, `dockd.warehouse.put`).
 - get: the warehouse passes the descriptors of the segments holding the values;
   the client maps them copy-on-write (MAP_PRIVATE), so the returned tensors
   are zero-copy views that the caller may still write to: a write copies the

@@ -2,8 +2,11 @@
 
 A put to a warehouse on this host copies its payload into a staging buffer and
 names it; the warehouse (which maps each buffer once, when its descriptor
-first rides on a put) copies the payload into its own storage before it
-answers, so the buffer is free again as soon as the put returns. Writing into
+first rides on a put) copies the payload into its own storage. It may answer
+before it copies the bulk of it (the buffer is *lent*: `PutReply.staging_lent`),
+so that the writer's next put is encoded while the warehouse copies; a lent
+buffer is written again only after a put sent after that answer is answered,
+which the warehouse reads only once the copy is done. Writing into
 memory that is already mapped and faulted in runs at memcpy speed, where a
 fresh memfd per put ran at the speed the kernel hands out pages (about
 1 GB/s on the development VM). Each buffer is sealed against shrinking, so a
@@ -45,6 +48,8 @@ class Staging:
         self.max_bytes = max_bytes
         self.max_buffers = max_buffers
         self._free: list[StagingBuffer] = []
+        self._lent: list[tuple[StagingBuffer, int]] = []  # (buffer, the lend's number)
+        self._lends = 0  # buffers lent so far
         self._lock = threading.Lock()
         self.closed = False
 
@@ -67,6 +72,31 @@ class Staging:
             raise
         return StagingBuffer(secrets.randbits(62) + 1, fd, size, view)
 
+    def mark(self) -> int:
+        """Taken before a put is sent: once it is answered, `answered(mark)` frees the buffers
+        that were lent before it was sent (the warehouse has copied out of them since)."""
+        with self._lock:
+            return self._lends
+
+    def lend(self, buf: StagingBuffer) -> None:
+        """The put is answered, and the warehouse copies out of `buf` before it reads the next request."""
+        with self._lock:
+            if not self.closed:
+                self._lends += 1
+                self._lent.append((buf, self._lends))
+                return
+        _drop(buf)
+
+    def answered(self, mark: int) -> None:
+        """A put sent after `mark` was taken is answered: the buffers lent up to then are free."""
+        with self._lock:
+            if not self._lent or self._lent[0][1] > mark:
+                return
+            free = [b for b, k in self._lent if k <= mark]
+            self._lent = [(b, k) for b, k in self._lent if k > mark]
+        for buf in free:
+            self.give(buf)
+
     def give(self, buf: StagingBuffer) -> None:
         """The put is done: keep the buffer for the next one. Past the limits the buffers used
         longest ago go first: a writer whose puts grew keeps the size it writes now (dropping the
@@ -86,7 +116,8 @@ class Staging:
     def close(self) -> None:
         with self._lock:
             self.closed = True
-            free, self._free = self._free, []
+            free, self._free = self._free + [b for b, _ in self._lent], []
+            self._lent = []
         for buf in free:
             _drop(buf)
 

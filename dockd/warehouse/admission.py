@@ -163,6 +163,28 @@ class Admission:
         memoryview(dst).cast("B")[:] = memoryview(staged)[:size]
         return done()
 
+    def copy_in_later(self, staged, size: int, first: list[tuple[int, int]]):
+        """`copy_in` in two steps: the byte ranges `first` ((offset, nbytes): the values the put's
+        checks read) now, and the rest when the returned function is called. The body (returned with
+        it) holds only `first` until then; the rest never overwrites those bytes, so what was checked
+        is what is kept, whatever the writer does to its buffer meanwhile."""
+        dst, done = self._destination(size)
+        out, src = memoryview(dst).cast("B"), memoryview(staged)
+        gaps, at = [], 0
+        for off, n in sorted(first):
+            out[off : off + n] = src[off : off + n]
+            if off > at:
+                gaps.append((at, off))
+            at = max(at, off + n)
+        if at < size:
+            gaps.append((at, size))
+
+        def rest() -> None:
+            for lo, hi in gaps:
+                out[lo:hi] = src[lo:hi]
+
+        return done(), rest
+
     async def copy_in_off_loop(self, staged, size: int):
         """`copy_in` with the copy itself in a worker thread (it releases the GIL): a payload of
         hundreds of MiB into fresh pages takes seconds, during which the event loop keeps answering

@@ -3,7 +3,9 @@
     admit    check the request's header (a malformed one spends no room) and reserve its
              room, waiting in the capacity queue while the warehouse is full
     receive  the body arrives in storage of ours (`Admission.allocate`), or a same-host
-             writer's staged payload is copied in, or (bodiless) there is none
+             writer's staged payload is copied in, or (bodiless) there is none. A writer
+             that lends its staging buffer (`_lendable`) is answered before the bulk of
+             its payload is copied in: only what the checks read is copied first
     take     device runs (put(device="keep")) are copied into the device tier or spilled
     validate the put against its bytes, once (`_validate`): runs fit, msgpack values decode,
              explicit indexes' columns are unwritten here
@@ -76,6 +78,7 @@ class _Put:
     spilled: int
     held: bool = False   # a replica of values this warehouse holds already (a repair that crossed the put's copy)
     room: Room | None = None  # with a data dir: the disk room taken for its file before the commit
+    rest: Callable[[], None] | None = None  # a lent staging buffer: copies the rest of its payload in
 
     @property
     def dev_bytes(self) -> int:
@@ -156,7 +159,31 @@ class PutPipeline:
         if wait is not None or (staged is not None and req.shm_size >= COPY_OFF_LOOP):
             spawn(self._when_admitted(wait, peer, frame, staged))
             return
-        self._received(peer, frame, self.admission.copy_in(staged, req.shm_size) if staged is not None else None)
+        if staged is None:
+            self._received(peer, frame, None)
+            return
+        first = self._lendable(req)
+        if first is None:
+            self._received(peer, frame, self.admission.copy_in(staged, req.shm_size))
+            return
+        body, rest = self.admission.copy_in_later(staged, req.shm_size, first)
+        self._received(peer, frame, body, rest)
+
+    def _lendable(self, req: pb.PutRequest) -> list[tuple[int, int]] | None:
+        """A staged put its writer lends the buffer of (PutRequest.lend_staging) and that is answered
+        as soon as it is stored in memory (no data dir to write first, no device runs, not a replica):
+        the byte ranges its checks read (its msgpack values), copied in before them; the rest is copied
+        right after the answer, before this loop reads another request. None: copied whole first."""
+        if not req.lend_staging or req.replica or req.device_buffers or self.warehouse.keeper is not None:
+            return None
+        first = []
+        for col in req.columns[:]:
+            for run in col.runs[:]:
+                if run.kind == pb.MSGPACK and run.nbytes:
+                    if run.offset + run.nbytes > req.shm_size:
+                        return None  # (refused by its checks, which read the whole copy)
+                    first.append((run.offset, run.nbytes))
+        return first
 
     async def _when_admitted(self, wait, peer: Peer, frame: pb.Frame, staged) -> None:
         """A put that waits for room, or whose staged payload is big enough to be copied in off the loop."""
@@ -181,8 +208,9 @@ class PutPipeline:
             peer.reply_error(frame, e)
 
     # -- take, check, commit -------------------------------------------------------------------
-    def _received(self, peer: Peer, frame: pb.Frame, body) -> None:
-        """A put whose size is reserved and whose bytes are ours: check it and commit it."""
+    def _received(self, peer: Peer, frame: pb.Frame, body, rest: Callable[[], None] | None = None) -> None:
+        """A put whose size is reserved and whose bytes are ours (or, with `rest`, the bytes its checks
+        read; `rest()` copies in the others once it is answered): check it and commit it."""
         req = frame.put
         seg = body if isinstance(body, shm.Segment) else None
         buf = seg.buffer if seg is not None else body
@@ -211,7 +239,7 @@ class PutPipeline:
         )
         if not req.indexes:  # new samples may wait for the partition's consumers (max_pending), as long as the put may
             commit.has_timeout, commit.timeout = True, req.timeout
-        put = _Put(peer, frame, buf, seg, size, dev, spilled, held, room)
+        put = _Put(peer, frame, buf, seg, size, dev, spilled, held, room, rest)
         if room is not None and size >= WRITE_OFF_LOOP:
             spawn(self._write_then_commit(put, commit))
             return
@@ -246,6 +274,7 @@ class PutPipeline:
             self._drop(put)
             self._fail(put, res)
             return
+        rest = None  # (the rest of a lent staging buffer's payload, when the put is stored)
         try:
             # cleared after the controller applied it: answered, and gone as the clear says; or a put re-sent
             # here after its first warehouse went away, whose values a warehouse holds: answered, not stored
@@ -260,6 +289,7 @@ class PutPipeline:
             else:
                 self.warehouse.store(req.partition, res, req.columns, put.buf, put.size, put.seg, group_size(req),
                                      device=put.dev, token=req.token, room=put.room)  # (--data-dir: written first)
+                rest = put.rest
         except Exception as e:  # noqa: BLE001 - the put's answer
             self._give_back_room(put)  # (unless its file was written, or removed on failing)
             self._fail(put, e)
@@ -267,9 +297,16 @@ class PutPipeline:
         out = res.tolist() if isinstance(res, np.ndarray) else list(res)
         target = getattr(res, "replica", None)
         if target is not None and not cleared and self.replicator is not None:
+            if rest is not None:
+                rest()
             spawn(self._copy_then_answer(put, out, target))
             return
-        self._answer(put, out)
+        self._answer(put, out, lent=rest is not None)
+        if rest is not None:
+            # the writer's next put overlaps this copy; nothing reads the values before it ends: this
+            # loop runs no other request in between, and the writer reuses the buffer only once a
+            # request it sends after this answer is answered
+            rest()
 
     async def _copy_then_answer(self, put: _Put, out: list[int], target: pb.WarehouseInfo) -> None:
         """Copy the stored put to `target`, then answer it. A copy that fails is reported to the controller
@@ -303,11 +340,12 @@ class PutPipeline:
             assert self.warehouse.keeper is not None  # (only a keeper takes room)
             self.warehouse.keeper.give_back(put.room)
 
-    def _answer(self, put: _Put, out: list[int]) -> None:
+    def _answer(self, put: _Put, out: list[int], lent: bool = False) -> None:
         req = put.frame.put
         self.tokens.done(req.token, out)
         self.metrics.put(put.peer.passes_fds, len(out), put.size + put.dev_bytes)
-        put.peer.reply(put.frame, pb.Frame(put_reply=pb.PutReply(indexes=out, spilled_bytes=put.spilled)))
+        put.peer.reply(put.frame, pb.Frame(put_reply=pb.PutReply(indexes=out, spilled_bytes=put.spilled,
+                                                                 staging_lent=lent)))
 
     def _fail(self, put: _Put, exc: BaseException) -> None:
         if not isinstance(exc, (DockError, ValueError, TypeError)):

@@ -220,3 +220,51 @@ print("RECOVERED", b.indexes)
     out = client(code, cluster.address, partition)
     assert "ERROR:" in out.stdout and "open-file limit (64)" in out.stdout and "ulimit -n" in out.stdout, out.stdout
     assert "RECOVERED [0, 1, 2, 3, 4, 5]" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("wid", [0, 1], ids=["controller-s-warehouse", "another-warehouse"])
+def test_a_put_is_answered_before_the_copy_out_of_its_lent_staging_buffer_and_reads_back_whole(cluster, partition,
+                                                                                               wid):
+    """A same-host writer lends its staging buffer: the warehouse answers the put, then copies the bulk
+    of the payload out before it reads another request, and the writer refills the buffer only after a
+    later put is answered. So one writer alternates two buffers, and each put, read at once by another
+    client (values by descriptor and inline), is whole. On the controller's own warehouse (commit in
+    the same turn of its loop) and on another one (the commit goes over its link)."""
+    with dockd.connect(cluster.address, warehouse=wid) as w, dockd.connect(cluster.address) as r:
+        for i in range(1, 25):
+            x = torch.full((2, 256 * 1024), float(i))  # 2 MiB: staged, and read by descriptor
+            y = torch.full((2, 16), float(-i))  # read inline
+            tags = [f"put-{i}-{k}" for k in range(2)]  # msgpack: checked before the answer
+            w.put({"x": x, "y": y, "tag": tags}, partition=partition)
+            b = r.get("c", ["x", "y", "tag"], 2, partition=partition, timeout=10)
+            assert b["tag"] == tags
+            assert all(torch.equal(v, x[0]) for v in b["x"]) and all(torch.equal(v, y[0]) for v in b["y"])
+            del b
+        staging = w._router.pool(wid).via.staging
+        assert staging._lends == 24, "the warehouse copied before it answered: no put lent its buffer"
+        assert len(staging._free) + len(staging._lent) == 2
+
+
+def test_a_warehouse_with_a_data_dir_copies_a_staged_put_before_it_answers(tmp_path, partition):
+    """With --data-dir a put is written to its file before it is answered, so no staging buffer is lent."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DOCKD_DAEMON_SECRET="ef" * 32)
+    common = ["--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--log-level", "WARNING"]
+    nodes = []
+    try:
+        node, ready = spawn_node([*common, "--controller", "--no-warehouse"], env=env)
+        nodes.append(node)
+        address = f"127.0.0.1:{ready['port']}"
+        nodes.append(spawn_node([*common, "--join", address, "--data-dir", str(tmp_path / "data")], env=env)[0])
+        with dockd.connect(address) as d:
+            x = torch.arange(2 * 256 * 1024, dtype=torch.float32).reshape(2, -1)
+            for _ in range(3):
+                d.put({"x": x}, partition=partition)
+            b = d.get("c", ["x"], 6, partition=partition, timeout=10)
+            assert all(torch.equal(v, x[k % 2]) for k, v in enumerate(b["x"]))
+            (pool,) = d._router.pools.values()
+            assert pool.via.staging._lends == 0
+    finally:
+        for node in reversed(nodes):
+            node.terminate()
+            node.wait(10)
+            node.stdout.close()

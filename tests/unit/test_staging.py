@@ -30,3 +30,24 @@ def test_buffers_past_the_count_go_oldest_first_and_a_too_big_one_is_not_kept():
     assert b.fd == -1
     st.close()
     huge.close()
+
+
+def test_a_lent_buffer_is_free_only_once_a_put_sent_after_its_answer_is_answered():
+    """The warehouse answers a put before it copies the payload out of a lent buffer, and copies it
+    before it reads another request: a put sent before that answer (another thread's) frees nothing,
+    one sent after it frees the buffer."""
+    st = Staging()
+    a = st.take(1 << 20)
+    before = st.mark()  # another thread's put, sent before A's answer came
+    st.lend(a)          # A's answer: lent
+    b = st.take(1 << 20)
+    assert b is not a, "a lent buffer was handed to the next put while the warehouse may still copy out of it"
+    after = st.mark()   # this put is sent after A's answer came
+    st.answered(before)
+    assert st.take(1 << 20) is not a, "an answer to a put sent before the lend freed the lent buffer"
+    st.answered(after)
+    assert st.take(1 << 20) is a
+    c = st.take(1 << 20)
+    st.lend(c)
+    st.close()
+    assert c.fd == -1 and c.view is None, "a buffer still lent at close was kept open"

@@ -82,19 +82,22 @@ class ShmTransport(Transport):
     # -- payloads ------------------------------------------------------------------------------
     def send_put(self, pool, put: Put) -> pb.Frame:
         """Device columns go by handle (same node). A large body is copied into a warm staging buffer
-        (the one copy here) and named; the warehouse copies it into its own storage before it answers."""
+        (the one copy here) and named; the warehouse copies it into its own storage, before or (a lent
+        buffer: see `dockd.client.staging`) right after it answers."""
 
         req, body = put.req, put.body
+        mark = self.staging.mark()
         if body.size < shm.SHM_MIN_BODY:
             reply, _, _ = pool.call(pb.Frame(put=req), body.buffers, body.size, timeout=put.answer_s,
                                     alive=put.alive(pool))
+            self.staging.answered(mark)
             return reply
         buf = self.staging.take(body.size)
-        done = False
+        done = lent = False
         try:
             assert buf.view is not None  # a buffer is dropped only after it is given back
             body.write_into(memoryview(buf.view))  # type: ignore[arg-type]  # numpy declares __buffer__ only for Python 3.12+
-            req.staging, req.shm_size = buf.id, body.size
+            req.staging, req.shm_size, req.lend_staging = buf.id, body.size, True
             for attempt in (0, 1):
                 try:
                     reply, _, _ = pool.call(pb.Frame(put=req), fds=[] if buf.registered else [buf.fd],
@@ -105,17 +108,21 @@ class ShmTransport(Transport):
                         raise
                     buf.registered = False
             buf.registered = True
-            done = True
+            done, lent = True, reply.put_reply.staging_lent
         except DockError as e:
             done = not isinstance(e, DockConnectionError)  # (an answer, if an error: the warehouse is done with it)
             raise
         finally:
             # a put without an answer (a silent warehouse, a dropped connection) may still be taken in
             # when the warehouse resumes: its buffer is dropped, never refilled by another put under it
-            if done:
-                self.staging.give(buf)
-            else:
+            if not done:
                 self.staging.drop(buf)
+            elif lent:
+                self.staging.lend(buf)
+            else:
+                self.staging.give(buf)
+            if done:
+                self.staging.answered(mark)
         return reply
 
     def fetch(self, pool, wid: int, req: pb.FetchRequest, device, timeout: float | None) -> Reply:
