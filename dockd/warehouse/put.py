@@ -10,15 +10,16 @@
     validate the put against its bytes, once (`_validate`): runs fit, msgpack values decode,
              explicit indexes' columns are unwritten here
     commit   through the committer (controller in this process, or over the link)
-    store    once the commit is answered
+    store    once the commit is answered; a put kept in memory only is answered first and
+             stored right after, in the same turn of the loop (`_answer_first`)
     copy     (--replicas 2) to the warehouse the commit's answer names (`replica.Replicator`);
              then the writer is answered. A copy that fails leaves the values with one
              warehouse (the put is answered, and the controller's repair copies them later)
 
 A put re-sent with a token already seen (the client lost the reply) is
 answered with the first attempt's outcome and stores nothing. Stores cannot
-fail after the checks; a fetch that arrives between commit and store waits for
-the store (see `commit.RemoteCommitter`).
+fail after the checks but for writing a data dir file; a fetch that arrives
+between commit and store waits for the store (see `commit.RemoteCommitter`).
 """
 
 from __future__ import annotations
@@ -274,7 +275,9 @@ class PutPipeline:
             self._drop(put)
             self._fail(put, res)
             return
-        rest = None  # (the rest of a lent staging buffer's payload, when the put is stored)
+        if self._answer_first(put, res, cleared):
+            return
+        rest = None  # (the rest of a lent staging buffer's payload: copied in before the put is copied on)
         try:
             # cleared after the controller applied it: answered, and gone as the clear says; or a put re-sent
             # here after its first warehouse went away, whose values a warehouse holds: answered, not stored
@@ -301,12 +304,31 @@ class PutPipeline:
                 rest()
             spawn(self._copy_then_answer(put, out, target))
             return
-        self._answer(put, out, lent=rest is not None)
-        if rest is not None:
-            # the writer's next put overlaps this copy; nothing reads the values before it ends: this
-            # loop runs no other request in between, and the writer reuses the buffer only once a
-            # request it sends after this answer is answered
-            rest()
+        self._answer(put, out)
+
+    def _answer_first(self, put: _Put, res, cleared: bool) -> bool:
+        """A put kept in memory only (no data dir, no replica) whose commit applied: answered, then filed
+        under its indexes and (a lent staging buffer) the rest of its payload copied in, so that its
+        writer goes on meanwhile. Nothing reads it in between: this loop runs no other request until
+        both are done, and the writer reuses a lent buffer only once a request it sent after this
+        answer is answered. Such a store cannot fail after the checks and the commit (only writing a
+        data dir file can), so the answer stands. False: not such a put (the caller stores it first)."""
+        req = put.frame.put
+        if (cleared or put.held or req.replica or put.room is not None or self.warehouse.keeper is not None
+                or isinstance(res, StoredElsewhere) or getattr(res, "replica", None) is not None):
+            return False
+        self._answer(put, res.tolist() if isinstance(res, np.ndarray) else list(res), lent=put.rest is not None)
+        try:
+            self.warehouse.store(req.partition, res, req.columns, put.buf, put.size, put.seg, group_size(req),
+                                 device=put.dev, token=req.token)
+        except Exception as e:  # noqa: BLE001 - answered already: a second answer would confuse its connection
+            logger.error("[warehouse] an answered put could not be stored peer=%s partition=%s samples=%d; reads of "
+                         "them will fail", put.peer.name, req.partition, len(res), exc_info=e)
+            self._drop(put)
+            return True
+        if put.rest is not None:
+            put.rest()
+        return True
 
     async def _copy_then_answer(self, put: _Put, out: list[int], target: pb.WarehouseInfo) -> None:
         """Copy the stored put to `target`, then answer it. A copy that fails is reported to the controller
