@@ -209,14 +209,21 @@ class ControllerService:
                                  f"({self.controllers[self.own]}); the dock's controllers are "
                                  f"{','.join(self.controllers)}: connect with a client of this dockd version")
 
-    def commit(self, req: pb.CommitRequest, then=None, peer: Peer | None = None) -> np.ndarray | None:
+    def commit(self, req: pb.CommitRequest, then=None, peer: Peer | None = None,
+               woken: set[str] | None = None) -> np.ndarray | None:
         """Apply a commit; returns its indexes. With `then`, a commit of new samples to a partition
         that has max_pending samples pending waits (up to req.timeout): None is returned and `then`
-        gets the indexes (or the error) when it is applied, from inside the event loop."""
+        gets the indexes (or the error) when it is applied, from inside the event loop. With `woken`,
+        the gets waiting on the partition are left for the caller to `wake` (see apply_commit)."""
         self.check_owner(req.partition)
         if then is not None and self.pacer.must_wait(req):
             return self.pacer.park(req, then, peer)
-        return self.apply_commit(req)
+        return self.apply_commit(req, woken)
+
+    def wake(self, partitions: set[str]) -> None:
+        """Retry the gets waiting on these partitions."""
+        for partition in partitions:
+            self.waiting.wake(partition)
 
     def commit_batch(self, batch: pb.CommitBatch) -> pb.CommitBatchReply:
         """Apply a warehouse's coalesced commits in order, each on its own: one that fails has its error

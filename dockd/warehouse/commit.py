@@ -77,13 +77,20 @@ class LocalCommitter:
         self.controller = controller
 
     def commit(self, req: pb.CommitRequest, limit: float, peer: Peer, then: Then) -> None:
+        # the gets waiting on the partition are retried once `then` stored the put here: they get its values
+        # inline (one round trip), where retried inside the commit they found none and fetched them after
+        woken: set[str] = set()
         try:
-            idx = self.controller.commit(req, lambda res: then(self._copy_to(req, res), False), peer)  # (None: paced)
+            idx = self.controller.commit(req, lambda res: then(self._copy_to(req, res), False), peer,
+                                         woken)  # (None: paced)
         except Exception as e:  # noqa: BLE001 - the put's answer
             then(e, False)
             return
-        if idx is not None:
-            then(self._copy_to(req, idx), False)
+        try:
+            if idx is not None:
+                then(self._copy_to(req, idx), False)
+        finally:
+            self.controller.wake(woken)
 
     def _copy_to(self, req: pb.CommitRequest, res):
         """The outcome, with the warehouse to copy the put to (--replicas 2), if any."""

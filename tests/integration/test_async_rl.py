@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dockd
-from tests.conftest import wait_until
+from tests.conftest import scrape, value, wait_until
 from tests.integration.test_cluster import Procs, _two_warehouse_dock, controller_args, free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,6 +37,35 @@ def test_staleness_bound_oldest_version_first_and_stale_counts(dock, partition):
         dock.put({"x": torch.ones(1, 3)}, partition=partition, version=-1)
     with pytest.raises(dockd.DockNotFound):
         dock.set_version(partition + "-none", 1)
+
+
+def test_a_get_waiting_for_a_put_to_the_controller_s_node_gets_its_values_in_one_round_trip(partition):
+    """A trainer's get waits on the controller's node; a rollout's put lands in the warehouse there. The
+    get is retried once the put is stored, so its answer carries the values (inline): before, it was
+    retried inside the put's commit, found no values yet, and fetched them in a second round trip."""
+    with dockd.start_local(1, capacity="256MiB", extra_args=["--metrics-port", "0"]) as cluster, \
+            dockd.connect(cluster.address) as rollout, dockd.connect(cluster.address) as trainer:
+
+        def fetches() -> float:
+            return value(scrape(cluster.nodes[0]["metrics_port"]), "dockd_request_seconds_count", op="fetch")
+
+        rollout.put({"x": torch.zeros(1, 8)}, partition=partition)  # (the partition, and warm connections)
+        trainer.get("t", ["x"], 1, partition=partition, timeout=10)
+        before = fetches()
+
+        def take(into: dict) -> None:
+            into["b"] = trainer.get("t", ["x"], 1, partition=partition, timeout=20)
+
+        for i in range(1, 6):
+            got: dict = {}
+            t = threading.Thread(target=take, args=(got,))
+            t.start()
+            wait_until(lambda: rollout.stats()["partitions"][partition]["consumers"]["t"]["waiting"],
+                       what="the trainer's get to wait")
+            rollout.put({"x": torch.full((1, 8), float(i))}, partition=partition)
+            t.join(30)
+            assert torch.equal(got["b"]["x"][0], torch.full((8,), float(i)))
+        assert fetches() == before, "a waiting get fetched the values its answer could have carried"
 
 
 def test_retire_stale_deletes_and_frees_what_set_version_makes_stale(cluster, partition):
