@@ -127,9 +127,8 @@ class FetchPath:
         for name, slices in found:
             col = pb.ColumnData(name=name)
             for batch, r0, r1 in slices:
-                run = batch.run(r0, r1)
+                run, lo = batch.add_run(col.runs, r0, r1)
                 nbytes += run.nbytes
-                lo, _ = batch.span(r0, r1)
                 seg = batch.segment
                 addr = eng.remote(seg) if seg is not None and batch.device is None and \
                     run.nbytes >= shm.SHM_MIN_VALUE else None
@@ -143,7 +142,6 @@ class FetchPath:
                         k = index[id(seg)] = len(segs)
                     run.segment, run.offset = k, batch.data.address - seg.buffer.address + lo
                     remote += run.nbytes
-                col.runs.append(run)
             out.append(col)
         reply = pb.FetchReply(columns=out)
         if segs:
@@ -175,14 +173,12 @@ class FetchPath:
         for name, slices in found:
             col = pb.ColumnData(name=name)
             for batch, r0, r1 in slices:
-                run = batch.run(r0, r1)
+                run, lo = batch.add_run(col.runs, r0, r1)
                 nbytes += run.nbytes
-                lo, _ = batch.span(r0, r1)
                 if batch.device is not None and shared is not None and (link is None or batch.device.device.type == link.device.type):
                     self._share(batch, run, lo, shared, exported, link)
                 elif not (by_fd and self._by_descriptor(batch, run, lo, segs, index)):
                     run.offset = body.add(memoryview(batch.host(lo, run.nbytes)))
-                col.runs.append(run)
             out.append(col)
         if segs:
             self.segments.lend(peer.pid, segs)

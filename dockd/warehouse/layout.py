@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -153,13 +153,14 @@ class _Batch:
             return self.data if lo == 0 and n == self.data.size else self.data.slice(lo, n)
         return pa.py_buffer(self.device[lo : lo + n].cpu().numpy())
 
-    def run(self, r0: int, r1: int) -> pb.Run:
-        """Rows [r0, r1) as a run (offset left to the caller)."""
+    def add_run(self, runs: Any, r0: int, r1: int) -> tuple[pb.Run, int]:
+        """Rows [r0, r1) as a run added to `runs` (a column's repeated field: built in place, not
+        copied in; offset left to the caller), and where its bytes start in the batch."""
         lo, hi = self.span(r0, r1)
-        out = pb.Run(kind=self.kind, count=r1 - r0, dtype=self.dtype, shape=self.shape, nbytes=hi - lo)
+        out = runs.add(kind=self.kind, count=r1 - r0, dtype=self.dtype, shape=self.shape, nbytes=hi - lo)
         if self.lengths is not None:
             out.lengths.extend(self.lengths[r0:r1].tolist())
-        return out
+        return out, lo
 
 
 class _Column:
@@ -221,6 +222,10 @@ class _Column:
             r = self.batch(int(b[0])).rows(idx)
         else:
             bs = np.unique(b)
+            if 4 * len(bs) > len(idx):  # (many puts of a few samples each: a get of per-sample puts)
+                out = self.slices_small(idx.tolist())  # (~0.4 us per sample, where the loop below takes ~2.4 us per put)
+                assert out is not None  # (the caller checked they are all stored)
+                return out
             r = np.empty(len(idx), dtype=np.int64)
             for bid in bs.tolist():
                 sel = b == bid

@@ -100,9 +100,7 @@ def encode(found) -> tuple[list[pb.ColumnData], codec.Body]:
     for name, slices in found:
         col = pb.ColumnData(name=name)
         for batch, r0, r1 in slices:
-            run = batch.run(r0, r1)
-            lo, _ = batch.span(r0, r1)
+            run, lo = batch.add_run(col.runs, r0, r1)
             run.offset = body.add(memoryview(batch.host(lo, run.nbytes)))
-            col.runs.append(run)
         out.append(col)
     return out, body

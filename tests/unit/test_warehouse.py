@@ -25,8 +25,7 @@ def fetched(w: Warehouse, partition: str, name: str, indexes) -> list:
     (_, slices), = w.fetch(partition, [(name, indexes)])
     out = []
     for batch, r0, r1 in slices:
-        run = batch.run(r0, r1)
-        lo, _ = batch.span(r0, r1)
+        run, lo = batch.add_run(pb.ColumnData().runs, r0, r1)
         out += codec.decode_run(run, bytearray(batch.data.slice(lo, run.nbytes).to_pybytes()) or bytearray(1))
     return out
 
@@ -244,3 +243,24 @@ def test_small_reads_find_the_same_slices_as_array_reads():
     for missing in ([6], [1, 8], [-1], [1 << 40]):
         with pytest.raises(DockNotFound, match="not in this warehouse"):
             w.fetch("p", [("x", missing)])
+
+
+def test_a_read_across_many_puts_of_a_few_samples_finds_every_value_in_order():
+    """A get of samples put one or two at a time (async RL) spans many puts: it takes the scalar
+    path, one step per sample, where the array path took one step per put; the slices are the same
+    as the array path's: consecutive rows of one put merged, in the order asked."""
+    w = Warehouse(1 << 30)
+    puts = [[i] for i in range(24)] + [[24, 25], [27, 26], [28, 29, 30, 31], list(range(32, 40))]
+    for idx in puts:
+        cols, buf = encoded([torch.full((3,), i) for i in idx])
+        w.reserve(buf.size)
+        w.store("p", idx, cols, buf, buf.size)
+    col = w.parts["p"].columns["x"]
+    rng = np.random.default_rng(0)
+    for want in (list(range(32)), [24, 25, 26, 27, 3, 2, 1], rng.permutation(40).tolist(), [28, 29, 30, 31, 0, 1],
+                 list(range(28, 40)), [39, 38, 31, 30, 37, 36, 35, 34, 33, 32]):  # (the last two: few puts, array path)
+        got = col.slices(np.asarray(want))
+        each = col.slices_small(want)
+        assert [(id(b), r0, r1) for b, r0, r1 in got] == [(id(b), r0, r1) for b, r0, r1 in each]
+        assert [int(v[0]) for v in fetched(w, "p", "x", np.asarray(want))] == want
+    assert len(col.slices(np.arange(24, 32))) == 4  # (three puts; [27, 26] stored in that order: two slices)
