@@ -171,10 +171,10 @@ class PutPipeline:
         self._received(peer, frame, body, rest)
 
     def _lendable(self, req: pb.PutRequest) -> list[tuple[int, int]] | None:
-        """A staged put its writer lends the buffer of (PutRequest.lend_staging) and that is answered
-        as soon as it is stored in memory (no data dir to write first, no device runs, not a replica):
-        the byte ranges its checks read (its msgpack values), copied in before them; the rest is copied
-        right after the answer, before this loop reads another request. None: copied whole first."""
+        """A staged put its writer lends the buffer of (PutRequest.lend_staging) and that is kept in
+        memory only (no data dir to write first, no device runs, not a replica): the byte ranges its
+        checks read (its msgpack values), copied in before them; the rest is copied right after the
+        answer (`_answer_first`), before this loop reads another request. None: copied whole first."""
         if not req.lend_staging or req.replica or req.device_buffers or self.warehouse.keeper is not None:
             return None
         first = []
