@@ -290,8 +290,7 @@ class PutPipeline:
                 if len(dropped):
                     self.admission.free(req.partition, dropped)
             else:
-                self.warehouse.store(req.partition, res, req.columns, put.buf, put.size, put.seg, group_size(req),
-                                     device=put.dev, token=req.token, room=put.room)  # (--data-dir: written first)
+                self._file(put, res)  # (--data-dir: written first)
                 rest = put.rest
         except Exception as e:  # noqa: BLE001 - the put's answer
             self._give_back_room(put)  # (unless its file was written, or removed on failing)
@@ -314,13 +313,12 @@ class PutPipeline:
         answer is answered. Such a store cannot fail after the checks and the commit (only writing a
         data dir file can), so the answer stands. False: not such a put (the caller stores it first)."""
         req = put.frame.put
-        if (cleared or put.held or req.replica or put.room is not None or self.warehouse.keeper is not None
+        if (cleared or put.held or req.replica or self.warehouse.keeper is not None
                 or isinstance(res, StoredElsewhere) or getattr(res, "replica", None) is not None):
             return False
         self._answer(put, res.tolist() if isinstance(res, np.ndarray) else list(res), lent=put.rest is not None)
         try:
-            self.warehouse.store(req.partition, res, req.columns, put.buf, put.size, put.seg, group_size(req),
-                                 device=put.dev, token=req.token)
+            self._file(put, res)
         except Exception as e:  # noqa: BLE001 - answered already: a second answer would confuse its connection
             logger.error("[warehouse] an answered put could not be stored peer=%s partition=%s samples=%d; reads of "
                          "them will fail", put.peer.name, req.partition, len(res), exc_info=e)
@@ -329,6 +327,13 @@ class PutPipeline:
         if put.rest is not None:
             put.rest()
         return True
+
+    def _file(self, put: _Put, res) -> None:
+        """File a put of new or existing samples under the indexes its commit gave (with a data dir,
+        its file is written first, into the room taken for it)."""
+        req = put.frame.put
+        self.warehouse.store(req.partition, res, req.columns, put.buf, put.size, put.seg, group_size(req),
+                             device=put.dev, token=req.token, room=put.room)
 
     async def _copy_then_answer(self, put: _Put, out: list[int], target: pb.WarehouseInfo) -> None:
         """Copy the stored put to `target`, then answer it. A copy that fails is reported to the controller
