@@ -223,7 +223,7 @@ def to_device(values: list[Any], dev) -> list[Any]:
     for dtype, pos in by_dtype.items():
         sizes = [values[i].numel() for i in pos]
         host = torch.empty(sum(sizes), dtype=dtype, pin_memory=True)
-        torch.cat([values[i].reshape(-1) for i in pos], out=host)
+        codec.cat_into([values[i].reshape(-1) for i in pos], sizes, host)
         flat = host.to(dev, non_blocking=True)
         for i, part in zip(pos, torch.split(flat, sizes)):
             out[i] = part.view(values[i].shape)
