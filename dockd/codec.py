@@ -171,6 +171,12 @@ class Body:
                 self._joined = self._joined or type(data) is Joined
         return off
 
+    def extend(self, data: memoryview) -> None:
+        """Append `data` right after the last part (no padding: it continues the run that part is in)."""
+        if data.nbytes:
+            self._parts.append(data)
+            self.size += data.nbytes
+
     @property
     def buffers(self) -> list[memoryview | bytes]:
         """The body as buffers (values still to be concatenated are, now)."""

@@ -156,7 +156,9 @@ class FetchPath:
 
     def encode(self, peer: Peer, found, samples: int, shared: list | None = None,
                link=None) -> tuple[list[pb.ColumnData], codec.Body, list]:
-        """A reply's columns (of `samples` samples) from stored slices: one run per slice; big slices
+        """A reply's columns (of `samples` samples) from stored slices: one run per slice, except that
+        consecutive slices sent as body bytes whose batches share kind, dtype and shape go as one run
+        (a get of samples put one at a time is one run per column to decode, not one per put); big slices
         of shared-memory segments go by descriptor to same-host peers (pinned for the peer's
         process), the rest as body bytes (no copy). Device-tier slices, when `shared` is given,
         are shared by handle with a same-node reader, or with `link` named for sending over that
@@ -172,13 +174,26 @@ class FetchPath:
         nbytes = 0
         for name, slices in found:
             col = pb.ColumnData(name=name)
-            for batch, r0, r1 in slices:
+            last, key = None, None  # the column's last run sent as body bytes (and its batch's kind) and
+            for batch, r0, r1 in slices:  # its key, while a run of the next slice's key may continue it
+                if last is not None and batch.device is None and (batch.kind, batch.dtype, batch.shape) == key:
+                    lo, hi = batch.span(r0, r1)
+                    if not (by_fd and batch.segment is not None and hi - lo >= shm.SHM_MIN_VALUE):
+                        last.count += r1 - r0  # (one run for slices of many puts: one for the reader to decode)
+                        if batch.lengths is not None:
+                            last.lengths.extend(batch.lengths[r0:r1].tolist())
+                        last.nbytes += hi - lo
+                        body.extend(memoryview(batch.host(lo, hi - lo)))
+                        nbytes += hi - lo
+                        continue
                 run, lo = batch.add_run(col.runs, r0, r1)
                 nbytes += run.nbytes
+                last = None
                 if batch.device is not None and shared is not None and (link is None or batch.device.device.type == link.device.type):
                     self._share(batch, run, lo, shared, exported, link)
                 elif not (by_fd and self._by_descriptor(batch, run, lo, segs, index)):
                     run.offset = body.add(memoryview(batch.host(lo, run.nbytes)))
+                    last, key = run, (batch.kind, batch.dtype, batch.shape)
             out.append(col)
         if segs:
             self.segments.lend(peer.pid, segs)

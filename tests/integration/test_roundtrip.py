@@ -188,3 +188,25 @@ def test_batched_columns_round_trip_in_any_order(cluster, partition, monkeypatch
             assert torch.equal(xv, x[i]) and torch.equal(yv, y[i])
         f = d.get("f", ["x"], 32, partition=partition, timeout=5)
         assert torch.equal(torch.stack(f["x"]), x)
+
+
+@pytest.mark.parametrize("warehouse", [0, 1])
+def test_samples_put_one_at_a_time_come_back_as_one_run_per_stretch_of_one_kind(cluster, partition, warehouse):
+    """A get of samples put one by one (async RL's per-trajectory puts), inline from the controller's
+    node or fetched from another warehouse: the values of consecutive puts that share a kind travel as
+    one run per column (one to decode, not one per put), in the order asked; a value of another dtype
+    starts a run of its own."""
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(int(n), generator=g) for n in torch.randint(0, 50, (24,), generator=g)]
+    xs[10] = torch.arange(5)  # int64 among float32
+    with dockd.connect(cluster.address, warehouse=warehouse) as d:
+        for i, x in enumerate(xs):
+            d.put({"x": [x], "uid": [f"u{i}"], "v": torch.full((1, 3), float(i))}, partition=partition)
+        b = d.get("t", ["x", "uid", "v"], 24, partition=partition, shuffle=True, seed=1, timeout=10)
+        runs = {name: len(b._columns[name].runs) for name in ("x", "uid", "v")}  # (before they are decoded)
+        pos = b.indexes.index(10)
+        assert runs == {"x": 1 + (pos > 0) + (pos < 23), "uid": 1, "v": 1}
+        assert sorted(b.indexes) == list(range(24)) and b.indexes != list(range(24))
+        for i, x, uid, v in zip(b.indexes, b["x"], b["uid"], b["v"]):
+            assert x.dtype == xs[i].dtype and torch.equal(x, xs[i])
+            assert uid == f"u{i}" and v.tolist() == [float(i)] * 3
