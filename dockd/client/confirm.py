@@ -17,6 +17,7 @@ import weakref
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
+from dockd.client.connection import Pool
 from dockd.client.lease import Lease
 from dockd.client.router import CallScope, Router
 from dockd.errors import DockConnectionError, DockError, DockLeaseError
@@ -52,8 +53,12 @@ class Confirms:
         self.flush()
         with self._lock:
             self._settle(lambda: self._sending, deadline)
-        return self._router.controller(lambda pool: pool.call(frame, timeout=timeout, scope=scope),
-                                       deadline=deadline, partition=partition, at=at)
+        def call(pool: Pool) -> tuple[pb.Frame, np.ndarray, list[int]]:
+            if timeout is None:
+                return pool.ask(frame, scope=scope)
+            return pool.call(frame, timeout=timeout, scope=scope)
+
+        return self._router.controller(call, deadline=deadline, partition=partition, at=at)
 
     # -- the queue -------------------------------------------------------------------------------
     def soon(self, lease_id: int, at: str = "") -> None:
@@ -119,7 +124,7 @@ class Confirms:
         frame = pb.Frame(confirm=pb.ConfirmRequest(leases=leases))
         try:
             if retry:
-                reply, _, _ = self._router.controller(lambda pool: pool.call(frame), at=at)
+                reply, _, _ = self._router.controller(lambda pool: pool.ask(frame), at=at)
             elif at:
                 limit = self._connect_timeout
                 reply, _, _ = self._router.controller(lambda pool: pool.call(frame, timeout=limit), at=at,
@@ -139,7 +144,7 @@ class Confirms:
         """Dock.confirm: DockLeaseError when the lease is gone or another client's without its ticket."""
         self.send(self.take(lease.controller), lease.controller)
         frame = pb.Frame(confirm=pb.ConfirmRequest(leases=[lease.id], tickets=[lease.ticket]))
-        reply, _, _ = self._router.controller(lambda pool: pool.call(frame), at=lease.controller)
+        reply, _, _ = self._router.controller(lambda pool: pool.ask(frame), at=lease.controller)
         r = reply.confirm_reply
         if r.refused:
             raise DockLeaseError(f"lease {lease.id} belongs to another client: hand it over with its ticket")

@@ -27,7 +27,7 @@ import numpy as np
 from dockd import auth, shm, tls, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.recv_pool import RecvPool, recv_pool  # noqa: F401 - RecvPool: also importable from here
-from dockd.client.transport import ALIVE_EVERY_S, PROBE_S, Context, Endpoint, Transport
+from dockd.client.transport import ALIVE_EVERY_S, ANSWER_GRACE_S, PROBE_S, Context, Endpoint, Transport
 from dockd.client.transport.tcp import TcpTransport
 from dockd.errors import DockAuthError, DockClosed, DockConnectionError, DockError, DockProtocolError, from_status
 
@@ -477,6 +477,12 @@ class Pool:
             if scope is not None:
                 scope.leave(conn)
             self.put(conn)
+
+    def ask(self, frame: pb.Frame, *, scope: Any = None) -> tuple[pb.Frame, np.ndarray, list[int]]:
+        """A request without a timeout of its own: its answer is waited for as long as the daemon
+        answers probes (`answers`), so a stopped or hung one ends it (a connection error) instead of
+        holding the caller until it runs again."""
+        return self.call(frame, timeout=ANSWER_GRACE_S, scope=scope, alive=self.answers)
 
     def get(self, timeout: float | None = None) -> Connection:
         """An idle connection, or a new one (made within `timeout` seconds, at most connect_timeout)."""

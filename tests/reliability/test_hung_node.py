@@ -211,6 +211,24 @@ def test_with_a_stopped_controller_puts_and_gets_end_within_their_timeout_and_no
         assert d.stats()["partitions"][partition]["samples"] == 4
 
 
+def test_calls_without_a_timeout_to_a_stopped_controller_end_and_say_so(partition):
+    """stats() and confirm() have no timeout: on a stopped controller each waited until it ran again
+    (stats() over 5 minutes). Now, like a get, they wait while it answers probes, then reconnect for
+    reconnect_timeout and raise DockConnectionError; once it runs again they work."""
+    with dockd.start_local(1) as cluster, \
+            dockd.connect(cluster.address, reconnect_timeout=2, connect_timeout=2) as d:
+        d.put({"x": torch.arange(4)}, partition=partition)
+        lease = d.acquire("c", ["x"], 2, partition=partition, timeout=5)
+        with stopped(cluster.procs[0].pid):
+            for call in (d.stats, lambda: d.confirm(lease)):
+                _, err, took = timed(call)
+                assert isinstance(err, dockd.DockConnectionError) and "answer" in str(err), err
+                assert took < 20, took
+        assert d.stats()["partitions"][partition]["samples"] == 4
+        d.confirm(lease)
+        assert d.stats()["partitions"][partition]["consumers"]["c"]["taken"] == 2
+
+
 def test_a_get_ends_within_its_timeout_while_another_thread_waits_for_a_dead_controller(partition):
     """Another thread of the client (the confirm flusher, or the user's) reconnecting to a controller
     that is gone, for up to reconnect_timeout: a get(timeout=2) waited for that thread's reconnect
