@@ -27,6 +27,17 @@ PUT_KEYS_KEPT = 4096  # per warehouse: recent commits remembered so a re-sent on
 TOKENS_KEPT = 16384  # per dock: recent puts' writer tokens, so a put re-sent to another warehouse is applied once
 
 
+def kept_as(idx: np.ndarray, consecutive: bool) -> np.ndarray | range:
+    """A commit's indexes as remembered for its re-sends: a range when they are consecutive (new
+    samples), so that the last puts of many samples each hold no memory per sample."""
+    return range(int(idx[0]), int(idx[0]) + len(idx)) if consecutive and len(idx) else idx
+
+
+def indexes_of(kept: np.ndarray | range) -> np.ndarray:
+    """Remembered indexes (see `kept_as`) as an int64 array."""
+    return kept if isinstance(kept, np.ndarray) else np.arange(kept.start, kept.stop, dtype=np.int64)
+
+
 class StoredElsewhere(np.ndarray):
     """The indexes of a re-sent put (same writer token) whose values are held already: the warehouse
     answers with them and stores nothing."""
@@ -41,9 +52,10 @@ class Catalog:
         self.partitions: dict[str, _Partition] = {}
         self.dead_warehouses: set[int] = set()
         # per warehouse, put_id -> indexes of its recent commits (a re-sent commit is answered, not re-applied)
-        self.put_keys: dict[int, collections.OrderedDict[int, np.ndarray]] = {}
+        self.put_keys: dict[int, collections.OrderedDict[int, np.ndarray | range]] = {}
         # writer token -> (partition, columns, indexes) of recent puts (see `stored` and `commit`)
-        self.tokens: collections.OrderedDict[int, tuple[str, tuple[str, ...], np.ndarray]] = collections.OrderedDict()
+        self.tokens: collections.OrderedDict[int, tuple[str, tuple[str, ...], np.ndarray | range]] = \
+            collections.OrderedDict()
         # deleted samples whose data a warehouse still holds: partition -> warehouse -> index arrays
         # (the service sends the frees; replaying a journal refills it, and a second free is harmless)
         self.pending_frees: dict[str, dict[int, list[np.ndarray]]] = {}
@@ -84,17 +96,18 @@ class Catalog:
             return done
         seen = self.tokens.get(token) if token else None
         if seen is not None and seen[0] == partition and partition in self.partitions:
-            idx = self._rewrite(self.partitions[partition], seen[1], seen[2], warehouse, nbytes, away)
-            self.remember(warehouse, put_id, idx)
+            idx = self._rewrite(self.partitions[partition], seen[1], indexes_of(seen[2]), warehouse, nbytes, away)
+            self.remember(warehouse, put_id, seen[2])
             return idx
         if tags:
             _check_tags(tags, new_count if indexes is None else len(indexes))
         idx = self._commit(partition, columns, warehouse, indexes, new_count, group_size, nbytes)
         if tags:
             self._set_tags(self.partitions[partition], idx, tags)
-        self.remember(warehouse, put_id, idx)
+        kept = kept_as(idx, consecutive=indexes is None)  # (new samples are allocated consecutively)
+        self.remember(warehouse, put_id, kept)
         if token:
-            self.tokens[token] = (partition, tuple(columns), idx)
+            self.tokens[token] = (partition, tuple(columns), kept)
             if len(self.tokens) > TOKENS_KEPT:
                 self.tokens.popitem(last=False)
         return idx
@@ -118,9 +131,10 @@ class Catalog:
         if seen is None or seen[0] != partition or partition not in self.partitions:
             return None
         part = self.partitions[partition]
-        if any(self._unheld(part, c, seen[2], away).any() for c in seen[1]):
+        idx = indexes_of(seen[2])
+        if any(self._unheld(part, c, idx, away).any() for c in seen[1]):
             return None
-        return seen[2].view(StoredElsewhere)
+        return idx.view(StoredElsewhere)
 
     def _rewrite(self, part: _Partition, columns: Sequence[str], idx: np.ndarray, warehouse: int,
                  nbytes: int, away: Collection[int] = ()) -> np.ndarray:
@@ -142,10 +156,11 @@ class Catalog:
     def recall(self, warehouse: int, put_id: int) -> np.ndarray | None:
         """The indexes commit `put_id` of `warehouse` got, if it was applied recently (else None)."""
         recent = self.put_keys.get(warehouse) if put_id else None
-        return recent.get(put_id) if recent is not None else None
+        kept = recent.get(put_id) if recent is not None else None
+        return None if kept is None else indexes_of(kept)
 
-    def remember(self, warehouse: int, put_id: int, idx: np.ndarray) -> None:
-        """A commit applied: re-sent with the same put_id, it gets these indexes back."""
+    def remember(self, warehouse: int, put_id: int, idx: np.ndarray | range) -> None:
+        """A commit applied: re-sent with the same put_id, it gets these indexes back (`idx`: see kept_as)."""
         if put_id:
             keys = self.put_keys.setdefault(warehouse, collections.OrderedDict())
             keys[put_id] = idx

@@ -52,7 +52,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 
@@ -372,9 +372,9 @@ class Membership:
                 "progress is forgotten (every sample is handed out again), and new samples put before every "
                 "warehouse has rejoined can take indexes a late one holds, whose copies are then dropped. Run the "
                 "controller with --state-dir to keep both")
-        keys: Mapping[int, np.ndarray] = self.core.put_keys.get(entry.id, {}) if known else {}
+        recall = self.core.catalog.recall if known else lambda warehouse, put_id: None
         for c in req.pending:
-            done = keys.get(c.put_id) if c.put_id else None
+            done = recall(entry.id, c.put_id)
             if done is None:
                 continue
             # applied before the restart: the warehouse is about to store it, count it as held

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dockd.controller.catalog import indexes_of
 from dockd.controller.partition import FREE, LEASED, NO_WAREHOUSE, PENDING_WAREHOUSE, _Partition
 from dockd.errors import DockValueError
 
@@ -72,7 +73,7 @@ def snapshot(c: Controller, wall_offset: float) -> dict:
         "partitions": [export_partition(p) for p in c.partitions.values()],
         "leases": [[l.id, l.partition, l.consumer, l.indexes.tobytes(), l.deadline + wall_offset, l.token, l.owner]
                    for l in c.leases.values()],
-        "put_keys": [[w, [[k, v.tobytes()] for k, v in keys.items()]] for w, keys in c.put_keys.items()],
+        "put_keys": [[w, [[k, indexes_of(v).tobytes()] for k, v in keys.items()]] for w, keys in c.put_keys.items()],
     }
 
 
