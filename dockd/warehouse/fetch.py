@@ -174,8 +174,10 @@ class FetchPath:
         nbytes = 0
         for name, slices in found:
             col = pb.ColumnData(name=name)
-            last, key = None, None  # the column's last run sent as body bytes (and its batch's kind) and
-            for batch, r0, r1 in slices:  # its key, while a run of the next slice's key may continue it
+            # the column's last run sent as body bytes, and its batch's (kind, dtype, shape): the next
+            # slice continues that run when it goes as body bytes too and its batch has the same key
+            last, key = None, None
+            for batch, r0, r1 in slices:
                 if last is not None and batch.device is None and (batch.kind, batch.dtype, batch.shape) == key:
                     lo, hi = batch.span(r0, r1)
                     if not (by_fd and batch.segment is not None and hi - lo >= shm.SHM_MIN_VALUE):

@@ -386,7 +386,8 @@ class _Tokens:
     """Put tokens seen: the outcome of the last PUT_TOKENS_KEPT puts, and the retries waiting on running ones."""
 
     def __init__(self) -> None:
-        self._done: collections.OrderedDict[int, Sequence[int] | np.ndarray] = collections.OrderedDict()  # token -> indexes
+        # token -> the indexes it got (see _kept)
+        self._done: collections.OrderedDict[int, Sequence[int] | np.ndarray] = collections.OrderedDict()
         self._running: dict[int, list[tuple[Peer, pb.Frame]]] = {}  # token -> retries waiting on it
 
     def again(self, peer: Peer, frame: pb.Frame, drop: Callable[[], None]) -> bool:
@@ -400,7 +401,8 @@ class _Tokens:
             return False
         drop()
         if done is not None:
-            peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=done.tolist() if isinstance(done, np.ndarray) else list(done))))
+            indexes = done.tolist() if isinstance(done, np.ndarray) else list(done)
+            peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=indexes)))
         else:
             assert waiting is not None  # (seen: done, or still running)
             waiting.append((peer, frame))
