@@ -242,7 +242,7 @@ class FetchPath:
         if wid < 0:
             return [], codec.Body(), [], []
         idx = indexes.tolist()  # (one list for every column; scalar compares: gets are mostly small)
-        wanted = [(c, idx) for c, row in zip(columns, locations.tolist()) if all(w == wid for w in row)]
+        wanted = [(c, idx) for c, row in zip(columns, locations.tolist()) if row.count(wid) == len(row)]
         if not wanted or len(indexes) * len(wanted) > INLINE_CELLS:  # big gets fetch: their reply stays small
             return [], codec.Body(), [], []
         try:
