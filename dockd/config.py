@@ -53,6 +53,8 @@ FOREIGN_ENV = {
     "ASCEND_RT_VISIBLE_DEVICES": "device tier: the NPUs visible to this process (maps local to physical ids)",
     "TQ_CONTROLLER_GET_METADATA_TIMEOUT": "verl plugin: seconds transfer_queue's get_meta waits for samples "
                                           "(TransferQueue's own variable; default 1)",
+    "ARROW_DEFAULT_MEMORY_POOL": "pyarrow's allocator (mimalloc, jemalloc, system); set for a daemon, it serves all of "
+                                 "the warehouse's private memory (default: values of 64 KiB and more from jemalloc)",
 }
 
 

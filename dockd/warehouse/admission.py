@@ -23,11 +23,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import pyarrow as pa
 
 from dockd import shm
 from dockd.errors import DockError, DockFull
 from dockd.peer import Peer
+from dockd.warehouse import memory
 from dockd.warehouse.core import Warehouse
 from dockd.warehouse.segments import Segments
 
@@ -154,7 +154,7 @@ class Admission:
         """Where a frame body is received: shared memory when big enough to be worth passing by descriptor."""
         if self.shm_bodies and size >= shm.SHM_MIN_BODY and self.segment_room():
             return self.segments.take(size)
-        return pa.allocate_buffer(size)
+        return memory.allocate(size)
 
     def copy_in(self, staged, size: int):
         """Copy a staged payload into storage of ours: a warm pool segment (or private memory past
@@ -209,7 +209,7 @@ class Admission:
                 return seg
 
             return seg.writable(), sealed
-        buf = pa.allocate_buffer(size)
+        buf = memory.allocate(size)
         return buf, lambda: buf
 
     def segment_room(self) -> bool:

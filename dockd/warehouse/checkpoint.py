@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 from dockd._proto import dockd_pb2 as pb
 from dockd.codec import ITEMSIZE
 from dockd.errors import DockFull, DockNotFound, DockValueError
+from dockd.warehouse import memory
 from dockd.warehouse.core import Warehouse
 from dockd.warehouse.segments import Segments
 
@@ -150,7 +151,7 @@ def read(path: str, limit: int | None = None) -> tuple[list[tuple[np.ndarray, pb
             values = rb.column(3)
             off = np.frombuffer(values.buffers()[1], dtype=np.int64)[values.offset: values.offset + len(values) + 1]
             lo, hi = int(off[0]), int(off[-1])
-            data = pa.allocate_buffer(hi - lo)
+            data = memory.allocate(hi - lo)
             if hi > lo:
                 memoryview(data).cast("B")[:] = memoryview(values.buffers()[2]).cast("B")[lo:hi]
             run = pb.Run(kind=d["kind"], count=len(values), dtype=d["dtype"], shape=d["shape"], offset=0,

@@ -55,6 +55,7 @@ import pyarrow as pa
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockFull, DockNotFound, DockValueError
 from dockd.runcheck import check_columns
+from dockd.warehouse import memory
 from dockd.warehouse.layout import (
     SMALL_RUN,
     Indexes,
@@ -477,7 +478,7 @@ class Warehouse:
             at = total
             total = -(-(at + int((ends - starts).sum())) // 64) * 64  # each run 64-byte aligned
             plans.append((name, col, bid, b, keys[rows], rows, starts, ends, at))
-        new = pa.allocate_buffer(total)
+        new = memory.allocate(total)
         dst = np.frombuffer(new, dtype=np.uint8)
         owner = _Body(total, None, body.live, body.first_column)
         owner.meta = body.meta

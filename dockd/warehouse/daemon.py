@@ -44,7 +44,7 @@ from dockd.controller.service import ControllerService
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockValueError
 from dockd.metrics import Metrics, MetricsServer
 from dockd.peer import Peer
-from dockd.warehouse import mooncake
+from dockd.warehouse import memory, mooncake
 from dockd.warehouse.admission import Admission
 from dockd.warehouse.checkpoint import Checkpoints
 from dockd.warehouse.commit import LocalCommitter, RemoteCommitter, RoutingCommitter
@@ -482,8 +482,10 @@ def serve(cfg: NodeConfig, *, announce=sys.stdout) -> int:
     import torch
 
     torch.set_num_threads(1)
+    pool = memory.choose()
 
-    logger.info("[node] starting version=%s python=%s torch=%s", __version__, sys.version.split()[0], torch.__version__)
+    logger.info("[node] starting version=%s python=%s torch=%s memory_pool=%s", __version__, sys.version.split()[0],
+                torch.__version__, pool)
 
     async def main() -> int:
         node = Node(cfg)

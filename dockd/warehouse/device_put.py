@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import logging
 
-import pyarrow as pa
-
 from dockd import codec, device_share
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockFull, DockProtocolError, DockValueError
 from dockd.metrics import Metrics
 from dockd.peer import Peer
+from dockd.warehouse import memory
 from dockd.warehouse.core import Warehouse
 from dockd.warehouse.segments import Segments
 
@@ -79,7 +78,7 @@ def _spill(req: pb.PutRequest, opened, spans, buf, size: int, total: int, w: War
         raise DockFull(f"the device tier {why} and host memory has no room for the {total} bytes it would "
                        f"spill ({w.used} of {w.capacity} bytes in use)")
     try:
-        out = pa.allocate_buffer(end)
+        out = memory.allocate(end)
         mv = memoryview(out).cast("B")
         if size:
             mv[:size] = memoryview(buf).cast("B")[:size]

@@ -52,6 +52,7 @@ import pyarrow as pa
 
 from dockd import shm
 from dockd.errors import DockValueError
+from dockd.warehouse import memory
 from dockd.warehouse.tasks import spawn
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ class Spilled:
             with pa.memory_map(self.path, "r") as mm:
                 col = pa.ipc.open_file(mm).get_batch(0).column(0)
             return col.buffers()[2].slice(0, self.size)
-        buf = pa.allocate_buffer(self.size)
+        buf = memory.allocate(self.size)
         self.read_into(memoryview(buf).cast("B"))
         return buf
 
