@@ -294,6 +294,8 @@ class Controller:
         lease = self.book.pop(lease_id)
         if lease is None:
             return None
+        if state == TAKEN:
+            self.book.confirmed(lease_id)
         part = self.partitions.get(lease.partition)
         if part is not None:
             cons = part.consumers[lease.consumer]

@@ -14,6 +14,7 @@ import numpy as np
 from dockd import ids
 
 _CLEARED_KEPT = 1 << 16  # ids of leases ended by a clear, remembered for their late confirms
+_TAKEN_KEPT = 1 << 16  # ids of leases ended by their confirm, remembered for a re-sent one
 
 RoundKey = tuple[str, str, tuple[str, ...], bool, int, int, int]
 """A rank-aware get's rounds: (partition, consumer, columns, groups, dp_size, mp_size, mp_group)."""
@@ -50,7 +51,9 @@ class AcquireResult:
 
 class LeaseBook:
     """The leases outstanding, by id; `tokens` maps an acquire's retry token to its lease, and
-    `cleared` remembers leases that ended with their partition (a late confirm of one is no news).
+    `cleared` remembers leases that ended with their partition (a late confirm of one is no news),
+    `taken` those their confirm ended (a confirm re-sent after a reconnect, when the first was
+    applied but its answer lost, is no news either: its samples were not handed out again).
 
     Expiry order. Leases with the default timeout expire in grant order (one timeout, a monotonic
     clock), so they sit in a FIFO that a confirm leaves in O(1); leases with a deadline of their
@@ -63,6 +66,7 @@ class LeaseBook:
         self.leases: dict[int, Lease] = {}
         self.tokens: dict[int, int] = {}  # acquire token -> outstanding lease id
         self.cleared: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.taken: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.lease_ids = lease_ids or (lambda: ids.random_bits(62) + 1)
         self._fifo: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._deadlines: list[tuple[float, int]] = []
@@ -95,6 +99,12 @@ class LeaseBook:
         if lease.token:
             self.tokens.pop(lease.token, None)
         return lease
+
+    def confirmed(self, lease_id: int) -> None:
+        """A lease ended by its confirm: remembered as taken."""
+        self.taken[lease_id] = None
+        if len(self.taken) > _TAKEN_KEPT:
+            self.taken.popitem(last=False)
 
     def forget(self, lease: Lease) -> None:
         """A lease ended with its partition (a clear): out of the book, remembered as cleared."""

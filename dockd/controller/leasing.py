@@ -91,7 +91,8 @@ class Leasing:
                 refused.append(lid)
                 continue
             if lease is None:
-                if lid not in core.cleared_leases:  # (a clear took its samples: nothing was handed out again)
+                # (a clear took its samples, or this confirm is a re-send of one applied: nothing was handed out again)
+                if lid not in core.cleared_leases and lid not in core.book.taken:
                     unknown.append(lid)
                 continue
             member = lease.holders.get(self.session(peer)) if lease.holders else None

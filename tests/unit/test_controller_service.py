@@ -123,6 +123,27 @@ def test_a_confirmed_lease_does_not_expire():
     run(main())
 
 
+def test_a_confirm_sent_again_after_it_was_applied_is_not_reported_as_expired():
+    """A client re-sends a request whose answer it did not get (a dropped connection, a controller
+    that stalled past the client's probe): a confirm applied the first time must not come back as
+    "expired or released", which would tell the trainer its samples went to another reader."""
+    async def main():
+        d = Dock(lease_timeout=30.0)
+        d.put("p", 2)
+        a = FakePeer("a", b"session-a")
+        lease = d.answer(a, d.get(a, "p", 1)).acquire_reply.lease
+        assert not list(d.svc.confirm(a, pb.ConfirmRequest(leases=[lease])).unknown)
+        again = d.svc.confirm(a, pb.ConfirmRequest(leases=[lease]))
+        assert not list(again.unknown) and not list(again.refused)
+        assert d.svc.stats().partitions[0].consumers[0].taken == 1
+        other = d.answer(a, d.get(a, "p", 1)).acquire_reply.lease  # (an expired lease is still reported)
+        await d.advance(31.0)
+        assert list(d.svc.confirm(a, pb.ConfirmRequest(leases=[other])).unknown) == [other]
+        d.svc.shutdown()
+
+    run(main())
+
+
 def test_a_lease_is_kept_while_any_authenticated_connection_of_its_session_is_open():
     async def main():
         d = Dock()
