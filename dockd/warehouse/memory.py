@@ -3,12 +3,13 @@
 checkpoint loads, device-tier copies to the host.
 
 Values of 64 KiB and more come from jemalloc where pyarrow has it, smaller ones from Arrow's
-default pool (mimalloc). Measured on the development VM: the default pool took 0.3-2.8 ms per
-MiB to hand out memory it had not used before (allocated and written, in bursts of the slow
-end), jemalloc 0.5-0.6 ms every time; while a warehouse fills, a stream of puts of 240 KiB
-ran 1.55-1.75x as fast from jemalloc; and jemalloc gave the memory back after a clear (0.3 GiB
-resident after 1 GB of puts was cleared, against 1.4 GiB). For small values the default pool
-is as fast and packs them tighter (4-6 bytes less per sample of 1,000-sample puts of 64 KB).
+default pool (mimalloc). Measured on the development VM: memory the default pool had not
+handed out before took 0.3 ms per MiB to allocate and write in some runs and 2.2-2.8 ms in
+others, jemalloc's 0.5-0.6 ms in every run; while a warehouse fills, a stream of puts of
+240 KiB ran 1.55-1.75x as fast from jemalloc; and jemalloc gave the memory back after a clear
+(0.3 GiB resident after 1 GB of puts was cleared, against 1.4 GiB). For small values the
+default pool is as fast and packs them tighter (4-6 bytes less per sample of 1,000-sample puts
+of 64 KB).
 `ARROW_DEFAULT_MEMORY_POOL` set for the daemon: that pool serves every size.
 """
 
