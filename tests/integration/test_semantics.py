@@ -181,6 +181,28 @@ def test_full_warehouse_applies_backpressure_then_dockfull(partition):
         assert d.stats()["warehouses"][0]["bytes"] < 1 << 20
 
 
+def test_a_put_that_waits_long_for_room_says_so_once(partition, monkeypatch, caplog):
+    """A put without a timeout waits for room as long as it takes; from outside that looked like a hang.
+    Past PUT_WAIT_WARN_S (30 s; 0.5 s here) the client logs once what it waits for, then the put lands."""
+    from dockd.client import transport
+
+    monkeypatch.setattr(transport, "PUT_WAIT_WARN_S", 0.5)
+    with dockd.start_local(1, capacity="1MiB") as c, dockd.connect(c.address) as d:
+        d.put({"x": [torch.zeros(200_000)]}, partition=partition)  # 800 kB of 1 MiB
+        done = {}
+        t = threading.Thread(target=lambda: done.setdefault("idx", d.put({"x": [torch.ones(100_000)]},
+                                                                        partition=partition + "b")))
+        with caplog.at_level(logging.WARNING, logger="dockd.client.transport"):
+            t.start()
+            wait_until(lambda: "has waited" in caplog.text, timeout=15, what="the long wait to be logged")
+            assert "idx" not in done
+            d.clear(partition)
+            t.join(30)
+        assert done["idx"] == [0]
+        said = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
+        assert len(said) == 1 and repr(partition + "b") in said[0] and "waits for room" in said[0], said
+
+
 @pytest.mark.slow  # (CI runs it: make test-slow)
 def test_dead_warehouse_makes_loss_visible(partition):
     with (dockd.start_local(2) as c,

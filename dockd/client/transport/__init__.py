@@ -95,6 +95,9 @@ PROBE_S = ALIVE_EVERY_S = 5.0
 #: A request that may wait `timeout` seconds in the daemon (for room, for samples) and has no answer
 #: this many seconds after that has its daemon probed (`Pool.answers`).
 ANSWER_GRACE_S = 1.0
+#: A put still waiting for its answer this long after it was sent, from a warehouse that answers probes,
+#: is logged once (it waits for room or for its controller, which looks like a hang from outside).
+PUT_WAIT_WARN_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -131,11 +134,22 @@ class Put:
     answer_s: float | None = None  # seconds its answer may take before its warehouse is probed (None: no probe)
     deadline: float | None = None  # (monotonic) when to stop waiting for an answer, even from a warehouse that is there
     late: bool = False             # the deadline passed while waiting
+    warned: bool = False           # its long wait was logged
 
     def alive(self, pool: Pool) -> Callable[[], bool | float]:
         """For `Pool.call`: whether to keep waiting for the put's answer (its warehouse answers a probe),
-        and for how long (not past the deadline)."""
+        and for how long (not past the deadline). A wait past PUT_WAIT_WARN_S is logged once."""
+        sent = time.monotonic()
+
         def check() -> bool | float:
+            waited = time.monotonic() - sent
+            if waited >= PUT_WAIT_WARN_S and not self.warned:
+                self.warned = True
+                _log.warning("[client] a put to partition %r has waited %.0fs for its answer from the warehouse at "
+                             "%s, which is there: it waits for room (--capacity, or the partition's max_pending) or "
+                             "for its controller; `dockd status` shows which%s", self.req.partition, waited,
+                             pool.address, "" if self.deadline is not None else
+                             " (a put without a timeout waits as long as that takes)")
             if self.deadline is None:
                 return pool.answers()
             left = self.deadline - time.monotonic()
