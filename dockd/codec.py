@@ -386,10 +386,11 @@ def _tensor_run(col: pb.ColumnData, tensors: list[torch.Tensor], body: Body, *, 
     else:  # ragged in the first dimension only (the grouping guarantees the rest)
         run.shape.extend([-1, *first.shape[1:]])
         run.lengths.extend(v.shape[0] for v in tensors)
-    nbytes = sum(v.numel() for v in tensors) * first.element_size()
+    numels = [v.numel() for v in tensors]
+    nbytes = sum(numels) * first.element_size()
     if nbytes < _CAT_BELOW * len(tensors) and len(tensors) > 1:
-        flat = torch.empty(nbytes // first.element_size(), dtype=first.dtype)  # one copy instead of one buffer each
-        cat_into([v.detach().cpu().reshape(-1) for v in tensors], [v.numel() for v in tensors], flat)
+        flat = torch.empty(sum(numels), dtype=first.dtype)  # one copy instead of one buffer each
+        cat_into([v.detach().cpu().reshape(-1) for v in tensors], numels, flat)
         parts = [_bytes(flat)]
     else:
         parts = [_bytes(_cpu(v)) for v in tensors]

@@ -180,7 +180,7 @@ class FetchPath:
             for batch, r0, r1 in slices:
                 if last is not None and batch.device is None and (batch.kind, batch.dtype, batch.shape) == key:
                     lo, hi = batch.span(r0, r1)
-                    if not (by_fd and batch.segment is not None and hi - lo >= shm.SHM_MIN_VALUE):
+                    if not (by_fd and _lendable(batch, hi - lo)):
                         last.count += r1 - r0  # (one run for slices of many puts: one for the reader to decode)
                         if batch.lengths is not None:
                             last.lengths.extend(batch.lengths[r0:r1].tolist())
@@ -220,9 +220,9 @@ class FetchPath:
     @staticmethod
     def _by_descriptor(batch, run: pb.Run, lo: int, segs: list, index: dict) -> bool:
         """Point a run into its shared-memory segment, passed by descriptor (False: it goes as bytes)."""
-        seg = batch.segment
-        if seg is None or run.nbytes < shm.SHM_MIN_VALUE:
+        if not _lendable(batch, run.nbytes):
             return False
+        seg = batch.segment
         k = index.get(id(seg))
         if k is None and len(segs) < shm.MAX_FDS:
             segs.append(seg)
@@ -254,6 +254,12 @@ class FetchPath:
             found = [(name, slices) for name, slices in found if all(b.device is None for b, _, _ in slices)]
         cols, body, segs = self.encode(peer, found, len(indexes), shared)
         return cols, body, segs, [d for d, _ in shared or ()]
+
+
+def _lendable(batch, nbytes: int) -> bool:
+    """Whether `nbytes` of a batch may go to a same-host reader by descriptor: they are in a shared-memory
+    segment, and enough of them to be worth a mapping."""
+    return batch.segment is not None and nbytes >= shm.SHM_MIN_VALUE
 
 
 def _flat(t):
