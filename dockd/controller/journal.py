@@ -92,11 +92,19 @@ from dockd.errors import DockError, DockStateFull
 logger = logging.getLogger(__name__)
 
 _HEAD = struct.Struct("<II")
+_FEW_IDX = 8  # (see _pack_idx)
 _SNAP = re.compile(r"snapshot-(\d+)\.msgpack$")
 
 
 def _pack_idx(idx) -> bytes | list[int]:
-    """Indexes compactly: [start, n] for a consecutive run, else raw int64 bytes."""
+    """Indexes compactly: [start, n] for a consecutive run, else raw int64 bytes (native order). A few
+    indexes (a small get's lease, a one-sample commit) are read as Python ints: three numpy calls on a
+    tiny array cost a grant record more than the rest of it."""
+    if len(idx) <= _FEW_IDX:
+        xs = idx.tolist() if isinstance(idx, np.ndarray) else [int(x) for x in idx]
+        if xs and xs[-1] - xs[0] == len(xs) - 1 and all(b - a == 1 for a, b in zip(xs, xs[1:])):
+            return [xs[0], len(xs)]
+        return struct.pack(f"={len(xs)}q", *xs)
     a = np.asarray(idx, dtype=np.int64)
     if len(a) and a[-1] - a[0] == len(a) - 1 and (len(a) < 3 or bool((np.diff(a) == 1).all())):
         return [int(a[0]), len(a)]

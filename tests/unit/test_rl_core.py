@@ -164,6 +164,29 @@ def test_the_journal_replays_partition_operations(tmp_path):
     assert snap.stats() == back.stats()
 
 
+@pytest.mark.parametrize("picked", [[5], [5, 6, 7], [7, 5], [4, 6, 5, 7], [1, 3, 4, 9], list(range(2, 10)), list(range(2, 11)),
+                                    [9, 3, *range(10, 20)]])
+@pytest.mark.parametrize("as_array", [False, True])
+def test_the_journal_replays_leases_of_any_indexes(tmp_path, picked, as_array):
+    """A lease's indexes are recorded as a range when consecutive and as raw int64 otherwise, by a
+    scalar path for a few of them and numpy for more: both come back as the same lease."""
+    j = Journal(tmp_path)
+    core, _ = j.load(lease_timeout=60, now=0.0)
+    core.create_partition("p")
+    j.create("p", 1, [])
+    idx = core.commit("p", ["x"], warehouse=1, new_count=30)
+    j.commit("p", ["x"], 1, None, 30, 1, 0, 0)
+    assert idx.tolist() == list(range(30))
+    lease = core.grant(7, "p", "c", np.array(picked) if as_array else picked, deadline=30.0, token=3, owner=b"o")
+    lease.indexes = np.array(picked, dtype=np.int64) if as_array else list(picked)
+    j.grant(lease, 30.0)
+    j.close()
+    back, _ = Journal(tmp_path).load(lease_timeout=60, now=0.0)
+    assert back.leases[7].indexes.tolist() == picked
+    rest = back.acquire("p", "c", ["x"], 30, allow_partial=True).indexes.tolist()
+    assert sorted(rest) == sorted(set(range(30)) - set(picked))
+
+
 def test_warehouse_frees_a_put_once_all_its_samples_are_deleted_and_measures_columns():
     w = Warehouse(1 << 20)
     body = codec.Body()
