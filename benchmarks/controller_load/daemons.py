@@ -108,7 +108,9 @@ class Daemons:
 
     def __init__(self, *, controllers: int, warehouses: int, capacity: str, netns: bool = False,
                  controller_cpus: set[int] | None = None, warehouse_cpus: set[int] | None = None,
-                 workdir: Path | None = None, timeout: float = 60.0) -> None:
+                 workdir: Path | None = None, timeout: float = 60.0, listed: bool = False) -> None:
+        """`listed`: start even one controller with ``--controllers`` and a ``--state-dir``, as K > 1 are
+        (so that K = 1 and K > 1 differ only in K)."""
         self.k = controllers
         self.n_warehouses = warehouses
         self.procs: list[subprocess.Popen] = []
@@ -133,7 +135,7 @@ class Daemons:
                 self.common += ["--token-file", self.client_env["DOCKD_TOKEN_FILE"]]
                 self._build_netns()
             how = None
-            if controllers > 1:
+            if controllers > 1 or listed:
                 how, why = multi_controller_support()
                 if how is None:
                     raise RuntimeError(why)

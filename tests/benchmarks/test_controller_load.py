@@ -66,3 +66,49 @@ def test_quick_run_reports_rates_and_cpu(tmp_path):
     md = (tmp_path / "q.md").read_text()
     assert "Same-run baseline" in md and "Streaming model" in md
     assert load_report.model_cpu_figure(res)[0] == res["streaming_cpu_s_per_request"]
+
+
+def test_capacity_summary_compares_each_k_with_one_controller():
+    from benchmarks.controller_load.capacity import summarize
+
+    def st(rps, passed=True, controller=None, cpu=(100.0, 0.5)):
+        s = {"requests_per_s": rps, "passed": passed, "per_controller_cpu_us_per_request": list(cpu)}
+        if controller is not None:
+            s["controller"] = controller
+        return s
+
+    res = {"runs": [
+        {"controllers": 1, "capacity": st(1000.0), "alone_capacity": [], "alone": []},
+        {"controllers": 2, "capacity": st(900.0), "alone_capacity": [st(950.0, controller=0), st(1000.0, controller=1)],
+         "alone": [st(950.0, controller=0, cpu=(100.0, 0.5)), st(1000.0, controller=1, cpu=(2.0, 101.0))]},
+    ]}
+    summarize(res)
+    two = res["runs"][1]
+    assert two["scaling"] == pytest.approx(0.9)
+    assert two["alone_vs_one"] == pytest.approx([0.95, 1.0]) and two["independent_scaling"] == pytest.approx(1.95)
+    assert two["idle_controller_cpu_us_per_request_max"] == pytest.approx(2.0)  # (the loaded one's own CPU is not counted)
+    assert res["runs"][0]["scaling"] == pytest.approx(1.0)
+
+
+@pytest.mark.slow  # (CI runs it: make test-slow)
+@pytest.mark.timeout(180)
+def test_capacity_probe_loads_each_controller_through_the_real_protocol(tmp_path):
+    from benchmarks.controller_load.capacity import main
+
+    out = tmp_path / "cap.json"
+    rc = main(["--controllers", "1,2", "--threads", "2", "--seconds", "1", "--fill", "20000", "--partitions", "4",
+               "--echo-round-trips", "1000", "--json", str(out), "--report", str(tmp_path / "cap.md")])
+    res = json.loads(out.read_text())
+    assert rc == 0, res
+    one, two = res["runs"]
+    for s in one["together"] + two["together"] + two["alone"]:
+        assert s["requests"] > 0 and s["samples"] > 0 and not s["errors"]
+        assert s["controller_cpu_us_per_request"] > 0 and s["p99_ms"] >= s["p50_ms"] > 0
+    assert len(two["together"][0]["owners"]) == 2  # the partitions spread over both controllers
+    alone = [s["owners"] for s in two["alone"]]
+    assert len(alone) == 2 and all(len(o) == 1 for o in alone) and alone[0] != alone[1]
+    for s in two["alone"]:  # the loaded controller did the work
+        cpu = s["per_controller_cpu_us_per_request"]
+        assert cpu[s["controller"]] == max(cpu)
+    assert two["independent_scaling"] is not None and two["scaling"] is not None
+    assert "controller 1 only" in (tmp_path / "cap.md").read_text()
