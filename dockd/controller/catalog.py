@@ -12,12 +12,14 @@ import numpy as np
 from dockd import limits
 from dockd.controller import selection
 from dockd.controller.partition import (
+    CELLS_PER_SAMPLE,
     FREE,
     INT64_MAX,
     LOST,
     NO_WAREHOUSE,
     PENDING_WAREHOUSE,
     TAKEN,
+    Cells,
     _check_tags,
     _Partition,
 )
@@ -47,6 +49,7 @@ class Catalog:
     """The partitions of one dock, at most `max_samples` samples in all (their metadata lives here)."""
 
     def __init__(self, max_samples: int) -> None:
+        self.cells = Cells()  # the per-consumer memory of every partition held here (bounded with max_samples)
         self.max_samples = max_samples
         self._samples: int | None = None  # ... how many there are (None: count again)
         self.partitions: dict[str, _Partition] = {}
@@ -248,6 +251,24 @@ class Catalog:
             self._samples += count
         return idx
 
+    @property
+    def max_samples(self) -> int:
+        return self._max_samples
+
+    @max_samples.setter
+    def max_samples(self, n: int) -> None:
+        self._max_samples = n
+        self.cells.limit = CELLS_PER_SAMPLE * n
+
+    def adopt(self, part: _Partition, *, counted: bool = False) -> None:
+        """Hold a partition made elsewhere (restored, rebuilt: never refused), its memory counted here
+        (`counted`: taken already)."""
+        part.cells = self.cells
+        if not counted:
+            self.cells.used += part.cells_held()
+        self.partitions[part.name] = part
+        self._samples = None
+
     def _sample_count(self) -> int:
         if self._samples is None:
             self._samples = sum(p.size for p in self.partitions.values())
@@ -261,7 +282,7 @@ class Catalog:
     def _new_partition(self, name: str, group_size: int) -> _Partition:
         """A partition made at a client's request (within the dock's bound on partitions)."""
         self._check_partitions()
-        part = self.partitions[name] = _Partition(name, group_size)
+        part = self.partitions[name] = _Partition(name, group_size, self.cells)
         return part
 
     # -- partitions and their samples -----------------------------------------------------
@@ -454,6 +475,7 @@ class Catalog:
             raise DockNotFound(f"partition {partition!r} does not exist (already cleared, or never written)")
         self._samples = None
         self.pending_frees.pop(partition, None)  # (a clear frees everything)
+        self.cells.give(part.cells_held())
         return part
 
     def add(self, part: _Partition) -> None:
@@ -463,8 +485,8 @@ class Catalog:
         if self._sample_count() + n > self.max_samples:
             raise DockFull(f"the checkpoint's {n} samples do not fit next to the dock's {self._sample_count()} "
                            f"(--max-samples {self.max_samples})")
-        self._samples = None
-        self.partitions[part.name] = part
+        self.cells.take(part.cells_held(), f"the checkpoint's partition {part.name!r}")
+        self.adopt(part, counted=True)
 
     def warehouse_bytes(self) -> dict[int, int]:
         out: dict[int, int] = {}

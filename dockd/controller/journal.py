@@ -234,10 +234,11 @@ class Journal:
         log = self.dir / f"journal-{self.gen}.log"
         replayed = skipped = good = 0
         if log.exists():
-            for rec, good in self._read(log):  # noqa: B007 - good: where the last whole record ends
-                if not apply(core, warehouses, rec, now):
-                    skipped += 1
-                replayed += 1
+            with core.catalog.cells.unbounded():  # (what was decided is rebuilt, whatever the bound now)
+                for rec, good in self._read(log):  # noqa: B007 - good: where the last whole record ends
+                    if not apply(core, warehouses, rec, now):
+                        skipped += 1
+                    replayed += 1
             try:  # cut a torn tail, and give back space an earlier run reserved past the last record
                 os.truncate(log, good)
             except OSError as e:
@@ -617,7 +618,7 @@ def _apply(core: Controller, warehouses: dict[int, dict], rec: list, now: float)
     elif kind == "V":
         core.reserve(rec[1], rec[2], group_size=rec[3])
     elif kind == "K":
-        core.partitions[rec[1]] = import_partition(rec[2])
+        core.catalog.adopt(import_partition(rec[2]))  # (exported under its name, rec[1])
     elif kind == "T":
         core.set_tags(rec[1], _unpack_idx(rec[2]), _unpack_tags(rec[3]))
     elif kind == "G":

@@ -13,17 +13,25 @@ An `_Eligible` bitmap keeps a count per block of 1024, so an acquire walks the
 non-empty blocks in order: its cost grows with the batch size and n/1024, not
 with the partition. Eligibility is kept exact on every commit, lease, confirm
 and release, so the number of ready samples is always known without a scan.
+
+Consumers and their column sets cost the controller memory but no warehouse
+room: a byte per sample of the partition for each consumer (`state`) and for
+each column set it reads (a subscription's bitmap). Both are bounded dock-wide
+(`Cells`), and a consumer keeps the bitmaps of its MAX_VIEWS most recently used
+column sets only; a get with another drops the least recently used one (built
+again, in one pass over the partition, when it is asked for again).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from dockd import limits
-from dockd.errors import DockValueError
+from dockd.errors import DockFull, DockValueError
 
 FREE, LEASED, TAKEN, LOST = 0, 1, 2, 3
 NO_WAREHOUSE = 0xFFFF
@@ -37,6 +45,10 @@ _BLOCK_SHIFT = 10
 #: Up to this many samples (or group members), eligibility and commits are updated one sample at a
 #: time: a numpy call on a tiny array costs about as much as a dozen scalar updates.
 FEW = 8
+#: Column sets (with or without groups) one consumer keeps an eligibility bitmap for.
+MAX_VIEWS = 8
+#: The dock's per-consumer memory (`Cells`) is bounded to this many bytes per sample of --max-samples.
+CELLS_PER_SAMPLE = 16
 
 
 
@@ -140,6 +152,44 @@ class _Sub:
     rng: np.random.Generator | None = None
 
 
+class Cells:
+    """The controller's per-consumer memory across the dock, in bytes: each consumer of a partition keeps
+    a byte per sample of the partition's capacity, and so does each column set it reads. A request that
+    would take it past `limit` (None: no bound) is refused before anything changes."""
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, n: int, why: str) -> None:
+        if n > 0 and self.limit is not None and self.used + n > self.limit:
+            raise DockFull(
+                f"{why} would take {_mib(n)} of controller memory; the dock's consumers already keep {_mib(self.used)} "
+                f"(a byte per sample of a partition for each consumer name and each set of columns it reads) and "
+                f"may keep {_mib(self.limit)} ({CELLS_PER_SAMPLE} bytes per sample of --max-samples). Let the workers "
+                "of one pipeline stage share one consumer name, read the same columns in each get, or clear "
+                "finished partitions")
+        self.used += n
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+    @contextlib.contextmanager
+    def unbounded(self) -> Iterator[None]:
+        """Counted but never refused meanwhile: rebuilding what the dock held already (a restart)."""
+        limit, self.limit = self.limit, None
+        try:
+            yield
+        finally:
+            self.limit = limit
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.1f} MiB"
+
+
 class _Consumer:
     __slots__ = ("state", "subs", "taken", "leased")
 
@@ -151,9 +201,10 @@ class _Consumer:
 
 
 class _Partition:
-    def __init__(self, name: str, group_size: int) -> None:
+    def __init__(self, name: str, group_size: int, cells: Cells | None = None) -> None:
         self.name = name
         self.group_size = group_size
+        self.cells = cells if cells is not None else Cells()  # (the dock's, once a Catalog holds it)
         self.size = 0
         self.capacity = 1024
         self.ready = np.zeros(self.capacity, dtype=np.uint64)
@@ -185,6 +236,7 @@ class _Partition:
         cap = self.capacity
         while cap < need:
             cap *= 2
+        self.cells.take(self.cells_held(cap) - self.cells_held(), f"growing partition {self.name!r} to {cap} samples")
         self.ready = _grown(self.ready, cap)
         self.gone = _grown(self.gone, cap)
         for name, arr in self.tags.items():
@@ -197,6 +249,16 @@ class _Partition:
             for sub in cons.subs.values():
                 sub.eligible.grow(cap // self.group_size if sub.groups else cap)
         self.capacity = cap
+
+    def cells_held(self, capacity: int | None = None) -> int:
+        """Bytes of per-consumer memory this partition keeps (at `capacity`, default its own)."""
+        cap = self.capacity if capacity is None else capacity
+        grouped = plain = 0
+        for c in self.consumers.values():
+            for s in c.subs.values():
+                grouped += s.groups
+                plain += not s.groups
+        return cap * (len(self.consumers) + plain) + cap // self.group_size * grouped
 
     def ready_for(self, cons: _Consumer) -> int:
         """Samples `cons` could take now: the most of any column set it has asked for."""
@@ -354,12 +416,20 @@ class _Partition:
             sub.eligible.clear(np.unique(idx // self.group_size) if sub.groups else idx)
 
     def subscription(self, cons: _Consumer, mask: int, groups: bool) -> _Sub:
-        sub = cons.subs.get((mask, groups))
+        """The eligibility of `cons` for this column set; its most recently used MAX_VIEWS are kept."""
+        key = (mask, groups)
+        subs = cons.subs
+        sub = subs.pop(key, None)
         if sub is None:
+            if len(subs) >= MAX_VIEWS:
+                old = subs.pop(next(iter(subs)))
+                self.cells.give(len(old.eligible.bits))
             units = self.capacity // self.group_size if groups else self.capacity
-            sub = cons.subs[(mask, groups)] = _Sub(mask, groups, _Eligible(units))
+            self.cells.take(units, f"another set of columns read by a consumer of partition {self.name!r}")
+            sub = _Sub(mask, groups, _Eligible(units))
             if self.size:
                 self.refresh(cons, np.arange(self.size, dtype=np.int64), [sub])
+        subs[key] = sub  # (the most recently used last)
         return sub
 
     def consumer(self, name: str) -> _Consumer:
@@ -369,6 +439,7 @@ class _Partition:
                 raise DockValueError(
                     f"partition {self.name!r} has {len(self.consumers)} consumers, the most it takes; a consumer is a "
                     "pipeline stage (reference, reward, actor_train), and the workers of one stage share its name")
+            self.cells.take(self.capacity, f"consumer {name!r} of partition {self.name!r}")
             cons = self.consumers[name] = _Consumer(self.capacity)
         return cons
 

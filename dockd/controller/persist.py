@@ -81,8 +81,7 @@ def restore(c: Controller, snap: dict, *, wall_offset: float) -> Controller:
     """Fill a fresh controller `c` from a snapshot; lease deadlines are moved onto this process's clock."""
     c.dead_warehouses.update(snap["dead"])
     for d in snap["partitions"]:
-        p = import_partition(d)
-        c.partitions[p.name] = p
+        c.catalog.adopt(import_partition(d))
     for lid, part, consumer, raw, deadline, token, owner in snap["leases"]:
         c.grant(lid, part, consumer, np.frombuffer(raw, dtype=np.int64).copy(), deadline=deadline - wall_offset,
                 token=token, owner=owner)

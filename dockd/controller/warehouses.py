@@ -153,7 +153,7 @@ def rejoin(cat: Catalog, warehouse: int, inventory: Mapping[str, Inventory], *, 
     for name, held in inventory.items():
         found = cat.partitions.get(name)
         if found is None:
-            part = cat.partitions[name] = _Partition(name, held.group_size or 1)
+            part = cat.partitions[name] = _Partition(name, held.group_size or 1, cat.cells)
         elif found.group_size != (held.group_size or 1):
             logger.error("[controller] warehouse %d holds partition %r with groups of %d, but the dock has groups "
                          "of %d; its copy is ignored", warehouse, name, held.group_size, found.group_size)
@@ -164,7 +164,8 @@ def rejoin(cat: Catalog, warehouse: int, inventory: Mapping[str, Inventory], *, 
         top = max((int(ix[-1]) + 1 for ix in held.columns.values() if len(ix)), default=0)
         top = -(-top // part.group_size) * part.group_size
         if top > part.size:
-            part.reserve(top - part.size)
+            with cat.cells.unbounded():  # (samples the dock holds already: counted, never refused)
+                part.reserve(top - part.size)
             part.size = top
         newbits, conflicts, changed = 0, 0, []
         for col, ix in held.columns.items():

@@ -322,3 +322,35 @@ def test_failing_one_way_requests_log_a_line_per_ten_seconds(tmp_path, raw):
         proc.stdout.close()
     lines = [ln for ln in log.read_text().splitlines() if "one-way request failed" in ln]
     assert 1 <= len(lines) <= 3, len(lines)
+
+
+def test_consumer_names_and_column_sets_cannot_take_the_controller_s_memory(proc_stats):
+    """Each consumer of a partition, and each set of columns it reads, costs the controller a byte per sample
+    and the warehouse nothing: a client that stays inside every per-request limit but reads many column
+    sets and invents consumer names grew the controller by 1 MiB per get on a partition of 1M samples.
+    A consumer now keeps its last few column sets, and the dock's consumers together a bounded amount
+    (16 bytes per sample of --max-samples): past it a get says so, and everything else goes on."""
+    from itertools import combinations
+
+    from dockd.errors import DockFull
+
+    n = 1 << 20
+    cols = [f"c{i}" for i in range(16)]
+    with serving("--controller", "--port", "0", "--capacity", "256MiB", "--max-samples", str(2 * n)) as (address, proc):
+        with dockd.connect(address) as d:
+            d.put({c: torch.zeros(n, 1, dtype=torch.uint8) for c in cols}, partition="p")
+            d.get("eve", ["c0"], 1, partition="p", allow_partial=True, timeout=0)
+            before = proc_stats(proc.pid)["rss"]
+            for pair in list(combinations(cols, 2))[:96]:  # 96 column sets, one consumer
+                assert len(d.get("eve", list(pair), 1, partition="p", allow_partial=True, timeout=0)) == 1
+            grown = proc_stats(proc.pid)["rss"] - before
+            assert grown < 24 << 20, f"{grown >> 20} MiB for 96 column sets of one consumer"
+            with pytest.raises(DockFull, match="consumer name") as e:
+                for i in range(64):  # each new consumer: 1 MiB of state and 1 MiB for its column set
+                    d.get(f"eve{i}", ["c0"], 1, partition="p", allow_partial=True, timeout=0)
+            assert "--max-samples" in str(e.value)
+            grown = proc_stats(proc.pid)["rss"] - before
+            assert grown < 48 << 20, f"{grown >> 20} MiB after the consumers were refused"
+            assert d.get("eve0", ["c0"], 2, partition="p", timeout=10).indexes == [1, 2]  # the admitted go on
+            d.clear("p")  # gives the consumers' memory back: still_serves makes a new consumer
+        still_serves(address)

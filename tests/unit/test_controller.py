@@ -276,3 +276,80 @@ def test_few_sample_paths_answer_and_leave_the_state_as_the_array_paths_do(ops, 
     """Commits, eligibility updates and locations of a few samples go one sample at a time (FEW);
     the same operations with those paths off (FEW = 0) must answer the same and leave the same state."""
     assert _replay(ops, gs, few=8) == _replay(ops, gs, few=0)
+
+
+# -- per-consumer memory: views kept per consumer, and the dock-wide bound ---------------------------
+def _held(c: Controller) -> int:
+    return sum(p.cells_held() for p in c.partitions.values())
+
+
+def test_a_consumer_keeps_its_most_recent_column_sets_and_rebuilds_the_others():
+    from dockd.controller.partition import MAX_VIEWS
+
+    c = Controller()
+    cols = [f"c{i}" for i in range(MAX_VIEWS + 4)]
+    put(c, "p", cols, 64)
+    got: list[int] = []
+    for _ in range(3):  # every column set in turn, past the bound: views are dropped and built again
+        for i in range(MAX_VIEWS + 4):
+            r = c.acquire("p", "t", [cols[0], cols[i]] if i else [cols[0]], 1)
+            got += r.indexes.tolist()
+            c.confirm(r.lease)
+        cons = c.partitions["p"].consumers["t"]
+        assert len(cons.subs) == MAX_VIEWS
+    assert sorted(got) == list(range(3 * (MAX_VIEWS + 4)))  # each sample once, in order, whichever view
+    assert got == sorted(got)
+    assert c.catalog.cells.used == _held(c) == c.partitions["p"].capacity * (1 + MAX_VIEWS)
+
+
+def test_consumers_and_column_sets_stop_at_the_dock_bound_and_nothing_changes():
+    from dockd.controller.partition import CELLS_PER_SAMPLE
+    from dockd.errors import DockFull
+
+    c = Controller(max_samples=4096)  # 16 bytes per sample: 64 KiB of per-consumer memory
+    limit = CELLS_PER_SAMPLE * 4096
+    assert c.catalog.cells.limit == limit
+    put(c, "p", ["x", "y"], 2048)  # capacity 2048: each consumer 2 KiB, each of its views 2 KiB more
+    made = 0
+    with pytest.raises(DockFull, match="consumer name") as e:
+        for i in range(100):
+            c.acquire("p", f"eve{i}", ["x"], 1)
+            made += 1
+    assert "MiB" in str(e.value) and "--max-samples" in str(e.value)
+    assert made == limit // (2 * 2048)  # a consumer and its one view each: 4 KiB
+    assert f"eve{made}" not in c.partitions["p"].consumers  # the refused one left nothing
+    assert c.catalog.cells.used == _held(c) <= limit
+    assert c.acquire("p", "eve0", ["x"], 1).indexes.tolist() == [1]  # the others go on
+    with pytest.raises(DockFull):
+        c.acquire("p", "eve0", ["y"], 1)  # another view of an existing consumer is refused too
+    with pytest.raises(DockFull, match="growing partition"):
+        put(c, "p", ["x"], 1)  # a grown partition would double every consumer's state
+    assert c.partitions["p"].size == 2048 and c.catalog.cells.used == _held(c)
+    c.clear("p")
+    assert c.catalog.cells.used == 0
+    put(c, "q", ["x"], 8)
+    assert c.acquire("q", "fresh", ["x"], 8).indexes.tolist() == list(range(8))
+
+
+def test_a_journal_rebuilds_consumers_past_a_lower_bound(tmp_path):
+    from dockd.controller.journal import Journal
+    from dockd.errors import DockFull
+
+    j = Journal(tmp_path)
+    core, _ = j.load(lease_timeout=60, now=0.0)
+    core.create_partition("p")
+    j.create("p", 1, [])
+    core.commit("p", ["x"], warehouse=1, new_count=4096)
+    j.commit("p", ["x"], 1, None, 4096, 1, 0, 0)
+    for i in range(8):
+        lease = core.book.leases[core.acquire("p", f"c{i}", ["x"], 1).lease]
+        j.grant(lease, 30.0)
+    j.close()
+    back, _ = Journal(tmp_path).load(lease_timeout=60, now=0.0)  # (the default bound while loading)
+    back.max_samples = 1024  # now lower than what it holds: kept, counted, and nothing more is taken
+    assert len(back.partitions["p"].consumers) == 8 and len(back.leases) == 8
+    assert back.catalog.cells.used == _held(back) > back.catalog.cells.limit
+    with pytest.raises(DockFull):
+        back.acquire("p", "c9", ["x"], 1)
+    snap = Controller.restore(back.snapshot(0.0), wall_offset=0.0)
+    assert snap.catalog.cells.used == _held(snap) > 0
