@@ -230,6 +230,8 @@ class Controller:
         cons = part.consumer(consumer)
         idx = indexes if isinstance(indexes, np.ndarray) and indexes.dtype == np.int64 else \
             np.asarray(indexes, dtype=np.int64)
+        if idx.base is not None:  # a slice of a scan (a block's 1024 units, a partition's eligible samples): the
+            idx = idx.copy()      # lease keeps its own indexes, not the whole scan for as long as it lives
         cons.state[idx] = LEASED
         cons.leased += len(idx)
         part.taken_out(cons, idx)

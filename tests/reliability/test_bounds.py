@@ -354,3 +354,23 @@ def test_consumer_names_and_column_sets_cannot_take_the_controller_s_memory(proc
             assert d.get("eve0", ["c0"], 2, partition="p", timeout=10).indexes == [1, 2]  # the admitted go on
             d.clear("p")  # gives the consumers' memory back: still_serves makes a new consumer
         still_serves(address)
+
+
+def test_outstanding_leases_hold_only_their_own_samples(proc_stats):
+    """A lease of one sample kept alive the array it was picked from: for a get with order_by, every
+    eligible sample of the partition (1.5 MB per lease at 200k samples), so a reader that holds many
+    small leases (or never confirms, with a long lease_timeout) grew the controller without bound."""
+    n = 200_000
+    with serving("--controller", "--port", "0", "--capacity", "64MiB") as (address, proc):
+        with dockd.connect(address) as d:
+            d.put({"x": torch.zeros(n, 1, dtype=torch.uint8)}, partition="p", tags={"age": list(range(n))})
+            d.acquire("warm", ["x"], 1, partition="p", order_by="age", timeout=10)
+            before = proc_stats(proc.pid)["rss"]
+            leases = [d.acquire("eve", ["x"], 1, partition="p", order_by="-age", lease_timeout=3600, timeout=10)
+                      for _ in range(100)]
+            grown = proc_stats(proc.pid)["rss"] - before
+            assert grown < 16 << 20, f"{grown >> 20} MiB for 100 outstanding one-sample leases"
+            assert [lease.indexes[0] for lease in leases[:3]] == [n - 1, n - 2, n - 3]
+            for lease in leases:
+                d.release(lease)
+        still_serves(address)

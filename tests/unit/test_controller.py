@@ -353,3 +353,18 @@ def test_a_journal_rebuilds_consumers_past_a_lower_bound(tmp_path):
         back.acquire("p", "c9", ["x"], 1)
     snap = Controller.restore(back.snapshot(0.0), wall_offset=0.0)
     assert snap.catalog.cells.used == _held(snap) > 0
+
+
+def test_a_lease_keeps_its_own_indexes_not_the_scan_they_came_from():
+    """An outstanding lease of one sample held the whole array its samples were picked from: up to 8 KiB
+    of a block's scan, or every eligible sample of the partition for an order_by or where get (1.5 MB per
+    lease on 200k samples). Its indexes are its own now."""
+    c = Controller()
+    n = 5000
+    c.commit("p", ["x"], warehouse=0, new_count=n, tags={"age": list(range(n))[::-1]})
+    got = [c.acquire("p", "a", ["x"], 1), c.acquire("p", "b", ["x"], 2, order_by="age"),
+           c.acquire("p", "d", ["x"], 3, shuffle=True, seed=1), c.acquire("p", "e", ["x"], 2, where={"age": (0, 9)})]
+    for r in got:
+        lease = c.leases[r.lease]
+        assert lease.indexes.base is None and lease.indexes.nbytes == 8 * len(lease.indexes)
+    assert got[1].indexes.tolist() == [n - 1, n - 2] and got[3].indexes.tolist() == [n - 10, n - 9]
