@@ -21,6 +21,7 @@ MAX_SAMPLES = 1 << 22     # samples in one put, get, read or commit
 MAX_TIMEOUT = 365 * 86400  # seconds a request may wait (longer: none at all, -1)
 MAX_CELLS = 1 << 23       # samples x columns in one get, fetch or locate (what its reply lists)
 MAX_LEASES = 1 << 16      # leases in one confirm
+MAX_OPEN_LEASES = 1 << 20 # leases outstanding in a dock (~0.5 KiB of controller memory each)
 MAX_PARTITIONS = 1 << 16  # partitions of a dock (and so in one warehouse's inventory)
 MAX_CONSUMERS = 1024      # consumer names of one partition
 MAX_DOCK_SAMPLES = 1 << 27  # samples of a dock's partitions together (default; the controller holds ~24 B each)

@@ -29,7 +29,7 @@ from dockd.controller.leases import AcquireResult, Lease, LeaseBook
 from dockd.controller.partition import FREE, LEASED, LOST_WAREHOUSE, NO_WAREHOUSE, TAKEN
 from dockd.controller.rounds import Round, Rounds
 from dockd.controller.warehouses import Inventory
-from dockd.errors import DockValueError
+from dockd.errors import DockFull, DockValueError
 
 # (the tests import these from here)
 __all__ = ["AcquireResult", "Controller", "Inventory", "Round", "FREE", "LEASED", "TAKEN", "LOST_WAREHOUSE"]
@@ -205,6 +205,7 @@ class Controller:
         part = self.partitions.get(partition)
         if part is None:
             return None
+        self.lease_room()
         view = selection.view(part, consumer, columns, count, groups)
         if view is None:
             return None
@@ -259,10 +260,18 @@ class Controller:
         that expired unconfirmed (its rank died) is replaced by a fresh one
         when its rank asks again; the other ranks' shares are not affected.
         """
+        self.lease_room()
         return self.ranks.share(partition, consumer, columns, count, dp_rank=dp_rank, dp_size=dp_size,
                                 mp_rank=mp_rank, mp_size=mp_size, mp_group=mp_group, step=step, groups=groups,
                                 where=where, order_by=order_by, balance=balance, owner=owner, now=now,
                                 lease_timeout=lease_timeout, max_staleness=max_staleness)
+
+    def lease_room(self) -> None:
+        """Refuse a new lease while MAX_OPEN_LEASES are outstanding (each costs the controller ~0.5 KiB for
+        as long as it lives: up to its lease_timeout, which a get may set to a week)."""
+        if len(self.leases) >= limits.MAX_OPEN_LEASES:
+            raise DockFull(f"the dock has {len(self.leases)} leases outstanding, the most it keeps; confirm or release "
+                           "leases (a get confirms its own) or let them expire before taking more")
 
     def split_round(self, rnd: Round, weights: np.ndarray | None) -> bool:
         """Split a formed round among its ranks: by position, or balancing `weights` (one per

@@ -368,3 +368,21 @@ def test_a_lease_keeps_its_own_indexes_not_the_scan_they_came_from():
         lease = c.leases[r.lease]
         assert lease.indexes.base is None and lease.indexes.nbytes == 8 * len(lease.indexes)
     assert got[1].indexes.tolist() == [n - 1, n - 2] and got[3].indexes.tolist() == [n - 10, n - 9]
+
+
+def test_outstanding_leases_are_bounded_across_the_dock(monkeypatch):
+    from dockd import limits
+    from dockd.errors import DockFull
+
+    monkeypatch.setattr(limits, "MAX_OPEN_LEASES", 5)
+    c = Controller()
+    put(c, "p", ["x"], 16)
+    held = [c.acquire("p", f"c{i % 2}", ["x"], 1, lease_timeout=7 * 86400, token=i + 1) for i in range(5)]
+    with pytest.raises(DockFull, match="5 leases outstanding"):
+        c.acquire("p", "c0", ["x"], 1)
+    with pytest.raises(DockFull):
+        c.share("p", "r", ["x"], 1, dp_rank=0, dp_size=2)
+    assert c.acquire("p", "c0", ["x"], 1, token=3).lease == held[2].lease  # a retried get still gets its lease
+    c.confirm(held[0].lease)
+    assert c.acquire("p", "c0", ["x"], 1) is not None  # room again
+    assert len(c.leases) == 5
