@@ -53,6 +53,13 @@ class Admission:
         self.on_clear: Callable[[str], None] = lambda partition: None  # a partition was freed whole
         self._retry: asyncio.TimerHandle | None = None  # with a spill tier: the queue's next try to spill
         self._copier: ThreadPoolExecutor | None = None  # big staged payloads are copied in here (copy_in_off_loop)
+        segments.on_lent = self._lent
+
+    def _lent(self, delta: int) -> None:
+        """Freed data a reader maps counts against the capacity until it is unmapped; then puts may go in."""
+        self.warehouse.lent += delta
+        if delta < 0 and self.waiters:
+            self.admit_waiters()
 
     def use_segments(self, budget: int) -> None:
         """Receive big bodies into shared memory, at most `budget` stored segments."""
@@ -122,13 +129,15 @@ class Admission:
         w = self.warehouse
         if w.tier is not None:
             msg = (f"warehouse {self._wid()} stayed full in memory and on disk: {size} bytes did not fit next to "
-                   f"{w.used} stored in memory (and {w.meta} of bookkeeping) and {w.reserved} in flight of "
+                   f"{w.used} stored in memory (and {w.meta} of bookkeeping), {w.reserved} in flight and {w.lent} "
+                   f"of cleared data that same-host readers still map of "
                    f"--capacity {w.capacity}, and no more could be spilled: {w.tier.describe()}; {w.spilled} bytes "
                    "are spilled. Clear finished partitions, consume faster, or raise --capacity or --spill-capacity.")
         else:
             msg = (f"warehouse {self._wid()} stayed full: {size} bytes did not fit next to {w.used} stored (and "
-                   f"{w.meta} of their bookkeeping) and {w.reserved} in flight of {w.capacity} within the put "
-                   "timeout. Clear finished partitions, consume faster, raise --capacity, or give it a --spill-dir.")
+                   f"{w.meta} of their bookkeeping), {w.reserved} in flight and {w.lent} of cleared data that "
+                   f"same-host readers still map of {w.capacity} within the put timeout. Clear finished partitions, "
+                   "consume faster, drop tensors of cleared samples, raise --capacity, or give it a --spill-dir.")
         fut.set_exception(DockFull(msg))
         self.admit_waiters()
 

@@ -92,6 +92,7 @@ class Warehouse:
         self.used = 0
         self.reserved = 0
         self.meta = 0  # bytes of bookkeeping of what is stored (see META_PUT)
+        self.lent = 0  # bytes of segments whose data is gone but that readers still map (see Segments.release)
         self.freed = 0  # bytes deletes gave back (whole puts, and compactions)
         self.reclaimable = 0  # bytes of deleted values still held: their put is mostly alive (or small)
         self.device_capacity = device_capacity
@@ -114,14 +115,19 @@ class Warehouse:
     def reserve(self, nbytes: int, spill: bool = True, queued: bool = False) -> bool:
         """Reserve room for `nbytes` (with a spill tier and `spill`: spilling puts to make it; for a put
         `queued` for room, big ones in the background: False until they have left memory)."""
-        if self.used + self.meta + self.reserved + nbytes > self.capacity:
+        if self.held() + nbytes > self.capacity:
             if not spill or self.tier is None:
                 return False
             self.tier.make_room(nbytes, background=queued)
-            if self.used + self.meta + self.reserved + nbytes > self.capacity:
+            if self.held() + nbytes > self.capacity:
                 return False
         self.reserved += nbytes
         return True
+
+    def held(self) -> int:
+        """Bytes of memory counted against the capacity: stored, their bookkeeping, in flight, and freed data
+        that readers still map."""
+        return self.used + self.meta + self.reserved + self.lent
 
     def unreserve(self, nbytes: int) -> None:
         self.reserved -= nbytes
@@ -601,6 +607,7 @@ class Warehouse:
             "freed": self.freed,
             "reclaimable": self.reclaimable,
             "reserved": self.reserved,
+            "lent": self.lent,
             "device_capacity": self.device_capacity,
             "device_used": self.device_used,
             "spilled": self.spilled,

@@ -71,6 +71,9 @@ class Segments:
         # sid -> segment taken from the pool (weak: one dropped before it was stored just goes away)
         self._live: weakref.WeakValueDictionary[int, shm.Segment] = weakref.WeakValueDictionary()
         self._freed: dict[int, shm.Segment] = {}  # data gone, waiting for its pins
+        # called with +size when a segment's data is gone but a reader still maps it, -size when it no longer
+        # does: the warehouse counts that memory against its capacity meanwhile (Admission)
+        self.on_lent: Callable[[int], None] = lambda delta: None
         self.pins: dict[int, collections.Counter] = {}  # pid -> sid -> descriptors lent
         self._pinned: collections.Counter = collections.Counter()  # sid -> all pins
         # pid -> staging id -> read-only mapping
@@ -107,8 +110,11 @@ class Segments:
         if seg.sid not in self._live:
             return
         if self._pinned[seg.sid]:
+            if seg.sid in self._freed:
+                return
             if len(self._freed) < self.keep_count:
                 self._freed[seg.sid] = seg
+                self.on_lent(seg.size)
             else:  # too many waiting already: let it go (readers keep its memory, not its descriptor)
                 self._live.pop(seg.sid, None)
         else:
@@ -116,7 +122,8 @@ class Segments:
 
     def _recycle(self, seg: shm.Segment) -> None:
         self._live.pop(seg.sid, None)
-        self._freed.pop(seg.sid, None)
+        if self._freed.pop(seg.sid, None) is not None:
+            self.on_lent(-seg.size)
         self._pinned.pop(seg.sid, None)
         if seg.size > self.keep_bytes or self.keep_count < 1:
             return  # dropped: its descriptor and mapping go with the last reference

@@ -192,7 +192,7 @@ class SpillTier:
         With `background` (the caller waits for room, and is let in when it frees) big ones are written by
         the worker thread and leave memory later."""
         w = self.warehouse
-        need = w.used + w.meta + w.reserved + nbytes - w.capacity - (self.writing if background else 0)
+        need = w.held() + nbytes - w.capacity - (self.writing if background else 0)
         if need <= 0:
             return
         self.full_reason = ""

@@ -374,3 +374,44 @@ def test_outstanding_leases_hold_only_their_own_samples(proc_stats):
             for lease in leases:
                 d.release(lease)
         still_serves(address)
+
+
+@pytest.mark.skipif(not shm.available(), reason="Linux shared memory only")
+def test_cleared_data_a_reader_keeps_mapped_counts_against_the_capacity():
+    """A same-host reader's tensors map the warehouse's segment (zero copy), which stays pinned after a clear.
+    Such memory was not counted: a reader keeping the batches it read let the warehouse hold any amount past
+    --capacity (24 rounds of 8 MiB kept it 3x over a capacity of 64 MiB). Now a put waits until the reader
+    drops them, and fails after its timeout saying so."""
+    import gc
+
+    from dockd.errors import DockFull
+
+    mib8 = torch.ones(8, 1 << 20, dtype=torch.uint8)
+    with serving("--controller", "--port", "0", "--capacity", "32MiB") as (address, _):
+        with dockd.connect(address) as d:
+            kept = []
+            for i in range(4):  # 4 x 8 MiB read and kept, then cleared: the capacity is taken
+                d.put({"x": mib8}, partition=f"p{i}")
+                kept.append(d.get("c", ["x"], 8, partition=f"p{i}", timeout=10)["x"])
+                d.clear(f"p{i}")
+            with pytest.raises(DockFull, match="same-host readers still map"):
+                d.put({"x": mib8}, partition="late", timeout=1)
+            done = threading.Event()
+            failed: list[BaseException] = []
+
+            def put() -> None:
+                try:
+                    d.put({"x": mib8}, partition="next", timeout=60)
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    failed.append(e)
+                done.set()
+
+            t = threading.Thread(target=put)
+            t.start()
+            assert not done.wait(1.0)  # waits for room
+            del kept
+            gc.collect()  # the reader lets go: its client unpins the segments
+            assert done.wait(30) and not failed, failed
+            t.join()
+            assert d.get("c", ["x"], 8, partition="next", timeout=10)["x"][0].sum().item() == 1 << 20
+        still_serves(address)

@@ -30,6 +30,22 @@ def test_a_cleared_segment_is_reused_only_once_every_reader_unpinned_it():
     assert c.buffer.size == 3 << 20
 
 
+def test_cleared_data_a_reader_still_maps_is_counted_until_it_is_unmapped():
+    pool = Segments(keep_bytes=1 << 30)
+    lent: list[int] = []
+    pool.on_lent = lent.append
+    a, b = pool.take(3 << 20), pool.take(1 << 20)
+    pool.lend(111, [a, a])
+    pool.release(b)                       # nobody maps it: back to the pool, nothing lent
+    pool.release(a)
+    pool.release(a)                       # (released twice: counted once)
+    assert lent == [a.size]
+    pool.unpin(111, [a.sid])
+    assert lent == [a.size]               # one of its two descriptors is still mapped
+    pool.process_exited(111)
+    assert lent == [a.size, -a.size] and pool.take(3 << 20) is a
+
+
 def test_segments_of_another_size_class_are_not_mixed_and_the_pool_is_bounded():
     pool = Segments(keep_bytes=8 << 20)
     small, big = pool.take(1 << 20), pool.take(6 << 20)
