@@ -19,7 +19,10 @@ a new snapshot replaces it.
 A full disk (write-ahead): a request's record is written before the request
 changes the controller (a commit, a partition operation, a confirm), or, for
 a grant, the lease is given back when its record cannot be written; either
-way the request fails with `DockStateFull` and nothing of it stays. Journal
+way the request fails with `DockStateFull` and nothing of it stays. A request
+that its checks refuse after its record was written (a put past
+`--max-samples`) has the record cut off again (`ahead`): a replay runs the
+checks again, but not under the bounds the daemon was started with. Journal
 space is reserved ahead with `fallocate` (1 MiB at a time, beyond the end of
 the file), so a full disk is noticed before a decision and a record rarely
 fails half-way; requests that add to the dock (puts, gets, reserves, tags,
@@ -372,6 +375,29 @@ class Journal:
         if self.broken is None:
             self._break(f"a {rec[0]} record could not be written: {err}")
         return False
+
+    @contextlib.contextmanager
+    def ahead(self) -> Iterator[None]:
+        """Around a request's records and the change they are written ahead of: if the change is refused
+        (it raises), its records are cut off again, so that a restart never applies what its client was
+        told failed (a replay checks the request again, but not always under the same bounds)."""
+        size, records = self.size, self.records
+        try:
+            yield
+        except BaseException:
+            if self.size > size:
+                self._undo(size, records)
+            raise
+
+    def _undo(self, size: int, records: int) -> None:
+        try:
+            os.ftruncate(self._fd, size)
+        except OSError as e:
+            self._break(f"the record of a refused request could not be cut off ({e})")
+            return
+        self.size, self.records, self.dirty = size, records, True
+        if self._prealloc:
+            self.reserved = min(self.reserved, size)
 
     def _cut(self, e: OSError) -> None:
         """Undo a record that was written in part: the file ends at the last whole record."""

@@ -18,6 +18,7 @@ Every timer runs on the service's `clock` (`clock.Timers`), so tests can move ti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -278,13 +279,14 @@ class ControllerService:
         stored = None if applied else self.core.catalog.stored(req.partition, req.token, away)
         if stored is not None:  # a put re-sent to this warehouse whose values another one holds: nothing to apply
             return stored
-        if self.journal is not None and not applied:  # written ahead: a commit the journal cannot take is not applied
-            self.journal.room()
-            self.journal.commit(req.partition, req.columns, req.warehouse, indexes, req.new_count, gs, req.nbytes,
-                                req.put_id, tags, req.token, away)
-        idx = self.core.commit(req.partition, req.columns[:], warehouse=req.warehouse, indexes=indexes,
-                               new_count=req.new_count, group_size=gs, nbytes=req.nbytes, put_id=req.put_id, tags=tags,
-                               token=req.token, away=away)
+        with self._ahead():
+            if self.journal is not None and not applied:  # written ahead: a commit the journal cannot take is not applied
+                self.journal.room()
+                self.journal.commit(req.partition, req.columns, req.warehouse, indexes, req.new_count, gs, req.nbytes,
+                                    req.put_id, tags, req.token, away)
+            idx = self.core.commit(req.partition, req.columns[:], warehouse=req.warehouse, indexes=indexes,
+                                   new_count=req.new_count, group_size=gs, nbytes=req.nbytes, put_id=req.put_id,
+                                   tags=tags, token=req.token, away=away)
         if req.partition in self.waiters:
             if woken is None:
                 self.waiting.wake(req.partition)
@@ -357,6 +359,19 @@ class ControllerService:
         j = self.journal  # each record is written ahead: an operation the journal cannot take is not applied
         if j is not None and op in ("create", "reserve", "set_tags"):
             j.room()
+        with self._ahead():
+            self._partition_op(name, op, req, out)
+        self.calls.schedule_frees()
+        self.waiting.wake(name)  # a delete, a seal or new tags can end or serve waiting gets
+        self.pacer.soon(name)  # ... and a delete or new options can let waiting puts in
+        return out
+
+    def _ahead(self):
+        """Records written ahead of a change are cut off again if the change is refused (Journal.ahead)."""
+        return self.journal.ahead() if self.journal is not None else contextlib.nullcontext()
+
+    def _partition_op(self, name: str, op: str, req: pb.PartitionRequest, out: pb.PartitionReply) -> None:
+        j = self.journal
         if op == "create":
             c = req.create
             gs, retire = c.group_size or 1, list(c.retire_when_consumed_by)
@@ -405,11 +420,6 @@ class ControllerService:
         else:
             raise DockValueError(f"partition operation {op!r} is not supported by this controller (version "
                                  f"{__version__})")
-        self.calls.schedule_frees()
-        self.waiting.wake(name)  # a delete, a seal or new tags can end or serve waiting gets
-        self.pacer.soon(name)  # ... and a delete or new options can let waiting puts in
-        return out
-
 
     async def save(self, req: pb.PartitionRequest) -> pb.PartitionReply:
         self.check_owner(req.partition)

@@ -49,6 +49,30 @@ def _put(j: Journal, core, put_id: int, n: int = 2) -> list[int]:
     return core.commit("p", ["x"], warehouse=1, new_count=n, nbytes=10 * n, put_id=put_id).tolist()
 
 
+def test_a_record_whose_request_is_then_refused_is_cut_off(tmp_path, monkeypatch):
+    j, core = _new_journal(tmp_path)
+    assert _put(j, core, 1) == [0, 1]
+    with pytest.raises(ValueError), j.ahead():
+        j.commit("p", ["x"], 1, None, 2, 1, 20, 2)
+        raise ValueError("refused by its checks")
+    assert _put(j, core, 3) == [2, 3]
+    monkeypatch.setattr(os, "ftruncate", _enospc)
+    with pytest.raises(ValueError), j.ahead():  # cannot be cut off: no record is taken until a snapshot
+        j.commit("p", ["x"], 1, None, 2, 1, 20, 4)
+        raise ValueError("refused by its checks")
+    assert j.broken is not None
+    monkeypatch.undo()
+    assert j.compact(core, {}, now=0.0)  # the snapshot a broken journal waits for (the service retries it)
+    j.close()
+    back, _ = Journal(tmp_path).load(lease_timeout=60, now=0.0)
+    assert back.stats()[0]["samples"] == 4
+    j2, core2 = _new_journal(tmp_path / "again")
+    with j2.ahead():
+        _put(j2, core2, 1)
+    j2.close()
+    assert Journal(tmp_path / "again").load(lease_timeout=60, now=0.0)[0].stats()[0]["samples"] == 2
+
+
 def test_a_short_write_is_cut_back_and_the_request_is_refused(tmp_path, monkeypatch):
     j, core = _new_journal(tmp_path)
     assert _put(j, core, 1) == [0, 1]
@@ -362,3 +386,28 @@ def test_a_full_data_dir_fails_puts_before_their_commit_and_strands_no_sample(sm
             p.terminate()
             p.wait(20)
             p.stdout.close()
+
+
+def test_requests_refused_after_their_record_was_written_stay_refused_after_a_restart(tmp_path):
+    """A commit (or a partition operation) is journaled before it is applied; one that its checks then
+    refuse (DockFull past --max-samples) was reported failed but stayed in the journal, and a restart,
+    which replays under the default bounds, applied it: the failed put's samples came back as written."""
+    from dockd.errors import DockFull
+    from tests.conftest import serving
+
+    args = ["--controller", "--port", "0", "--capacity", "64MiB", "--state-dir", str(tmp_path / "state"),
+            "--max-samples", "100"]
+    with serving(*args) as (address, proc):
+        with dockd.connect(address) as d:
+            d.put({"x": torch.arange(100)}, partition="p")
+            with pytest.raises(DockFull, match="max-samples"):
+                d.put({"x": torch.arange(3)}, partition="p")
+            with pytest.raises(DockFull, match="max-samples"):
+                d.reserve("p", 4)
+            assert d.stats()["partitions"]["p"]["samples"] == 100
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    with serving(*args) as (address, proc), dockd.connect(address) as d:
+        assert d.stats()["partitions"]["p"]["samples"] == 100
+        d.clear("p")
+        d.put({"x": torch.arange(100)}, partition="q")  # the bound is whole again
