@@ -4,7 +4,6 @@ and the frees deletes leave for the warehouses. Leases and rounds are the contro
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
@@ -24,9 +23,12 @@ from dockd.controller.partition import (
     _Partition,
 )
 from dockd.errors import DockFull, DockNotFound, DockValueError
+from dockd.recent import Recent
 
 PUT_KEYS_KEPT = 4096  # per warehouse: recent commits remembered so a re-sent one is applied once
+PUT_KEYS_CELLS = 1 << 21  # ... holding at most this many explicit indexes (16 MiB; see dockd.recent)
 TOKENS_KEPT = 16384  # per dock: recent puts' writer tokens, so a put re-sent to another warehouse is applied once
+TOKENS_CELLS = 1 << 22  # ... holding at most this many explicit indexes (32 MiB)
 
 
 def kept_as(idx: np.ndarray, consecutive: bool) -> np.ndarray | range:
@@ -55,10 +57,9 @@ class Catalog:
         self.partitions: dict[str, _Partition] = {}
         self.dead_warehouses: set[int] = set()
         # per warehouse, put_id -> indexes of its recent commits (a re-sent commit is answered, not re-applied)
-        self.put_keys: dict[int, collections.OrderedDict[int, np.ndarray | range]] = {}
+        self.put_keys: dict[int, Recent[np.ndarray | range]] = {}
         # writer token -> (partition, columns, indexes) of recent puts (see `stored` and `commit`)
-        self.tokens: collections.OrderedDict[int, tuple[str, tuple[str, ...], np.ndarray | range]] = \
-            collections.OrderedDict()
+        self.tokens: Recent[tuple[str, tuple[str, ...], np.ndarray | range]] = Recent(TOKENS_KEPT, TOKENS_CELLS)
         # deleted samples whose data a warehouse still holds: partition -> warehouse -> index arrays
         # (the service sends the frees; replaying a journal refills it, and a second free is harmless)
         self.pending_frees: dict[str, dict[int, list[np.ndarray]]] = {}
@@ -110,9 +111,7 @@ class Catalog:
         kept = kept_as(idx, consecutive=indexes is None)  # (new samples are allocated consecutively)
         self.remember(warehouse, put_id, kept)
         if token:
-            self.tokens[token] = (partition, tuple(columns), kept)
-            if len(self.tokens) > TOKENS_KEPT:
-                self.tokens.popitem(last=False)
+            self.tokens.add(token, (partition, tuple(columns), kept))
         return idx
 
     def _unheld(self, part: _Partition, column: str, idx: np.ndarray, away: Collection[int] = ()) -> np.ndarray:
@@ -165,10 +164,10 @@ class Catalog:
     def remember(self, warehouse: int, put_id: int, idx: np.ndarray | range) -> None:
         """A commit applied: re-sent with the same put_id, it gets these indexes back (`idx`: see kept_as)."""
         if put_id:
-            keys = self.put_keys.setdefault(warehouse, collections.OrderedDict())
-            keys[put_id] = idx
-            if len(keys) > PUT_KEYS_KEPT:
-                keys.popitem(last=False)
+            keys = self.put_keys.get(warehouse)
+            if keys is None:
+                keys = self.put_keys[warehouse] = Recent(PUT_KEYS_KEPT, PUT_KEYS_CELLS)
+            keys.add(put_id, idx)
 
     def _commit(self, partition: str, columns: Sequence[str], warehouse: int,
                 indexes: Sequence[int] | np.ndarray | None, new_count: int, group_size: int,

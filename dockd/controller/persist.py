@@ -4,14 +4,14 @@ restarts from existing state dirs."""
 
 from __future__ import annotations
 
-import collections
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dockd.controller.catalog import indexes_of
+from dockd.controller.catalog import PUT_KEYS_CELLS, PUT_KEYS_KEPT, indexes_of
 from dockd.controller.partition import FREE, LEASED, NO_WAREHOUSE, PENDING_WAREHOUSE, _Partition
 from dockd.errors import DockValueError
+from dockd.recent import Recent
 
 if TYPE_CHECKING:
     from dockd.controller.core import Controller
@@ -73,7 +73,8 @@ def snapshot(c: Controller, wall_offset: float) -> dict:
         "partitions": [export_partition(p) for p in c.partitions.values()],
         "leases": [[l.id, l.partition, l.consumer, l.indexes.tobytes(), l.deadline + wall_offset, l.token, l.owner]
                    for l in c.leases.values()],
-        "put_keys": [[w, [[k, indexes_of(v).tobytes()] for k, v in keys.items()]] for w, keys in c.put_keys.items()],
+        "put_keys": [[w, [[k, [v.start, v.stop] if isinstance(v, range) else indexes_of(v).tobytes()]
+                          for k, v in keys.items()]] for w, keys in c.put_keys.items()],
     }
 
 
@@ -85,8 +86,10 @@ def restore(c: Controller, snap: dict, *, wall_offset: float) -> Controller:
     for lid, part, consumer, raw, deadline, token, owner in snap["leases"]:
         c.grant(lid, part, consumer, np.frombuffer(raw, dtype=np.int64).copy(), deadline=deadline - wall_offset,
                 token=token, owner=owner)
-    for w, keys in snap["put_keys"]:
-        c.put_keys[w] = collections.OrderedDict((k, np.frombuffer(v, dtype=np.int64).copy()) for k, v in keys)
+    for w, keys in snap["put_keys"]:  # (a commit of new samples as its range; older snapshots: every index)
+        kept = c.put_keys[w] = Recent(PUT_KEYS_KEPT, PUT_KEYS_CELLS)
+        for k, v in keys:
+            kept.add(k, range(*v) if isinstance(v, list) else np.frombuffer(v, dtype=np.int64).copy())
     return c
 
 

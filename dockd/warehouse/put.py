@@ -25,7 +25,6 @@ between commit and store waits for the store (see `commit.RemoteCommitter`).
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import functools
 import logging
@@ -41,6 +40,7 @@ from dockd.errors import DockAuthError, DockError, DockProtocolError
 from dockd.logutil import Throttle
 from dockd.metrics import Metrics
 from dockd.peer import Peer
+from dockd.recent import Recent
 from dockd.warehouse.admission import Admission
 from dockd.warehouse.commit import Committer
 from dockd.warehouse.core import Warehouse
@@ -63,6 +63,7 @@ thread before its commit (a 512 MiB put held the event loop for about 2 s on a V
 then writes only the header. Smaller puts are written whole after the commit, on the loop."""
 
 PUT_TOKENS_KEPT = 4096
+PUT_TOKENS_CELLS = 1 << 22  # explicit indexes those outcomes hold at most (32 MiB; see dockd.recent)
 _copy_failures = Throttle()  # (every put fails its copy while the second warehouse is down or full)
 
 
@@ -387,7 +388,7 @@ class _Tokens:
 
     def __init__(self) -> None:
         # token -> the indexes it got (see _kept)
-        self._done: collections.OrderedDict[int, Sequence[int] | np.ndarray] = collections.OrderedDict()
+        self._done: Recent[Sequence[int] | np.ndarray] = Recent(PUT_TOKENS_KEPT, PUT_TOKENS_CELLS)
         self._running: dict[int, list[tuple[Peer, pb.Frame]]] = {}  # token -> retries waiting on it
 
     def again(self, peer: Peer, frame: pb.Frame, drop: Callable[[], None]) -> bool:
@@ -419,9 +420,7 @@ class _Tokens:
                 peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=indexes)))
         if exc is None:
             assert indexes is not None  # (a put that succeeded has its indexes)
-            self._done[token] = _kept(indexes)
-            if len(self._done) > PUT_TOKENS_KEPT:
-                self._done.popitem(last=False)
+            self._done.add(token, _kept(indexes))
 
 
 def _kept(indexes: Sequence[int]) -> Sequence[int] | np.ndarray:
