@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "daemon's user can write)")
     s.add_argument("--max-samples", type=int, default=limits.MAX_DOCK_SAMPLES, metavar="N",
                    help=f"controller: samples of all partitions together (default {limits.MAX_DOCK_SAMPLES}; ~24 bytes "
-                        "of metadata each, and their consumers' state up to 16 bytes more)")
+                        "of metadata each, 2 more per column and 8 per tag, and their consumers' state up to 16 more)")
     s.add_argument("--min-rate", default="64KiB", metavar="BYTES",
                    help="a frame taking over 10 s must average this many bytes a second (default 64KiB)")
     s.add_argument("--idle-timeout", type=float, default=3600.0, metavar="SECONDS",
