@@ -71,6 +71,7 @@ class Segments:
         # sid -> segment taken from the pool (weak: one dropped before it was stored just goes away)
         self._live: weakref.WeakValueDictionary[int, shm.Segment] = weakref.WeakValueDictionary()
         self._freed: dict[int, shm.Segment] = {}  # data gone, waiting for its pins
+        self._let_go: dict[int, int] = {}  # sid -> size of one freed past keep_count: readers hold its memory
         # called with +size when a segment's data is gone but a reader still maps it, -size when it no longer
         # does: the warehouse counts that memory against its capacity meanwhile (Admission)
         self.on_lent: Callable[[int], None] = lambda delta: None
@@ -110,13 +111,14 @@ class Segments:
         if seg.sid not in self._live:
             return
         if self._pinned[seg.sid]:
-            if seg.sid in self._freed:
+            if seg.sid in self._freed or seg.sid in self._let_go:
                 return
             if len(self._freed) < self.keep_count:
                 self._freed[seg.sid] = seg
-                self.on_lent(seg.size)
             else:  # too many waiting already: let it go (readers keep its memory, not its descriptor)
                 self._live.pop(seg.sid, None)
+                self._let_go[seg.sid] = seg.size
+            self.on_lent(seg.size)
         else:
             self._recycle(seg)
 
@@ -192,6 +194,8 @@ class Segments:
             self._pinned.pop(sid, None)
             if sid in self._freed:
                 self._recycle(self._freed[sid])
+            elif sid in self._let_go:
+                self.on_lent(-self._let_go.pop(sid))
 
     def process_exited(self, pid: int) -> None:
         held = self.pins.pop(pid, None)

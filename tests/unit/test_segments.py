@@ -44,6 +44,14 @@ def test_cleared_data_a_reader_still_maps_is_counted_until_it_is_unmapped():
     assert lent == [a.size]               # one of its two descriptors is still mapped
     pool.process_exited(111)
     assert lent == [a.size, -a.size] and pool.take(3 << 20) is a
+    pool.keep_count = 1  # past it, freed segments readers map are let go: still counted until unmapped
+    c, d = pool.take(2 << 20), pool.take(2 << 20)
+    pool.lend(222, [c, d])
+    pool.release(c)
+    pool.release(d)
+    assert lent[2:] == [c.size, d.size]
+    pool.unpin(222, [d.sid, c.sid])
+    assert sorted(lent[4:]) == [-d.size, -c.size] and sum(lent) == 0
 
 
 def test_segments_of_another_size_class_are_not_mixed_and_the_pool_is_bounded():
