@@ -390,23 +390,25 @@ class Journal:
             raise
 
     def _undo(self, size: int, records: int) -> None:
-        try:
-            os.ftruncate(self._fd, size)
-        except OSError as e:
-            self._break(f"the record of a refused request could not be cut off ({e})")
-            return
-        self.size, self.records, self.dirty = size, records, True
-        if self._prealloc:
-            self.reserved = min(self.reserved, size)
+        if self._truncate(size, "the record of a refused request"):
+            self.size, self.records, self.dirty = size, records, True
 
     def _cut(self, e: OSError) -> None:
         """Undo a record that was written in part: the file ends at the last whole record."""
+        self._truncate(self.size, f"a record failed ({e}) and")
+
+    def _truncate(self, size: int, what: str) -> bool:
+        """End the file at `size` (space reserved past it is given back); False, and no more records until a
+        snapshot, when that fails."""
         try:
-            os.ftruncate(self._fd, self.size)
-        except OSError as e2:
-            self._break(f"a record failed ({e}) and could not be cut off ({e2})")
-        if self._prealloc:
-            self.reserved = min(self.reserved, self.size)
+            os.ftruncate(self._fd, size)
+        except OSError as e:
+            self._break(f"{what} could not be cut off ({e})")
+            return False
+        finally:
+            if self._prealloc:
+                self.reserved = min(self.reserved, size)
+        return True
 
     def _break(self, why: str) -> None:
         logger.error("[journal] %s: the state dir %s takes no records until a snapshot captured the controller",
