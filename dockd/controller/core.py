@@ -26,7 +26,7 @@ from dockd import limits
 from dockd.controller import persist, replicas, selection, warehouses
 from dockd.controller.catalog import Catalog
 from dockd.controller.leases import AcquireResult, Lease, LeaseBook
-from dockd.controller.partition import FREE, LEASED, LOST_WAREHOUSE, NO_WAREHOUSE, TAKEN
+from dockd.controller.partition import FEW, FREE, LEASED, LOST_WAREHOUSE, NO_WAREHOUSE, TAKEN
 from dockd.controller.rounds import Round, Rounds
 from dockd.controller.warehouses import Inventory
 from dockd.errors import DockFull, DockValueError
@@ -233,7 +233,12 @@ class Controller:
             np.asarray(indexes, dtype=np.int64)
         if idx.base is not None:  # a slice of a scan (a block's 1024 units, a partition's eligible samples): the
             idx = idx.copy()      # lease keeps its own indexes, not the whole scan for as long as it lives
-        cons.state[idx] = LEASED
+        if len(idx) <= FEW:
+            st = cons.state
+            for i in idx.tolist():
+                st[i] = LEASED
+        else:
+            cons.state[idx] = LEASED
         cons.leased += len(idx)
         part.taken_out(cons, idx)
         lease = Lease(lease_id, partition, consumer, idx, owner, deadline, token)
@@ -309,9 +314,16 @@ class Controller:
             self.book.confirmed(lease_id)
         part = self.partitions.get(lease.partition)
         if part is not None:
-            cons = part.consumers[lease.consumer]
-            sel = lease.indexes[cons.state[lease.indexes] == LEASED]
-            cons.state[sel] = state
+            cons, idx = part.consumers[lease.consumer], lease.indexes
+            st = cons.state
+            if len(idx) <= FEW:  # (a small get's lease: scalar reads cost less than three numpy calls)
+                held = [i for i in idx.tolist() if st.item(i) == LEASED]
+                for i in held:
+                    st[i] = state
+                sel = idx if len(held) == len(idx) else np.array(held, dtype=np.int64)
+            else:
+                sel = idx[st[idx] == LEASED]
+                st[sel] = state
             cons.leased -= len(sel)
             if state == TAKEN:
                 cons.taken += len(sel)

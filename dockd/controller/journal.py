@@ -208,6 +208,7 @@ class Journal:
         self._logged_at = -_LOG_EVERY
         self._retry_at = 0.0  # loop time before which a failed snapshot is not tried again
         self._retry_wait = _RETRY_MIN
+        self._packer = msgpack.Packer(use_bin_type=True)  # (one for every record: packb makes one per call)
 
     # -- recovery ------------------------------------------------------------------------
     def load(self, *, lease_timeout: float, now: float) -> tuple[Controller, dict[int, dict]]:
@@ -353,7 +354,7 @@ class Journal:
         """Write one whole record. A request's record (`applied` False) raises DockStateFull when
         it cannot be written, leaving the journal as it was. A record of a decision already
         applied returns False instead and stops the journal until a snapshot (see `broken`)."""
-        body = msgpack.packb(rec, use_bin_type=True)
+        body = self._packer.pack(rec)
         data = _HEAD.pack(len(body), zlib.crc32(body)) + body
         err = None
         if self.broken is None:

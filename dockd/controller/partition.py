@@ -73,8 +73,9 @@ class _Eligible:
 
     def _count(self, units: np.ndarray, delta: int) -> None:
         if len(units) <= FEW:  # np.add.at costs more than a few scalar updates
+            blocks = self.blocks
             for b in (units >> _BLOCK_SHIFT).tolist():
-                self.blocks[b] += delta
+                blocks[b] = blocks.item(b) + delta
         else:
             np.add.at(self.blocks, units >> _BLOCK_SHIFT, delta)
         self.total += delta * len(units)
@@ -105,12 +106,16 @@ class _Eligible:
             self._flip(off, False)
 
     def _flip(self, units: list[int], value: bool) -> None:
+        # (elements read with .item(): indexing gives numpy scalars, whose compare and add cost ~4x more)
         bits, blocks, delta = self.bits, self.blocks, 1 if value else -1
+        bit, count, moved = bits.item, blocks.item, 0
         for u in units:
-            if bits[u] != value:
+            if bit(u) != value:
                 bits[u] = value
-                blocks[u >> _BLOCK_SHIFT] += delta
-                self.total += delta
+                b = u >> _BLOCK_SHIFT
+                blocks[b] = count(b) + delta
+                moved += delta
+        self.total += moved
 
     def first(self, n: int) -> np.ndarray:
         """The n smallest set units (fewer if fewer are set)."""

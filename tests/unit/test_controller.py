@@ -386,3 +386,54 @@ def test_outstanding_leases_are_bounded_across_the_dock(monkeypatch):
     c.confirm(held[0].lease)
     assert c.acquire("p", "c0", ["x"], 1) is not None  # room again
     assert len(c.leases) == 5
+
+
+def _few_paths_run(seed: int) -> list:
+    """A random workload of small puts, gets, confirms and releases; what each step returned and the state after."""
+    import random
+
+    rng = random.Random(seed)
+    counter = iter(range(1, 1 << 30))
+    c = Controller(lease_ids=lambda: next(counter))
+    c.create_partition("g", group_size=2)
+    leases: list[int] = []
+    out: list = []
+    for _ in range(400):
+        op = rng.random()
+        part = rng.choice(["p", "g"])
+        gs = 2 if part == "g" else 1
+        if op < 0.3:
+            out.append(("put", put(c, part, ["x"], gs * rng.randint(1, 4), gs=gs)))
+        elif op < 0.65:
+            n = rng.randint(1, 8) * gs
+            try:
+                r = c.acquire(part, rng.choice("ab"), ["x"], n, groups=gs > 1 and rng.random() < 0.5,
+                              allow_partial=True)
+            except DockValueError as e:
+                out.append(("error", str(e)))
+                continue
+            out.append(("get", None if r is None else r.indexes.tolist()))
+            if r is not None:
+                leases.append(r.lease)
+        elif leases:
+            lid = leases.pop(rng.randrange(len(leases)))
+            out.append(("confirm", c.confirm(lid)) if op < 0.85 else ("release", len(c.release(lid).indexes)))
+    for name, p in c.partitions.items():
+        for cname, cons in p.consumers.items():
+            subs = {k: (s.eligible.bits.tolist(), s.eligible.blocks.tolist(), s.eligible.total)
+                    for k, s in cons.subs.items()}
+            out.append((name, cname, cons.state[:p.size].tolist(), cons.taken, cons.leased, subs))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_few_sample_paths_do_what_the_array_paths_do(monkeypatch, seed):
+    """Small leases and commits take scalar paths (a numpy call on a tiny array costs more); with them
+    switched off, the same workload must hand out the same samples and leave the same state."""
+    from dockd.controller import core as cmod
+    from dockd.controller import partition as pmod
+
+    fast = _few_paths_run(seed)
+    monkeypatch.setattr(pmod, "FEW", -1)
+    monkeypatch.setattr(cmod, "FEW", -1)
+    assert _few_paths_run(seed) == fast
