@@ -176,7 +176,7 @@ def _fallocate():
 _reserve_space = _fallocate()
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def _write_all(fd: int, data: bytes | bytearray) -> None:
     """Write all of data, retrying the rest of a short write; OSError if the disk takes no more."""
     view = memoryview(data)
     while view:
@@ -209,6 +209,8 @@ class Journal:
         self._retry_at = 0.0  # loop time before which a failed snapshot is not tried again
         self._retry_wait = _RETRY_MIN
         self._packer = msgpack.Packer(use_bin_type=True)  # (one for every record: packb makes one per call)
+        self._held = bytearray()  # records held until the next write (append(hold=True))
+        self._held_records = 0
 
     # -- recovery ------------------------------------------------------------------------
     def load(self, *, lease_timeout: float, now: float) -> tuple[Controller, dict[int, dict]]:
@@ -350,32 +352,67 @@ class Journal:
                              "resumes by itself")
 
     # -- writing ---------------------------------------------------------------------------
-    def append(self, rec: list, *, applied: bool = False) -> bool:
+    def append(self, rec: list, *, applied: bool = False, hold: bool = False) -> bool:
         """Write one whole record. A request's record (`applied` False) raises DockStateFull when
         it cannot be written, leaving the journal as it was. A record of a decision already
-        applied returns False instead and stops the journal until a snapshot (see `broken`)."""
+        applied returns False instead and stops the journal until a snapshot (see `broken`).
+
+        `hold`: room for the record is reserved now (so a full disk refuses it now), but it goes to
+        the file with the next record written, or at `flush`: a request's records in one write. Its
+        caller applies it at once, so a held record that cannot be written stops the journal as an
+        applied one does."""
         body = self._packer.pack(rec)
         data = _HEAD.pack(len(body), zlib.crc32(body)) + body
         err = None
         if self.broken is None:
-            if self.size + len(data) > self.reserved and not self._reserve(len(data)):
+            held = len(self._held)
+            if self.size + held + len(data) > self.reserved and not self._reserve(held + len(data)):
                 err = self._last_error
+            elif hold:
+                self._held += data
+                self._held_records += 1
+                return True
             else:
-                try:
-                    _write_all(self._fd, data)
-                except OSError as e:
-                    err = e
-                    self._cut(e)
-                else:
-                    self.size += len(data)
-                    self.records += 1
-                    self.dirty = True
+                if held:
+                    self._held += data
+                    data = self._held
+                err = self._write(data, 1)
+                if err is None:
                     return True
         if not applied:
             raise self._refuse(err)
         if self.broken is None:
             self._break(f"a {rec[0]} record could not be written: {err}")
         return False
+
+    def flush(self) -> None:
+        """Write the records held (see `append`); if that fails the journal stops until a snapshot."""
+        if self._held and self.broken is not None:  # (the snapshot that resumes the journal captures them)
+            self._held, self._held_records = bytearray(), 0
+        elif self._held:
+            n = self._held_records
+            err = self._write(self._held, 0)
+            if err is not None and self.broken is None:
+                self._break(f"{n} record(s) could not be written: {err}")
+
+    def _write(self, data: bytes | bytearray, records: int) -> OSError | None:
+        """Write `data` (the held records first, and `records` more) at the end of the file; held records that
+        fail with it stop the journal (a partly written record is cut off)."""
+        held, self._held_records = self._held_records, 0
+        try:
+            _write_all(self._fd, data)
+        except OSError as e:
+            self._cut(e)
+            if held:
+                self._break(f"{held} record(s) already applied could not be written: {e}")
+            return e
+        else:
+            self.size += len(data)
+            self.records += held + records
+            self.dirty = True
+            return None
+        finally:
+            self._held = bytearray()
 
     @contextlib.contextmanager
     def ahead(self) -> Iterator[None]:
@@ -583,8 +620,8 @@ class Journal:
     def extend(self, lease_id: int, seconds_left: float) -> None:
         self.append(["E", lease_id, float(seconds_left)])
 
-    def confirm(self, ids: list[int]) -> None:
-        self.append(["F", ids])
+    def confirm(self, ids: list[int], *, hold: bool = False) -> None:
+        self.append(["F", ids], hold=hold)
 
     def release(self, lease_id: int, *, applied: bool = False) -> bool:
         return self.append(["R", lease_id], applied=applied)

@@ -78,8 +78,9 @@ class Leasing:
         return released
 
     # -- what clients ask -----------------------------------------------------------------------
-    def confirm(self, peer: Peer, leases, tickets, out: pb.ConfirmReply | None = None) -> None:
-        """Confirm leases this peer may act on; the rest are reported in `out`."""
+    def confirm(self, peer: Peer, leases, tickets, out: pb.ConfirmReply | None = None, *, hold: bool = False) -> None:
+        """Confirm leases this peer may act on; the rest are reported in `out`. `hold`: their journal record
+        goes with the request's next one (the caller flushes the journal before it answers)."""
         if not leases:
             return
         svc, core = self.svc, self.svc.core
@@ -101,7 +102,7 @@ class Leasing:
             if lease.need <= 1 or member is None or (lease.confirmed | 1 << member).bit_count() >= lease.need:
                 done.append(lid)
         if done and svc.journal is not None:
-            svc.journal.confirm(done)  # written ahead: confirms the journal cannot take are not applied
+            svc.journal.confirm(done, hold=hold)  # written ahead: confirms the journal cannot take are not applied
         for lease, member in mine:
             if core.confirm(lease.id, member):
                 part = core.partitions.get(lease.partition)

@@ -33,6 +33,7 @@ from dockd.controller.checkpoints import Checkpoints
 from dockd.controller.clock import Clock, Timer, Timers
 from dockd.controller.core import Controller
 from dockd.controller.journal import Journal
+from dockd.controller.leases import AcquireResult
 from dockd.controller.leasing import Leasing
 from dockd.controller.membership import Membership
 from dockd.controller.pacing import Pacer
@@ -297,7 +298,21 @@ class ControllerService:
     def acquire(self, peer: Peer, frame: pb.Frame) -> None:
         r = frame.acquire
         self.check_owner(r.partition)
-        self.leasing.confirm(peer, r.confirm, ())
+        # the confirms it carries are journaled with its grant, in one write before the answer
+        self.leasing.confirm(peer, r.confirm, (), hold=True)
+        try:
+            res = self._attempt(peer, r)
+        finally:
+            if self.journal is not None:
+                self.journal.flush()
+        if res is not None:
+            self.acquiring.reply(peer, frame, r, res)
+        elif r.timeout == 0:
+            raise self.waiting.timeout_error(r)
+        else:
+            self.waiting.park(peer, frame)
+
+    def _attempt(self, peer: Peer, r: pb.AcquireRequest) -> AcquireResult | None:
         cells = max(len(r.columns), 1) * max(r.dp_size, 1)
         if r.allow_partial and r.count * cells > limits.MAX_CELLS:  # "what is ready, up to a lot": up to what a reply holds
             part = self.core.partitions.get(r.partition)
@@ -306,13 +321,7 @@ class ControllerService:
         Controller.validate_acquire(r.partition, r.consumer, r.columns, r.count, r.groups)
         if self.closing:
             raise DockClosed("the controller is shutting down")
-        res = self.acquiring.attempt(peer, r)
-        if res is not None:
-            self.acquiring.reply(peer, frame, r, res)
-            return
-        if r.timeout == 0:
-            raise self.waiting.timeout_error(r)
-        self.waiting.park(peer, frame)
+        return self.acquiring.attempt(peer, r)
 
     def confirm(self, peer: Peer, req: pb.ConfirmRequest) -> pb.ConfirmReply:
         out = pb.ConfirmReply()

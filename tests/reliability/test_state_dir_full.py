@@ -163,6 +163,63 @@ def test_a_request_recorded_ahead_that_was_refused_replays_to_nothing(tmp_path):
     assert back.partitions["p"].size == 2 and back.partitions["p"].sealed
 
 
+def _get(j: Journal, core, n: int = 1):
+    """A get as the service makes it: decided, then its grant recorded."""
+    j.room()
+    res = core.acquire("p", "c", ["x"], n, now=0.0)
+    j.grant(core.leases[res.lease], 60.0)
+    return res.lease
+
+
+def test_a_gets_confirm_goes_to_the_file_with_its_grant_in_one_write(tmp_path, monkeypatch):
+    j, core = _new_journal(tmp_path)
+    _put(j, core, 1, n=4)
+    first = _get(j, core)
+    writes = []
+    real = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: writes.append(len(data)) or real(fd, data))
+    j.confirm([first], hold=True)  # the next get carries the confirm of the last one
+    core.confirm(first)
+    assert not writes
+    second = _get(j, core)
+    assert len(writes) == 1  # confirm and grant together
+    j.confirm([second], hold=True)
+    core.confirm(second)
+    j.flush()  # a get that waits, or takes nothing new: the confirm goes alone, before its answer
+    assert len(writes) == 2
+    j.close()
+    back, _ = Journal(tmp_path).load(lease_timeout=60, now=0.0)
+    assert not back.leases and back.partitions["p"].consumers["c"].taken == 2
+
+
+def test_a_held_confirm_that_cannot_be_written_stops_the_journal_and_its_get_is_refused(tmp_path, monkeypatch):
+    j, core = _new_journal(tmp_path)
+    _put(j, core, 1, n=4)
+    first = _get(j, core)
+    j.confirm([first], hold=True)
+    core.confirm(first)  # applied at once: the service answers only after the write
+    monkeypatch.setattr(journal_mod, "_write_all", _enospc)
+    with pytest.raises(DockStateFull):
+        _get(j, core)
+    assert j.broken is not None  # the confirm was applied but not recorded: no record is taken until a snapshot
+    monkeypatch.undo()
+    assert j.compact(core, {}, now=0.0)
+    j.close()
+    back, _ = Journal(tmp_path).load(lease_timeout=60, now=0.0)
+    assert back.partitions["p"].consumers["c"].taken == 1  # the snapshot has the confirm
+
+
+def test_a_confirm_held_on_a_full_disk_is_refused_before_it_is_applied(tmp_path, monkeypatch):
+    j, core = _new_journal(tmp_path)
+    _put(j, core, 1, n=4)
+    first = _get(j, core)
+    monkeypatch.setattr(journal_mod, "_reserve_space", _enospc)
+    j.reserved = j.size
+    with pytest.raises(DockStateFull, match="is full"):
+        j.confirm([first], hold=True)
+    assert j.broken is None and not j._held
+
+
 def test_restored_leases_get_the_seconds_they_had_left_on_the_new_clock(tmp_path):
     j, core = _new_journal(tmp_path)
     _put(j, core, 1, n=4)
