@@ -449,23 +449,26 @@ class Peer(asyncio.BufferedProtocol):
         self.authed.set_result(None)
 
     # -- writing --------------------------------------------------------------------
-    def send(self, frame: pb.Frame, buffers: Sequence = (), body_size: int = 0, fds: Sequence = ()) -> None:
-        """Write a frame; fds (ints or objects with fileno(), kept alive until written) need a Unix transport."""
+    def send(self, frame: pb.Frame, buffers: Sequence = (), body_size: int = 0, fds: Sequence = (),
+             tail: bytes = b"") -> None:
+        """Write a frame; fds (ints or objects with fileno(), kept alive until written) need a Unix transport.
+        `tail`: a serialized Frame the peer's parse merges into this one (see `wire.header`)."""
         if self.closed or self.transport is None or self.transport.is_closing():
             return
         if fds:
             frame.fds = len(fds)
             # (descriptors go only over a connection that passes them: a shm.UnixTransport)
-            cast("UnixTransport", self.transport).writelines([wire.header(frame, body_size), *buffers], fds)
+            cast("UnixTransport", self.transport).writelines([wire.header(frame, body_size, tail), *buffers], fds)
         else:
-            self.transport.writelines([wire.header(frame, body_size), *buffers])
+            self.transport.writelines([wire.header(frame, body_size, tail), *buffers])
 
-    def reply(self, request: pb.Frame, frame: pb.Frame, buffers: Sequence = (), body_size: int = 0, fds: Sequence = ()) -> None:
+    def reply(self, request: pb.Frame, frame: pb.Frame, buffers: Sequence = (), body_size: int = 0, fds: Sequence = (),
+              *, tail: bytes = b"") -> None:
         if request.oneway:
             return
         frame.id = request.id
         frame.reply = True
-        self.send(frame, buffers, body_size, fds)
+        self.send(frame, buffers, body_size, fds, tail)
         if self._started and self.metrics is not None:  # (requests are timed only with metrics)
             started = self._started.pop(request.id, None)
             if started is not None:

@@ -39,8 +39,11 @@ PROTOCOL_VERSION = 6  # 6: commits coalesced per warehouse; 5: the device tier; 
 IOV_MAX = 512
 
 
-def header(frame: pb.Frame, body_size: int = 0) -> bytes:
-    raw = frame.SerializeToString()
+def header(frame: pb.Frame, body_size: int = 0, tail: bytes = b"") -> bytes:
+    """The prefix and header of a frame. `tail`: another Frame, serialized, sent after it in the same header,
+    which the receiver's parse merges into it (protobuf parses concatenated messages as their merge): a
+    part of replies that is the same for many of them, serialized once."""
+    raw = frame.SerializeToString() + tail if tail else frame.SerializeToString()
     limit = MAX_REPLY_HEADER if frame.reply else MAX_HEADER
     if len(raw) > limit:
         raise DockProtocolError(

@@ -198,7 +198,7 @@ class Acquiring:
         reply.rank_weights.extend(res.weights)
         reply.indexes.extend(res.indexes.tolist())
         reply.locations.extend(locs)
-        reply.warehouses.extend(svc.warehouse_infos(sorted(set(locs)), usage=False))
+        infos = svc.members.acquire_infos(sorted(set(locs)))  # (appended to the frame: see acquire_infos)
         part = svc.core.partitions.get(r.partition)
         reply.recovered = part is not None and part.recovered
         if r.inline and svc.local is not None:
@@ -207,6 +207,6 @@ class Acquiring:
             reply.inline.extend(cols)
             reply.device_buffers.extend(shared)
             out.pins.extend(s.sid for s in segs)
-            peer.reply(frame, out, body.buffers, body.size, segs)
+            peer.reply(frame, out, body.buffers, body.size, segs, tail=infos)
             return
-        peer.reply(frame, out)
+        peer.reply(frame, out, tail=infos)

@@ -32,7 +32,9 @@ class FakePeer:
         self.parked, self.closed = 0, False
         self.replies: list[tuple[pb.Frame, object]] = []  # (request frame, reply frame or exception)
 
-    def reply(self, frame, out, *rest) -> None:
+    def reply(self, frame, out, *rest, tail: bytes = b"") -> None:
+        if tail:  # (a serialized part the wire appends to the frame, merged on the peer's parse)
+            out.MergeFromString(tail)
         self.replies.append((frame, out))
 
     def reply_error(self, frame, exc) -> None:
@@ -395,5 +397,26 @@ def test_one_of_several_controllers_refuses_partitions_it_does_not_own_and_their
         assert svc.register(FakePeer("warehouse"), reg).id == 3
         assert mine[1] in svc.core.partitions and theirs[1] not in svc.core.partitions
         svc.shutdown()
+
+    run(main())
+
+
+def test_an_acquire_names_its_warehouses_as_they_are_now():
+    """The warehouse infos of an acquire's reply are serialized once per set of warehouses and state:
+    a change (its connection dropped, a new address) shows in the next reply."""
+    async def main():
+        d = Dock()
+        d.put("p", 4)
+        a = FakePeer("a", b"session-a")
+        first = d.answer(a, d.get(a, "p", 1)).acquire_reply
+        assert [(w.id, w.host, w.port, w.state, w.alive) for w in first.warehouses] == \
+            [(d.wid, "10.0.0.9", 7000, "joined", True)]
+        assert list(first.locations) == [d.wid]
+        again = d.answer(a, d.get(a, "p", 1)).acquire_reply  # (the same, from what was serialized)
+        assert list(again.warehouses) == list(first.warehouses)
+        d.svc.members.connection_lost(d.wpeer)  # away: its samples wait for it to rejoin
+        away = d.answer(a, d.get(a, "p", 1)).acquire_reply
+        assert [(w.id, w.state, w.alive) for w in away.warehouses] == [(d.wid, "rejoining", False)]
+        d.svc.shutdown()
 
     run(main())
