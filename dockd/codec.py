@@ -41,7 +41,8 @@ _PAD = bytes(ALIGN)
 _CAT_BELOW = 1 << 20  # runs of smaller values are packed with one concatenation; larger ones go as they are
 # torch's grain size: a concatenation into fewer elements than this copies its inputs one memcpy each on the
 # calling thread; into more (with several intra-op threads) each input goes through a generic copy, 1.5-2x
-# slower for 64 per-sample tensors of ~1,000 elements. `cat_into` concatenates in chunks below it.
+# slower for 64 per-sample tensors of ~1,000 elements. `cat_into` concatenates in chunks below it, unless
+# torch runs one intra-op thread: then every concatenation is serial, and one call costs less than several.
 _SERIAL_CAT = 32768
 
 # the dtypes a run may have, with their item sizes (torch >= 2.3 has every one of them)
@@ -109,9 +110,12 @@ if not TYPE_CHECKING:
 
 def cat_into(tensors: list[torch.Tensor], lengths: Sequence[int], out: torch.Tensor) -> None:
     """Concatenate flat CPU tensors of `out`'s dtype with `lengths` elements each into `out`
-    (1-D, sum(lengths) elements), in chunks of fewer than _SERIAL_CAT elements (torch's memcpy path).
-    A tensor of more elements goes alone."""
+    (1-D, sum(lengths) elements), in chunks of fewer than _SERIAL_CAT elements (torch's memcpy path) when
+    torch runs several intra-op threads. A tensor of more elements goes alone."""
     with torch.no_grad():
+        if torch.get_num_threads() == 1:
+            torch.cat(tensors, out=out)
+            return
         start = pos = acc = 0
         for i, n in enumerate(lengths):
             if acc and acc + n >= _SERIAL_CAT:
