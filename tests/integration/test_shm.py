@@ -179,8 +179,8 @@ import os, resource, sys, torch, dockd
 resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 d = dockd.connect(sys.argv[1], warehouse=0)
 n = 300
-for k in range(n):  # one body (one segment) per put, 128 KiB values: passed by descriptor
-    d.put({"x": torch.full((2, 1 << 17), k % 251, dtype=torch.uint8)}, partition=sys.argv[2])
+for k in range(n):  # one body (one segment) per put, 256 KiB values: passed by descriptor
+    d.put({"x": torch.full((2, 1 << 18), k % 251, dtype=torch.uint8)}, partition=sys.argv[2])
 held = [d.get("c", ["x"], 2, partition=sys.argv[2], timeout=10)["x"] for _ in range(n)]
 for k, pair in enumerate(held):
     assert all(bool((t == k % 251).all()) for t in pair), k
@@ -268,3 +268,30 @@ def test_a_warehouse_with_a_data_dir_copies_a_staged_put_before_it_answers(tmp_p
             node.terminate()
             node.wait(10)
             node.stdout.close()
+
+
+def _store_mappings() -> int:
+    """Mappings of warehouse segments in this process (zero-copy results)."""
+    with open("/proc/self/maps") as f:
+        return sum("memfd:dockd-store" in line for line in f)
+
+
+def test_a_get_of_a_few_hundred_kib_comes_as_bytes_and_a_bigger_one_mapped(cluster, partition):
+    """Mapping a segment costs a reader more than copying a few hundred KiB (a get of 64 values of 4 KiB
+    went from ~98k to ~107k samples/s copied); above shm.SHM_COPY_REPLY bytes the values come by descriptor."""
+    with dockd.connect(cluster.address, warehouse=0) as d:
+        small = torch.randint(0, 255, (64, 4096), dtype=torch.uint8)  # 256 KiB: as bytes
+        big = torch.randint(0, 255, (64, 16384), dtype=torch.uint8)  # 1 MiB: by descriptor
+        d.put({"x": small}, partition=partition)
+        d.put({"x": big}, partition=partition + "-big")
+        before = _store_mappings()
+        got = d.get("c", ["x"], 64, partition=partition, timeout=10)["x"]
+        assert torch.equal(torch.stack(got), small)
+        assert _store_mappings() == before
+        got_big = d.get("c", ["x"], 64, partition=partition + "-big", timeout=10)["x"]
+        assert torch.equal(torch.stack(got_big), big)
+        assert _store_mappings() == before + 1
+        del got_big
+        assert _store_mappings() == before
+        d.clear(partition)
+        d.clear(partition + "-big")
