@@ -298,9 +298,8 @@ class ControllerService:
     def acquire(self, peer: Peer, frame: pb.Frame) -> None:
         r = frame.acquire
         self.check_owner(r.partition)
-        # the confirms it carries are journaled with its grant, in one write before the answer
-        self.leasing.confirm(peer, r.confirm, (), hold=True)
-        try:
+        try:  # the confirms it carries are journaled with its grant, in one write before the answer
+            self.leasing.confirm(peer, r.confirm, (), hold=True)
             res = self._attempt(peer, r)
         finally:
             if self.journal is not None:
