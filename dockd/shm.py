@@ -55,8 +55,8 @@ logger = logging.getLogger(__name__)
 
 SHM_MIN_BODY = 256 << 10   # puts at least this big go through a memfd
 HUGE = 2 << 20             # PMD size: segments are sized and mapped in its multiples
-SHM_MIN_VALUE = 64 << 10   # stored values at least this big are passed by descriptor ...
-SHM_COPY_REPLY = 256 << 10  # ... once a reply carries this many bytes of them as bytes already
+SHM_MIN_VALUE = 64 << 10   # runs of stored values at least this big are passed by descriptor ...
+SHM_COPY_REPLY = 256 << 10  # ... in a reply with more bytes of them than this (fewer: copied, which costs less)
 MAX_FDS = 253              # SCM_MAX_FD
 _ANC = socket.CMSG_SPACE(MAX_FDS * 4) if hasattr(socket, "CMSG_SPACE") else 0
 MSG_CTRUNC = int(socket.MSG_CTRUNC)
