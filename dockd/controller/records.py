@@ -1,0 +1,170 @@
+"""The journal's records: what each holds, how decisions are packed into them, and how a record
+replays onto a controller (`apply`). `dockd.controller.journal` writes and reads them.
+
+Records (the first element names the kind):
+
+    W  warehouse entry (id, host, port, unix, capacity, instance, state)
+    C  commit          (partition, columns, warehouse, indexes | None, new_count, group_size, nbytes, put_id[, tags
+                       [, writer token[, warehouses not answering when a put with that token was re-sent]]])
+    A  replica commit  (partition, columns, warehouse, indexes, nbytes, put_id): it holds a copy (--replicas 2)
+    G  lease granted   (id, partition, consumer, indexes, seconds left, token, owner session)
+    E  lease extended  (id, seconds left)
+    F  leases confirmed (ids)
+    R  lease released  (id): given back, expired, or its client went away
+    X  partition cleared
+    L  warehouse lost  (id[, {partition: {column: indexes}} of its values unwritten, their copy on its way])
+    J  warehouse rejoined (id, inventory, known)
+    P  partition created or its options set (partition, group_size, retire_when_consumed_by[,
+       max_staleness, retire_stale, max_pending])
+    D  samples deleted (partition, indexes)
+    S  partition sealed
+    V  samples reserved (partition, count, group_size)
+    T  tags set        (partition, indexes, {name: values})
+    K  partition loaded from a checkpoint (partition, its exported metadata)
+    Y  the trainer's policy version set (partition, version)
+
+A rank-aware get's shares are journaled as plain leases (G) when a round is
+split; the lease holding a round before its split, and which rank holds which
+share, are not recorded: after a restart a rank's next get forms a new round
+while unconfirmed old shares expire back to the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections.abc import Mapping
+
+import numpy as np
+
+from dockd.controller.core import Controller
+from dockd.controller.persist import import_partition
+from dockd.controller.warehouses import Inventory
+from dockd.errors import DockError
+
+logger = logging.getLogger(__name__)
+
+_FEW_IDX = 8  # (see pack_idx)
+
+
+def pack_idx(idx) -> bytes | list[int]:
+    """Indexes compactly: [start, n] for a consecutive run, else raw int64 bytes (native order). A few
+    indexes (a small get's lease, a one-sample commit) are read as Python ints: three numpy calls on a
+    tiny array cost a grant record more than the rest of it."""
+    if len(idx) <= _FEW_IDX:
+        xs = idx.tolist() if isinstance(idx, np.ndarray) else [int(x) for x in idx]
+        if xs and xs[-1] - xs[0] == len(xs) - 1 and all(b - a == 1 for a, b in zip(xs, xs[1:])):
+            return [xs[0], len(xs)]
+        return struct.pack(f"={len(xs)}q", *xs)
+    a = np.asarray(idx, dtype=np.int64)
+    if len(a) and a[-1] - a[0] == len(a) - 1 and (len(a) < 3 or bool((np.diff(a) == 1).all())):
+        return [int(a[0]), len(a)]
+    return a.tobytes()
+
+
+def unpack_idx(raw) -> np.ndarray:
+    if isinstance(raw, list):
+        return np.arange(raw[0], raw[0] + raw[1], dtype=np.int64)
+    return np.frombuffer(raw, dtype=np.int64).copy()
+
+
+def pack_tags(tags) -> dict:
+    return {name: np.asarray(v, dtype=np.int64).tobytes() for name, v in tags.items()}
+
+
+def unpack_tags(raw: dict) -> dict:
+    return {name: np.frombuffer(v, dtype=np.int64).copy() for name, v in raw.items()}
+
+
+def pack_inventory(inv: Mapping[str, Inventory]) -> dict:
+    return {name: [h.group_size, h.nbytes, {c: np.asarray(ix, np.int64).tobytes() for c, ix in h.columns.items()}]
+            for name, h in inv.items()}
+
+
+def unpack_inventory(raw: dict) -> dict[str, Inventory]:
+    return {name: Inventory(gs, nb, {c: np.frombuffer(b, dtype=np.int64).copy() for c, b in cols.items()})
+            for name, (gs, nb, cols) in raw.items()}
+
+
+class JournalError(DockError):
+    """The state dir cannot be used (unreadable, or written by an incompatible version)."""
+
+
+_LEGACY_WALL = 1e8  # a lease time above this was written as a wall-clock deadline (older dockd)
+# records written before the request they record was applied: one the controller then refused
+# replays to the same refusal, which replay skips
+_AHEAD = frozenset("CAPDSVTXEFRY")
+
+
+def _deadline(core: Controller, left: float, now: float) -> float:
+    """A restored lease's deadline: now + the seconds it had left when recorded (an older
+    dockd's wall-clock deadline: a fresh lease timeout)."""
+    return now + (core.lease_timeout if left > _LEGACY_WALL else left)
+
+
+def apply(core: Controller, warehouses: dict[int, dict], rec: list, now: float) -> bool:
+    """Replay one record onto a controller and its warehouse registry (lease deadlines on the
+    clock whose reading is `now`). False: a request recorded ahead that the controller refused."""
+    if rec[0] not in _AHEAD:
+        _apply(core, warehouses, rec, now)
+        return True
+    try:
+        _apply(core, warehouses, rec, now)
+    except DockError:
+        return False
+    except Exception as e:  # noqa: BLE001 - it failed the same way when it was made
+        logger.warning("[journal] a %s record replays to %s: %s (the request failed the same way)", rec[0],
+                       type(e).__name__, e)
+        return False
+    return True
+
+
+def _apply(core: Controller, warehouses: dict[int, dict], rec: list, now: float) -> None:
+    kind = rec[0]
+    if kind == "C":
+        _, part, cols, wid, idx, new_count, gs, nbytes, put_id, *more = rec
+        core.commit(part, cols, warehouse=wid, indexes=None if idx is None else unpack_idx(idx), new_count=new_count,
+                    group_size=gs, nbytes=nbytes, put_id=put_id, tags=unpack_tags(more[0]) if more else None,
+                    token=more[1] if len(more) > 1 else 0, away=more[2] if len(more) > 2 else ())
+    elif kind == "A":
+        _, part, cols, wid, idx, nbytes, put_id = rec
+        core.commit_replica(part, cols, warehouse=wid, indexes=unpack_idx(idx), nbytes=nbytes, put_id=put_id)
+    elif kind == "P":
+        core.create_partition(rec[1], group_size=rec[2], retire=rec[3], **dict(zip(
+            ("max_staleness", "retire_stale", "max_pending"), rec[4:])))
+    elif kind == "Y":
+        core.set_version(rec[1], rec[2])
+    elif kind == "D":
+        core.partitions.get(rec[1]) and core.delete(rec[1], unpack_idx(rec[2]))
+    elif kind == "S":
+        core.seal(rec[1])
+    elif kind == "V":
+        core.reserve(rec[1], rec[2], group_size=rec[3])
+    elif kind == "K":
+        core.catalog.adopt(import_partition(rec[2]))  # (exported under its name, rec[1])
+    elif kind == "T":
+        core.set_tags(rec[1], unpack_idx(rec[2]), unpack_tags(rec[3]))
+    elif kind == "G":
+        _, lid, part, consumer, idx, left, token, owner = rec
+        core.grant(lid, part, consumer, unpack_idx(idx), deadline=_deadline(core, left, now), token=token, owner=owner)
+    elif kind == "E":
+        core.extend(rec[1], _deadline(core, rec[2], now))
+    elif kind == "F":
+        for lid in rec[1]:
+            core.confirm(lid)
+    elif kind == "R":
+        core.release(rec[1])
+    elif kind == "X":
+        core.partitions.get(rec[1]) and core.clear(rec[1])
+    elif kind == "W":
+        warehouses[int(rec[1]["id"])] = rec[1]
+    elif kind == "L":
+        if len(rec) > 2:  # (its copies on their way were not journaled: what they left unwritten was)
+            core.unwrite({p: {c: unpack_idx(ix) for c, ix in cols.items()} for p, cols in rec[2].items()})
+        core.warehouse_lost(rec[1])
+        if rec[1] in warehouses:
+            warehouses[rec[1]]["state"] = "lost"
+    elif kind == "J":
+        core.rejoin(rec[1], unpack_inventory(rec[2]), known=rec[3])
+    else:
+        raise JournalError(f"unknown journal record kind {kind!r}: written by a newer dockd?")
