@@ -7,17 +7,23 @@ the server's CPU per round trip (utime + stime from ``/proc/<pid>/stat``,
 the same counter the load benchmark reads for the daemons). As in
 ``benchmarks.ceilings.measure_rtt`` (which measures the TCP round trip alone),
 the best of a few fresh process pairs is kept: on a small VM the round trip
-is bimodal, depending on where the scheduler puts the two processes.
+is bimodal, depending on where the scheduler puts the two processes. The
+same TCP echo is also served by a compiled server (``echo.c``, built with the
+machine's C compiler when it has one): its CPU per round trip is the kernel's
+share alone, the floor under any server's.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import statistics
+import subprocess
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from ..ceilings import _recv_exact
@@ -63,25 +69,7 @@ def echo_round(family: str, count: int, warmup: int = 500) -> dict[str, Any]:
         fam = socket.AF_UNIX if family == "unix" else socket.AF_INET
         sock = socket.socket(fam, socket.SOCK_STREAM)
         sock.connect(bound if family == "unix" else tuple(bound))
-        if fam == socket.AF_INET:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        view = memoryview(bytearray(MSG_BYTES))
-        for _ in range(warmup):
-            sock.sendall(view)
-            _recv_exact(sock, view)
-        lat = []
-        cpu0 = cpu_seconds([proc.pid])
-        own0 = time.process_time()
-        t_start = time.perf_counter()
-        for _ in range(count):
-            t0 = time.perf_counter()
-            sock.sendall(view)
-            _recv_exact(sock, view)
-            lat.append(time.perf_counter() - t0)
-        wall = time.perf_counter() - t_start
-        server_cpu = cpu_seconds([proc.pid]) - cpu0
-        client_cpu = time.process_time() - own0
-        sock.close()
+        out = _ping_pong(sock, proc.pid, count, warmup)
     finally:
         proc.join(timeout=5)
         if proc.is_alive():
@@ -92,9 +80,56 @@ def echo_round(family: str, count: int, warmup: int = 500) -> dict[str, Any]:
             os.rmdir(tmp)
         except OSError:
             pass
+    return {"family": family, **out}
+
+
+def compiled_echo_round(count: int, warmup: int = 500) -> dict[str, Any] | None:
+    """As ``echo_round`` over TCP, the server compiled from ``echo.c`` (None without a C compiler):
+    a server that spends next to nothing in user space, so its CPU per round trip is the kernel's
+    share, the floor under any server's, the controller's included."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="dkload-cecho-") as tmp:
+        exe = os.path.join(tmp, "echo")
+        subprocess.run([cc, "-O2", "-o", exe, str(Path(__file__).with_name("echo.c"))], check=True,
+                       capture_output=True)
+        with subprocess.Popen([exe], stdout=subprocess.PIPE) as proc:
+            try:
+                assert proc.stdout is not None
+                port = int(proc.stdout.readline())
+                out = _ping_pong(socket.create_connection(("127.0.0.1", port)), proc.pid, count, warmup)
+            finally:  # (it exits when its client goes)
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    return {"family": "tcp", "server": "c", **out}
+
+
+def _ping_pong(sock: socket.socket, server_pid: int, count: int, warmup: int) -> dict[str, Any]:
+    """``count`` timed 64-byte round trips on ``sock`` (closed after); latencies and CPU of both ends."""
+    if sock.family == socket.AF_INET:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    view = memoryview(bytearray(MSG_BYTES))
+    with sock:
+        for _ in range(warmup):
+            sock.sendall(view)
+            _recv_exact(sock, view)
+        lat = []
+        cpu0 = cpu_seconds([server_pid])
+        own0 = time.process_time()
+        t_start = time.perf_counter()
+        for _ in range(count):
+            t0 = time.perf_counter()
+            sock.sendall(view)
+            _recv_exact(sock, view)
+            lat.append(time.perf_counter() - t0)
+        wall = time.perf_counter() - t_start
+        server_cpu = cpu_seconds([server_pid]) - cpu0
+        client_cpu = time.process_time() - own0
     lat.sort()
     return {
-        "family": family,
         "round_trips": count,
         "p50_us": lat[len(lat) // 2] * 1e6,
         "p99_us": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e6,
@@ -106,12 +141,17 @@ def echo_round(family: str, count: int, warmup: int = 500) -> dict[str, Any]:
 
 
 def measure(count: int = 20000, rounds: int = 3) -> dict[str, Any]:
-    """Unix and TCP echo: the round with the lowest p50 of ``rounds`` fresh process pairs, per family."""
+    """Unix and TCP echo, and the compiled TCP echo (``tcp_compiled``, where a C compiler is found):
+    the round with the lowest p50 of ``rounds`` fresh process pairs, per kind."""
     out: dict[str, Any] = {}
-    for family in ("unix", "tcp"):
-        runs = [echo_round(family, count) for _ in range(rounds)]
+    kinds: dict[str, Any] = {"unix": lambda: echo_round("unix", count), "tcp": lambda: echo_round("tcp", count),
+                             "tcp_compiled": lambda: compiled_echo_round(count)}
+    for kind, run in kinds.items():
+        runs = [r for r in (run() for _ in range(rounds)) if r is not None]
+        if not runs:
+            continue
         best = min(runs, key=lambda r: r["p50_us"])
         best["round_p50_us"] = [r["p50_us"] for r in runs]
         best["round_server_cpu_us"] = [r["server_cpu_us_per_round_trip"] for r in runs]
-        out[family] = best
+        out[kind] = best
     return out

@@ -237,11 +237,13 @@ def _fmt(v: Any, spec: str) -> str:
 def markdown(results: dict[str, Any]) -> str:
     b = results.get("baseline", {}).get("tcp", {})
     echo = b.get("server_cpu_us_per_round_trip")
+    native = results.get("baseline", {}).get("tcp_compiled", {}).get("server_cpu_us_per_round_trip")
     m = results["machine"]
     lines = [f"# Controller capacity: small gets, closed loop ({results['started_utc']})", "",
              f"`{results['command']}`; {m.get('cpu_model', '?')}, {m.get('cpus', '?')} CPUs. Same-run baseline: "
              f"64-byte TCP echo p50 {_fmt(b.get('p50_us'), '.1f')} us, echo server CPU {_fmt(echo, '.1f')} us per "
-             "round trip. Each request: an acquire of 1..8 samples carrying the previous lease's confirm.", "",
+             f"round trip (a compiled echo server: {_fmt(native, '.1f')} us). Each request: an acquire of 1..8 "
+             "samples carrying the previous lease's confirm.", "",
              "| K | partitions on | threads | requests/s | p50 ms | p99 ms | controller CPU us/request | vs echo "
              "server | controller cores | probe CPU us/request | p99 passed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["runs"]:

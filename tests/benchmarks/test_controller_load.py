@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -50,7 +51,7 @@ def test_quick_run_reports_rates_and_cpu(tmp_path):
     rc = main(["--quick", "--controllers", "1,2", "--results", str(tmp_path), "--name", "q", "--no-plot"])
     assert rc == 0
     res = json.loads((tmp_path / "q.json").read_text())
-    for fam in ("unix", "tcp"):
+    for fam in ("unix", "tcp") + (("tcp_compiled",) if shutil.which("cc") or shutil.which("gcc") else ()):
         assert res["baseline"][fam]["p50_us"] > 0 and res["baseline"][fam]["server_cpu_us_per_round_trip"] > 0
     k1 = res["ramps"][0]
     assert k1["controllers"] == 1 and k1["status"] == "ok" and len(k1["steps"]) == 2
@@ -66,6 +67,16 @@ def test_quick_run_reports_rates_and_cpu(tmp_path):
     md = (tmp_path / "q.md").read_text()
     assert "Same-run baseline" in md and "Streaming model" in md
     assert load_report.model_cpu_figure(res)[0] == res["streaming_cpu_s_per_request"]
+
+
+def test_compiled_echo_server_answers_every_round_trip():
+    from benchmarks.controller_load.baseline import compiled_echo_round
+
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler")
+    r = compiled_echo_round(300, warmup=10)
+    assert r is not None and r["family"] == "tcp" and r["server"] == "c" and r["round_trips"] == 300
+    assert r["p99_us"] >= r["p50_us"] > 0 and r["round_trips_per_s"] > 0
 
 
 def test_capacity_summary_compares_each_k_with_one_controller():
