@@ -15,6 +15,7 @@ share alone, the floor under any server's.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -30,6 +31,8 @@ from ..ceilings import _recv_exact
 from .procstat import cpu_seconds
 
 MSG_BYTES = 64
+
+logger = logging.getLogger(__name__)
 
 
 def _echo_server(family: str, address: Any, ready: Any) -> None:
@@ -84,16 +87,19 @@ def echo_round(family: str, count: int, warmup: int = 500) -> dict[str, Any]:
 
 
 def compiled_echo_round(count: int, warmup: int = 500) -> dict[str, Any] | None:
-    """As ``echo_round`` over TCP, the server compiled from ``echo.c`` (None without a C compiler):
-    a server that spends next to nothing in user space, so its CPU per round trip is the kernel's
-    share, the floor under any server's, the controller's included."""
+    """As ``echo_round`` over TCP, the server compiled from ``echo.c`` (None without a C compiler
+    that builds it): a server that spends next to nothing in user space, so its CPU per round trip is
+    the kernel's share, the floor under any server's, the controller's included."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
     with tempfile.TemporaryDirectory(prefix="dkload-cecho-") as tmp:
         exe = os.path.join(tmp, "echo")
-        subprocess.run([cc, "-O2", "-o", exe, str(Path(__file__).with_name("echo.c"))], check=True,
-                       capture_output=True)
+        built = subprocess.run([cc, "-O2", "-o", exe, str(Path(__file__).with_name("echo.c"))], capture_output=True,
+                               text=True)
+        if built.returncode:
+            logger.warning("no compiled echo baseline: %s failed: %s", cc, built.stderr.strip()[-500:])
+            return None
         with subprocess.Popen([exe], stdout=subprocess.PIPE) as proc:
             try:
                 assert proc.stdout is not None

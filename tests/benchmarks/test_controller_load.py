@@ -79,6 +79,13 @@ def test_compiled_echo_server_answers_every_round_trip():
     assert r["p99_us"] >= r["p50_us"] > 0 and r["round_trips_per_s"] > 0
 
 
+def test_compiled_echo_is_skipped_when_it_cannot_be_built(monkeypatch):
+    from benchmarks.controller_load import baseline
+
+    monkeypatch.setattr(baseline.shutil, "which", lambda name: "/bin/false")  # a "compiler" that fails
+    assert baseline.compiled_echo_round(10) is None
+
+
 def test_capacity_summary_compares_each_k_with_one_controller():
     from benchmarks.controller_load.capacity import summarize
 
