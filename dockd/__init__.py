@@ -21,6 +21,7 @@ from dockd._version import __version__ as __version__
 from dockd.errors import (
     DockAuthError,
     DockClosed,
+    DockConfigError,
     DockConnectionError,
     DockDataLost,
     DockDrained,
@@ -57,6 +58,7 @@ __all__ = [
     "Dock",
     "DockAuthError",
     "DockClosed",
+    "DockConfigError",
     "DockConnectionError",
     "DockDataLost",
     "DockDrained",

@@ -12,6 +12,7 @@
     ├── DockLeaseError         (the lease is not this client's, or expired before its confirm)
     ├── DockDrained            (the partition is sealed and nothing is left for this get)
     ├── DockStateFull          (retryable: the controller's state dir is full; nothing was applied)
+    ├── DockConfigError        (the dock's daemons were started with settings that disagree)
     ├── DockProtocolError      (a peer sent a malformed frame)
     ├── DockValueError         (bad argument; also a ValueError)
     ├── DockTypeError          (argument of the wrong type; also a TypeError)
@@ -100,6 +101,12 @@ class DockStateFull(DockError):
     there is room again."""
 
 
+class DockConfigError(DockError):
+    """The dock's daemons were started with settings that disagree (e.g. two controllers given
+    different --controllers lists), so the dock refuses service rather than split; the message shows
+    both settings and which daemon to restart with what."""
+
+
 class DockProtocolError(DockError):
     """A peer sent bytes that are not a valid dockd frame."""
 
@@ -147,6 +154,8 @@ def from_status(status: dockd_pb2.Status) -> DockError:
         return DockDrained(msg)
     if code == pb.STATE_FULL:
         return DockStateFull(msg)
+    if code == pb.CONFIG:
+        return DockConfigError(msg)
     if code == pb.UNAVAILABLE:
         err = DockConnectionError(msg)
         err.retry = False  # the daemon that answered is there: re-sending to it (or another) would not help now
@@ -183,6 +192,8 @@ def to_status(exc: BaseException, status: dockd_pb2.Status) -> None:
         status.code = pb.DRAINED
     elif isinstance(exc, DockStateFull):
         status.code = pb.STATE_FULL
+    elif isinstance(exc, DockConfigError):
+        status.code = pb.CONFIG
     elif isinstance(exc, DockConnectionError):
         status.code = pb.UNAVAILABLE
     elif isinstance(exc, (ValueError, TypeError)):

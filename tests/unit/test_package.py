@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def test_public_api_is_stable():
     assert sorted(dockd.__all__) == sorted([
-        "AsyncDock", "Batch", "Dock", "DockAuthError", "DockClosed", "DockConnectionError", "DockDataLost", "DockDrained", "DockError",
+        "AsyncDock", "Batch", "Dock", "DockAuthError", "DockClosed", "DockConfigError", "DockConnectionError", "DockDataLost", "DockDrained", "DockError",
         "DockFull", "DockLeaseError", "DockNotFound", "DockProtocolError", "DockStateFull", "DockTimeout", "DockTypeError", "DockValueError", "Lease",
         "LocalCluster", "connect", "connect_async", "start_local",
     ])
@@ -24,7 +24,7 @@ def test_public_api_is_stable():
 def test_exception_tree():
     for exc in (dockd.DockTimeout, dockd.DockFull, dockd.DockDataLost, dockd.DockConnectionError,
                 dockd.DockProtocolError, dockd.DockValueError, dockd.DockTypeError, dockd.DockNotFound, dockd.DockClosed,
-                dockd.DockAuthError, dockd.DockLeaseError, dockd.DockDrained, dockd.DockStateFull):
+                dockd.DockAuthError, dockd.DockLeaseError, dockd.DockDrained, dockd.DockStateFull, dockd.DockConfigError):
         assert issubclass(exc, dockd.DockError)
     assert issubclass(dockd.DockValueError, ValueError) and issubclass(dockd.DockTypeError, TypeError)
     assert issubclass(dockd.DockTimeout, TimeoutError)
