@@ -49,6 +49,8 @@ FEW = 8
 MAX_VIEWS = 8
 #: The dock's per-consumer memory (`Cells`) is bounded to this many bytes per sample of --max-samples.
 CELLS_PER_SAMPLE = 16
+#: Samples a partition's arrays are first made for (at its first sample; an empty partition has none).
+FIRST_CAPACITY = 1024
 
 
 
@@ -206,20 +208,28 @@ class _Consumer:
 
 
 class _Partition:
+    """One partition's metadata. Its per-sample arrays are made for FIRST_CAPACITY samples by its first
+    reserve and doubled as it grows; an empty one (created, sealed, or never written) holds none, so
+    the dock's MAX_PARTITIONS empty partitions cost the controller about 1 KiB each."""
+
+    __slots__ = ("name", "group_size", "cells", "size", "capacity", "ready", "columns", "loc", "rloc", "consumers",
+                 "nbytes", "recovered", "gone", "deleted", "tags", "sealed", "retire", "version", "max_staleness",
+                 "retire_stale", "max_pending", "stale_retired")
+
     def __init__(self, name: str, group_size: int, cells: Cells | None = None) -> None:
         self.name = name
         self.group_size = group_size
         self.cells = cells if cells is not None else Cells()  # (the dock's, once a Catalog holds it)
         self.size = 0
-        self.capacity = 1024
-        self.ready = np.zeros(self.capacity, dtype=np.uint64)
+        self.capacity = 0  # (arrays are made by the first reserve: an empty partition holds none)
+        self.ready = np.zeros(0, dtype=np.uint64)
         self.columns: dict[str, int] = {}
         self.loc: dict[str, np.ndarray] = {}
         self.rloc: dict[str, np.ndarray] = {}  # made for a column once it has a replica
         self.consumers: dict[str, _Consumer] = {}
         self.nbytes: dict[int, int] = {}
         self.recovered = False  # rebuilt from warehouse inventories: consumer progress before it is unknown
-        self.gone = np.zeros(self.capacity, dtype=bool)
+        self.gone = np.zeros(0, dtype=bool)
         self.deleted = 0
         self.tags: dict[str, np.ndarray] = {}
         self.sealed = False
@@ -238,7 +248,7 @@ class _Partition:
         need = self.size + n
         if need <= self.capacity:
             return
-        cap = self.capacity
+        cap = max(self.capacity, FIRST_CAPACITY)
         while cap < need:
             cap *= 2
         self.cells.take(self.cells_held(cap) - self.cells_held(), f"growing partition {self.name!r} to {cap} samples")
