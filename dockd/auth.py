@@ -22,6 +22,8 @@ token too. Roles:
   hands it to the daemons it starts, and `dockd serve --controller` writes it
   to a file of its user's (`daemon_secret_path`) that `dockd serve --join` on
   the same host reads; a warehouse on another host needs the daemon token.
+  Several controllers of one host (`--controllers`) share one such secret
+  (`controllers_secret`); controllers on several hosts need the daemon token.
 
 The gRPC admin surface checks the same token on every call (`grpc_metadata`
 builds the header); the standard health service stays open, as probes need.
@@ -32,12 +34,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import pathlib
 import secrets
+import socket
 import stat
 import time
+from collections.abc import Sequence
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.config import env
@@ -101,10 +106,7 @@ def daemon_secret_path(port: int) -> pathlib.Path:
 
 def write_daemon_secret(port: int, secret: bytes) -> pathlib.Path:
     path = daemon_secret_path(port)
-    path.parent.mkdir(mode=0o700, exist_ok=True)
-    st = path.parent.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise DockValueError(f"{path.parent} must belong to this user with mode 700 to hold the dock's daemon secret")
+    _private_dir(path.parent)
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -113,6 +115,70 @@ def write_daemon_secret(port: int, secret: bytes) -> pathlib.Path:
         os.close(fd)
     os.replace(tmp, path)
     return path
+
+
+def controllers_secret(controllers: Sequence[str]) -> bytes:
+    """The daemon secret of tokenless controllers of one dock (`--controllers` without
+    --daemon-token-file): one per user and network namespace, shared by every such controller of
+    this host, so that a warehouse joining any of them proves itself to all. Controllers on other
+    hosts cannot share it: they need --daemon-token-file, and are refused at start without it."""
+    elsewhere = [a for a in controllers if not _on_this_host(a.rpartition(":")[0])]
+    if elsewhere:
+        raise DockValueError(
+            f"--controllers names controllers on other hosts ({', '.join(elsewhere)}), so the daemons need a "
+            "daemon token to trust each other: create one (`openssl rand -hex 32 > FILE; chmod 600 FILE`) and "
+            "give the same --daemon-token-file to every controller and warehouse of the dock (see the README, "
+            "\"Several nodes\")")
+    path = daemon_secret_path(0).with_name(f"controllers-{_netns()}.secret")
+    _private_dir(path.parent)
+    while True:
+        try:
+            st = path.stat()
+            if st.st_uid != os.getuid() or st.st_mode & 0o077:
+                raise DockValueError(f"{path} must belong to this user with mode 600 to hold the dock's daemon secret")
+            secret = path.read_bytes()
+            if len(secret) == 32:
+                return secret
+            raise DockValueError(f"{path} does not hold a daemon secret (remove it, then start the controllers again)")
+        except FileNotFoundError:
+            pass
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, secrets.token_bytes(32))
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)  # whole or not at all, and only if no other controller made it first
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def _on_this_host(host: str) -> bool:
+    """Whether `host` names an address of this machine (loopback, or one it can bind)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, addr in infos:
+        if ipaddress.ip_address(str(addr[0]).split("%")[0]).is_loopback:
+            return True
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.bind((addr[0], 0, *addr[2:]))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def _private_dir(path: pathlib.Path) -> None:
+    path.mkdir(mode=0o700, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise DockValueError(f"{path} must belong to this user with mode 700 to hold the dock's daemon secret")
 
 
 def read_daemon_secret(port: int) -> bytes | None:

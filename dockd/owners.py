@@ -17,7 +17,9 @@ one that is down) and no two give the same id.
 
 The list is part of the dock's identity: changing it (adding a controller,
 reordering) moves partitions to other owners, so it must stay the same across
-restarts of a dock whose controllers keep state.
+restarts of a dock whose controllers keep state. Daemons and clients compare it
+whenever they meet (`differs`), and a dock whose controllers disagree refuses
+service (dockd.controller.agreement) rather than split.
 """
 
 from __future__ import annotations
@@ -61,3 +63,20 @@ def own_index(controllers: Sequence[str], host: str, port: int, advertise: str =
         f"--controllers {','.join(controllers)} does not name this controller ({' or '.join(sorted(mine))}): "
         "give each controller the full list with its own address among them, and a fixed --port"
     )
+
+
+def differs(mine: Sequence[str], theirs: Sequence[str]) -> bool:
+    """Whether two daemons' controller lists disagree. An empty list is a dock of one controller,
+    which agrees with a list naming only that one (a warehouse that learned it from the controller)."""
+    if len(mine) <= 1 and len(theirs) <= 1:
+        return False
+    return tuple(mine) != tuple(theirs)
+
+
+def disagreement(mine: Sequence[str], mine_where: str, theirs: Sequence[str], theirs_where: str) -> str:
+    """What a refusal says: both lists, and the fix."""
+    return (f"the dock's daemons disagree on its controllers: {mine_where} has --controllers "
+            f"{','.join(mine) or '(none: one controller)'}, {theirs_where} has "
+            f"{','.join(theirs) or '(none: one controller)'}. Every controller needs the same list in the same "
+            "order (it decides which controller owns each partition): restart the one that is wrong with the "
+            "right --controllers; the dock refuses service until they agree")

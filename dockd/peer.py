@@ -421,7 +421,11 @@ class Peer(asyncio.BufferedProtocol):
         if self._accept is not None:
             if kind != "auth":
                 raise DockAuthError(f"authenticate first: got a {kind or 'bare'} frame before the Auth frame")
-            reply = self._accept.verify(self._challenge, frame.auth)  # raises DockAuthError
+            try:
+                reply = self._accept.verify(self._challenge, frame.auth)
+            except DockError as e:  # the peer learns why (its Auth's reply), then the connection closes
+                self.reply_error(frame, e)
+                raise
             self.role, self.session = frame.auth.role, bytes(frame.auth.session)
             self.handler.on_authed(self)
             self.reply(frame, pb.Frame(auth_reply=reply))
@@ -437,6 +441,8 @@ class Peer(asyncio.BufferedProtocol):
     def _authed(self, f: asyncio.Future, a: pb.Auth, key: bytes | None) -> None:
         assert self.authed is not None  # (an outgoing connection: made in connection_made)
         if self.authed.done():
+            if not f.cancelled():
+                f.exception()  # (retrieved: the connection's end already failed the handshake)
             return
         try:
             reply, _ = f.result()

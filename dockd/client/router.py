@@ -42,7 +42,7 @@ from dockd import owners, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.connection import Connection, Credentials, Pool, timed_out
 from dockd.client.transport import Context, Endpoint, Transport, candidates, is_local
-from dockd.errors import DockClosed, DockConnectionError, DockError, DockTimeout, DockValueError
+from dockd.errors import DockClosed, DockConfigError, DockConnectionError, DockError, DockTimeout, DockValueError
 
 T = TypeVar("T")
 
@@ -151,14 +151,22 @@ class Router:
         deadline = time.monotonic() + (self.connect_timeout if timeout is None else timeout)
         conn = pool.get(deadline - time.monotonic())
         try:
-            reply, _, _ = conn.call(pb.Frame(hello=pb.Hello(client=self.name, protocol=wire.PROTOCOL_VERSION)),
+            reply, _, _ = conn.call(pb.Frame(hello=pb.Hello(client=self.name, protocol=wire.PROTOCOL_VERSION,
+                                                            controllers=self.controllers)),
                                     timeout=max(0.001, deadline - time.monotonic()))
         except BaseException:
             pool.discard(conn)
             raise
         pool.put(conn)
-        wire.check_protocol(reply.hello_reply.protocol, f"dockd at {pool.address}")
-        return reply.hello_reply
+        hello = reply.hello_reply
+        wire.check_protocol(hello.protocol, f"dockd at {pool.address}")
+        if hello.disagreement:  # the dock's controllers were started with different lists: it refuses service
+            raise DockConfigError(hello.disagreement)
+        if hello.hosts_controller and self.controllers and owners.differs(self.controllers, hello.controllers):
+            raise DockConfigError(owners.disagreement(
+                self.controllers, f"the controller this client reached first ({self.address})", hello.controllers,
+                f"the controller at {pool.address}"))
+        return hello
 
     def _adopt(self, hello: pb.HelloReply) -> None:
         """Take a controller's hello: a better transport to it if it offers one, and the warehouse table."""

@@ -39,12 +39,13 @@ from dockd import auth, owners, shm
 from dockd._proto import dockd_pb2 as pb
 from dockd._version import __version__
 from dockd.config import NodeConfig
+from dockd.controller.agreement import Agreement
 from dockd.controller.core import Controller
 from dockd.controller.service import ControllerService
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockValueError
 from dockd.metrics import Metrics, MetricsServer
 from dockd.peer import Peer
-from dockd.warehouse import memory, mooncake
+from dockd.warehouse import controller_probe, memory, mooncake
 from dockd.warehouse.admission import Admission
 from dockd.warehouse.checkpoint import Checkpoints
 from dockd.warehouse.commit import LocalCommitter, RemoteCommitter, RoutingCommitter
@@ -93,6 +94,7 @@ class Node:
                                segments=self.segments, metrics=self.metrics) if cfg.spill_dir else None
         self.controller: ControllerService | None = None
         self.link: ControllerLink | None = None  # to the controller that numbers warehouses (with several: the first)
+        self.agreement: Agreement | None = None  # several controllers: whether they agree on their list
         self.other_links: dict[int, ControllerLink] = {}  # several controllers: to each of the others, by index
         if cfg.controller:
             self.controller = ControllerService(
@@ -102,6 +104,8 @@ class Node:
                 own=owners.own_index(cfg.controllers, cfg.host, cfg.port, cfg.advertise) if cfg.controllers else 0,
             )
             members = self.controller.members  # heartbeats to the warehouses (see controller.membership)
+            if cfg.controllers:
+                self.agreement = Agreement(cfg.controllers, cfg.controllers[self.controller.own])
             members.heartbeat_interval, members.heartbeat_timeout = cfg.heartbeat_interval, cfg.heartbeat_timeout
             local = LocalCommitter(self.controller)
             self.committer: LocalCommitter | RoutingCommitter = local if not cfg.controllers else RoutingCommitter(
@@ -167,6 +171,8 @@ class Node:
         await self._join(reg)
         from dockd.warehouse.admin import start_grpc
 
+        if self.agreement is not None:
+            spawn(controller_probe.watch(self.agreement, self.listeners.make_probe_peer, self.listeners.link_tls))
         figures = Figures(self)
         self._grpc, self.grpc_port = start_grpc(figures, loop, host=self.cfg.host, port=self.port,
                                                 grpc_port=self.cfg.grpc_port, server_auth=self.keys.server_auth)
@@ -208,6 +214,7 @@ class Node:
                 assert isinstance(self.committer, RoutingCommitter)  # (a joining node routes; see __init__)
                 self.committer.committers = [RemoteCommitter(None) for _ in controllers]
         n = len(controllers)
+                reg.controllers.extend(controllers)
         if own >= 0:  # this process numbers its warehouse (the only controller, or one of several)
             assert self.controller is not None
             self._wid = self.controller.register(None, reg).id
@@ -354,7 +361,8 @@ class Node:
             "replicate": plain(self._replicate),
         }
         assert set(table) == WAREHOUSE_KINDS
-        table.update(controller_handlers(self.controller, where=f"{self.cfg.host}:{self.port}", join=self.cfg.join))
+        table.update(controller_handlers(self.controller, where=f"{self.cfg.host}:{self.port}", join=self.cfg.join,
+                                         agreement=self.agreement))
         return table
 
     def _from_controller(self, peer: Peer, kind: str) -> None:
@@ -398,6 +406,10 @@ class Node:
         if self.controller is not None:
             out.warehouses.extend(self.controller.warehouse_infos())
             out.controller = f"{self.cfg.advertise or self.cfg.host}:{self.port}"
+        if self.agreement is not None:
+            if frame.hello.controllers:
+                self.agreement.check(frame.hello.controllers, f"{frame.hello.client or 'a client'} (from {peer.name})")
+            out.disagreement = self.agreement.refusal
             out.controllers.extend(self.cfg.controllers)
             out.replicas = self.cfg.replicas
         else:

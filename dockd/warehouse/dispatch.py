@@ -10,6 +10,8 @@ protocol) is answered with a DockValueError naming it; the connection stays.
 
 `controller_handlers` serves the controller's kinds with the controller hosted
 in this process, or, without one, refuses them saying where the controller is.
+While the dock's controllers disagree on their list (dockd.controller.agreement)
+every kind but stats is refused with the reason.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 from dockd import auth, limits
 from dockd._proto import dockd_pb2 as pb
+from dockd.controller.agreement import Agreement
 from dockd.errors import DockAuthError, DockProtocolError, DockValueError
 from dockd.peer import Peer
 from dockd.warehouse.tasks import reply_when_done, spawn
@@ -82,9 +85,10 @@ class Dispatcher:
         handler(peer, frame, body, fds)
 
 
-def controller_handlers(ctl, *, where: str, join: str) -> dict[str, RequestHandler]:
+def controller_handlers(ctl, *, where: str, join: str, agreement: Agreement | None = None) -> dict[str, RequestHandler]:
     """The controller's kinds: served by `ctl` (a ControllerService), or without one refused
-    (`where`: this daemon's address, `join`: its controller's)."""
+    (`where`: this daemon's address, `join`: its controller's). `agreement`: whether the dock's
+    controllers agree on their list (several controllers)."""
     if ctl is None:
         def refuse(peer: Peer, frame: pb.Frame, body, fds) -> None:
             raise DockValueError(f"this daemon ({where}) is a warehouse without the controller; "
@@ -99,6 +103,8 @@ def controller_handlers(ctl, *, where: str, join: str) -> dict[str, RequestHandl
 
     def register(peer: Peer, frame: pb.Frame) -> None:
         check_protocol(frame.register.protocol, f"the warehouse at {frame.register.host}:{frame.register.port}")
+        if agreement is not None and frame.register.controllers:
+            agreement.check(frame.register.controllers, f"the warehouse at {frame.register.host}:{frame.register.port}")
         peer.reply(frame, pb.Frame(register_reply=ctl.register(peer, frame.register)))
 
     def partition(peer: Peer, frame: pb.Frame) -> None:
@@ -124,7 +130,17 @@ def controller_handlers(ctl, *, where: str, join: str) -> dict[str, RequestHandl
                                                            "clear_reply")),
         "partition": partition,
     }
-    return {kind: plain(fn) for kind, fn in table.items()}
+    if agreement is None:
+        return {kind: plain(fn) for kind, fn in table.items()}
+    return {kind: plain(fn if kind in ("stats", "leave") else _agreed(agreement, fn)) for kind, fn in table.items()}
+
+
+def _agreed(agreement: Agreement, fn: Callable[[Peer, pb.Frame], None]) -> Callable[[Peer, pb.Frame], None]:
+    def serve(peer: Peer, frame: pb.Frame) -> None:
+        agreement.refuse()
+        fn(peer, frame)
+
+    return serve
 
 
 async def _cleared(clearing) -> pb.ClearReply:

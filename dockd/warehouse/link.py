@@ -16,6 +16,11 @@ reply was lost to the outage is re-sent in the rejoin and applied once. A
 put whose commit cannot reach the controller for `grace` seconds fails with
 DockConnectionError (the client can retry it).
 
+A controller that refuses this warehouse (it cannot prove the daemon role there: another daemon
+token or secret; or the two were started with different --controllers lists) is not hammered: the
+link logs the reason (at most once a minute), tries again every REFUSED_RETRY_S seconds, and the puts
+that wait for it fail at once with that reason rather than after the grace period with "unreachable".
+
 On a dock with TLS (`--tls-cert`) the link reads the controller's TLS preamble and
 runs the TLS handshake before the dockd one (`open_link`); a warehouse whose TLS
 settings do not match its controller's stops at its first join with the reason.
@@ -37,13 +42,14 @@ from collections.abc import Callable
 from dockd import limits, tls, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.config import env
-from dockd.errors import DockAuthError, DockConnectionError, DockError, DockProtocolError, DockTimeout
+from dockd.errors import DockAuthError, DockConfigError, DockConnectionError, DockError, DockProtocolError, DockTimeout
 from dockd.peer import Peer
 from dockd.warehouse.commit import answered, outcome
 
 logger = logging.getLogger(__name__)
 
 BACKOFF_MIN, BACKOFF_MAX = 0.05, 1.0
+REFUSED_RETRY_S = 10.0  # seconds between joins of a controller that refused this warehouse (auth, --controllers)
 BATCH_BYTES = 4 << 20  # bytes of commits a batch collects before it goes (besides MAX_COMMIT_BATCH of them)
 #: DOCKD_COMMIT_BATCH=0: every commit goes to the controller at once, alone (the baseline benchmarks.commit_batch
 #: measures coalescing against); unset or 1: coalesced
@@ -112,6 +118,8 @@ class ControllerLink:
         self._task: asyncio.Task | None = None
         self._closing = False
         self._down_since: float | None = time.monotonic()
+        self.refused: DockError | None = None  # why the controller refused this warehouse's last join, if it did
+        self._refused_logged = ("", 0.0)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self, timeout: float | None) -> None:
@@ -185,6 +193,11 @@ class ControllerLink:
             try:
                 await asyncio.wait_for(peer.authed, 10.0)
                 await self._register(peer)
+            except (DockAuthError, DockConfigError) as e:  # refused: another daemon key, or another controller list
+                peer.close()
+                self._refuse(e)
+                await asyncio.sleep(REFUSED_RETRY_S)
+                continue
             except (DockError, OSError, asyncio.TimeoutError) as e:
                 # DockTimeout: the controller is checking that this process is the one at its address
                 # (it replaces a member registered there); anything else is worth a warning
@@ -197,6 +210,9 @@ class ControllerLink:
                 continue
             delay, waiting_logged = BACKOFF_MIN, 0.0
             self._down_since = None
+            if self.refused is not None:
+                logger.warning("[link] the controller at %s accepts this warehouse again", self.address)
+                self.refused = None
             self.joined.set()
             for p in self._pending.values():  # made before the first join, or while this (re)join was answered
                 if p.timer is not None:
@@ -214,6 +230,28 @@ class ControllerLink:
             for p in self._pending.values():
                 self._arm(p)
 
+    def _refuse(self, e: DockError) -> None:
+        """The controller refused this warehouse: say why (once a minute at most) and fail the puts
+        waiting for it with that reason."""
+        text = str(e)
+        if isinstance(e, DockAuthError):
+            e = DockConnectionError(
+                f"the warehouse cannot join the controller at {self.address}: {text}. Without "
+                "--daemon-token-file each controller on a host shares its daemon secret with that host's "
+                "daemons only: give every daemon of the dock the same --daemon-token-file")
+            e.retry = False
+        self.refused = e
+        now = time.monotonic()
+        if self._refused_logged[0] != text or now - self._refused_logged[1] > 60:
+            self._refused_logged = (text, now)
+            logger.error("[link] the controller at %s refuses this warehouse: %s (trying again every %gs)",
+                         self.address, e, REFUSED_RETRY_S)
+        for p in list(self._pending.values()):
+            if p.timer is not None:
+                p.timer.cancel()
+                p.timer = None
+            self._resolve(p, e)
+
     async def _register(self, peer: Peer) -> None:
         reg = pb.RegisterWarehouse()
         reg.CopyFrom(self.registration)
@@ -229,6 +267,8 @@ class ControllerLink:
             logger.warning("[link] the controller gave this warehouse a new id old=%d new=%d", self.wid, out.id)
         self.wid = out.id
         self.registration.id = out.id
+        self.registration.ClearField("lost")  # (files its data dir dropped at start: told to the first answered
+        self.registration.lost_unknown = False  # join only; a later rejoin must not lose values written since)
         logger.info("[link] joined controller=%s warehouse=%d rejoin=%s", self.address, out.id, rejoin)
         for name in out.drop:
             logger.info("[link] freeing partition=%s: the dock cleared it while the controller was away", name)
@@ -251,6 +291,8 @@ class ControllerLink:
         self._pending[req.put_id] = p
         if self.joined.is_set():
             self._enqueue(p)
+        elif self.refused is not None:
+            self._resolve(p, self.refused)
         else:
             self._arm(p)
         return fut

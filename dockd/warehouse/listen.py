@@ -51,7 +51,12 @@ class Keys:
         daemon = auth.load_token(cfg.daemon_token_file, "daemon token") if cfg.daemon_token_file else None
         if daemon is None and not self.no_roles:
             secret = config.env("DOCKD_DAEMON_SECRET")
-            daemon = bytes.fromhex(secret) if secret else (secrets.token_bytes(32) if cfg.controller else None)
+            if secret:
+                daemon = bytes.fromhex(secret)
+            elif cfg.controller and len(cfg.controllers) > 1:  # several controllers: one secret for all of them
+                daemon = auth.controllers_secret(cfg.controllers)
+            elif cfg.controller:
+                daemon = secrets.token_bytes(32)
         self.daemon = daemon  # a joining warehouse without one reads its controller's secret file
         self.server_auth = auth.ServerAuth(client_key=self.token, daemon_key=daemon)
         self._secret_file: Path | None = None
@@ -218,6 +223,12 @@ class Listeners:
         `link_tls` is set: dockd.warehouse.link.open_link finds it here)."""
         peer = Peer(self.handler, max_body=self.cfg.max_frame, on_connect=keepalive,
                     prove=(auth.DAEMON, self.keys.link_key(), b""))
+        self.peers.add(peer)
+        return peer
+
+    def make_probe_peer(self) -> Peer:
+        """A connection as a client of the dock (its token), to ask another controller for its list."""
+        peer = Peer(self.handler, max_body=self.cfg.max_frame, prove=(auth.CLIENT, self.keys.token, b""))
         self.peers.add(peer)
         return peer
 
