@@ -40,11 +40,11 @@ mooncake: setup
 	@if [ "$$(uname -sm)" = "Linux x86_64" ]; then \
 		if ! ldconfig -p | grep -q 'libibverbs.so.1 '; then \
 			if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-				(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 ibverbs-providers >/dev/null) \
-					|| echo "make mooncake: could not install libibverbs1; the Mooncake tests will be skipped"; \
+				out=$$( (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 ibverbs-providers) 2>&1) \
+					|| echo "$$out" "make mooncake: could not install libibverbs1; the Mooncake tests will be skipped"; \
 			else echo "make mooncake: libibverbs1 is missing (as root: apt-get install libibverbs1 ibverbs-providers)"; fi; \
 		fi; \
-		$(PY) -c "import mooncake.engine" 2>/dev/null || $(PY) -m pip install -q -e '.[mooncake]' $(TORCH); \
+		$(PY) -c "import mooncake.engine" 2>/dev/null || $(PY) -m pip install -q --no-warn-conflicts -e '.[mooncake]' $(TORCH); \
 	fi
 
 test: frameworks mooncake

@@ -69,8 +69,10 @@ trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "torch==${TORCH_VERSION}" >"$CONSTRAINTS"
 
 echo "install_frameworks: installing with torch==${TORCH_VERSION} pinned"
-"$PY" -m pip install --disable-pip-version-check -q -c "$CONSTRAINTS" "${RUNTIME[@]}"
-"$PY" -m pip install --disable-pip-version-check -q --no-deps "${FRAMEWORKS[@]}" "${NODEPS_EXTRA[@]}"
+# (--no-warn-conflicts: the frameworks are installed without their GPU dependencies on purpose, so
+# pip's list of what they "require" and is missing is expected, and only noise)
+"$PY" -m pip install --disable-pip-version-check -q --no-warn-conflicts -c "$CONSTRAINTS" "${RUNTIME[@]}"
+"$PY" -m pip install --disable-pip-version-check -q --no-warn-conflicts --no-deps "${FRAMEWORKS[@]}" "${NODEPS_EXTRA[@]}"
 "$PY" -c 'import verl.protocol, tensordict, openrlhf.trainer.ppo_utils, megatron.core.parallel_state' \
   2> >(grep -v -i "warn" >&2)
 echo "install_frameworks: done"
