@@ -131,8 +131,9 @@ class Controller:
     def unwrite(self, values: Mapping[str, Mapping[str, np.ndarray]]) -> None:
         replicas.unwrite(self.catalog, values)
 
-    def rejoin(self, warehouse: int, inventory: Mapping[str, Inventory], *, known: bool) -> list[str]:
-        return warehouses.rejoin(self.catalog, warehouse, inventory, known=known)
+    def rejoin(self, warehouse: int, inventory: Mapping[str, Inventory], *, known: bool | str,
+               lost: Mapping[str, Inventory] | bool | None = None) -> list[str]:
+        return warehouses.rejoin(self.catalog, warehouse, inventory, known=known, lost=lost)
 
     def warehouse_bytes(self) -> dict[int, int]:
         return self.catalog.warehouse_bytes()

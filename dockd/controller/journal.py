@@ -559,6 +559,10 @@ class Journal:
             rec.append({p: {c: pack_idx(ix) for c, ix in cols.items()} for p, cols in unwritten.items()})
         self.append(rec, applied=True)
 
-    def rejoin(self, wid: int, inventory: Mapping[str, Inventory], known: bool) -> None:
-        self.append(["J", wid, pack_inventory(inventory), known], applied=True)
+    def rejoin(self, wid: int, inventory: Mapping[str, Inventory], known: bool | str,
+               lost: Mapping[str, Inventory] | bool | None = None) -> None:
+        rec = ["J", wid, pack_inventory(inventory), known]
+        if lost:  # (values of files it dropped as damaged; True: every value it lacks)
+            rec.append(True if lost is True else pack_inventory(lost))
+        self.append(rec, applied=True)
 

@@ -127,10 +127,10 @@ class WarehouseEntry:
                 "instance": self.instance, "state": "joined" if self.state == "unresponsive" else self.state}
 
 
-def inventory_of(req: pb.RegisterWarehouse) -> dict[str, Inventory]:
-    """The wire inventory as index arrays (runs expanded)."""
+def inventory_of(req: pb.RegisterWarehouse, field: str = "inventory") -> dict[str, Inventory]:
+    """The wire inventory (or another field of its kind: "lost") as index arrays (runs expanded)."""
     out = {}
-    for p in req.inventory:
+    for p in getattr(req, field):
         cols = {}
         for c in p.columns:
             runs = np.asarray(c.runs, dtype=np.int64)
@@ -406,9 +406,16 @@ class Membership:
         # a durable warehouse (a data dir) that restarted wrote every put it acknowledged: a value recorded on it
         # that it no longer holds was committed but never acknowledged, and becomes unwritten instead of lost
         how: bool | str = DURABLE_REJOIN if known and entry.durable else known
-        drop = self.core.rejoin(entry.id, inventory, known=how)  # type: ignore[arg-type]
+        # ... except values whose files it dropped as damaged at start (--drop-damaged-files): those are lost
+        lost: dict[str, Inventory] | bool = True if req.lost_unknown else inventory_of(req, "lost")
+        if lost and how != DURABLE_REJOIN:
+            logger.error("[controller] warehouse %d dropped damaged files of its data dir at start, but this "
+                         "controller does not know it as that member (it restarted without a state dir, or the "
+                         "warehouse's identity changed): the samples of those files are not in the partitions "
+                         "rebuilt from its inventory (the warehouse's log names them)", entry.id)
+        drop = self.core.rejoin(entry.id, inventory, known=how, lost=lost)
         if self.journal is not None:
-            self.journal.rejoin(entry.id, inventory, how)
+            self.journal.rejoin(entry.id, inventory, how, lost)
         for c in req.pending:
             c.warehouse = entry.id
             out = reply.pending.add()

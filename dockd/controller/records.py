@@ -13,7 +13,7 @@ Records (the first element names the kind):
     R  lease released  (id): given back, expired, or its client went away
     X  partition cleared
     L  warehouse lost  (id[, {partition: {column: indexes}} of its values unwritten, their copy on its way])
-    J  warehouse rejoined (id, inventory, known)
+    J  warehouse rejoined (id, inventory, known[, lost: what its data dir dropped as damaged, or True])
     P  partition created or its options set (partition, group_size, retire_when_consumed_by[,
        max_staleness, retire_stale, max_pending])
     D  samples deleted (partition, indexes)
@@ -165,6 +165,8 @@ def _apply(core: Controller, warehouses: dict[int, dict], rec: list, now: float)
         if rec[1] in warehouses:
             warehouses[rec[1]]["state"] = "lost"
     elif kind == "J":
-        core.rejoin(rec[1], unpack_inventory(rec[2]), known=rec[3])
+        lost = rec[4] if len(rec) > 4 else None
+        core.rejoin(rec[1], unpack_inventory(rec[2]), known=rec[3],
+                    lost=unpack_inventory(lost) if isinstance(lost, dict) else lost)
     else:
         raise JournalError(f"unknown journal record kind {kind!r}: written by a newer dockd?")

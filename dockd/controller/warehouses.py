@@ -12,7 +12,7 @@ import numpy as np
 
 from dockd.controller import replicas
 from dockd.controller.catalog import Catalog
-from dockd.controller.partition import LOST, LOST_WAREHOUSE, NO_WAREHOUSE, _Consumer, _Partition
+from dockd.controller.partition import LOST, LOST_WAREHOUSE, NO_WAREHOUSE, PENDING_WAREHOUSE, _Consumer, _Partition
 from dockd.errors import DockDataLost, DockNotFound, DockValueError
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,8 @@ def warehouse_lost(cat: Catalog, warehouse: int) -> dict[str, dict[str, np.ndarr
         part.nbytes.pop(warehouse, None)
     return unwritten
 
-def rejoin(cat: Catalog, warehouse: int, inventory: Mapping[str, Inventory], *, known: bool | str) -> list[str]:
+def rejoin(cat: Catalog, warehouse: int, inventory: Mapping[str, Inventory], *, known: bool | str,
+           lost: Mapping[str, Inventory] | bool | None = None) -> list[str]:
     """Reconcile what a rejoining warehouse holds with what this controller records.
 
     `known`: the controller remembers this warehouse (a journal, or it never
@@ -102,7 +103,11 @@ def rejoin(cat: Catalog, warehouse: int, inventory: Mapping[str, Inventory], *, 
     that restarted; it wrote every put before acknowledging it, so what it no
     longer holds was committed but never acknowledged (the kill came between
     the commit and the file): those values become unwritten again (their
-    writer was told the put failed, and may write them again), not lost.
+    writer was told the put failed, and may write them again), not lost;
+    except the values in `lost`, whose files it dropped as damaged at start
+    (True: some dropped file was too damaged to say what it held, so every
+    value it lacks): those are read from their replica where a live one
+    holds them, else lost (DockDataLost when met).
     Otherwise (a restart without a state dir) the
     inventory is the truth: partitions are rebuilt from it, marked
     `recovered` (consumer progress before the restart is unknown); a value
@@ -118,6 +123,11 @@ def rejoin(cat: Catalog, warehouse: int, inventory: Mapping[str, Inventory], *, 
                 mine = np.flatnonzero(loc[: part.size] == warehouse)
                 if held is not None and col in held.columns:
                     mine = mine[~np.isin(mine, held.columns[col], assume_unique=True)]
+                if len(mine) and known == DURABLE_REJOIN and lost:
+                    gone = mine if lost is True else _among(lost, name, col, mine)
+                    if len(gone):
+                        mine = mine[~np.isin(mine, gone, assume_unique=True)]
+                        _lost_on_disk(cat, part, col, gone, warehouse, lost is True)
                 if len(mine) and known == DURABLE_REJOIN:
                     loc[mine] = NO_WAREHOUSE
                     part.ready[mine] &= ~np.uint64(1 << part.columns[col])
@@ -190,3 +200,29 @@ def rejoin(cat: Catalog, warehouse: int, inventory: Mapping[str, Inventory], *, 
                 if subs:
                     part.refresh(cons, idx, subs)
     return drop
+
+
+def _among(lost: Mapping[str, Inventory] | bool, partition: str, column: str, idx: np.ndarray) -> np.ndarray:
+    held = lost.get(partition) if isinstance(lost, Mapping) else None
+    ix = held.columns.get(column) if held is not None else None
+    return idx[np.isin(idx, ix)] if ix is not None else idx[:0]
+
+
+def _lost_on_disk(cat: Catalog, part: _Partition, column: str, idx: np.ndarray, warehouse: int, unknown: bool) -> None:
+    """Values a warehouse restarted from its data dir without, their file dropped as damaged: where a live
+    replica holds them it becomes their home (and the repair copies them again), the rest are lost."""
+    loc, rl, moved = part.loc[column], part.rloc.get(column), 0
+    if rl is not None:
+        r = rl[idx]
+        live = (r < PENDING_WAREHOUSE) & ~np.isin(r, np.fromiter(cat.dead_warehouses, dtype=np.uint16))
+        loc[idx[live]] = r[live]
+        rl[idx[live]] = NO_WAREHOUSE
+        moved, idx = int(live.sum()), idx[~live]
+    if len(idx):
+        loc[idx] = LOST_WAREHOUSE
+        cat.dead_warehouses.add(LOST_WAREHOUSE)
+    why = ("it dropped a file of its data dir too damaged to say what it held" if unknown else
+           "the file(s) of its data dir holding them failed their check and were moved aside")
+    logger.error("[controller] warehouse %d restarted without %d values of column %r of partition %r: %s; %d are "
+                 "read from their replicas, %d are lost (DockDataLost)", warehouse, moved + len(idx), column,
+                 part.name, why, moved, len(idx))
