@@ -78,7 +78,7 @@ def _serve(args) -> int:
         controller=args.controller, warehouse=not args.no_warehouse, join=args.join or "",
         controllers=owners.parse(args.controllers) if args.controllers else (),
         capacity=parse_size(args.capacity), device_capacity=parse_size(args.device_capacity), lease_timeout=args.lease_timeout, shm=not args.no_shm,
-        state_dir=args.state_dir or "", data_dir=args.data_dir or "",
+        state_dir=args.state_dir or "", data_dir=args.data_dir or "", drop_damaged_files=args.drop_damaged_files,
         spill_dir=args.spill_dir or "", spill_capacity=parse_size(args.spill_capacity), join_timeout=args.join_timeout, controller_grace=args.controller_grace,
         warehouse_grace=args.warehouse_grace, replicas=args.replicas, token_file=args.token_file or config.env("DOCKD_TOKEN_FILE"),
         daemon_token_file=args.daemon_token_file or "", insecure=args.insecure, max_connections=args.max_connections,
@@ -206,7 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data-dir", metavar="DIR",
                    help="with --join: write each stored put to a file in DIR before acknowledging it, so that a "
                         "warehouse killed and restarted on the same DIR re-adopts its samples (tmpfs such as "
-                        "/dev/shm for speed; see docs/operations.md)")
+                        "/dev/shm for speed; see docs/operations.md). One warehouse per DIR: a second refuses to "
+                        "start")
+    s.add_argument("--drop-damaged-files", action="store_true",
+                   help="with --data-dir: a stored file that fails its check (checksum, size, not a regular file) "
+                        "is moved to DIR/damaged and its samples are reported lost (DockDataLost), instead of "
+                        "refusing the start")
     s.add_argument("--spill-dir", metavar="DIR",
                    help="when --capacity is full, move stored puts nobody is reading to Arrow IPC files in DIR (least "
                         "recently used first) and read them back on a fetch; puts fail with DockFull only once the "

@@ -187,6 +187,9 @@ class NodeConfig:
     data_dir: str = ""
     """Warehouse (--join): keep every stored put in a file here before it is acknowledged, and re-adopt
     them when restarted on the same dir (empty: stored data lives only in this process)."""
+    drop_damaged_files: bool = False
+    """With data_dir: a stored file that fails its check is moved aside (DIR/damaged) and its samples are
+    reported lost, instead of refusing the start."""
     spill_dir: str = ""
     """Warehouse: when host memory (--capacity) is full, move stored puts nobody is reading to Arrow IPC
     files here, least recently used first, and read them back on a fetch (empty: puts wait for room)."""
@@ -289,6 +292,8 @@ class NodeConfig:
             raise DockValueError("--replicas is the controller's (dock-wide); give it with --controller")
         if self.state_dir and not self.controller:
             raise DockValueError("--state-dir is the controller's journal; give it with --controller")
+        if self.drop_damaged_files and not self.data_dir:
+            raise DockValueError("--drop-damaged-files goes with --data-dir (it is about that dir's files)")
         if self.data_dir and not self.join:
             raise DockValueError("--data-dir keeps a joining warehouse's data across restarts; give it with --join "
                                  "(the controller's own warehouse restarts with the controller: not supported)")

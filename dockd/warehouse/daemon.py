@@ -82,7 +82,8 @@ class Node:
         self._wid = -1
         self._stopping: asyncio.Event | None = None
         self.warehouse = Warehouse(cfg.capacity, cfg.device_capacity)
-        self.data_dir = DataDir(cfg.data_dir, dock_of(cfg)) if cfg.data_dir else None  # opened by start()
+        self.data_dir = DataDir(cfg.data_dir, dock_of(cfg), drop_damaged=cfg.drop_damaged_files) \
+            if cfg.data_dir else None  # opened by start()
         self.segments = Segments(keep_bytes=min(cfg.capacity // 4, 4 << 30), watch=watch_pid)
         self.keys = Keys(cfg)
         self.listeners = Listeners(cfg, self.keys, self, self.instance, on_unix_peer=self.segments.connected)
@@ -166,6 +167,8 @@ class Node:
             self.data_dir.adopt(self.warehouse, self.admission, self.puts.tokens)
         reg = pb.RegisterWarehouse(host=self.cfg.advertise or self.cfg.host, port=self.port, capacity=self.cfg.capacity,
                                    unix=self.unix_name, instance=self.instance, protocol=PROTOCOL_VERSION)
+        if self.data_dir is not None:  # (files dropped as damaged at start: their samples are lost, not unwritten)
+            self.data_dir.report(reg)
         if self.controller is not None:
             self.controller.start()
         await self._join(reg)

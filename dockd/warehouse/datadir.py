@@ -11,28 +11,36 @@ start, and never mapped to a reader.
 
 Layout:
 
+    DIR/lock                   held (flock) by the warehouse using the dir, its pid written in it: a
+                               second one refuses to start (`dockd.dirlock`)
     DIR/identity.json          the dock this dir belongs to, the warehouse id and instance,
                                the put-id floor (commits of a new process never reuse an id),
                                the dock's controllers (a restart asks them all for the list)
-    DIR/p-<sha1(partition)>/   one directory per partition
-        <n>.put                one stored put: fixed header, JSON header, its columns' runs
-                               (a serialized PutRequest), its body
+    DIR/p-<sha1(partition)>/   one directory per partition (a real one: a symbolic link is refused)
+        <n>.put                one stored put (`dockd.warehouse.putfile`): fixed header, JSON header,
+                               checksums, its columns' runs (a serialized PutRequest), its body
         .<n>.tmp               a put being written: renamed to <n>.put once whole and fsync'd
+        deleted                int64 indexes of samples deleted while the rest of their put lives
     DIR/.free-<n>              the file of a freed put, kept to write a later put over, or the
                                room taken for a put before its commit (allocated whole, so a full
                                disk fails the put before the controller records it; a big put's
                                body is written into it and flushed before the commit, its header
                                after); renamed to its <n>.put once whole and fsync'd
-        deleted                int64 indexes of samples deleted while the rest of their put lives
+    DIR/damaged/               files that failed their check, moved aside by --drop-damaged-files
 
 A `.tmp` file left by a kill is a put that was never acknowledged: it is
 removed at start with a log line, as is a `.free-` file. A `.put` file is
-complete (written under its temporary name, fsync'd, then renamed), and
-carries a CRC-32 of its runs and body (format 1), or one of each (format 2:
-the body written first, at the end of the room, the JSON header padded up to
-it); one that fails it refuses the start (`DockDataDirError`), as does a
-dir of another dock (another token, or another controller without a token)
-or of another user.
+complete (written under its temporary name, fsync'd, then renamed), and every
+byte of it is checksummed (format 3; files of formats 1 and 2 are still read).
+Only regular files are opened, never blocking. A file that fails its check
+refuses the start (`DockDataDirError` naming it), as does a dir of another
+dock (another token, or another controller without a token) or of another
+user. With `--drop-damaged-files` such a file is moved to `damaged/` instead
+and what it held is reported lost: `report` hands the first rejoin the
+samples it held (the controller marks them lost, DockDataLost for readers,
+unless a replica holds them), or, when the file is too damaged to say, tells
+it that every value it records on this warehouse and does not get back is
+lost. Each dropped file gets an error line saying which.
 
 The instance a warehouse with a data dir draws has bit 62 set
 (`membership.DURABLE`): its controller then waits out `--warehouse-grace` for
@@ -53,7 +61,6 @@ import os
 import secrets
 import shutil
 import stat
-import struct
 import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -61,10 +68,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from dockd import auth, shm
+from dockd import auth, dirlock
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.membership import DURABLE
 from dockd.errors import DockStateFull, DockValueError
+from dockd.warehouse import putfile
+from dockd.warehouse.putfile import HEAD as _HEAD
+from dockd.warehouse.putfile import Damaged, part_dir
 
 if TYPE_CHECKING:
     from dockd.config import NodeConfig
@@ -74,11 +84,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"DOCKDPUT"
-FORMAT = 2  # 1: one checksum of runs and body; 2: one each, the body written at the end of its room
-_HEAD = struct.Struct("<8sIIIQ")  # magic, format, JSON header bytes, runs bytes, body bytes
 IDENTITY = "identity.json"
 DELETED = "deleted"
+DAMAGED = "damaged"  # where --drop-damaged-files moves files that fail their check
 SEQ_GAP = 1 << 32  # put ids a process may use; the next process starts above them
 FREE_FILES, FREE_BYTES = 64, 1 << 30  # files of freed puts kept to write the next puts over (see DataDir.stored)
 
@@ -103,10 +111,6 @@ def dock_of(cfg: NodeConfig) -> dict:
     return {"token": fp, "controller": cfg.join_addresses[0] if cfg.join else ""}
 
 
-def _part_dir(partition: str) -> str:
-    return "p-" + hashlib.sha1(partition.encode()).hexdigest()
-
-
 def _write_all(fd: int, bufs: Sequence) -> None:
     views = [memoryview(b).cast("B") for b in bufs if len(memoryview(b))]
     while views:
@@ -120,52 +124,54 @@ def _write_all(fd: int, bufs: Sequence) -> None:
                 n = 0
 
 
-def _readinto(fd: int, view: memoryview) -> None:
-    while len(view):
-        n = os.readv(fd, [view])
-        if n <= 0:
-            raise EOFError("file ends early")
-        view = view[n:]
-
-
 class DataDir:
     """The files of one warehouse's data dir; `Warehouse.keeper` while it stores."""
 
-    def __init__(self, path: str, dock: dict) -> None:
+    def __init__(self, path: str, dock: dict, *, drop_damaged: bool = False) -> None:
         self.path = os.path.abspath(path)
         self.dock = dock
+        self.drop_damaged = drop_damaged  # --drop-damaged-files: move a file that fails its check aside, not refuse
         self.instance = 0
         self.wid = -1
         self.port = 0  # the port the last process listened on (a restart with --port 0 takes it again)
         self.seq = 0
         self.controllers: list[str] = []  # the dock's controllers when it last joined
-        self._next = 1
+        self.next_file = 1
+        self._lock = -1  # the descriptor holding DIR/lock while this process uses the dir
         self.adopting: str | None = None  # the file being read back: store() must not write it again
         # files of freed puts: writing a put over one reuses its pages (on tmpfs a fresh page is allocated
         # and zeroed at about half the speed of a copy into one that exists)
         self._free: list[tuple[int, str]] = []
         self._free_bytes = 0
         self._free_seq = 0
+        self.lost: list[putfile.Held] = []  # what the files dropped at start held (--drop-damaged-files)
+        self.lost_unknown: list[str] = []  # dropped files too damaged to say what they held (where they are now)
 
     # -- identity --------------------------------------------------------------------------------
     def open(self) -> int:
-        """Check the dir is ours and this dock's (making it if need be); this process's instance."""
+        """Lock the dir for this process, check it is ours and this dock's (making it if need be);
+        this process's instance."""
         try:
             os.makedirs(self.path, mode=0o700, exist_ok=True)
             st = os.stat(self.path)
         except OSError as e:
             raise DockDataDirError(f"cannot use --data-dir {self.path}: {e.strerror or e}") from None
-        self._check_owner(self.path, st)
+        self.check_owner(self.path, st)
+        if self._lock < 0:  # (before anything in it is read or written)
+            self._lock = dirlock.hold(self.path, "--data-dir", DockDataDirError)
         if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
             logger.warning("[datadir] %s is open to other users (mode %o); chmod 700 it", self.path, st.st_mode & 0o777)
         ident = os.path.join(self.path, IDENTITY)
         try:
-            with open(ident, "rb") as f:
-                self._check_owner(ident, os.fstat(f.fileno()))
-                rec = json.loads(f.read())
+            fd = putfile.open_regular(ident)
+            try:
+                self.check_owner(ident, os.fstat(fd))
+                rec = json.loads(putfile.read_all(fd))
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             rec = None
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, Damaged) as e:
             raise DockDataDirError(f"--data-dir {self.path}: cannot read {IDENTITY} ({e}); move the dir away to "
                                    "start this warehouse empty") from None
         if rec is None:
@@ -175,7 +181,7 @@ class DataDir:
             self.instance = secrets.randbits(62) | DURABLE | 1
             self.seq = 0
         else:
-            self._check_dock(rec.get("dock", {}), f"{ident}")
+            self.check_dock(rec.get("dock", {}), f"{ident}")
             self.instance = int(rec["instance"]) | DURABLE
             self.wid = int(rec.get("warehouse", -1))
             self.port = int(rec.get("port", 0))
@@ -184,13 +190,18 @@ class DataDir:
         self._save_identity()
         return self.instance
 
-    def _check_owner(self, path: str, st: os.stat_result) -> None:
+    def close(self) -> None:
+        """Give the dir back (the process's exit does so too)."""
+        dirlock.release(self._lock)
+        self._lock = -1
+
+    def check_owner(self, path: str, st: os.stat_result) -> None:
         if st.st_uid != os.getuid():
             raise DockDataDirError(
                 f"--data-dir: {path} belongs to uid {st.st_uid}, not to this warehouse's user (uid {os.getuid()}); "
                 "a warehouse adopts only its own user's data. Run it as that user, or give it a dir of its own")
 
-    def _check_dock(self, theirs: dict, where: str) -> None:
+    def check_dock(self, theirs: dict, where: str) -> None:
         mine = self.dock
         if theirs.get("token", "") != mine["token"]:
             what = ("was written by a dock with another token" if theirs.get("token") and mine["token"] else
@@ -208,7 +219,7 @@ class DataDir:
                 f"{theirs.get('controller')}, another --data-dir, or remove that one if its data is no longer wanted")
 
     def _save_identity(self) -> None:
-        rec = {"format": FORMAT, "dock": self.dock, "warehouse": self.wid, "port": self.port, "instance": self.instance,
+        rec = {"format": putfile.FORMAT, "dock": self.dock, "warehouse": self.wid, "port": self.port, "instance": self.instance,
                "seq": self.seq, "controllers": self.controllers}
         tmp = os.path.join(self.path, f".{IDENTITY}.tmp")
         with open(tmp, "w") as f:
@@ -240,7 +251,7 @@ class DataDir:
             return None
         # what the file can take: headers (the JSON one with the partition and the dock), the runs and
         # the indexes (at most 11 bytes each as a varint with its tag), the body
-        size = (_HEAD.size + 1024 + 2 * len(partition.encode()) + len(json.dumps(self.dock))
+        size = (_HEAD.size + putfile.SUMS.size + 1024 + 2 * len(partition.encode()) + len(json.dumps(self.dock))
                 + sum(c.ByteSize() for c in columns) + 11 * samples + nbytes)
         path = self._take_free(size)
         if path is None:
@@ -293,23 +304,20 @@ class DataDir:
         header, if `prewrite` wrote the body there); its file's path."""
         if self.adopting is not None:
             return self.adopting
-        d = os.path.join(self.path, _part_dir(partition))
-        n, self._next = self._next, self._next + 1
+        d = os.path.join(self.path, part_dir(partition))
+        n, self.next_file = self.next_file, self.next_file + 1
         final = os.path.join(d, f"{n:016x}.put")
         runs = pb.PutRequest(partition=partition, indexes=idx.tolist(), columns=columns).SerializeToString()
         meta = {"dock": self.dock, "partition": partition, "group_size": group_size, "token": token}
-        parts: list | None = None
-        if room is not None and room.crc_body is not None:  # format 2: the body is in place at the room's end
-            head = json.dumps({**meta, "crc": zlib.crc32(runs), "crc_body": room.crc_body}).encode()
-            at = room.size - room.nbytes  # where the body is: the JSON header is padded up to it
-            if _HEAD.size + len(head) + len(runs) <= at:
-                head += b" " * (at - _HEAD.size - len(head) - len(runs))
-                parts, size = [_HEAD.pack(MAGIC, FORMAT, len(head), len(runs), nbytes), head, runs], at + nbytes
-        if parts is None:  # format 1, written whole
+        enc = None
+        if room is not None and room.crc_body is not None:  # the body is in place at the room's end: the headers
+            enc = putfile.encode(meta, runs, nbytes, room.crc_body, body_at=room.size - room.nbytes)  # go in front
+        if enc is None:  # written whole
             data = memoryview(body).cast("B")[:nbytes] if body is not None and nbytes else memoryview(b"")
-            head = json.dumps({**meta, "crc": zlib.crc32(data, zlib.crc32(runs))}).encode()
-            parts = [_HEAD.pack(MAGIC, 1, len(head), len(runs), len(data)), head, runs, data]
-            size = _HEAD.size + len(head) + len(runs) + len(data)
+            enc = putfile.encode(meta, runs, len(data), zlib.crc32(data))
+            assert enc is not None  # (only a body in place can leave the headers no room)
+            enc[0].append(data)
+        parts, size = enc
         over = room.path if room is not None else self._take_free(nbytes)
         tmp = over if over is not None else os.path.join(d, f".{n:016x}.tmp")
         try:
@@ -373,7 +381,7 @@ class DataDir:
         """Samples deleted while the rest of their put lives (their file still holds them)."""
         if self.adopting is not None or not len(idx):
             return
-        d = os.path.join(self.path, _part_dir(partition))
+        d = os.path.join(self.path, part_dir(partition))
         try:
             with open(os.path.join(d, DELETED), "ab") as f:
                 f.write(np.asarray(idx, dtype="<i8").tobytes())
@@ -381,7 +389,7 @@ class DataDir:
             pass
 
     def cleared(self, partition: str) -> None:
-        d = os.path.join(self.path, _part_dir(partition))
+        d = os.path.join(self.path, part_dir(partition))
         if os.path.isdir(d):
             for e in os.scandir(d):
                 if e.name.endswith(".put"):
@@ -390,101 +398,13 @@ class DataDir:
 
     # -- restart -----------------------------------------------------------------------------------
     def adopt(self, warehouse: Warehouse, admission: Admission, tokens) -> tuple[int, int]:
-        """Read every stored put back (into sealed segments when big), store it again, apply the recorded
-        deletes, and remember the puts' tokens (a writer re-sending one is answered, not stored twice).
-        Returns (puts, bytes)."""
-        puts, total, torn = 0, 0, 0
-        entries = []
-        for part in sorted(os.scandir(self.path), key=lambda e: e.name):
-            if part.name.startswith(".free-"):  # (a freed put's file, or one being written over when killed)
-                os.unlink(part.path)
-                continue
-            if not part.name.startswith("p-") or not part.is_dir(follow_symlinks=False):
-                continue
-            for e in os.scandir(part.path):
-                if e.name.endswith(".tmp"):
-                    logger.warning("[datadir] removing %s: a put being written when the last process ended "
-                                   "(never acknowledged)", e.path)
-                    os.unlink(e.path)
-                    torn += 1
-                elif e.name.endswith(".put"):
-                    entries.append((int(e.name[:-4], 16), e.path, part.path))
-        entries.sort()
-        self._next = (entries[-1][0] + 1) if entries else 1
-        parts: dict[str, str] = {}
-        try:
-            for _, path, pdir in entries:
-                partition, nbytes, token, idx = self._adopt_one(path, warehouse, admission)
-                parts[pdir] = partition
-                if token:
-                    tokens.done(token, idx.tolist())
-                puts += 1
-                total += nbytes
-        finally:
-            self.adopting = None
-        for pdir, partition in parts.items():
-            try:
-                with open(os.path.join(pdir, DELETED), "rb") as f:
-                    dead = np.frombuffer(f.read(), dtype="<i8")
-            except FileNotFoundError:
-                continue
-            if len(dead):
-                self.adopting = ""  # (recorded already)
-                try:
-                    admission.free(partition, dead.astype(np.int64))
-                finally:
-                    self.adopting = None
-        logger.info("[datadir] adopted dir=%s puts=%d bytes=%d torn_removed=%d partitions=%d", self.path, puts, total,
-                    torn, len(parts))
-        return puts, total
+        """Read every stored put back and store it again (`dockd.warehouse.readback`); (puts, bytes)."""
+        from dockd.warehouse import readback  # (it imports this module)
 
-    def _adopt_one(self, path: str, warehouse: Warehouse, admission: Admission) -> tuple[str, int, int, np.ndarray]:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            self._check_owner(path, os.fstat(fd))
-            head = os.pread(fd, _HEAD.size, 0)
-            if len(head) < _HEAD.size:
-                raise self._damaged(path, "its header is cut short")
-            magic, fmt, hlen, rlen, blen = _HEAD.unpack(head)
-            if magic != MAGIC or fmt not in (1, FORMAT):
-                raise self._damaged(path, "it is not a dockd stored put of this version")
-            if os.fstat(fd).st_size != _HEAD.size + hlen + rlen + blen:
-                raise self._damaged(path, "its size does not match its header")
-            meta = json.loads(os.pread(fd, hlen, _HEAD.size))
-            self._check_dock(meta.get("dock", {}), path)
-            runs = os.pread(fd, rlen, _HEAD.size + hlen)
-            if blen:
-                if not warehouse.reserve(blen):
-                    raise DockDataDirError(
-                        f"--data-dir {self.path} holds more than this warehouse's --capacity ({warehouse.capacity} "
-                        "bytes) allows; restart it with at least the capacity it had")
-                dest = admission.allocate(blen)
-                buf = dest.buffer if isinstance(dest, shm.Segment) else dest
-                os.lseek(fd, _HEAD.size + hlen + rlen, os.SEEK_SET)
-                _readinto(fd, memoryview(dest.writable() if isinstance(dest, shm.Segment) else buf).cast("B"))
-                if isinstance(dest, shm.Segment):
-                    dest.seal()
-                data = memoryview(buf).cast("B")[:blen]
-            else:
-                dest, buf, data = None, None, memoryview(b"")
-            # (format 2: the runs and the body each have their checksum; the body was written first)
-            if (zlib.crc32(data, zlib.crc32(runs)) != meta["crc"] if fmt == 1 else
-                    zlib.crc32(runs) != meta["crc"] or zlib.crc32(data) != meta["crc_body"]):
-                raise self._damaged(path, "its checksum does not match (the file was damaged after it was written)")
-        except DockDataDirError:
-            raise
-        except (OSError, ValueError, KeyError, EOFError) as e:
-            raise self._damaged(path, f"it cannot be read ({e})") from None
-        finally:
-            os.close(fd)
-        req = pb.PutRequest.FromString(runs)
-        idx = np.asarray(req.indexes, dtype=np.int64)
-        self.adopting = path
-        warehouse.store(meta["partition"], idx, req.columns, buf, blen,
-                        dest if isinstance(dest, shm.Segment) else None, meta["group_size"])
-        return meta["partition"], blen, int(meta.get("token", 0)), idx
+        return readback.adopt(self, warehouse, admission, tokens)
 
-    def _damaged(self, path: str, why: str) -> DockDataDirError:
-        return DockDataDirError(
-            f"--data-dir: {path} is damaged: {why}. Move that file out of the dir to start without it; the values "
-            "it held are then missing (the controller makes them unwritten again)")
+    def report(self, reg: pb.RegisterWarehouse) -> None:
+        """What the files dropped as damaged at start held, for the first rejoin (`readback.report`)."""
+        from dockd.warehouse import readback
+
+        readback.report(self, reg)

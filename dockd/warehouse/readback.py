@@ -1,0 +1,217 @@
+"""Reading a data dir back when a warehouse starts on it (`DataDir.adopt`), and what to do with a file
+that fails its check: refuse the start naming it, or with `--drop-damaged-files` move it into
+DIR/damaged and report what it held lost (`report`: the first rejoin tells the controller, which
+marks those values lost, DockDataLost for readers, unless a replica holds them)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dockd import shm
+from dockd._proto import dockd_pb2 as pb
+from dockd.warehouse import putfile
+from dockd.warehouse.datadir import DAMAGED, DELETED, DockDataDirError
+from dockd.warehouse.layout import _runs
+from dockd.warehouse.putfile import Damaged
+
+if TYPE_CHECKING:
+    from dockd.warehouse.admission import Admission
+    from dockd.warehouse.core import Warehouse
+    from dockd.warehouse.datadir import DataDir
+
+logger = logging.getLogger(__name__)
+
+
+def _readinto(fd: int, view: memoryview) -> None:
+    while len(view):
+        n = os.readv(fd, [view])
+        if n <= 0:
+            raise EOFError("file ends early")
+        view = view[n:]
+
+
+def adopt(dd: DataDir, warehouse: Warehouse, admission: Admission, tokens) -> tuple[int, int]:
+    """Read every stored put back (into sealed segments when big), store it again, apply the recorded
+    deletes, and remember the puts' tokens (a writer re-sending one is answered, not stored twice).
+    Returns (puts, bytes)."""
+    puts, total, torn = 0, 0, 0
+    entries = []
+    for part in sorted(os.scandir(dd.path), key=lambda e: e.name):
+        if part.name.startswith(".free-"):  # (a freed put's file, or one being written over when killed)
+            os.unlink(part.path)
+            continue
+        if not part.name.startswith("p-"):
+            continue
+        if not part.is_dir(follow_symlinks=False):
+            raise _not_a_dir(dd, part.path)
+        for e in os.scandir(part.path):
+            if e.name.endswith(".tmp"):
+                logger.warning("[datadir] removing %s: a put being written when the last process ended "
+                               "(never acknowledged)", e.path)
+                os.unlink(e.path)
+                torn += 1
+            elif e.name.endswith(".put"):
+                try:
+                    n = int(e.name[:-4], 16)
+                except ValueError:
+                    n = -1  # (not a name dockd gives: read, checked and numbered like the others)
+                entries.append((n, e.path, part.name))
+    entries.sort()
+    dd.next_file = (entries[-1][0] + 1) if entries else 1
+    parts: dict[str, str] = {}
+    try:
+        for _, path, pdir in entries:
+            try:
+                partition, nbytes, token, idx = _adopt_one(dd, path, pdir, warehouse, admission)
+            except Damaged as d:
+                _drop(dd, path, d)
+                continue
+            parts[os.path.dirname(path)] = partition
+            if token:
+                tokens.done(token, idx.tolist())
+            puts += 1
+            total += nbytes
+    finally:
+        dd.adopting = None
+    for pdir, partition in parts.items():
+        dead = _deletes(dd, os.path.join(pdir, DELETED))
+        if len(dead):
+            dd.adopting = ""  # (recorded already)
+            try:
+                admission.free(partition, dead.astype(np.int64))
+            finally:
+                dd.adopting = None
+    logger.info("[datadir] adopted dir=%s puts=%d bytes=%d torn_removed=%d partitions=%d damaged_dropped=%d",
+                dd.path, puts, total, torn, len(parts), len(dd.lost) + len(dd.lost_unknown))
+    return puts, total
+
+
+def _adopt_one(dd: DataDir, path: str, pdir: str, warehouse: Warehouse,
+               admission: Admission) -> tuple[str, int, int, np.ndarray]:
+    """Read one put file back and store it; Damaged when it fails a check (nothing of it is kept)."""
+    fd = putfile.open_regular(path)
+    dest = None
+    try:
+        dd.check_owner(path, os.fstat(fd))
+        try:
+            h = putfile.read_header(fd, pdir)
+        except OSError as e:
+            raise Damaged(f"it cannot be read ({e.strerror or e})") from None
+        dd.check_dock(h.meta.get("dock", {}), path)
+        blen = h.blen
+        if blen:
+            if not warehouse.reserve(blen):
+                raise DockDataDirError(
+                    f"--data-dir {dd.path} holds more than this warehouse's --capacity ({warehouse.capacity} "
+                    "bytes) allows; restart it with at least the capacity it had")
+            dest = admission.allocate(blen)
+            buf = dest.buffer if isinstance(dest, shm.Segment) else dest
+            try:
+                os.lseek(fd, h.body_at, os.SEEK_SET)
+                _readinto(fd, memoryview(dest.writable() if isinstance(dest, shm.Segment) else buf).cast("B"))
+            except (OSError, EOFError) as e:
+                raise Damaged(f"its body cannot be read ({e})", h.held()) from None
+            if isinstance(dest, shm.Segment):
+                dest.seal()
+            data = memoryview(buf).cast("B")[:blen]
+        else:
+            buf, data = None, memoryview(b"")
+        h.check_body(data)
+    except BaseException:
+        if dest is not None:  # (nothing of a file that fails is kept)
+            admission.release(unreserve=blen, seg=dest if isinstance(dest, shm.Segment) else None)
+        raise
+    finally:
+        os.close(fd)
+    idx = np.asarray(h.req.indexes, dtype=np.int64)
+    dd.adopting = path
+    warehouse.store(h.meta["partition"], idx, h.req.columns, buf, blen,
+                    dest if isinstance(dest, shm.Segment) else None, h.meta["group_size"])
+    return h.meta["partition"], blen, int(h.meta.get("token", 0)), idx
+
+
+def _deletes(dd: DataDir, path: str) -> np.ndarray:
+    """The samples recorded deleted in a partition dir's DELETED file (a torn last record is left out)."""
+    try:
+        fd = putfile.open_regular(path)
+    except FileNotFoundError:
+        return np.empty(0, dtype="<i8")
+    except Damaged as d:
+        if not dd.drop_damaged:
+            raise damaged(dd, path, d.why) from None
+        logger.error("[datadir] moved damaged file=%s to=%s: %s; the deletes it recorded are not applied again "
+                     "(the controller frees the deleted samples it knows of when this warehouse rejoins)",
+                     path, _aside(dd, path), d.why)
+        return np.empty(0, dtype="<i8")
+    try:
+        raw = putfile.read_all(fd)
+    finally:
+        os.close(fd)
+    return np.frombuffer(raw[: len(raw) // 8 * 8], dtype="<i8")
+
+
+def _drop(dd: DataDir, path: str, d: Damaged) -> None:
+    """A put file that failed its check: refuse the start, naming it; with --drop-damaged-files move it
+    aside and keep what it held for `report`, with an error line saying what is lost."""
+    if not dd.drop_damaged:
+        raise damaged(dd, path, d.why)
+    moved = _aside(dd, path)
+    if d.held is not None:
+        dd.lost.append(d.held)
+        ix = d.held.indexes
+        logger.error("[datadir] moved damaged file=%s to=%s: %s; its %d samples are gone from this warehouse "
+                     "and reported lost (DockDataLost, unless a replica holds them): partition=%r columns=%s "
+                     "indexes=%s%s", path, moved, d.why, len(ix), d.held.partition, ",".join(d.held.columns),
+                     ix[:32].tolist(), " ..." if len(ix) > 32 else "")
+    else:
+        dd.lost_unknown.append(moved)
+        logger.error("[datadir] moved damaged file=%s to=%s: %s; it is too damaged to say which samples it held, "
+                     "so every value the controller records on this warehouse that the restart did not bring "
+                     "back is reported lost (DockDataLost, unless a replica holds it)", path, moved, d.why)
+
+
+def _aside(dd: DataDir, path: str) -> str:
+    """Move a damaged file into DIR/damaged (kept as evidence, never read again); where it is now."""
+    aside = os.path.join(dd.path, DAMAGED)
+    os.makedirs(aside, mode=0o700, exist_ok=True)
+    base = os.path.join(aside, f"{os.path.basename(os.path.dirname(path))}.{os.path.basename(path)}")
+    dest, k = base, 0
+    while os.path.lexists(dest):
+        k += 1
+        dest = f"{base}.{k}"
+    os.rename(path, dest)
+    return dest
+
+
+def report(dd: DataDir, reg: pb.RegisterWarehouse) -> None:
+    """For the first rejoin after the start: the samples of the files dropped as damaged, lost (not
+    unwritten, as values the restart lacks otherwise are), or that some dropped file held samples
+    nobody can name any more."""
+    for name, cols in putfile.columns_of(dd.lost).items():
+        inv = reg.lost.add(name=name)
+        for col, idx in cols.items():
+            inv.columns.add(name=col, runs=_runs(idx))
+    reg.lost_unknown = bool(dd.lost_unknown)
+
+
+def _not_a_dir(dd: DataDir, path: str) -> DockDataDirError:
+    if os.path.islink(path):
+        target = os.path.realpath(path)
+        return DockDataDirError(
+            f"--data-dir {dd.path}: {path} is a symbolic link (to {target}), not a partition directory of the "
+            "dir: a data dir's files move between it and its partition dirs by rename, so they must all live "
+            f"in it, on one filesystem. Move it back (rm {path} && mv {target} {path}), or move the whole "
+            "--data-dir to the other disk, then start again")
+    return DockDataDirError(f"--data-dir {dd.path}: {path} is not a directory (a partition dir's name); move "
+                            "it out of the dir and start again")
+
+
+def damaged(dd: DataDir, path: str, why: str) -> DockDataDirError:
+    return DockDataDirError(
+        f"--data-dir: {path} is damaged: {why}. Start with --drop-damaged-files to move it aside (into "
+        f"{os.path.join(dd.path, DAMAGED)}) and start without it: the samples it held are then reported "
+        "lost (DockDataLost), not dropped in silence. Or put back an intact copy of the file")
