@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-warehouse", action="store_true",
                    help="with --controller: run only the controller (no data on this node; it can restart without loss)")
     s.add_argument("--state-dir", metavar="DIR",
-                   help="with --controller: journal the controller's state in DIR and recover it on restart")
+                   help="with --controller: journal the controller's state in DIR and recover it on restart (one "
+                        "controller per DIR: a second refuses to start)")
     s.add_argument("--data-dir", metavar="DIR",
                    help="with --join: write each stored put to a file in DIR before acknowledging it, so that a "
                         "warehouse killed and restarted on the same DIR re-adopts its samples (tmpfs such as "

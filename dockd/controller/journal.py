@@ -1,8 +1,13 @@
 """The controller's state dir: a snapshot plus an append-only journal of decisions.
 
     STATE_DIR/
+      lock                     held (flock) by the controller using the dir, its pid written in it
       snapshot-<gen>.msgpack   the whole controller at one moment (Controller.snapshot)
       journal-<gen>.log        every decision made since that snapshot, in order
+
+One controller per state dir: the daemon locks it (`lock`, `dockd.dirlock`) before reading it, and
+a second one refuses to start, naming the holder's pid (two controllers on one dir each rebuilt
+from, and compacted away, the other's records).
 
 A record is `u32 length | u32 crc32 | msgpack list`. Recovery loads the
 newest snapshot and replays its journal through the same pure `Controller`
@@ -61,6 +66,7 @@ from typing import Any
 
 import msgpack
 
+from dockd import dirlock
 from dockd.controller.core import Controller
 from dockd.controller.records import JournalError, apply, pack_idx, pack_inventory, pack_tags
 from dockd.controller.warehouses import Inventory
@@ -135,8 +141,19 @@ class Journal:
         self._packer = msgpack.Packer(use_bin_type=True)  # (one for every record: packb makes one per call)
         self._held = bytearray()  # records held until the next write (append(hold=True))
         self._held_records = 0
+        self._lock = -1  # the descriptor holding STATE_DIR/lock (see `lock`)
 
     # -- recovery ------------------------------------------------------------------------
+    def lock(self) -> None:
+        """Hold the state dir for this process (until `close` or its exit): JournalError naming the
+        holder's pid when another controller holds it. The daemon calls it before `load`."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise JournalError(f"cannot create the state dir {self.dir}: {e}") from None
+        if self._lock < 0:
+            self._lock = dirlock.hold(str(self.dir), "--state-dir", JournalError)
+
     def load(self, *, lease_timeout: float, now: float) -> tuple[Controller, dict[int, dict]]:
         """Rebuild the controller (deadlines on the clock whose current reading is `now`) and
         its warehouse registry from the state dir; then start a fresh snapshot + journal (or,
@@ -489,6 +506,8 @@ class Journal:
             finally:
                 os.close(self._fd)
                 self._fd = -1
+        dirlock.release(self._lock)
+        self._lock = -1
 
     # -- the records a service writes ------------------------------------------------------
     # Requests' records raise DockStateFull when they cannot be written (see `append`); records

@@ -135,6 +135,7 @@ class ControllerService:
         if self.journal is None:
             self.replication.start()
             return
+        self.journal.lock()  # (one controller per state dir: a second one refuses to start)
         core, records = self.journal.load(lease_timeout=self.core.lease_timeout, now=self.clock())
         core.max_samples = self.core.max_samples
         self.core = self.members.core = core
