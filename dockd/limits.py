@@ -137,6 +137,7 @@ def check(frame: pb.Frame) -> None:
         _tags(r.set_tags.tags)
         _columns(r.create.retire_when_consumed_by)
         _name("consumer name", r.list.consumer)
+        _name("consumer name", r.drop_consumer.consumer)
         _count("tag filters", len(r.list.where), MAX_TAGS)
         for t in r.list.where:
             _name("tag name", t.name)

@@ -106,6 +106,8 @@ class AsyncDock:
     """[`Dock.ping`][dockd.Dock.ping], awaitable."""
     delete = awaitable(Dock.delete)
     """[`Dock.delete`][dockd.Dock.delete], awaitable."""
+    drop_consumer = awaitable(Dock.drop_consumer)
+    """[`Dock.drop_consumer`][dockd.Dock.drop_consumer], awaitable."""
     seal = awaitable(Dock.seal)
     """[`Dock.seal`][dockd.Dock.seal], awaitable."""
     reserve = awaitable(Dock.reserve)

@@ -426,6 +426,22 @@ class Dock:
         idx = validate.int_list("indexes", indexes)
         return self._partition_op(partition, delete=pb.DeleteSamples(indexes=idx)).samples
 
+    def drop_consumer(self, partition: str, consumer: str) -> bool:
+        """Forget a consumer of a partition: which samples it took, its leases (they end unconfirmed;
+        a late confirm of one raises DockLeaseError) and its waiting gets (they raise DockClosed).
+        Its samples stop holding puts back at once: a put waiting on max_pending for it goes on
+        (unless retire_when_consumed_by names it: those are waited for whether they asked or not).
+        For a consumer name nobody runs any more, e.g. one get made under a wrong name.
+
+        The drop is journaled (a controller with a state dir keeps it across restarts). The name
+        can be used again: a later get under it starts a fresh consumer, which sees every sample of
+        the partition that is not deleted, those the dropped one took included. Returns whether
+        the partition had that consumer; raises DockNotFound when the partition does not exist."""
+        if not isinstance(consumer, str) or not consumer:
+            raise DockValueError(f"consumer must be a non-empty string such as 'actor_train', got {consumer!r}")
+        validate.text(consumer, "consumer name")
+        return self._partition_op(partition, drop_consumer=pb.DropConsumer(consumer=consumer)).dropped
+
     def seal(self, partition: str) -> None:
         """No new samples from now on (columns of existing ones can still be written). Gets that
         can no longer be met then take what is left, and raise DockDrained when nothing is: the
@@ -470,7 +486,8 @@ class Dock:
         has taken, holds under lease, could take now (`ready`, for the columns it asked for)
         and how many of its gets wait; per partition `depth`: per consumer the samples written,
         not deleted and not yet handed to it (any columns); asynchronous RL's `version`,
-        `pending`, `stale` and options (docs/rl.md); bytes per warehouse.
+        `pending`, `stale` and options, and with max_pending `pending_by`: per consumer puts
+        wait for, the samples it has yet to take, the most first (docs/rl.md); bytes per warehouse.
 
         With `traffic=True` each live warehouse is also asked (one round trip each) for its
         version and its byte counters since it started (`put_bytes`, `get_bytes`); one that

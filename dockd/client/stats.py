@@ -12,6 +12,17 @@ STATS_HELLO_TIMEOUT_S = 2.0
 """Seconds stats(traffic=True) waits for each warehouse's answer (one that does not answer gets an error)."""
 
 
+def _pending_by(p: pb.PartitionStats) -> dict[str, int]:
+    """With max_pending: per consumer that puts wait for (those named by retire_when_consumed_by, else
+    every consumer that asked), the samples not yet handed to it, the most first. A named consumer that
+    never asked holds back every pending sample."""
+    if not p.max_pending:
+        return {}
+    depth = {c.name: c.pending for c in p.consumers}
+    names = list(p.retire_when_consumed_by) or list(depth)
+    return dict(sorted(((n, depth.get(n, p.pending)) for n in names), key=lambda kv: (-kv[1], kv[0])))
+
+
 def _partition(p: pb.PartitionStats) -> dict[str, Any]:
     return {
         "samples": p.samples,
@@ -33,6 +44,7 @@ def _partition(p: pb.PartitionStats) -> dict[str, Any]:
         "stale": p.stale,
         "stale_retired": p.stale_retired,
         "paced_puts": p.paced,
+        "pending_by": _pending_by(p),
         "replicated": p.replicated,
         "under_replicated": p.under_replicated,
     }

@@ -370,6 +370,22 @@ class Controller:
             self.book.forget(lease)
         return part.size
 
+    def drop_consumer(self, partition: str, consumer: str) -> list[Lease] | None:
+        """Forget a consumer of a partition: what it took, its leases (ended, their samples taken by
+        nobody; a late confirm of one is refused) and its rank-aware rounds. Returns its leases, or
+        None if the partition had no such consumer. Samples it held pending no longer hold puts back
+        (max_pending), unless retire_when_consumed_by names it. A later get under the name is a
+        fresh consumer: it sees every sample of the partition not deleted, those the old one took
+        included."""
+        part = self.catalog.part(partition)
+        if part.drop(consumer) is None:
+            return None
+        self.ranks.forget_partition(partition, consumer)
+        leases = [l for l in self.leases.values() if l.partition == partition and l.consumer == consumer]
+        for lease in leases:
+            self.book.pop(lease.id)
+        return leases
+
     # -- persistence (used by the journal; see persist) -----------------------------------------
     def snapshot(self, wall_offset: float) -> dict:
         """Everything needed to rebuild this controller. Lease deadlines are stored on the

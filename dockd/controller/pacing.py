@@ -60,10 +60,14 @@ class Pacer:
     def full_error(self, partition: str, timeout: float) -> DockFull:
         part = self.svc.core.partitions.get(partition)
         pending, limit = (part.pending(), part.max_pending) if part is not None else (0, 0)
+        behind = part.most_behind() if part is not None else None
+        who = (f" Consumer {behind[0]!r} is the furthest behind ({behind[1]} not yet handed to it); if nobody runs "
+               f"it any more, dock.drop_consumer({partition!r}, {behind[0]!r}) lets the puts in."
+               if behind is not None and behind[1] else "")
         return DockFull(f"partition {partition!r} is full of pending samples: {pending} wait for its consumers "
                         f"(max_pending={limit}), and this put waited {seconds(timeout)} for them to take some. "
                         "Consume faster, raise max_pending (create_partition), or give the put a longer timeout; "
-                        "the put was not stored")
+                        "the put was not stored." + who)
 
     def _expired(self, partition: str, p: Paced) -> None:
         p.timer = None

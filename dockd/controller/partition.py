@@ -325,6 +325,15 @@ class _Partition:
             mask &= free
         return mask
 
+    def most_behind(self) -> tuple[str, int] | None:
+        """The consumer max_pending waits for most (of consumers_of's): its name and how many live
+        samples are not yet handed to it (one named by retire_when_consumed_by that never asked:
+        all of them); None without such consumers."""
+        live = self.live()
+        counts = {name: int(np.count_nonzero(live if c is None else live & (c.state[: self.size] == FREE)))
+                  for name, c in ((n, self.consumers.get(n)) for n in (self.retire or self.consumers))}
+        return max(counts.items(), key=lambda kv: kv[1], default=None)
+
     def pending(self) -> int:
         """Samples not yet handed to all its consumers: what max_pending bounds."""
         return int(np.count_nonzero(self.waiting_mask())) if self.size else 0
@@ -456,6 +465,14 @@ class _Partition:
                     "pipeline stage (reference, reward, actor_train), and the workers of one stage share its name")
             self.cells.take(self.capacity, f"consumer {name!r} of partition {self.name!r}")
             cons = self.consumers[name] = _Consumer(self.capacity)
+        return cons
+
+    def drop(self, name: str) -> _Consumer | None:
+        """Forget consumer `name` (its state and column sets; the dock's cells get their memory back);
+        returns it, or None if the partition had no such consumer."""
+        cons = self.consumers.pop(name, None)
+        if cons is not None:
+            self.cells.give(len(cons.state) + sum(len(s.eligible.bits) for s in cons.subs.values()))
         return cons
 
     # -- reporting ----------------------------------------------------------------

@@ -22,6 +22,7 @@ Records (the first element names the kind):
     T  tags set        (partition, indexes, {name: values})
     K  partition loaded from a checkpoint (partition, its exported metadata)
     Y  the trainer's policy version set (partition, version)
+    U  consumer dropped (partition, consumer): its progress and leases forgotten
 
 A rank-aware get's shares are journaled as plain leases (G) when a round is
 split; the lease holding a round before its split, and which rank holds which
@@ -93,7 +94,7 @@ class JournalError(DockError):
 _LEGACY_WALL = 1e8  # a lease time above this was written as a wall-clock deadline (older dockd)
 # records written before the request they record was applied: one the controller then refused
 # replays to the same refusal, which replay skips
-_AHEAD = frozenset("CAPDSVTXEFRY")
+_AHEAD = frozenset("CAPDSVTXEFRYU")
 
 
 def _deadline(core: Controller, left: float, now: float) -> float:
@@ -156,6 +157,8 @@ def _apply(core: Controller, warehouses: dict[int, dict], rec: list, now: float)
         core.release(rec[1])
     elif kind == "X":
         core.partitions.get(rec[1]) and core.clear(rec[1])
+    elif kind == "U":
+        core.drop_consumer(rec[1], rec[2])
     elif kind == "W":
         warehouses[int(rec[1]["id"])] = rec[1]
     elif kind == "L":

@@ -241,11 +241,16 @@ class Rounds:
                 if not lease.confirmed >> m & 1:
                     self.advance(lease, m)
 
-    def forget_partition(self, partition: str) -> None:
-        for key in [k for k in self.rounds if k[0] == partition]:
+    def forget_partition(self, partition: str, consumer: str | None = None) -> None:
+        """Forget the rounds of a partition (given `consumer`: of that consumer only)."""
+        def mine(key: RoundKey) -> bool:
+            return key[0] == partition and (consumer is None or key[1] == consumer)
+
+        for key in [k for k in self.rounds if mine(k)]:
             del self.rounds[key]
-            self.forgotten.pop(key, None)
-        for k in [k for k in self.next_step if k[0][0] == partition]:
+        for key in [k for k in self.forgotten if mine(k)]:
+            del self.forgotten[key]
+        for k in [k for k in self.next_step if mine(k[0])]:
             del self.next_step[k]
 
     def take_journal(self) -> tuple[list[Lease], list[int]]:

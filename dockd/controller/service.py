@@ -421,6 +421,8 @@ class ControllerService:
                 j.reserve(name, r.count, gs)
             idx = self.core.reserve(name, r.count, group_size=gs)
             out.indexes.extend(idx.tolist())
+        elif op == "drop_consumer":
+            self._drop_consumer(name, req.drop_consumer.consumer, out)
         elif op == "set_tags":
             tags = {t.name: list(t.values) for t in req.set_tags.tags}
             if j is not None:
@@ -429,6 +431,26 @@ class ControllerService:
         else:
             raise DockValueError(f"partition operation {op!r} is not supported by this controller (version "
                                  f"{__version__})")
+
+    def _drop_consumer(self, name: str, consumer: str, out: pb.PartitionReply) -> None:
+        """Forget a consumer (Controller.drop_consumer); its waiting gets fail, and the caller lets the
+        puts its pending samples held back (max_pending) in."""
+        if not consumer:
+            raise DockValueError("drop_consumer needs the consumer's name")
+        part = self.core.catalog.part(name)
+        if consumer not in part.consumers:
+            out.dropped = False
+        else:
+            if self.journal is not None:
+                self.journal.append(["U", name, consumer])  # written ahead (records.py)
+            leases = self.core.drop_consumer(name, consumer)
+            out.dropped = leases is not None
+            logger.info("[controller] consumer dropped partition=%s consumer=%s leases_ended=%d", name, consumer,
+                        len(leases or ()))
+        self.waiting.fail(name, DockClosed(
+            f"consumer {consumer!r} of partition {name!r} was dropped (drop_consumer) while this get waited; a "
+            "new get under that name reads the partition again as a fresh consumer"),
+            which=lambda r: r.consumer == consumer)
 
     async def save(self, req: pb.PartitionRequest) -> pb.PartitionReply:
         self.check_owner(req.partition)
