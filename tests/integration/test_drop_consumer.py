@@ -5,7 +5,10 @@ which consumer they wait for, and the drop survives a controller SIGKILL with a 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -32,6 +35,14 @@ def _in_thread(fn) -> tuple[threading.Thread, dict]:
     return th, out
 
 
+def _status(address: str) -> str:
+    env = dict(os.environ, COLUMNS="80")
+    out = subprocess.run([sys.executable, "-m", "dockd", "status", address, "--interval", "0"], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def test_dropping_an_unused_consumer_lets_paced_puts_in(cluster, partition):
     with dockd.connect(cluster.address, warehouse=1) as producer, dockd.connect(cluster.address) as trainer, \
             dockd.connect(cluster.address) as typo:
@@ -49,6 +60,8 @@ def test_dropping_an_unused_consumer_lets_paced_puts_in(cluster, partition):
         get, get_out = _in_thread(lambda: typo.get("trian", ["x"], 100, partition=partition, timeout=60))
         wait_until(lambda: (p := producer.stats()["partitions"][partition])["paced_puts"] == 1
                    and p["consumers"]["trian"]["waiting"] == 1, 20, "the put and the get to wait")
+        line = next(l for l in _status(cluster.address).splitlines() if "trian" in l)
+        assert "holds puts back" in line
 
         assert producer.drop_consumer(partition, "trian") is True
         put.join(20)

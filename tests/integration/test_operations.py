@@ -174,6 +174,20 @@ def test_status_json_and_view(cluster, dock, partition):
     assert view.stderr == ""  # a client command logs warnings only
 
 
+def test_status_at_80_columns_shows_every_address_and_state_whole(cluster, dock, partition, monkeypatch):
+    dock.put({"x": torch.ones(4, 16)}, partition=partition)
+    dock.get("reference_model_worker", ["x"], 2, partition=partition, timeout=10)
+    monkeypatch.setenv("COLUMNS", "80")
+    view = dockd_cli("status", cluster.address, "--interval", "0.2")
+    assert view.returncode == 0, view.stderr
+    rows = [line for line in view.stdout.splitlines() if line.startswith("│")]
+    assert all(len(line) <= 80 for line in view.stdout.splitlines()), view.stdout
+    for w in dock.stats()["warehouses"].values():
+        row = next((r for r in rows if w["address"] in r), None)
+        assert row is not None and " joined " in row, f"{w['address']} cut:\n{view.stdout}"
+    assert any("reference_model_worker" in r for r in rows) and "…" not in "".join(rows), view.stdout
+
+
 def test_status_watch_prints_snapshots_until_interrupted(cluster):
     proc = subprocess.Popen([sys.executable, "-m", "dockd", "status", cluster.address, "--watch", "--json",
                              "--interval", "0.2"], stdout=subprocess.PIPE, text=True)
