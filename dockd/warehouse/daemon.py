@@ -94,8 +94,8 @@ class Node:
         self.spill = SpillTier(cfg.spill_dir, cfg.spill_capacity, warehouse=self.warehouse, admission=self.admission,
                                segments=self.segments, metrics=self.metrics) if cfg.spill_dir else None
         self.controller: ControllerService | None = None
-        self.link: ControllerLink | None = None  # to the controller that numbers warehouses (with several: the first)
         self.agreement: Agreement | None = None  # several controllers: whether they agree on their list
+        self.link: ControllerLink | None = None  # to the controller that numbers warehouses (with several: the first)
         self.other_links: dict[int, ControllerLink] = {}  # several controllers: to each of the others, by index
         if cfg.controller:
             self.controller = ControllerService(
@@ -104,9 +104,9 @@ class Node:
                 checkpoint_root=cfg.checkpoint_root, controllers=cfg.controllers, replicas=cfg.replicas,
                 own=owners.own_index(cfg.controllers, cfg.host, cfg.port, cfg.advertise) if cfg.controllers else 0,
             )
-            members = self.controller.members  # heartbeats to the warehouses (see controller.membership)
             if cfg.controllers:
                 self.agreement = Agreement(cfg.controllers, cfg.controllers[self.controller.own])
+            members = self.controller.members  # heartbeats to the warehouses (see controller.membership)
             members.heartbeat_interval, members.heartbeat_timeout = cfg.heartbeat_interval, cfg.heartbeat_timeout
             local = LocalCommitter(self.controller)
             self.committer: LocalCommitter | RoutingCommitter = local if not cfg.controllers else RoutingCommitter(
@@ -171,11 +171,11 @@ class Node:
             self.data_dir.report(reg)
         if self.controller is not None:
             self.controller.start()
+        if self.agreement is not None:
+            spawn(controller_probe.watch(self.agreement, self.listeners.make_probe_peer, self.listeners.link_tls))
         await self._join(reg)
         from dockd.warehouse.admin import start_grpc
 
-        if self.agreement is not None:
-            spawn(controller_probe.watch(self.agreement, self.listeners.make_probe_peer, self.listeners.link_tls))
         figures = Figures(self)
         self._grpc, self.grpc_port = start_grpc(figures, loop, host=self.cfg.host, port=self.port,
                                                 grpc_port=self.cfg.grpc_port, server_auth=self.keys.server_auth)
@@ -214,10 +214,10 @@ class Node:
                                                      self.listeners.link_tls, timeout)
             own = -1
             if len(controllers) > 1:
+                reg.controllers.extend(controllers)
                 assert isinstance(self.committer, RoutingCommitter)  # (a joining node routes; see __init__)
                 self.committer.committers = [RemoteCommitter(None) for _ in controllers]
         n = len(controllers)
-                reg.controllers.extend(controllers)
         if own >= 0:  # this process numbers its warehouse (the only controller, or one of several)
             assert self.controller is not None
             self._wid = self.controller.register(None, reg).id
@@ -406,13 +406,13 @@ class Node:
                             device_used=w.device_used, device_capacity=w.device_capacity,
                             metadata=w.meta, freed=w.freed, reclaimable=w.reclaimable, spilled=w.spilled)
         mooncake.hello(out)
-        if self.controller is not None:
-            out.warehouses.extend(self.controller.warehouse_infos())
-            out.controller = f"{self.cfg.advertise or self.cfg.host}:{self.port}"
         if self.agreement is not None:
             if frame.hello.controllers:
                 self.agreement.check(frame.hello.controllers, f"{frame.hello.client or 'a client'} (from {peer.name})")
             out.disagreement = self.agreement.refusal
+        if self.controller is not None:
+            out.warehouses.extend(self.controller.warehouse_infos())
+            out.controller = f"{self.cfg.advertise or self.cfg.host}:{self.port}"
             out.controllers.extend(self.cfg.controllers)
             out.replicas = self.cfg.replicas
         else:
