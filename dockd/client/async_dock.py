@@ -118,6 +118,8 @@ class AsyncDock:
     """[`Dock.save`][dockd.Dock.save], awaitable."""
     load = awaitable(Dock.load)
     """[`Dock.load`][dockd.Dock.load], awaitable."""
+    publish_weights = awaitable(Dock.publish_weights)
+    """[`Dock.publish_weights`][dockd.Dock.publish_weights], awaitable."""
     stats = awaitable(Dock.stats)
     """[`Dock.stats`][dockd.Dock.stats], awaitable."""
 

@@ -481,6 +481,28 @@ class Dock:
         r = self._partition_op(partition, load=pb.LoadPartition(path=validate.abs_dir(path)))
         return {"samples": r.samples, "bytes": r.nbytes}
 
+    # -- model weights (dockd.weights) ---------------------------------------------------------------
+    def publish_weights(self, named_tensors: Any, *, model: str = "default", version: int | None = None,
+                        bucket_size: int = 32 << 20, keep: int = 2, hold: float = 120.0,
+                        timeout: float | None = None, dtype: Any = None) -> Any:
+        """Publish a version of a model's weights: (name, tensor) pairs packed into buckets of at most
+        `bucket_size` bytes and put to this client's warehouse; readers see the version only once
+        every bucket is stored. `version`: default the newest + 1. The newest `keep` versions are
+        kept, older ones retired once every registered reader finished them or `hold` seconds after
+        their publication. `dtype`: floating tensors are cast to it first. Returns a
+        `dockd.weights.Published`. See docs/weights.md."""
+        from dockd.weights import publish
+
+        return publish(self, named_tensors, model=model, version=version, bucket_size=bucket_size, keep=keep,
+                       hold=hold, timeout=timeout, dtype=dtype)
+
+    def weights_reader(self, model: str = "default", *, name: str | None = None) -> Any:
+        """A registered reader of a model's weight versions (`dockd.weights.WeightsReader`): its `read()`
+        yields (name, tensor) of a complete version. See docs/weights.md."""
+        from dockd.weights import WeightsReader
+
+        return WeightsReader(self, model, name=name)
+
     def stats(self, *, traffic: bool = False) -> dict[str, Any]:
         """The dock as its controller sees it: samples per partition, per consumer how many it
         has taken, holds under lease, could take now (`ready`, for the columns it asked for)
