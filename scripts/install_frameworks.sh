@@ -33,6 +33,8 @@ RUNTIME=(
   "cloudpickle"
   "orjson"
   "importlib_metadata"
+  "fastapi"   # verl.checkpoint_engine imports verl.workers.rollout.utils, which imports both
+  "uvicorn"
 )
 # pyvers 0.1.x (tensordict 0.10's helper) declares packaging<26 but works with
 # packaging 26; installed without deps so it does not downgrade packaging.
@@ -48,7 +50,8 @@ for spec in sys.argv[1:]:
             sys.exit(1)
     except metadata.PackageNotFoundError:
         sys.exit(1)
-for mod in ("transformers", "omegaconf", "hydra", "pylatexenc", "codetiming", "dill", "cloudpickle", "orjson"):
+for mod in ("transformers", "omegaconf", "hydra", "pylatexenc", "codetiming", "dill", "cloudpickle", "orjson",
+            "fastapi", "uvicorn"):
     try:
         metadata.version({"hydra": "hydra-core"}.get(mod, mod))
     except metadata.PackageNotFoundError:
