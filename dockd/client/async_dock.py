@@ -124,9 +124,13 @@ class AsyncDock:
     """[`Dock.stats`][dockd.Dock.stats], awaitable."""
 
     async def close(self) -> None:
-        """Close the dock (see Dock.close) and its thread pool."""
-        self.dock.close()
-        self._executor.shutdown(wait=False)
+        """Close the dock (see Dock.close: what its gets returned is confirmed first, on the dock's
+        thread pool, so the event loop goes on meanwhile) and its thread pool. An AsyncDock never
+        closed confirms them as its Dock is collected or the interpreter exits, as a Dock does."""
+        try:
+            await self._run(self.dock.close)
+        finally:
+            self._executor.shutdown(wait=False)
 
     async def __aenter__(self) -> AsyncDock:
         return self

@@ -5,6 +5,12 @@ CONFIRM_DELAY_S: a get then costs one wake-up of the controller, not two.
 Until confirmed, the controller would give the samples back if this client
 died, which is the safe direction. The same flusher thread reports the
 segments of same-host daemons this process no longer maps (unpins).
+
+A client that goes away on purpose confirms what its gets returned first
+(`close`): on `Dock.close()`, when a `Dock` is collected, and at interpreter
+exit for one still open, each within a bounded time. Only a client that dies
+(SIGKILL, a crash, `os._exit`) leaves them to the controller, which hands its
+samples out again.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import weakref
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.client.connection import Pool
+from dockd.client.connection import Pool, forks
 from dockd.client.lease import Lease
 from dockd.client.router import CallScope, Router
 from dockd.errors import DockConnectionError, DockError, DockLeaseError
@@ -43,6 +49,8 @@ class Confirms:
         self.wake = wake
         self._stop = stop
         self._flusher: threading.Thread | None = None
+        self._closed = False
+        self._forks = forks()  # (a forked child's copy is its parent's to confirm)
 
     def ctrl_call(self, frame: pb.Frame, *, timeout: float | None = None, deadline: float | None = None,
                   scope: CallScope | None = None, partition: str | None = None,
@@ -93,8 +101,9 @@ class Confirms:
             with self._lock:
                 self._pending[at] = leases + self._pending.get(at, [])
 
-    def flush(self, *, retry: bool = True) -> None:
-        """Deliver every pending confirm, to each controller its own."""
+    def flush(self, *, retry: bool = True, timeout: float | None = None) -> None:
+        """Deliver every pending confirm, to each controller its own (without `retry`: one attempt
+        each, answered within `timeout`, default connect_timeout)."""
         with self._lock:
             pending, self._pending = self._pending, {}
             for at in pending:
@@ -103,7 +112,7 @@ class Confirms:
         try:
             for k, (at, leases) in enumerate(items):
                 try:
-                    self.send(leases, at, retry=retry)  # (a failed send keeps its own confirms pending)
+                    self.send(leases, at, retry=retry, timeout=timeout)  # (a failed send keeps its own pending)
                 except BaseException:
                     for later, rest in items[k + 1:]:
                         self.put_back(rest, later)
@@ -116,21 +125,21 @@ class Confirms:
                         del self._sending[at]
                 self._sent.notify_all()
 
-    def send(self, leases: list[int], at: str = "", *, retry: bool = True) -> None:
+    def send(self, leases: list[int], at: str = "", *, retry: bool = True, timeout: float | None = None) -> None:
         """Deliver confirms and wait for the controller's answer (a one-way frame to a controller
         that just died would vanish without an error); on failure they stay pending."""
         if not leases:
             return
         frame = pb.Frame(confirm=pb.ConfirmRequest(leases=leases))
+        limit = self._connect_timeout if timeout is None else timeout
         try:
             if retry:
                 reply, _, _ = self._router.controller(lambda pool: pool.ask(frame), at=at)
             elif at:
-                limit = self._connect_timeout
                 reply, _, _ = self._router.controller(lambda pool: pool.call(frame, timeout=limit), at=at,
                                                       deadline=time.monotonic() + limit)
             else:
-                reply, _, _ = self._router.ctrl.call(frame, timeout=self._connect_timeout)
+                reply, _, _ = self._router.ctrl.call(frame, timeout=limit)
         except BaseException:
             self.put_back(leases, at)
             raise
@@ -138,6 +147,30 @@ class Confirms:
         if late:  # the gets already returned: say it, the samples were handed out again
             logger.warning("[client] %d of %d leases expired before their confirm reached the controller: their "
                            "samples were handed out again (consider a longer --lease-timeout)", late, len(leases))
+
+    def close(self, timeout: float) -> None:
+        """The client goes (Dock.close, its collection, interpreter exit): deliver what its gets
+        fetched, those another thread is sending included, within `timeout` seconds, one attempt
+        each. Runs once; afterwards nothing is pending. A controller that cannot take them now
+        gets the samples back when this client's connections close (at-least-once), as from a
+        client that died. Waits on locks only for `timeout` too: it must never hang an exit."""
+        deadline = time.monotonic() + timeout
+        if threading.current_thread() is self._flusher:  # (a Dock in a reference cycle, collected by a pass of the
+            return  # collector that the flusher's own allocation started: it may hold the locks a send takes)
+        if self._closed or self._forks != forks() or not self._lock.acquire(timeout=timeout):
+            return
+        try:
+            self._closed = True
+            self._settle(lambda: self._sending, deadline)
+        finally:
+            self._lock.release()
+        try:
+            self.flush(retry=False, timeout=max(0.001, deadline - time.monotonic()))
+        except DockError as e:
+            with self._lock:
+                lost, self._pending = sum(map(len, self._pending.values())), {}
+            logger.warning("[client] could not confirm the samples of %d get(s) as the client closed (%s): unless "
+                           "the controller still reads that confirm, it hands them out again", lost, e)
 
     # -- one lease -------------------------------------------------------------------------------
     def confirm(self, lease: Lease) -> None:

@@ -48,6 +48,13 @@ class _Forks:
 
 
 os.register_at_fork(after_in_child=_Forks.forked)
+
+
+def forks() -> int:
+    """How many forks away this process is from the one it started as (compare with a saved value)."""
+    return _Forks.count
+
+
 _NO_BODY = np.empty(0, dtype=np.uint8)
 CHALLENGE_GRACE_S = 1.0
 """Seconds a new TCP connection waits for the daemon's challenge before it asks the port, on a second

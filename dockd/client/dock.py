@@ -43,7 +43,7 @@ from dockd.client.links import ReaderLinks
 from dockd.client.router import CallScope, Router
 from dockd.client.transport import Context
 from dockd.config import ClientConfig, client_transport, env
-from dockd.errors import DockClosed, DockError, DockTypeError, DockValueError
+from dockd.errors import DockClosed, DockTypeError, DockValueError
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,10 @@ FETCH_MIN_S = 1.0
 CONFIRM_NOW_AFTER_S = 0.1
 """A get that took longer than this (from its acquire to the end of its fetch) confirms its lease
 before returning, and returns nothing if the lease is gone: its samples were handed out again."""
+CLOSE_CONFIRM_S = 2.0
+"""Seconds a Dock collected, or left open at interpreter exit, may take to confirm what its gets returned
+(a live controller takes one round trip); a controller that does not answer by then hands the samples
+out again. Bounded so that a stopped controller never hangs the exit."""
 
 
 class Dock:
@@ -126,8 +130,9 @@ class Dock:
         self._acquirer = Acquirer(self._router, self._confirms)
         self._fetcher = Fetcher(self._router, fetch_timeout=self.fetch_timeout)
         ctx.device_tier = self._fetcher.device_tier
-        # a Dock dropped without close() (or failing here) still stops its flusher and closes its sockets
-        self._finalizer = weakref.finalize(self, _finalize, self._stop, wake, self._router)
+        # a Dock dropped without close(), or left open at interpreter exit (finalize runs then too, holding the
+        # Dock only weakly), still confirms what its gets returned, stops its flusher and closes its sockets
+        self._finalizer = weakref.finalize(self, _finalize, self._stop, wake, self._router, self._confirms)
         try:
             self._router.connect()
         except BaseException:
@@ -248,6 +253,12 @@ class Dock:
         is lost, and a late answer is never handed to anyone. A get that took long
         enough for its lease to expire confirms it before returning and raises
         DockLeaseError rather than return samples that were handed out again.
+
+        The samples a get returns are taken for good once their confirm reaches the controller:
+        with this client's next request, or from a thread of the client within milliseconds, and at
+        the latest when the client goes: `close()` (within connect_timeout), the Dock collected, or
+        the interpreter exiting with it still open (within CLOSE_CONFIRM_S). A process killed before
+        that (SIGKILL, a crash, os._exit) has them handed out again to the next get of this consumer.
         """
         target = validate.device(device)
         mapped = target if maps_device(target) else None  # device-tier data shared by handle, copied once
@@ -521,15 +532,14 @@ class Dock:
 
     # -- lifecycle --------------------------------------------------------------------------------
     def close(self) -> None:
-        """Close every connection; calls blocked in other threads wake with DockClosed."""
+        """Confirm what this client's gets returned (within connect_timeout), then close every
+        connection; calls blocked in other threads wake with DockClosed. A Dock that is collected,
+        or still open at interpreter exit, confirms them too (within CLOSE_CONFIRM_S)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        try:
-            self._confirms.flush(retry=False)
-        except DockError as e:
-            logger.warning("[client] could not confirm fetched leases while closing: %s", e)
+        self._confirms.close(self.connect_timeout)
         self._finalizer()
         self._links.close()
         self._fetcher.close()
@@ -565,7 +575,10 @@ def _ray_home(address: str, pinned, token):
     return prefer, token
 
 
-def _finalize(stop: threading.Event, wake: threading.Event, router: Router) -> None:
+def _finalize(stop: threading.Event, wake: threading.Event, router: Router, confirms: Confirms) -> None:
+    """A Dock closed, collected, or still open at interpreter exit (its threads are still running
+    then; the event loop of an AsyncDock may be gone, and is not needed). Its confirms go first."""
+    confirms.close(CLOSE_CONFIRM_S)
     stop.set()
     wake.set()
     router.close()

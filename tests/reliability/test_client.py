@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 
 import pytest
 import torch
 
 import dockd
-from tests.conftest import wait_child
+from tests.conftest import serving, wait_child, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -204,3 +205,86 @@ def test_a_child_forked_while_other_threads_held_the_clients_locks_does_not_hang
                 lock.release()
         assert wait_child(pid, 60, "the forked child hung on a lock its parent's threads held at the fork") == 0
         assert d.get("c", ["x"], 4, partition=partition, timeout=10).indexes == [0, 1, 2, 3]
+
+
+_GET_AND_GO = """
+import asyncio, gc, os, signal, sys, dockd
+import dockd.client.confirm, dockd.client.dock
+# (the get's confirm waits for the client to go: no early confirm after a slow get, no flusher within the hour)
+dockd.client.dock.CONFIRM_NOW_AFTER_S = dockd.client.confirm.CONFIRM_DELAY_S = 3600.0
+address, part, how = sys.argv[1:]
+if how == "async":
+    async def main():
+        adock = await dockd.connect_async(address)
+        print((await adock.get("c", ["x"], 4, partition=part, timeout=30)).indexes, flush=True)
+    asyncio.run(main())  # the AsyncDock is dropped, never closed
+    sys.exit(0)
+d = dockd.connect(address)
+print(d.get("c", ["x"], 4, partition=part, timeout=30).indexes, flush=True)
+if how == "del":
+    del d
+    gc.collect()
+    os._exit(0)  # (no exit handlers: only the collection can have confirmed)
+if how == "sigkill":
+    os.kill(os.getpid(), signal.SIGKILL)
+# "exit": falls off the end of the script without close()
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "del", "async"])
+def test_a_script_that_leaves_without_close_confirms_what_its_get_returned(cluster, partition, client, how):
+    """Finding 8: a script that gets and exits without close() (or drops its Dock, or its AsyncDock)
+    left its samples unconfirmed, and the next client with that consumer name received them again.
+    Now the confirm goes out at interpreter exit and when the Dock is collected."""
+    with dockd.connect(cluster.address) as d:
+        d.put({"x": torch.arange(8)}, partition=partition)
+        out = client(_GET_AND_GO, cluster.address, partition, how)
+        assert out.stdout.split("\n")[0] == "[0, 1, 2, 3]", out.stdout + out.stderr
+        assert "could not confirm" not in out.stderr, out.stderr
+        progress = d.stats()["partitions"][partition]["consumers"]["c"]
+        assert (progress["taken"], progress["leased"]) == (4, 0), progress
+        assert d.get("c", ["x"], 8, partition=partition, timeout=5, allow_partial=True).indexes == [4, 5, 6, 7]
+
+
+def test_a_killed_client_still_has_its_samples_handed_out_again(cluster, partition, client):
+    """Unchanged by the confirm at exit: a client killed (SIGKILL) before its confirm went out
+    never received its samples for good, so the next get of the consumer receives them."""
+    with dockd.connect(cluster.address) as d:
+        d.put({"x": torch.arange(8)}, partition=partition)
+        out = client(_GET_AND_GO, cluster.address, partition, "sigkill", check=False)
+        assert out.returncode == -9 and out.stdout.split("\n")[0] == "[0, 1, 2, 3]", out.stdout + out.stderr
+        wait_until(lambda: d.stats()["partitions"][partition]["consumers"]["c"]["leased"] == 0, 30,
+                   "the killed client's lease to end")
+        assert d.get("c", ["x"], 8, partition=partition, timeout=10).indexes == list(range(8))
+
+
+def test_a_stopped_controller_does_not_hold_up_the_exit(partition, client):
+    """The confirm at exit is bounded (CLOSE_CONFIRM_S): with the controller stopped (SIGSTOP) the
+    script still exits, saying what it could not confirm. Resumed, the controller holds no lease of
+    it: each sample is taken (it read the confirm the script left) or ready again."""
+    code = """
+import atexit, sys, time
+stopped = []
+atexit.register(lambda: print(f"exit took {time.monotonic() - stopped[0]:.1f}s", flush=True))  # runs last
+import os, signal, dockd, dockd.client.confirm, dockd.client.dock
+dockd.client.dock.CONFIRM_NOW_AFTER_S = dockd.client.confirm.CONFIRM_DELAY_S = 3600.0
+d = dockd.connect(sys.argv[1])
+print(d.get("c", ["x"], 4, partition=sys.argv[2], timeout=30).indexes, flush=True)
+os.kill(int(sys.argv[3]), signal.SIGSTOP)
+stopped.append(time.monotonic())
+"""
+    with serving("--controller", "--port", "0") as (address, proc):
+        try:
+            with dockd.connect(address) as d:
+                d.put({"x": torch.arange(4)}, partition=partition)
+            out = client(code, address, partition, str(proc.pid), timeout=60)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        lines = out.stdout.strip().splitlines()
+        assert lines[0] == "[0, 1, 2, 3]" and lines[-1].startswith("exit took"), out.stdout + out.stderr
+        assert float(lines[-1].split()[2][:-1]) < 10, lines[-1]  # CLOSE_CONFIRM_S (2 s) and some slack
+        assert "could not confirm the samples of 1 get(s)" in out.stderr, out.stderr
+        with dockd.connect(address) as d:
+            progress = wait_until(lambda: (p := d.stats()["partitions"][partition]["consumers"]["c"])["leased"] == 0
+                                  and p, 30, "the exited client's lease to end")
+            assert progress["taken"] + progress["ready"] == 4, progress
