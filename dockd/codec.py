@@ -215,6 +215,17 @@ def batched(values: Any) -> torch.Tensor | None:
     return None
 
 
+def _has_data(column: str, t: torch.Tensor, sample: int | None = None) -> torch.Tensor:
+    """`t`, unless it is on the meta device (a shape without data, as models are built before their
+    weights load): refused naming the column."""
+    if t.is_meta:
+        which = f"column {column!r}" + (f" sample {sample}" if sample is not None else "")
+        raise DockValueError(f"{which}: a tensor on the meta device holds no data, only a shape ({tuple(t.shape)}); "
+                             "fill it first, e.g. torch.zeros_like(t, device='cpu'), or put the tensor that holds "
+                             "the values")
+    return t
+
+
 def _cpu(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.device.type != "cpu":
@@ -242,7 +253,7 @@ def _as_tensor(column: str, i: int, v: Any) -> torch.Tensor | None:
         raise DockTypeError(f"column {column!r} sample {i}: only dense tensors can be stored, got layout {v.layout}")
     if v.dtype not in _NAMES:
         raise DockTypeError(f"column {column!r} sample {i}: dtype {v.dtype} is not supported; supported: {sorted(DTYPES)}")
-    return v
+    return _has_data(column, v, i)
 
 
 def split_column(name: str, values: Any) -> Sequence[Any]:
@@ -362,6 +373,8 @@ def _one_ragged_run(col: pb.ColumnData, values: Sequence[Any], body: Body) -> bo
         nbytes = sum(lengths) * first.element_size()
         run.offset, run.nbytes = body.add(Joined(list(values), lengths, first.dtype, nbytes)), nbytes
     else:  # (accelerator tensors: joined there, then one copy to the host)
+        for i, v in enumerate(values):
+            _has_data(col.name, v, i)
         data = _bytes(torch.cat(list(values)).detach().cpu())
         run.offset, run.nbytes = body.add(data), data.nbytes
     return True
@@ -377,7 +390,7 @@ def _flush(col: pb.ColumnData, name: str, key: tuple, group: list[Any], start: i
 def _tensor_run(col: pb.ColumnData, tensors: list[torch.Tensor], body: Body, *, batched: bool) -> None:
     """One run of tensors with one dtype and one trailing shape (or one batched tensor)."""
     if batched:
-        t = _cpu(tensors[0])
+        t = _cpu(_has_data(col.name, tensors[0]))
         run = col.runs.add(kind=pb.TENSOR, count=t.shape[0], dtype=_NAMES[t.dtype], shape=list(t.shape[1:]))
         data = _bytes(t)
         run.offset, run.nbytes = body.add(data), data.nbytes
@@ -557,15 +570,15 @@ class Runs:
             lengths.extend(run.lengths[:] if run.shape[0] == -1 else [run.shape[0]] * run.count)
         return (flats[0] if len(flats) == 1 else torch.cat(flats)), lengths, trail
 
-    def stacked(self) -> torch.Tensor:
-        """The column as one [n, *shape] tensor: a zero-copy view when it came as one run of
-        equal shapes."""
+    def stacked(self) -> torch.Tensor | None:
+        """The column as one [n, *shape] tensor, a zero-copy view, when it came as one run of equal
+        shapes; else None (Batch.stacked stacks the values, or says why it cannot)."""
         if len(self.runs) == 1:
             run, buf, base = self.runs[0]
             if run.kind == pb.TENSOR and run.shape and run.shape[0] != -1 and run.nbytes:
                 flat = _view(buf, DTYPES[run.dtype], run.nbytes // ITEMSIZE[run.dtype], run.offset - base)
                 return flat.view(run.count, *run.shape)
-        return torch.stack(self.values())
+        return None
 
     def padded(self, pad_value: float | int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
         """[n, max_len, *trailing] padded on the right, and the lengths; None when the column is

@@ -46,11 +46,22 @@ class Batch:
         return values
 
     def stacked(self, column: str) -> torch.Tensor:
-        """A column of equal-shaped tensors as one [n, *shape] tensor (zero-copy where it can be)."""
-        values = self._columns.get(column)
-        if isinstance(values, Runs):
-            return values.stacked()
-        return torch.stack(self[column])
+        """A column of equal-shaped tensors as one [n, *shape] tensor (zero-copy where it can be).
+        A ragged column (values of different lengths) is refused: `padded` pads it."""
+        runs = self._columns.get(column)
+        if isinstance(runs, Runs) and (out := runs.stacked()) is not None:
+            return out
+        values = self[column]
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            raise DockTypeError(f"column {column!r} holds non-tensor values; stacked() needs tensors")
+        shapes = list(dict.fromkeys(tuple(v.shape) for v in values))
+        if len(shapes) > 1:
+            raise DockValueError(
+                f"column {column!r} is ragged (shapes {shapes[:4]}{'...' if len(shapes) > 4 else ''}), and stacked() "
+                f"needs one shape: batch.padded({column!r}) gives it right-padded to the longest, with the lengths")
+        if len({v.dtype for v in values}) > 1:
+            raise DockValueError(f"column {column!r} mixes dtypes {sorted({str(v.dtype) for v in values})}")
+        return torch.stack(values)
 
     def __contains__(self, column: object) -> bool:
         return column in self._columns

@@ -105,11 +105,15 @@ class Dock:
             config = dataclasses.replace(config, tls=str(tls))
         if transport is not None:
             config = dataclasses.replace(config, transport=client_transport(transport))
-        self.connect_timeout = connect_timeout if connect_timeout is not None else config.connect_timeout
-        self.reconnect_timeout = reconnect_timeout if reconnect_timeout is not None else config.reconnect_timeout
-        self.fetch_timeout = fetch_timeout if fetch_timeout is not None else config.fetch_timeout
-        if not self.fetch_timeout > 0:
-            raise DockValueError(f"fetch_timeout must be > 0 seconds, got {self.fetch_timeout}")
+        self.connect_timeout = validate.positive_seconds(
+            "connect_timeout", connect_timeout if connect_timeout is not None else config.connect_timeout,
+            env="DOCKD_CONNECT_TIMEOUT" if connect_timeout is None else "")
+        self.reconnect_timeout = validate.positive_seconds(  # (inf: retry for ever)
+            "reconnect_timeout", reconnect_timeout if reconnect_timeout is not None else config.reconnect_timeout,
+            finite=False, env="DOCKD_RECONNECT_TIMEOUT" if reconnect_timeout is None else "")
+        self.fetch_timeout = validate.positive_seconds(
+            "fetch_timeout", fetch_timeout if fetch_timeout is not None else config.fetch_timeout,
+            env="DOCKD_FETCH_TIMEOUT" if fetch_timeout is None else "")
         host, port = validate.split_address(address)
         self._name = name or f"pid{os.getpid()}"
         self._lock = threading.Lock()

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dockd import ids
+from dockd import ids, limits
 from dockd._proto import dockd_pb2 as pb
 from dockd.client import validate
 from dockd.client.connection import Pool
@@ -55,6 +55,8 @@ def acquire_request(consumer: str, columns: Sequence[str], count: int, *, partit
     validate.consumer_and_columns(consumer, columns)
     if not isinstance(count, (int, np.integer)) or isinstance(count, bool) or count < 1:
         raise DockValueError(f"count must be a positive int, got {count!r}")
+    if count > limits.MAX_SAMPLES:
+        raise DockValueError(f"count must be at most {limits.MAX_SAMPLES} samples per get, got {count!r}")
     timeout = validate.seconds(timeout)
     req = pb.AcquireRequest(partition=partition, consumer=consumer, columns=list(columns), count=int(count),
                             groups=groups, allow_partial=allow_partial, shuffle=shuffle, inline=inline,

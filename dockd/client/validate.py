@@ -18,11 +18,16 @@ from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockTypeError, DockValueError
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+_UINT64 = (1 << 64) - 1
 
 
 def split_address(address: str) -> tuple[str, int]:
     if not isinstance(address, str):
         raise DockTypeError(f"address must be a 'host:port' string, got {type(address).__name__}")
+    scheme, sep, rest = address.partition("://")
+    if sep:  # (refused here: looking the scheme up as a host name would take the whole connect timeout)
+        raise DockValueError(f"address must be 'host:port' without a scheme: dockd speaks its own protocol, not "
+                             f"{scheme}; got {address!r}, use {rest.rstrip('/')!r}")
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise DockValueError(f"address must look like 'host:port', got {address!r}")
@@ -41,10 +46,24 @@ def seconds(timeout: Any, what: str = "timeout") -> float | None:
     return None if t > limits.MAX_TIMEOUT else t  # (infinity, or past a year: no limit)
 
 
-def whole(name: str, v: Any, lo: int = 0, what: str = "") -> int:
-    """An int >= lo (numpy ints too, bools never)."""
+def positive_seconds(name: str, v: Any, *, finite: bool = True, env: str = "") -> float:
+    """A setting in seconds: a number > 0 (finite unless `finite` is False; inf: no limit). `env`: the
+    environment variable it came from, named in the error."""
+    where = f" (from ${env})" if env else ""
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise DockTypeError(f"{name}{where} is a number of seconds, got {v!r}")
+    t = float(v)
+    if not t > 0 or (finite and math.isinf(t)):
+        raise DockValueError(f"{name}{where} must be a {'finite ' if finite else ''}number of seconds > 0, got {v!r}")
+    return t
+
+
+def whole(name: str, v: Any, lo: int = 0, what: str = "", hi: int = _INT64[1]) -> int:
+    """An int in [lo, hi] (numpy ints too, bools never); hi defaults to the largest int64."""
     if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo:
         raise DockValueError(f"{name} must be an int >= {lo}{what}, got {v!r}")
+    if v > hi:
+        raise DockValueError(f"{name} must be an int from {lo} to {hi}{what} (the wire's range), got {v!r}")
     return int(v)
 
 
@@ -89,6 +108,12 @@ def int_list(name: str, values: Sequence[int]) -> list[int]:
         arr = np.asarray(values)
     except Exception:
         raise DockTypeError(f"{name} must be a sequence of ints") from None
+    if arr.ndim == 1 and arr.dtype.kind in "ufO" and arr.size:  # ints past int64 make numpy pick these
+        big = [x for x in (arr.tolist() if arr.dtype.kind == "u" else list(values))
+               if isinstance(x, (int, np.integer)) and not isinstance(x, bool) and not _INT64[0] <= x <= _INT64[1]]
+        if big:
+            raise DockValueError(f"{name} must hold 64-bit signed ints (from {_INT64[0]} to {_INT64[1]}), got "
+                                 f"{big[0]!r}")
     if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
         raise DockTypeError(f"{name} must be a flat sequence of ints, got dtype {arr.dtype} shape {arr.shape}")
     return arr.astype(np.int64).tolist()
@@ -101,7 +126,8 @@ def tag_list(tags: Mapping[str, Any], n: int) -> list[pb.Tag]:
     for name, v in tags.items():
         if not isinstance(name, str) or not name.isidentifier():
             raise DockValueError(f"a tag name is an identifier such as 'age', got {name!r}")
-        values = [v] if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else int_list(f"tag {name!r}", v)
+        single = isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+        values = [whole(f"tag {name!r}", v, _INT64[0])] if single else int_list(f"tag {name!r}", v)
         if len(values) not in (1, n):
             raise DockValueError(f"tag {name!r} has {len(values)} values for {n} samples; give one, or one per sample")
         out.append(pb.Tag(name=name, values=[int(x) for x in values]))
@@ -114,10 +140,10 @@ def where_list(where: Mapping[str, Any]) -> list[pb.TagRange]:
     out = []
     for name, rng in where.items():
         if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
-            lo = hi = int(rng)
+            lo = hi = whole(f"where[{name!r}]", rng, _INT64[0])
         elif isinstance(rng, (tuple, list)) and len(rng) == 2:
-            lo = _INT64[0] if rng[0] is None else int(rng[0])
-            hi = _INT64[1] if rng[1] is None else int(rng[1])
+            lo = _INT64[0] if rng[0] is None else whole(f"where[{name!r}]'s lo", rng[0], _INT64[0])
+            hi = _INT64[1] if rng[1] is None else whole(f"where[{name!r}]'s hi", rng[1], _INT64[0])
         else:
             raise DockTypeError(f"where[{name!r}] must be an int or a (lo, hi) pair (None: open end), got {rng!r}")
         if lo > hi:
@@ -172,7 +198,7 @@ def rank_fields(req: pb.AcquireRequest, dp_rank, dp_size, mp_group, step, balanc
 def acquire_options(req: pb.AcquireRequest, *, seed, where, max_staleness, order_by, lease_timeout) -> None:
     """Fill an acquire's optional fields (see Dock.get and Dock.acquire)."""
     if seed is not None:
-        req.has_seed, req.seed = True, int(seed)
+        req.has_seed, req.seed = True, whole("seed", seed, 0, hi=_UINT64)
     if where:
         req.where.extend(where_list(where))
     if max_staleness is not None:
@@ -195,9 +221,9 @@ def version_tag(version: Any, tags: Mapping[str, Any] | None) -> Mapping[str, An
     """A put's tags with its policy version added as the reserved tag "version"."""
     if version is None:
         return tags
-    if not isinstance(version, (int, np.integer)) or isinstance(version, bool) or version < 0:
-        raise DockValueError(f"version is the policy version that produced the samples, an int >= 0, "
-                             f"got {version!r}")
+    if not isinstance(version, (int, np.integer)) or isinstance(version, bool) or not 0 <= version <= _INT64[1]:
+        raise DockValueError(f"version is the policy version that produced the samples, an int from 0 to "
+                             f"{_INT64[1]} (a 64-bit tag), got {version!r}")
     if tags and "version" in tags:
         raise DockValueError("give the policy version as version=..., or as tags={'version': ...}, not both")
     return {**(tags or {}), "version": int(version)}

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 import torch
 
 import dockd
+import dockd.client.batch
 from dockd import auth, wire
 from dockd._proto import dockd_pb2 as pb
 
@@ -202,3 +204,70 @@ def test_vanished_sender_gives_back_the_room_it_reserved():
             s.sendall(wire.header(pb.Frame(id=1, put=req), 600_000) + bytes(1000))
             s.close()
         assert d.put({"x": [torch.zeros(600_000, dtype=torch.uint8)]}, partition="p", timeout=5) == [0]
+
+
+_META = torch.empty(2, 3, device="meta")  # a shape without data (a model built before its weights load)
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        # numbers the wire cannot carry: refused naming the argument, not with protobuf's bare ValueError
+        (lambda d, p: d.put({"x": [1]}, partition=p, version=2**63), dockd.DockValueError, "version is the policy"),
+        (lambda d, p: d.put({"x": [1]}, partition=p, tags={"age": 2**63}), dockd.DockValueError, "tag 'age'"),
+        (lambda d, p: d.put({"x": [1, 2]}, partition=p, tags={"age": [1, 2**64]}), dockd.DockValueError,
+         "tag 'age' must hold 64-bit signed ints"),
+        (lambda d, p: d.put({"keep": [1]}, partition=p, indexes=[2**63]), dockd.DockValueError, "indexes must hold"),
+        (lambda d, p: d.set_version(p, 2**63), dockd.DockValueError, "version must be an int from 0 to"),
+        (lambda d, p: d.get("c", ["keep"], 1, partition=p, where={"age": (0, 2**63)}), dockd.DockValueError,
+         r"where\['age'\]'s hi"),
+        (lambda d, p: d.get("c", ["keep"], 1, partition=p, shuffle=True, seed=-1), dockd.DockValueError, "seed"),
+        (lambda d, p: d.get("c", ["keep"], 2**40, partition=p), dockd.DockValueError, "count must be at most"),
+        # tensors on the meta device hold no data: refused naming the column
+        (lambda d, p: d.put({"w": _META}, partition=p), dockd.DockValueError, "column 'w': a tensor on the meta device"),
+        (lambda d, p: d.put({"w": list(_META)}, partition=p), dockd.DockValueError,
+         "column 'w' sample 0: a tensor on the meta device"),
+        (lambda d, p: d.put({"w": [torch.zeros(3), _META[0]]}, partition=p), dockd.DockValueError,
+         "column 'w' sample 1: a tensor on the meta device"),
+        # connect options that are not numbers of seconds
+        (lambda d, p: dockd.connect(d.address, connect_timeout=float("nan")), dockd.DockValueError,
+         "connect_timeout must be a finite number of seconds > 0, got nan"),
+        (lambda d, p: dockd.connect(d.address, reconnect_timeout=float("nan")), dockd.DockValueError,
+         "reconnect_timeout must be"),
+        (lambda d, p: dockd.connect(d.address, connect_timeout="10"), dockd.DockTypeError, "number of seconds"),
+    ],
+)
+def test_values_the_wire_cannot_carry_get_dock_errors(dock, stored, call, exc, match):
+    """Finding 9: these raised protobuf's ValueError, torch's NotImplementedError (without the
+    column's name) or the socket module's ValueError."""
+    partition, _ = stored
+    with pytest.raises(exc, match=match):
+        call(dock, partition)
+    assert dock.stats()["partitions"][partition]["samples"] == 6  # nothing was applied
+
+
+def test_an_environment_timeout_that_is_not_a_number_of_seconds_names_the_variable(cluster, monkeypatch):
+    monkeypatch.setenv("DOCKD_CONNECT_TIMEOUT", "nan")
+    with pytest.raises(dockd.DockValueError, match=r"connect_timeout \(from \$DOCKD_CONNECT_TIMEOUT\) must be"):
+        dockd.connect(cluster.address)
+
+
+def test_an_address_with_a_scheme_is_refused_at_once():
+    """connect("http://host:port") looked "http" up as a host name for the whole connect timeout."""
+    t0 = time.monotonic()
+    with pytest.raises(dockd.DockValueError, match="without a scheme.*not http.*use '127.0.0.1:7450'"):
+        dockd.connect("http://127.0.0.1:7450/", connect_timeout=10)
+    assert time.monotonic() - t0 < 1  # no name lookup, no retries
+
+
+def test_stacked_of_a_ragged_column_points_to_padded(dock, partition):
+    dock.put({"tokens": [torch.arange(3), torch.arange(5)], "same": [torch.arange(4), torch.arange(4)]},
+             partition=partition)
+    batch = dock.get("c", ["tokens", "same"], 2, partition=partition, timeout=10)
+    with pytest.raises(dockd.DockValueError, match=r"column 'tokens' is ragged .*batch.padded\('tokens'\)"):
+        batch.stacked("tokens")
+    tokens, lengths = batch.padded("tokens")  # what it points to works
+    assert tokens.shape == (2, 5) and lengths.tolist() == [3, 5]
+    assert batch.stacked("same").tolist() == [[0, 1, 2, 3]] * 2
+    with pytest.raises(dockd.DockValueError, match="is ragged"):
+        dockd.client.batch.Batch(partition, [0, 1], {"t": [torch.zeros(2), torch.zeros(3)]}).stacked("t")

@@ -60,6 +60,18 @@ def test_unsupported_values_are_rejected_clearly():
         roundtrip([torch.eye(3).to_sparse()])
 
 
+@pytest.mark.parametrize("values, which", [
+    (torch.empty(4, 2, device="meta"), "column 'c':"),                                  # batched
+    ([torch.empty(3, device="meta"), torch.empty(5, device="meta")], "column 'c' sample 0:"),  # ragged 1-D
+    ([torch.zeros(2, 2), torch.empty(2, 2, device="meta")], "column 'c' sample 1:"),   # per sample
+    (["text", torch.empty(2, 2, device="meta")], "column 'c' sample 1:"),             # after msgpack values
+])
+def test_a_tensor_on_the_meta_device_is_refused_naming_its_column(values, which):
+    """Finding 9: torch's NotImplementedError ("Cannot copy out of meta tensor") named no column."""
+    with pytest.raises(DockValueError, match=f"{which} a tensor on the meta device holds no data"):
+        encode(values)
+
+
 def test_split_column_forms():
     assert len(codec.split_column("x", torch.zeros(4, 2))) == 4
     assert len(codec.split_column("x", np.zeros((3, 2)))) == 3
