@@ -14,8 +14,12 @@ peer has proved its role; an outgoing one (`prove=`) answers the daemon's
 Challenge. Until then frames are small, bodiless and must arrive within
 `handshake_timeout`. Afterwards a frame started must keep arriving (no
 `stall_timeout` seconds without a byte inside a frame, and on average at
-least `min_rate` bytes a second once it has taken `RATE_GRACE` seconds), and
-a client connection with no request at all for `idle_timeout` is closed.
+least `min_rate` bytes a second once it has taken `RATE_GRACE` seconds: one
+that averages exactly `min_rate` is received to its end), and a client
+connection with no request at all for `idle_timeout` is closed. What an
+admitted body holds while it arrives is shared out by who sends it
+(`identity`; see `dockd.warehouse.admission`), which `on_body_done` tells when
+it is in.
 
 Memory held across connections is bounded too: a header larger than the
 scratch buffer is received into memory counted against one budget for the
@@ -36,12 +40,14 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import pyarrow as pa
 
-from dockd import auth, wire
+from dockd import auth, shm, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockProtocolError, from_status, to_status
 from dockd.logutil import Throttle
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from dockd.shm import UnixTransport
 
 logger = logging.getLogger(__name__)
@@ -54,6 +60,28 @@ _TIMED_MAX = 4096             # requests of one connection timed at once (the re
 RATE_GRACE = 10.0             # seconds a frame may take before its average rate is checked
 _closing_log = Throttle()     # connections closed for bad input: one line per 10 s, however many
 _oneway_log = Throttle()
+
+
+def too_slow(got: int, elapsed: float, min_rate: int) -> bool:
+    """Whether a frame that has taken `elapsed` seconds to bring `got` bytes is cut: once past RATE_GRACE,
+    when it averages under `min_rate`. One at exactly `min_rate` is not: it is received to its end."""
+    return elapsed > RATE_GRACE and got < min_rate * elapsed
+
+
+def identity(role: str | None, transport) -> tuple:
+    """Who is at the other end of a connection, for sharing what it may hold: (role, "uid", uid) for a process
+    of this host (the Unix socket's SO_PEERCRED; the owner of a loopback TCP connection, from /proc/net/tcp),
+    else (role, "host", its address). A dock has one token, so over TCP the address tells its clients apart;
+    the role tells the daemons (the daemon token) from the clients of the same host or uid."""
+    sock = getattr(transport, "sock", None) if getattr(transport, "passes_fds", False) else None
+    if sock is not None:
+        cred = shm.peer_cred(sock)
+        return (role or "", "uid", cred[1]) if cred is not None else (role or "", "host", "unix")
+    peer = transport.get_extra_info("peername") if transport is not None else None
+    host = str(peer[0] if isinstance(peer, tuple) else peer).removeprefix("::ffff:")
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    uid = auth.loopback_peer_uid(sock) if sock is not None else None
+    return (role or "", "uid", uid) if uid is not None else (role or "", "host", host)
 
 
 class Handler(Protocol):
@@ -114,7 +142,16 @@ class Peer(asyncio.BufferedProtocol):
         self._fds: collections.deque[int] = collections.deque()  # received, not yet claimed by a frame
         self._frame_fds: list[int] = []
         self.metrics = getattr(handler, "metrics", None)  # a dockd.metrics.Metrics: requests are timed
+        self._identity: tuple | None = None
+        self.on_body_done: Callable[[], None] | None = None  # called once the admitted body is in (or will not be)
         self._started: dict[int, tuple[str, float]] = {}  # request id -> (kind, arrival), until its reply
+
+    @property
+    def identity(self) -> tuple:
+        """Who sends on this connection (`identity`), worked out when first asked (after the handshake)."""
+        if self._identity is None:
+            self._identity = identity(self.role, self.transport)
+        return self._identity
 
     @property
     def passes_fds(self) -> bool:
@@ -162,8 +199,7 @@ class Peer(asyncio.BufferedProtocol):
             self.fail(DockProtocolError(f"a frame stalled: no byte for {self.stall_timeout:g}s"))
             return
         t0 = self._frame_t0
-        if mid_frame and not self._admitting and t0 is not None and now - t0 > RATE_GRACE \
-                and self._frame_got < self.min_rate * (now - t0):
+        if mid_frame and not self._admitting and t0 is not None and too_slow(self._frame_got, now - t0, self.min_rate):
             self.fail(DockProtocolError(
                 f"a frame arrived at {self._frame_got / (now - t0):.0f} bytes/s for {now - t0:.0f}s, under this "
                 f"daemon's minimum of {self.min_rate} bytes/s: the connection is too slow, or holds its room on purpose"))
@@ -186,6 +222,7 @@ class Peer(asyncio.BufferedProtocol):
         if self._pending is not None and not self._admitting and self._reject is None and not self._pending[0].reply:
             self.handler.on_abandoned(self, *self._pending)  # mid-body: the body's admission is void
             self._pending = None
+        self._body_done()
         err = DockConnectionError(f"connection to {self.name} closed" + (f": {exc}" if exc else ""))
         for fut in self._calls.values():
             if not fut.done():
@@ -355,6 +392,7 @@ class Peer(asyncio.BufferedProtocol):
         self._lo += take
         if take == blen:
             self._pending = None
+            self._body_done()
             self._dispatch(frame, dest)
         else:
             self._dest, self._dest_obj, self._dest_pos = mv, dest, take
@@ -380,9 +418,15 @@ class Peer(asyncio.BufferedProtocol):
             dest = self._dest_obj
             self._dest = self._dest_obj = None
             self._pending = None
+            self._body_done()
             self._dispatch(frame, dest)
         if not self._admitting:
             self._parse()
+
+    def _body_done(self) -> None:
+        done, self.on_body_done = self.on_body_done, None
+        if done is not None:
+            done()
 
     def _finish_reject(self) -> None:
         assert self._pending is not None and self._reject is not None  # (a rejected body was read)

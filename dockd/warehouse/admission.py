@@ -9,6 +9,18 @@ at once; one whose client disconnects leaves the queue. With a spill tier
 (`Warehouse.reserve`); the head of the queue retries that every
 `spill.RETRY_S`, and DockFull comes only when nothing more could be spilled.
 
+A body that travels in its frame holds its room from its admission until it has
+arrived, as slowly as the sender likes down to `--min-rate`. So what bodies still
+arriving may hold is bounded by who sends them (`Peer.identity`: a uid of this
+host, or a remote host; not a connection, of which one sender may open many):
+one identity's at most a quarter of `--capacity` (`SHARE`), everyone's at most
+half (`ALL`), and a body bigger than that only when nothing else of its
+identity (of anyone's) is arriving. A put over its identity's share waits,
+passed over by the others' puts instead of holding them up, and each body let
+in sends its identity's other waiting puts behind everyone else's. Puts whose
+bytes are here already (a same-host writer's staged payload) hold nothing while
+they wait, and only room decides for them.
+
 Bodies are received into shared-memory segments when same-host readers may map
 them, as long as the process's descriptor budget for stored segments lasts;
 past it, into private memory (one more copy for same-host readers).
@@ -17,10 +29,12 @@ past it, into private memory (one more copy for same-host readers).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import resource
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,6 +46,26 @@ from dockd.warehouse.core import Warehouse
 from dockd.warehouse.segments import Segments
 
 logger = logging.getLogger(__name__)
+
+SHARE = 4
+"""One identity's bodies still arriving hold at most 1/SHARE of --capacity (one body of any size when it has
+nothing else arriving): however many connections it opens, three quarters stay for the others."""
+ALL = 2
+"""Everyone's bodies still arriving hold at most 1/ALL of --capacity (one body of any size when nothing else
+arrives): however many remote hosts send slowly, half stays for stored data and same-host puts."""
+
+
+class _Wait(NamedTuple):
+    size: int
+    fut: asyncio.Future  # resolves once admitted (or fails: DockFull)
+    peer: Peer           # whose put
+    who: tuple | None    # the identity whose body arrives once admitted; None: its bytes are here already
+
+
+def describe(who: tuple) -> str:
+    """An identity (`Peer.identity`) in words."""
+    role, kind, value = who
+    return f"{'a daemon' if role == 'daemon' else 'the client'} of {'uid' if kind == 'uid' else 'host'} {value}"
 
 
 class Admission:
@@ -46,7 +80,9 @@ class Admission:
         self.warehouse = warehouse
         self.segments = segments
         self._wid = wid
-        self.waiters: list[tuple[int, asyncio.Future, Peer]] = []  # (bytes, admitted, whose put)
+        self.waiters: list[_Wait] = []
+        self.arriving = 0  # bytes of admitted bodies still on their way in
+        self.arriving_by: dict[tuple, int] = {}  # ... by identity
         self.shm_bodies = False  # whether big bodies go to shared memory (same-host readers map them)
         self.segment_budget = 0  # segments (descriptor + mapping each) this process may hold
         self._over_budget_warned = False
@@ -68,16 +104,48 @@ class Admission:
         self.segments.keep_count = max(4, budget // 8)  # idle segments hold descriptors too
 
     # -- room --------------------------------------------------------------------------------
-    def reserve(self, peer: Peer, size: int, timeout: float) -> asyncio.Future | None:
-        """Reserve room for a put: None when done, else a future that resolves once it fits (or DockFull)."""
+    def reserve(self, peer: Peer, size: int, timeout: float, *, arriving: bool = False) -> asyncio.Future | None:
+        """Reserve room for a put: None when done, else a future that resolves once it fits (or DockFull).
+        `arriving`: its body is yet to arrive over `peer` (it counts against its identity's share until then)."""
         self.warehouse.check_fits(size)
-        if not self.waiters and self.warehouse.reserve(size, queued=True):
+        who = peer.identity if arriving else None
+        if not self.waiters and self._within(who, size) and self.warehouse.reserve(size, queued=True):
+            self._admitted(peer, who, size)
             return None
-        fut = asyncio.get_running_loop().create_future()
-        self.waiters.append((size, fut, peer))
+        w = _Wait(size, asyncio.get_running_loop().create_future(), peer, who)
+        self.waiters.append(w)
+        if len(self.waiters) > 1:  # those ahead may be passed over (over their share)
+            self.admit_waiters()
+            if w.fut.done():
+                return None
         if timeout >= 0:
-            asyncio.get_running_loop().call_later(timeout, self._timeout, fut, size)
-        return fut
+            asyncio.get_running_loop().call_later(timeout, self._timeout, w)
+        return w.fut
+
+    def _within(self, who: tuple | None, size: int) -> bool:
+        return who is None or (self._within_share(who, size) and self._within_all(size))
+
+    def _within_share(self, who: tuple, size: int) -> bool:
+        mine = self.arriving_by.get(who, 0)
+        return not mine or mine + size <= self.warehouse.capacity // SHARE
+
+    def _within_all(self, size: int) -> bool:
+        return not self.arriving or self.arriving + size <= self.warehouse.capacity // ALL
+
+    def _admitted(self, peer: Peer, who: tuple | None, size: int) -> None:
+        """A body let in: it counts as arriving until the peer says it is in (or will not come)."""
+        if who is not None:
+            self.arriving += size
+            self.arriving_by[who] = self.arriving_by.get(who, 0) + size
+            peer.on_body_done = functools.partial(self._arrived, who, size)
+
+    def _arrived(self, who: tuple, size: int) -> None:
+        self.arriving -= size
+        left = self.arriving_by.pop(who) - size
+        if left:
+            self.arriving_by[who] = left
+        if self.waiters:
+            self.admit_waiters()
 
     def release(self, *, unreserve: int = 0, unreserve_device: int = 0, seg=None) -> None:
         """Give back room a failed put held (and its segment, to the pool), and let waiting puts in."""
@@ -105,48 +173,75 @@ class Admission:
         return n
 
     def admit_waiters(self) -> None:
-        while self.waiters:
-            size, fut, _ = self.waiters[0]
-            if fut.done():
-                self.waiters.pop(0)
+        """Let waiting puts in, in order, while there is room. A body over its identity's share is passed
+        over; once one is over everyone's, the bodies after it wait too (puts whose bytes are here go on)."""
+        i, held = 0, False
+        while i < len(self.waiters):
+            w = self.waiters[i]
+            if w.fut.done():
+                del self.waiters[i]
                 continue
-            if not self.warehouse.reserve(size, queued=True):
+            if w.who is not None and not self._within_share(w.who, w.size):
+                i += 1  # it waits for its own identity's bodies, not the others for it
+                continue
+            if w.who is not None and (held or not self._within_all(w.size)):
+                held = True
+                i += 1
+                continue
+            if not self.warehouse.reserve(w.size, queued=True):
                 if self.warehouse.tier is not None and self._retry is None:  # (a pin may go, a file be freed)
                     from dockd.warehouse.spill import RETRY_S
 
                     self._retry = asyncio.get_running_loop().call_later(RETRY_S, self._retry_spill)
                 break
-            self.waiters.pop(0)
-            fut.set_result(None)
+            del self.waiters[i]
+            self._admitted(w.peer, w.who, w.size)
+            w.fut.set_result(None)
+            if w.who is not None:  # its identity's other puts go behind everyone else's (round robin)
+                rest = self.waiters[i:]
+                self.waiters[i:] = [x for x in rest if x.who != w.who] + [x for x in rest if x.who == w.who]
 
     def _retry_spill(self) -> None:
         self._retry = None
         self.admit_waiters()
 
-    def _timeout(self, fut: asyncio.Future, size: int) -> None:
-        if fut.done():
+    def _timeout(self, w: _Wait) -> None:
+        if w.fut.done():
             return
+        size, who, cap = w.size, w.who, self.warehouse.capacity
+        if who is not None and not self._within_share(who, size):
+            msg = (f"warehouse {self._wid()}: a put of {size} bytes waited for the {self.arriving_by[who]} bytes of "
+                   f"puts that {describe(who)} is still sending to arrive; the puts one client sends at once may hold "
+                   f"at most a quarter of --capacity ({cap // SHARE} bytes) until their bodies are in. Send fewer or "
+                   "smaller puts at once, or send them faster.")
+        elif who is not None and not self._within_all(size):
+            msg = (f"warehouse {self._wid()}: a put of {size} bytes waited for the {self.arriving} bytes of puts that "
+                   f"clients are still sending to arrive; the puts still arriving may hold at most half of --capacity "
+                   f"({cap // ALL} bytes). Retry; if it persists, some clients send far slower than they announce.")
+        else:
+            msg = self._full(size)
+        w.fut.set_exception(DockFull(msg))
+        self.admit_waiters()
+
+    def _full(self, size: int) -> str:
         w = self.warehouse
         if w.tier is not None:
-            msg = (f"warehouse {self._wid()} stayed full in memory and on disk: {size} bytes did not fit next to "
-                   f"{w.used} stored in memory (and {w.meta} of bookkeeping), {w.reserved} in flight and {w.lent} "
-                   f"of cleared data that same-host readers still map of "
-                   f"--capacity {w.capacity}, and no more could be spilled: {w.tier.describe()}; {w.spilled} bytes "
-                   "are spilled. Clear finished partitions, consume faster, or raise --capacity or --spill-capacity.")
-        else:
-            msg = (f"warehouse {self._wid()} stayed full: {size} bytes did not fit next to {w.used} stored (and "
-                   f"{w.meta} of their bookkeeping), {w.reserved} in flight and {w.lent} of cleared data that "
-                   f"same-host readers still map of {w.capacity} within the put timeout. Clear finished partitions, "
-                   "consume faster, drop tensors of cleared samples, raise --capacity, or give it a --spill-dir.")
-        fut.set_exception(DockFull(msg))
-        self.admit_waiters()
+            return (f"warehouse {self._wid()} stayed full in memory and on disk: {size} bytes did not fit next to "
+                    f"{w.used} stored in memory (and {w.meta} of bookkeeping), {w.reserved} in flight and {w.lent} "
+                    f"of cleared data that same-host readers still map of "
+                    f"--capacity {w.capacity}, and no more could be spilled: {w.tier.describe()}; {w.spilled} bytes "
+                    "are spilled. Clear finished partitions, consume faster, or raise --capacity or --spill-capacity.")
+        return (f"warehouse {self._wid()} stayed full: {size} bytes did not fit next to {w.used} stored (and "
+                f"{w.meta} of their bookkeeping), {w.reserved} in flight and {w.lent} of cleared data that "
+                f"same-host readers still map of {w.capacity} within the put timeout. Clear finished partitions, "
+                "consume faster, drop tensors of cleared samples, raise --capacity, or give it a --spill-dir.")
 
     def lost(self, peer: Peer) -> None:
         """A connection ended: its waiting puts leave the queue."""
-        if any(p is peer for _, _, p in self.waiters):
-            for _, fut, p in self.waiters:
-                if p is peer and not fut.done():
-                    fut.cancel()
+        if any(w.peer is peer for w in self.waiters):
+            for w in self.waiters:
+                if w.peer is peer and not w.fut.done():
+                    w.fut.cancel()
             self.admit_waiters()
 
     def shutdown(self) -> None:
@@ -154,9 +249,9 @@ class Admission:
             self._retry.cancel()
         if self._copier is not None:
             self._copier.shutdown(wait=False)
-        for _, fut, _ in self.waiters:
-            if not fut.done():
-                fut.set_exception(DockError("the warehouse is shutting down"))
+        for w in self.waiters:
+            if not w.fut.done():
+                w.fut.set_exception(DockError("the warehouse is shutting down"))
 
     # -- where bodies go ------------------------------------------------------------------------
     def allocate(self, size: int):

@@ -119,19 +119,19 @@ class PutPipeline:
         try:
             limits.check(frame)
             self.check_warehouse()
-            return self._admit(peer, frame.put, body_size)
+            return self._admit(peer, frame.put, body_size, arriving=True)
         except DockError as e:
             return failed(e)
 
-    def _admit(self, peer: Peer, req: pb.PutRequest, size: int) -> asyncio.Future | None:
+    def _admit(self, peer: Peer, req: pb.PutRequest, size: int, arriving: bool = False) -> asyncio.Future | None:
         """Check a put's header (a malformed one is refused before any room is spent on it) and
-        reserve room for its `size` host bytes."""
+        reserve room for its `size` host bytes (`arriving`: a body yet to arrive over `peer`)."""
         if req.replica and not self._daemon(peer):
             raise DockAuthError("a replica put is a daemon-to-daemon message; this connection is a client's")
         Warehouse.validate_put(req)
         if req.replica and (not req.indexes or req.device_buffers or req.staging):
             raise DockProtocolError("a replica put names the indexes it copies and carries its values in its body")
-        return self.admission.reserve(peer, size, req.timeout)
+        return self.admission.reserve(peer, size, req.timeout, arriving=arriving)
 
     # -- receive -------------------------------------------------------------------------------
     def on_put(self, peer: Peer, frame: pb.Frame, body, fds: list[int]) -> None:

@@ -296,7 +296,7 @@ def test_a_connection_that_leaves_while_its_put_waits_leaves_the_queue():
             other = await _connect(node)
             waiting = asyncio.ensure_future(_put(other, "b", torch.zeros(4, 1280, dtype=torch.int64)))
             await asyncio.sleep(0.2)
-            ((_, admitted, conn),) = node.admission.waiters
+            ((_, admitted, conn, _),) = node.admission.waiters
             assert conn in node.listeners.peers
             conn.transport.abort()  # (a paused TCP connection sees its end only once read again: end it here)
             with pytest.raises(DockConnectionError):
