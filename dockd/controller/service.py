@@ -172,7 +172,10 @@ class ControllerService:
             if len(mine) != len(req.inventory):
                 del req.inventory[:]
                 req.inventory.extend(mine)
-        return self.members.register(peer, req, self.apply_commit)
+        cleared = self.calls.cleared_meanwhile(req)  # (held from before a clear it missed: dropped, not adopted)
+        reply = self.members.register(peer, req, self.apply_commit)
+        reply.drop.extend(cleared)
+        return reply
 
     def warehouse_infos(self, ids=None, *, usage: bool = True) -> list[pb.WarehouseInfo]:
         return self.members.infos(ids, usage=usage)

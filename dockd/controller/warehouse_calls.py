@@ -1,6 +1,13 @@
 """What the controller asks of warehouses: free samples and partitions, measure a column for
 balancing, write or load a checkpoint file. The warehouse hosted in the controller's own
-process (`LocalWarehouse`) is called directly; the others over their links."""
+process (`LocalWarehouse`) is called directly; the others over their links.
+
+A free that does not reach a warehouse (its connection closes, or it is away) is applied once
+the warehouse is back, until it is declared lost: deleted samples are sent again when it has
+rejoined (a free is idempotent), and a partition cleared meanwhile goes with its rejoin, also
+when the dock has a partition of that name again by then (`cleared_meanwhile`): its copy holds
+the old partition's values under the new one's indexes.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.errors import DockDataLost
+from dockd.errors import DockConnectionError, DockDataLost
+from dockd.logutil import Throttle
 from dockd.peer import Peer
 
 if TYPE_CHECKING:
@@ -21,6 +29,10 @@ if TYPE_CHECKING:
     from dockd.controller.service import ControllerService
 
 logger = logging.getLogger(__name__)
+_failed_log = Throttle()
+
+FREE_RETRY_S = 1.0
+"""A free a connected warehouse answered with an error is sent again after this long."""
 
 
 class LocalWarehouse(Protocol):
@@ -48,6 +60,7 @@ class WarehouseCalls:
     def __init__(self, svc: ControllerService) -> None:
         self.svc = svc
         self._frees_soon = False
+        self.uncleared: dict[int, set[str]] = {}  # warehouse -> partitions cleared that it may still hold
 
     def _live(self, wid: int) -> WarehouseEntry | None:
         entry = self.svc.members.get(wid)
@@ -74,24 +87,40 @@ class WarehouseCalls:
 
     def _flush_frees(self) -> None:
         """Tell warehouses to free the samples deletes and retirement left (one request per warehouse
-        and partition). A warehouse that is away frees them when it rejoins (its inventory shows them)."""
+        and partition). Those of a warehouse that is away wait for it to rejoin; those of one declared
+        lost go (its rejoin inventory would show them)."""
         self._frees_soon = False
         for partition, ws in self.svc.core.take_frees().items():
             for wid, idx in ws.items():
-                entry = self._live(wid)
-                if entry is None:
+                entry = self.svc.members.get(wid)
+                if entry is None or not entry.alive:
+                    if entry is not None and entry.reachable:
+                        self._again(partition, wid, idx)
                     continue
                 if entry.local:
                     self._freed(partition, wid, self._local.free(partition, idx))
                     continue
                 req = pb.FreeRequest(partition=partition, indexes=idx.tolist())
                 fut = self._peer(entry).request(pb.Frame(free=req))
-                fut.add_done_callback(functools.partial(self._remote_freed, partition, wid))
+                fut.add_done_callback(functools.partial(self._remote_freed, partition, wid, idx))
 
-    def _remote_freed(self, partition: str, wid: int, fut: asyncio.Future) -> None:
+    def _again(self, partition: str, wid: int, idx: np.ndarray) -> None:
+        """Free these samples on the next flush (a rejoin, a delete, or a timer, wakes it)."""
+        self.svc.core.pending_frees.setdefault(partition, {}).setdefault(wid, []).append(idx)
+
+    def _remote_freed(self, partition: str, wid: int, idx: np.ndarray, fut: asyncio.Future) -> None:
         if fut.cancelled() or fut.exception() is not None:
-            logger.warning("[controller] free of deleted samples failed warehouse=%d partition=%s error=%s", wid,
-                           partition, None if fut.cancelled() else fut.exception())
+            err = fut.exception() if not fut.cancelled() else "cancelled"
+            entry = self.svc.members.get(wid)
+            again = entry is not None and entry.reachable and partition in self.svc.core.partitions
+            _failed_log.log(logger, logging.WARNING, "[controller] free of deleted samples failed warehouse=%d "
+                            "partition=%s samples=%d error=%s; %s", wid, partition, len(idx), err,
+                            "sent again once it answers" if again else "not sent again (the warehouse or the "
+                            "partition is gone)")
+            if again:
+                self._again(partition, wid, idx)
+                if not isinstance(err, DockConnectionError):  # (a lost connection: its rejoin flushes them)
+                    self.svc.timers.call_later(FREE_RETRY_S, self.schedule_frees)
             return
         reply, _ = fut.result()
         self._freed(partition, wid, reply.free_reply.nbytes)
@@ -102,21 +131,62 @@ class WarehouseCalls:
             part.nbytes[wid] = max(0, part.nbytes[wid] - nbytes)
 
     async def free_everywhere(self, partition: str) -> None:
-        """Free a partition on every live warehouse, in parallel. One that is away is told when it
-        rejoins (its inventory shows a partition the dock no longer has); a wedged one must not
-        hang the caller: it gets daemon_timeout."""
-        remote = []
+        """Free a partition on every live warehouse, in parallel. One that is away, or whose free fails,
+        is told when it rejoins (`cleared_meanwhile`); a wedged one must not hang the caller: it gets
+        daemon_timeout."""
+        remote, sent = [], []
+        for wid in [w for w in self.uncleared if not (e := self.svc.members.get(w)) or not e.reachable]:
+            del self.uncleared[wid]  # (declared lost, or gone)
         for entry in self.svc.members.entries.values():
-            if not entry.alive:
-                continue
-            if entry.local:
+            if entry.local and entry.alive:
                 self._local.free(partition)
-            else:
+            elif entry.alive:
                 remote.append(self._peer(entry).request(pb.Frame(free=pb.FreeRequest(partition=partition))))
+                sent.append(entry.id)
+            elif entry.reachable:
+                self.uncleared.setdefault(entry.id, set()).add(partition)
         wait = [asyncio.ensure_future(asyncio.wait_for(r, self.svc.daemon_timeout)) for r in remote]
-        for res in await asyncio.gather(*wait, return_exceptions=True):
+        for wid, res in zip(sent, await asyncio.gather(*wait, return_exceptions=True)):
             if isinstance(res, BaseException):
-                logger.warning("[controller] free failed on a warehouse partition=%s error=%s", partition, res)
+                self.uncleared.setdefault(wid, set()).add(partition)
+                logger.warning("[controller] free failed on warehouse %d partition=%s error=%s; it frees the partition "
+                               "when it rejoins", wid, partition, res)
+
+    def cleared_meanwhile(self, req: pb.RegisterWarehouse) -> list[str]:
+        """The partitions a rejoining warehouse holds from before a clear it may not have applied (its
+        free failed, or it was away), which the dock has again: its copy is the old partition's, so it
+        leaves the inventory (nothing of it is adopted or counted) and the warehouse drops it (the
+        reply's drop list, freed before the commits it re-sends are filed). Kept is a copy that must
+        be the new partition's: the dock records values of it there (not those of the re-sent commits,
+        which the warehouse files only after the reply), so the warehouse read the clear's free before
+        them. A name the dock no longer has is dropped by the rejoin itself."""
+        names = self.uncleared.pop(req.id, None) if req.rejoin else None
+        if not names:
+            return []
+        held = {p.name for p in req.inventory}
+        out = []
+        for name in sorted(names & held):
+            part = self.svc.core.partitions.get(name)
+            if part is not None and not self._holds_new(part, req.id, req.pending):
+                out.append(name)
+        if out:
+            keep = [p for p in req.inventory if p.name not in out]
+            del req.inventory[:]
+            req.inventory.extend(keep)
+            logger.warning("[controller] warehouse %d rejoins with partition(s) %s from before they were cleared "
+                           "(their free did not reach it); it drops them", req.id, out)
+        return out
+
+    def _holds_new(self, part: _Partition, wid: int, pending) -> bool:
+        """Whether the controller records values of `part` on warehouse `wid` other than those of its
+        re-sent commits (`pending`) that it applied before (their answers were lost)."""
+        resent = [self.svc.core.catalog.recall(wid, c.put_id) for c in pending if c.partition == part.name]
+        skip = np.concatenate([r for r in resent if r is not None] or [np.empty(0, dtype=np.int64)])
+        for loc in part.loc.values():
+            mine = np.flatnonzero(loc[: part.size] == wid)
+            if len(mine) and not np.isin(mine, skip).all():
+                return True
+        return False
 
     # -- checkpoints and balancing ------------------------------------------------------------
     async def dump(self, wid: int, req: pb.DumpRequest) -> pb.DumpReply:
