@@ -287,11 +287,18 @@ def check_reply(challenge: pb.Challenge, auth: pb.Auth, reply: pb.AuthReply, key
         raise DockAuthError(f"the daemon at {where} did not prove it holds the dock's token: it is not this dock")
 
 
-def missing_token(challenge: pb.Challenge, key: bytes | None, where: str) -> None:
+def token_modes_match(challenge: pb.Challenge, key: bytes | None, where: str) -> None:
+    """A client's token against what the daemon's challenge says of its own, before any proof is sent."""
     if challenge.token and key is None:
         raise DockAuthError(
             f"the dock at {where} requires a token: pass dockd.connect(address, token=...) or set DOCKD_TOKEN_FILE "
             "to the file the daemons were started with (--token-file)"
+        )
+    if key is not None and not challenge.token:  # (a client with a token talks only to a daemon that proves it)
+        raise DockAuthError(
+            f"the dock at {where} runs without a token (its daemons have no --token-file), but this client was "
+            "given one (token=, DOCKD_TOKEN or DOCKD_TOKEN_FILE): connect without it, or start the dock's daemons "
+            "with --token-file"
         )
 
 

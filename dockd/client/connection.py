@@ -128,22 +128,19 @@ class Connection:
             _close_all(fds)
             frame = self._tls(frame, started, timeout)
             if frame.WhichOneof("kind") != "challenge":
-                if frame.status.code != pb.OK:
-                    raise from_status(frame.status)
+                if frame.status.code != pb.OK:  # refused before the challenge (another user, at a dock without a token)
+                    raise self._refused(from_status(frame.status))
                 raise DockProtocolError(f"{self.address} did not start with a dockd challenge: is it a dockd daemon "
                                         "of this version?")
             ch = frame.challenge
             wire.check_protocol(ch.protocol, f"dockd at {self.address}")
-            auth.missing_token(ch, creds.key, self.address)
+            auth.token_modes_match(ch, creds.key, self.address)
             a = auth.answer(ch, auth.CLIENT, creds.key, session=creds.session, name=creds.name)
             self.send(pb.Frame(auth=a))
             reply, _, fds = self._read_frame()
             _close_all(fds)
             if reply.status.code != pb.OK:
-                err = from_status(reply.status)
-                if isinstance(err, DockAuthError):
-                    raise DockAuthError(f"dockd at {self.address} refused this client: {err}")
-                raise err
+                raise self._refused(from_status(reply.status))
             auth.check_reply(ch, a, reply.auth_reply, creds.key, self.address)
             self.instance = ch.instance
         except TimeoutError:
@@ -153,6 +150,10 @@ class Connection:
             self._raise_io(e)
         finally:
             self._deadline = None
+
+    def _refused(self, err: DockError) -> DockError:
+        """A daemon's refusal of the handshake, naming the daemon."""
+        return DockAuthError(f"dockd at {self.address} refused this client: {err}") if isinstance(err, DockAuthError) else err
 
     def _tls(self, frame: pb.Frame, started: float, timeout: float) -> pb.Frame:
         """TLS where the daemon's preamble asks for it (dockd.tls): the handshake, then the challenge
@@ -192,6 +193,9 @@ class Connection:
         first = bytes(self._mv[self._lo : min(self._hi, self._lo + len(wire.MAGIC))])
         if not wire.MAGIC.startswith(first):
             seen = bytes(self._mv[self._lo : min(self._hi, self._lo + 32)])
+            what = self.via.identify(seen, max(0.1, min(CHALLENGE_GRACE_S, started + timeout - time.monotonic())))
+            if what:
+                raise DockProtocolError(f"{self.address} is {what}")
             raise DockProtocolError(f"{self.address} is not a dockd daemon: it sent {seen!r} where a dockd "
                                     "challenge starts with b'DKD1'")
 

@@ -42,7 +42,15 @@ from dockd import owners, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.connection import Connection, Credentials, Pool, timed_out
 from dockd.client.transport import Context, Endpoint, Transport, candidates, is_local
-from dockd.errors import DockClosed, DockConfigError, DockConnectionError, DockError, DockTimeout, DockValueError
+from dockd.errors import (
+    DockAuthError,
+    DockClosed,
+    DockConfigError,
+    DockConnectionError,
+    DockError,
+    DockTimeout,
+    DockValueError,
+)
 
 T = TypeVar("T")
 
@@ -200,7 +208,7 @@ class Router:
             pool = self._open_pool(cls(endpoint, self.ctx))
             try:
                 pool.put(pool.get(timeout))
-            except DockConnectionError as e:
+            except (DockConnectionError, DockAuthError) as e:  # (refused: another user at the same-host socket)
                 self._close_pool(pool)
                 if timed_out(e):
                     raise

@@ -1,5 +1,6 @@
 """gRPC admin surface of a node: the standard grpc.health.v1 service and dockd.v1.Admin/Stats.
-Every answer carries the daemon's version in the `x-dockd-version` header.
+Every answer carries the daemon's version in the `x-dockd-version` header, and its framed port
+(the one clients connect to) in `x-dockd-port`: a client pointed here by mistake says which it is.
 
 It runs on its own threads; requests that need node state hop onto the event loop.
 With a token, every call but the health check must carry `dockd.auth.grpc_metadata`
@@ -23,6 +24,7 @@ from dockd._proto import dockd_pb2_grpc
 from dockd._version import __version__
 from dockd.errors import DockAuthError
 from dockd.metrics import NodeFigures
+from dockd.warehouse.listen import bind_error
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +79,11 @@ class _TokenCheck(grpc.ServerInterceptor):
 
 
 class _VersionHeader(grpc.ServerInterceptor):
-    """Every answer (the health check's too) carries `x-dockd-version` in its initial metadata."""
+    """Every answer (the health check's too) carries `x-dockd-version` and `x-dockd-port` (the framed
+    port) in its initial metadata."""
 
-    HEADER = (("x-dockd-version", __version__),)
+    def __init__(self, port: int) -> None:
+        self.HEADER = (("x-dockd-version", __version__), ("x-dockd-port", str(port)))
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
@@ -103,16 +107,19 @@ def start_grpc(node: NodeFigures, loop: asyncio.AbstractEventLoop, *, host: str,
     token = server_auth.client_key
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="dockd-grpc"),
-        interceptors=[_VersionHeader(), *([_TokenCheck(token, server_auth)] if token is not None else [])],
+        interceptors=[_VersionHeader(port), *([_TokenCheck(token, server_auth)] if token is not None else [])],
         options=[("grpc.max_receive_message_length", 64 << 10)],
         maximum_concurrent_rpcs=32,
     )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     dockd_pb2_grpc.add_AdminServicer_to_server(_Admin(node, (host, port), loop), server)
-    bound = server.add_insecure_port(f"{host}:{grpc_port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{grpc_port}")
+    except RuntimeError:  # (grpc says only that it failed)
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind the gRPC port {host}:{grpc_port}")
+        raise bind_error(host, grpc_port, "--grpc-port", "the gRPC health and admin port")
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("dockd.v1.Admin", health_pb2.HealthCheckResponse.SERVING)

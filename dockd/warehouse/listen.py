@@ -18,6 +18,8 @@ and every frame run inside TLS); the Unix socket never leaves the host and has n
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import logging
 import os
 import resource
@@ -27,7 +29,8 @@ import ssl
 from collections.abc import Callable
 from pathlib import Path
 
-from dockd import auth, config, shm, tls
+from dockd import auth, config, shm, tls, wire
+from dockd._proto import dockd_pb2 as pb
 from dockd.config import NodeConfig
 from dockd.logutil import Throttle
 from dockd.peer import Handler, Peer
@@ -141,7 +144,10 @@ class Listeners:
     async def listen_tcp(self) -> None:
         loop = asyncio.get_running_loop()
         factory = self.make_peer if self.tls_server is None else self._tls_start
-        self._server = await loop.create_server(factory, self.cfg.host, self.cfg.port, reuse_address=True)
+        try:
+            self._server = await loop.create_server(factory, self.cfg.host, self.cfg.port, reuse_address=True)
+        except OSError as e:
+            raise bind_error(self.cfg.host, self.cfg.port, "--port", "the framed port clients connect to", e) from None
         self.port = self._server.sockets[0].getsockname()[1]
 
     def listen_unix(self) -> None:
@@ -200,6 +206,9 @@ class Listeners:
                 _refusals.log(logger, logging.WARNING,
                               "[auth] refused a same-host connection from uid=%s (this daemon runs as uid=%d)",
                               uid, os.getuid())
+                if self.keys.token is None:  # (with a token, other users are served over TCP: a bare close
+                    with contextlib.suppress(OSError):  # makes their client go there without a word)
+                        conn.send(other_user(uid))
                 conn.close()
                 continue
             peer = self.make_peer()
@@ -246,7 +255,8 @@ class Listeners:
                               "[auth] refused a loopback connection from uid=%s: this dock has no token, so only its "
                               "own user (uid=%d) may use it; give the dock a token (--token-file) to share it",
                               uid, os.getuid())
-                transport.abort()
+                transport.write(other_user(uid))
+                transport.close()
                 return
         if len(self.peers) > self.max_connections:
             _refusals.log(logger, logging.WARNING,
@@ -331,6 +341,31 @@ class _TlsStart(asyncio.Protocol):
             self.task.cancel()
         if self.transport is not None:
             self.transport.abort()
+
+
+def other_user(uid: int | None) -> bytes:
+    """The one frame a tokenless daemon sends another user's connection before it closes it (in place
+    of its challenge): why, and what to do. The client raises it as DockAuthError."""
+    return wire.header(pb.Frame(status=pb.Status(code=pb.AUTH, message=(
+        f"this dock has no token, so it serves only the user it runs as (uid {os.getuid()}), and this client runs "
+        f"as uid {uid}: run the client as that user, or start the dock's daemons with --token-file and give "
+        "the client the same token (a dock with a token serves every user that proves it)"))))
+
+
+def bind_error(host: str, port: int, flag: str, what: str, e: OSError | None = None) -> OSError:
+    """Why `host:port` (set by `flag`) cannot be listened on, and what to do. `e`: the error binding it
+    gave; None: find it by binding a plain socket there (gRPC says only that it failed)."""
+    if e is None:
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+                probe.bind((host, port))
+        except OSError as err:
+            e = err
+    why = "refused" if e is None else os.strerror(e.errno) if e.errno else str(e)
+    if e is not None and e.errno == errno.EADDRINUSE:
+        why += " (another process, perhaps another dockd, listens there)"
+    return OSError(f"cannot listen on {host}:{port} ({flag}, {what}): {why}; give {flag} another port, or 0 for "
+                   "a free one")
 
 
 def watch_pid(pid: int, exited) -> None:

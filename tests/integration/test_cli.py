@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import dockd
@@ -45,6 +47,23 @@ def test_serve_rejects_bad_configuration_clearly():
                         (["--controller", "--capacity", "lots"], "cannot parse size")):
         out = subprocess.run([sys.executable, "-m", "dockd", "serve", *args], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and match in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("flag, what", [("--port", "the framed port clients connect to"),
+                                        ("--grpc-port", "the gRPC health and admin port")])
+def test_a_port_in_use_names_its_flag(flag, what):
+    """Finding 9: "address already in use" named no flag (and a busy --grpc-port ended in a traceback)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        ports = {"--port": "0", flag: str(port)}
+        out = subprocess.run([sys.executable, "-m", "dockd", "serve", "--controller", *(x for kv in ports.items()
+                              for x in kv)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert (f"cannot start: cannot listen on 127.0.0.1:{port} ({flag}, {what}): Address already in use (another "
+            f"process, perhaps another dockd, listens there); give {flag} another port, or 0 for a free one"
+            ) in out.stderr, out.stderr
 
 
 def test_join_timeout_bounds_the_wait_for_a_missing_controller():

@@ -72,3 +72,15 @@ def test_a_wrong_token_names_the_daemon_that_refused_it(token_file):
         assert address in str(e.value), str(e.value)
         with dockd.connect(address, token=token_file.read_text()) as d:  # the right one still works
             assert d.ping() > 0
+
+
+def test_the_daemons_grpc_port_says_which_port_to_use(cluster):
+    """Finding 9: the gRPC admin port was "not a dockd daemon"; it is one, on the wrong port."""
+    node = cluster.nodes[0]
+    t0 = time.monotonic()
+    with pytest.raises(dockd.DockProtocolError) as e:
+        dockd.connect(f"127.0.0.1:{node['grpc_port']}", connect_timeout=10)
+    assert time.monotonic() - t0 < 5
+    assert str(e.value) == (
+        f"127.0.0.1:{node['grpc_port']} is the gRPC port of a dockd daemon (health checks and admin: \"grpc_port\" in "
+        f"its ready line, --grpc-port), not the port clients connect to: use 127.0.0.1:{node['port']} (--port)")

@@ -244,10 +244,13 @@ os.setgid(65534); os.setuid(65534)
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.settimeout(10)
 s.connect("\\0" + sys.argv[1])
-print(len(s.recv(4096)))
+got = b""
+while chunk := s.recv(4096):
+    got += chunk
+print(got.hex())
 """
     out = client(code, unix)
-    assert out.stdout.strip() == "0"  # closed before even the challenge
+    _assert_refused_as_another_user(bytes.fromhex(out.stdout.strip()))
 
 
 def test_without_a_token_loopback_tcp_refuses_other_users(cluster, client):
@@ -262,12 +265,49 @@ def test_without_a_token_loopback_tcp_refuses_other_users(cluster, client):
 import encodings.idna, os, socket, sys
 os.setgid(65534); os.setuid(65534)
 s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
-try:
-    print(len(s.recv(4096)))
-except ConnectionResetError:
-    print(0)
+got = b""
+while chunk := s.recv(4096):
+    got += chunk
+print(got.hex())
 """
     out = client(code, host, port)
-    assert out.stdout.strip() == "0"  # closed before even the challenge
+    _assert_refused_as_another_user(bytes.fromhex(out.stdout.strip()))
     with dockd.connect(cluster.address) as d:  # its own user is served as before
         assert d.stats()["version"]
+
+
+def _assert_refused_as_another_user(got: bytes) -> None:
+    """Closed before the challenge, after one frame saying why (and nothing else)."""
+    _, hlen, blen = wire.PREFIX.unpack(got[: wire.PREFIX.size])
+    frame = wire.parse_header(got[wire.PREFIX.size : wire.PREFIX.size + hlen])
+    assert len(got) == wire.PREFIX.size + hlen and blen == 0, got
+    assert frame.WhichOneof("kind") is None and frame.status.code == pb.AUTH, frame
+    assert "serves only the user it runs as (uid 0), and this client runs as uid 65534" in frame.status.message
+
+
+def test_a_client_of_another_user_is_told_the_dock_refuses_its_user(cluster, client):
+    """Finding 9: it was told "closed the connection (did the daemon stop?)"."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a client as another user")
+    code = """
+import encodings.idna, os, sys
+import dockd, dockd.client, dockd.client.transport.tcp  # (as root: the checkout need not be readable by nobody)
+os.setgid(65534); os.setuid(65534)
+try:
+    dockd.connect(sys.argv[1], connect_timeout=10)
+except dockd.DockAuthError as e:
+    print(e)
+"""
+    out = client(code, cluster.address)
+    assert (f"dockd at {cluster.address} refused this client: this dock has no token, so it serves only the user it "
+            "runs as (uid 0), and this client runs as uid 65534: run the client as that user, or start the dock's "
+            "daemons with --token-file") in out.stdout, out.stdout + out.stderr
+
+
+def test_a_client_with_a_token_at_a_dock_without_one_is_told_so(cluster):
+    """Finding 9: it was told the daemon "did not prove it holds the dock's token"."""
+    with pytest.raises(dockd.DockAuthError, match=f"the dock at {cluster.address} runs without a token .* connect "
+                                                  "without it, or start the dock's daemons with --token-file"):
+        dockd.connect(cluster.address, token="z" * 32, connect_timeout=10)

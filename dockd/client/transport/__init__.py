@@ -28,7 +28,8 @@ Contract (what an implementation provides; see `Transport` for signatures):
   `ClientConfig.tls`); `secure(sock, timeout)`: that socket after its TLS
   handshake (`dockd.tls`), once the daemon's preamble said TLS follows. `describe()` names
   the daemon in errors the way the user knows it; `sniff(timeout)` may say
-  what a port that sent no dockd challenge is instead (TCP asks it).
+  what a port that sent no dockd challenge is instead (TCP asks it), and `identify(first, timeout)`
+  what one that sent other bytes is (TCP asks a gRPC port whether it is a dockd daemon's admin port).
 - `recv_into(sock, mv, fds)`: read what has arrived (non-blocking: raise
   BlockingIOError when nothing has), appending any passed descriptors to `fds`.
   `spin_s`: seconds a call polls for a reply before sleeping.
@@ -210,6 +211,11 @@ class Transport:
 
     def sniff(self, timeout: float) -> str:
         """Why the daemon is not dockd, when a connection got no challenge in time ("": unknown)."""
+        return ""
+
+    def identify(self, first: bytes, timeout: float) -> str:
+        """What the port is, when a connection got `first` instead of a dockd challenge: a phrase
+        such as "the gRPC admin port of a dockd daemon ..." ("": unknown)."""
         return ""
 
     # -- payloads ------------------------------------------------------------------------------

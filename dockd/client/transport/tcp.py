@@ -60,6 +60,41 @@ class TcpTransport(Transport):
         return f"it answered {got[:32]!r}"
 
 
+    def identify(self, first: bytes, timeout: float) -> str:
+        """A port that opened with an HTTP/2 SETTINGS frame is a gRPC server: when its health check
+        answers with dockd's header, it is a daemon's admin port (`--grpc-port`), and the header names
+        the framed port to use instead."""
+        if len(first) < 9 or first[3] != 4 or first[5:9] != bytes(4):
+            return ""
+        framed = _dockd_admin(self.endpoint.host, self.endpoint.port, timeout)
+        if framed is None:
+            return ""
+        use = f"{self.endpoint.host}:{framed}" if framed else "the port its ready line prints as \"port\""
+        return (f"the gRPC port of a dockd daemon (health checks and admin: \"grpc_port\" in its ready line, "
+                f"--grpc-port), not the port clients connect to: use {use} (--port)")
+
+
+def _dockd_admin(host: str, port: int, timeout: float) -> int | None:
+    """The framed port of the dockd daemon whose gRPC admin port `host:port` is (0: it does not say);
+    None when its health check does not answer as dockd's (no `x-dockd-version` header)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"[{host}]:{port}" if ":" in host else f"{host}:{port}") as channel:
+        try:
+            _, call = health_pb2_grpc.HealthStub(channel).Check.with_call(health_pb2.HealthCheckRequest(),
+                                                                         timeout=max(timeout, 0.1))
+        except grpc.RpcError:
+            return None
+        header = dict(call.initial_metadata() or ())
+    if "x-dockd-version" not in header:
+        return None
+    try:
+        return int(header.get("x-dockd-port", 0))
+    except ValueError:
+        return 0
+
+
 @functools.lru_cache(maxsize=8)
 def _context(ca: str) -> ssl.SSLContext:
     """One TLS context per CA file, shared by every connection of this process."""
