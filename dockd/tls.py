@@ -20,14 +20,18 @@ Same-host clients on the Unix socket (shared memory) never leave the host and us
 from __future__ import annotations
 
 import dataclasses
+import logging
 import select
 import socket
 import ssl
+import time
 from collections.abc import Sequence
 
 from dockd import wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockAuthError, DockValueError
+
+logger = logging.getLogger(__name__)
 
 PREAMBLE_MARK = "dockd-tls-v1"
 _CHUNK = 256 << 10  # small buffers of one frame are joined up to this size into one TLS write
@@ -106,7 +110,28 @@ def server_context(cert: str, key: str) -> ssl.SSLContext:
         ctx.load_cert_chain(cert, key)
     except ssl.SSLError as e:
         raise DockValueError(f"cannot use the TLS certificate {cert!r} with the key {key!r} ({e.reason or e})") from None
+    check_dates(cert)
     return ctx
+
+
+def check_dates(cert: str, now: float | None = None) -> None:
+    """Warn when the certificate (the first of the file) is expired or not valid yet: every client and
+    warehouse checking it refuses the TLS handshake then, so the daemon says so when it starts."""
+    try:  # (the ssl module's own PEM decoder: no dependency beyond the standard library)
+        info = ssl._ssl._test_decode_cert(cert)  # type: ignore[attr-defined]
+        after, before = ssl.cert_time_to_seconds(info["notAfter"]), ssl.cert_time_to_seconds(info["notBefore"])
+    except (AttributeError, KeyError, ValueError, OSError, ssl.SSLError) as e:
+        logger.debug("[tls] could not read the dates of %s: %s", cert, e)
+        return
+    now = time.time() if now is None else now
+    day = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(after if after < now else before))
+    if after < now:
+        logger.warning("[tls] the certificate %s expired on %s: clients and warehouses refuse it (\"certificate has "
+                       "expired\"); give --tls-cert a renewed certificate (and its CA to the clients if it changed) "
+                       "and restart", cert, day)
+    elif before > now:
+        logger.warning("[tls] the certificate %s is not valid before %s: clients and warehouses refuse it until "
+                       "then (is this host's clock right?)", cert, day)
 
 
 class TlsSocket:

@@ -20,7 +20,7 @@ import torch
 
 import dockd
 from dockd.errors import DockAuthError
-from dockd.local import spawn_node
+from dockd.local import read_ready, spawn_node
 from dockd.tls import TlsSocket
 
 pytestmark = pytest.mark.timeout(180)
@@ -50,6 +50,44 @@ def make_cert(directory: pathlib.Path, name: str) -> tuple[str, str]:
            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
            .not_valid_after(now + datetime.timedelta(days=2))
            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(pk, hashes.SHA256()))
+    cert.write_bytes(crt.public_bytes(serialization.Encoding.PEM))
+    key.write_bytes(pk.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                     serialization.NoEncryption()))
+    return str(cert), str(key)
+
+
+def make_expired_cert(directory: pathlib.Path) -> tuple[str, str]:
+    """A self-signed certificate valid only on 2020-01-01 (UTC), and its key."""
+    cert, key = directory / "expired.pem", directory / "expired.key"
+    try:
+        import datetime
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        if shutil.which("openssl") is None:
+            pytest.skip("neither the cryptography package nor the openssl command is available")
+        # (`openssl ca` takes explicit dates; `req -x509 -days` only days from now)
+        (directory / "index.txt").write_text("")
+        (directory / "serial").write_text("01\n")
+        (directory / "ca.cnf").write_text(f"[ca]\ndefault_ca = d\n[d]\ndatabase = {directory}/index.txt\n"
+                                          f"new_certs_dir = {directory}\nserial = {directory}/serial\n"
+                                          "default_md = sha256\npolicy = p\n[p]\ncommonName = supplied\n")
+        run = dict(check=True, capture_output=True, timeout=60)
+        subprocess.run(["openssl", "req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                        "-keyout", str(key), "-out", str(directory / "expired.csr"), "-subj", "/CN=dockd-expired"], **run)
+        subprocess.run(["openssl", "ca", "-batch", "-selfsign", "-config", str(directory / "ca.cnf"), "-keyfile", str(key),
+                        "-in", str(directory / "expired.csr"), "-out", str(cert), "-notext",
+                        "-startdate", "20200101000000Z", "-enddate", "20200102000000Z"], **run)
+        return str(cert), str(key)
+    pk = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dockd-expired")])
+    day = datetime.datetime(2020, 1, 1, tzinfo=datetime.timezone.utc)
+    crt = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(pk.public_key())
+           .serial_number(x509.random_serial_number()).not_valid_before(day)
+           .not_valid_after(day + datetime.timedelta(days=1)).sign(pk, hashes.SHA256()))
     cert.write_bytes(crt.public_bytes(serialization.Encoding.PEM))
     key.write_bytes(pk.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                      serialization.NoEncryption()))
@@ -164,3 +202,20 @@ def test_cli_takes_the_ca_and_serve_checks_its_flags(tls_dock, certs):
     out = subprocess.run([sys.executable, "-m", "dockd", "serve", "--controller", "--port", "0", "--tls-cert", ca],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--tls-cert and --tls-key together" in out.stderr, out.stderr
+
+
+def test_a_daemon_with_an_expired_certificate_says_so_at_start(tmp_path):
+    """Finding 9: it started without a word, and every client then failed its TLS handshake."""
+    cert, key = make_expired_cert(tmp_path)
+    with open(tmp_path / "stderr", "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "dockd", "serve", "--controller", "--port", "0",
+                                 "--tls-cert", cert, "--tls-key", key], stdout=subprocess.PIPE, stderr=err,
+                                stdin=subprocess.DEVNULL)
+        try:
+            ready = read_ready(proc)
+            with pytest.raises(DockAuthError, match="certificate has expired"):  # as the warning says
+                dockd.connect(f"127.0.0.1:{ready['port']}", tls=cert, transport="tcp", connect_timeout=10)
+        finally:
+            _stop(proc)
+    logged = (tmp_path / "stderr").read_text()
+    assert f"the certificate {cert} expired on 2020-01-02 00:00:00 UTC" in logged, logged
