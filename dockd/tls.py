@@ -2,12 +2,16 @@
 
 A daemon with a certificate opens every TCP connection with one plain frame, the *TLS
 preamble*: a challenge without a nonce, carrying the daemon's instance and protocol (what
-the controller's address probe reads), whose status says that TLS follows. Then it waits
-for the peer's TLS handshake; the dockd handshake (challenge, HMAC proofs) and every
-frame after it run inside TLS. So both mismatches are told at once, not by a timeout:
+the controller's address probe reads) and the name of its same-host socket, whose status
+says that TLS follows. Then it waits for the peer's TLS handshake; the dockd handshake
+(challenge, HMAC proofs) and every frame after it run inside TLS. So both mismatches are
+told at once, not by a timeout:
 
-- a client without TLS settings meets the preamble and raises `DockAuthError` naming
-  the address and what to set (`tls=`, `DOCKD_TLS_CA`, `--tls-ca`);
+- a client without TLS settings meets the preamble: on the daemon's host it goes to the
+  same-host socket the preamble names (shared memory and a Unix socket, which never leave
+  the host: no TLS needed); elsewhere, or when it may use TCP only (`DOCKD_TRANSPORT=tcp`),
+  it raises `DockAuthError` naming the address and what to set (`tls=`, `DOCKD_TLS_CA`,
+  `--tls-ca`);
 - a client with TLS settings meets a plain challenge and refuses to go on in the clear.
 
 Certificates are checked against the CA file the client (or daemon) is given, not against
@@ -45,9 +49,9 @@ class LinkTls:
     ca: str
 
 
-def preamble(instance: int) -> bytes:
-    """The plain frame a TLS daemon sends first on every TCP connection."""
-    frame = pb.Frame(challenge=pb.Challenge(protocol=wire.PROTOCOL_VERSION, instance=instance),
+def preamble(instance: int, unix: str = "") -> bytes:
+    """The plain frame a TLS daemon sends first on every TCP connection (`unix`: its same-host socket)."""
+    frame = pb.Frame(challenge=pb.Challenge(protocol=wire.PROTOCOL_VERSION, instance=instance, unix=unix),
                      status=pb.Status(code=pb.AUTH, message=f"{PREAMBLE_MARK}: this daemon speaks TLS"))
     return wire.header(frame)
 
@@ -57,11 +61,22 @@ def is_preamble(frame: pb.Frame) -> bool:
             and frame.status.message.startswith(PREAMBLE_MARK))
 
 
-def needs_tls(address: str, who: str = "this client") -> DockAuthError:
-    return DockAuthError(
+class NeedsTls(DockAuthError):
+    """A TLS daemon met without TLS settings; `same_host`: the daemon's same-host socket, which a client
+    on its host may use instead ("": it serves none)."""
+
+    same_host = ""
+
+
+def needs_tls(address: str, who: str = "this client", same_host: str = "") -> NeedsTls:
+    err = NeedsTls(
         f"dockd at {address} uses TLS (its daemons run with --tls-cert), but {who} has no TLS settings: give it "
         "the CA file that signed the daemons' certificate (dockd.connect(..., tls='ca.pem'), DOCKD_TLS_CA=ca.pem, "
-        "or --tls-ca for the dockd command; a self-signed cluster certificate is its own CA)")
+        "or --tls-ca for the dockd command; a self-signed cluster certificate is its own CA)"
+        + (". Clients on the daemon's own host need none: they use its same-host socket, which never leaves the "
+           "host (unless they may use TCP only: DOCKD_TRANSPORT=tcp)" if who == "this client" else ""))
+    err.same_host = same_host
+    return err
 
 
 def not_tls(address: str, who: str = "this client") -> DockAuthError:

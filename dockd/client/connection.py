@@ -163,7 +163,7 @@ class Connection:
                 raise tls.not_tls(self.address)
             return frame
         if not self.via.tls:
-            raise tls.needs_tls(self.address)
+            raise tls.needs_tls(self.address, same_host=frame.challenge.unix)
         if self._hi != self._lo:
             raise DockProtocolError(f"dockd at {self.address} sent data after its TLS preamble before the TLS handshake")
         self.sock = self.via.secure(self.sock, started + timeout - time.monotonic())

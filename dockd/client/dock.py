@@ -89,12 +89,13 @@ class Dock:
             stopped answering makes the get raise DockTimeout while its lease still holds.
         tls: the CA file (PEM) to check the daemons' TLS certificates with, for a dock whose daemons
             run with --tls-cert: TCP connections then use TLS (default $DOCKD_TLS_CA; "": no TLS).
+            A client without it reaches the daemons of its own host over their same-host socket,
+            which never leaves the host and needs no TLS, and refuses TLS daemons elsewhere (or with
+            transport="tcp"); one with it refuses a dock without TLS; both at once (DockAuthError).
         transport: how to read from warehouses on other hosts: "auto" (the default, or
             $DOCKD_TRANSPORT: shared memory on this host, Mooncake where the warehouse serves it and
             the package is installed, TCP otherwise), "tcp", or "mooncake" (required: a read from a
             warehouse that cannot serve it raises, naming why).
-            A client without it refuses a TLS dock, and one with it a dock without TLS, at once
-            (DockAuthError).
     """
 
     def __init__(self, address: str, *, warehouse: int | str | None = None, connect_timeout: float | None = None,

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from dockd import owners, wire
+from dockd import owners, tls, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.connection import Connection, Credentials, Pool, timed_out
 from dockd.client.transport import Context, Endpoint, Transport, candidates, is_local
@@ -137,7 +137,8 @@ class Router:
         same-host transport, the warehouse table and the home warehouse. Waits up to
         connect_timeout for a daemon that is not up yet."""
         deadline = time.monotonic() + self.connect_timeout
-        hello = self._retry(lambda: self._hello(self.ctrl), deadline, self.address, refused_s=REFUSED_RETRY_S)
+        self.ctrl, hello = self._retry(lambda: self._hello_here(self.ctrl), deadline, self.address,
+                                       refused_s=REFUSED_RETRY_S)
         if not hello.hosts_controller:
             if not hello.controller:
                 raise DockConnectionError(f"{self.address} is a dockd warehouse that knows no controller")
@@ -147,7 +148,8 @@ class Router:
             self.host, _, port = hello.controller.rpartition(":")
             self.port = int(port)
             self.ctrl = self._open_pool(self._fallback(Endpoint(self.host, self.port)))
-            hello = self._retry(lambda: self._hello(self.ctrl), deadline, self.address, refused_s=REFUSED_RETRY_S)
+            self.ctrl, hello = self._retry(lambda: self._hello_here(self.ctrl), deadline, self.address,
+                                           refused_s=REFUSED_RETRY_S)
         self._adopt(hello)
         try:
             self.home = self._choose_home(exclude=None, retrying=False)
@@ -175,6 +177,24 @@ class Router:
                 self.controllers, f"the controller this client reached first ({self.address})", hello.controllers,
                 f"the controller at {pool.address}"))
         return hello
+
+    def _hello_here(self, pool: Pool, timeout: float | None = None) -> tuple[Pool, pb.HelloReply]:
+        """A Hello over `pool` (a new TCP pool to a controller), and the pool to go on with. A TLS daemon
+        that this client has no TLS settings for is asked over its same-host socket instead when it runs
+        on this host (its TLS preamble names the socket): that never leaves the host, so it needs no TLS."""
+        try:
+            return pool, self._hello(pool, timeout)
+        except tls.NeedsTls as e:
+            here = self._better(Endpoint(pool.host, pool.port, e.same_host), pool.via, timeout) if e.same_host else None
+            if here is None:  # (another host, or TCP only: TLS settings are what it takes)
+                raise
+        try:
+            hello = self._hello(here, timeout)
+        except BaseException:
+            self._close_pool(here)
+            raise
+        self._close_pool(pool)
+        return here, hello
 
     def _adopt(self, hello: pb.HelloReply) -> None:
         """Take a controller's hello: a better transport to it if it offers one, and the warehouse table."""
@@ -361,7 +381,7 @@ class Router:
         host, _, port = address.rpartition(":")
         plain = self._open_pool(self._fallback(Endpoint(host, int(port))))
         try:
-            hello = self._hello(plain, timeout)
+            plain, hello = self._hello_here(plain, timeout)
             if not hello.hosts_controller:
                 raise DockConnectionError(f"{address} does not host a dockd controller")
             better = self._better(Endpoint(host, int(port), hello.unix, advertised=hello), plain.via)
@@ -400,7 +420,8 @@ class Router:
                 return  # another thread already did
             fresh = self._open_pool(self._fallback(Endpoint(self.host, self.port)))
             try:
-                hello = self._retry(lambda: self._hello(fresh, self._within(give_up)), give_up, self.address, cause)
+                fresh, hello = self._retry(lambda: self._hello_here(fresh, self._within(give_up)), give_up, self.address,
+                                           cause)
                 if not hello.hosts_controller:
                     raise DockConnectionError(f"{self.address} no longer hosts the dockd controller")
             except BaseException:

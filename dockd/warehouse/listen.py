@@ -313,7 +313,7 @@ class _TlsStart(asyncio.Protocol):
             while transport.get_protocol() is self and not handshake.done():
                 await asyncio.sleep(0)  # (start_tls puts its protocol in place at its first step)
             if not handshake.done():
-                transport.write(tls.preamble(owner.instance))
+                transport.write(tls.preamble(owner.instance, owner.unix_name))
             secure = await handshake
         except (OSError, asyncio.TimeoutError, ConnectionError) as e:
             owner._starting.discard(self)

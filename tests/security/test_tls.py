@@ -156,13 +156,31 @@ def test_put_get_over_tls_across_two_warehouses(tls_dock, monkeypatch):
             assert torch.equal(rows[f"w{wid}-{i}"], big[i] + wid)
 
 
-def test_a_client_without_tls_is_told_at_once(tls_dock, monkeypatch):
+def test_a_tcp_client_without_tls_is_told_at_once(tls_dock, monkeypatch):
     address, _ = tls_dock
     monkeypatch.delenv("DOCKD_TLS_CA", raising=False)
+    monkeypatch.setenv("DOCKD_TRANSPORT", "tcp")  # (as from another host: the same-host socket is not for it)
     t0 = time.monotonic()
     with pytest.raises(DockAuthError, match=f"dockd at {address} uses TLS.*tls=.*DOCKD_TLS_CA"):
         dockd.connect(address, connect_timeout=10)
     assert time.monotonic() - t0 < 3  # no waiting for a handshake timeout
+
+
+def test_a_same_host_client_needs_no_tls_settings(tls_dock, monkeypatch):
+    """Finding 9: the README promised that same-host clients (shared memory and a Unix socket, which
+    never leave the host) need no TLS, but such a client was refused for having no TLS settings."""
+    address, _ = tls_dock
+    monkeypatch.delenv("DOCKD_TLS_CA", raising=False)
+    monkeypatch.delenv("DOCKD_TRANSPORT", raising=False)
+    for wid in (0, 1):
+        with dockd.connect(address, warehouse=wid, connect_timeout=10) as d:
+            assert d._router.ctrl.transport == "shm"
+            d.put({"x": torch.full((2, 1 << 16), float(wid))}, partition="same-host")  # 512 KiB: staged in shm
+    with dockd.connect(address, connect_timeout=10) as d:
+        got = d.get("c", ["x"], 4, partition="same-host", timeout=30)
+        assert sorted(float(v[0]) for v in got["x"]) == [0.0, 0.0, 1.0, 1.0]
+    out = subprocess.run([sys.executable, "-m", "dockd", "stats", address], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and json.loads(out.stdout)["partitions"]["same-host"]["samples"] == 4, out.stderr
 
 
 def test_a_tls_client_refuses_a_dock_without_tls(plain_dock, certs):
