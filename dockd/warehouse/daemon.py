@@ -61,6 +61,7 @@ from dockd.warehouse.replica import Replicator
 from dockd.warehouse.segments import Segments
 from dockd.warehouse.spill import SpillTier
 from dockd.warehouse.tasks import failed, reply_when_done, spawn
+from dockd.warehouse.weights import WeightsService
 from dockd.wire import PROTOCOL_VERSION, check_protocol
 
 logger = logging.getLogger(__name__)
@@ -113,9 +114,13 @@ class Node:
                 [local if k == self.controller.own else RemoteCommitter(None) for k in range(len(cfg.controllers))])
         else:  # (its links are made once this node listens and knows the dock's controllers)
             self.committer = RoutingCommitter([RemoteCommitter(None)])
-        self.admission.on_clear = self.committer.cleared
+        self.admission.on_clear = self._cleared
         self.replicator = Replicator(self.warehouse, self.listeners.make_link_peer, self.listeners.link_tls,
                                      timeout=cfg.daemon_timeout)
+        self.weights = WeightsService(warehouse=self.warehouse, admission=self.admission, replicator=self.replicator,
+                                      wid=lambda: self.wid, info=self._info, timeout=cfg.daemon_timeout,
+                                      daemon=lambda peer: not self.keys.server_auth.roles or peer.role == auth.DAEMON,
+                                      check_warehouse=self._check_warehouse)
         self.puts = PutPipeline(warehouse=self.warehouse, segments=self.segments, admission=self.admission,
                                 committer=self.committer, metrics=self.metrics, wid=lambda: self.wid,
                                 check_warehouse=self._check_warehouse, replicator=self.replicator,
@@ -316,6 +321,7 @@ class Node:
         if self.controller is not None:
             self.controller.shutdown()
         self.admission.shutdown()
+        self.weights.close()
         self.replicator.close()
         self.listeners.close()
         self.links.close()
@@ -326,6 +332,8 @@ class Node:
         self.dispatcher.on_request(peer, frame, body, fds)
 
     def admit(self, peer: Peer, frame: pb.Frame, body_size: int) -> Awaitable[None] | None:
+        if frame.WhichOneof("kind") == "weights_relay":  # (a relayed bucket of model weights)
+            return self.weights.admit(peer, frame, body_size)
         if frame.WhichOneof("kind") != "put":
             return failed(DockValueError(f"a {frame.WhichOneof('kind')} request carries no body"))
         return self.puts.admit(peer, frame, body_size)
@@ -335,7 +343,7 @@ class Node:
 
     def on_abandoned(self, peer: Peer, frame: pb.Frame, body_size: int) -> None:
         """A client vanished while sending an admitted body: its reservation is free again."""
-        if frame.WhichOneof("kind") == "put":
+        if frame.WhichOneof("kind") in ("put", "weights_relay"):
             self.admission.release(unreserve=body_size)
 
     def on_authed(self, peer: Peer) -> None:
@@ -364,9 +372,18 @@ class Node:
             "replicate": plain(self._replicate),
         }
         assert set(table) == WAREHOUSE_KINDS
+        table.update(self.weights.handlers())  # (dockd.weights: the relay, and reads of a version's buckets)
         table.update(controller_handlers(self.controller, where=f"{self.cfg.host}:{self.port}", join=self.cfg.join,
                                          agreement=self.agreement))
         return table
+
+    def _cleared(self, partition: str) -> None:
+        self.committer.cleared(partition)
+        self.weights.cleared(partition)
+
+    def _info(self) -> pb.WarehouseInfo:
+        """How other warehouses reach this one."""
+        return pb.WarehouseInfo(id=max(self.wid, 0), host=self.cfg.advertise or self.cfg.host, port=self.port)
 
     def _from_controller(self, peer: Peer, kind: str) -> None:
         if not self._from_a_controller(peer):  # only this warehouse's controllers free, measure, dump its data

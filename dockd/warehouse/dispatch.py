@@ -35,9 +35,11 @@ RequestHandler = Callable[[Peer, pb.Frame, Any, list[int]], None]
 CONTROLLER_KINDS = frozenset({"acquire", "confirm", "release", "extend", "clear", "stats", "register", "commit",
                               "commits", "locate", "leave", "partition"})
 WAREHOUSE_KINDS = frozenset({"put", "fetch", "free", "measure", "dump", "hello", "replicate"})
-DAEMON_KINDS = frozenset({"register", "commit", "commits", "leave", "free", "measure", "dump", "replicate"})  # only daemons of this dock
+WEIGHTS_KINDS = frozenset({"weights_wait", "weights_read", "weights_relay"})  # dockd.warehouse.weights
+DAEMON_KINDS = frozenset({"register", "commit", "commits", "leave", "free", "measure", "dump", "replicate",
+                          "weights_relay"})  # only daemons of this dock
 #: Every request kind a daemon serves (the rest of the Frame's kinds are replies and the handshake's).
-SERVED_KINDS = CONTROLLER_KINDS | WAREHOUSE_KINDS
+SERVED_KINDS = CONTROLLER_KINDS | WAREHOUSE_KINDS | WEIGHTS_KINDS
 
 
 def plain(fn: Callable[[Peer, pb.Frame], None]) -> RequestHandler:

@@ -64,6 +64,10 @@ class Replicator:
         """The controller's repair: copy values held here to req.target."""
         return await self.copy(req.partition, req.indexes, req.columns, req.target)
 
+    async def link(self, target: pb.WarehouseInfo) -> Peer:
+        """The daemon link to warehouse `target` (opened on first use; the weights relay's too)."""
+        return await self._peer(target)
+
     async def _peer(self, target: pb.WarehouseInfo) -> Peer:
         key = (target.host, target.port)
         fut = self._peers.get(key)

@@ -30,9 +30,10 @@ __all__ = ["DEFAULT_BUCKET_SIZE", "DEFAULT_HOLD_S", "DEFAULT_KEEP", "Publication
 def publish(dock: Dock, named_tensors: Iterable[tuple[str, torch.Tensor]], *, model: str = "default",
             version: int | None = None, bucket_size: int = DEFAULT_BUCKET_SIZE, keep: int = DEFAULT_KEEP,
             hold: float = DEFAULT_HOLD_S, timeout: float | None = None,
-            dtype: torch.dtype | None = None) -> Published:
-    """Publish one version (see `Dock.publish_weights`)."""
+            dtype: torch.dtype | None = None, fanout: int = 1) -> Published:
+    """Publish one version (see `Dock.publish_weights`; `fanout`: warehouses each holder of the version
+    relays it to, 1 for a chain)."""
     pub = Publication(dock, model=model, version=version, bucket_size=bucket_size, keep=keep, hold=hold,
-                      timeout=timeout, dtype=dtype)
+                      timeout=timeout, dtype=dtype, fanout=fanout)
     pub.add_all(named_tensors)
     return pub.finish()

@@ -56,7 +56,10 @@ class Publication:
 
     def __init__(self, dock: Dock, *, model: str = "default", version: int | None = None,
                  bucket_size: int = DEFAULT_BUCKET_SIZE, keep: int = DEFAULT_KEEP, hold: float = DEFAULT_HOLD_S,
-                 timeout: float | None = None, dtype: torch.dtype | None = None) -> None:
+                 timeout: float | None = None, dtype: torch.dtype | None = None, fanout: int = 1) -> None:
+        if not isinstance(fanout, int) or isinstance(fanout, bool) or fanout < 1:
+            raise DockValueError(f"fanout must be an int >= 1 (warehouses each relay holder sends to; 1: a chain), "
+                                 f"got {fanout!r}")
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise DockValueError(f"keep must be an int >= 1 (versions kept), got {keep!r}")
         if not isinstance(hold, (int, float)) or not hold > 0:
@@ -66,7 +69,7 @@ class Publication:
         self.t0 = time.perf_counter()
         self.dock = dock
         self.table = Table(dock, model)
-        self.keep, self.hold, self.timeout, self.dtype = keep, float(hold), timeout, dtype
+        self.keep, self.hold, self.timeout, self.dtype, self.fanout = keep, float(hold), timeout, dtype, fanout
         self.packer = Packer(bucket_size)
         known = self.table.versions()
         if version is None:
@@ -107,7 +110,7 @@ class Publication:
         return {"format": FORMAT, "model": self.table.model, "version": self.version,
                 "buckets": len(self.samples), "samples": self.samples, "nbytes": self.packer.nbytes,
                 "stored": self.stored, "pieces": [p.pack() for p in self.packer.pieces], "origin": self.dock.home,
-                "keep": self.keep, "hold": self.hold}
+                "keep": self.keep, "hold": self.hold, "fanout": self.fanout}
 
     def finish(self) -> Published:
         """Put the last bucket, then the manifest record (the version is visible from then on), then

@@ -27,6 +27,7 @@ import torch
 from dockd.errors import DockNotFound, DockValueError
 from dockd.weights import versions as vt
 from dockd.weights.buckets import Piece, Unpacker
+from dockd.weights.source import RelaySource
 from dockd.weights.table import Table
 
 if TYPE_CHECKING:
@@ -46,10 +47,14 @@ class WeightsReader:
         dock: the client.
         model: the model's name (as published).
         name: this reader's name in the version table (default: host, pid and a random suffix).
+        relay: read through this client's own warehouse, which holds each version once (relayed from
+            where it was published, or from a warehouse that holds it already); False: read each
+            bucket from wherever the controller says it is (the publisher's warehouse).
     """
 
-    def __init__(self, dock: Dock, model: str = "default", *, name: str | None = None) -> None:
+    def __init__(self, dock: Dock, model: str = "default", *, name: str | None = None, relay: bool = True) -> None:
         self.dock = dock
+        self.relay = relay
         self.table = Table(dock, model)
         self.name = name or default_name()
         self.index = self.table.register(self.name)
@@ -134,12 +139,24 @@ class Reading:
         self.bytes = 0
         self.t0 = time.perf_counter()
         self._finished = False
+        self._source: RelaySource | None = None
+
+    def source(self) -> RelaySource:
+        """This version as held by the reader's own warehouse (made on first use)."""
+        if self._source is None:
+            rec = self.record
+            self._source = RelaySource(self.reader.dock, self.partition, [int(s) for s in rec["samples"]],
+                                       int(rec["origin"]), fanout=int(rec.get("fanout", 1)))
+        return self._source
 
     def buckets(self) -> Iterator[tuple[int, torch.Tensor]]:
         """Each bucket of the version: (its number, its bytes, a flat uint8 tensor)."""
         for b, sample in enumerate(self.record["samples"]):
             try:
-                data = self.reader.dock.read(self.partition, [int(sample)], ["data"])["data"][0]
+                if self.reader.relay:
+                    data = self.source().bucket(b)
+                else:
+                    data = self.reader.dock.read(self.partition, [int(sample)], ["data"])["data"][0]
             except DockNotFound:
                 raise self._retired() from None
             self.bytes += int(data.numel())
