@@ -186,6 +186,7 @@ class Unpacker:
     of their own and come out with their last chunk. `done` says every tensor came out."""
 
     def __init__(self, pieces: Sequence[Piece], buckets: int | None = None) -> None:
+        self.pieces = list(pieces)
         self.by_bucket: dict[int, list[Piece]] = {}
         for p in pieces:
             self.by_bucket.setdefault(p.bucket, []).append(p)

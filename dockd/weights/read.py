@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dockd.errors import DockNotFound, DockValueError
+from dockd.weights import slices
 from dockd.weights import versions as vt
 from dockd.weights.buckets import Piece, Unpacker
+from dockd.weights.slices import Layout, Slice
 from dockd.weights.source import RelaySource
 from dockd.weights.table import Table
 
@@ -90,14 +92,23 @@ class WeightsReader:
         found = vt.newest(self.table.versions())
         return found if found is not None else self.table.wait(0, timeout)
 
-    def read(self, version: int | None = None, *, after: int | None = None,
-             timeout: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def read(self, version: int | None = None, *, after: int | None = None, timeout: float | None = None,
+             tp: tuple[int, int] | None = None, layout: Layout | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) of one complete version, in the order they were published, as its buckets
         arrive: `version` (waiting for it to be published, up to `timeout` seconds), or the newest
         newer than `after` (waiting for one), or the newest now (waiting for a first one). The
         tensors are views of what was read (private copy-on-write mappings where the bytes came by
-        shared memory): writing to them never changes the dock's copy."""
-        return self.open(version, after=after, timeout=timeout).tensors()
+        shared memory): writing to them never changes the dock's copy.
+
+        `tp=(rank, size)` with `layout` (per name a `dockd.resharding.ParamSpec`, or a function of
+        (name, shape) giving one or None): each tensor the layout splits comes as the slice of
+        tensor-parallel rank `rank` of `size` (the others whole), and only those bytes are read
+        from the warehouse (`dockd.weights.slices`)."""
+        reading = self.open(version, after=after, timeout=timeout)
+        if tp is None:
+            return reading.tensors()
+        rank, size = tp
+        return reading.sliced(layout, size, rank)
 
     def open(self, version: int | None = None, *, after: int | None = None,
              timeout: float | None = None) -> Reading:
@@ -164,12 +175,50 @@ class Reading:
 
     def tensors_of(self, bucket: int, data: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.unpacker.feed(bucket, data)
-        if self.unpacker.done and not self._finished:
-            self._finished = True
-            r = self.reader
-            r.last_read = {"version": self.version, "buckets": int(self.record["buckets"]), "bytes": self.bytes,
-                           "seconds": time.perf_counter() - self.t0}
-            r._taken(self.version, self.record)
+        if self.unpacker.done:
+            self._done()
+
+    def _done(self) -> None:
+        """Every tensor came out: the version is taken."""
+        if self._finished:
+            return
+        self._finished = True
+        r = self.reader
+        r.last_read = {"version": self.version, "buckets": int(self.record["buckets"]), "bytes": self.bytes,
+                       "seconds": time.perf_counter() - self.t0}
+        r._taken(self.version, self.record)
+
+    def sliced(self, layout: Layout | None, tp_size: int, tp_rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) as tensor-parallel rank `tp_rank` of `tp_size` holds them (see
+        `WeightsReader.read`): only its slices' bytes are read, from the reader's own warehouse."""
+        if not self.reader.relay:
+            raise DockValueError("slices are read from the reader's own warehouse: use a reader with relay=True")
+        todo: dict[int, list[Slice]] = {}
+        for sl in slices.plan(self.unpacker.pieces, layout, tp_size, tp_rank):
+            todo.setdefault(sl.last_bucket, []).append(sl)
+        return self._sliced(todo)
+
+    def _sliced(self, todo: dict[int, list[Slice]]) -> Iterator[tuple[str, torch.Tensor]]:
+        src = self.source()
+        samples = [int(x) for x in self.record["samples"]]
+        for b in range(len(samples)):
+            group = todo.get(b)
+            if not group:
+                continue
+            try:
+                src.wait(b)
+                rs = [r for sl in group for r in sl.ranges]
+                body = src.ranges([samples[r.bucket] for r in rs], [r.offset for r in rs], [r.length for r in rs],
+                                  [r.count for r in rs], [r.stride for r in rs])
+            except DockNotFound:
+                raise self._retired() from None
+            self.bytes += len(body)
+            data = torch.from_numpy(body) if len(body) else torch.empty(0, dtype=torch.uint8)
+            at = 0
+            for sl in group:
+                t, at = slices.assemble(sl, data, at)
+                yield sl.name, t
+        self._done()
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for b, data in self.buckets():

@@ -130,3 +130,30 @@ def test_a_dead_parent_is_replaced():
         finally:
             for d in docks[::2]:
                 d.close()
+
+
+def test_a_tensor_parallel_rank_reads_only_its_slices(four):
+    from dockd.resharding.layout import ParamSpec
+    from dockd.weights.slices import reference
+
+    g = torch.Generator().manual_seed(5)
+    full = {"qkv": torch.randn(3 * 64, 64, generator=g).bfloat16(), "o": torch.randn(64, 64, generator=g),
+            "norm": torch.randn(64, generator=g), "embed": torch.randn(5000, 64, generator=g)}  # 1.3 MB: split
+    layout = {"qkv": ParamSpec(name="qkv", shape=(192, 64), dtype=torch.bfloat16, tp_dim=0, fused=(64, 64, 64)),
+              "o": ParamSpec(name="o", shape=(64, 64), dtype=torch.float32, tp_dim=1),
+              "embed": ParamSpec(name="embed", shape=(5000, 64), dtype=torch.float32, tp_dim=0)}
+    model = f"m{uuid.uuid4().hex[:6]}"
+    docks = [dockd.connect(four.address, warehouse=w) for w in (0, 1)]
+    try:
+        publish(docks[0], full.items(), model=model, bucket_size=256 << 10)
+        total = sum(t.nbytes for t in full.values())
+        for rank in range(2):
+            r = WeightsReader(docks[1], model)
+            got = dict(r.read(tp=(rank, 2), layout=layout))
+            for name, t in full.items():
+                assert torch.equal(got[name], reference(t, layout.get(name), 2, rank)), (name, rank)
+            assert r.last_read["bytes"] == (total - full["norm"].nbytes) // 2 + full["norm"].nbytes
+            r.close()
+    finally:
+        for d in docks:
+            d.close()
