@@ -117,6 +117,7 @@ class Peer(asyncio.BufferedProtocol):
         self.sid: bytes | None = None  # the session the controller files this connection under (once it used one)
         self.pid: int | None = None    # the peer's process, on a same-host (Unix) connection
         self._challenge: pb.Challenge | None = None
+        self._refusing = 0  # the id of the Auth whose check failed: `fail`'s frame answers it
         self.authed: asyncio.Future | None = None  # outgoing: resolves once both sides proved themselves
         self._timer: asyncio.TimerHandle | None = None
         self._last = 0.0  # loop time of the last byte received
@@ -467,8 +468,8 @@ class Peer(asyncio.BufferedProtocol):
                 raise DockAuthError(f"authenticate first: got a {kind or 'bare'} frame before the Auth frame")
             try:
                 reply = self._accept.verify(self._challenge, frame.auth)
-            except DockError as e:  # the peer learns why (its Auth's reply), then the connection closes
-                self.reply_error(frame, e)
+            except DockError:  # `fail` answers the Auth itself, so the peer's call learns why
+                self._refusing = frame.id
                 raise
             self.role, self.session = frame.auth.role, bytes(frame.auth.session)
             self.handler.on_authed(self)
@@ -549,7 +550,7 @@ class Peer(asyncio.BufferedProtocol):
     def fail(self, exc: BaseException) -> None:
         """A protocol violation: tell the peer once, then hang up."""
         _closing_log.log(logger, logging.WARNING, "[peer] closing connection peer=%s reason=%s", self.name, exc)
-        frame = pb.Frame(reply=True)
+        frame = pb.Frame(reply=True, id=self._refusing)
         to_status(exc, frame.status)
         self.send(frame)
         self.close()
