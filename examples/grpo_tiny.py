@@ -117,7 +117,11 @@ def _worker(rank: int, world: int, port: int, address: str, args: dict[str, Any]
             device=device,
         )
 
+        hook = _step_hook(args.get("step_hook"))
+
         def report(m: Any) -> None:
+            if hook is not None:  # (e.g. benchmarks/weights/delta_grpo.py: each rank's weights after the step)
+                hook(rank, m.step, actor, address)
             if rank == 0:
                 bar = "#" * int(round(m.reward_mean * 40))
                 print(
@@ -143,6 +147,16 @@ def _worker(rank: int, world: int, port: int, address: str, args: dict[str, Any]
         dist.barrier()  # nobody tears down while a peer still has collectives in flight
     finally:
         dist.destroy_process_group()
+
+
+def _step_hook(spec: str | None) -> Any:
+    """`module:function` called as function(rank, step, actor, dock_address) after every step (None: none)."""
+    if not spec:
+        return None
+    import importlib
+
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def save_plot(rewards: list[float], path: str) -> bool:
@@ -185,8 +199,10 @@ def run(
     seed: int = 1234,
     json_path: str | None = None,
     address: str | None = None,
+    step_hook: str | None = None,
 ) -> dict[str, Any]:
-    """Run the example (2 processes) and return {"reward": [...], "seconds": [...], ...}."""
+    """Run the example (2 processes) and return {"reward": [...], "seconds": [...], ...}. `step_hook`:
+    "module:function" each rank calls after every step with (rank, step, actor, dock address)."""
     import tempfile
 
     args = dict(
@@ -198,6 +214,7 @@ def run(
         kl_coef=kl_coef,
         tp_fetch=tp_fetch,
         seed=seed,
+        step_hook=step_hook,
     )
     out_path = json_path or os.path.join(tempfile.mkdtemp(prefix="grpo_tiny-"), "curve.json")
     port = _free_port()

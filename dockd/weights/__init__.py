@@ -15,7 +15,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from dockd.weights.publish import DEFAULT_BUCKET_SIZE, DEFAULT_HOLD_S, DEFAULT_KEEP, Publication, Published
+from dockd.weights.publish import (
+    DEFAULT_BUCKET_SIZE,
+    DEFAULT_HOLD_S,
+    DEFAULT_KEEP,
+    Publication,
+    Published,
+    Publisher,
+    Settings,
+)
 from dockd.weights.read import WeightsReader
 
 if TYPE_CHECKING:
@@ -23,8 +31,8 @@ if TYPE_CHECKING:
 
     from dockd.client.dock import Dock
 
-__all__ = ["DEFAULT_BUCKET_SIZE", "DEFAULT_HOLD_S", "DEFAULT_KEEP", "Publication", "Published", "WeightsReader",
-           "publish"]
+__all__ = ["DEFAULT_BUCKET_SIZE", "DEFAULT_HOLD_S", "DEFAULT_KEEP", "Publication", "Published", "Publisher",
+           "Settings", "WeightsReader", "publish"]
 
 
 def publish(dock: Dock, named_tensors: Iterable[tuple[str, torch.Tensor]], *, model: str = "default",

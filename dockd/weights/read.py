@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dockd.errors import DockNotFound, DockValueError
-from dockd.weights import slices
+from dockd.weights import delta, slices
 from dockd.weights import versions as vt
 from dockd.weights.buckets import Piece, Unpacker
 from dockd.weights.slices import Layout, Slice
@@ -62,6 +62,15 @@ class WeightsReader:
         self.index = self.table.register(self.name)
         self.last: int | None = None  # the version last read to its end
         self.last_read: dict[str, Any] = {}  # figures of the last read: version, buckets, bytes, seconds
+        self.kept: tuple[int, dict[str, torch.Tensor]] | None = None  # a model with deltas: the last version read
+
+    def base(self, version: int) -> dict[str, torch.Tensor]:
+        """The tensors of `version` whole (the base of a delta version): the last version read, or read now."""
+        if self.kept is not None and self.kept[0] == version:
+            return self.kept[1]
+        got = {name: _owned(t) for name, t in self.open(version).tensors()}
+        self.kept = (version, got)
+        return got
 
     @property
     def model(self) -> str:
@@ -118,6 +127,8 @@ class WeightsReader:
         return Reading(self, v, self.table.record(v))
 
     def _taken(self, version: int, rec: dict[str, Any]) -> None:
+        if self.last is not None and version <= self.last:
+            return  # (a base read again to rebuild a delta: nothing new is passed)
         try:
             self.table.taken(self.index, version)
         except DockNotFound:  # (dropped from the table as long gone: register again)
@@ -151,6 +162,10 @@ class Reading:
         self.t0 = time.perf_counter()
         self._finished = False
         self._source: RelaySource | None = None
+        self.rebuild: delta.Rebuilder | None = None
+        if "base" in record:
+            self.rebuild = delta.Rebuilder(list(record["order"]), dict(record["kinds"]), reader.base(int(record["base"])))
+        self._keep: dict[str, torch.Tensor] | None = {} if record.get("deltas") else None
 
     def source(self) -> RelaySource:
         """This version as held by the reader's own warehouse (made on first use)."""
@@ -174,8 +189,15 @@ class Reading:
             yield b, data
 
     def tensors_of(self, bucket: int, data: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.unpacker.feed(bucket, data)
-        if self.unpacker.done:
+        out = self.unpacker.feed(bucket, data)
+        if self.rebuild is not None:  # a delta version: its tensors rebuilt from the base's and the parts
+            out = (x for part, t in out for x in self.rebuild.feed(part, t))
+        keep = self._keep
+        for name, t in out:
+            if keep is not None:
+                keep[name] = _owned(t)
+            yield name, t
+        if self.unpacker.done and (self.rebuild is None or self.rebuild.done):
             self._done()
 
     def _done(self) -> None:
@@ -185,12 +207,16 @@ class Reading:
         self._finished = True
         r = self.reader
         r.last_read = {"version": self.version, "buckets": int(self.record["buckets"]), "bytes": self.bytes,
-                       "seconds": time.perf_counter() - self.t0}
+                       "seconds": time.perf_counter() - self.t0, "base": self.record.get("base")}
+        if self._keep is not None:
+            r.kept = (self.version, self._keep)
         r._taken(self.version, self.record)
 
     def sliced(self, layout: Layout | None, tp_size: int, tp_rank: int) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) as tensor-parallel rank `tp_rank` of `tp_size` holds them (see
         `WeightsReader.read`): only its slices' bytes are read, from the reader's own warehouse."""
+        if self.rebuild is not None:  # (a delta version is rebuilt whole, then cut here)
+            return self._cut(layout, tp_size, tp_rank)
         if not self.reader.relay:
             raise DockValueError("slices are read from the reader's own warehouse: use a reader with relay=True")
         todo: dict[int, list[Slice]] = {}
@@ -220,6 +246,10 @@ class Reading:
                 yield sl.name, t
         self._done()
 
+    def _cut(self, layout: Layout | None, tp_size: int, tp_rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self.tensors():
+            yield name, slices.reference(t, slices.spec_of(layout, name, tuple(t.shape)), tp_size, tp_rank)
+
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for b, data in self.buckets():
             yield from self.tensors_of(b, data)
@@ -231,3 +261,8 @@ class Reading:
         return DockNotFound(f"version {self.version} of model {self.reader.model!r} was retired while it was read "
                             f"(this reader did not finish it within the publisher's hold of "
                             f"{self.record['hold']:g}s after it was published); read the newest")
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it when it views memory of another tensor (a bucket read): kept past its read."""
+    return t.clone() if t._base is not None else t

@@ -96,13 +96,13 @@ class Table:
             return []
 
     # -- retiring --------------------------------------------------------------------------------
-    def retire(self, *, keep: int, hold_s: float, bases: dict[int, int] | None = None) -> list[int]:
+    def retire(self, *, keep: int, hold_s: float) -> list[int]:
         """Clear the versions `versions.retirable` gives up, and forget readers long gone; the versions
         retired. Safe to run from several processes at once (a version cleared twice is cleared once)."""
         now = now_ms()
         hold_ms = int(hold_s * 1000)
         versions, readers = self.versions(), self.readers()
-        gone = vt.retirable(versions, readers, keep=keep, hold_ms=hold_ms, now_ms=now, bases=bases)
+        gone = vt.retirable(versions, readers, keep=keep, hold_ms=hold_ms, now_ms=now)
         for v in gone:
             with contextlib.suppress(DockNotFound):
                 self.dock.delete(self.manifest, [v.index])  # (first: no reader finds it from now on)

@@ -31,6 +31,7 @@ from dockd.errors import DockValueError
 PREFIX = "dockd.weights/"
 VERSION_TAG = "wv"
 TIME_TAG = "t"
+BASE_TAG = "wb"  # a delta version: the version it is built on (-1: a whole one)
 TAKEN_TAG = "taken"
 SEEN_TAG = "seen"
 MAX_VERSION = (1 << 62) - 1
@@ -76,6 +77,7 @@ class Version:
     version: int
     index: int          # its sample in the manifest
     published_ms: int
+    base: int = -1      # a delta version: the version it is built on
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,7 +92,8 @@ def versions_of(listing: Mapping[str, Any]) -> list[Version]:
     """The manifest's versions from `Dock.list` of it, oldest first."""
     tags = listing["tags"]
     vs, ts = tags.get(VERSION_TAG, []), tags.get(TIME_TAG, [])
-    out = [Version(int(v), int(i), int(t)) for i, v, t in zip(listing["indexes"], vs, ts)]
+    bs = tags.get(BASE_TAG) or [-1] * len(vs)
+    out = [Version(int(v), int(i), int(t), int(b)) for i, v, t, b in zip(listing["indexes"], vs, ts, bs)]
     return sorted(out, key=lambda x: x.version)
 
 
@@ -117,13 +120,15 @@ def holders(v: Version, readers: Iterable[Reader], *, hold_ms: int, now_ms: int)
 def retirable(versions: Sequence[Version], readers: Sequence[Reader], *, keep: int, hold_ms: int, now_ms: int,
               bases: Mapping[int, int] | None = None) -> list[Version]:
     """The complete versions to retire now: not among the newest `keep`, held back by no reader, and
-    not the base of a version that stays (`bases`: delta version -> the version it is built on)."""
+    not the base of a version that stays (`bases`: delta version -> the version it is built on;
+    default: the versions' own `base`)."""
     if keep < 1:
         raise DockValueError(f"keep must be >= 1 (the newest version is always kept), got {keep}")
     order = sorted(versions, key=lambda v: v.version)
     stay = {v.version for v in order[-keep:]}
     stay |= {v.version for v in order[:-keep] if holders(v, readers, hold_ms=hold_ms, now_ms=now_ms)}
-    bases = bases or {}
+    if bases is None:
+        bases = {v.version: v.base for v in versions if v.base >= 0}
     frontier = list(stay)
     while frontier:  # the bases of what stays stay, transitively
         b = bases.get(frontier.pop())

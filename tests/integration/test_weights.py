@@ -115,3 +115,37 @@ def test_publisher_killed_mid_publish_leaves_readers_on_the_previous_version(clu
     assert p.version == 1
     with dock.weights_reader(name) as r:
         assert same(dict(r.read()), model(1))
+
+
+def test_delta_versions_are_small_and_rebuilt_bit_exact(dock, name):
+    from dockd.weights import Publisher
+
+    g = torch.Generator().manual_seed(3)
+    w = {f"w{i}": torch.randn(20_000, generator=g).bfloat16() for i in range(4)}
+    w["bias"] = torch.randn(10, generator=g)
+    steps = []
+    for step in range(6):
+        if step:
+            w = {k: v.clone() for k, v in w.items()}
+            for v in w.values():  # 1 % of the values move
+                flat = v.view(-1)
+                pos = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 100)]
+                flat[pos] = torch.randn(len(pos), generator=g).to(v.dtype)
+        steps.append(w)
+    every = dock.weights_reader(name)
+    pub = Publisher(dock, name, delta=True, full_every=3, keep=2, bucket_size=64 << 10)
+    sizes = []
+    for step, tensors in enumerate(steps):
+        p = pub.publish(tensors.items())
+        sizes.append(p.stored)
+        assert p.base == (None if step % 3 == 0 else step - 1)
+        assert same(dict(every.read(after=every.last) if every.last is not None else every.read()), tensors)
+        assert every.last_read["base"] == p.base
+    full = sizes[0]
+    for step in (1, 2, 4, 5):  # 1 % changed: 6 bytes per changed bf16 value, 10 per fp32 one
+        assert sizes[step] < 0.1 * full, sizes
+    fresh = dock.weights_reader(name)  # no version read yet: rebuilds version 5 from version 3 (whole) and 4
+    assert same(dict(fresh.read(version=5)), steps[5])
+    assert fresh.versions() == [3, 4, 5]  # keep=2, and 3 stays as the base of 4
+    every.close()
+    fresh.close()

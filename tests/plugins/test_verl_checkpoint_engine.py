@@ -66,13 +66,15 @@ async def _receive(engine: Any, step: int, cached: bool = False) -> dict[str, to
     return {name: t.clone() async for name, t in got}
 
 
-def test_engines_in_process_several_rounds(dock_cluster: dockd.LocalCluster) -> None:
+@pytest.mark.parametrize("delta", [False, True])
+def test_engines_in_process_several_rounds(dock_cluster: dockd.LocalCluster, delta: bool) -> None:
     from verl.checkpoint_engine import CheckpointEngineRegistry
 
     import dockd.trainer_plugins.verl.checkpoint_engine  # noqa: F401 - registers "dockd"
 
     model = f"lm-{uuid.uuid4().hex[:6]}"
-    kw = {"bucket_size": 256 << 10, "model": model, "address": dock_cluster.address, "rollout_dtype": None}
+    kw = {"bucket_size": 256 << 10, "model": model, "address": dock_cluster.address, "rollout_dtype": None,
+          "delta": delta}
     trainers = [CheckpointEngineRegistry.new("dockd", is_master=(r == 0), **kw) for r in range(2)]
     rollouts = [CheckpointEngineRegistry.new("dockd", **kw) for _ in range(3)]
     for step in range(3):
@@ -88,6 +90,7 @@ def test_engines_in_process_several_rounds(dock_cluster: dockd.LocalCluster) -> 
 
         results = asyncio.run(round_(step))
         assert results[0]["dockd/bytes"] > 0 and results[1] == {}  # only the master published
+        assert results[0]["dockd/delta"] == float(delta and step > 0)
         want = tiny_lm(step)
         for got in results[2:]:
             assert list(got) == list(want)
@@ -98,7 +101,7 @@ def test_engines_in_process_several_rounds(dock_cluster: dockd.LocalCluster) -> 
     cached = asyncio.run(_receive(rollouts[0], 0, cached=True))  # the newest, from the cache, without waiting
     assert all(torch.equal(cached[k], v) for k, v in tiny_lm(2).items())
     with dockd.connect(dock_cluster.address) as d:
-        assert d.weights_reader(model).versions() == [1, 2]  # keep=2: version 0 was retired
+        assert d.weights_reader(model).versions() == ([0, 1, 2] if delta else [1, 2])  # keep=2 (and a delta's base)
 
 
 # -- Ray workers, as verl's tests/checkpoint_engine drive theirs -----------------------------------------

@@ -18,6 +18,7 @@ The dock is found from ``address=`` (an engine kwarg), else ``DOCKD_ADDRESS``, e
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
@@ -27,7 +28,7 @@ import torch
 
 import dockd
 from dockd.errors import DockValueError
-from dockd.weights import DEFAULT_HOLD_S, DEFAULT_KEEP, Publication, WeightsReader
+from dockd.weights import DEFAULT_HOLD_S, DEFAULT_KEEP, Publisher, Settings, WeightsReader
 
 try:
     from verl.checkpoint_engine.base import CheckpointEngineRegistry, CheckpointEngineWithCache
@@ -96,6 +97,9 @@ class DockdCheckpointEngine(CheckpointEngineWithCache):
         keep: versions kept; hold: seconds a rollout that has not read a version holds it back.
         address: the dock's controller (default $DOCKD_ADDRESS, else `dockd.ray`).
         timeout: seconds a put may wait for room, and a rollout for the version it asks for (None: no bound).
+        delta: publish each update as the difference to the one before (sparse where smaller), but
+            every `full_every`-th; rollouts rebuild the weights bit-exactly.
+        fanout: warehouses each holder relays a version to (1: a chain).
     """
 
     wire_format = "named_tensors"
@@ -103,7 +107,7 @@ class DockdCheckpointEngine(CheckpointEngineWithCache):
     def __init__(self, bucket_size: int, is_master: bool = False, device: str = "cpu",
                  rollout_dtype: torch.dtype | str | None = torch.bfloat16, model: str = "verl",
                  keep: int = DEFAULT_KEEP, hold: float = DEFAULT_HOLD_S, address: str | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, delta: bool = False, full_every: int = 16, fanout: int = 1) -> None:
         if device not in DEVICES:
             raise DockValueError(f"device must be one of {DEVICES}, got {device!r}")
         _check_device(device)
@@ -111,8 +115,12 @@ class DockdCheckpointEngine(CheckpointEngineWithCache):
         self.is_master = bool(is_master)
         self.device = device
         self.rollout_dtype = _dtype(rollout_dtype)
-        self.model, self.keep, self.hold, self.timeout = model, keep, hold, timeout
-        self.address = address
+        self.model, self.address = model, address
+        self.timeout = timeout
+        self.settings = Settings(bucket_size=self.bucket_size, keep=keep, hold=hold, timeout=timeout,
+                                 dtype=self.rollout_dtype, fanout=fanout)
+        self.delta, self.full_every = delta, full_every
+        self.publisher: Publisher | None = None
         self.dock: dockd.Dock | None = None
         self.reader: WeightsReader | None = None
         self.rank: int | None = None
@@ -165,18 +173,20 @@ class DockdCheckpointEngine(CheckpointEngineWithCache):
             async for _ in _items(weights):  # (producing the weights is collective over the trainer ranks)
                 pass
             return {}
-        dock = self._dock()
+        if self.publisher is None:
+            self.publisher = Publisher(self._dock(), self.model, delta=self.delta, full_every=self.full_every,
+                                       **dataclasses.asdict(self.settings))
+        publisher = self.publisher
         version = global_steps if global_steps is not None else (None if self.version is None else self.version + 1)
-        pub = await asyncio.to_thread(Publication, dock, model=self.model, version=version,
-                                      bucket_size=self.bucket_size, keep=self.keep, hold=self.hold,
-                                      timeout=self.timeout, dtype=self.rollout_dtype)
+        pub = await asyncio.to_thread(publisher.begin, version)
         async for name, tensor in _items(weights):
             await asyncio.to_thread(pub.add, name, tensor)
-        done = await asyncio.to_thread(pub.finish)
+        done = await asyncio.to_thread(publisher.finish, pub)
         self.version = done.version
         logger.info("[verl] published model=%s version=%d buckets=%d bytes=%d in %.2fs", self.model, done.version,
                     done.buckets, done.stored, done.seconds)
-        return {"dockd/publish_s": done.seconds, "dockd/bytes": float(done.stored)}
+        return {"dockd/publish_s": done.seconds, "dockd/bytes": float(done.stored),
+                "dockd/delta": float(done.base is not None)}
 
     # -- the rollout ------------------------------------------------------------------------------
     def _reader(self) -> WeightsReader:
