@@ -120,6 +120,9 @@ class AsyncDock:
     """[`Dock.load`][dockd.Dock.load], awaitable."""
     publish_weights = awaitable(Dock.publish_weights)
     """[`Dock.publish_weights`][dockd.Dock.publish_weights], awaitable."""
+    weights_reader = awaitable(Dock.weights_reader)
+    """[`Dock.weights_reader`][dockd.Dock.weights_reader], awaitable (registering goes to the dock); the reader
+    it gives is the blocking one."""
     stats = awaitable(Dock.stats)
     """[`Dock.stats`][dockd.Dock.stats], awaitable."""
 
