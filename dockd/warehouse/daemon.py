@@ -120,7 +120,7 @@ class Node:
         self.weights = WeightsService(warehouse=self.warehouse, admission=self.admission, replicator=self.replicator,
                                       wid=lambda: self.wid, info=self._info, timeout=cfg.daemon_timeout,
                                       daemon=lambda peer: not self.keys.server_auth.roles or peer.role == auth.DAEMON,
-                                      check_warehouse=self._check_warehouse)
+                                      check_warehouse=self._check_warehouse, members=self._members)
         self.puts = PutPipeline(warehouse=self.warehouse, segments=self.segments, admission=self.admission,
                                 committer=self.committer, metrics=self.metrics, wid=lambda: self.wid,
                                 check_warehouse=self._check_warehouse, replicator=self.replicator,
@@ -380,6 +380,19 @@ class Node:
     def _cleared(self, partition: str) -> None:
         self.committer.cleared(partition)
         self.weights.cleared(partition)
+
+    async def _members(self) -> dict[int, pb.WarehouseInfo]:
+        """The dock's warehouses as its controller lists them (the one in this process, or over the link)."""
+        if self.controller is not None:
+            infos = self.controller.warehouse_infos(usage=False)
+        else:
+            peer = self.link.peer if self.link is not None else None
+            if peer is None or peer.closed:
+                raise DockConnectionError("this warehouse is not connected to its controller right now")
+            hello = pb.Frame(hello=pb.Hello(client="weights relay", protocol=PROTOCOL_VERSION))
+            reply, _ = await asyncio.wait_for(peer.request(hello), self.cfg.daemon_timeout)
+            infos = reply.hello_reply.warehouses
+        return {w.id: w for w in infos}
 
     def _info(self) -> pb.WarehouseInfo:
         """How other warehouses reach this one."""

@@ -23,7 +23,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 
@@ -44,6 +44,8 @@ COLUMN = "data"
 WINDOW = 2           # buckets a parent has in flight to one child
 MAX_SAMPLES = 1 << 20  # buckets of one version a request may name
 MAX_RANGES = 1 << 20   # ranges of one read
+MAX_READ = 1 << 32     # bytes one read answers with at most
+MAX_FANOUT = 64
 JOIN_TRIES = 4       # parents a warehouse tries before its relay fails
 
 
@@ -80,17 +82,21 @@ class WeightsService:
         wid: this warehouse's id; info: how other warehouses reach it.
         daemon: whether a connection is another daemon's (the relay's requests are daemon-to-daemon).
         check_warehouse: raises when this daemon runs no warehouse.
+        members: the dock's warehouses as its controller lists them, by id: a reader names the version's
+            origin, and the relay reaches the address the controller gives for it, never one a client gave.
         timeout: seconds a copy may wait for room, and a join or forward request for its answer.
         stall: seconds without a bucket before a puller gives its parent up.
     """
 
     def __init__(self, *, warehouse: Warehouse, admission: Admission, replicator: Replicator, wid: Callable[[], int],
                  info: Callable[[], pb.WarehouseInfo], daemon: Callable[[Peer], bool], timeout: float,
+                 members: Callable[[], Awaitable[dict[int, pb.WarehouseInfo]]],
                  check_warehouse: Callable[[], None] = lambda: None, stall: float = 60.0) -> None:
         self.warehouse = warehouse
         self.admission = admission
         self.replicator = replicator
         self._wid, self._info, self._daemon, self._check_warehouse = wid, info, daemon, check_warehouse
+        self._members = members
         self.timeout, self.stall = timeout, stall
         # versions this warehouse is the origin of, being relayed: their plan, and how to reach who joined
         self.plans: dict[str, tuple[RelayPlan, dict[int, pb.WarehouseInfo]]] = {}
@@ -204,6 +210,8 @@ class WeightsService:
                 rows = np.lib.stride_tricks.as_strided(src[off:], shape=(count, length), strides=(stride, 1))
                 parts.append(np.ascontiguousarray(rows).data.cast("B"))
             total += count * length
+            if total > MAX_READ:
+                raise DockValueError(f"a weights read asks for more than {MAX_READ} bytes; split it")
         peer.reply(frame, pb.Frame(weights_read_reply=pb.WeightsReadReply(nbytes=total)), parts, total)
 
     def _bucket(self, partition: str, sample: int) -> memoryview:
@@ -238,7 +246,8 @@ class WeightsService:
             raise DockNotFound(f"{v.partition} is not held here (retired?)")
         got = self.plans.get(v.partition)
         if got is None:
-            got = self.plans[v.partition] = (RelayPlan(v.origin.id, max(1, v.fanout)), {v.origin.id: v.origin})
+            got = self.plans[v.partition] = (RelayPlan(v.origin.id, min(MAX_FANOUT, max(1, v.fanout))),
+                                             {v.origin.id: self._info()})
         plan, infos = got
         wid = req.join.id
         infos[wid] = req.join
@@ -325,16 +334,23 @@ class WeightsService:
         v = c.version
         failed_parent: int | None = None
         last: BaseException | None = None
+        try:
+            trusted = (await self._members()).get(v.origin.id)
+            if trusted is None:
+                raise DockNotFound(f"warehouse {v.origin.id}, named as the origin of {v.partition}, is not in the dock")
+        except Exception as e:  # noqa: BLE001 - the relay fails, saying why
+            c.fail(e)
+            return
         for _ in range(JOIN_TRIES):
             try:
-                origin = await self.replicator.link(v.origin)
+                origin = await self.replicator.link(trusted)
                 join = pb.WeightsRelay(version=v, join=self._info(),
                                        failed_parent=0 if failed_parent is None else failed_parent + 1)
                 reply, _ = await asyncio.wait_for(origin.request(pb.Frame(weights_relay=join)), self.timeout)
             except Exception as e:  # noqa: BLE001 - the origin is gone: nothing to relay from
                 c.fail(e if isinstance(e, DockError) else DockConnectionError(
-                    f"cannot reach the origin of {v.partition}, warehouse {v.origin.id} at {v.origin.host}:"
-                    f"{v.origin.port}: {e or 'timed out'}"))
+                    f"cannot reach the origin of {v.partition}, warehouse {trusted.id} at {trusted.host}:"
+                    f"{trusted.port}: {e or 'timed out'}"))
                 return
             parent = reply.weights_relay_reply.parent
             c.depth = reply.weights_relay_reply.depth

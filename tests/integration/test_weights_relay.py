@@ -157,3 +157,16 @@ def test_a_tensor_parallel_rank_reads_only_its_slices(four):
     finally:
         for d in docks:
             d.close()
+
+
+def test_the_relay_reaches_the_origin_the_controller_names_not_the_clients(four):
+    model = f"m{uuid.uuid4().hex[:6]}"
+    docks = [dockd.connect(four.address, warehouse=w) for w in (0, 1)]
+    try:
+        publish(docks[0], tensors(6).items(), model=model, bucket_size=128 << 10)
+        reading = WeightsReader(docks[1], model).open()
+        reading.source().version.origin.port = 1  # a client's word for the origin's address is not followed
+        assert same({k: v.clone() for k, v in reading.tensors()}, tensors(6))
+    finally:
+        for d in docks:
+            d.close()
