@@ -42,6 +42,10 @@ class Agent:
         self.node_ip = node_ip
         self.backend: Any = None
 
+    def handlers(self) -> dict[str, Any]:
+        return {"setup": self.setup, "iter": self.iteration, "stats": self.stats, "clear": self.clear,
+                "teardown": self.teardown}
+
     # -- commands -------------------------------------------------------------------------
     def setup(self, msg: dict[str, Any]) -> dict[str, Any]:
         self.teardown({})
@@ -183,9 +187,9 @@ def _sleep_until(t: float) -> None:
         time.sleep(left)
 
 
-def serve(agent: Agent, inp: Any, out: Any) -> None:
-    handlers = {"setup": agent.setup, "iter": agent.iteration, "stats": agent.stats, "clear": agent.clear,
-                "teardown": agent.teardown}
+def serve(agent: Any, inp: Any, out: Any) -> None:
+    """The line protocol: `agent.handlers()` by command name, `agent.teardown` on exit (any agent class)."""
+    handlers = agent.handlers()
     out.write(json.dumps({"ok": True, "hello": agent.node, "pid": os.getpid()}) + "\n")
     out.flush()
     for line in inp:
@@ -213,8 +217,10 @@ def serve(agent: Agent, inp: Any, out: Any) -> None:
     agent.teardown({})
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.multinode.agent", description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, make: Any = None, prog: str = "python -m benchmarks.multinode.agent",
+         description: str = __doc__.split("\n")[0]) -> int:
+    """An agent process: `make(node, ip)` (default `Agent`) served on the original stdout."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--node", type=int, required=True)
     p.add_argument("--ip", required=True, help="this node's address")
     p.add_argument("--run-tag", default="", help="the run this agent belongs to (for ps and logs)")
@@ -230,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     try:
-        serve(Agent(args.node, args.ip), sys.stdin, proto)
+        serve((make or Agent)(args.node, args.ip), sys.stdin, proto)
     except KeyboardInterrupt:
         return 130
     return 0

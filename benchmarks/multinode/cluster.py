@@ -70,13 +70,13 @@ class AgentError(RuntimeError):
 
 
 class AgentProc:
-    """One node agent process and its line protocol."""
+    """One node agent process and its line protocol (`module`: the agent's, run with -m)."""
 
     def __init__(self, node: SimNode, workdir: Path, tag: str, *, log_level: str = "WARNING",
-                 env_extra: dict[str, str] | None = None) -> None:
+                 env_extra: dict[str, str] | None = None, module: str = "benchmarks.multinode.agent") -> None:
         self.node = node
         self.log = workdir / f"agent-node{node.index}.log"
-        cmd = [*_session_prefix(node, self.log), sys.executable, "-m", "benchmarks.multinode.agent",
+        cmd = [*_session_prefix(node, self.log), sys.executable, "-m", module,
                "--node", str(node.index), "--ip", node.ip, "--run-tag", tag, "--log-level", log_level]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=str(REPO_ROOT),
                                      env=dict(spawn_env(), **(env_extra or {})), bufsize=0)
@@ -133,11 +133,11 @@ class Agents:
     """The agents of nodes 0..N-1, driven together."""
 
     def __init__(self, nodes: list[SimNode], workdir: Path, tag: str, *, timeout: float,
-                 env_extra: dict[str, str] | None = None) -> None:
+                 env_extra: dict[str, str] | None = None, module: str = "benchmarks.multinode.agent") -> None:
         self.agents: list[AgentProc] = []
         try:
             for node in nodes:
-                self.agents.append(AgentProc(node, workdir, tag, env_extra=env_extra))
+                self.agents.append(AgentProc(node, workdir, tag, env_extra=env_extra, module=module))
             for a in self.agents:
                 a.receive(timeout, what="hello (start-up)")
         except BaseException:

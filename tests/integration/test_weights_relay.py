@@ -30,76 +30,72 @@ def four():
         yield c
 
 
+@pytest.fixture
+def docks(four):
+    """A client on each warehouse of `four` (its puts go there; its reads come from there)."""
+    made = [dockd.connect(four.address, warehouse=w) for w in range(4)]
+    yield made
+    for d in made:
+        d.close()
+
+
+@pytest.fixture
+def model() -> str:
+    return f"m{uuid.uuid4().hex[:6]}"
+
+
 def held_bytes(dock: dockd.Dock, wid: int) -> int:
     return dock._router.hello(wid).used
 
 
-def test_each_warehouse_pulls_once_down_a_chain(four):
-    model = f"m{uuid.uuid4().hex[:6]}"
-    docks = [dockd.connect(four.address, warehouse=w) for w in range(4)]
-    try:
-        before = [held_bytes(docks[0], w) for w in range(4)]
-        p = publish(docks[0], tensors(0).items(), model=model, bucket_size=128 << 10)
-        assert p.buckets >= 6
-        readers = [WeightsReader(docks[w], model) for w in (1, 2, 3, 3)]  # two readers on warehouse 3
-        depths = []
-        for r in readers:
-            reading = r.open()
-            assert same(dict(reading.tensors()), tensors(0))
-            depths.append(reading.source().depth)
-        assert depths == [1, 2, 3, 3]  # joined in this order: 0 -> 1 -> 2 -> 3
-        grown = [held_bytes(docks[0], w) - before[w] for w in range(4)]
-        for w in (1, 2, 3):  # one copy each, whatever the number of readers
-            assert p.stored <= grown[w] < 2 * p.stored, grown
-        origin_reader = WeightsReader(docks[0], model)
-        assert same(dict(origin_reader.read()), tensors(0))
-    finally:
-        for d in docks:
-            d.close()
+def test_each_warehouse_pulls_once_down_a_chain(docks, model):
+    before = [held_bytes(docks[0], w) for w in range(4)]
+    p = publish(docks[0], tensors(0).items(), model=model, bucket_size=128 << 10)
+    assert p.buckets >= 6
+    readers = [WeightsReader(docks[w], model) for w in (1, 2, 3, 3)]  # two readers on warehouse 3
+    depths = []
+    for r in readers:
+        reading = r.open()
+        assert same(dict(reading.tensors()), tensors(0))
+        depths.append(reading.source().depth)
+    assert depths == [1, 2, 3, 3]  # joined in this order: 0 -> 1 -> 2 -> 3
+    grown = [held_bytes(docks[0], w) - before[w] for w in range(4)]
+    for w in (1, 2, 3):  # one copy each, whatever the number of readers
+        assert p.stored <= grown[w] < 2 * p.stored, grown
+    origin_reader = WeightsReader(docks[0], model)
+    assert same(dict(origin_reader.read()), tensors(0))
 
 
-def test_readers_on_many_warehouses_at_once_and_a_tree(four):
-    model = f"m{uuid.uuid4().hex[:6]}"
-    docks = [dockd.connect(four.address, warehouse=w) for w in range(4)]
-    try:
-        publish(docks[0], tensors(1).items(), model=model, bucket_size=64 << 10, fanout=2)
-        out: dict[int, dict] = {}
-        depth: dict[int, int] = {}
+def test_readers_on_many_warehouses_at_once_and_a_tree(docks, model):
+    publish(docks[0], tensors(1).items(), model=model, bucket_size=64 << 10, fanout=2)
+    out: dict[int, dict] = {}
+    depth: dict[int, int] = {}
 
-        def read(w: int) -> None:
-            reading = WeightsReader(docks[w], model).open()
-            out[w] = {k: v.clone() for k, v in reading.tensors()}
-            depth[w] = reading.source().depth
+    def read(w: int) -> None:
+        reading = WeightsReader(docks[w], model).open()
+        out[w] = {k: v.clone() for k, v in reading.tensors()}
+        depth[w] = reading.source().depth
 
-        threads = [threading.Thread(target=read, args=(w,)) for w in (1, 2, 3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert all(same(out[w], tensors(1)) for w in (1, 2, 3))
-        assert sorted(depth.values()) == [1, 1, 2]  # fanout 2: the origin feeds two, one of them the third
-    finally:
-        for d in docks:
-            d.close()
+    threads = [threading.Thread(target=read, args=(w,)) for w in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(same(out[w], tensors(1)) for w in (1, 2, 3))
+    assert sorted(depth.values()) == [1, 1, 2]  # fanout 2: the origin feeds two, one of them the third
 
 
-def test_a_retired_version_is_freed_on_every_warehouse(four):
-    model = f"m{uuid.uuid4().hex[:6]}"
-    docks = [dockd.connect(four.address, warehouse=w) for w in range(4)]
-    try:
-        publish(docks[0], tensors(2).items(), model=model, keep=1)
-        with WeightsReader(docks[2], model) as r:
-            before = held_bytes(docks[0], 2)
-            dict(r.read())
-            assert held_bytes(docks[0], 2) > before + 800_000
-            publish(docks[0], tensors(3).items(), model=model, keep=1)  # retires version 0 (r passed it)
-            assert r.versions() == [1]
-            assert held_bytes(docks[0], 2) < before + 4096  # its relay copy went with the clear (the reader's
-            # registration, a sample of a few bytes, stays)
-            assert same(dict(r.read()), tensors(3))
-    finally:
-        for d in docks:
-            d.close()
+def test_a_retired_version_is_freed_on_every_warehouse(docks, model):
+    publish(docks[0], tensors(2).items(), model=model, keep=1)
+    with WeightsReader(docks[2], model) as r:
+        before = held_bytes(docks[0], 2)
+        dict(r.read())
+        assert held_bytes(docks[0], 2) > before + 800_000
+        publish(docks[0], tensors(3).items(), model=model, keep=1)  # retires version 0 (r passed it)
+        assert r.versions() == [1]
+        assert held_bytes(docks[0], 2) < before + 4096  # its relay copy went with the clear (the reader's
+        # registration, a sample of a few bytes, stays)
+        assert same(dict(r.read()), tensors(3))
 
 
 def test_a_client_cannot_send_relay_requests(four, raw):
@@ -132,7 +128,7 @@ def test_a_dead_parent_is_replaced():
                 d.close()
 
 
-def test_a_tensor_parallel_rank_reads_only_its_slices(four):
+def test_a_tensor_parallel_rank_reads_only_its_slices(docks, model):
     from dockd.resharding.layout import ParamSpec
     from dockd.weights.slices import reference
 
@@ -142,31 +138,19 @@ def test_a_tensor_parallel_rank_reads_only_its_slices(four):
     layout = {"qkv": ParamSpec(name="qkv", shape=(192, 64), dtype=torch.bfloat16, tp_dim=0, fused=(64, 64, 64)),
               "o": ParamSpec(name="o", shape=(64, 64), dtype=torch.float32, tp_dim=1),
               "embed": ParamSpec(name="embed", shape=(5000, 64), dtype=torch.float32, tp_dim=0)}
-    model = f"m{uuid.uuid4().hex[:6]}"
-    docks = [dockd.connect(four.address, warehouse=w) for w in (0, 1)]
-    try:
-        publish(docks[0], full.items(), model=model, bucket_size=256 << 10)
-        total = sum(t.nbytes for t in full.values())
-        for rank in range(2):
-            r = WeightsReader(docks[1], model)
-            got = dict(r.read(tp=(rank, 2), layout=layout))
-            for name, t in full.items():
-                assert torch.equal(got[name], reference(t, layout.get(name), 2, rank)), (name, rank)
-            assert r.last_read["bytes"] == (total - full["norm"].nbytes) // 2 + full["norm"].nbytes
-            r.close()
-    finally:
-        for d in docks:
-            d.close()
+    publish(docks[0], full.items(), model=model, bucket_size=256 << 10)
+    total = sum(t.nbytes for t in full.values())
+    for rank in range(2):
+        r = WeightsReader(docks[1], model)
+        got = dict(r.read(tp=(rank, 2), layout=layout))
+        for name, t in full.items():
+            assert torch.equal(got[name], reference(t, layout.get(name), 2, rank)), (name, rank)
+        assert r.last_read["bytes"] == (total - full["norm"].nbytes) // 2 + full["norm"].nbytes
+        r.close()
 
 
-def test_the_relay_reaches_the_origin_the_controller_names_not_the_clients(four):
-    model = f"m{uuid.uuid4().hex[:6]}"
-    docks = [dockd.connect(four.address, warehouse=w) for w in (0, 1)]
-    try:
-        publish(docks[0], tensors(6).items(), model=model, bucket_size=128 << 10)
-        reading = WeightsReader(docks[1], model).open()
-        reading.source().version.origin.port = 1  # a client's word for the origin's address is not followed
-        assert same({k: v.clone() for k, v in reading.tensors()}, tensors(6))
-    finally:
-        for d in docks:
-            d.close()
+def test_the_relay_reaches_the_origin_the_controller_names_not_the_clients(docks, model):
+    publish(docks[0], tensors(6).items(), model=model, bucket_size=128 << 10)
+    reading = WeightsReader(docks[1], model).open()
+    reading.source().version.origin.port = 1  # a client's word for the origin's address is not followed
+    assert same({k: v.clone() for k, v in reading.tensors()}, tensors(6))
