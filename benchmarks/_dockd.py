@@ -54,11 +54,11 @@ def _has_transport_env() -> bool:
 
 def _shm_supported() -> str | None:
     try:
-        from dockd import shm
+        from dockd.net import shm
     except ImportError:
-        return "this dockd build has no shared-memory transport (no dockd.shm module)"
+        return "this dockd build has no shared-memory transport (no dockd.net.shm module)"
     if not shm.available():
-        return "dockd's shared-memory transport is not available on this machine (dockd.shm.available() is False)"
+        return "dockd's shared-memory transport is not available on this machine (dockd.net.shm.available() is False)"
     return None
 
 

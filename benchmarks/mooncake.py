@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import dockd
-    from dockd.client.transport import mooncake as client_mooncake
     from dockd.local import spawn_node
+    from dockd.net import mooncake as client_mooncake
 
     torch.set_num_threads(1)
     env = dict(os.environ)

@@ -71,7 +71,7 @@ def _setup_logging(level: str, fmt: str = "text") -> None:
 def _serve(args) -> int:
     from dockd import owners
     from dockd.config import NodeConfig, parse_size
-    from dockd.warehouse.daemon import serve
+    from dockd.node.daemon import serve
 
     cfg = NodeConfig(
         host=args.host, port=args.port, grpc_port=args.grpc_port, advertise=args.advertise,
@@ -94,7 +94,7 @@ def _serve(args) -> int:
                                         "reads from shared-memory segments)")
     elif cfg.warehouse and cfg.transport != "socket":  # this process's Mooncake engine, before the node starts
         from dockd.errors import DockError
-        from dockd.warehouse import mooncake
+        from dockd.net import mooncake_server as mooncake
 
         try:
             chosen = mooncake.start(cfg.transport, cfg.host, cfg.advertise, cfg.mooncake_protocol)
@@ -114,7 +114,7 @@ def _serve(args) -> int:
 
 def _connect(args):
     import dockd
-    from dockd.auth import load_token
+    from dockd.net.auth import load_token
 
     token = load_token(args.token_file) if args.token_file else None
     return dockd.connect(args.address, token=token, connect_timeout=args.connect_timeout, tls=args.tls_ca)

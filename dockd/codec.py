@@ -514,10 +514,10 @@ def decode_reply(columns: Sequence[pb.ColumnData], buffers: Mapping[int, tuple[A
                  lazy: bool = False) -> list[Any]:
     """A reply's column values, decoding what `encode_columns` wrote: `buffers` maps each buffer key
     (`buffer_key`: 0 the body, k a passed segment, -k device buffer k) to (buffer, base); a
-    client's transport builds it from what the reply carried (dockd.client.transport). With `lazy`,
+    client's transport builds it from what the reply carried (dockd.net.transport). With `lazy`,
     each column stays `Runs` until its values are asked for."""
     try:
-        columns = columns[:]  # (a list: see dockd.wire)
+        columns = columns[:]  # (a list: see dockd.net.wire)
         if lazy:
             return [Runs.of(c, buffers) for c in columns]
         return [decode_column(c, buffers) for c in columns]

@@ -41,6 +41,7 @@ ENV_VARS = {
     "DOCKD_TRANSFER_QUEUE": "verl plugin: 1 makes `import transfer_queue` load dockd's switch in Ray workers",
     "DOCKD_METRICS_ENDPOINT": "verl plugin: the dock's Prometheus endpoint the transfer_queue switch reports",
     "DOCKD_BENCH_LOG": "benchmarks: log level of the scenario processes (default INFO)",
+    "DOCKD_BENCH_DELTA_OUT": "benchmarks.weights: the file the delta-fraction hook of examples/grpo_tiny.py appends to",
 }
 
 #: Variables of other software that dockd reads (never sets for itself); `env` accepts these too.
@@ -99,9 +100,9 @@ def env_float(name: str, default: float) -> float:
         raise DockValueError(f"environment variable {name}={raw!r} is not a number") from None
 
 
-#: What a client's `transport` setting may be (dockd.client.transport): tried in order under "auto".
+#: What a client's `transport` setting may be (dockd.net.transport): tried in order under "auto".
 CLIENT_TRANSPORTS = ("auto", "tcp", "mooncake")
-#: How a daemon serves remote readers (`dockd serve --transport`, dockd.warehouse.mooncake).
+#: How a daemon serves remote readers (`dockd serve --transport`, dockd.net.mooncake_server).
 SERVE_TRANSPORTS = ("auto", "socket", "mooncake")
 
 
@@ -200,7 +201,7 @@ class NodeConfig:
     transport: str = "socket"
     """How remote readers get stored bytes: "socket" (in the frames' bodies over TCP), "mooncake" (read with
     their Mooncake Transfer Engine from registered segments; the daemon refuses to start without one) or
-    "auto" (Mooncake where the engine starts). See dockd.warehouse.mooncake."""
+    "auto" (Mooncake where the engine starts). See dockd.net.mooncake_server."""
     mooncake_protocol: str = "tcp"
     """The Mooncake engine's protocol: "tcp", or "rdma" on nodes with RDMA NICs."""
     token_file: str = ""

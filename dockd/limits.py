@@ -47,13 +47,13 @@ def _count(what: str, n: int, limit: int = MAX_SAMPLES) -> None:
 
 def _columns(names: Collection[str]) -> None:
     _count("columns", len(names), MAX_COLUMNS)
-    for c in names[:]:  # type: ignore[index]  # (a repeated field or a list: see dockd.wire)
+    for c in names[:]:  # type: ignore[index]  # (a repeated field or a list: see dockd.net.wire)
         _name("column name", c)
 
 
 def _tags(tags: Collection[pb.Tag]) -> None:
     _count("tags", len(tags), MAX_TAGS)
-    for t in tags[:]:  # type: ignore[index]  # (a repeated field or a list: see dockd.wire)
+    for t in tags[:]:  # type: ignore[index]  # (a repeated field or a list: see dockd.net.wire)
         _name("tag name", t.name)
         _count("tag values", len(t.values))
 

@@ -21,7 +21,7 @@ def check_columns(columns: Sequence[pb.ColumnData], body_size: int, device_sizes
     do not describe their bytes."""
     if not columns:
         raise DockValueError("a put needs at least one column")
-    columns = columns[:]  # (a list: see dockd.wire)
+    columns = columns[:]  # (a list: see dockd.net.wire)
     names = [c.name for c in columns]
     if len(set(names)) != len(names) or not all(names):
         raise DockValueError(f"column names must be non-empty and distinct, got {names}")
@@ -49,7 +49,7 @@ def check_run(run: pb.Run, body_size: int) -> None:
     if run.offset + run.nbytes > body_size:
         raise DockProtocolError(f"a run at offset {run.offset} with {run.nbytes} bytes runs past the {body_size}-byte body")
     if run.kind == pb.MSGPACK:
-        if len(run.lengths) != run.count or sum(run.lengths[:]) != run.nbytes:  # ([:]: a list, see dockd.wire)
+        if len(run.lengths) != run.count or sum(run.lengths[:]) != run.nbytes:  # ([:]: a list, see dockd.net.wire)
             raise DockProtocolError(f"a msgpack run of {run.count} values does not add up to its {run.nbytes} bytes")
         return
     if run.kind != pb.TENSOR:

@@ -118,8 +118,8 @@ class RawClient:
                  unix: str = "", session: bytes = b"") -> None:
         import socket
 
-        from dockd import auth, shm, wire
         from dockd._proto import dockd_pb2 as pb
+        from dockd.net import auth, shm, wire
 
         self.wire, self.pb = wire, pb
         if unix:

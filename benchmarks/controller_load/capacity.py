@@ -11,7 +11,7 @@ controllers alone, with the cheapest client that still speaks the real protocol:
 - before each step a real client fills P fresh partitions through the warehouse (``--fill`` samples each,
   one 16-byte column);
 - C threads in this process, each with one authenticated connection per controller
-  (``dockd.client.connection.Connection``), send the controller's side of a small get in a closed loop:
+  (``dockd.net.connection.Connection``), send the controller's side of a small get in a closed loop:
   an acquire of 1..8 samples (``allow_partial``, no wait) of the next (consumer, partition) pair, on the
   connection of that partition's owner, carrying the confirm of that connection's previous lease, as a
   trainer's next get does. No fetch (that is the warehouses' work) and no put in the timed window.
@@ -61,7 +61,7 @@ def drive(owner: dict[str, str], pairs: list[tuple[str, str]], threads: int, sec
           seed: int = 0) -> dict[str, Any]:
     """`threads` closed loops of acquire (+ the previous lease's confirm) for `seconds`; latencies and counts."""
     from dockd._proto import dockd_pb2 as pb
-    from dockd.client.connection import Connection, Credentials
+    from dockd.net.connection import Connection, Credentials
 
     def connect(address: str, creds: Credentials) -> Connection:
         host, port = address.rsplit(":", 1)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import REPO_ROOT
+from dockd.config import env
 
 OUT_ENV = "DOCKD_BENCH_DELTA_OUT"
 _state: dict[str, Any] = {}  # per worker process: its dock, publisher and last bf16 weights
@@ -51,7 +52,7 @@ def publish_step(rank: int, step: int, actor: Any, address: str) -> None:
     _state["prev"] = weights
     row = {"rank": rank, "step": step, "values": n, "bytes": 2 * n, "changed": k, "stored": p.stored,
            "delta": p.base is not None, "floor": k * (2 + 4)}
-    with open(os.environ[OUT_ENV], "a") as f:
+    with open(env(OUT_ENV), "a") as f:
         f.write(json.dumps(row) + "\n")
 
 

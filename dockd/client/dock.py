@@ -28,22 +28,22 @@ from typing import Any
 
 import numpy as np
 
-from dockd import auth, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd._ray.query import home_for
 from dockd.client import put as puts
 from dockd.client import stats as stats_
 from dockd.client import validate
+from dockd.client.acquirer import Acquirer, Lease, acquire_request
 from dockd.client.batch import Batch
 from dockd.client.confirm import Confirms
-from dockd.client.connection import Credentials
 from dockd.client.fetch import Fetcher, maps_device, to_device
-from dockd.client.lease import Acquirer, Lease, acquire_request
-from dockd.client.links import ReaderLinks
 from dockd.client.router import CallScope, Router
-from dockd.client.transport import Context
 from dockd.config import ClientConfig, client_transport, env
 from dockd.errors import DockClosed, DockTypeError, DockValueError
+from dockd.net import auth, wire
+from dockd.net.connection import Credentials
+from dockd.net.device_reader_links import ReaderLinks
+from dockd.net.transport import Context
 
 logger = logging.getLogger(__name__)
 

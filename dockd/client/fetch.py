@@ -18,13 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from dockd import codec, device_share
+from dockd import codec
 from dockd._proto import dockd_pb2 as pb
-from dockd.client.connection import timed_out
-from dockd.client.lease import Lease
-from dockd.client.links import LinkFailed
+from dockd.client.acquirer import Lease
 from dockd.client.router import Router
 from dockd.errors import DockConnectionError, DockDataLost, DockTimeout, DockValueError
+from dockd.net import device_share
+from dockd.net.connection import timed_out
+from dockd.net.device_reader_links import LinkFailed
 
 logger = logging.getLogger(__name__)
 

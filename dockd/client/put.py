@@ -13,13 +13,14 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dockd import codec, device_share, ids
+from dockd import codec, ids
 from dockd._proto import dockd_pb2 as pb
 from dockd.client import validate
-from dockd.client.connection import Pool
 from dockd.client.router import Router
-from dockd.client.transport import ANSWER_GRACE_S, Put
 from dockd.errors import DockConnectionError, DockTimeout, DockTypeError, DockValueError
+from dockd.net import device_share
+from dockd.net.connection import Pool
+from dockd.net.transport import ANSWER_GRACE_S, Put
 
 logger = logging.getLogger(__name__)
 

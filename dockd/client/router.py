@@ -24,7 +24,7 @@ seconds (or the call's own deadline, if sooner) with a DockConnectionError
 naming the daemon's host:port.
 
 Each pool talks to its daemon over the best transport that works
-(`dockd.client.transport.candidates`): the router tries them in order when
+(`dockd.net.candidates`): the router tries them in order when
 it opens a pool, and never looks at which one it got.
 """
 
@@ -38,10 +38,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from dockd import owners, tls, wire
+from dockd import owners
 from dockd._proto import dockd_pb2 as pb
-from dockd.client.connection import Connection, Credentials, Pool, timed_out
-from dockd.client.transport import Context, Endpoint, Transport, candidates, is_local
 from dockd.errors import (
     DockAuthError,
     DockClosed,
@@ -51,6 +49,10 @@ from dockd.errors import (
     DockTimeout,
     DockValueError,
 )
+from dockd.net import tls, wire
+from dockd.net.candidates import candidates
+from dockd.net.connection import Connection, Credentials, Pool, timed_out
+from dockd.net.transport import Context, Endpoint, Transport, is_local
 
 T = TypeVar("T")
 
@@ -299,7 +301,7 @@ class Router:
     def learn(self, infos) -> None:
         """Warehouses named by a controller reply: new ones are added; for known ones at the same
         address, the state (joined, unresponsive, ...) is brought up to date."""
-        for w in infos[:]:  # (a list: see dockd.wire)
+        for w in infos[:]:  # (a list: see dockd.net.wire)
             known = self.warehouses.get(w.id)
             if known is None or (known.host, known.port) == (w.host, w.port):
                 self.warehouses[w.id] = w

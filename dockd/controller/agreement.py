@@ -6,7 +6,7 @@ other also owns, or none: a put acknowledged by one could be unknown to the othe
 therefore part of the dock, checked whenever two of its daemons meet:
 
 - a controller asks every other controller of its list for theirs (a Hello, at start and then
-  every `PROBE_INTERVAL` seconds, `dockd.warehouse.controller_probe`), and while any of them
+  every `PROBE_INTERVAL` seconds, `dockd.node.controller_probe`), and while any of them
   differs it refuses every controller request (`DockConfigError`), so nothing is split;
 - a warehouse registering with a controller presents the list it learned, and is refused when it
   differs;

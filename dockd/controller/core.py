@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 
 from dockd import limits
-from dockd.controller import persist, replicas, selection, warehouses
+from dockd.controller import persist, selection, warehouses
+from dockd.controller import replica_map as replicas
 from dockd.controller.catalog import Catalog
-from dockd.controller.leases import AcquireResult, Lease, LeaseBook
+from dockd.controller.lease_table import AcquireResult, Lease, LeaseBook
 from dockd.controller.partition import FEW, FREE, LEASED, LOST_WAREHOUSE, NO_WAREHOUSE, TAKEN
 from dockd.controller.rounds import Round, Rounds
 from dockd.controller.warehouses import Inventory

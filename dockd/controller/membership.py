@@ -56,14 +56,14 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
-from dockd import wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.catalog import StoredElsewhere
 from dockd.controller.clock import Clock, Timer, Timers
 from dockd.controller.core import Controller
 from dockd.controller.warehouses import DURABLE_REJOIN, Inventory
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockTimeout, DockValueError, to_status
-from dockd.peer import Peer
+from dockd.net import wire
+from dockd.net.peer import Peer
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import numpy as np
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.clock import Timer, seconds
 from dockd.errors import DockFull, DockStateFull, DockValueError
-from dockd.peer import Peer
+from dockd.net.peer import Peer
 
 if TYPE_CHECKING:
     from dockd.controller.service import ControllerService

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dockd.controller import selection, warehouses
-from dockd.controller.leases import AcquireResult, Lease, RoundKey
+from dockd.controller.lease_table import AcquireResult, Lease, RoundKey
 from dockd.controller.partition import TAKEN, _Partition
 from dockd.errors import DockDrained, DockValueError
 

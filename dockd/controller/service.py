@@ -24,24 +24,25 @@ import time
 
 import numpy as np
 
-from dockd import auth, limits, owners
+from dockd import limits, owners
 from dockd._proto import dockd_pb2 as pb
 from dockd._version import __version__
-from dockd.controller.acquiring import STALENESS_BUCKETS, Acquiring, where_of
 from dockd.controller.catalog import StoredElsewhere
-from dockd.controller.checkpoints import Checkpoints
+from dockd.controller.checkpoint import Checkpoints
 from dockd.controller.clock import Clock, Timer, Timers
 from dockd.controller.core import Controller
+from dockd.controller.grants import STALENESS_BUCKETS, Acquiring, where_of
 from dockd.controller.journal import Journal
-from dockd.controller.leases import AcquireResult
-from dockd.controller.leasing import Leasing
+from dockd.controller.lease_table import AcquireResult
 from dockd.controller.membership import Membership
 from dockd.controller.pacing import Pacer
-from dockd.controller.replication import Replication
+from dockd.controller.replica_service import Replication
+from dockd.controller.sessions import Leasing
 from dockd.controller.waiters import Waiters
 from dockd.controller.warehouse_calls import LocalWarehouse, WarehouseCalls
 from dockd.errors import DockClosed, DockError, DockNotFound, DockValueError, to_status
-from dockd.peer import Peer
+from dockd.net import auth
+from dockd.net.peer import Peer
 
 __all__ = ["STALENESS_BUCKETS", "ControllerService", "LocalWarehouse"]
 

@@ -21,7 +21,7 @@ import numpy as np
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockConnectionError, DockDataLost
 from dockd.logutil import Throttle
-from dockd.peer import Peer
+from dockd.net.peer import Peer
 
 if TYPE_CHECKING:
     from dockd.controller.membership import WarehouseEntry

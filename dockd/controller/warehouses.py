@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from dockd.controller import replicas
+from dockd.controller import replica_map as replicas
 from dockd.controller.catalog import Catalog
 from dockd.controller.partition import LOST, LOST_WAREHOUSE, NO_WAREHOUSE, PENDING_WAREHOUSE, _Consumer, _Partition
 from dockd.errors import DockDataLost, DockNotFound, DockValueError

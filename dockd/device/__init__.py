@@ -5,7 +5,7 @@ per-library bindings under it. Nothing here imports torch.cuda or torch_npu unti
 a stream or device is actually needed, and no library is loaded until asked for.
 
 The warehouse's device tier, same-node CUDA IPC reads and cross-node device links
-(`dockd.device_link`) build on them; see docs/device.md.
+(`dockd.net.device_link`) build on them; see docs/device.md.
 """
 
 from dockd.device.communicator import BACKENDS, Communicator, backend_for_device, load_backend

@@ -38,9 +38,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dockd import shm
 from dockd.errors import DockError, DockFull
-from dockd.peer import Peer
+from dockd.net import shm
+from dockd.net.peer import Peer
 from dockd.warehouse import memory
 from dockd.warehouse.core import Warehouse
 from dockd.warehouse.segments import Segments

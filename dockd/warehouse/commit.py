@@ -28,7 +28,7 @@ from dockd import owners
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.catalog import StoredElsewhere
 from dockd.errors import DockConnectionError, from_status
-from dockd.peer import Peer
+from dockd.net.peer import Peer
 
 #: The outcome of a commit: its indexes (or the error), and whether its partition was cleared after it applied.
 Then = Callable[[np.ndarray | list | BaseException, bool], None]
@@ -112,7 +112,7 @@ class LocalCommitter:
 class RemoteCommitter:
     """Commits over the link to a controller in another process."""
 
-    def __init__(self, link) -> None:  # a dockd.warehouse.link.ControllerLink
+    def __init__(self, link) -> None:  # a dockd.node.controller_link.ControllerLink
         self.link = link
         self._pending: dict[str, int] = {}  # partition -> puts committed, not stored yet
         # partition -> [put id, cleared] of its puts waiting on the controller

@@ -38,7 +38,7 @@ batches keep their rows, their bytes leave memory, `spilled` counts them), and a
 of a spilled put has the tier restore it (`mark_restored`) or read it for that reply.
 
 Checkpoint files of a warehouse's partitions are written and read by
-`dockd.warehouse.checkpoint`.
+`dockd.warehouse.dump`.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ class Warehouse:
         owner.file = file
         owner.file_layout = file is not None
         owner.buf = body
-        for c in columns[:]:  # ([:]: see dockd.wire)
+        for c in columns[:]:  # ([:]: see dockd.net.wire)
             col = part.columns.get(c.name)
             if col is None:
                 col = part.columns[c.name] = _Column()
@@ -285,7 +285,7 @@ class Warehouse:
     # -- the spill tier ----------------------------------------------------------------------------
     @property
     def spill_figures(self) -> tuple[int, int] | None:
-        """With a spill tier: (bytes in spill files, --spill-capacity); else None (dockd.metrics)."""
+        """With a spill tier: (bytes in spill files, --spill-capacity); else None (dockd.node.metrics)."""
         return (self.tier.bytes, self.tier.capacity) if self.tier is not None else None
 
     def spill_candidates(self) -> Iterator[tuple[str, _Body]]:

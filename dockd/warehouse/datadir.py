@@ -68,19 +68,20 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from dockd import auth, dirlock
+from dockd import dirlock
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.membership import DURABLE
 from dockd.errors import DockStateFull, DockValueError
+from dockd.net import auth
 from dockd.warehouse import putfile
 from dockd.warehouse.putfile import HEAD as _HEAD
 from dockd.warehouse.putfile import Damaged, part_dir
 
 if TYPE_CHECKING:
     from dockd.config import NodeConfig
+    from dockd.node.controller_link import ControllerLink
     from dockd.warehouse.admission import Admission
     from dockd.warehouse.core import Warehouse
-    from dockd.warehouse.link import ControllerLink
 
 logger = logging.getLogger(__name__)
 

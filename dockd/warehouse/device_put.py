@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 
-from dockd import codec, device_share
+from dockd import codec
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockFull, DockProtocolError, DockValueError
-from dockd.metrics import Metrics
-from dockd.peer import Peer
+from dockd.net import device_share
+from dockd.net.peer import Peer
+from dockd.node.metrics import Metrics
 from dockd.warehouse import memory
 from dockd.warehouse.core import Warehouse
 from dockd.warehouse.segments import Segments

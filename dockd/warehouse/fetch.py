@@ -5,7 +5,7 @@ go by descriptor to same-host readers (pinned for the reader's process until
 it gives them back); device-tier slices are shared by handle with a same-node
 reader or sent over a device link to one on another node; everything else is
 body bytes (no copy). A reader that asks for a Mooncake answer (`FetchRequest.mooncake`) gets the
-registered segment spans its runs use named instead, and reads them itself (`dockd.warehouse.mooncake`).
+registered segment spans its runs use named instead, and reads them itself (`dockd.net.mooncake_server`).
 """
 
 from __future__ import annotations
@@ -15,17 +15,18 @@ from collections.abc import Callable
 
 import numpy as np
 
-from dockd import codec, device_share, shm
+from dockd import codec
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockError, DockNotFound
-from dockd.metrics import Metrics
-from dockd.peer import Peer
-from dockd.warehouse import mooncake
+from dockd.net import device_share, shm
+from dockd.net import mooncake_server as mooncake
+from dockd.net.device_warehouse_links import Links
+from dockd.net.peer import Peer
+from dockd.node.metrics import Metrics
+from dockd.node.tasks import spawn
 from dockd.warehouse.commit import Committer
 from dockd.warehouse.core import Warehouse
-from dockd.warehouse.links import Links
 from dockd.warehouse.segments import Segments
-from dockd.warehouse.tasks import spawn
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class FetchPath:
             if not req.columns:
                 peer.reply(frame, pb.Frame(fetch_reply=pb.FetchReply()))
                 return
-        wanted = [(c.name, c.indexes[:]) for c in req.columns[:]]  # ([:]: see dockd.wire)
+        wanted = [(c.name, c.indexes[:]) for c in req.columns[:]]  # ([:]: see dockd.net.wire)
         try:
             found = self.warehouse.fetch(req.partition, wanted)
         except DockNotFound:

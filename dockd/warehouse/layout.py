@@ -77,7 +77,7 @@ class _Batch:
         if run.kind == pb.MSGPACK or (self.shape and self.shape[0] == -1):
             small = run.nbytes < (1 << 32)
             kind = np.uint32 if small else np.uint64
-            lengths = run.lengths[:]  # (a list: see dockd.wire)
+            lengths = run.lengths[:]  # (a list: see dockd.net.wire)
             self.lengths = np.array(lengths, dtype=kind)
             if run.count <= SMALL_RUN:  # (a few values: Python sums)
                 ends, total = [], 0

@@ -33,22 +33,23 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
-from dockd import limits, runcheck, shm
+from dockd import limits, runcheck
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.catalog import StoredElsewhere
 from dockd.errors import DockAuthError, DockError, DockProtocolError
 from dockd.logutil import Throttle
-from dockd.metrics import Metrics
-from dockd.peer import Peer
+from dockd.net import shm
+from dockd.net.peer import Peer
+from dockd.node.metrics import Metrics
+from dockd.node.tasks import failed, spawn
 from dockd.recent import Recent
 from dockd.warehouse.admission import Admission
 from dockd.warehouse.commit import Committer
 from dockd.warehouse.core import Warehouse
 from dockd.warehouse.datadir import Room
 from dockd.warehouse.device_put import take_device
-from dockd.warehouse.replica import Replicator
+from dockd.warehouse.replica_copy import Replicator
 from dockd.warehouse.segments import Segments
-from dockd.warehouse.tasks import failed, spawn
 
 logger = logging.getLogger(__name__)
 

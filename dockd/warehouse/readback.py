@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dockd import shm
 from dockd._proto import dockd_pb2 as pb
+from dockd.net import shm
 from dockd.warehouse import putfile
 from dockd.warehouse.datadir import DAMAGED, DELETED, DockDataDirError
 from dockd.warehouse.layout import _runs

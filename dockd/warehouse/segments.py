@@ -32,8 +32,8 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from dockd import shm
 from dockd.errors import DockProtocolError, StagingUnknown
+from dockd.net import shm
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class Segments:
         self._staging: dict[int, collections.OrderedDict[int, np.ndarray]] = {}
         self._conns: collections.Counter = collections.Counter()  # pid -> its open same-host connections
         self.created = self.reused = 0
-        # called with each segment created (dockd.warehouse.mooncake registers it with its engine once)
+        # called with each segment created (dockd.net.mooncake_server registers it with its engine once)
         self.on_create: Callable[[shm.Segment], object] | None = None
 
     # -- storage --------------------------------------------------------------------------------

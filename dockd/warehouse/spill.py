@@ -50,13 +50,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from dockd import shm
 from dockd.errors import DockValueError
+from dockd.net import shm
+from dockd.node.tasks import spawn
 from dockd.warehouse import memory
-from dockd.warehouse.tasks import spawn
 
 if TYPE_CHECKING:
-    from dockd.metrics import Metrics
+    from dockd.node.metrics import Metrics
     from dockd.warehouse.admission import Admission
     from dockd.warehouse.core import Warehouse
     from dockd.warehouse.layout import _Body, _Part

@@ -27,14 +27,15 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
-from dockd import runcheck, shm
+from dockd import runcheck
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockNotFound, DockProtocolError, DockValueError
-from dockd.peer import Peer
+from dockd.net import shm
+from dockd.net.peer import Peer
+from dockd.node.tasks import failed, reply_when_done, spawn
 from dockd.warehouse.admission import Admission
 from dockd.warehouse.core import Warehouse
-from dockd.warehouse.replica import Replicator, encode
-from dockd.warehouse.tasks import failed, reply_when_done, spawn
+from dockd.warehouse.replica_copy import Replicator, encode
 from dockd.weights import versions as vt
 from dockd.weights.relay import RelayPlan
 

@@ -10,8 +10,8 @@ import torch
 
 import dockd
 import dockd.client.batch
-from dockd import auth, wire
 from dockd._proto import dockd_pb2 as pb
+from dockd.net import auth, wire
 
 
 @pytest.fixture

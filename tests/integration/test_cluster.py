@@ -227,8 +227,8 @@ def test_errors_name_the_address_the_user_gave_not_a_socket(procs):
 
 def test_a_peer_of_another_protocol_version_is_refused_clearly(procs):
     """A client or warehouse from another dockd version gets a clear error, not a hang."""
-    from dockd import auth, wire
     from dockd._proto import dockd_pb2 as pb
+    from dockd.net import auth, wire
 
     _, ready = procs.start("--controller", "--port", "0")
 

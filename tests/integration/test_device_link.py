@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import dockd
-from dockd import device_link
 from dockd._proto import dockd_pb2 as pb
+from dockd.net import device_link
 from tests.conftest import wait_until
 from tests.integration.test_device_tier import check, metric, sample_columns, usage
 

@@ -97,7 +97,7 @@ def test_a_device_get_from_the_controllers_node_is_one_round_trip(tier, monkeypa
         check(d.get("bytes", ["x", "r", "uid"], 16, partition="p", timeout=10), 16)  # host bytes: fetched
         assert fetches(tier) == before + 1
 
-        from dockd import device_share
+        from dockd.net import device_share
 
         def unmappable(desc):
             raise dockd.DockValueError("the device holding this buffer is not visible to this process")
@@ -115,7 +115,7 @@ def test_a_device_get_from_the_controllers_node_is_one_round_trip(tier, monkeypa
 def test_a_get_whose_inline_device_copy_fails_gives_its_samples_back_at_once(tier, monkeypatch):
     """The reader runs out of device memory copying what the acquire shared: the get raises that
     error and its samples go back to the pool at once, not when its lease expires."""
-    from dockd import device_share
+    from dockd.net import device_share
 
     with dockd.connect(tier.address) as d:
         d.put(sample_columns(8), partition="p", device="keep")
@@ -210,7 +210,7 @@ def test_bad_device_puts_are_refused_and_the_daemon_keeps_serving(tier, raw):
     st = put(pb.DeviceBuffer(type="tpu", handle=b"x", storage_size=16, nbytes=16))
     assert st.code != pb.OK and "unknown device buffer type 'tpu'" in st.message
     t = torch.zeros(8, dtype=torch.uint8)
-    from dockd import device_share
+    from dockd.net import device_share
 
     desc, _ = device_share.export(t)
     st = put(desc, nbytes=64)  # runs past the shared buffer

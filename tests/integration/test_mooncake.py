@@ -20,8 +20,8 @@ pytest.importorskip("mooncake.engine", reason="the Mooncake Transfer Engine is n
                                               "(make mooncake: pip install '.[mooncake]' plus libibverbs1)")
 
 import dockd  # noqa: E402
-from dockd.client.transport import mooncake as client_mooncake  # noqa: E402
-from dockd.warehouse.mooncake import EngineUnavailable  # noqa: E402
+from dockd.net import mooncake as client_mooncake  # noqa: E402
+from dockd.net.mooncake_server import EngineUnavailable  # noqa: E402
 from tests.conftest import serving, wait_child  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -194,7 +194,7 @@ def test_required_client_whose_engine_cannot_load_says_why(mooncake_dock, partit
         w.put({"x": [torch.ones(1 << 17)]}, partition=partition)
     code = textwrap.dedent("""
         import sys, dockd
-        from dockd.warehouse.mooncake import EngineUnavailable
+        from dockd.net.mooncake_server import EngineUnavailable
         with dockd.connect(sys.argv[1], warehouse=0) as r:
             try:
                 r.get("c", ["x"], 1, partition=sys.argv[2], timeout=30)
@@ -211,8 +211,9 @@ def test_required_client_whose_engine_cannot_load_says_why(mooncake_dock, partit
 def test_which_readers_try_the_engine():
     """transport='mooncake': every warehouse (then the TCP fallback, which a required read never takes);
     'auto': warehouses on other hosts; 'tcp', and the controller's pool: never."""
-    from dockd.client.transport import Context, Endpoint, candidates
     from dockd.config import ClientConfig
+    from dockd.net.candidates import candidates
+    from dockd.net.transport import Context, Endpoint
 
     def ctx(setting):
         return Context(config=ClientConfig(transport=setting))

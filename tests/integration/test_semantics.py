@@ -94,7 +94,7 @@ def test_a_call_in_flight_while_the_client_replaces_its_controller_connections_g
     # Another thread of the client replaces its controller connections (a reconnect, a better
     # transport) while a confirm waits for its answer. Closing the connection under that confirm
     # made it look failed though the controller applied it, and the confirm sent again was refused.
-    from dockd.client.transport import Endpoint
+    from dockd.net.transport import Endpoint
 
     with dockd.start_local(1) as c, dockd.connect(c.address) as d:
         d.put({"x": torch.arange(4)}, partition=partition)
@@ -184,7 +184,7 @@ def test_full_warehouse_applies_backpressure_then_dockfull(partition):
 def test_a_put_that_waits_long_for_room_says_so_once(partition, monkeypatch, caplog):
     """A put without a timeout waits for room as long as it takes; from outside that looked like a hang.
     Past PUT_WAIT_WARN_S (30 s; 0.5 s here) the client logs once what it waits for, then the put lands."""
-    from dockd.client import transport
+    from dockd.net import transport
 
     monkeypatch.setattr(transport, "PUT_WAIT_WARN_S", 0.5)
     with dockd.start_local(1, capacity="1MiB") as c, dockd.connect(c.address) as d:
@@ -192,7 +192,7 @@ def test_a_put_that_waits_long_for_room_says_so_once(partition, monkeypatch, cap
         done = {}
         t = threading.Thread(target=lambda: done.setdefault("idx", d.put({"x": [torch.ones(100_000)]},
                                                                         partition=partition + "b")))
-        with caplog.at_level(logging.WARNING, logger="dockd.client.transport"):
+        with caplog.at_level(logging.WARNING, logger="dockd.net.transport"):
             t.start()
             wait_until(lambda: "has waited" in caplog.text, timeout=15, what="the long wait to be logged")
             assert "idx" not in done

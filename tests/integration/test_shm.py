@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import dockd
-from dockd import shm
 from dockd.local import spawn_node
+from dockd.net import shm
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs Linux memfd and SCM_RIGHTS")
 

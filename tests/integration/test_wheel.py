@@ -42,7 +42,7 @@ def test_wheel_installs_in_a_fresh_venv_and_runs_the_demo(tmp_path: pathlib.Path
     (wheel,) = dist.glob("dockd-*-py3-none-any.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for needed in ("dockd/__init__.py", "dockd/cli.py", "dockd/_proto/__init__.py", "dockd/_proto/dockd_pb2.py",
-                   "dockd/_proto/dockd_pb2_grpc.py", "dockd/warehouse/daemon.py", "dockd/controller/core.py"):
+                   "dockd/_proto/dockd_pb2_grpc.py", "dockd/node/daemon.py", "dockd/controller/core.py"):
         assert needed in names, needed
     assert not any(n.startswith(("tests/", "benchmarks/", "examples/")) for n in names), sorted(names)[:20]
 

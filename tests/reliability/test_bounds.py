@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import dockd
-from dockd import shm, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.local import spawn_node
+from dockd.net import shm, wire
 from tests.conftest import serving, wait_until
 
 pytestmark = pytest.mark.timeout(180)

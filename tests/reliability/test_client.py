@@ -90,7 +90,7 @@ def test_a_connection_closed_mid_call_keeps_its_descriptor_until_the_call_ends(c
     that thread's poll(): a new socket would take the number and the call would wait on it
     forever. The close only shuts the socket down; the waiting call wakes and releases it."""
     from dockd._proto import dockd_pb2 as pb
-    from dockd.client.connection import Connection
+    from dockd.net.connection import Connection
 
     host, port = cluster.address.rsplit(":", 1)
     conn = Connection(host, int(port))
@@ -180,7 +180,7 @@ def test_a_child_forked_while_other_threads_held_the_clients_locks_does_not_hang
     waited on it for ever. The child takes fresh locks; its client puts and gets (a 2 MiB reply over
     TCP, through the receive pool) and the child exits."""
     from dockd import _lazy, ids
-    from dockd.client import recv_pool
+    from dockd.net import recv_pool
 
     with dockd.connect(cluster.address) as d:
         d.put({"x": torch.arange(4)}, partition=partition)

@@ -365,7 +365,7 @@ def test_without_a_data_dir_nothing_changes(data_dir):
     dir is refused where it does not apply."""
     from dockd.config import NodeConfig
     from dockd.controller.membership import DURABLE
-    from dockd.warehouse.daemon import Node
+    from dockd.node.daemon import Node
 
     for _ in range(64):
         assert not Node(NodeConfig(join="127.0.0.1:1")).instance & DURABLE

@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dockd
-from dockd import wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.local import spawn_node
+from dockd.net import wire
 
 pytestmark = pytest.mark.timeout(600)
 

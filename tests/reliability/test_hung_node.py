@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import dockd
-from dockd import auth, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.local import spawn_node
+from dockd.net import auth, wire
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(120)

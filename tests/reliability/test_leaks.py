@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import dockd
-from dockd import shm
+from dockd.net import shm
 from dockd.warehouse.segments import Segments, size_class
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="Linux shared memory only")

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import dockd
-from dockd import wire
 from dockd.local import spawn_node
+from dockd.net import wire
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(120)

@@ -33,7 +33,8 @@ MiB = 1 << 20
 # 4 KiB of it, then 4 KiB a second on each (alive, far under --min-rate), until it is killed.
 SLOW = textwrap.dedent("""
     import encodings.idna, os, socket, sys, time
-    from dockd import auth, wire
+    from dockd.net import auth
+    from dockd.net import wire
     from dockd._proto import dockd_pb2 as pb
 
     host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[4])

@@ -18,10 +18,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import dockd
-from dockd import auth, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd._proto import dockd_pb2_grpc
 from dockd.local import read_ready, spawn_node
+from dockd.net import auth, wire
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -293,7 +293,7 @@ def test_a_client_of_another_user_is_told_the_dock_refuses_its_user(cluster, cli
         pytest.skip("needs root to run a client as another user")
     code = """
 import encodings.idna, os, sys
-import dockd, dockd.client, dockd.client.transport.tcp  # (as root: the checkout need not be readable by nobody)
+import dockd, dockd.client, dockd.net.tcp  # (as root: the checkout need not be readable by nobody)
 os.setgid(65534); os.setuid(65534)
 try:
     dockd.connect(sys.argv[1], connect_timeout=10)

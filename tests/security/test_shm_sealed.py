@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import dockd
-from dockd import shm
 from dockd._proto import dockd_pb2 as pb
+from dockd.net import shm
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(not shm.available(), reason="Linux shared memory only")]
 

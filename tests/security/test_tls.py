@@ -21,7 +21,7 @@ import torch
 import dockd
 from dockd.errors import DockAuthError
 from dockd.local import read_ready, spawn_node
-from dockd.tls import TlsSocket
+from dockd.net.tls import TlsSocket
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from dockd.errors import DockFull
-from dockd.peer import RATE_GRACE, too_slow
+from dockd.net.peer import RATE_GRACE, too_slow
 from dockd.warehouse.admission import Admission
 from dockd.warehouse.core import Warehouse
 from dockd.warehouse.segments import Segments

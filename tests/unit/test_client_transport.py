@@ -11,13 +11,13 @@ import inspect
 import pytest
 
 import dockd
-from dockd import shm
-from dockd.client import transport
-from dockd.client.transport import Context, Endpoint, Transport, candidates
-from dockd.client.transport.device_link import DeviceLinkTransport
-from dockd.client.transport.shm import ShmTransport
-from dockd.client.transport.tcp import TcpTransport
 from dockd.config import ClientConfig
+from dockd.net import shm, transport
+from dockd.net.candidates import candidates
+from dockd.net.device_transport import DeviceLinkTransport
+from dockd.net.same_host import ShmTransport
+from dockd.net.tcp import TcpTransport
+from dockd.net.transport import Context, Endpoint, Transport
 
 
 def ctx(setting: str = "auto", links: bool = False) -> Context:
@@ -42,10 +42,9 @@ def test_the_last_candidate_always_works_and_each_names_itself():
     assert {TcpTransport.name, DeviceLinkTransport.name, ShmTransport.name} == {"tcp", "shm"}
 
 
-def test_a_new_transport_is_one_registered_class(monkeypatch):
-    monkeypatch.setattr(transport, "_REGISTRY", list(transport._REGISTRY))
+def test_a_new_transport_is_one_class_in_the_list(monkeypatch):
+    from dockd.net import candidates as chosen
 
-    @transport.register
     class Fake(TcpTransport):  # e.g. a Mooncake transport: frames over TCP, payloads its own way
         name = "fake"
         auto = False
@@ -56,6 +55,7 @@ def test_a_new_transport_is_one_registered_class(monkeypatch):
         def applies(cls, endpoint, ctx):
             return endpoint.warehouse is not None
 
+    monkeypatch.setattr(chosen, "TRANSPORTS", (Fake, *chosen.TRANSPORTS))
     wh = Endpoint("192.0.2.1", 1, warehouse=0)
     assert candidates(wh, ctx("fake")) == [Fake, TcpTransport]
     assert Fake not in candidates(wh, ctx("auto")) and Fake not in candidates(wh, ctx("tcp"))

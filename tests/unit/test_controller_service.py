@@ -9,11 +9,12 @@ import asyncio
 import numpy as np
 import pytest
 
-from dockd import auth, owners
+from dockd import owners
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.core import Controller
 from dockd.controller.service import ControllerService
 from dockd.errors import DockDataLost, DockFull, DockTimeout, DockValueError
+from dockd.net import auth
 
 
 class FakeClock:

@@ -81,7 +81,7 @@ except NcclError as e:
                    "last_error": e.last_error, "function": e.function, "str": str(e),
                    "known_name": RESULT_NAMES.get(e.code)}
 import torch
-from dockd.device_link import Link
+from dockd.net.device_link import Link
 out["link_rendezvous"] = len(Link.offer("nccl", torch.device("cuda", 0), "127.0.0.1").rendezvous)
 print("PROBE" + json.dumps(out))
 """

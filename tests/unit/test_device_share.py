@@ -1,4 +1,4 @@
-"""dockd.device_share without an accelerator: which devices go through the device tier, how
+"""dockd.net.device_share without an accelerator: which devices go through the device tier, how
 NPU devices are named across processes with different visible-device lists, and the errors a
 process gets for device memory it cannot map."""
 
@@ -9,9 +9,9 @@ import importlib.util
 import pytest
 import torch
 
-from dockd import device_share
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockValueError
+from dockd.net import device_share
 
 
 def test_accelerators_are_tiered_and_cpu_only_as_the_stand_in(monkeypatch):

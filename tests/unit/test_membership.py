@@ -103,7 +103,7 @@ class ClosedPeer:
 
 async def answering_as(instance: int):
     """A listener at a free port that opens every connection with a challenge naming `instance`."""
-    from dockd import wire
+    from dockd.net import wire
 
     async def greet(reader, writer):
         writer.write(wire.header(pb.Frame(challenge=pb.Challenge(instance=instance)), 0))

@@ -10,14 +10,15 @@ import itertools
 import pytest
 import torch
 
-from dockd import auth, codec, wire
+from dockd import codec
 from dockd._proto import dockd_pb2 as pb
 from dockd.config import NodeConfig
 from dockd.errors import DockAuthError, DockConnectionError, DockFull, DockNotFound, DockValueError, from_status
+from dockd.net import auth, wire
+from dockd.net.wire import PROTOCOL_VERSION
+from dockd.node.daemon import Node
+from dockd.node.dispatch import CONTROLLER_KINDS, SERVED_KINDS
 from dockd.warehouse.commit import LocalCommitter, RemoteCommitter
-from dockd.warehouse.daemon import Node
-from dockd.warehouse.dispatch import CONTROLLER_KINDS, SERVED_KINDS
-from dockd.wire import PROTOCOL_VERSION
 
 KiB = 1 << 10
 _NOT_REQUESTS = {"challenge", "auth"}  # the handshake's frames (auth_reply is a reply)

@@ -9,7 +9,7 @@ import logging
 from rich.console import Console
 
 from dockd.cli import JsonFormatter
-from dockd.metrics import BUCKETS, Histogram
+from dockd.node.metrics import BUCKETS, Histogram
 from dockd.status import render, slowest, with_rates
 
 

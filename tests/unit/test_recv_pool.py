@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from dockd.client.connection import RecvPool
+from dockd.net.connection import RecvPool
 
 MiB = 1 << 20
 
@@ -51,7 +51,7 @@ def test_small_replies_bypass_the_pool():
 def test_the_process_pool_is_made_on_first_use_with_the_environment_then(monkeypatch):
     """Importing the client reads no environment: the pool is sized by $DOCKD_RECV_POOL_BYTES as it
     is when the first large reply arrives."""
-    from dockd.client import recv_pool as module
+    from dockd.net import recv_pool as module
 
     monkeypatch.setattr(module, "_POOL", None)
     monkeypatch.setenv("DOCKD_RECV_POOL_BYTES", str(3 * MiB))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dockd.controller import replicas
+from dockd.controller import replica_map as replicas
 from dockd.controller.core import Controller
 from dockd.controller.journal import Journal
 from dockd.controller.partition import NO_WAREHOUSE, PENDING_WAREHOUSE

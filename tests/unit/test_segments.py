@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from dockd import shm
 from dockd.errors import DockNotFound, DockProtocolError
+from dockd.net import shm
 from dockd.warehouse.segments import Segments, size_class
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="Linux shared memory only")

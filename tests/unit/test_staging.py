@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dockd.client.staging import Staging
+from dockd.net.staging import Staging
 
 
 def test_the_buffer_a_writer_uses_now_stays_warm_when_the_budget_is_full():

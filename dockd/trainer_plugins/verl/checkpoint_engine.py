@@ -20,13 +20,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any
 
 import torch
 
 import dockd
+from dockd.config import env
 from dockd.errors import DockValueError
 from dockd.weights import DEFAULT_HOLD_S, DEFAULT_KEEP, Publisher, Settings, WeightsReader
 
@@ -53,7 +53,7 @@ def _dtype(value: torch.dtype | str | None) -> torch.dtype | None:
 
 def connect(address: str | None) -> dockd.Dock:
     """The dock: `address`, else $DOCKD_ADDRESS, else the one `dockd.ray` runs on this Ray cluster."""
-    address = address or os.environ.get(ENV_ADDRESS) or None
+    address = address or env(ENV_ADDRESS) or None
     if address is not None:
         return dockd.connect(address)
     from dockd import ray as dockd_ray
@@ -159,7 +159,7 @@ class DockdCheckpointEngine(CheckpointEngineWithCache):
     def init_process_group(self, rank: int, world_size: int,  # type: ignore[override]
                            master_metadata: dict[str, Any]) -> None:
         self.rank, self.world_size = rank, world_size
-        if self.dock is None and self.address is None and not os.environ.get(ENV_ADDRESS):
+        if self.dock is None and self.address is None and not env(ENV_ADDRESS):
             self.address = master_metadata["address"]  # (a rollout without a setting of its own: the master's dock)
         if rank > 0 and self.reader is None:
             self.reader = WeightsReader(self._dock(), self.model)

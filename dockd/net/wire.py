@@ -29,7 +29,7 @@ from dockd.errors import DockProtocolError
 MAGIC = b"DKD1"
 PREFIX = struct.Struct("<4sIQ")
 # A request header (not a body) this big is a batch to split, or an attack. Headers past the
-# receive scratch buffer are counted against one budget per daemon (`dockd.peer`).
+# receive scratch buffer are counted against one budget per daemon (`dockd.net.peer`).
 MAX_HEADER = 64 << 20
 # A reply's header may be larger: a request within `dockd.limits` (4M samples in a put, 8M
 # sample-columns in a get) is answered in full, never applied and then reported as too big.

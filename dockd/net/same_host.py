@@ -1,12 +1,12 @@
 """Same host: frames over the daemon's Unix socket, payloads in sealed shared memory.
 
-A put copies its body into a warm staging memfd (`dockd.client.staging`) and
+A put copies its body into a warm staging memfd (`dockd.net.staging`) and
 names it; the warehouse copies it out before it answers. A fetch's large
 values come as memfd segments passed with the reply (SCM_RIGHTS), mapped
 copy-on-write: the values are views of the warehouse's memory, and each
 mapping *pins* its segment until it is gone (the unpin rides on the next
 request). Device-tier data is shared by IPC handle (same node) and copied
-once, device to device. See `dockd.shm` for the daemon's side.
+once, device to device. See `dockd.net.shm` for the daemon's side.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from dockd import codec, device_share, shm
+from dockd import codec
 from dockd._proto import dockd_pb2 as pb
-from dockd.client.staging import Staging
-from dockd.client.transport import Context, Endpoint, Put, Reply, Transport, is_local, register
 from dockd.errors import DockConnectionError, DockError, DockProtocolError, StagingUnknown
+from dockd.net import device_share, shm
+from dockd.net.staging import Staging
+from dockd.net.transport import Context, Endpoint, Put, Reply, Transport, is_local
 
 
-@register
 class ShmTransport(Transport):
     name = "shm"
     auto = True
@@ -83,7 +83,7 @@ class ShmTransport(Transport):
     def send_put(self, pool, put: Put) -> pb.Frame:
         """Device columns go by handle (same node). A large body is copied into a warm staging buffer
         (the one copy here) and named; the warehouse copies it into its own storage, before or (a lent
-        buffer: see `dockd.client.staging`) right after it answers."""
+        buffer: see `dockd.net.staging`) right after it answers."""
 
         req, body = put.req, put.body
         mark = self.staging.mark()

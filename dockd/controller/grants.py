@@ -12,11 +12,11 @@ import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller import selection
-from dockd.controller.leases import AcquireResult
+from dockd.controller.lease_table import AcquireResult
 from dockd.controller.partition import VERSION_TAG
 from dockd.controller.rounds import Round
 from dockd.errors import DockDataLost, DockStateFull, DockValueError
-from dockd.peer import Peer
+from dockd.net.peer import Peer
 
 if TYPE_CHECKING:
     from dockd.controller.service import ControllerService
@@ -28,7 +28,7 @@ STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
 
 def where_of(r) -> dict[str, tuple[int, int]] | None:
-    return {t.name: (t.lo, t.hi) for t in r.where[:]} or None  # ([:]: see dockd.wire)
+    return {t.name: (t.lo, t.hi) for t in r.where[:]} or None  # ([:]: see dockd.net.wire)
 
 
 def _lease_seconds(r: pb.AcquireRequest) -> float | None:

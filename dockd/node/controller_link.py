@@ -39,11 +39,12 @@ import ssl
 import time
 from collections.abc import Callable
 
-from dockd import limits, tls, wire
+from dockd import limits
 from dockd._proto import dockd_pb2 as pb
 from dockd.config import env
 from dockd.errors import DockAuthError, DockConfigError, DockConnectionError, DockError, DockProtocolError, DockTimeout
-from dockd.peer import Peer
+from dockd.net import tls, wire
+from dockd.net.peer import Peer
 from dockd.warehouse.commit import answered, outcome
 
 logger = logging.getLogger(__name__)
@@ -401,7 +402,7 @@ class ControllerLink:
 async def open_link(make_peer: Callable[[], Peer], host: str, port: int,
                     link_tls: tls.LinkTls | None) -> tuple[asyncio.BaseTransport, Peer]:
     """Connect a daemon-to-daemon link: TCP, then, when the far daemon's first frame is the TLS
-    preamble (dockd.tls), TLS checked with `link_tls`. A mismatch either way raises DockAuthError."""
+    preamble (dockd.net.tls), TLS checked with `link_tls`. A mismatch either way raises DockAuthError."""
     loop = asyncio.get_running_loop()
     address = f"{host}:{port}"
     sock: socket.socket | None = None

@@ -21,13 +21,14 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from dockd import auth, limits
+from dockd import limits
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.agreement import Agreement
 from dockd.errors import DockAuthError, DockProtocolError, DockValueError
-from dockd.peer import Peer
-from dockd.warehouse.tasks import reply_when_done, spawn
-from dockd.wire import check_protocol
+from dockd.net import auth
+from dockd.net.peer import Peer
+from dockd.net.wire import check_protocol
+from dockd.node.tasks import reply_when_done, spawn
 
 #: What serves one request: (the connection, the frame, its body or None, descriptors it carried).
 RequestHandler = Callable[[Peer, pb.Frame, Any, list[int]], None]

@@ -13,10 +13,10 @@ import numpy as np
 from dockd import ids, limits
 from dockd._proto import dockd_pb2 as pb
 from dockd.client import validate
-from dockd.client.connection import Pool
 from dockd.client.router import CallScope, Router
-from dockd.client.transport import ANSWER_GRACE_S, Reply
 from dockd.errors import DockConnectionError, DockError, DockValueError
+from dockd.net.connection import Pool
+from dockd.net.transport import ANSWER_GRACE_S, Reply
 
 if TYPE_CHECKING:
     from dockd.client.confirm import Confirms
@@ -130,7 +130,7 @@ class Acquirer:
                 "[client] partition %r was rebuilt after a controller restart without a state dir: samples this "
                 "consumer took before the restart can be handed out again (start the controller with --state-dir "
                 "to keep consumer progress)", req.partition)
-        idx = a.indexes[:]  # (lists: see dockd.wire)
+        idx = a.indexes[:]  # (lists: see dockd.net.wire)
         columns = req.columns[:]
         got = a.inline[:]
         try:

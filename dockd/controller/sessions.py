@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.clock import Timer
-from dockd.controller.leases import Lease
+from dockd.controller.lease_table import Lease
 from dockd.errors import DockLeaseError, DockValueError
-from dockd.peer import Peer
+from dockd.net.peer import Peer
 
 if TYPE_CHECKING:
     from dockd.controller.service import ControllerService
@@ -85,7 +85,7 @@ class Leasing:
             return
         svc, core = self.svc, self.svc.core
         done, unknown, refused, sealed, mine = [], [], [], set(), []
-        for k, lid in enumerate(leases[:]):  # ([:]: see dockd.wire)
+        for k, lid in enumerate(leases[:]):  # ([:]: see dockd.net.wire)
             try:
                 lease = self.owned(peer, lid, tickets[k] if k < len(tickets) else b"")
             except DockLeaseError:

@@ -1,4 +1,4 @@
-"""The warehouse's ends of device links (cross-node device reads, see `dockd.device_link`).
+"""The warehouse's ends of device links (cross-node device reads, see `dockd.net.device_link`).
 
 A link is opened by a fetch that carries a rendezvous, kept while the connection
 that opened it lasts, and dropped on that connection's end, on any failure of
@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dockd import device_share, limits
+from dockd import limits
 from dockd._proto import dockd_pb2 as pb
-from dockd.device_link import BACKENDS, HOLDER, Link
 from dockd.errors import DockError
+from dockd.net import device_share
+from dockd.net.device_link import BACKENDS, HOLDER, Link
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Mapping
 
 import numpy as np
 
-from dockd import auth, owners, shm
+from dockd import owners
 from dockd._proto import dockd_pb2 as pb
 from dockd._version import __version__
 from dockd.config import NodeConfig
@@ -43,26 +43,29 @@ from dockd.controller.agreement import Agreement
 from dockd.controller.core import Controller
 from dockd.controller.service import ControllerService
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockValueError
-from dockd.metrics import Metrics, MetricsServer
-from dockd.peer import Peer
-from dockd.warehouse import controller_probe, memory, mooncake
+from dockd.net import auth, shm
+from dockd.net import mooncake_server as mooncake
+from dockd.net.device_warehouse_links import Links
+from dockd.net.peer import Peer
+from dockd.net.wire import PROTOCOL_VERSION, check_protocol
+from dockd.node import controller_probe
+from dockd.node.controller_link import ControllerLink, discover_controllers
+from dockd.node.dispatch import WAREHOUSE_KINDS, Dispatcher, RequestHandler, controller_handlers, plain
+from dockd.node.listen import Keys, Listeners, watch_pid
+from dockd.node.metrics import Metrics, MetricsServer
+from dockd.node.tasks import failed, reply_when_done, spawn
+from dockd.warehouse import memory
 from dockd.warehouse.admission import Admission
-from dockd.warehouse.checkpoint import Checkpoints
 from dockd.warehouse.commit import LocalCommitter, RemoteCommitter, RoutingCommitter
 from dockd.warehouse.core import Warehouse
 from dockd.warehouse.datadir import DataDir, dock_of
-from dockd.warehouse.dispatch import WAREHOUSE_KINDS, Dispatcher, RequestHandler, controller_handlers, plain
+from dockd.warehouse.dump import Checkpoints
 from dockd.warehouse.fetch import FetchPath
-from dockd.warehouse.link import ControllerLink, discover_controllers
-from dockd.warehouse.links import Links
-from dockd.warehouse.listen import Keys, Listeners, watch_pid
 from dockd.warehouse.put import PutPipeline
-from dockd.warehouse.replica import Replicator
+from dockd.warehouse.replica_copy import Replicator
 from dockd.warehouse.segments import Segments
 from dockd.warehouse.spill import SpillTier
-from dockd.warehouse.tasks import failed, reply_when_done, spawn
 from dockd.warehouse.weights import WeightsService
-from dockd.wire import PROTOCOL_VERSION, check_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +182,7 @@ class Node:
         if self.agreement is not None:
             spawn(controller_probe.watch(self.agreement, self.listeners.make_probe_peer, self.listeners.link_tls))
         await self._join(reg)
-        from dockd.warehouse.admin import start_grpc
+        from dockd.node.admin import start_grpc
 
         figures = Figures(self)
         self._grpc, self.grpc_port = start_grpc(figures, loop, host=self.cfg.host, port=self.port,
@@ -482,7 +485,7 @@ class HostedWarehouse:
 
 
 class Figures:
-    """What the metrics endpoint and the admin service read of a node (`dockd.metrics.NodeFigures`)."""
+    """What the metrics endpoint and the admin service read of a node (`dockd.node.metrics.NodeFigures`)."""
 
     def __init__(self, node: Node) -> None:
         self._node = node

@@ -1,7 +1,7 @@
 """Mooncake Transfer Engine: frames over TCP, fetched bytes pulled by the reader's engine.
 
 A fetch asks the warehouse for a Mooncake answer (`FetchRequest.mooncake`). A warehouse running an
-engine (`dockd serve --transport mooncake|auto`, `dockd.warehouse.mooncake`) answers with the runs'
+engine (`dockd serve --transport mooncake|auto`, `dockd.net.mooncake_server`) answers with the runs'
 metadata and, instead of body bytes, the remote address and length of each span of its registered
 segments that the runs use; this client reads those spans with one batch transfer of its own engine
 into a receive buffer taken from a pool registered with the engine once (not per call), then names
@@ -37,10 +37,10 @@ from typing import Any
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.client.transport import Context, Endpoint, Reply, Transport, is_local, register
-from dockd.client.transport.device_link import DeviceLinkTransport
 from dockd.errors import DockConnectionError
-from dockd.warehouse.mooncake import EngineUnavailable, address_of, load_engine_class, start_engine
+from dockd.net.device_transport import DeviceLinkTransport
+from dockd.net.mooncake_server import EngineUnavailable, address_of, load_engine_class, start_engine
+from dockd.net.transport import Context, Endpoint, Reply, Transport, is_local
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +215,6 @@ def installed() -> bool:
     return importlib.util.find_spec("mooncake") is not None
 
 
-@register
 class MooncakeTransport(DeviceLinkTransport):
     name = "mooncake"
     auto = True

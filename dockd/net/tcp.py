@@ -7,14 +7,13 @@ import socket
 import ssl
 import time
 
-from dockd import tls as _tls
-from dockd import wire
-from dockd.client.transport import Transport, register
+from dockd.net import tls as _tls
+from dockd.net import wire
+from dockd.net.transport import Transport
 
 _PROBE = b"GET / HTTP/1.0\r\n\r\n"
 
 
-@register
 class TcpTransport(Transport):
     """Frames over TCP (TCP_NODELAY); payloads travel in the frames' bodies. Never spins: on
     loopback, polling for the reply cost 10-30% of bulk throughput (docs/design.md)."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.controller import replicas
+from dockd.controller import replica_map as replicas
 from dockd.controller.clock import Timer
 from dockd.errors import DockValueError
 from dockd.logutil import Throttle

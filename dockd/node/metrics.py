@@ -64,7 +64,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from dockd._version import __version__
-from dockd.controller.acquiring import STALENESS_BUCKETS
+from dockd.controller.grants import STALENESS_BUCKETS
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric

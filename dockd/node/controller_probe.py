@@ -7,12 +7,12 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from dockd import tls, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.agreement import PROBE_INTERVAL, Agreement
 from dockd.errors import DockConfigError, DockError
-from dockd.peer import Peer
-from dockd.warehouse.link import open_link
+from dockd.net import tls, wire
+from dockd.net.peer import Peer
+from dockd.node.controller_link import open_link
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ freed when the last descriptor and mapping of it are gone, whoever crashed.
   about 1 GB/s on the development VM). The writer lends the buffer: the
   warehouse may answer before it copies the bulk out, and copies it before
   it reads another request; the writer reuses the buffer only once a later
-  put is answered (`dockd.client.staging`, `dockd.warehouse.put`).
+  put is answered (`dockd.net.staging`, `dockd.warehouse.put`).
 - get: the warehouse passes the descriptors of the segments holding the values;
   the client maps them copy-on-write (MAP_PRIVATE), so the returned tensors
   are zero-copy views that the caller may still write to: a write copies the
@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from dockd import wire
+from dockd.net import wire
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class Segment:
 def segment_budget() -> int:
     """How many segments this process may hold: its descriptor limit and the kernel's
     mapping limit, less a reserve for sockets (a quarter of the limit), descriptors in
-    flight (an eighth) and libraries (see `dockd.warehouse.daemon.Node`).
+    flight (an eighth) and libraries (see `dockd.node.daemon.Node`).
 
     A process past its descriptor limit cannot even receive one: the kernel drops
     the descriptors of a message (MSG_CTRUNC) and the connection is lost."""

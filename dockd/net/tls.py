@@ -31,9 +31,9 @@ import ssl
 import time
 from collections.abc import Sequence
 
-from dockd import wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockAuthError, DockValueError
+from dockd.net import wire
 
 logger = logging.getLogger(__name__)
 

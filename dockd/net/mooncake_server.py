@@ -12,7 +12,7 @@ once, when the segment is created; a warm segment taken again from the pool is a
 and the registration goes when the segment does. A reader that asks for a Mooncake answer
 (`FetchRequest.mooncake`) gets, instead of body bytes, the remote address and length of each
 segment span its runs use; it reads them with its own engine into its registered receive buffers
-(`dockd.client.transport.mooncake`) and then names the answer's loan in `FetchRequest.mooncake_done`.
+(`dockd.net.mooncake`) and then names the answer's loan in `FetchRequest.mooncake_done`.
 Until then the loan pins those segments (a cleared segment is not refilled under a read); a loan
 whose connection closed, or that is older than `LOAN_TIMEOUT_S`, is given back.
 

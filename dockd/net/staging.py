@@ -22,7 +22,7 @@ import threading
 
 import numpy as np
 
-from dockd import shm
+from dockd.net import shm
 
 MIN_SIZE = 4 << 20
 

@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from dockd._proto import dockd_pb2 as pb
 from dockd.config import env
 from dockd.errors import DockAuthError, DockValueError
-from dockd.wire import PROTOCOL_VERSION, check_protocol
+from dockd.net.wire import PROTOCOL_VERSION, check_protocol
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 from dockd import codec, ids
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockConnectionError
-from dockd.peer import Peer
+from dockd.net.peer import Peer
+from dockd.node.controller_link import open_link
 from dockd.warehouse.core import Warehouse
-from dockd.warehouse.link import open_link
 
 logger = logging.getLogger(__name__)
 

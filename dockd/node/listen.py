@@ -7,11 +7,11 @@ and the checks made before a connection may send anything: who the peer is
 (its uid on a Unix or tokenless loopback connection), how many connections are
 open, and the descriptor budget shared by connections, descriptors in flight
 and stored segments. Authentication itself is the handshake each `Peer` runs
-with `server_auth` (see `dockd.auth`); the keys it checks are chosen by
+with `server_auth` (see `dockd.net.auth`); the keys it checks are chosen by
 `Keys`.
 
 With `--tls-cert` the TCP port speaks TLS: each connection gets the plain TLS preamble
-(`dockd.tls`), then the TLS handshake, and only then its `Peer` (so the dockd handshake
+(`dockd.net.tls`), then the TLS handshake, and only then its `Peer` (so the dockd handshake
 and every frame run inside TLS); the Unix socket never leaves the host and has none.
 """
 
@@ -29,12 +29,13 @@ import ssl
 from collections.abc import Callable
 from pathlib import Path
 
-from dockd import auth, config, shm, tls, wire
+from dockd import config
 from dockd._proto import dockd_pb2 as pb
 from dockd.config import NodeConfig
 from dockd.logutil import Throttle
-from dockd.peer import Handler, Peer
-from dockd.warehouse.link import keepalive
+from dockd.net import auth, shm, tls, wire
+from dockd.net.peer import Handler, Peer
+from dockd.node.controller_link import keepalive
 
 logger = logging.getLogger(__name__)
 _refusals = Throttle()  # connections refused (limits, other users): one line per 10 s
@@ -229,7 +230,7 @@ class Listeners:
 
     def make_link_peer(self) -> Peer:
         """This warehouse's connection to its controller: it proves the daemon role (over TLS when
-        `link_tls` is set: dockd.warehouse.link.open_link finds it here)."""
+        `link_tls` is set: dockd.node.controller_link.open_link finds it here)."""
         peer = Peer(self.handler, max_body=self.cfg.max_frame, on_connect=keepalive,
                     prove=(auth.DAEMON, self.keys.link_key(), b""))
         self.peers.add(peer)

@@ -1,7 +1,7 @@
 """Transports: how a client carries frames and payloads to one daemon.
 
 A `Transport` is made per daemon endpoint (the controller, each warehouse) and
-lives as long as that endpoint's connection pool (`dockd.client.connection.Pool`).
+lives as long as that endpoint's connection pool (`dockd.net.connection.Pool`).
 Everything that differs between ways of reaching a daemon is behind it; the
 put, fetch and acquire code above never asks which one it has.
 
@@ -26,7 +26,7 @@ Contract (what an implementation provides; see `Transport` for signatures):
 - `open(timeout)`: a connected, blocking socket for frames. `tls`: the CA file
   its daemons' certificates are checked with ("": none; TCP takes
   `ClientConfig.tls`); `secure(sock, timeout)`: that socket after its TLS
-  handshake (`dockd.tls`), once the daemon's preamble said TLS follows. `describe()` names
+  handshake (`dockd.net.tls`), once the daemon's preamble said TLS follows. `describe()` names
   the daemon in errors the way the user knows it; `sniff(timeout)` may say
   what a port that sent no dockd challenge is instead (TCP asks it), and `identify(first, timeout)`
   what one that sent other bytes is (TCP asks a gRPC port whether it is a dockd daemon's admin port).
@@ -49,8 +49,8 @@ Contract (what an implementation provides; see `Transport` for signatures):
   whether it still serves the daemon a fresh hello describes (else the pool is
   dropped); `close()`.
 
-A new transport is one module defining a `Transport` subclass decorated with
-`@register`, plus its import at the bottom of this file. The Mooncake Transfer
+A new transport is one module defining a `Transport` subclass, listed in
+`dockd.net.candidates.TRANSPORTS`. The Mooncake Transfer
 Engine transport (`mooncake.py`) is built this way, with one difference from the
 plan below: the warehouse names its engine session in each fetch answer rather
 than in its hello, so a warehouse without an engine says so there (and a client
@@ -86,8 +86,8 @@ from dockd._proto import dockd_pb2 as pb
 from dockd.config import ClientConfig
 
 if TYPE_CHECKING:
-    from dockd.client.connection import Pool
-    from dockd.client.links import ReaderLinks
+    from dockd.net.connection import Pool
+    from dockd.net.device_reader_links import ReaderLinks
 
 
 #: A daemon that answers no Hello within PROBE_S seconds is silent (stopped, hung), as the controller's
@@ -265,23 +265,6 @@ class Transport:
 
 
 _log = logging.getLogger(__name__)
-_REGISTRY: list[type[Transport]] = []
-
-
-def register(cls: type[Transport]) -> type[Transport]:
-    """Make a transport class available to clients (`@register` on its definition)."""
-    _REGISTRY.append(cls)
-    _REGISTRY.sort(key=lambda c: -c.priority)
-    return cls
-
-
-def candidates(endpoint: Endpoint, ctx: Context) -> list[type[Transport]]:
-    """The transports to try for `endpoint`, best first; the last one is a fallback (TCP)."""
-    setting = ctx.config.transport
-    return [c for c in _REGISTRY
-            if (c.fallback or setting == c.name or (setting == "auto" and c.auto)) and c.applies(endpoint, ctx)]
-
-
 @functools.lru_cache(maxsize=256)
 def is_local(host: str) -> bool:
     """Whether `host` names an address of this machine (network namespace): can we bind to it?"""
@@ -306,8 +289,4 @@ def _close_all(fds) -> None:
         os.close(fd)
 
 
-# the built-in transports (a new one: its module, imported here)
-# (mooncake after device_link: it builds on it)
-from dockd.client.transport import device_link, mooncake, shm, tcp  # noqa: E402,F401
-
-__all__ = ["Context", "Endpoint", "Put", "Reply", "Transport", "candidates", "is_local", "register"]
+__all__ = ["Context", "Endpoint", "Put", "Reply", "Transport", "is_local"]

@@ -2,8 +2,8 @@
 
 Frames go over TCP as with `tcp`. A fetch for a get that names a device
 (`get(device="cuda:0")`), from a warehouse with a device tier, goes through
-this client's device link to that warehouse (`dockd.client.links`, over
-`dockd.device_link`: NCCL on CUDA, HCCL on NPUs, gloo for the CPU stand-in):
+this client's device link to that warehouse (`dockd.net.device_reader_links`, over
+`dockd.net.device_link`: NCCL on CUDA, HCCL on NPUs, gloo for the CPU stand-in):
 the reply's device runs arrive on the link into fresh device memory
 (`Reply.received`), the rest in the body. Without a device, or from a
 warehouse without a device tier, a fetch is a plain TCP one.
@@ -12,11 +12,10 @@ warehouse without a device tier, a fetch is a plain TCP one.
 from __future__ import annotations
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.client.transport import Context, Endpoint, Reply, register
-from dockd.client.transport.tcp import TcpTransport
+from dockd.net.tcp import TcpTransport
+from dockd.net.transport import Context, Endpoint, Reply
 
 
-@register
 class DeviceLinkTransport(TcpTransport):
     name = "tcp"  # (frames are TCP; the link is per fetch)
     priority = 10

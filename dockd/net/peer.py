@@ -8,7 +8,7 @@ this side are matched by frame id. A body may be held back (`Handler.admit`):
 reading pauses, which pushes back on the sender through TCP, until the
 handler lets it in or rejects it (then the body is read and dropped).
 
-Every connection starts with the handshake of `dockd.auth`: an accepted one
+Every connection starts with the handshake of `dockd.net.auth`: an accepted one
 (`accept=`) sends a Challenge and takes nothing but an Auth frame until the
 peer has proved its role; an outgoing one (`prove=`) answers the daemon's
 Challenge. Until then frames are small, bodiless and must arrive within
@@ -40,15 +40,15 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 import pyarrow as pa
 
-from dockd import auth, shm, wire
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockProtocolError, from_status, to_status
 from dockd.logutil import Throttle
+from dockd.net import auth, shm, wire
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from dockd.shm import UnixTransport
+    from dockd.net.shm import UnixTransport
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class Peer(asyncio.BufferedProtocol):
         self._next_id = itertools.count(1)
         self._fds: collections.deque[int] = collections.deque()  # received, not yet claimed by a frame
         self._frame_fds: list[int] = []
-        self.metrics = getattr(handler, "metrics", None)  # a dockd.metrics.Metrics: requests are timed
+        self.metrics = getattr(handler, "metrics", None)  # a dockd.node.metrics.Metrics: requests are timed
         self._identity: tuple | None = None
         self.on_body_done: Callable[[], None] | None = None  # called once the admitted body is in (or will not be)
         self._started: dict[int, tuple[str, float]] = {}  # request id -> (kind, arrival), until its reply
@@ -461,7 +461,7 @@ class Peer(asyncio.BufferedProtocol):
             self.reply_error(frame, e)
 
     def _handshake(self, frame: pb.Frame) -> None:
-        """The first frames of a connection (see dockd.auth)."""
+        """The first frames of a connection (see dockd.net.auth)."""
         kind = frame.WhichOneof("kind")
         if self._accept is not None:
             if kind != "auth":

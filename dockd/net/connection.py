@@ -2,9 +2,9 @@
 
 A `Connection` carries one request at a time (plus one-way frames): it writes
 the frame with sendmsg and reads the reply's body straight into a warm
-receive buffer (`dockd.client.recv_pool`), which the decoded tensors are views
+receive buffer (`dockd.net.recv_pool`), which the decoded tensors are views
 of. How its socket is opened and read (TCP, or a same-host Unix socket that
-passes descriptors) is its `Transport`'s business (`dockd.client.transport`).
+passes descriptors) is its `Transport`'s business (`dockd.net.transport`).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from dockd import auth, shm, tls, wire
 from dockd._proto import dockd_pb2 as pb
-from dockd.client.recv_pool import RecvPool, recv_pool  # noqa: F401 - RecvPool: also importable from here
-from dockd.client.transport import ALIVE_EVERY_S, ANSWER_GRACE_S, PROBE_S, Context, Endpoint, Transport
-from dockd.client.transport.tcp import TcpTransport
 from dockd.errors import DockAuthError, DockClosed, DockConnectionError, DockError, DockProtocolError, from_status
+from dockd.net import auth, shm, tls, wire
+from dockd.net.recv_pool import RecvPool, recv_pool  # noqa: F401 - RecvPool: also importable from here
+from dockd.net.tcp import TcpTransport
+from dockd.net.transport import ALIVE_EVERY_S, ANSWER_GRACE_S, PROBE_S, Context, Endpoint, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ connection, what it is (a dockd daemon sends its challenge at once; an HTTP serv
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Credentials:
-    """What a client proves when it connects (see dockd.auth)."""
+    """What a client proves when it connects (see dockd.net.auth)."""
 
     key: bytes | None = None     # the dock's token; None in tokenless mode
     session: bytes = b""         # random per Dock: the leases it takes belong to it
@@ -156,7 +156,7 @@ class Connection:
         return DockAuthError(f"dockd at {self.address} refused this client: {err}") if isinstance(err, DockAuthError) else err
 
     def _tls(self, frame: pb.Frame, started: float, timeout: float) -> pb.Frame:
-        """TLS where the daemon's preamble asks for it (dockd.tls): the handshake, then the challenge
+        """TLS where the daemon's preamble asks for it (dockd.net.tls): the handshake, then the challenge
         that follows inside TLS. Refuses a mismatch either way at once (DockAuthError)."""
         if not tls.is_preamble(frame):
             if self.via.tls:

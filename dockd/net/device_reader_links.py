@@ -1,4 +1,4 @@
-"""A client's ends of device links: cross-node device reads (see `dockd.device_link`).
+"""A client's ends of device links: cross-node device reads (see `dockd.net.device_link`).
 
 One link per warehouse on another node, made on the first `get(device=...)`
 that reads from a warehouse with a device tier, and kept until the Dock
@@ -24,8 +24,8 @@ import numpy as np
 from dockd import codec
 from dockd._lazy import lazy_torch
 from dockd._proto import dockd_pb2 as pb
-from dockd.device_link import READER, Link, backend_for, local_address
 from dockd.errors import DockConnectionError, DockError, DockProtocolError
+from dockd.net.device_link import READER, Link, backend_for, local_address
 
 if TYPE_CHECKING:
     import torch

@@ -3,7 +3,7 @@ Every answer carries the daemon's version in the `x-dockd-version` header, and i
 (the one clients connect to) in `x-dockd-port`: a client pointed here by mistake says which it is.
 
 It runs on its own threads; requests that need node state hop onto the event loop.
-With a token, every call but the health check must carry `dockd.auth.grpc_metadata`
+With a token, every call but the health check must carry `dockd.net.auth.grpc_metadata`
 (an HMAC over the method and a fresh timestamp and nonce); the health service stays
 open because orchestrators' probes cannot sign. Requests are capped at 64 KiB.
 """
@@ -18,13 +18,13 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from dockd import auth
 from dockd._proto import dockd_pb2 as pb
 from dockd._proto import dockd_pb2_grpc
 from dockd._version import __version__
 from dockd.errors import DockAuthError
-from dockd.metrics import NodeFigures
-from dockd.warehouse.listen import bind_error
+from dockd.net import auth
+from dockd.node.listen import bind_error
+from dockd.node.metrics import NodeFigures
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class _Admin(dockd_pb2_grpc.AdminServicer):
 
 
 class _TokenCheck(grpc.ServerInterceptor):
-    """Refuses calls without a valid token proof (see dockd.auth.grpc_metadata)."""
+    """Refuses calls without a valid token proof (see dockd.net.auth.grpc_metadata)."""
 
     def __init__(self, token: bytes, server_auth: auth.ServerAuth) -> None:
         self.token = token
@@ -69,7 +69,7 @@ class _TokenCheck(grpc.ServerInterceptor):
             with self.lock:
                 self.server_auth.failed("grpc")
             logger.warning("[auth] refused a gRPC call method=%s reason=%s", details.method, e)
-            message = f"dockd: {e}; sign calls with dockd.auth.grpc_metadata(token, method)"
+            message = f"dockd: {e}; sign calls with dockd.net.auth.grpc_metadata(token, method)"
 
             def deny(request, context):
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
