@@ -162,6 +162,111 @@ def _bench(args) -> int:
     return subprocess.call([sys.executable, "-m", "benchmarks", *args.rest], cwd=root)
 
 
+# `dockd serve`'s options, in the order --help lists them: (flag, add_argument's arguments, help)
+SERVE_OPTIONS: tuple[tuple[str, dict, str], ...] = (
+    ("--host", {"default": "127.0.0.1"}, "address to bind (default 127.0.0.1)"),
+    ("--port", {"type": int, "default": 7450}, "framed data port (0: pick a free one; default 7450)"),
+    ("--grpc-port", {"type": int, "default": 0}, "gRPC health/admin port (0: pick a free one)"),
+    ("--advertise", {"default": ""}, "host name others use to reach this node (default: --host)"),
+    ("--controller", {"action": "store_true"}, "also host the controller"),
+    ("--join", {"metavar": "HOST:PORT[,...]"},
+     "join the controller at HOST:PORT as a warehouse; with several controllers, any of them, or "
+     "a comma-separated list of some (the first that answers gives the rest)"),
+    ("--controllers", {"metavar": "HOST:PORT,..."},
+     "with --controller: every controller of the dock, this one's address among them, the same "
+     "list on each; partitions are spread over them (warehouses --join any one)"),
+    ("--capacity", {"default": "8GiB"}, "bytes this warehouse holds before puts wait (default 8GiB)"),
+    ("--device-capacity", {"default": "0"},
+     "bytes of accelerator memory the device tier holds for put(device='keep'), all of this "
+     "node's devices together (default 0: no device tier; such puts are stored in host memory)"),
+    ("--lease-timeout", {"type": float, "default": 120.0, "metavar": "SECONDS"},
+     "controller: how long a lease holds a consumer's samples before they are handed out again "
+     "(default 120). get confirms on its own; samples whose lease expires unconfirmed, or whose "
+     "client dies or releases them, go back to that consumer's pool. Per lease: "
+     "acquire(lease_timeout=...), longer with dock.extend(lease)"),
+    ("--no-shm", {"action": "store_true"}, "serve same-host clients over TCP only (no shared memory)"),
+    ("--transport", {"choices": ["auto", "socket", "mooncake"], "default": "socket"},
+     "how remote readers get stored bytes: socket (default: in the TCP stream), mooncake (read "
+     "with the Mooncake Transfer Engine from registered memory; refuses to start without it), "
+     "auto (mooncake where the engine starts, logged)"),
+    ("--mooncake-protocol", {"choices": ["tcp", "rdma"], "default": "tcp"},
+     "the Mooncake engine's protocol (default tcp; rdma needs RDMA NICs)"),
+    ("--no-warehouse", {"action": "store_true"},
+     "with --controller: run only the controller (no data on this node; it can restart without loss)"),
+    ("--state-dir", {"metavar": "DIR"},
+     "with --controller: journal the controller's state in DIR and recover it on restart (one "
+     "controller per DIR: a second refuses to start)"),
+    ("--data-dir", {"metavar": "DIR"},
+     "with --join: write each stored put to a file in DIR before acknowledging it, so that a "
+     "warehouse killed and restarted on the same DIR re-adopts its samples (tmpfs such as "
+     "/dev/shm for speed; see docs/operations.md). One warehouse per DIR: a second refuses to "
+     "start"),
+    ("--drop-damaged-files", {"action": "store_true"},
+     "with --data-dir: a stored file that fails its check (checksum, size, not a regular file) "
+     "is moved to DIR/damaged and its samples are reported lost (DockDataLost), instead of "
+     "refusing the start"),
+    ("--spill-dir", {"metavar": "DIR"},
+     "when --capacity is full, move stored puts nobody is reading to Arrow IPC files in DIR (least "
+     "recently used first) and read them back on a fetch; puts fail with DockFull only once the "
+     "spill space is full too (see docs/operations.md)"),
+    ("--spill-capacity", {"default": "0", "metavar": "SIZE"},
+     "with --spill-dir: bytes of spill files at most (default 0: the disk's free space less a "
+     "margin of 1 GiB or 5%%)"),
+    ("--join-timeout", {"type": float, "default": None, "metavar": "SECONDS"},
+     "a warehouse waits this long for its controller at start (default: as long as it takes)"),
+    ("--controller-grace", {"type": float, "default": 60.0, "metavar": "SECONDS"},
+     "puts wait this long for an unreachable controller before failing (default 60)"),
+    ("--token-file", {"metavar": "FILE"},
+     "the dock's token (also $DOCKD_TOKEN_FILE): every connection must prove it; required to bind "
+     "a non-loopback address"),
+    ("--daemon-token-file", {"metavar": "FILE"},
+     "the token daemons prove to each other (the same file on the controller and every warehouse on "
+     "another host; never give it to clients). Without it only warehouses on the controller's host "
+     "can join: the dock's token never proves the daemon role"),
+    ("--insecure", {"action": "store_true"}, "allow a non-loopback address without a token (no authentication at all)"),
+    ("--tls-cert", {"metavar": "FILE"},
+     "serve TLS on the TCP port with this certificate (PEM; with --tls-key). Off by default; "
+     "clients then need the CA (tls=, DOCKD_TLS_CA), and every daemon of the dock needs TLS"),
+    ("--tls-key", {"metavar": "FILE"}, "the private key (PEM) of --tls-cert"),
+    ("--tls-ca", {"metavar": "FILE"},
+     "CA (PEM) this daemon checks the daemons it connects to (its controller) with "
+     "(default: --tls-cert itself, for one self-signed certificate shared by the dock)"),
+    ("--max-connections", {"type": int, "default": 4096}, "connections accepted at once (default 4096)"),
+    ("--handshake-timeout", {"type": float, "default": 10.0, "metavar": "SECONDS"},
+     "a new connection must authenticate within this (default 10)"),
+    ("--stall-timeout", {"type": float, "default": 60.0, "metavar": "SECONDS"},
+     "a frame may go this long without a byte before its connection is closed (default 60)"),
+    ("--checkpoint-root", {"metavar": "DIR"},
+     "controller: checkpoints are saved and loaded only below DIR (default: anywhere the "
+     "daemon's user can write)"),
+    ("--max-samples", {"type": int, "default": limits.MAX_DOCK_SAMPLES, "metavar": "N"},
+     f"controller: samples of all partitions together (default {limits.MAX_DOCK_SAMPLES}; ~24 bytes "
+     "of metadata each, 2 more per column and 8 per tag, and their consumers' state up to 16 more)"),
+    ("--min-rate", {"default": "64KiB", "metavar": "BYTES"},
+     "a frame taking over 10 s must average this many bytes a second (default 64KiB)"),
+    ("--idle-timeout", {"type": float, "default": 3600.0, "metavar": "SECONDS"},
+     "a client connection making no request is closed after this (default 3600; clients reconnect)"),
+    ("--daemon-timeout", {"type": float, "default": 30.0, "metavar": "SECONDS"},
+     "the controller waits this long for a warehouse's answer, e.g. to a clear (default 30)"),
+    ("--heartbeat-interval", {"type": float, "default": 1.0, "metavar": "SECONDS"},
+     "controller: a heartbeat to each warehouse this often (default 1)"),
+    ("--heartbeat-timeout", {"type": float, "default": 5.0, "metavar": "SECONDS"},
+     "controller: a warehouse that leaves a heartbeat unanswered this long is marked unresponsive "
+     "until it answers again (default 5)"),
+    ("--warehouse-grace", {"type": float, "default": 15.0, "metavar": "SECONDS"},
+     "controller: a warehouse that dropped its connection has this long to rejoin (default 15)"),
+    ("--replicas", {"type": int, "default": 1, "metavar": "N"},
+     "controller: 2 keeps each put's values on two warehouses before the put is answered, so a "
+     "warehouse lost for good loses nothing (default 1; give every controller the same N)"),
+    ("--metrics-port", {"type": int, "default": None, "metavar": "PORT"},
+     "serve Prometheus metrics at http://HOST:PORT/metrics (0: pick a free one; default: off)"),
+    ("--metrics-host", {"default": "127.0.0.1"},
+     "address the metrics endpoint binds (default 127.0.0.1; it needs no token)"),
+    ("--log-level", {"dest": "serve_log_level", "default": None}, argparse.SUPPRESS),
+    ("--log-format", {"dest": "serve_log_format", "choices": ("text", "json"), "default": None}, argparse.SUPPRESS),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dockd", description="dockd: a distributed transfer dock for RL post-training")
     p.add_argument("--version", action="version", version=f"dockd {__version__}")
@@ -172,108 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("serve", help="run a node daemon (a warehouse; --controller also hosts the controller)")
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=7450, help="framed data port (0: pick a free one; default 7450)")
-    s.add_argument("--grpc-port", type=int, default=0, help="gRPC health/admin port (0: pick a free one)")
-    s.add_argument("--advertise", default="", help="host name others use to reach this node (default: --host)")
-    s.add_argument("--controller", action="store_true", help="also host the controller")
-    s.add_argument("--join", metavar="HOST:PORT[,...]",
-                   help="join the controller at HOST:PORT as a warehouse; with several controllers, any of them, or "
-                        "a comma-separated list of some (the first that answers gives the rest)")
-    s.add_argument("--controllers", metavar="HOST:PORT,...",
-                   help="with --controller: every controller of the dock, this one's address among them, the same "
-                        "list on each; partitions are spread over them (warehouses --join any one)")
-    s.add_argument("--capacity", default="8GiB", help="bytes this warehouse holds before puts wait (default 8GiB)")
-    s.add_argument("--device-capacity", default="0",
-                   help="bytes of accelerator memory the device tier holds for put(device='keep'), all of this "
-                        "node's devices together (default 0: no device tier; such puts are stored in host memory)")
-    s.add_argument("--lease-timeout", type=float, default=120.0, metavar="SECONDS",
-                   help="controller: how long a lease holds a consumer's samples before they are handed out again "
-                        "(default 120). get confirms on its own; samples whose lease expires unconfirmed, or whose "
-                        "client dies or releases them, go back to that consumer's pool. Per lease: "
-                        "acquire(lease_timeout=...), longer with dock.extend(lease)")
-    s.add_argument("--no-shm", action="store_true", help="serve same-host clients over TCP only (no shared memory)")
-    s.add_argument("--transport", choices=["auto", "socket", "mooncake"], default="socket",
-                   help="how remote readers get stored bytes: socket (default: in the TCP stream), mooncake (read "
-                        "with the Mooncake Transfer Engine from registered memory; refuses to start without it), "
-                        "auto (mooncake where the engine starts, logged)")
-    s.add_argument("--mooncake-protocol", choices=["tcp", "rdma"], default="tcp",
-                   help="the Mooncake engine's protocol (default tcp; rdma needs RDMA NICs)")
-    s.add_argument("--no-warehouse", action="store_true",
-                   help="with --controller: run only the controller (no data on this node; it can restart without loss)")
-    s.add_argument("--state-dir", metavar="DIR",
-                   help="with --controller: journal the controller's state in DIR and recover it on restart (one "
-                        "controller per DIR: a second refuses to start)")
-    s.add_argument("--data-dir", metavar="DIR",
-                   help="with --join: write each stored put to a file in DIR before acknowledging it, so that a "
-                        "warehouse killed and restarted on the same DIR re-adopts its samples (tmpfs such as "
-                        "/dev/shm for speed; see docs/operations.md). One warehouse per DIR: a second refuses to "
-                        "start")
-    s.add_argument("--drop-damaged-files", action="store_true",
-                   help="with --data-dir: a stored file that fails its check (checksum, size, not a regular file) "
-                        "is moved to DIR/damaged and its samples are reported lost (DockDataLost), instead of "
-                        "refusing the start")
-    s.add_argument("--spill-dir", metavar="DIR",
-                   help="when --capacity is full, move stored puts nobody is reading to Arrow IPC files in DIR (least "
-                        "recently used first) and read them back on a fetch; puts fail with DockFull only once the "
-                        "spill space is full too (see docs/operations.md)")
-    s.add_argument("--spill-capacity", default="0", metavar="SIZE",
-                   help="with --spill-dir: bytes of spill files at most (default 0: the disk's free space less a "
-                        "margin of 1 GiB or 5%%)")
-    s.add_argument("--join-timeout", type=float, default=None, metavar="SECONDS",
-                   help="a warehouse waits this long for its controller at start (default: as long as it takes)")
-    s.add_argument("--controller-grace", type=float, default=60.0, metavar="SECONDS",
-                   help="puts wait this long for an unreachable controller before failing (default 60)")
-    s.add_argument("--token-file", metavar="FILE",
-                   help="the dock's token (also $DOCKD_TOKEN_FILE): every connection must prove it; required to bind "
-                        "a non-loopback address")
-    s.add_argument("--daemon-token-file", metavar="FILE",
-                   help="the token daemons prove to each other (the same file on the controller and every warehouse on "
-                        "another host; never give it to clients). Without it only warehouses on the controller's host "
-                        "can join: the dock's token never proves the daemon role")
-    s.add_argument("--insecure", action="store_true",
-                   help="allow a non-loopback address without a token (no authentication at all)")
-    s.add_argument("--tls-cert", metavar="FILE",
-                   help="serve TLS on the TCP port with this certificate (PEM; with --tls-key). Off by default; "
-                        "clients then need the CA (tls=, DOCKD_TLS_CA), and every daemon of the dock needs TLS")
-    s.add_argument("--tls-key", metavar="FILE", help="the private key (PEM) of --tls-cert")
-    s.add_argument("--tls-ca", metavar="FILE",
-                   help="CA (PEM) this daemon checks the daemons it connects to (its controller) with "
-                        "(default: --tls-cert itself, for one self-signed certificate shared by the dock)")
-    s.add_argument("--max-connections", type=int, default=4096, help="connections accepted at once (default 4096)")
-    s.add_argument("--handshake-timeout", type=float, default=10.0, metavar="SECONDS",
-                   help="a new connection must authenticate within this (default 10)")
-    s.add_argument("--stall-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="a frame may go this long without a byte before its connection is closed (default 60)")
-    s.add_argument("--checkpoint-root", metavar="DIR",
-                   help="controller: checkpoints are saved and loaded only below DIR (default: anywhere the "
-                        "daemon's user can write)")
-    s.add_argument("--max-samples", type=int, default=limits.MAX_DOCK_SAMPLES, metavar="N",
-                   help=f"controller: samples of all partitions together (default {limits.MAX_DOCK_SAMPLES}; ~24 bytes "
-                        "of metadata each, 2 more per column and 8 per tag, and their consumers' state up to 16 more)")
-    s.add_argument("--min-rate", default="64KiB", metavar="BYTES",
-                   help="a frame taking over 10 s must average this many bytes a second (default 64KiB)")
-    s.add_argument("--idle-timeout", type=float, default=3600.0, metavar="SECONDS",
-                   help="a client connection making no request is closed after this (default 3600; clients reconnect)")
-    s.add_argument("--daemon-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="the controller waits this long for a warehouse's answer, e.g. to a clear (default 30)")
-    s.add_argument("--heartbeat-interval", type=float, default=1.0, metavar="SECONDS",
-                   help="controller: a heartbeat to each warehouse this often (default 1)")
-    s.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="SECONDS",
-                   help="controller: a warehouse that leaves a heartbeat unanswered this long is marked unresponsive "
-                        "until it answers again (default 5)")
-    s.add_argument("--warehouse-grace", type=float, default=15.0, metavar="SECONDS",
-                   help="controller: a warehouse that dropped its connection has this long to rejoin (default 15)")
-    s.add_argument("--replicas", type=int, default=1, metavar="N",
-                   help="controller: 2 keeps each put's values on two warehouses before the put is answered, so a "
-                        "warehouse lost for good loses nothing (default 1; give every controller the same N)")
-    s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: pick a free one; default: off)")
-    s.add_argument("--metrics-host", default="127.0.0.1",
-                   help="address the metrics endpoint binds (default 127.0.0.1; it needs no token)")
-    s.add_argument("--log-level", dest="serve_log_level", default=None, help=argparse.SUPPRESS)
-    s.add_argument("--log-format", dest="serve_log_format", choices=("text", "json"), default=None,
-                   help=argparse.SUPPRESS)
+    for flag, kw, help_ in SERVE_OPTIONS:
+        s.add_argument(flag, help=help_, **kw)
     s.set_defaults(fn=_serve)
 
     d = sub.add_parser("demo", help="start a local dock and run a synthetic GRPO pipeline through it")

@@ -10,7 +10,8 @@ before anything is applied, or applied and answered.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from typing import Any
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockValueError
@@ -70,85 +71,114 @@ def _commit(r: pb.CommitRequest) -> None:
     _tags(r.tags)
 
 
+def _put(r: pb.PutRequest) -> None:
+    _timeout(r.timeout)
+    _name("partition name", r.partition)
+    _columns([c.name for c in r.columns[:]])
+    _count("samples", max(r.new_count, len(r.indexes), r.group_size))
+    _tags(r.tags)
+    _count("device buffers", len(r.device_buffers), MAX_COLUMNS)
+
+
+def _acquire(r: pb.AcquireRequest) -> None:
+    _timeout(r.timeout)
+    _name("partition name", r.partition)
+    _name("consumer name", r.consumer)
+    _columns(r.columns)
+    _count("samples", r.count)
+    _count("confirms", len(r.confirm), MAX_LEASES)
+    _count("data-parallel ranks", r.dp_size, MAX_RANKS)
+    _count("samples", r.count * max(r.dp_size, 1))
+    if not r.allow_partial:  # (a partial get takes at most what one reply holds: see the controller service)
+        _count("sample-columns (samples x columns)", r.count * max(r.dp_size, 1) * max(len(r.columns), 1),
+               MAX_CELLS)
+    _columns(r.balance_by)
+    _name("order_by", r.order_by)
+    _count("tag filters", len(r.where), MAX_TAGS)
+    for t in r.where[:]:
+        _name("tag name", t.name)
+
+
+def _fetch(r: pb.FetchRequest) -> None:
+    _name("partition name", r.partition)
+    columns = r.columns[:]
+    _columns([c.name for c in columns])
+    for c in columns:
+        _count("samples", len(c.indexes))
+    _count("sample-columns (samples x columns)", sum(len(c.indexes) for c in columns), MAX_CELLS)
+    if r.HasField("link"):
+        link = r.link
+        if len(link.id) != LINK_ID_BYTES:
+            raise DockValueError(f"a device link id is {LINK_ID_BYTES} bytes, got {len(link.id)}")
+        if len(link.rendezvous) > MAX_RENDEZVOUS:
+            raise DockValueError(f"a device link rendezvous of {len(link.rendezvous)} bytes is too long "
+                                 f"(at most {MAX_RENDEZVOUS})")
+        _name("device link backend", link.backend)
+
+
+def _locate(r: pb.LocateRequest) -> None:
+    _name("partition name", r.partition)
+    _columns(r.columns)
+    _count("samples", len(r.indexes))
+    _count("sample-columns (samples x columns)", len(r.indexes) * max(len(r.columns), 1), MAX_CELLS)
+
+
+def _confirm(r: pb.ConfirmRequest) -> None:
+    _count("confirms", max(len(r.leases), len(r.tickets)), MAX_LEASES)
+
+
+def _clear(r: pb.ClearRequest) -> None:
+    _name("partition name", r.partition)
+
+
+def _commits(r: pb.CommitBatch) -> None:
+    _count("commits in a batch", len(r.commits), MAX_COMMIT_BATCH)
+    for c in r.commits:
+        _commit(c)
+
+
+def _partition(r: pb.PartitionRequest) -> None:
+    _name("partition name", r.partition)
+    _count("samples", max(len(r.delete.indexes), r.reserve.count, r.reserve.group_size, len(r.set_tags.indexes)))
+    _tags(r.set_tags.tags)
+    _columns(r.create.retire_when_consumed_by)
+    _name("consumer name", r.list.consumer)
+    _name("consumer name", r.drop_consumer.consumer)
+    _count("tag filters", len(r.list.where), MAX_TAGS)
+    for t in r.list.where:
+        _name("tag name", t.name)
+
+
+def _samples_of(r: pb.FreeRequest | pb.MeasureRequest) -> None:
+    _name("partition name", r.partition)
+    _count("samples", len(r.indexes))
+
+
+def _replicate(r: pb.ReplicateRequest) -> None:
+    _samples_of(r)
+    _columns(r.columns)
+
+
+def _register(r: pb.RegisterWarehouse) -> None:
+    _count("partitions", len(r.inventory), MAX_PARTITIONS)
+    _count("pending commits", len(r.pending), MAX_PARTITIONS)
+
+
+def _hello(r: pb.Hello) -> None:
+    _name("client name", r.client)
+
+
+_CHECKS: dict[str, Callable[[Any], None]] = {
+    "put": _put, "acquire": _acquire, "fetch": _fetch, "locate": _locate, "confirm": _confirm, "clear": _clear,
+    "commit": _commit, "commits": _commits, "partition": _partition, "free": _samples_of, "measure": _samples_of,
+    "replicate": _replicate, "register": _register, "hello": _hello,
+}
+"""The bounds of each kind of request (the frame's `kind`) that has any."""
+
+
 def check(frame: pb.Frame) -> None:
     """Raise DockValueError if a request asks for more than a daemon gives one request."""
     kind = frame.WhichOneof("kind")
-    if kind == "put":
-        r = frame.put
-        _timeout(r.timeout)
-        _name("partition name", r.partition)
-        _columns([c.name for c in r.columns[:]])
-        _count("samples", max(r.new_count, len(r.indexes), r.group_size))
-        _tags(r.tags)
-        _count("device buffers", len(r.device_buffers), MAX_COLUMNS)
-    elif kind == "acquire":
-        r = frame.acquire
-        _timeout(r.timeout)
-        _name("partition name", r.partition)
-        _name("consumer name", r.consumer)
-        _columns(r.columns)
-        _count("samples", r.count)
-        _count("confirms", len(r.confirm), MAX_LEASES)
-        _count("data-parallel ranks", r.dp_size, MAX_RANKS)
-        _count("samples", r.count * max(r.dp_size, 1))
-        if not r.allow_partial:  # (a partial get takes at most what one reply holds: see the controller service)
-            _count("sample-columns (samples x columns)", r.count * max(r.dp_size, 1) * max(len(r.columns), 1),
-                   MAX_CELLS)
-        _columns(r.balance_by)
-        _name("order_by", r.order_by)
-        _count("tag filters", len(r.where), MAX_TAGS)
-        for t in r.where[:]:
-            _name("tag name", t.name)
-    elif kind == "fetch":
-        _name("partition name", frame.fetch.partition)
-        columns = frame.fetch.columns[:]
-        _columns([c.name for c in columns])
-        for c in columns:
-            _count("samples", len(c.indexes))
-        _count("sample-columns (samples x columns)", sum(len(c.indexes) for c in columns), MAX_CELLS)
-        if frame.fetch.HasField("link"):
-            link = frame.fetch.link
-            if len(link.id) != LINK_ID_BYTES:
-                raise DockValueError(f"a device link id is {LINK_ID_BYTES} bytes, got {len(link.id)}")
-            if len(link.rendezvous) > MAX_RENDEZVOUS:
-                raise DockValueError(f"a device link rendezvous of {len(link.rendezvous)} bytes is too long "
-                                     f"(at most {MAX_RENDEZVOUS})")
-            _name("device link backend", link.backend)
-    elif kind == "locate":
-        _name("partition name", frame.locate.partition)
-        _columns(frame.locate.columns)
-        _count("samples", len(frame.locate.indexes))
-        _count("sample-columns (samples x columns)", len(frame.locate.indexes) * max(len(frame.locate.columns), 1),
-               MAX_CELLS)
-    elif kind == "confirm":
-        _count("confirms", max(len(frame.confirm.leases), len(frame.confirm.tickets)), MAX_LEASES)
-    elif kind == "clear":
-        _name("partition name", frame.clear.partition)
-    elif kind == "commit":
-        _commit(frame.commit)
-    elif kind == "commits":
-        _count("commits in a batch", len(frame.commits.commits), MAX_COMMIT_BATCH)
-        for r in frame.commits.commits:
-            _commit(r)
-    elif kind == "partition":
-        r = frame.partition
-        _name("partition name", r.partition)
-        _count("samples", max(len(r.delete.indexes), r.reserve.count, r.reserve.group_size, len(r.set_tags.indexes)))
-        _tags(r.set_tags.tags)
-        _columns(r.create.retire_when_consumed_by)
-        _name("consumer name", r.list.consumer)
-        _name("consumer name", r.drop_consumer.consumer)
-        _count("tag filters", len(r.list.where), MAX_TAGS)
-        for t in r.list.where:
-            _name("tag name", t.name)
-    elif kind in ("free", "measure", "replicate"):
-        m = getattr(frame, kind)
-        _name("partition name", m.partition)
-        _count("samples", len(m.indexes))
-        if kind == "replicate":
-            _columns(m.columns)
-    elif kind == "register":
-        _count("partitions", len(frame.register.inventory), MAX_PARTITIONS)
-        _count("pending commits", len(frame.register.pending), MAX_PARTITIONS)
-    elif kind == "hello":
-        _name("client name", frame.hello.client)
+    checks = _CHECKS.get(kind)
+    if checks is not None:
+        checks(getattr(frame, kind))

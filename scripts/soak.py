@@ -210,8 +210,6 @@ def chaos_harness():
     # (by path: a `tests` package installed in site-packages, as some packages ship one, would shadow
     # the checkout's; the module itself imports tests.conftest, so `tests` is made the checkout's)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if root not in sys.path:
-        sys.path.insert(0, root)
     tests = types.ModuleType("tests")
     tests.__path__ = [os.path.join(root, "tests")]
     sys.modules["tests"] = tests

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import REPO_ROOT
 from dockd.config import env
 
 OUT_ENV = "DOCKD_BENCH_DELTA_OUT"
@@ -78,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, action="append", help="learning rates (default: 5e-3, 1e-5, 1e-6)")
     ap.add_argument("--out", default=None, help="write the rows and the summary here (JSON)")
     a = ap.parse_args(argv)
-    sys.path.insert(0, str(REPO_ROOT / "examples"))  # (the example's workers are spawned: they import it by name)
-    import grpo_tiny
+    from examples import grpo_tiny  # (its workers are spawned: they import it by this name, from the checkout)
 
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "steps": a.steps, "runs": {}}
     for lr in a.lr or [5e-3, 1e-5, 1e-6]:
