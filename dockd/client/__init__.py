@@ -2,7 +2,8 @@
 
 from dockd.client.async_dock import AsyncDock, connect_async
 from dockd.client.batch import Batch
-from dockd.client.dock import Dock, Lease
+from dockd.client.dock import Dock
+from dockd.client.lease import Lease
 
 
 def connect(address: str, **kwargs) -> Dock:

@@ -1,47 +1,25 @@
-"""Leases: what an acquire hands out, and the acquire itself (the request and its reply)."""
+"""Acquires: the request (every argument checked) and its reply made into a `Lease`."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from dockd import ids, limits
 from dockd._proto import dockd_pb2 as pb
 from dockd.client import validate
+from dockd.client.confirm import Confirms
+from dockd.client.lease import Lease
 from dockd.client.router import CallScope, Router
 from dockd.errors import DockConnectionError, DockError, DockValueError
 from dockd.net.connection import Pool
 from dockd.net.transport import ANSWER_GRACE_S, Reply
 
-if TYPE_CHECKING:
-    from dockd.client.confirm import Confirms
-
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(slots=True)
-class Lease:
-    """Samples acquired for a consumer but not fetched yet (low-level API).
-
-    A lease belongs to the client that took it. To let another process confirm,
-    release or extend it, hand it the lease with its `ticket` (it pickles); anyone
-    may fetch its samples."""
-
-    id: int
-    partition: str
-    columns: list[str]
-    indexes: list[int]
-    locations: np.ndarray | None  # warehouse id per (column, sample); None when every column came inline
-    inline: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # columns that came with the acquire
-    ticket: bytes = b""  # the hand-over proof (see the class docstring)
-    step: int = 0        # rank-aware gets: the step this share belongs to
-    rank_weights: list[float] = dataclasses.field(default_factory=list)  # ... each rank's sum of balance_by
-    controller: str = ""  # several controllers: the address of the one that granted it ("": the first contact)
 
 
 def acquire_request(consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None,

@@ -23,7 +23,7 @@ import weakref
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.client.acquirer import Lease
+from dockd.client.lease import Lease
 from dockd.client.router import CallScope, Router
 from dockd.errors import DockConnectionError, DockError, DockLeaseError
 from dockd.net.connection import Pool, forks

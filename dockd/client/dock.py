@@ -33,10 +33,11 @@ from dockd._ray.query import home_for
 from dockd.client import put as puts
 from dockd.client import stats as stats_
 from dockd.client import validate
-from dockd.client.acquirer import Acquirer, Lease, acquire_request
+from dockd.client.acquirer import Acquirer, acquire_request
 from dockd.client.batch import Batch
 from dockd.client.confirm import Confirms
 from dockd.client.fetch import Fetcher, maps_device, to_device
+from dockd.client.lease import Lease
 from dockd.client.router import CallScope, Router
 from dockd.config import ClientConfig, client_transport, env
 from dockd.errors import DockClosed, DockTypeError, DockValueError

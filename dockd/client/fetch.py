@@ -20,7 +20,7 @@ import numpy as np
 
 from dockd import codec
 from dockd._proto import dockd_pb2 as pb
-from dockd.client.acquirer import Lease
+from dockd.client.lease import Lease
 from dockd.client.router import Router
 from dockd.errors import DockConnectionError, DockDataLost, DockTimeout, DockValueError
 from dockd.net import device_share

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.client.acquirer import Lease
 from dockd.client.batch import Batch
+from dockd.client.lease import Lease
 from dockd.errors import DockNotFound, DockTimeout
 
 if TYPE_CHECKING:
