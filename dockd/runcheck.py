@@ -1,5 +1,6 @@
-"""A put's runs checked against the bytes they describe: the one check of a put's columns,
-made by the warehouse before it stores them (`Warehouse.validate_put`, `PutPipeline`)."""
+"""A put checked before the warehouse stores it: its header (`check_put`, the one place a put is
+validated) and its runs against the bytes they describe (`check_columns`: the one check of a put's
+columns), made by the put pipeline (`dockd.warehouse.put`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,38 @@ import msgpack
 from dockd._proto import dockd_pb2 as pb
 from dockd.codec import ITEMSIZE
 from dockd.errors import DockProtocolError, DockValueError
+
+
+def check_put(req: pb.PutRequest, body_size: int | None = None, device_sizes: Sequence[int] | None = None) -> int:
+    """Check a put's header (and its runs against the body, when its size is known); the
+    number of samples. The one place a put is validated."""
+    if not req.partition:
+        raise DockValueError("partition must be a non-empty string")
+    if body_size is None:  # before the body is in: only the shape of the request
+        if not req.columns:
+            raise DockValueError("a put needs at least one column")
+        counts = {c.name: sum(r.count for r in c.runs[:]) for c in req.columns[:]}
+        n: int = next(iter(counts.values()))
+        if n == 0 or any(v != n for v in counts.values()):
+            raise DockValueError(f"every column needs the same positive number of values, got {counts}")
+    else:
+        n = check_columns(req.columns, body_size,
+                          [d.nbytes for d in req.device_buffers] if device_sizes is None else device_sizes)
+    if req.indexes:
+        if len(req.indexes) != n:
+            raise DockValueError(f"{len(req.indexes)} indexes given for {n} values per column")
+        if min(req.indexes) < 0:
+            raise DockValueError(f"sample index {min(req.indexes)} is negative; indexes are the ones a put of new "
+                                 "samples returned (0, 1, ...)")
+        if req.new_count:
+            raise DockValueError("a put gives either indexes (existing samples) or new samples, not both")
+    else:
+        gs = req.group_size or 1
+        if req.new_count != n:
+            raise DockValueError(f"new_count={req.new_count} does not match {n} values per column")
+        if n % gs:
+            raise DockValueError(f"{n} new samples is not a multiple of group_size={gs}")
+    return n
 
 
 def check_columns(columns: Sequence[pb.ColumnData], body_size: int, device_sizes: Sequence[int] = ()) -> int:

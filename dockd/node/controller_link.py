@@ -140,6 +140,13 @@ class ControllerLink:
                 "check the address (--join)"
             ) from None
 
+    def resume(self, wid: int, seq: int) -> None:
+        """A warehouse restarted on its data dir: it rejoins as `wid` (if it had one), and numbers its
+        commits above `seq` (the put ids the last process may have used)."""
+        self._seq = seq
+        if wid >= 0:
+            self.wid = wid
+
     def start_in_background(self) -> None:
         """Join the controller whenever it is there, without waiting for it (one of several
         controllers that is not up yet stalls only the puts of the partitions it owns)."""

@@ -54,7 +54,7 @@ from dockd.node.dispatch import WAREHOUSE_KINDS, Dispatcher, RequestHandler, con
 from dockd.node.listen import Keys, Listeners, watch_pid
 from dockd.node.metrics import Metrics, MetricsServer
 from dockd.node.tasks import failed, reply_when_done, spawn
-from dockd.warehouse import memory
+from dockd.warehouse import memory, readback
 from dockd.warehouse.admission import Admission
 from dockd.warehouse.commit import LocalCommitter, RemoteCommitter, RoutingCommitter
 from dockd.warehouse.core import Warehouse
@@ -127,7 +127,8 @@ class Node:
         self.puts = PutPipeline(warehouse=self.warehouse, segments=self.segments, admission=self.admission,
                                 committer=self.committer, metrics=self.metrics, wid=lambda: self.wid,
                                 check_warehouse=self._check_warehouse, replicator=self.replicator,
-                                daemon=lambda peer: not self.keys.server_auth.roles or peer.role == auth.DAEMON)
+                                daemon=lambda peer: not self.keys.server_auth.roles or peer.role == auth.DAEMON,
+                                data_dir=self.data_dir)
         self.fetches = FetchPath(warehouse=self.warehouse, segments=self.segments, links=self.links,
                                  committer=self.committer, metrics=self.metrics, wid=lambda: self.wid)
         self.dispatcher = Dispatcher(self._handlers(), self.keys.server_auth, from_controller=self._from_a_controller,
@@ -172,11 +173,11 @@ class Node:
             self.spill.open()
         if self.data_dir is not None:
             self.warehouse.keeper = self.data_dir
-            self.data_dir.adopt(self.warehouse, self.admission, self.puts.tokens)
+            readback.adopt(self.data_dir, self.warehouse, self.admission, self.puts.tokens)
         reg = pb.RegisterWarehouse(host=self.cfg.advertise or self.cfg.host, port=self.port, capacity=self.cfg.capacity,
                                    unix=self.unix_name, instance=self.instance, protocol=PROTOCOL_VERSION)
         if self.data_dir is not None:  # (files dropped as damaged at start: their samples are lost, not unwritten)
-            self.data_dir.report(reg)
+            readback.report(self.data_dir, reg)
         if self.controller is not None:
             self.controller.start()
         if self.agreement is not None:
@@ -236,8 +237,6 @@ class Node:
             # only its own partitions, also across this warehouse's restart)
             numbered_by = 0
             self.link = self._link_to(controllers[0], 0, n, reg)
-            if self.data_dir is not None:
-                self.data_dir.prime(self.link)
             if n > 1:
                 self.link.start_in_background()
             else:
@@ -253,8 +252,6 @@ class Node:
             assigned.CopyFrom(reg)
             assigned.id, assigned.assigned = self.wid, True
             link = self.other_links[k] = self._link_to(controllers[k], k, n, assigned)
-            if self.data_dir is not None:  # (a restart rejoins each controller with its partitions' inventory)
-                self.data_dir.prime(link)
             link.start_in_background()
         if n > 1:
             logger.info("[node] warehouse=%d registers with controllers=%s (numbered by %s)", self.wid,
@@ -272,8 +269,6 @@ class Node:
                     f"none of the dock's controllers ({', '.join(controllers)}) answered within "
                     f"{self.cfg.join_timeout:g}s to number this warehouse; start one, or check the addresses (--join)")
             link = self._link_to(controllers[k], k, n, reg)
-            if self.data_dir is not None:
-                self.data_dir.prime(link)
             try:
                 await link.start(NUMBER_TRY_S if left is None else max(0.1, min(NUMBER_TRY_S, left)))
                 return k, link
@@ -291,6 +286,8 @@ class Node:
         link = ControllerLink(address, make_peer=self.listeners.make_link_peer, registration=reg,
                               inventory=owned if n > 1 else self.warehouse.inventory, on_drop=self.admission.free,
                               grace=self.cfg.controller_grace)
+        if self.data_dir is not None:  # a restart rejoins each controller under its id, with its partitions' inventory
+            link.resume(self.data_dir.wid, self.data_dir.seq)
         committer = self.committer.committers[k] if isinstance(self.committer, RoutingCommitter) else self.committer
         assert isinstance(committer, RemoteCommitter)  # (a controller of another process)
         committer.link = link

@@ -7,7 +7,7 @@ is freed or their timeout passes (DockFull). A put that could never fit fails
 at once; one whose client disconnects leaves the queue. With a spill tier
 (`--spill-dir`) a put that finds no room spills stored puts to files first
 (`Warehouse.reserve`); the head of the queue retries that every
-`spill.RETRY_S`, and DockFull comes only when nothing more could be spilled.
+`RETRY_S`, and DockFull comes only when nothing more could be spilled.
 
 A body that travels in its frame holds its room from its admission until it has
 arrived, as slowly as the sender likes down to `--min-rate`. So what bodies still
@@ -53,6 +53,8 @@ nothing else arriving): however many connections it opens, three quarters stay f
 ALL = 2
 """Everyone's bodies still arriving hold at most 1/ALL of --capacity (one body of any size when nothing else
 arrives): however many remote hosts send slowly, half stays for stored data and same-host puts."""
+RETRY_S = 0.2
+"""With a spill tier, the head of the queue retries spilling this often (a reader may have unpinned a segment)."""
 
 
 class _Wait(NamedTuple):
@@ -190,8 +192,6 @@ class Admission:
                 continue
             if not self.warehouse.reserve(w.size, queued=True):
                 if self.warehouse.tier is not None and self._retry is None:  # (a pin may go, a file be freed)
-                    from dockd.warehouse.spill import RETRY_S
-
                     self._retry = asyncio.get_running_loop().call_later(RETRY_S, self._retry_spill)
                 break
             del self.waiters[i]

@@ -43,8 +43,6 @@ Checkpoint files of a warehouse's partitions are written and read by
 
 from __future__ import annotations
 
-import copy
-import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -54,27 +52,24 @@ import pyarrow as pa
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockFull, DockNotFound, DockValueError
-from dockd.runcheck import check_columns
-from dockd.warehouse import memory
 from dockd.warehouse.layout import (
     SMALL_RUN,
     Indexes,
+    Spilled,
     _Batch,
     _Body,
     _Column,
     _first_of_range,
     _idx,
-    _numbers,
     _Part,
-    _runs,
+    compacted,
+    inventory,
 )
+from dockd.warehouse.putfile import Room
+from dockd.warehouse.tiers import Keeper, Tier
 
 if TYPE_CHECKING:
     import torch
-
-    from dockd.warehouse.datadir import DataDir as Keeper
-    from dockd.warehouse.datadir import Room
-    from dockd.warehouse.spill import Spilled, SpillTier
 
 SMALL_READ = 8  # reads of up to this many samples per column take the scalar path (Warehouse.fetch)
 COMPACT_MIN = 64 << 10  # bytes of a put's body from which deletes compact it (smaller ones wait for all)
@@ -100,7 +95,7 @@ class Warehouse:
         self.device_reserved = 0
         self.parts: dict[str, _Part] = {}
         self.keeper: Keeper | None = None  # the data dir (--data-dir): every store is written there first
-        self.tier: SpillTier | None = None  # the spill tier (--spill-dir): what does not fit goes to files
+        self.tier: Tier | None = None  # the spill tier (--spill-dir): what does not fit goes to files
         self.lru: OrderedDict[int, tuple[str, _Body]] = OrderedDict()  # with a tier: in-memory puts, least recent first
         self.spilled = 0  # bytes of stored puts spilled (out of memory; not in `used`)
 
@@ -145,38 +140,6 @@ class Warehouse:
         assert self.device_reserved >= 0
 
     # -- puts ------------------------------------------------------------------------------
-    @staticmethod
-    def validate_put(req: pb.PutRequest, body_size: int | None = None, device_sizes: Sequence[int] | None = None) -> int:
-        """Check a put's header (and its runs against the body, when its size is known); the
-        number of samples. The one place a put is validated."""
-        if not req.partition:
-            raise DockValueError("partition must be a non-empty string")
-        if body_size is None:  # before the body is in: only the shape of the request
-            if not req.columns:
-                raise DockValueError("a put needs at least one column")
-            counts = {c.name: sum(r.count for r in c.runs[:]) for c in req.columns[:]}
-            n: int = next(iter(counts.values()))
-            if n == 0 or any(v != n for v in counts.values()):
-                raise DockValueError(f"every column needs the same positive number of values, got {counts}")
-        else:
-            n = check_columns(req.columns, body_size,
-                              [d.nbytes for d in req.device_buffers] if device_sizes is None else device_sizes)
-        if req.indexes:
-            if len(req.indexes) != n:
-                raise DockValueError(f"{len(req.indexes)} indexes given for {n} values per column")
-            if min(req.indexes) < 0:
-                raise DockValueError(f"sample index {min(req.indexes)} is negative; indexes are the ones a put of new "
-                                     "samples returned (0, 1, ...)")
-            if req.new_count:
-                raise DockValueError("a put gives either indexes (existing samples) or new samples, not both")
-        else:
-            gs = req.group_size or 1
-            if req.new_count != n:
-                raise DockValueError(f"new_count={req.new_count} does not match {n} values per column")
-            if n % gs:
-                raise DockValueError(f"{n} new samples is not a multiple of group_size={gs}")
-        return n
-
     def check_absent(self, partition: str, indexes: Indexes, columns: Iterable[str],
                      first: int | None = None) -> None:
         """Raise if any of `columns` is stored for any of `indexes` (`first`: they are known to be
@@ -331,42 +294,6 @@ class Warehouse:
         part.spilled -= body.nbytes
         self.spilled -= body.nbytes
 
-    def _resolve(self, partition: str, part: _Part, out: list[tuple[str, list[tuple]]]) -> list[tuple[str, list[tuple]]]:
-        """A fetch's slices with their puts in memory: each spilled one restored, or (no room) its
-        batches cloned onto a read of its file for this reply. Marks the puts as just read."""
-        seen: dict[int, pa.Buffer | None] = {}
-        clones: dict[int, _Batch] = {}
-        lru = self.lru
-        for _, slices in out:
-            for b, _, _ in slices:
-                body = b.body
-                if body is None or id(body) in seen:
-                    continue
-                key = id(body)
-                if body.spill is not None:
-                    assert self.tier is not None  # (only a tier spills)
-                    seen[key] = self.tier.bring_back(partition, part, body)
-                else:
-                    seen[key] = None
-                    if key in lru:
-                        lru.move_to_end(key)
-        if not any(v is not None for v in seen.values()):
-            return out
-        res = []
-        for name, slices in out:
-            new = []
-            for b, r0, r1 in slices:
-                buf = seen.get(id(b.body)) if b.body is not None else None
-                if buf is not None and b.data is None and b.device is None:
-                    c = clones.get(id(b))
-                    if c is None:
-                        c = clones[id(b)] = copy.copy(b)
-                        c.data, c.segment = buf.slice(b.at[0], b.at[1]), None
-                    b = c
-                new.append((b, r0, r1))
-            res.append((name, new))
-        return res
-
     # -- reads and frees -----------------------------------------------------------------------
     def fetch(self, partition: str, wanted: Sequence[tuple[str, Indexes]]) -> list[tuple[str, list[tuple]]]:
         """For each (column, indexes): the stored slices holding them, in order, as (batch, row, row_end)."""
@@ -389,7 +316,7 @@ class Warehouse:
                 )
             out.append((name, col.slices(idx) if col is not None else []))  # (None: idx is empty)
         if self.tier is not None:
-            return self._resolve(partition, part, out)
+            return self.tier.resolve(partition, part, out)
         return out
 
     def has(self, partition: str, wanted: Sequence[tuple[str, Indexes]]) -> bool:
@@ -471,48 +398,13 @@ class Warehouse:
 
     def _compact(self, partition: str, part: _Part, body: _Body) -> tuple[int, object]:
         """Copy a body's live values into a new body of their size; (bytes freed, old segment)."""
-        plans, total = [], 0
-        for name, bid in body.batches:
-            col = part.columns[name]
-            b = col.batches[bid]
-            if b is None:
-                continue
-            keys = b.indexes()
-            rows = np.flatnonzero(col.batch_of[keys] == bid)
-            offs = b.offsets()
-            starts, ends = offs[rows], offs[rows + 1]
-            at = total
-            total = -(-(at + int((ends - starts).sum())) // 64) * 64  # each run 64-byte aligned
-            plans.append((name, col, bid, b, keys[rows], rows, starts, ends, at))
-        new = memory.allocate(total)
-        dst = np.frombuffer(new, dtype=np.uint8)
-        owner = _Body(total, None, body.live, body.first_column)
-        owner.meta = body.meta
-        owner.file = body.file  # (the file keeps every value; the deleted ones are recorded apart)
-        owner.buf = new
+        owner = compacted(part, body)
         if self.tier is not None:
             part.bodies.pop(id(body), None)
             self.lru.pop(id(body), None)
             part.bodies[id(owner)] = owner
             self.lru[id(owner)] = (partition, owner)
-        for name, col, bid, b, idx, rows, starts, ends, at in plans:
-            src = np.frombuffer(b.data, dtype=np.uint8) if b.data is not None and b.data.size else None
-            pos = at
-            if src is not None:  # consecutive rows are one copy
-                breaks = np.flatnonzero(starts[1:] != ends[:-1]) + 1
-                for lo, hi in zip(np.concatenate(([0], breaks)).tolist(), np.concatenate((breaks, [len(rows)])).tolist()):
-                    n = int(ends[hi - 1] - starts[lo])
-                    dst[pos : pos + n] = src[int(starts[lo]) : int(starts[lo]) + n]
-                    pos += n
-            run = pb.Run(kind=b.kind, count=len(rows), dtype=b.dtype, shape=b.shape, nbytes=pos - at)
-            if b.lengths is not None:
-                run.lengths.extend(b.lengths[rows].tolist())
-            data = new.slice(at, pos - at) if pos > at else pa.py_buffer(b"")
-            col.batch_of[idx] = len(col.batches)
-            owner.batches.append((name, len(col.batches)))
-            col.batches.append(_Batch(run, data, None, idx, owner))
-            col.batches[bid] = None
-        freed = body.nbytes - total
+        freed = body.nbytes - owner.nbytes
         self.reclaimable -= body.dead
         part.dead -= body.dead
         self._release(part, freed)
@@ -533,25 +425,8 @@ class Warehouse:
     def measure(self, partition: str, column: str, indexes: Indexes) -> np.ndarray:
         """Per sample: the column's value when it holds numbers (one per sample), else its size
         (elements of the tensor; a ragged tensor's own length times its row size)."""
-        import torch
-
-        from dockd.codec import DTYPES
-
-        idx = _idx(indexes)
-        (_, slices), = self.fetch(partition, [(column, idx)])
-        out = []
-        for b, r0, r1 in slices:
-            if b.kind == pb.MSGPACK:  # Python values: numbers count as themselves
-                out.append(_numbers(column, b, r0, r1))
-                continue
-            if b.ends is not None:  # ragged: the first dimension varies
-                out.append(b.lengths[r0:r1].astype(np.float64) * math.prod(b.shape[1:]))
-            elif b.shape == ():  # one number per sample: its value
-                lo, hi = b.span(r0, r1)
-                vals = torch.frombuffer(bytearray(b.host(lo, hi - lo)), dtype=DTYPES[b.dtype]) if hi > lo else None
-                out.append(vals.double().numpy() if vals is not None else np.zeros(0))
-            else:
-                out.append(np.full(r1 - r0, float(math.prod(b.shape))))
+        (_, slices), = self.fetch(partition, [(column, _idx(indexes))])
+        out = [b.measure(column, r0, r1) for b, r0, r1 in slices]
         return np.concatenate(out) if out else np.zeros(0)
 
     def free(self, partition: str) -> int:
@@ -581,23 +456,7 @@ class Warehouse:
     def inventory(self, uncommitted: Sequence[pb.CommitRequest] = ()) -> list[pb.InventoryPartition]:
         """What this warehouse holds, as sorted index runs per column, leaving out stored values
         whose commit is still pending (`uncommitted`): those are re-committed separately."""
-        skip: dict[tuple[str, str], np.ndarray] = {}
-        for c in uncommitted:
-            for name in c.columns:
-                prev = skip.get((c.partition, name))
-                new = _idx(c.indexes)
-                skip[(c.partition, name)] = new if prev is None else np.concatenate((prev, new))
-        out = []
-        for name, part in self.parts.items():
-            inv = pb.InventoryPartition(name=name, group_size=part.group_size, nbytes=part.nbytes + part.spilled)
-            for col_name, col in part.columns.items():
-                idx = np.flatnonzero(col.batch_of >= 0)
-                drop = skip.get((name, col_name))
-                if drop is not None:
-                    idx = idx[~np.isin(idx, drop)]
-                inv.columns.add(name=col_name, runs=_runs(idx))
-            out.append(inv)
-        return out
+        return inventory(self.parts, uncommitted)
 
     def stats(self) -> dict:
         return {

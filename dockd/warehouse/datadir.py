@@ -53,7 +53,6 @@ was never acknowledged) becomes unwritten again rather than lost.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
@@ -75,13 +74,10 @@ from dockd.errors import DockStateFull, DockValueError
 from dockd.net import auth
 from dockd.warehouse import putfile
 from dockd.warehouse.putfile import HEAD as _HEAD
-from dockd.warehouse.putfile import Damaged, part_dir
+from dockd.warehouse.putfile import Damaged, Room, part_dir
 
 if TYPE_CHECKING:
     from dockd.config import NodeConfig
-    from dockd.node.controller_link import ControllerLink
-    from dockd.warehouse.admission import Admission
-    from dockd.warehouse.core import Warehouse
 
 logger = logging.getLogger(__name__)
 
@@ -90,15 +86,6 @@ DELETED = "deleted"
 DAMAGED = "damaged"  # where --drop-damaged-files moves files that fail their check
 SEQ_GAP = 1 << 32  # put ids a process may use; the next process starts above them
 FREE_FILES, FREE_BYTES = 64, 1 << 30  # files of freed puts kept to write the next puts over (see DataDir.stored)
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class Room:
-    """Disk room taken for a put's file before its commit (`DataDir.room`)."""
-    path: str
-    size: int                    # bytes allocated: headers and runs first, the body in the last `nbytes`
-    nbytes: int
-    crc_body: int | None = None  # set once `prewrite` wrote the body there and flushed it
 
 
 class DockDataDirError(DockValueError):
@@ -228,12 +215,6 @@ class DataDir:
             f.flush()
             os.fsync(f.fileno())
         os.rename(tmp, os.path.join(self.path, IDENTITY))
-
-    def prime(self, link: ControllerLink) -> None:
-        """A restarted warehouse rejoins under its id, and numbers its commits above the last process's."""
-        link._seq = self.seq
-        if self.wid >= 0:
-            link.wid = self.wid
 
     def joined(self, wid: int, port: int, controllers: list[str]) -> None:
         """Joined as warehouse `wid`, listening on `port`, to the dock's `controllers`: what a restart
@@ -396,16 +377,3 @@ class DataDir:
                 if e.name.endswith(".put"):
                     self.remove(e.path)
             shutil.rmtree(d, ignore_errors=True)
-
-    # -- restart -----------------------------------------------------------------------------------
-    def adopt(self, warehouse: Warehouse, admission: Admission, tokens) -> tuple[int, int]:
-        """Read every stored put back and store it again (`dockd.warehouse.readback`); (puts, bytes)."""
-        from dockd.warehouse import readback  # (it imports this module)
-
-        return readback.adopt(self, warehouse, admission, tokens)
-
-    def report(self, reg: pb.RegisterWarehouse) -> None:
-        """What the files dropped as damaged at start held, for the first rejoin (`readback.report`)."""
-        from dockd.warehouse import readback
-
-        readback.report(self, reg)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -15,15 +15,31 @@ import pyarrow as pa
 from dockd._proto import dockd_pb2 as pb
 from dockd.codec import ITEMSIZE
 from dockd.errors import DockValueError
+from dockd.warehouse import memory
 
 SMALL_RUN = 8  # runs of at most this many values are filed with scalar code (a per-sample put's)
 
 if TYPE_CHECKING:
     import torch
 
-    from dockd.warehouse.spill import Spilled
-
 Indexes = Sequence[int] | np.ndarray
+
+
+class Spilled(Protocol):
+    """Where a spilled put's body is (`dockd.warehouse.spill.SpillFile`)."""
+
+    path: str
+    size: int
+
+    @property
+    def owned(self) -> bool:
+        """Whether the file is the spill tier's (deleted with the put) rather than the data dir's."""
+
+    def read(self) -> pa.Buffer:
+        """The body (a read-only map of its file, or a private copy)."""
+
+    def read_into(self, view: memoryview) -> None:
+        """Copy the body into `view` (its size)."""
 
 
 class _Body:
@@ -162,6 +178,27 @@ class _Batch:
             out.lengths.extend(self.lengths[r0:r1].tolist())
         return out, lo
 
+    def measure(self, column: str, r0: int, r1: int) -> np.ndarray:
+        """Per row of [r0, r1): its value when the run holds one number per sample, else its size (elements
+        of the tensor; a ragged tensor's own length times its row size). See `Warehouse.measure`."""
+        if self.kind == pb.MSGPACK:  # Python values: numbers count as themselves
+            return _numbers(column, self, r0, r1)
+        if self.ends is not None:  # ragged: the first dimension varies
+            assert self.lengths is not None  # (set together with ends)
+            sizes: np.ndarray = self.lengths[r0:r1].astype(np.float64) * math.prod(self.shape[1:])
+            return sizes
+        if self.shape == ():  # one number per sample: its value
+            import torch
+
+            from dockd.codec import DTYPES
+
+            lo, hi = self.span(r0, r1)
+            if hi <= lo:
+                return np.zeros(0)
+            values: np.ndarray = torch.frombuffer(bytearray(self.host(lo, hi - lo)), dtype=DTYPES[self.dtype]).double().numpy()
+            return values
+        return np.full(r1 - r0, float(math.prod(self.shape)))
+
 
 class _Column:
     """Where each sample's value of one column is: its batch id by sample index (-1: none)."""
@@ -293,3 +330,66 @@ def _runs(idx: np.ndarray) -> list[int]:
     starts = np.concatenate([idx[:1], idx[breaks]])
     stops = np.concatenate([idx[breaks - 1] + 1, idx[-1:] + 1])
     return np.stack([starts, stops], axis=1).ravel().tolist()
+
+
+def compacted(part: _Part, body: _Body) -> _Body:
+    """A body holding only the live values of `body` (of partition `part`), each run 64-byte aligned, with
+    their batches filed in its place (the old batches are dropped; the caller accounts for the bytes)."""
+    plans, total = [], 0
+    for name, bid in body.batches:
+        col = part.columns[name]
+        b = col.batches[bid]
+        if b is None:
+            continue
+        keys = b.indexes()
+        rows = np.flatnonzero(col.batch_of[keys] == bid)
+        offs = b.offsets()
+        starts, ends = offs[rows], offs[rows + 1]
+        at = total
+        total = -(-(at + int((ends - starts).sum())) // 64) * 64  # each run 64-byte aligned
+        plans.append((name, col, bid, b, keys[rows], rows, starts, ends, at))
+    new = memory.allocate(total)
+    dst = np.frombuffer(new, dtype=np.uint8)
+    owner = _Body(total, None, body.live, body.first_column)
+    owner.meta = body.meta
+    owner.file = body.file  # (the file keeps every value; the deleted ones are recorded apart)
+    owner.buf = new
+    for name, col, bid, b, idx, rows, starts, ends, at in plans:
+        src = np.frombuffer(b.data, dtype=np.uint8) if b.data is not None and b.data.size else None
+        pos = at
+        if src is not None:  # consecutive rows are one copy
+            breaks = np.flatnonzero(starts[1:] != ends[:-1]) + 1
+            for lo, hi in zip(np.concatenate(([0], breaks)).tolist(), np.concatenate((breaks, [len(rows)])).tolist()):
+                n = int(ends[hi - 1] - starts[lo])
+                dst[pos : pos + n] = src[int(starts[lo]) : int(starts[lo]) + n]
+                pos += n
+        run = pb.Run(kind=b.kind, count=len(rows), dtype=b.dtype, shape=b.shape, nbytes=pos - at)
+        if b.lengths is not None:
+            run.lengths.extend(b.lengths[rows].tolist())
+        data = new.slice(at, pos - at) if pos > at else pa.py_buffer(b"")
+        col.batch_of[idx] = len(col.batches)
+        owner.batches.append((name, len(col.batches)))
+        col.batches.append(_Batch(run, data, None, idx, owner))
+        col.batches[bid] = None
+    return owner
+
+
+def inventory(parts: dict[str, _Part], uncommitted: Sequence[pb.CommitRequest] = ()) -> list[pb.InventoryPartition]:
+    """What `parts` hold, as sorted index runs per column, leaving out the values of `uncommitted`."""
+    skip: dict[tuple[str, str], np.ndarray] = {}
+    for c in uncommitted:
+        for name in c.columns:
+            prev = skip.get((c.partition, name))
+            new = _idx(c.indexes)
+            skip[(c.partition, name)] = new if prev is None else np.concatenate((prev, new))
+    out = []
+    for name, part in parts.items():
+        inv = pb.InventoryPartition(name=name, group_size=part.group_size, nbytes=part.nbytes + part.spilled)
+        for col_name, col in part.columns.items():
+            idx = np.flatnonzero(col.batch_of >= 0)
+            drop = skip.get((name, col_name))
+            if drop is not None:
+                idx = idx[~np.isin(idx, drop)]
+            inv.columns.add(name=col_name, runs=_runs(idx))
+        out.append(inv)
+    return out

@@ -46,8 +46,9 @@ from dockd.recent import Recent
 from dockd.warehouse.admission import Admission
 from dockd.warehouse.commit import Committer
 from dockd.warehouse.core import Warehouse
-from dockd.warehouse.datadir import Room
+from dockd.warehouse.datadir import DataDir
 from dockd.warehouse.device_put import take_device
+from dockd.warehouse.putfile import Room
 from dockd.warehouse.replica_copy import Replicator
 from dockd.warehouse.segments import Segments
 
@@ -97,12 +98,15 @@ class PutPipeline:
         check_warehouse: raises when this daemon runs no warehouse.
         replicator: copies puts to the warehouse holding their replica (--replicas 2).
         daemon: whether a connection is another daemon's (only daemons send replicas).
+        data_dir: the warehouse's data dir (--data-dir), where each put takes room before its commit.
     """
 
     def __init__(self, *, warehouse: Warehouse, segments: Segments, admission: Admission, committer: Committer,
                  metrics: Metrics, wid: Callable[[], int], check_warehouse: Callable[[], None],
-                 replicator: Replicator | None = None, daemon: Callable[[Peer], bool] = lambda peer: True) -> None:
+                 replicator: Replicator | None = None, daemon: Callable[[Peer], bool] = lambda peer: True,
+                 data_dir: DataDir | None = None) -> None:
         self.warehouse = warehouse
+        self.data_dir = data_dir
         self.replicator = replicator
         self._daemon = daemon
         self.segments = segments
@@ -129,7 +133,7 @@ class PutPipeline:
         reserve room for its `size` host bytes (`arriving`: a body yet to arrive over `peer`)."""
         if req.replica and not self._daemon(peer):
             raise DockAuthError("a replica put is a daemon-to-daemon message; this connection is a client's")
-        Warehouse.validate_put(req)
+        runcheck.check_put(req)
         if req.replica and (not req.indexes or req.device_buffers or req.staging):
             raise DockProtocolError("a replica put names the indexes it copies and carries its values in its body")
         return self.admission.reserve(peer, size, req.timeout, arriving=arriving)
@@ -177,7 +181,7 @@ class PutPipeline:
         memory only (no data dir to write first, no device runs, not a replica): the byte ranges its
         checks read (its msgpack values), copied in before them; the rest is copied right after the
         answer (`_answer_first`), before this loop reads another request. None: copied whole first."""
-        if not req.lend_staging or req.replica or req.device_buffers or self.warehouse.keeper is not None:
+        if not req.lend_staging or req.replica or req.device_buffers or self.data_dir is not None:
             return None
         first = []
         for col in req.columns[:]:
@@ -227,7 +231,7 @@ class PutPipeline:
                 buf, seg, size, dev, spilled = take_device(peer, req, buf, seg, size, self.warehouse, self.segments,
                                                            self.metrics)
             self._validate(req, buf, size, dev, held)
-            keeper = self.warehouse.keeper
+            keeper = self.data_dir
             # a full data dir fails the put here, before the controller records its values
             room = None if keeper is None or held else keeper.room(req.partition, req.columns, size,
                                                                     len(req.indexes) or req.new_count)
@@ -250,7 +254,7 @@ class PutPipeline:
 
     async def _write_then_commit(self, put: _Put, commit: pb.CommitRequest) -> None:
         """A big put to a warehouse with a data dir: its body goes to disk off the loop, then it is committed."""
-        keeper = self.warehouse.keeper
+        keeper = self.data_dir
         assert keeper is not None and put.room is not None  # (only puts that took room come here)
         try:
             await self.admission.in_worker(keeper.prewrite, put.room, put.buf)
@@ -264,7 +268,7 @@ class PutPipeline:
         """The put against its bytes, once they are all ours: its runs fit the body and device copies,
         its msgpack values decode, and (explicit indexes) its columns are unwritten here (a replica
         of values `held` here already is committed, not stored again)."""
-        Warehouse.validate_put(req, size, [int(t.numel()) for t in dev])
+        runcheck.check_put(req, size, [int(t.numel()) for t in dev])
         runcheck.check_msgpack(req.columns, buf)
         if req.indexes and not held:
             self.warehouse.check_absent(req.partition, req.indexes, (c.name for c in req.columns[:]))
@@ -315,7 +319,7 @@ class PutPipeline:
         answer is answered. Such a store cannot fail after the checks and the commit (only writing a
         data dir file can), so the answer stands. False: not such a put (the caller stores it first)."""
         req = put.frame.put
-        if (cleared or put.held or req.replica or self.warehouse.keeper is not None
+        if (cleared or put.held or req.replica or self.data_dir is not None
                 or isinstance(res, StoredElsewhere) or getattr(res, "replica", None) is not None):
             return False
         self._answer(put, res.tolist() if isinstance(res, np.ndarray) else list(res), lent=put.rest is not None)
@@ -366,8 +370,8 @@ class PutPipeline:
 
     def _give_back_room(self, put: _Put) -> None:
         if put.room is not None:
-            assert self.warehouse.keeper is not None  # (only a keeper takes room)
-            self.warehouse.keeper.give_back(put.room)
+            assert self.data_dir is not None  # (only a data dir takes room)
+            self.data_dir.give_back(put.room)
 
     def _answer(self, put: _Put, out: list[int], lent: bool = False) -> None:
         req = put.frame.put

@@ -44,6 +44,15 @@ def part_dir(partition: str) -> str:
     return "p-" + hashlib.sha1(partition.encode()).hexdigest()
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class Room:
+    """Disk room taken for a put's file before its commit (`DataDir.room`)."""
+    path: str
+    size: int                    # bytes allocated: headers and runs first, the body in the last `nbytes`
+    nbytes: int
+    crc_body: int | None = None  # set once `prewrite` wrote the body there and flushed it
+
+
 @dataclasses.dataclass(slots=True)
 class Held:
     """What a damaged file held, when that is still known: its partition, sample indexes and columns."""

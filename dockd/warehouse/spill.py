@@ -16,7 +16,7 @@ Spill files are not fsync'd (nothing needs them after the process): until the ke
 writes them back they live in the page cache, which the kernel may reclaim.
 
 When: a put that finds no room (`Warehouse.reserve`) spills what it needs before it
-queues; a put already queued retries every `RETRY_S` (a reader may have unpinned a
+queues; a put already queued retries every `admission.RETRY_S` (a reader may have unpinned a
 segment). Puts of `WRITE_OFF_LOOP` bytes or more are written by a worker thread (the
 segment held meanwhile) and leave memory when their file is whole, unless they were
 freed, compacted or mapped by a reader meanwhile (then the file goes); the queue is
@@ -41,6 +41,7 @@ files bring every put back, spilling again what exceeds `--capacity`.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -54,27 +55,27 @@ from dockd.errors import DockValueError
 from dockd.net import shm
 from dockd.node.tasks import spawn
 from dockd.warehouse import memory
+from dockd.warehouse.putfile import HEAD
 
 if TYPE_CHECKING:
     from dockd.node.metrics import Metrics
     from dockd.warehouse.admission import Admission
     from dockd.warehouse.core import Warehouse
-    from dockd.warehouse.layout import _Body, _Part
+    from dockd.warehouse.layout import Spilled, _Batch, _Body, _Part
     from dockd.warehouse.segments import Segments
 
 logger = logging.getLogger(__name__)
 
 PREFIX, SUFFIX = "spill-", ".arrow"
 MARGIN = 1 << 30  # without --spill-capacity: keep this much of the filesystem free (or 5% of it, if less)
-RETRY_S = 0.2  # a queued put retries spilling this often
 WRITE_OFF_LOOP = 4 << 20
-"""Spilled for a put that can wait for its room (`make_room(background=True)`), a put this big is
+"""SpillFile for a put that can wait for its room (`make_room(background=True)`), a put this big is
 written to its spill file by a worker thread and leaves memory once the file is whole (on the VM's disk
 a 256 MiB spill written on the event loop left it answering nothing for 0.7-0.9 s)."""
 _SCHEMA_KEY = b"dockd_spill"
 
 
-class Spilled:
+class SpillFile:
     """Where a spilled put's body is: its own Arrow file, or (`offset` >= 0) its data-dir file at `offset`."""
 
     __slots__ = ("path", "offset", "size")
@@ -231,14 +232,14 @@ class SpillTier:
         if need > 0 and skipped_pinned and not self.full_reason:
             self.full_reason = f"{skipped_pinned} puts are mapped by same-host readers (pinned)"
 
-    def _write(self, partition: str, body: _Body) -> Spilled:
+    def _write(self, partition: str, body: _Body) -> SpillFile:
         buf = body.buf
         assert buf is not None  # (an in-memory put has its body)
         path = self._path()
         _write_file(path, partition, buf)
         self.files += 1
         self.bytes += buf.size
-        return Spilled(path, buf.size)
+        return SpillFile(path, buf.size)
 
     def _path(self) -> str:
         n, self._next = self._next, self._next + 1
@@ -280,25 +281,23 @@ class SpillTier:
         if done:
             self.files += 1
             self.bytes += buf.size
-            old = w.mark_spilled(partition, body, Spilled(path, buf.size))
+            old = w.mark_spilled(partition, body, SpillFile(path, buf.size))
             if isinstance(old, shm.Segment):
                 self.segments.release(old)
             self.metrics.spill_out_bytes += body.nbytes
         self.admission.admit_waiters()
 
     @staticmethod
-    def _in_data_dir(body: _Body) -> Spilled:
-        from dockd.warehouse.datadir import _HEAD
-
+    def _in_data_dir(body: _Body) -> SpillFile:
         assert body.file is not None and body.buf is not None
         fd = os.open(body.file, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            _, _, hlen, rlen, blen = _HEAD.unpack(os.pread(fd, _HEAD.size, 0))
+            _, _, hlen, rlen, blen = HEAD.unpack(os.pread(fd, HEAD.size, 0))
         finally:
             os.close(fd)
         if blen < body.buf.size:
             raise OSError(f"{body.file} holds {blen} body bytes, the put {body.buf.size}")
-        return Spilled(body.file, body.buf.size, _HEAD.size + hlen + rlen)
+        return SpillFile(body.file, body.buf.size, HEAD.size + hlen + rlen)
 
     def discard(self, where: Spilled) -> None:
         """A spilled put is gone (freed, cleared, or restored): its spill file goes too."""
@@ -310,6 +309,41 @@ class SpillTier:
         self.bytes -= where.size
 
     # -- reading back -----------------------------------------------------------------------------------
+    def resolve(self, partition: str, part: _Part, out: list[tuple[str, list[tuple]]]) -> list[tuple[str, list[tuple]]]:
+        """A fetch's slices (`Warehouse.fetch`) with their puts in memory: each spilled one restored, or (no
+        room) its batches cloned onto a read of its file for this reply. Marks the puts as just read."""
+        seen: dict[int, pa.Buffer | None] = {}
+        clones: dict[int, _Batch] = {}
+        lru = self.warehouse.lru
+        for _, slices in out:
+            for b, _, _ in slices:
+                body = b.body
+                if body is None or id(body) in seen:
+                    continue
+                key = id(body)
+                if body.spill is not None:
+                    seen[key] = self.bring_back(partition, part, body)
+                else:
+                    seen[key] = None
+                    if key in lru:
+                        lru.move_to_end(key)
+        if not any(v is not None for v in seen.values()):
+            return out
+        res = []
+        for name, slices in out:
+            new = []
+            for b, r0, r1 in slices:
+                buf = seen.get(id(b.body)) if b.body is not None else None
+                if buf is not None and b.data is None and b.device is None:
+                    c = clones.get(id(b))
+                    if c is None:
+                        c = clones[id(b)] = copy.copy(b)
+                        c.data, c.segment = buf.slice(b.at[0], b.at[1]), None
+                    b = c
+                new.append((b, r0, r1))
+            res.append((name, new))
+        return res
+
     def bring_back(self, partition: str, part: _Part, body: _Body) -> pa.Buffer | None:
         """A fetch wants a spilled put: restore it into memory when it fits now and no put waits for room
         (None: done, its batches point into memory again), else its body for this reply only."""

@@ -18,9 +18,11 @@ import pytest
 
 from dockd import dirlock
 from dockd._proto import dockd_pb2 as pb
+from dockd.warehouse import readback
 from dockd.warehouse.admission import Admission
 from dockd.warehouse.core import Warehouse
-from dockd.warehouse.datadir import DataDir, DockDataDirError, Room
+from dockd.warehouse.datadir import DataDir, DockDataDirError
+from dockd.warehouse.putfile import Room
 from dockd.warehouse.segments import Segments
 
 DOCK = {"token": "", "controller": "127.0.0.1:1"}
@@ -46,7 +48,7 @@ def _adopted(path: str, *, drop: bool = False) -> tuple[Warehouse, DataDir]:
     again.open()
     wh.keeper = again
     try:
-        again.adopt(wh, Admission(wh, Segments(keep_bytes=0), lambda: 0), _Tokens())
+        readback.adopt(again, wh, Admission(wh, Segments(keep_bytes=0), lambda: 0), _Tokens())
     finally:
         again.close()
     return wh, again
@@ -165,7 +167,7 @@ def test_dropping_damaged_files_keeps_what_they_held_for_the_controller(tmp_path
     aside = sorted(os.listdir(os.path.join(dd.path, "damaged")))
     assert len(aside) == 2 and not os.path.exists(bad) and not os.path.exists(worse)
     reg = pb.RegisterWarehouse()
-    again.report(reg)
+    readback.report(again, reg)
     assert [(p.name, [(c.name, list(c.runs)) for c in p.columns]) for p in reg.lost] == [("p", [("x", [0, 4])])]
     assert reg.lost_unknown  # (the q file said nothing)
 

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from dockd import codec
+from dockd import codec, runcheck
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockFull, DockNotFound, DockValueError
 from dockd.warehouse.core import Warehouse
@@ -130,7 +130,7 @@ def _col(name: str, n: int) -> pb.ColumnData:
 )
 def test_put_header_validation(req, match):
     with pytest.raises(DockValueError, match=match):
-        Warehouse.validate_put(req)
+        runcheck.check_put(req)
 
 
 def test_a_put_of_existing_samples_in_any_order_is_found_by_index():
