@@ -51,7 +51,7 @@ class Controller:
         self.lease_timeout = lease_timeout
         self.catalog = Catalog(max_samples)
         self.book = LeaseBook(lease_ids)
-        self.ranks = Rounds(self)
+        self.ranks = Rounds(self.catalog, self.book, self)
         # the parts' state, by the names the service, the journal and the tests know it by
         self.partitions = self.catalog.partitions
         self.dead_warehouses = self.catalog.dead_warehouses
@@ -148,14 +148,7 @@ class Controller:
 
     @staticmethod
     def validate_acquire(partition: str, consumer: str, columns: Sequence[str], count: int, groups: bool) -> None:
-        if not partition:
-            raise DockValueError("partition must be a non-empty string")
-        if not consumer:
-            raise DockValueError("consumer must be a non-empty string, e.g. 'actor_train'")
-        if not columns:
-            raise DockValueError("columns must name at least one column")
-        if count < 1:
-            raise DockValueError(f"count must be >= 1, got {count}")
+        selection.check_request(partition, consumer, columns, count)
 
     # -- reads --------------------------------------------------------------------
     def acquire(
@@ -194,7 +187,7 @@ class Controller:
         only samples whose version tag is >= the partition's version minus it,
         oldest version first (None: the partition's max_staleness, if any).
         """
-        self.validate_acquire(partition, consumer, columns, count, groups)
+        selection.check_request(partition, consumer, columns, count)
         if token:
             again = self.lease_tokens.get(token)
             if again is not None:
@@ -391,14 +384,15 @@ class Controller:
     def snapshot(self, wall_offset: float) -> dict:
         """Everything needed to rebuild this controller. Lease deadlines are stored on the
         wall clock (`deadline + wall_offset`) so another process can restore them."""
-        return persist.snapshot(self, wall_offset)
+        return persist.snapshot(self.catalog, self.leases.values(), self.lease_timeout, wall_offset)
 
     @classmethod
     def restore(cls, snap: dict, *, wall_offset: float, lease_timeout: float | None = None) -> Controller:
         """The controller a snapshot describes; lease deadlines are moved onto this process's clock."""
         persist.check_version(snap)
-        return persist.restore(cls(lease_timeout=lease_timeout or snap["lease_timeout"]), snap,
-                               wall_offset=wall_offset)
+        c = cls(lease_timeout=lease_timeout or snap["lease_timeout"])
+        persist.restore(c.catalog, c.grant, snap, wall_offset=wall_offset)
+        return c
 
     def export_partition(self, partition: str) -> dict:
         """One partition's metadata for a checkpoint (leased samples count as not taken)."""

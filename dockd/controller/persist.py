@@ -4,17 +4,15 @@ restarts from existing state dirs."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from dockd.controller.catalog import PUT_KEYS_CELLS, PUT_KEYS_KEPT, indexes_of
+from dockd.controller.catalog import PUT_KEYS_CELLS, PUT_KEYS_KEPT, Catalog, indexes_of
+from dockd.controller.lease_table import Lease
 from dockd.controller.partition import FREE, LEASED, NO_WAREHOUSE, PENDING_WAREHOUSE, _Partition
 from dockd.errors import DockValueError
 from dockd.recent import Recent
-
-if TYPE_CHECKING:
-    from dockd.controller.core import Controller
 
 
 def export_partition(p: _Partition) -> dict:
@@ -63,34 +61,35 @@ def import_partition(d: dict) -> _Partition:
     return p
 
 
-def snapshot(c: Controller, wall_offset: float) -> dict:
-    """Everything needed to rebuild a controller. Lease deadlines are stored on the wall clock
-    (`deadline + wall_offset`) so another process can restore them."""
+def snapshot(cat: Catalog, leases: Iterable[Lease], lease_timeout: float, wall_offset: float) -> dict:
+    """Everything needed to rebuild a controller: its catalog, its leases and their default timeout.
+    Lease deadlines are stored on the wall clock (`deadline + wall_offset`) so another process can
+    restore them."""
     return {
         "version": 2,
-        "lease_timeout": c.lease_timeout,
-        "dead": sorted(c.dead_warehouses),
-        "partitions": [export_partition(p) for p in c.partitions.values()],
+        "lease_timeout": lease_timeout,
+        "dead": sorted(cat.dead_warehouses),
+        "partitions": [export_partition(p) for p in cat.partitions.values()],
         "leases": [[l.id, l.partition, l.consumer, l.indexes.tobytes(), l.deadline + wall_offset, l.token, l.owner]
-                   for l in c.leases.values()],
+                   for l in leases],
         "put_keys": [[w, [[k, [v.start, v.stop] if isinstance(v, range) else indexes_of(v).tobytes()]
-                          for k, v in keys.items()]] for w, keys in c.put_keys.items()],
+                          for k, v in keys.items()]] for w, keys in cat.put_keys.items()],
     }
 
 
-def restore(c: Controller, snap: dict, *, wall_offset: float) -> Controller:
-    """Fill a fresh controller `c` from a snapshot; lease deadlines are moved onto this process's clock."""
-    c.dead_warehouses.update(snap["dead"])
+def restore(cat: Catalog, grant: Callable[..., Lease], snap: dict, *, wall_offset: float) -> None:
+    """Fill a fresh controller's catalog from a snapshot, and its leases through `grant` (Controller.grant);
+    lease deadlines are moved onto this process's clock."""
+    cat.dead_warehouses.update(snap["dead"])
     for d in snap["partitions"]:
-        c.catalog.adopt(import_partition(d))
+        cat.adopt(import_partition(d))
     for lid, part, consumer, raw, deadline, token, owner in snap["leases"]:
-        c.grant(lid, part, consumer, np.frombuffer(raw, dtype=np.int64).copy(), deadline=deadline - wall_offset,
-                token=token, owner=owner)
+        grant(lid, part, consumer, np.frombuffer(raw, dtype=np.int64).copy(), deadline=deadline - wall_offset,
+              token=token, owner=owner)
     for w, keys in snap["put_keys"]:  # (a commit of new samples as its range; older snapshots: every index)
-        kept = c.put_keys[w] = Recent(PUT_KEYS_KEPT, PUT_KEYS_CELLS)
+        kept = cat.put_keys[w] = Recent(PUT_KEYS_KEPT, PUT_KEYS_CELLS)
         for k, v in keys:
             kept.add(k, range(*v) if isinstance(v, list) else np.frombuffer(v, dtype=np.int64).copy())
-    return c
 
 
 def check_version(snap: dict) -> None:

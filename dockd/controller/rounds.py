@@ -8,17 +8,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from dockd.controller import selection, warehouses
-from dockd.controller.lease_table import AcquireResult, Lease, RoundKey
+from dockd.controller.catalog import Catalog
+from dockd.controller.lease_table import AcquireResult, Lease, LeaseBook, RoundKey
 from dockd.controller.partition import TAKEN, _Partition
 from dockd.errors import DockDrained, DockValueError
-
-if TYPE_CHECKING:
-    from dockd.controller.core import Controller
 
 ROUNDS_KEPT = 256  # per (partition, consumer, columns, ranks): finished rounds remembered for late ranks
 _NO_SAMPLES = np.empty(0, dtype=np.int64)
@@ -42,14 +40,28 @@ class Round:
         return self.key[0]
 
 
+class Leaser(Protocol):
+    """How rounds lease samples and give them back: `core.Controller`'s grant and release, which keep the
+    consumer's side of a lease (its samples' state) with the book's."""
+
+    lease_timeout: float
+
+    def grant(self, lease_id: int, partition: str, consumer: str, indexes: np.ndarray, *, owner: bytes = b"",
+              deadline: float, token: int = 0, in_order: bool = False) -> Lease: ...
+
+    def release(self, lease_id: int) -> Lease | None: ...
+
+
 class Rounds:
     """The rounds of a controller's rank-aware gets: by key and step; per (key, dp rank, mp rank)
     the first step it has not confirmed; per key the newest step forgotten (older ones cannot be
     asked for again). `new_shares` and `dropped_shares` collect the shares made and given back
     since the service last took them (to journal)."""
 
-    def __init__(self, ctl: Controller) -> None:
-        self.ctl = ctl
+    def __init__(self, catalog: Catalog, book: LeaseBook, leaser: Leaser) -> None:
+        self.catalog = catalog
+        self.book = book
+        self.leaser = leaser
         self.rounds: dict[RoundKey, collections.OrderedDict[int, Round]] = {}
         self.next_step: dict[tuple[RoundKey, int, int], int] = {}  # (key, dp rank, mp rank) -> step
         self.forgotten: dict[RoundKey, int] = {}
@@ -61,8 +73,7 @@ class Rounds:
               where: selection.Where | None, order_by: str, balance: bool, owner: bytes, now: float,
               lease_timeout: float | None, max_staleness: int | None) -> AcquireResult | Round | None:
         """See Controller.share."""
-        ctl = self.ctl
-        ctl.validate_acquire(partition, consumer, columns, count, groups)
+        selection.check_request(partition, consumer, columns, count)
         if not 0 <= dp_rank < dp_size or not 0 <= mp_rank < mp_size or mp_size > 64:
             raise DockValueError(f"need 0 <= dp_rank < dp_size and 0 <= mp_rank < mp_size <= 64, got dp_rank={dp_rank}, "
                                  f"dp_size={dp_size}, mp_rank={mp_rank}, mp_size={mp_size}")
@@ -72,7 +83,7 @@ class Rounds:
         elif step <= self.forgotten.get(key, -1):
             raise DockValueError(f"step {step} of this rank-aware get is finished and no longer remembered "
                                  f"(steps up to {self.forgotten[key]} are); ask for a later step")
-        part = ctl.partitions.get(partition)
+        part = self.catalog.partitions.get(partition)
         if part is None:
             return None
         where, order_by = selection.staleness_filter(part, max_staleness, where, order_by)
@@ -92,7 +103,7 @@ class Rounds:
         if rnd.done[dp_rank]:  # all its readers confirmed it: a late reader sees it again, nothing to confirm
             idx = rnd.share_idx[dp_rank]
             return AcquireResult(0, idx, part.locations(columns, idx), step, rnd.weights)
-        lease = ctl.leases.get(rnd.shares[dp_rank])
+        lease = self.book.leases.get(rnd.shares[dp_rank])
         if lease is None:  # expired before all its readers confirmed: a fresh share, from the pool
             view = selection.view(part, consumer, columns, count, groups)
             if view is None:
@@ -105,19 +116,20 @@ class Rounds:
                                         order_by=order_by)
             if picked is None:
                 return None
-            lease = ctl.grant(ctl.book.new_id(), partition, consumer, picked,
-                              deadline=now + (lease_timeout or ctl.lease_timeout), in_order=lease_timeout is None)
+            lease = self.leaser.grant(self.book.new_id(), partition, consumer, picked,
+                                      deadline=now + (lease_timeout or self.leaser.lease_timeout),
+                                      in_order=lease_timeout is None)
             self._make_share(lease, rnd, dp_rank)
         if lease.holders is not None and owner and owner not in lease.holders:
             if not lease.holders:  # its first reader: the share's lease runs from now (it may be a late rank)
-                deadline = now + (lease_timeout or ctl.lease_timeout)
+                deadline = now + (lease_timeout or self.leaser.lease_timeout)
                 if deadline > lease.deadline:
-                    ctl.extend(lease.id, deadline)
+                    self.book.extend(lease.id, deadline)
             lease.holders[owner] = mp_rank
         idx = lease.indexes
         locs = part.locations(columns, idx)
-        if ctl.dead_warehouses:
-            warehouses.check_lost(ctl.catalog, part, cons, columns, idx, locs)
+        if self.catalog.dead_warehouses:
+            warehouses.check_lost(self.catalog, part, cons, columns, idx, locs)
         return AcquireResult(lease.id, idx, locs, step, rnd.weights)
 
     def _reclaim_later(self, key: RoundKey, step: int, rank: int) -> bool:
@@ -128,16 +140,15 @@ class Rounds:
         for st, rnd in self.rounds.get(key, {}).items():
             if st <= step or rnd.hold or not rnd.shares:
                 continue
-            lease = self.ctl.leases.get(rnd.shares[rank])
+            lease = self.book.leases.get(rnd.shares[rank])
             if lease is not None and not lease.holders and not lease.confirmed:
-                self.ctl.release(lease.id)
+                self.leaser.release(lease.id)
                 self.dropped_shares.append(lease.id)
                 freed = True
         return freed
 
     def _form(self, part: _Partition, key: RoundKey, step: int, columns: Sequence[str], count: int, *, now: float,
               lease_timeout: float | None, where: selection.Where | None, order_by: str) -> Round | None:
-        ctl = self.ctl
         _, consumer, _, groups, dp_size, *_ = key
         view = selection.view(part, consumer, columns, count, groups)
         if view is None:
@@ -154,10 +165,11 @@ class Rounds:
                                   f"{'groups' if groups else 'samples'} left for consumer {consumer!r}: one each for "
                                   f"{dp_size} ranks")
         idx = (units[:, None] * gs + np.arange(gs)).ravel() if groups else units
-        if ctl.dead_warehouses:
-            warehouses.check_lost(ctl.catalog, part, cons, columns, idx, part.locations(columns, idx))
-        hold = ctl.grant(ctl.book.new_id(), part.name, consumer, idx,
-                         deadline=now + (lease_timeout or ctl.lease_timeout), in_order=lease_timeout is None)
+        if self.catalog.dead_warehouses:
+            warehouses.check_lost(self.catalog, part, cons, columns, idx, part.locations(columns, idx))
+        hold = self.leaser.grant(self.book.new_id(), part.name, consumer, idx,
+                                 deadline=now + (lease_timeout or self.leaser.lease_timeout),
+                                 in_order=lease_timeout is None)
         rnd = Round(key, step, idx, hold.id)
         hold.round = (key, step, -1)
         rounds = self.rounds.setdefault(key, collections.OrderedDict())
@@ -166,14 +178,14 @@ class Rounds:
             old, gone = rounds.popitem(last=False)
             self.forgotten[key] = max(self.forgotten.get(key, -1), old)
             for lid in gone.shares:
-                lease = ctl.leases.get(lid)
+                lease = self.book.leases.get(lid)
                 if lease is not None:
                     lease.round = None
         return rnd
 
     def split(self, rnd: Round, weights: np.ndarray | None) -> bool:
         """See Controller.split_round."""
-        book = self.ctl.book
+        book = self.book
         hold = book.leases.get(rnd.hold)
         if hold is None:
             return False
@@ -181,7 +193,7 @@ class Rounds:
         book.pop(rnd.hold)
         key = rnd.key
         _, consumer, _, groups, dp_size, mp_size, *_ = key
-        part = self.ctl.partitions[key[0]]
+        part = self.catalog.partitions[key[0]]
         gs = part.group_size if groups else 1
         n = len(rnd.indexes)
         if weights is None:
@@ -214,7 +226,7 @@ class Rounds:
         if rounds is not None and rounds.get(rnd.step) is rnd:
             del rounds[rnd.step]
         if rnd.hold:
-            self.ctl.release(rnd.hold)
+            self.leaser.release(rnd.hold)
 
     def advance(self, lease: Lease, member: int) -> None:
         """A reader of a share confirmed it: its next default step is the one after."""

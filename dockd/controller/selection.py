@@ -18,6 +18,18 @@ Where = Mapping[str, tuple[int, int]]
 """A get's tag filter: tag name -> the [lo, hi] its values must lie in."""
 
 
+def check_request(partition: str, consumer: str, columns: Sequence[str], count: int) -> None:
+    """Refuse a get that names no partition, consumer or column, or asks for no sample."""
+    if not partition:
+        raise DockValueError("partition must be a non-empty string")
+    if not consumer:
+        raise DockValueError("consumer must be a non-empty string, e.g. 'actor_train'")
+    if not columns:
+        raise DockValueError("columns must name at least one column")
+    if count < 1:
+        raise DockValueError(f"count must be >= 1, got {count}")
+
+
 def staleness_filter(part: _Partition, max_staleness: int | None, where: Where | None,
                      order_by: str) -> tuple[Where | None, str]:
     """A get's where and order_by with the staleness bound applied (the request's, else the
