@@ -54,11 +54,11 @@ def _has_transport_env() -> bool:
 
 def _shm_supported() -> str | None:
     try:
-        from dockd.net import shm
+        from dockd.net import same_host
     except ImportError:
-        return "this dockd build has no shared-memory transport (no dockd.net.shm module)"
-    if not shm.available():
-        return "dockd's shared-memory transport is not available on this machine (dockd.net.shm.available() is False)"
+        return "this dockd build has no shared-memory transport (no dockd.net.same_host module)"
+    if not same_host.available():
+        return "dockd's shared-memory transport is not available on this machine (dockd.net.same_host.available() is False)"
     return None
 
 

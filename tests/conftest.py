@@ -119,13 +119,13 @@ class RawClient:
         import socket
 
         from dockd._proto import dockd_pb2 as pb
-        from dockd.net import auth, shm, wire
+        from dockd.net import auth, same_host, wire
 
         self.wire, self.pb = wire, pb
         if unix:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.sock.settimeout(10)
-            self.sock.connect(shm.unix_address(unix))
+            self.sock.connect(same_host.unix_address(unix))
         else:
             host, port = address.rsplit(":", 1)
             self.sock = socket.create_connection((host, int(port)), timeout=10)

@@ -26,8 +26,9 @@ import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockAuthError, DockClosed, DockConnectionError, DockError, DockProtocolError, from_status
-from dockd.net import auth, shm, tls, wire
+from dockd.net import auth, tls, wire
 from dockd.net.recv_pool import RecvPool, recv_pool  # noqa: F401 - RecvPool: also importable from here
+from dockd.net.same_host import fds_ancillary
 from dockd.net.tcp import TcpTransport
 from dockd.net.transport import ALIVE_EVERY_S, ANSWER_GRACE_S, PROBE_S, Context, Endpoint, Transport
 
@@ -223,9 +224,9 @@ class Connection:
             frame.fds = len(fds)
         try:
             if self._alive is None:
-                wire.sendall(self.sock, [wire.header(frame, body_size), *buffers], shm.fds_ancillary(fds))
+                wire.sendall(self.sock, [wire.header(frame, body_size), *buffers], fds_ancillary(fds))
             else:
-                self._send_watched([wire.header(frame, body_size), *buffers], shm.fds_ancillary(fds))
+                self._send_watched([wire.header(frame, body_size), *buffers], fds_ancillary(fds))
         except TimeoutError:
             raise
         except OSError as e:

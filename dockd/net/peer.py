@@ -43,12 +43,13 @@ import pyarrow as pa
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockProtocolError, from_status, to_status
 from dockd.logutil import Throttle
-from dockd.net import auth, shm, wire
+from dockd.net import auth, wire
+from dockd.net.same_host import peer_cred
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from dockd.net.shm import UnixTransport
+    from dockd.net.same_host import UnixTransport
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def identity(role: str | None, transport) -> tuple:
     the role tells the daemons (the daemon token) from the clients of the same host or uid."""
     sock = getattr(transport, "sock", None) if getattr(transport, "passes_fds", False) else None
     if sock is not None:
-        cred = shm.peer_cred(sock)
+        cred = peer_cred(sock)
         return (role or "", "uid", cred[1]) if cred is not None else (role or "", "host", "unix")
     peer = transport.get_extra_info("peername") if transport is not None else None
     host = str(peer[0] if isinstance(peer, tuple) else peer).removeprefix("::ffff:")
@@ -87,7 +88,7 @@ def identity(role: str | None, transport) -> tuple:
 class Handler(Protocol):
     def on_request(self, peer: Peer, frame: pb.Frame, body, fds: list[int]) -> None: ...
     def admit(self, peer: Peer, frame: pb.Frame, body_size: int) -> Awaitable[None] | None: ...
-    def allocate(self, size: int):  # -> pa.Buffer or shm.Segment, the body's destination
+    def allocate(self, size: int):  # -> pa.Buffer or memfd.Segment, the body's destination
         ...
     def on_abandoned(self, peer: Peer, frame: pb.Frame, body_size: int) -> None: ...
     def on_authed(self, peer: Peer) -> None: ...
@@ -508,7 +509,7 @@ class Peer(asyncio.BufferedProtocol):
             return
         if fds:
             frame.fds = len(fds)
-            # (descriptors go only over a connection that passes them: a shm.UnixTransport)
+            # (descriptors go only over a connection that passes them: a same_host.UnixTransport)
             cast("UnixTransport", self.transport).writelines([wire.header(frame, body_size, tail), *buffers], fds)
         else:
             self.transport.writelines([wire.header(frame, body_size, tail), *buffers])

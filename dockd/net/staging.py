@@ -22,7 +22,7 @@ import threading
 
 import numpy as np
 
-from dockd.net import shm
+from dockd.net import memfd
 
 MIN_SIZE = 4 << 20
 
@@ -61,12 +61,12 @@ class Staging:
                 buf = min(fits, key=lambda b: b.size)
                 self._free.remove(buf)
                 return buf
-        size = max(MIN_SIZE, 1 << (n - 1).bit_length()) if n < (1 << 30) else shm.padded(n)
-        fd = os.memfd_create("dockd-staging", shm.MFD_FLAGS)
+        size = max(MIN_SIZE, 1 << (n - 1).bit_length()) if n < (1 << 30) else memfd.padded(n)
+        fd = os.memfd_create("dockd-staging", memfd.MFD_FLAGS)
         try:
             os.ftruncate(fd, size)
-            shm.seal(fd, shm.STAGING_SEALS | shm.F_SEAL_GROW)
-            view = shm.map_shared(fd, size)
+            memfd.seal(fd, memfd.STAGING_SEALS | memfd.F_SEAL_GROW)
+            view = memfd.map_shared(fd, size)
         except BaseException:
             os.close(fd)
             raise

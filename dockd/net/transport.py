@@ -9,7 +9,7 @@ Built in (best first, as `transport="auto"` tries them):
 
 | name | module | frames | put payload | fetch payload |
 |---|---|---|---|---|
-| `shm` | `shm.py` | Unix socket | staged in a sealed memfd, named | passed memfd segments, mapped copy-on-write; device-tier data by IPC handle |
+| `shm` | `same_host.py` | Unix socket | staged in a sealed memfd, named | passed memfd segments, mapped copy-on-write; device-tier data by IPC handle |
 | `mooncake` | `mooncake.py` | TCP | in the frame | read by the client's Mooncake Transfer Engine from the warehouse's registered segments (small runs in the frame) |
 | `tcp` | `device_link.py` | TCP | in the frame | in the frame; device-tier data over a device link (NCCL/HCCL/gloo) when the get names a device |
 | `tcp` | `tcp.py` | TCP | in the frame | in the frame |

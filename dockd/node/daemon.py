@@ -43,7 +43,7 @@ from dockd.controller.agreement import Agreement
 from dockd.controller.core import Controller
 from dockd.controller.service import ControllerService
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockValueError
-from dockd.net import auth, shm
+from dockd.net import auth, memfd, same_host
 from dockd.net import mooncake_server as mooncake
 from dockd.net.device_warehouse_links import Links
 from dockd.net.peer import Peer
@@ -166,8 +166,8 @@ class Node:
         self.listeners.budget_descriptors()
         await self.listeners.listen_tcp()
         self.keys.publish(self.port)
-        if self.cfg.shm and shm.available() and self.cfg.warehouse:
-            self.admission.use_segments(shm.segment_budget())
+        if self.cfg.shm and same_host.available() and self.cfg.warehouse:
+            self.admission.use_segments(memfd.segment_budget())
             self.listeners.listen_unix()
         if self.spill is not None:  # (before the data dir's puts come back: what exceeds --capacity spills)
             self.spill.open()

@@ -33,7 +33,7 @@ from dockd import config
 from dockd._proto import dockd_pb2 as pb
 from dockd.config import NodeConfig
 from dockd.logutil import Throttle
-from dockd.net import auth, shm, tls, wire
+from dockd.net import auth, memfd, same_host, tls, wire
 from dockd.net.peer import Handler, Peer
 from dockd.node.controller_link import keepalive
 
@@ -154,13 +154,13 @@ class Listeners:
     def listen_unix(self) -> None:
         """Same-host clients: frames on an abstract Unix socket, payloads as memfd descriptors."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        name = shm.unix_name(self.port)
-        sock.bind(shm.unix_address(name))
+        name = same_host.unix_name(self.port)
+        sock.bind(same_host.unix_address(name))
         sock.listen(128)
         sock.setblocking(False)
         asyncio.get_running_loop().add_reader(sock.fileno(), self._accept_unix)
         self._unix, self.unix_name = sock, name
-        if shm.huge_pages_state() in ("never", "deny"):
+        if memfd.huge_pages_state() in ("never", "deny"):
             logger.info(
                 "[shm] transparent huge pages are off for shared memory: large same-host puts and first reads "
                 "run several times slower. To enable (as root): "
@@ -169,7 +169,7 @@ class Listeners:
 
     def budget_descriptors(self) -> None:
         """Share the descriptor limit (raised to the hard limit) among connections (a quarter),
-        descriptors in flight on them (an eighth) and stored segments (`shm.segment_budget`), so
+        descriptors in flight on them (an eighth) and stored segments (`memfd.segment_budget`), so
         that no use of one starves the others."""
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft < hard:  # every shared-memory put body holds one descriptor
@@ -201,7 +201,7 @@ class Listeners:
                 loop.call_later(self._accept_delay, self._resume_accept)
                 return
             self._accept_delay = 0.0
-            pid, uid = shm.peer_cred(conn) or (None, None)
+            pid, uid = same_host.peer_cred(conn) or (None, None)
             if uid not in (os.getuid(), 0):  # the abstract socket has no permissions of its own
                 self.keys.server_auth.failed("uid")
                 _refusals.log(logger, logging.WARNING,
@@ -215,7 +215,7 @@ class Listeners:
             peer = self.make_peer()
             peer.pid = pid  # who pins the segments lent on this connection
             self.on_unix_peer(pid)
-            shm.UnixTransport(asyncio.get_running_loop(), conn, peer)
+            same_host.UnixTransport(asyncio.get_running_loop(), conn, peer)
 
     def _resume_accept(self) -> None:
         if self._unix is not None and not self._stopped:

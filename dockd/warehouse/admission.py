@@ -39,7 +39,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dockd.errors import DockError, DockFull
-from dockd.net import shm
+from dockd.net import memfd, same_host
 from dockd.net.peer import Peer
 from dockd.warehouse import memory
 from dockd.warehouse.core import Warehouse
@@ -256,7 +256,7 @@ class Admission:
     # -- where bodies go ------------------------------------------------------------------------
     def allocate(self, size: int):
         """Where a frame body is received: shared memory when big enough to be worth passing by descriptor."""
-        if self.shm_bodies and size >= shm.SHM_MIN_BODY and self.segment_room():
+        if self.shm_bodies and size >= same_host.SHM_MIN_BODY and self.segment_room():
             return self.segments.take(size)
         return memory.allocate(size)
 
@@ -305,7 +305,7 @@ class Admission:
 
     def _destination(self, size: int):
         """Where a copied-in payload goes, and what to call once it is there (it returns the body)."""
-        if size >= shm.SHM_MIN_BODY and self.segment_room():
+        if size >= same_host.SHM_MIN_BODY and self.segment_room():
             seg = self.segments.take(size)
 
             def sealed():
@@ -318,7 +318,7 @@ class Admission:
 
     def segment_room(self) -> bool:
         """Whether one more stored segment fits the descriptor budget (warns once when it does not)."""
-        if shm.Segment.live < self.segment_budget:
+        if memfd.Segment.live < self.segment_budget:
             return True
         if not self._over_budget_warned:
             self._over_budget_warned = True
@@ -327,7 +327,7 @@ class Admission:
                 "[shm] this warehouse holds %d shared-memory segments, the most its descriptor limit (%d) allows; "
                 "further puts are copied into private memory (one more copy, and same-host reads of them are "
                 "copies too). Raise the limit for full speed (ulimit -n, or LimitNOFILE= in a systemd unit).",
-                shm.Segment.live, soft,
+                memfd.Segment.live, soft,
             )
         return False
 

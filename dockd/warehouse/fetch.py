@@ -18,7 +18,7 @@ import numpy as np
 from dockd import codec
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockError, DockNotFound
-from dockd.net import device_share, shm
+from dockd.net import device_share, same_host
 from dockd.net import mooncake_server as mooncake
 from dockd.net.device_warehouse_links import Links
 from dockd.net.peer import Peer
@@ -132,7 +132,7 @@ class FetchPath:
                 nbytes += run.nbytes
                 seg = batch.segment
                 addr = eng.remote(seg) if seg is not None and batch.device is None and \
-                    run.nbytes >= shm.SHM_MIN_VALUE else None
+                    run.nbytes >= same_host.SHM_MIN_VALUE else None
                 if addr is None:
                     run.offset = body.add(memoryview(batch.host(lo, run.nbytes)))
                 else:
@@ -230,7 +230,7 @@ class FetchPath:
             return False
         seg = batch.segment
         k = index.get(id(seg))
-        if k is None and len(segs) < shm.MAX_FDS:
+        if k is None and len(segs) < same_host.MAX_FDS:
             segs.append(seg)
             k = index[id(seg)] = len(segs)
         if k is None:
@@ -265,7 +265,7 @@ class FetchPath:
 def _lendable(batch, nbytes: int) -> bool:
     """Whether `nbytes` of a batch may go to a same-host reader by descriptor: they are in a shared-memory
     segment, and enough of them to be worth a mapping."""
-    return batch.segment is not None and nbytes >= shm.SHM_MIN_VALUE
+    return batch.segment is not None and nbytes >= same_host.SHM_MIN_VALUE
 
 
 def _worth_mapping(found) -> bool:
@@ -274,12 +274,12 @@ def _worth_mapping(found) -> bool:
     for _, slices in found:
         for batch, r0, r1 in slices:
             if batch.segment is None or batch.device is not None or batch.data is None \
-                    or batch.data.size < shm.SHM_MIN_VALUE:  # (none of its slices can be lent)
+                    or batch.data.size < same_host.SHM_MIN_VALUE:  # (none of its slices can be lent)
                 continue
             lo, hi = batch.span(r0, r1)
             if _lendable(batch, hi - lo):
                 total += hi - lo
-                if total > shm.SHM_COPY_REPLY:
+                if total > same_host.SHM_COPY_REPLY:
                     return True
     return False
 

@@ -38,7 +38,7 @@ from dockd._proto import dockd_pb2 as pb
 from dockd.controller.catalog import StoredElsewhere
 from dockd.errors import DockAuthError, DockError, DockProtocolError
 from dockd.logutil import Throttle
-from dockd.net import shm
+from dockd.net import memfd
 from dockd.net.peer import Peer
 from dockd.node.metrics import Metrics
 from dockd.node.tasks import failed, spawn
@@ -76,7 +76,7 @@ class _Put:
     peer: Peer
     frame: pb.Frame
     buf: object          # the body (pa.Buffer), None for a bodiless put
-    seg: shm.Segment | None
+    seg: memfd.Segment | None
     size: int            # reserved host bytes: the body, and what device runs spilled after it
     dev: list            # device-tier copies
     spilled: int
@@ -147,7 +147,7 @@ class PutPipeline:
             _close(fds)
             raise
         req = frame.put
-        if isinstance(body, shm.Segment):  # a body received into a segment of ours: complete, so seal it
+        if isinstance(body, memfd.Segment):  # a body received into a segment of ours: complete, so seal it
             body.seal()
         staged = None
         if req.staging:  # a same-host put: the payload waits in the writer's staging buffer
@@ -219,7 +219,7 @@ class PutPipeline:
         """A put whose size is reserved and whose bytes are ours (or, with `rest`, the bytes its checks
         read; `rest()` copies in the others once it is answered): check it and commit it."""
         req = frame.put
-        seg = body if isinstance(body, shm.Segment) else None
+        seg = body if isinstance(body, memfd.Segment) else None
         buf = seg.buffer if seg is not None else body
         size = buf.size if buf is not None else 0  # payload bytes (a segment's buffer excludes its padding)
         if req.token and self.tokens.again(peer, frame, lambda: self.admission.release(unreserve=size)):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.net import shm
+from dockd.net import memfd
 from dockd.warehouse import putfile
 from dockd.warehouse.datadir import DAMAGED, DELETED, DockDataDirError
 from dockd.warehouse.layout import _runs
@@ -109,13 +109,13 @@ def _adopt_one(dd: DataDir, path: str, pdir: str, warehouse: Warehouse,
                     f"--data-dir {dd.path} holds more than this warehouse's --capacity ({warehouse.capacity} "
                     "bytes) allows; restart it with at least the capacity it had")
             dest = admission.allocate(blen)
-            buf = dest.buffer if isinstance(dest, shm.Segment) else dest
+            buf = dest.buffer if isinstance(dest, memfd.Segment) else dest
             try:
                 os.lseek(fd, h.body_at, os.SEEK_SET)
-                _readinto(fd, memoryview(dest.writable() if isinstance(dest, shm.Segment) else buf).cast("B"))
+                _readinto(fd, memoryview(dest.writable() if isinstance(dest, memfd.Segment) else buf).cast("B"))
             except (OSError, EOFError) as e:
                 raise Damaged(f"its body cannot be read ({e})", h.held()) from None
-            if isinstance(dest, shm.Segment):
+            if isinstance(dest, memfd.Segment):
                 dest.seal()
             data = memoryview(buf).cast("B")[:blen]
         else:
@@ -123,14 +123,14 @@ def _adopt_one(dd: DataDir, path: str, pdir: str, warehouse: Warehouse,
         h.check_body(data)
     except BaseException:
         if dest is not None:  # (nothing of a file that fails is kept)
-            admission.release(unreserve=blen, seg=dest if isinstance(dest, shm.Segment) else None)
+            admission.release(unreserve=blen, seg=dest if isinstance(dest, memfd.Segment) else None)
         raise
     finally:
         os.close(fd)
     idx = np.asarray(h.req.indexes, dtype=np.int64)
     dd.adopting = path
     warehouse.store(h.meta["partition"], idx, h.req.columns, buf, blen,
-                    dest if isinstance(dest, shm.Segment) else None, h.meta["group_size"])
+                    dest if isinstance(dest, memfd.Segment) else None, h.meta["group_size"])
     return h.meta["partition"], blen, int(h.meta.get("token", 0)), idx
 
 

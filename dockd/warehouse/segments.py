@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from dockd.errors import DockProtocolError, StagingUnknown
-from dockd.net import shm
+from dockd.net import memfd
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +44,8 @@ def size_class(n: int) -> int:
     """Segment size for a payload: rounded up to 4 classes per doubling, in whole pages (whole
     huge pages from 2 MiB). Payloads of nearby sizes share a class, so a freed segment is
     reused by the next put of about its size instead of waiting idle for one of exactly it."""
-    n = shm.padded(n)
-    step = max(shm.HUGE if n >= shm.HUGE else shm.PAGE, 1 << max(0, n.bit_length() - 3))
+    n = memfd.padded(n)
+    step = max(memfd.HUGE if n >= memfd.HUGE else memfd.PAGE, 1 << max(0, n.bit_length() - 3))
     return -(-n // step) * step
 
 
@@ -65,12 +65,12 @@ class Segments:
         self.keep_count = keep_count
         self.idle_count = 0
         self.watch = watch
-        self._idle: dict[int, list[shm.Segment]] = {}  # size class -> idle segments
-        self._idle_order: collections.OrderedDict[int, shm.Segment] = collections.OrderedDict()  # sid, oldest first
+        self._idle: dict[int, list[memfd.Segment]] = {}  # size class -> idle segments
+        self._idle_order: collections.OrderedDict[int, memfd.Segment] = collections.OrderedDict()  # sid, oldest first
         self.idle_bytes = 0
         # sid -> segment taken from the pool (weak: one dropped before it was stored just goes away)
-        self._live: weakref.WeakValueDictionary[int, shm.Segment] = weakref.WeakValueDictionary()
-        self._freed: dict[int, shm.Segment] = {}  # data gone, waiting for its pins
+        self._live: weakref.WeakValueDictionary[int, memfd.Segment] = weakref.WeakValueDictionary()
+        self._freed: dict[int, memfd.Segment] = {}  # data gone, waiting for its pins
         self._let_go: dict[int, int] = {}  # sid -> size of one freed past keep_count: readers hold its memory
         # called with +size when a segment's data is gone but a reader still maps it, -size when it no longer
         # does: the warehouse counts that memory against its capacity meanwhile (Admission)
@@ -82,10 +82,10 @@ class Segments:
         self._conns: collections.Counter = collections.Counter()  # pid -> its open same-host connections
         self.created = self.reused = 0
         # called with each segment created (dockd.net.mooncake_server registers it with its engine once)
-        self.on_create: Callable[[shm.Segment], object] | None = None
+        self.on_create: Callable[[memfd.Segment], object] | None = None
 
     # -- storage --------------------------------------------------------------------------------
-    def take(self, size: int) -> shm.Segment:
+    def take(self, size: int) -> memfd.Segment:
         """A segment for `size` payload bytes: a warm one from the pool if there is one."""
         cls = size_class(size)
         idle = self._idle.get(cls)
@@ -99,14 +99,14 @@ class Segments:
             seg.use(size)
             self.reused += 1
         else:
-            seg = shm.Segment.create(size, "dockd-store", capacity=cls)
+            seg = memfd.Segment.create(size, "dockd-store", capacity=cls)
             self.created += 1
             if self.on_create is not None:
                 self.on_create(seg)
         self._live[seg.sid] = seg
         return seg
 
-    def release(self, seg: shm.Segment) -> None:
+    def release(self, seg: memfd.Segment) -> None:
         """Its data is gone (cleared, or the put failed): back to the pool once nobody maps it."""
         if seg.sid not in self._live:
             return
@@ -122,7 +122,7 @@ class Segments:
         else:
             self._recycle(seg)
 
-    def _recycle(self, seg: shm.Segment) -> None:
+    def _recycle(self, seg: memfd.Segment) -> None:
         self._live.pop(seg.sid, None)
         if self._freed.pop(seg.sid, None) is not None:
             self.on_lent(-seg.size)
@@ -147,7 +147,7 @@ class Segments:
         self.idle_count -= 1
 
     # -- pins ------------------------------------------------------------------------------------
-    def lend(self, pid: int | None, segs: list[shm.Segment]) -> None:
+    def lend(self, pid: int | None, segs: list[memfd.Segment]) -> None:
         """Descriptors of `segs` go to process `pid`: pinned until it unpins them or exits."""
         if pid is None:  # unknown reader (not on a Unix socket): never recycle what it may map
             for seg in segs:
@@ -162,16 +162,16 @@ class Segments:
             held[seg.sid] += 1
             self._pinned[seg.sid] += 1
 
-    def pinned(self, seg: shm.Segment) -> bool:
+    def pinned(self, seg: memfd.Segment) -> bool:
         """Whether a reader (or the warehouse itself) maps `seg` now: its data must stay where it is."""
         return self._pinned.get(seg.sid, 0) > 0
 
-    def hold(self, segs: Iterable[shm.Segment]) -> None:
+    def hold(self, segs: Iterable[memfd.Segment]) -> None:
         """Keep segments from being reused while the warehouse itself reads them (a checkpoint)."""
         for seg in segs:
             self._pinned[seg.sid] += 1
 
-    def unhold(self, segs: Iterable[shm.Segment]) -> None:
+    def unhold(self, segs: Iterable[memfd.Segment]) -> None:
         for seg in segs:
             self._drop_pin(seg.sid, 1)
 
@@ -231,12 +231,12 @@ class Segments:
         bufs = self._staging.setdefault(pid, collections.OrderedDict())
         if fd is not None:
             try:
-                if shm.seals(fd) & shm.STAGING_SEALS != shm.STAGING_SEALS:
+                if memfd.seals(fd) & memfd.STAGING_SEALS != memfd.STAGING_SEALS:
                     raise DockProtocolError("a staging buffer must be sealed against shrinking (F_SEAL_SHRINK)")
                 total = os.fstat(fd).st_size
                 if not 0 < total <= 1 << 40:
                     raise DockProtocolError(f"a staging buffer of {total} bytes")
-                bufs[sid] = shm.map_shared(fd, total, readonly=True)
+                bufs[sid] = memfd.map_shared(fd, total, readonly=True)
             finally:
                 os.close(fd)
             if len(bufs) > STAGING_PER_PROCESS:

@@ -52,7 +52,7 @@ import numpy as np
 import pyarrow as pa
 
 from dockd.errors import DockValueError
-from dockd.net import shm
+from dockd.net import memfd
 from dockd.node.tasks import spawn
 from dockd.warehouse import memory
 from dockd.warehouse.putfile import HEAD
@@ -204,7 +204,7 @@ class SpillTier:
                 break
             if id(body) in self._writing:
                 continue
-            if isinstance(body.segment, shm.Segment) and self.segments.pinned(body.segment):
+            if isinstance(body.segment, memfd.Segment) and self.segments.pinned(body.segment):
                 skipped_pinned += 1
                 continue
             in_data_dir = body.file is not None and body.file_layout
@@ -225,7 +225,7 @@ class SpillTier:
             if where.owned:
                 room -= where.size
             seg = w.mark_spilled(partition, body, where)
-            if isinstance(seg, shm.Segment):
+            if isinstance(seg, memfd.Segment):
                 self.segments.release(seg)
             self.metrics.spill_out_bytes += body.nbytes
             need -= body.nbytes
@@ -250,14 +250,14 @@ class SpillTier:
         is still in memory as it was then (not freed, compacted or mapped by a reader meanwhile)."""
         buf = body.buf
         assert buf is not None  # (an in-memory put has its body)
-        seg = body.segment if isinstance(body.segment, shm.Segment) else None
+        seg = body.segment if isinstance(body.segment, memfd.Segment) else None
         if seg is not None:  # (not reused while the thread reads it)
             self.segments.hold([seg])
         self._writing.add(id(body))
         self.writing += body.nbytes
         spawn(self._written(partition, body, buf, seg, self._path()))
 
-    async def _written(self, partition: str, body: _Body, buf: pa.Buffer, seg: shm.Segment | None,
+    async def _written(self, partition: str, body: _Body, buf: pa.Buffer, seg: memfd.Segment | None,
                        path: str) -> None:
         try:
             await self.admission.in_worker(_write_file, path, partition, buf)
@@ -282,7 +282,7 @@ class SpillTier:
             self.files += 1
             self.bytes += buf.size
             old = w.mark_spilled(partition, body, SpillFile(path, buf.size))
-            if isinstance(old, shm.Segment):
+            if isinstance(old, memfd.Segment):
                 self.segments.release(old)
             self.metrics.spill_out_bytes += body.nbytes
         self.admission.admit_waiters()
@@ -352,7 +352,7 @@ class SpillTier:
         if not self.admission.waiters and w.reserve(body.nbytes, spill=False):
             try:
                 dest = self.admission.allocate(where.size)
-                if isinstance(dest, shm.Segment):
+                if isinstance(dest, memfd.Segment):
                     where.read_into(memoryview(dest.writable()).cast("B")[: where.size])
                     dest.seal()
                     buf, seg = dest.buffer, dest

@@ -30,7 +30,7 @@ import numpy as np
 from dockd import runcheck
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockNotFound, DockProtocolError, DockValueError
-from dockd.net import shm
+from dockd.net import memfd
 from dockd.net.peer import Peer
 from dockd.node.tasks import failed, reply_when_done, spawn
 from dockd.warehouse.admission import Admission
@@ -286,7 +286,7 @@ class WeightsService:
 
     def _on_copy(self, peer: Peer, frame: pb.Frame, body) -> None:
         req = frame.weights_relay
-        seg = body if isinstance(body, shm.Segment) else None
+        seg = body if isinstance(body, memfd.Segment) else None
         if seg is not None:
             seg.seal()
         buf = seg.buffer if seg is not None else body

@@ -10,9 +10,9 @@ import torch
 
 import dockd
 from dockd.local import spawn_node
-from dockd.net import shm
+from dockd.net import same_host
 
-pytestmark = pytest.mark.skipif(not shm.available(), reason="needs Linux memfd and SCM_RIGHTS")
+pytestmark = pytest.mark.skipif(not same_host.available(), reason="needs Linux memfd and SCM_RIGHTS")
 
 
 def open_fds(pid: int) -> int:
@@ -278,7 +278,7 @@ def _store_mappings() -> int:
 
 def test_a_get_of_a_few_hundred_kib_comes_as_bytes_and_a_bigger_one_mapped(cluster, partition):
     """Mapping a segment costs a reader more than copying a few hundred KiB (a get of 64 values of 4 KiB
-    went from ~98k to ~107k samples/s copied); above shm.SHM_COPY_REPLY bytes the values come by descriptor."""
+    went from ~98k to ~107k samples/s copied); above same_host.SHM_COPY_REPLY bytes the values come by descriptor."""
     with dockd.connect(cluster.address, warehouse=0) as d:
         small = torch.randint(0, 255, (64, 4096), dtype=torch.uint8)  # 256 KiB: as bytes
         big = torch.randint(0, 255, (64, 16384), dtype=torch.uint8)  # 1 MiB: by descriptor

@@ -16,7 +16,7 @@ import torch
 import dockd
 from dockd._proto import dockd_pb2 as pb
 from dockd.local import spawn_node
-from dockd.net import shm, wire
+from dockd.net import same_host, wire
 from tests.conftest import serving, wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -68,21 +68,21 @@ def test_a_reply_cannot_smuggle_a_body_past_capacity(node, raw, proc_stats):
     still_serves(address)
 
 
-@pytest.mark.skipif(not shm.available(), reason="descriptor passing is Linux-only")
+@pytest.mark.skipif(not same_host.available(), reason="descriptor passing is Linux-only")
 def test_descriptors_sent_without_frames_close_the_connection(node, proc_stats):
     address, pid = node
     with dockd.connect(address) as d:
         unix = d._router.ctrl.via.endpoint.unix
     base = proc_stats(pid)["fds"]
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect(shm.unix_address(unix))
+    s.connect(same_host.unix_address(unix))
     s.settimeout(5)
     s.recv(4096)  # the challenge
     fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(200)]
     try:
         for chunk in range(0, 200, 50):
             try:
-                s.sendmsg([b"x"], shm.fds_ancillary(fds[chunk:chunk + 50]))
+                s.sendmsg([b"x"], same_host.fds_ancillary(fds[chunk:chunk + 50]))
             except OSError:
                 break
         try:
@@ -376,7 +376,7 @@ def test_outstanding_leases_hold_only_their_own_samples(proc_stats):
         still_serves(address)
 
 
-@pytest.mark.skipif(not shm.available(), reason="Linux shared memory only")
+@pytest.mark.skipif(not same_host.available(), reason="Linux shared memory only")
 def test_cleared_data_a_reader_keeps_mapped_counts_against_the_capacity():
     """A same-host reader's tensors map the warehouse's segment (zero copy), which stays pinned after a clear.
     Such memory was not counted: a reader keeping the batches it read let the warehouse hold any amount past

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import dockd
-from dockd.net import shm
+from dockd.net import memfd, same_host
 from dockd.warehouse.segments import Segments, size_class
 
-pytestmark = pytest.mark.skipif(not shm.available(), reason="Linux shared memory only")
+pytestmark = pytest.mark.skipif(not same_host.available(), reason="Linux shared memory only")
 
 
 def test_a_freed_segment_is_reused_by_a_put_of_about_its_size():
@@ -31,7 +31,7 @@ def test_a_freed_segment_is_reused_by_a_put_of_about_its_size():
     b = pool.take(300_001)  # one byte more: the same class, so the same warm segment
     assert b is a and pool.reused == 1 and b.buffer.size == 300_001
     assert size_class(300_000) < 300_000 * 5 // 4  # a class wastes at most a quarter
-    assert size_class(5 << 20) % shm.HUGE == 0 and size_class(300_000) % shm.PAGE == 0
+    assert size_class(5 << 20) % memfd.HUGE == 0 and size_class(300_000) % memfd.PAGE == 0
 
 
 def test_the_idle_pool_keeps_the_most_recently_freed_segments():

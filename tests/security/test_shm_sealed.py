@@ -13,9 +13,9 @@ import torch
 
 import dockd
 from dockd._proto import dockd_pb2 as pb
-from dockd.net import shm
+from dockd.net import memfd, same_host
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(not shm.available(), reason="Linux shared memory only")]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(not same_host.available(), reason="Linux shared memory only")]
 
 
 def _refused(op) -> None:
@@ -36,7 +36,7 @@ def test_readers_and_writers_cannot_change_stored_segments(cluster, partition):
         assert fds, "large values come by descriptor"
         try:
             for fd in fds:
-                assert shm.seals(fd) & (shm.F_SEAL_WRITE | shm.F_SEAL_FUTURE_WRITE)
+                assert memfd.seals(fd) & (memfd.F_SEAL_WRITE | memfd.F_SEAL_FUTURE_WRITE)
                 _refused(lambda fd=fd: os.pwrite(fd, b"evil", 0))
                 _refused(lambda fd=fd: os.ftruncate(fd, 0))
                 _refused(lambda fd=fd: mmap.mmap(fd, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_WRITE | mmap.PROT_READ))

@@ -12,7 +12,7 @@ import pytest
 
 import dockd
 from dockd.config import ClientConfig
-from dockd.net import shm, transport
+from dockd.net import same_host, transport
 from dockd.net.candidates import candidates
 from dockd.net.device_transport import DeviceLinkTransport
 from dockd.net.same_host import ShmTransport
@@ -24,7 +24,7 @@ def ctx(setting: str = "auto", links: bool = False) -> Context:
     return Context(config=ClientConfig(transport=setting), links=object() if links else None)
 
 
-@pytest.mark.skipif(not shm.available(), reason="same-host transport is Linux-only")
+@pytest.mark.skipif(not same_host.available(), reason="same-host transport is Linux-only")
 def test_auto_prefers_shared_memory_to_a_same_host_daemon_then_tcp():
     local = Endpoint("127.0.0.1", 7450, unix="dockd-7450")
     assert candidates(local, ctx()) == [ShmTransport, TcpTransport]

@@ -7,10 +7,10 @@ import os
 import pytest
 
 from dockd.errors import DockNotFound, DockProtocolError
-from dockd.net import shm
+from dockd.net import memfd, same_host
 from dockd.warehouse.segments import Segments, size_class
 
-pytestmark = pytest.mark.skipif(not shm.available(), reason="Linux shared memory only")
+pytestmark = pytest.mark.skipif(not same_host.available(), reason="Linux shared memory only")
 
 
 def test_a_cleared_segment_is_reused_only_once_every_reader_unpinned_it():
@@ -68,11 +68,11 @@ def test_segments_of_another_size_class_are_not_mixed_and_the_pool_is_bounded():
 
 def test_staging_buffers_are_registered_once_and_must_not_shrink():
     pool = Segments(keep_bytes=0)
-    fd = os.memfd_create("staging", shm.MFD_FLAGS)
+    fd = os.memfd_create("staging", memfd.MFD_FLAGS)
     os.ftruncate(fd, 1 << 20)
     with pytest.raises(DockProtocolError, match="sealed against shrinking"):
         pool.staging(7, 42, os.dup(fd), 100)
-    shm.seal(fd, shm.STAGING_SEALS)
+    memfd.seal(fd, memfd.STAGING_SEALS)
     view = pool.staging(7, 42, os.dup(fd), 100)
     os.pwrite(fd, b"hello", 0)
     assert bytes(pool.staging(7, 42, None, 5)[:5]) == b"hello" and view.flags.writeable is False

@@ -1,83 +1,32 @@
-"""Same-host transport: a Unix socket for frames, memfd segments for payloads.
+"""Anonymous shared memory: sealed memfd segments and mappings that hold no descriptor.
 
 Large put bodies and stored values live in anonymous shared-memory files
-(memfd) rather than named /dev/shm segments, and travel between a client and
-the warehouse on its host as file descriptors passed over a Unix socket
-(SCM_RIGHTS). Nothing has a name, so nothing can leak: a segment's memory is
-freed when the last descriptor and mapping of it are gone, whoever crashed.
-
-- put: the client copies its tensors into one of a few *staging* memfds it
-  keeps warm (registered with the warehouse once: the descriptor passes once,
-  sealed against shrinking), and names it; the warehouse copies the payload
-  into a segment of its own, taken warm from its pool, and seals that segment
-  against future writes. Two copies into warm memory run several times faster
-  than one copy into fresh pages (the kernel hands out fresh shared pages at
-  about 1 GB/s on the development VM). The writer lends the buffer: the
-  warehouse may answer before it copies the bulk out, and copies it before
-  it reads another request; the writer reuses the buffer only once a later
-  put is answered (`dockd.net.staging`, `dockd.warehouse.put`).
-- get: the warehouse passes the descriptors of the segments holding the values;
-  the client maps them copy-on-write (MAP_PRIVATE), so the returned tensors
-  are zero-copy views that the caller may still write to: a write copies the
-  touched page, never the warehouse's data. Each descriptor lent *pins* its
-  segment for the reader's process until the reader reports the mapping gone
-  or the process exits; only an unpinned segment whose data was cleared goes
-  back to the pool to be filled again (`dockd.warehouse.segments`).
-
-`UnixTransport` gives a `Peer` the asyncio-transport surface it expects over a
-non-blocking Unix socket driven by `loop.add_reader`, plus descriptor passing,
-which asyncio transports lack.
+(memfd) rather than named /dev/shm segments. Nothing has a name, so nothing
+can leak: a segment's memory is freed when the last descriptor and mapping of
+it are gone, whoever crashed. A warehouse keeps its stored values in
+`Segment`s (pooled by `dockd.warehouse.segments`), seals each one against
+writes through any other descriptor once it is filled, and passes their
+descriptors to same-host readers (`dockd.net.same_host`), who map them
+copy-on-write (`map_private`). Writers stage their puts in memfds of their own
+(`dockd.net.staging`), sealed against shrinking.
 """
 
 from __future__ import annotations
 
-import array
-import collections
 import ctypes
 import fcntl
 import itertools
-import logging
 import mmap
 import os
 import resource
-import socket
-import struct
-import sys
 import weakref
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from dockd.net import wire
-
-logger = logging.getLogger(__name__)
-
-SHM_MIN_BODY = 256 << 10   # puts at least this big go through a memfd
 HUGE = 2 << 20             # PMD size: segments are sized and mapped in its multiples
-SHM_MIN_VALUE = 64 << 10   # runs of stored values at least this big are passed by descriptor ...
-SHM_COPY_REPLY = 256 << 10  # ... in a reply with more bytes of them than this (fewer: copied, which costs less)
-MAX_FDS = 253              # SCM_MAX_FD
-_ANC = socket.CMSG_SPACE(MAX_FDS * 4) if hasattr(socket, "CMSG_SPACE") else 0
-MSG_CTRUNC = int(socket.MSG_CTRUNC)
-"""As a plain int: `flags & socket.MSG_CTRUNC` runs the enum's Python `__rand__` (an IntFlag on the
-right of an int), ~7,500 instructions, 8 % of what the daemon spends on an empty request."""
 PAGE = mmap.PAGESIZE
-
-
-def available() -> bool:
-    """The probe: Linux with memfd_create and SCM_RIGHTS."""
-    return sys.platform.startswith("linux") and hasattr(os, "memfd_create") and hasattr(socket, "SCM_RIGHTS")
-
-
-def unix_name(port: int) -> str:
-    """Abstract-namespace socket name of the daemon on `port` (no file to clean up)."""
-    return f"dockd-{os.getpid()}-{port}"
-
-
-def unix_address(name: str) -> str:
-    return "\0" + name
-
 
 # fcntl seals (linux/fcntl.h); F_SEAL_FUTURE_WRITE (Linux 5.1) is missing from Python's fcntl module
 F_ADD_SEALS, F_GET_SEALS = 1033, 1034
@@ -248,131 +197,3 @@ def huge_pages_state() -> str:
     except OSError:
         return "unknown"
     return text[text.index("[") + 1 : text.index("]")] if "[" in text else text.strip()
-
-
-def peer_cred(sock: socket.socket) -> tuple[int, int] | None:
-    """(pid, uid) of the process at the other end of a Unix socket (SO_PEERCRED)."""
-    try:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    except OSError:
-        return None
-    pid, uid, _ = struct.unpack("3i", creds)
-    return pid, uid
-
-
-def recv_fds(anc) -> list[int]:
-    fds: list[int] = []
-    for level, kind, data in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            arr = array.array("i")
-            arr.frombytes(data[: len(data) - len(data) % arr.itemsize])
-            fds.extend(arr)
-    return fds
-
-
-def fds_ancillary(fds) -> list:
-    """SCM_RIGHTS data for descriptors given as ints or objects with fileno() (kept alive by the caller)."""
-    if not fds:
-        return []
-    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [f if isinstance(f, int) else f.fileno() for f in fds]))]
-
-
-class UnixTransport:
-    """Just enough of asyncio.Transport for a Peer, over a Unix socket with descriptor passing."""
-
-    def __init__(self, loop, sock: socket.socket, protocol) -> None:
-        self.loop = loop
-        self.sock = sock
-        self.protocol = protocol
-        self.passes_fds = True
-        sock.setblocking(False)
-        self._closing = False
-        self._reading = True
-        self._out: collections.deque[tuple[list, list]] = collections.deque()  # (buffers, fds) waiting to be written
-        loop.add_reader(sock.fileno(), self._on_readable)
-        protocol.connection_made(self)
-
-    def get_extra_info(self, name, default=None):
-        return "unix" if name == "peername" else default
-
-    def is_closing(self) -> bool:
-        return self._closing
-
-    def pause_reading(self) -> None:
-        if self._reading and not self._closing:
-            self._reading = False
-            self.loop.remove_reader(self.sock.fileno())
-
-    def resume_reading(self) -> None:
-        if not self._reading and not self._closing:
-            self._reading = True
-            self.loop.add_reader(self.sock.fileno(), self._on_readable)
-
-    def _on_readable(self) -> None:
-        try:
-            buf = self.protocol.get_buffer(-1)
-            n, anc, flags, _ = self.sock.recvmsg_into([buf], _ANC)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as e:
-            self._lost(e)
-            return
-        fds = recv_fds(anc)
-        if fds:
-            self.protocol.fds_received(fds)
-        if flags & MSG_CTRUNC:
-            logger.warning("[shm] descriptors were truncated by the kernel; closing the connection")
-            self._lost(OSError("ancillary data truncated"))
-            return
-        if n == 0:
-            self._lost(None)
-            return
-        self.protocol.buffer_updated(n)
-
-    def writelines(self, buffers, fds=()) -> None:
-        if self._closing:
-            return
-        bufs = [memoryview(b).cast("B") for b in buffers if len(b)]
-        if self._out:  # keep order behind what is already waiting
-            self._out.append((bufs, list(fds)))
-            return
-        self._send(bufs, list(fds))
-
-    def _send(self, bufs: list, fds: list) -> bool:
-        """Write bufs (descriptors ride on the first byte); False if the rest was queued."""
-        anc = fds_ancillary(fds)
-        while bufs:
-            try:
-                sent = self.sock.sendmsg(bufs[:wire.IOV_MAX], anc)
-            except (BlockingIOError, InterruptedError):
-                self._out.appendleft((bufs, fds if anc else []))
-                self.loop.add_writer(self.sock.fileno(), self._on_writable)
-                return False
-            except OSError as e:
-                self._lost(e)
-                return False
-            anc = []
-            wire.consume(bufs, sent)
-        return True
-
-    def _on_writable(self) -> None:
-        self.loop.remove_writer(self.sock.fileno())
-        while self._out and not self._closing:
-            bufs, fds = self._out.popleft()
-            if not self._send(bufs, fds):
-                return
-
-    def close(self) -> None:
-        self._lost(None)
-
-    def _lost(self, exc) -> None:
-        if self._closing:
-            return
-        self._closing = True
-        try:
-            self.loop.remove_reader(self.sock.fileno())
-            self.loop.remove_writer(self.sock.fileno())
-        except (ValueError, OSError):
-            pass
-        self.sock.close()
-        self.loop.call_soon(self.protocol.connection_lost, exc)
