@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import dockd
     from dockd.local import spawn_node
-    from dockd.net import mooncake as client_mooncake
+    from dockd.net import mooncake_engine
 
     torch.set_num_threads(1)
     env = dict(os.environ)
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                          "socket_all": [round(v, 3) for v in got["socket"]],
                          "mooncake_all": [round(v, 3) for v in got["mooncake"]]})
             writer.clear(part)
-        engine = client_mooncake.stats()
+        engine = mooncake_engine.stats()
         for d in (writer, sock, moon):
             d.close()
     finally:

@@ -94,7 +94,7 @@ def _serve(args) -> int:
                                         "reads from shared-memory segments)")
     elif cfg.warehouse and cfg.transport != "socket":  # this process's Mooncake engine, before the node starts
         from dockd.errors import DockError
-        from dockd.net import mooncake_server as mooncake
+        from dockd.net import mooncake
 
         try:
             chosen = mooncake.start(cfg.transport, cfg.host, cfg.advertise, cfg.mooncake_protocol)

@@ -102,7 +102,7 @@ def env_float(name: str, default: float) -> float:
 
 #: What a client's `transport` setting may be (dockd.net.transport): tried in order under "auto".
 CLIENT_TRANSPORTS = ("auto", "tcp", "mooncake")
-#: How a daemon serves remote readers (`dockd serve --transport`, dockd.net.mooncake_server).
+#: How a daemon serves remote readers (`dockd serve --transport`, dockd.net.mooncake).
 SERVE_TRANSPORTS = ("auto", "socket", "mooncake")
 
 
@@ -201,7 +201,7 @@ class NodeConfig:
     transport: str = "socket"
     """How remote readers get stored bytes: "socket" (in the frames' bodies over TCP), "mooncake" (read with
     their Mooncake Transfer Engine from registered segments; the daemon refuses to start without one) or
-    "auto" (Mooncake where the engine starts). See dockd.net.mooncake_server."""
+    "auto" (Mooncake where the engine starts). See dockd.net.mooncake."""
     mooncake_protocol: str = "tcp"
     """The Mooncake engine's protocol: "tcp", or "rdma" on nodes with RDMA NICs."""
     token_file: str = ""

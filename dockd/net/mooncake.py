@@ -1,15 +1,34 @@
 """Mooncake Transfer Engine: frames over TCP, fetched bytes pulled by the reader's engine.
 
-A fetch asks the warehouse for a Mooncake answer (`FetchRequest.mooncake`). A warehouse running an
-engine (`dockd serve --transport mooncake|auto`, `dockd.net.mooncake_server`) answers with the runs'
-metadata and, instead of body bytes, the remote address and length of each span of its registered
-segments that the runs use; this client reads those spans with one batch transfer of its own engine
-into a receive buffer taken from a pool registered with the engine once (not per call), then names
-the answer's loan (`FetchRequest.mooncake_done`, one-way on the same connection) so the warehouse
-unpins those segments. Small runs and data outside registered segments still come in the body.
-The values are zero-copy views of the receive buffer; it goes back to the pool when they are gone.
+Both ends of the transport: `MooncakeTransport` is the reader's, `WarehouseEngine` (with `start`,
+`attach` and the loans) the warehouse's; the engine itself is bound in `dockd.net.mooncake_engine`.
 
-Modes (`dockd.connect(transport=...)` / `DOCKD_TRANSPORT`):
+A fetch asks the warehouse for a Mooncake answer (`FetchRequest.mooncake`). A warehouse running an
+engine answers with the runs' metadata and, instead of body bytes, the remote address and length of
+each span of its registered segments that the runs use; the reader reads those spans with one batch
+transfer of its own engine into a receive buffer taken from a pool registered with the engine once
+(not per call), then names the answer's loan (`FetchRequest.mooncake_done`, one-way on the same
+connection) so the warehouse unpins those segments. Small runs and data outside registered segments
+still come in the body. The values are zero-copy views of the receive buffer; it goes back to the pool
+when they are gone. Until the reader names it, the loan pins those segments (a cleared segment is not
+refilled under a read); a loan whose connection closed, or that is older than `LOAN_TIMEOUT_S`, is
+given back.
+
+The warehouse: `dockd serve --transport mooncake|auto|socket` (`NodeConfig.transport`):
+
+- `mooncake` (required): the engine must start, or the daemon refuses to start, naming what is
+  missing (the Python package, a system library such as libibverbs, the engine's own error).
+- `auto`: the engine is used where it starts; the daemon logs which transport it chose and why.
+- `socket`: no engine; remote readers get their bytes in the frames' bodies over the TCP stream.
+
+With the engine running, every storage segment (`dockd.warehouse.segments`) is registered with it
+once, when the segment is created; a warm segment taken again from the pool is already registered,
+and the registration goes when the segment does. The engine runs in P2P-handshake mode (no metadata
+server): its session is "host:port" of its handshake listener, sent in each Mooncake answer. Its
+protocol is "tcp" unless `--mooncake-protocol` says "rdma" (RDMA NICs). The engine authenticates
+nobody: see docs/cluster.md.
+
+The reader (`dockd.connect(transport=...)` / `DOCKD_TRANSPORT`):
 
 - `"mooncake"` (required): every remote read uses the engine. A client whose engine cannot start,
   or a warehouse that answers without it (it runs no engine), raises EngineUnavailable naming what
@@ -17,205 +36,47 @@ Modes (`dockd.connect(transport=...)` / `DOCKD_TRANSPORT`):
 - `"auto"`: used for warehouses on other hosts where the package is installed; a warehouse without
   an engine, or an engine that does not start here, makes reads from it plain TCP, logged once with why.
 
-Puts still carry their bytes in the TCP stream (`TcpTransport.send_put`). Device-tier reads that
-name a device go over device links as with `device_link`.
+Puts still carry their bytes in the TCP stream (as `TcpTransport` sends them). Device-tier reads that
+name a device go over device links as with `device_transport`.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
+import contextlib
+import itertools
 import logging
-import mmap
-import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from dockd._proto import dockd_pb2 as pb
-from dockd.errors import DockConnectionError
+from dockd.errors import DockConnectionError, DockValueError
 from dockd.net.device_transport import DeviceLinkTransport
-from dockd.net.mooncake_server import EngineUnavailable, address_of, load_engine_class, start_engine
+from dockd.net.mooncake_engine import (
+    EngineUnavailable,
+    address_of,
+    client_engine,
+    engine_host,
+    installed,
+    start_engine,
+    usable,
+)
 from dockd.net.transport import Context, Endpoint, Reply, Transport, is_local
 
 logger = logging.getLogger(__name__)
 
-ALIGN = 4096  # each span starts page-aligned in the receive buffer (run offsets keep their 64-byte alignment)
+LOAN_TIMEOUT_S = 300.0
+"""Seconds a Mooncake answer's segments stay pinned for a reader that never says it read them."""
+
+MODES = ("auto", "socket", "mooncake")
+PROTOCOLS = ("tcp", "rdma")
 
 
-def _size_class(n: int) -> int:
-    """Receive buffer size for `n` bytes: whole pages (2 MiB units from 2 MiB), 4 classes per doubling."""
-    n = max(n, ALIGN)
-    step = max(2 << 20 if n >= 2 << 20 else ALIGN, 1 << max(0, n.bit_length() - 3))
-    return -(-n // step) * step
-
-
-class _Owner:
-    """Keeps a receive buffer lent out while any value views it (numpy array interface)."""
-
-    __array_interface__: dict[str, Any]
-
-
-class ReceivePool:
-    """Receive buffers registered with the engine once each, reused by size class. Idle buffers
-    past `budget` bytes are unregistered and freed when they come back."""
-
-    def __init__(self, engine: Any, budget: int) -> None:
-        self.engine = engine
-        self.budget = budget
-        self._idle: dict[int, list[tuple[mmap.mmap, int]]] = {}
-        self.idle_bytes = 0
-        self.lent_bytes = 0
-        self.registered = 0  # buffers registered so far (each once)
-        self._lock = threading.Lock()
-        self._warned = False
-
-    def take(self, n: int) -> tuple[mmap.mmap, int, int]:
-        """(buffer, its address, its size) of at least `n` bytes."""
-        size = _size_class(n)
-        with self._lock:
-            idle = self._idle.get(size)
-            if idle:
-                mm, addr = idle.pop()
-                self.idle_bytes -= size
-                self.lent_bytes += size
-                return mm, addr, size
-            self.lent_bytes += size
-            over = self.lent_bytes + self.idle_bytes > self.budget
-        if over and not self._warned:
-            self._warned = True
-            logger.warning("[mooncake] receive buffers in use pass DOCKD_RECV_POOL_BYTES (%d bytes): values read "
-                           "earlier are still held; registering more", self.budget)
-        mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if size >= 2 << 20 and hasattr(mmap, "MADV_HUGEPAGE"):
-            mm.madvise(mmap.MADV_HUGEPAGE)
-        addr = address_of(np.frombuffer(mm, dtype=np.uint8))
-        rc = self.engine.register_memory(addr, size)
-        if rc != 0:
-            with self._lock:
-                self.lent_bytes -= size
-            mm.close()
-            raise DockConnectionError(f"the Mooncake engine refused to register a {size}-byte receive buffer ({rc})")
-        self.registered += 1
-        return mm, addr, size
-
-    def give(self, mm: mmap.mmap, addr: int, size: int) -> None:
-        with self._lock:
-            self.lent_bytes -= size
-            if self.idle_bytes + size <= self.budget:
-                self._idle.setdefault(size, []).append((mm, addr))
-                self.idle_bytes += size
-                return
-        if self.engine is not None:
-            self.engine.unregister_memory(addr)
-        # (the mmap is freed with its last reference: the numpy views are gone by now)
-
-    def forked(self) -> None:
-        """In a forked child: the engine is the parent's and runs no thread here. Buffers still in use
-        are dropped when they come back, and nothing is unregistered with it."""
-        self._lock = threading.Lock()
-        self.engine, self.budget = None, 0
-        self._idle.clear()
-        self.idle_bytes = 0
-
-
-class ClientEngine:
-    """This process's Transfer Engine and receive pool (shared by its Docks)."""
-
-    def __init__(self, engine: Any, session: str, protocol: str, budget: int) -> None:
-        self.engine = engine
-        self.session = session
-        self.protocol = protocol
-        self.pool = ReceivePool(engine, budget)
-        self.reads = 0
-        self.read_bytes = 0
-
-    def read(self, session: str, spans: Sequence[pb.RemoteSegment]) -> dict[int, tuple[Any, int]]:
-        """Read the spans of the warehouse engine `session` into one pooled buffer with one batch
-        transfer; {k: (view, run offset the view starts at)} for span k (1-based)."""
-        offs, off = [], 0
-        for s in spans:
-            offs.append(off)
-            off += -(-s.nbytes // ALIGN) * ALIGN
-        mm, addr, size = self.pool.take(off)
-        try:
-            rc = self.engine.batch_transfer_sync_read(session, [addr + o for o in offs], [s.address for s in spans],
-                                                      [s.nbytes for s in spans])
-        except Exception as e:  # noqa: BLE001 - the engine's error, as a failed read
-            rc, why = -1, str(e)
-        else:
-            why = f"status {rc}"
-        if rc != 0:
-            self.pool.give(mm, addr, size)
-            raise DockConnectionError(f"the Mooncake read of {len(spans)} spans ({off} bytes) from {session} failed "
-                                      f"({why})")
-        self.reads += 1
-        self.read_bytes += sum(s.nbytes for s in spans)
-        owner = _Owner()
-        owner.__array_interface__ = {"data": (addr, False), "shape": (size,), "typestr": "|u1", "version": 3}
-        weakref.finalize(owner, self.pool.give, mm, addr, size).atexit = False
-        whole = np.asarray(owner)
-        return {k: (whole[o : o + s.nbytes], s.offset) for k, (o, s) in enumerate(zip(offs, spans), 1)}
-
-
-_ENGINE: ClientEngine | None = None
-_ENGINE_ERROR: EngineUnavailable | None = None
-_LOCK = threading.Lock()
-_INHERITED: list[ClientEngine] = []  # a forked child's copy of its parent's engine (see _no_engine_in_child)
-
-
-def _no_engine_in_child() -> None:
-    """A forked child inherits the parent's engine object but none of its threads (a read with it
-    waited for the transfer timeout, 30 s, and failed), and an engine started anew in a fork of a
-    process that ran one hung. So in such a child the engine is unavailable: reads go over TCP,
-    and transport='mooncake' fails saying why."""
-    global _ENGINE, _ENGINE_ERROR, _LOCK
-    _LOCK = threading.Lock()
-    if _ENGINE is not None:
-        _ENGINE.pool.forked()
-        _INHERITED.append(_ENGINE)  # never destroyed here: its destructor waits for threads the child has not
-        _ENGINE = None
-        _ENGINE_ERROR = EngineUnavailable(
-            "this process is a fork of one that ran the Mooncake engine, which does not run in a fork; start "
-            "worker processes with the spawn method (a DataLoader's multiprocessing_context='spawn') to read with it")
-
-
-os.register_at_fork(after_in_child=_no_engine_in_child)
-
-
-def client_engine(hostname: str, protocol: str, budget: int) -> ClientEngine:
-    """This process's engine, started on first use (EngineUnavailable when it cannot start)."""
-    global _ENGINE, _ENGINE_ERROR
-    with _LOCK:
-        if _ENGINE is not None:
-            if _ENGINE.protocol != protocol:
-                raise EngineUnavailable(f"a warehouse's Mooncake engine speaks {protocol!r}, this client's "
-                                        f"{_ENGINE.protocol!r} (one protocol per dock)")
-            return _ENGINE
-        if _ENGINE_ERROR is not None:
-            raise _ENGINE_ERROR
-        try:
-            engine, session = start_engine(hostname, protocol)
-        except EngineUnavailable as e:
-            _ENGINE_ERROR = e
-            raise
-        _ENGINE = ClientEngine(engine, session, protocol, budget)
-        logger.info("[client] Mooncake engine started session=%s protocol=%s receive_pool_budget=%d", session,
-                    protocol, budget)
-        return _ENGINE
-
-
-@functools.lru_cache(maxsize=1)
-def installed() -> bool:
-    """Whether the engine's package is there (no import: cheap)."""
-    return importlib.util.find_spec("mooncake") is not None
-
-
+# -- the reader's end -------------------------------------------------------------------------------
 class MooncakeTransport(DeviceLinkTransport):
+    """The reader's end: frames over TCP, a fetch's large runs read by this client's engine."""
+
     name = "mooncake"
     auto = True
     fallback = False  # (unlike the TCP transports it builds on)
@@ -258,9 +119,7 @@ class MooncakeTransport(DeviceLinkTransport):
         if self.declined:
             return Transport.fetch(self, pool, wid, req, device, timeout)
         try:
-            load_engine_class()
-            if _ENGINE_ERROR is not None:  # (it did not start, or cannot here: no request that asks for it)
-                raise _ENGINE_ERROR
+            usable()  # (it did not start, or cannot here: no request that asks for it)
         except EngineUnavailable as e:
             if self._required:
                 raise self._required_error(str(e)) from None
@@ -300,11 +159,157 @@ class MooncakeTransport(DeviceLinkTransport):
             pool.put(conn)
 
 
-def stats() -> dict[str, Any]:
-    """This process's engine figures (empty: none started)."""
-    if _ENGINE is None:
-        return {}
-    p = _ENGINE.pool
-    return {"session": _ENGINE.session, "protocol": _ENGINE.protocol, "reads": _ENGINE.reads,
-            "read_bytes": _ENGINE.read_bytes, "receive_buffers_registered": p.registered,
-            "receive_idle_bytes": p.idle_bytes, "receive_lent_bytes": p.lent_bytes}
+# -- the warehouse's end ---------------------------------------------------------------------------
+class Loan:
+    __slots__ = ("peer", "segs", "since")
+
+    def __init__(self, peer, segs: list, since: float) -> None:
+        self.peer = peer
+        self.segs = segs
+        self.since = since
+
+
+class WarehouseEngine:
+    """This warehouse's engine: segment registrations and the loans of Mooncake answers."""
+
+    def __init__(self, engine: Any, session: str, protocol: str) -> None:
+        self.engine = engine
+        self.session = session
+        self.protocol = protocol
+        self._registered: dict[int, int] = {}  # segment id -> registered address
+        self._lock = threading.Lock()  # (registrations go away in finalizers, on any thread)
+        self._loans: dict[int, Loan] = {}
+        self._ids = itertools.count(1)
+        self.registrations = 0
+        self.failed = 0
+        self._warned = False
+
+    # -- registration ------------------------------------------------------------------------------
+    def register(self, seg) -> None:
+        """Register a new segment's memory once (its registration is dropped when the segment goes)."""
+        if seg.size <= 0:
+            return
+        addr = address_of(seg.map)
+        rc = self.engine.register_memory(addr, seg.size)
+        if rc != 0:
+            self.failed += 1
+            if not self._warned:
+                self._warned = True
+                logger.warning("[mooncake] registering a %d-byte segment failed (%d); its values go to remote "
+                               "readers as bytes in the TCP stream", seg.size, rc)
+            return
+        with self._lock:
+            self._registered[seg.sid] = addr
+        self.registrations += 1
+        weakref.finalize(seg, self._unregister, seg.sid, addr).atexit = False
+
+    def _unregister(self, sid: int, addr: int) -> None:
+        with self._lock:
+            self._registered.pop(sid, None)
+        with contextlib.suppress(Exception):  # a finalizer: nothing to raise to
+            self.engine.unregister_memory(addr)
+
+    def remote(self, seg) -> int | None:
+        """The registered address of a segment (None: it is not registered)."""
+        with self._lock:
+            return self._registered.get(seg.sid)
+
+    # -- loans -------------------------------------------------------------------------------------
+    def lend(self, peer, segs: list, segments) -> int:
+        """Pin `segs` for a Mooncake answer to `peer` until it names the loan read (or goes)."""
+        self.sweep(segments)
+        loan = next(self._ids)
+        segments.hold(segs)
+        self._loans[loan] = Loan(peer, segs, time.monotonic())
+        return loan
+
+    def done(self, peer, loans, segments) -> None:
+        """`peer` read these loans: unpin their segments (only its own loans)."""
+        for lid in loans:
+            loan = self._loans.get(lid)
+            if loan is not None and loan.peer is peer:
+                del self._loans[lid]
+                segments.unhold(loan.segs)
+        self.sweep(segments)
+
+    def sweep(self, segments) -> None:
+        """Give back loans whose reader's connection closed or that are older than LOAN_TIMEOUT_S."""
+        if not self._loans:
+            return
+        now = time.monotonic()
+        stale = [lid for lid, loan in self._loans.items()
+                 if getattr(loan.peer, "closed", False) or now - loan.since > LOAN_TIMEOUT_S]
+        for lid in stale:
+            segments.unhold(self._loans.pop(lid).segs)
+
+    @property
+    def loans(self) -> int:
+        return len(self._loans)
+
+
+_ENGINE: WarehouseEngine | None = None
+_CHOSEN = "socket"
+_WHY = "not started"
+
+
+def start(mode: str, host: str, advertise: str = "", protocol: str = "tcp", device: str = "") -> str:
+    """Start this daemon's engine as `mode` asks (see the module docstring); returns the transport it
+    serves remote readers with ("mooncake" or "socket"). `mode="mooncake"` raises EngineUnavailable
+    when the engine cannot start. Called once per daemon process, before the node starts."""
+    global _ENGINE, _CHOSEN, _WHY
+    if mode not in MODES:
+        raise DockValueError(f"transport {mode!r}: use one of {', '.join(MODES)}")
+    if protocol not in PROTOCOLS:
+        raise DockValueError(f"mooncake protocol {protocol!r}: use one of {', '.join(PROTOCOLS)}")
+    if mode == "socket":
+        _ENGINE, _CHOSEN, _WHY = None, "socket", "--transport socket"
+        logger.info("[mooncake] transport=socket (--transport socket)")
+        return _CHOSEN
+    hostname = engine_host(host, advertise)
+    try:
+        engine, session = start_engine(hostname, protocol, device)
+    except EngineUnavailable as e:
+        if mode == "mooncake":
+            raise EngineUnavailable(f"--transport mooncake: {e}") from None
+        _ENGINE, _CHOSEN, _WHY = None, "socket", str(e)
+        logger.info("[mooncake] transport=socket: --transport auto found no usable Mooncake engine (%s)", e)
+        return _CHOSEN
+    _ENGINE, _CHOSEN, _WHY = WarehouseEngine(engine, session, protocol), "mooncake", f"--transport {mode}"
+    logger.info("[mooncake] transport=mooncake session=%s protocol=%s (--transport %s): remote readers read stored "
+                "segments with their Transfer Engine", session, protocol, mode)
+    return _CHOSEN
+
+
+def engine() -> WarehouseEngine | None:
+    """This process's warehouse engine (None: it serves remote readers over the socket)."""
+    return _ENGINE
+
+
+def effective() -> str:
+    """The transport this daemon serves remote readers with: "mooncake" or "socket"."""
+    return _CHOSEN
+
+
+def why() -> str:
+    """Why that one (the mode asked for, or what kept the engine from starting)."""
+    return _WHY
+
+
+def ready_fields() -> dict[str, Any]:
+    """What the daemon's JSON ready line says about its transport."""
+    out: dict[str, Any] = {"transport": _CHOSEN}
+    if _ENGINE is not None:
+        out["mooncake_session"] = _ENGINE.session
+    return out
+
+
+def hello(out) -> None:
+    """Fill a HelloReply's transport field."""
+    out.transport = _CHOSEN
+
+
+def attach(segments) -> WarehouseEngine | None:
+    """Register the segments `segments` creates from now on with this process's engine (if any)."""
+    if _ENGINE is not None:
+        segments.on_create = _ENGINE.register
+    return _ENGINE

@@ -43,8 +43,7 @@ from dockd.controller.agreement import Agreement
 from dockd.controller.core import Controller
 from dockd.controller.service import ControllerService
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockValueError
-from dockd.net import auth, memfd, same_host
-from dockd.net import mooncake_server as mooncake
+from dockd.net import auth, memfd, mooncake, same_host
 from dockd.net.device_warehouse_links import Links
 from dockd.net.peer import Peer
 from dockd.net.wire import PROTOCOL_VERSION, check_protocol

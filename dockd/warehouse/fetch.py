@@ -5,7 +5,7 @@ go by descriptor to same-host readers (pinned for the reader's process until
 it gives them back); device-tier slices are shared by handle with a same-node
 reader or sent over a device link to one on another node; everything else is
 body bytes (no copy). A reader that asks for a Mooncake answer (`FetchRequest.mooncake`) gets the
-registered segment spans its runs use named instead, and reads them itself (`dockd.net.mooncake_server`).
+registered segment spans its runs use named instead, and reads them itself (`dockd.net.mooncake`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import numpy as np
 from dockd import codec
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockError, DockNotFound
-from dockd.net import device_share, same_host
-from dockd.net import mooncake_server as mooncake
+from dockd.net import device_share, mooncake, same_host
 from dockd.net.device_warehouse_links import Links
 from dockd.net.peer import Peer
 from dockd.node.metrics import Metrics

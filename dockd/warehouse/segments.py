@@ -81,7 +81,7 @@ class Segments:
         self._staging: dict[int, collections.OrderedDict[int, np.ndarray]] = {}
         self._conns: collections.Counter = collections.Counter()  # pid -> its open same-host connections
         self.created = self.reused = 0
-        # called with each segment created (dockd.net.mooncake_server registers it with its engine once)
+        # called with each segment created (dockd.net.mooncake registers it with its engine once)
         self.on_create: Callable[[memfd.Segment], object] | None = None
 
     # -- storage --------------------------------------------------------------------------------

@@ -20,8 +20,8 @@ pytest.importorskip("mooncake.engine", reason="the Mooncake Transfer Engine is n
                                               "(make mooncake: pip install '.[mooncake]' plus libibverbs1)")
 
 import dockd  # noqa: E402
-from dockd.net import mooncake as client_mooncake  # noqa: E402
-from dockd.net.mooncake_server import EngineUnavailable  # noqa: E402
+from dockd.net import mooncake, mooncake_engine  # noqa: E402
+from dockd.net.mooncake import EngineUnavailable  # noqa: E402
 from tests.conftest import serving, wait_child  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -79,7 +79,7 @@ def test_put_get_bit_exact_across_two_warehouses(mooncake_dock, partition, monke
         spread = [torch.full((1 << 15,), float(i)) for i in range(8)]        # half on each warehouse
         w1.put({"spread": spread[::2]}, partition=partition, indexes=idx[::2])
         w0.put({"spread": spread[1::2]}, partition=partition, indexes=idx[1::2])
-        reads = client_mooncake.stats().get("reads", 0)
+        reads = mooncake_engine.stats().get("reads", 0)
         b = w0.get("c", ["big", "ragged", "tiny", "meta", "spread"], 8, partition=partition, timeout=30)
         assert b.indexes == idx
         for got, want in zip(b["big"], big):
@@ -91,7 +91,7 @@ def test_put_get_bit_exact_across_two_warehouses(mooncake_dock, partition, monke
         assert b["meta"] == meta
         for got, want in zip(b["spread"], spread):
             assert torch.equal(got, want)
-        s = client_mooncake.stats()
+        s = mooncake_engine.stats()
         assert s["reads"] > reads and s["protocol"] == "tcp"
         assert w0.stats()["warehouses"][1]["transport"] == "mooncake"
         del b
@@ -109,12 +109,12 @@ def test_receive_buffers_are_registered_once_and_reused(mooncake_dock, partition
         b = w0.get("c", ["x"], 4, partition=partition, timeout=30)
         assert all(torch.equal(t, torch.ones(1 << 18)) for t in b["x"])
         del b  # (the buffer goes back to the pool)
-        registered = client_mooncake.stats()["receive_buffers_registered"]
+        registered = mooncake_engine.stats()["receive_buffers_registered"]
         for _ in range(5):
             b = w0.get("c", ["x"], 4, partition=partition, timeout=30)
             assert all(torch.equal(t, torch.ones(1 << 18)) for t in b["x"])
             del b
-        assert client_mooncake.stats()["receive_buffers_registered"] == registered
+        assert mooncake_engine.stats()["receive_buffers_registered"] == registered
 
 
 def test_daemon_and_client_name_the_transport(mooncake_dock, partition):
@@ -180,7 +180,7 @@ def test_required_client_refuses_a_warehouse_without_engine(partition, monkeypat
             r.get("c", ["x"], 2, partition=partition, timeout=30)
         monkeypatch.setenv("DOCKD_TRANSPORT", "auto")
         # (auto uses the engine for other hosts only: this one stands in for another host)
-        monkeypatch.setattr(client_mooncake, "is_local", lambda host: False)
+        monkeypatch.setattr(mooncake, "is_local", lambda host: False)
         with dockd.connect(address, warehouse=0) as r:
             b = r.get("c2", ["x"], 2, partition=partition, timeout=30)
             assert all(torch.equal(t, torch.ones(1 << 17)) for t in b["x"])
@@ -194,7 +194,7 @@ def test_required_client_whose_engine_cannot_load_says_why(mooncake_dock, partit
         w.put({"x": [torch.ones(1 << 17)]}, partition=partition)
     code = textwrap.dedent("""
         import sys, dockd
-        from dockd.net.mooncake_server import EngineUnavailable
+        from dockd.net.mooncake import EngineUnavailable
         with dockd.connect(sys.argv[1], warehouse=0) as r:
             try:
                 r.get("c", ["x"], 1, partition=sys.argv[2], timeout=30)
@@ -219,7 +219,7 @@ def test_which_readers_try_the_engine():
         return Context(config=ClientConfig(transport=setting))
 
     remote, local = Endpoint("192.0.2.1", 1, warehouse=0), Endpoint("127.0.0.1", 1, warehouse=0)
-    Moon = client_mooncake.MooncakeTransport
+    Moon = mooncake.MooncakeTransport
     assert candidates(remote, ctx("mooncake"))[0] is Moon and candidates(local, ctx("mooncake"))[0] is Moon
     assert Moon in candidates(remote, ctx("auto")) and Moon not in candidates(local, ctx("auto"))
     assert Moon not in candidates(remote, ctx("tcp"))
@@ -239,7 +239,7 @@ def test_a_forked_child_reads_over_tcp_and_a_required_engine_says_why(mooncake_d
         idx = w1.put({"x": values}, partition=partition)
         got = w0.get("parent", ["x"], 4, partition=partition, timeout=30)
         assert all(torch.equal(a, b) for a, b in zip(got["x"], values[:4]))
-        reads = client_mooncake.stats()["reads"]
+        reads = mooncake_engine.stats()["reads"]
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:  # (reports through the pipe, and leaves without running the parent's exit code)
@@ -254,7 +254,7 @@ def test_a_forked_child_reads_over_tcp_and_a_required_engine_says_why(mooncake_d
                 with dockd.connect(address, warehouse=0, transport="auto") as mine:
                     b = mine.get("child", ["x"], 8, partition=partition, timeout=30)
                     ok = b.indexes == idx and all(torch.equal(a, v) for a, v in zip(b["x"], values))
-                    out += f"|{ok}|{client_mooncake.stats()}"
+                    out += f"|{ok}|{mooncake_engine.stats()}"
             except BaseException as e:  # noqa: BLE001 - reported to the parent
                 out += f"|{type(e).__name__}: {e}"
             os.write(w, out.encode())
@@ -267,4 +267,4 @@ def test_a_forked_child_reads_over_tcp_and_a_required_engine_says_why(mooncake_d
         assert out.endswith("|True|{}"), out  # over TCP, bit-exact, no engine in the child
         rest = w0.get("parent", ["x"], 4, partition=partition, timeout=30)  # the parent's engine still reads
         assert all(torch.equal(a, b) for a, b in zip(rest["x"], values[4:]))
-        assert client_mooncake.stats()["reads"] > reads
+        assert mooncake_engine.stats()["reads"] > reads
