@@ -43,7 +43,7 @@ from dockd.config import ClientConfig, client_transport, env
 from dockd.errors import DockClosed, DockTypeError, DockValueError
 from dockd.net import auth, wire
 from dockd.net.connection import Credentials
-from dockd.net.device_reader_links import ReaderLinks
+from dockd.net.device_transport import ReaderLinks
 from dockd.net.transport import Context
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from dockd.client.router import Router
 from dockd.errors import DockConnectionError, DockDataLost, DockTimeout, DockValueError
 from dockd.net import device_share
 from dockd.net.connection import timed_out
-from dockd.net.device_reader_links import LinkFailed
+from dockd.net.device_transport import LinkFailed
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ Built in (best first, as `transport="auto"` tries them):
 |---|---|---|---|---|
 | `shm` | `same_host.py` | Unix socket | staged in a sealed memfd, named | passed memfd segments, mapped copy-on-write; device-tier data by IPC handle |
 | `mooncake` | `mooncake.py` | TCP | in the frame | read by the client's Mooncake Transfer Engine from the warehouse's registered segments (small runs in the frame) |
-| `tcp` | `device_link.py` | TCP | in the frame | in the frame; device-tier data over a device link (NCCL/HCCL/gloo) when the get names a device |
+| `tcp` | `device_transport.py` | TCP | in the frame | in the frame; device-tier data over a device link (NCCL/HCCL/gloo) when the get names a device |
 | `tcp` | `tcp.py` | TCP | in the frame | in the frame |
 
 Contract (what an implementation provides; see `Transport` for signatures):
@@ -87,7 +87,7 @@ from dockd.config import ClientConfig
 
 if TYPE_CHECKING:
     from dockd.net.connection import Pool
-    from dockd.net.device_reader_links import ReaderLinks
+    from dockd.net.device_transport import ReaderLinks
 
 
 #: A daemon that answers no Hello within PROBE_S seconds is silent (stopped, hung), as the controller's

@@ -44,7 +44,7 @@ from dockd.controller.core import Controller
 from dockd.controller.service import ControllerService
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockValueError
 from dockd.net import auth, memfd, mooncake, same_host
-from dockd.net.device_warehouse_links import Links
+from dockd.net.device_transport import WarehouseLinks
 from dockd.net.peer import Peer
 from dockd.net.wire import PROTOCOL_VERSION, check_protocol
 from dockd.node import controller_probe
@@ -90,7 +90,7 @@ class Node:
         self.segments = Segments(keep_bytes=min(cfg.capacity // 4, 4 << 30), watch=watch_pid)
         self.keys = Keys(cfg)
         self.listeners = Listeners(cfg, self.keys, self, self.instance, on_unix_peer=self.segments.connected)
-        self.links = Links()  # device links to readers on other nodes
+        self.links = WarehouseLinks()  # device links to readers on other nodes
         self.admission = Admission(self.warehouse, self.segments, lambda: self.wid)
         self.checkpoints = Checkpoints(self.warehouse, self.segments, wid=lambda: self.wid,
                                        check_warehouse=self._check_warehouse)

@@ -19,7 +19,7 @@ from dockd import codec
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockError, DockNotFound
 from dockd.net import device_share, mooncake, same_host
-from dockd.net.device_warehouse_links import Links
+from dockd.net.device_transport import WarehouseLinks
 from dockd.net.peer import Peer
 from dockd.node.metrics import Metrics
 from dockd.node.tasks import spawn
@@ -41,7 +41,7 @@ class FetchPath:
         wid: this node's warehouse id.
     """
 
-    def __init__(self, *, warehouse: Warehouse, segments: Segments, links: Links, committer: Committer,
+    def __init__(self, *, warehouse: Warehouse, segments: Segments, links: WarehouseLinks, committer: Committer,
                  metrics: Metrics, wid: Callable[[], int]) -> None:
         self.warehouse = warehouse
         self.segments = segments
