@@ -99,14 +99,14 @@ class Fetcher:
         try:
             try:
                 pool = self._router.pool(wid, left())
-                reply = pool.via.fetch(pool, wid, req, device, left())
+                reply = pool.send(pool.via.fetch_request(wid, req, device, left()))
             except DockConnectionError as e:  # a stale pooled connection: one more try on a fresh one
                 if timed_out(e) or until <= time.monotonic():
                     raise
                 if not e.replaced:  # (else another thread dropped that pool already)
                     self._router.forget(wid)
                 pool = self._router.pool(wid, left())
-                reply = pool.via.fetch(pool, wid, req, device, left())
+                reply = pool.send(pool.via.fetch_request(wid, req, device, left()))
         except LinkFailed as e:
             logger.warning("[client] %s; reading that data through host memory", e)
             return self._one(lease, parts, wid, lazy, None, deadline)

@@ -108,7 +108,7 @@ def send(router: Router, put: Put, warned: set[str]) -> list[int]:
 
     def attempt(wid: int, pool: Pool) -> pb.Frame:
         try:
-            return pool.via.send_put(pool, put)
+            return pool.send(pool.via.put_request(put))
         except DockConnectionError:
             if not put.late:
                 raise  # (a warehouse that went away or is silent: the router re-homes the put and re-sends it)

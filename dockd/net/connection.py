@@ -30,7 +30,7 @@ from dockd.net import auth, tls, wire
 from dockd.net.recv_pool import RecvPool, recv_pool  # noqa: F401 - RecvPool: also importable from here
 from dockd.net.same_host import fds_ancillary
 from dockd.net.tcp import TcpTransport
-from dockd.net.transport import ALIVE_EVERY_S, ANSWER_GRACE_S, PROBE_S, Context, Endpoint, Transport
+from dockd.net.transport import ALIVE_EVERY_S, ANSWER_GRACE_S, PROBE_S, Context, Endpoint, Reply, Request, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -429,6 +429,15 @@ def _replaced(address: str) -> DockConnectionError:
     return err
 
 
+def _instead(request: Request, exc: BaseException) -> Request:
+    """The request to send instead of `request`, which failed with `exc` (raised again when its
+    transport has none)."""
+    other = request.failed(exc) if request.failed is not None else None
+    if other is None:
+        raise exc
+    return other
+
+
 def timed_out(exc: BaseException) -> bool:
     """Whether `exc` says a daemon did not answer in time (rather than that it cannot be reached)."""
     return bool(getattr(exc, "timed_out", False))
@@ -477,18 +486,53 @@ class Pool:
         daemon lent that this process no longer maps are reported with it."""
         deadline = None if timeout is None else time.monotonic() + timeout
         conn = self.get(timeout)
+        try:
+            return self._call(conn, frame, buffers, size, fds, deadline, stall, alive, scope)
+        finally:
+            self.put(conn)
+
+    def _call(self, conn: Connection, frame: pb.Frame, buffers: Sequence, size: int, fds: Sequence[int],
+              deadline: float | None, stall: float | None, alive: Callable[[], bool | float] | None,
+              scope: Any = None) -> tuple[pb.Frame, np.ndarray, list[int]]:
         unpins = self.via.take_unpins()
         if unpins:
             frame.unpin.extend(unpins)
+        if scope is not None:
+            scope.enter(conn)
         try:
-            if scope is not None:
-                scope.enter(conn)
             left = None if deadline is None else max(0.001, deadline - time.monotonic())
             return conn.call(frame, buffers, size, fds=fds, timeout=left, stall=stall, alive=alive)
         finally:
             if scope is not None:
                 scope.leave(conn)
-            self.put(conn)
+
+    def send(self, request: Request) -> Any:
+        """Send what this pool's transport made of a call (`Transport.put_request`, `fetch_request`)
+        and return what the request's `answer` makes of the reply; a failed request goes to its
+        `failed`, which may give another one to send instead (see `Request`)."""
+        r = request
+        while True:
+            deadline = None if r.timeout is None else time.monotonic() + r.timeout
+            try:
+                conn = self.get(r.timeout)
+            except BaseException as e:
+                r = _instead(r, e)
+                continue
+            try:
+                try:
+                    got = self._call(conn, r.frame, r.buffers, r.size, r.fds, deadline, r.stall,
+                                     r.watch(self) if r.watch is not None else None)
+                except BaseException as e:
+                    r = _instead(r, e)
+                    continue
+                try:
+                    return r.answer(Reply(*got))
+                finally:
+                    follow = r.then(got[0]) if r.then is not None else None
+                    if follow is not None:
+                        conn.post(follow)
+            finally:
+                self.put(conn)
 
     def ask(self, frame: pb.Frame, *, scope: Any = None) -> tuple[pb.Frame, np.ndarray, list[int]]:
         """A request without a timeout of its own: its answer is waited for as long as the daemon

@@ -28,12 +28,10 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from dockd import codec, limits
 from dockd._lazy import lazy_torch
@@ -42,7 +40,7 @@ from dockd.errors import DockConnectionError, DockError, DockProtocolError
 from dockd.net import device_share
 from dockd.net.device_link import BACKENDS, HOLDER, READER, Link, backend_for, local_address
 from dockd.net.tcp import TcpTransport
-from dockd.net.transport import Context, Endpoint, Reply
+from dockd.net.transport import Context, Endpoint, Reply, Request
 
 if TYPE_CHECKING:
     import torch
@@ -63,20 +61,13 @@ class DeviceLinkTransport(TcpTransport):
     def applies(cls, endpoint: Endpoint, ctx: Context) -> bool:
         return endpoint.warehouse is not None and ctx.links is not None
 
-    def fetch(self, pool, wid: int, req: pb.FetchRequest, device, timeout: float | None) -> Reply:
-
+    def fetch_request(self, wid: int, req: pb.FetchRequest, device, timeout: float | None) -> Request:
         if device is None or not self.ctx.device_tier(wid):
-            return super().fetch(pool, wid, req, device, timeout)
+            return super().fetch_request(wid, req, device, timeout)
         if device.type != "cpu" and device.index is None:  # a link is bound to one device
-            import torch
-
             device = torch.device(device.type, getattr(torch, device.type).current_device())
-
-        def call(frame: pb.Frame):
-            return pool.call(frame, timeout=timeout, stall=timeout)
-
         assert self.ctx.links is not None  # applies() chose this transport only where there are links
-        return Reply(*self.ctx.links.fetch(wid, self.endpoint.host, device, req, call))
+        return self.ctx.links.request(wid, self.endpoint.host, device, req, timeout)
 
 
 class LinkFailed(DockError):
@@ -98,45 +89,63 @@ class ReaderLinks:
         self._off: dict[int, str] = {}   # warehouse -> why it gets no link
         self._lock = threading.Lock()
 
-    def fetch(self, wid: int, host: str, device: torch.device, req: pb.FetchRequest,
-              call: Callable[[pb.Frame], tuple]) -> tuple[pb.Frame, np.ndarray, list[int], dict | None]:
-        """`call(frame)` for a fetch whose device runs are to come over warehouse `wid`'s link:
-        the reply, its body and descriptors, and the received device buffers (None: no link was used)."""
+    def request(self, wid: int, host: str, device: torch.device, req: pb.FetchRequest,
+                timeout: float | None) -> Request:
+        """The fetch `req` with its device runs to come over warehouse `wid`'s link, into its answer's
+        `Reply.received` (None: no link was used). The link's lock is held from here until the answer
+        is in (the request's `answer` or `failed` step), so transfers on one link never interleave."""
         while True:
             mine = self._get(wid, host, device)
             if mine is None:
-                return (*call(pb.Frame(fetch=req)), None)
-            with mine.lock:
-                if self._links.get(wid) is mine:  # (not dropped while this fetch waited for it)
-                    return self._fetch_on(wid, mine, req, call)
+                return Request(pb.Frame(fetch=req), timeout=timeout, stall=timeout)
+            mine.lock.acquire()
+            if self._links.get(wid) is mine:  # (not dropped while this fetch waited for it)
+                try:
+                    return self._on_link(wid, mine, req, timeout)
+                except BaseException:
+                    mine.lock.release()
+                    raise
+            mine.lock.release()
 
-    def _fetch_on(self, wid: int, mine: _Mine, req: pb.FetchRequest, call) -> tuple:
-        """One fetch on a link, its lock held."""
+    def _on_link(self, wid: int, mine: _Mine, req: pb.FetchRequest, timeout: float | None) -> Request:
+        """One fetch on a link whose lock is held: released once its answer is in."""
         link = mine.link
         req.link.CopyFrom(pb.DeviceLink(id=mine.id, backend=link.backend,
                                         rendezvous=b"" if link.joined else link.rendezvous))
-        try:
-            reply, body, fds = call(pb.Frame(fetch=req))
-        except DockConnectionError:
-            if not link.joined:  # the warehouse may have started joining: never offer that rendezvous again
-                self.drop(wid, mine)
-            raise
-        r = reply.fetch_reply
+
+        def answer(reply: Reply) -> Reply:
+            try:
+                reply.received = self._received(wid, mine, reply.frame.fetch_reply)
+            finally:
+                mine.lock.release()
+            return reply
+
+        def failed(exc: BaseException) -> None:
+            try:
+                if isinstance(exc, DockConnectionError) and not link.joined:
+                    self.drop(wid, mine)  # the warehouse may have started joining: never offer that rendezvous again
+            finally:
+                mine.lock.release()
+
+        return Request(pb.Frame(fetch=req), timeout=timeout, stall=timeout, answer=answer, failed=failed)
+
+    def _received(self, wid: int, mine: _Mine, r: pb.FetchReply) -> dict | None:
+        """The device buffers a fetch's answer sent over the link (None: none, or the link was not used)."""
+        link = mine.link
         if r.link_unknown or r.link_refused:
             self.drop(wid, mine)
             if r.link_refused:
                 self._off[wid] = r.link_refused
                 logger.warning("[client] warehouse %d refused a device link (%s): its device-tier data "
                                "comes through host memory", wid, r.link_refused)
-            return reply, body, fds, None
+            return None
         try:
             if r.link_opened:
                 link.join(link.rendezvous, READER)
-            received = receive(r.columns, r.device_buffers, link) if r.device_buffers else None
+            return receive(r.columns, r.device_buffers, link) if r.device_buffers else None
         except DockError as e:
             self.drop(wid, mine)
             raise LinkFailed(f"device link to warehouse {wid}: {e}") from e
-        return reply, body, fds, received
 
     def _get(self, wid: int, host: str, device: torch.device) -> _Mine | None:
         with self._lock:

@@ -43,8 +43,10 @@ name a device go over device links as with `device_transport`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
+import socket
 import threading
 import time
 import weakref
@@ -62,7 +64,7 @@ from dockd.net.mooncake_engine import (
     start_engine,
     usable,
 )
-from dockd.net.transport import Context, Endpoint, Reply, Transport, is_local
+from dockd.net.transport import Context, Endpoint, Reply, Request, Transport, is_local
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,7 @@ class MooncakeTransport(DeviceLinkTransport):
         self.declined = ""  # auto: why reads from this warehouse go over TCP instead ("": they do not)
         self.served = False  # a read came over the engine
         self._required = ctx.config.transport == "mooncake"
+        self.local_host = ""  # this host's address on its connections to the warehouse
 
     @classmethod
     def applies(cls, endpoint: Endpoint, ctx: Context) -> bool:
@@ -113,50 +116,58 @@ class MooncakeTransport(DeviceLinkTransport):
             "or use transport='auto'"
         )
 
-    def fetch(self, pool, wid: int, req: pb.FetchRequest, device, timeout: float | None) -> Reply:
+    def open(self, timeout: float) -> socket.socket:
+        sock = super().open(timeout)
+        self.local_host = sock.getsockname()[0]  # (where this client's engine listens, started on first read)
+        return sock
+
+    def fetch_request(self, wid: int, req: pb.FetchRequest, device, timeout: float | None) -> Request:
         if device is not None and self.ctx.device_tier(wid):  # device-tier reads: the device link
-            return super().fetch(pool, wid, req, device, timeout)
+            return super().fetch_request(wid, req, device, timeout)
         if self.declined:
-            return Transport.fetch(self, pool, wid, req, device, timeout)
+            return Transport.fetch_request(self, wid, req, device, timeout)
         try:
             usable()  # (it did not start, or cannot here: no request that asks for it)
         except EngineUnavailable as e:
             if self._required:
                 raise self._required_error(str(e)) from None
             self._decline(str(e))
-            return Transport.fetch(self, pool, wid, req, device, timeout)
+            return Transport.fetch_request(self, wid, req, device, timeout)
         req.mooncake = True
-        deadline = None if timeout is None else time.monotonic() + timeout
-        conn = pool.get(timeout)
+        return Request(pb.Frame(fetch=req), timeout=timeout, stall=timeout, answer=functools.partial(self._read, wid),
+                       then=_read_done)
+
+    def _read(self, wid: int, reply: Reply) -> Reply:
+        """A Mooncake answer: the spans it names read with this client's engine (the warehouse is told
+        they were read, or given up, by `_read_done`, on the same connection)."""
+        r = reply.frame.fetch_reply
+        if not r.remote_segments:
+            if r.mooncake_refused:
+                if self._required:
+                    raise self._required_error(f"the warehouse says: {r.mooncake_refused}")
+                self._decline(f"the warehouse says: {r.mooncake_refused}")
+            return reply
         try:
-            left = None if deadline is None else max(0.001, deadline - time.monotonic())
-            frame, body, fds = conn.call(pb.Frame(fetch=req), timeout=left, stall=timeout)
-            r = frame.fetch_reply
-            if not r.remote_segments:
-                if r.mooncake_refused:
-                    if self._required:
-                        raise self._required_error(f"the warehouse says: {r.mooncake_refused}")
-                    self._decline(f"the warehouse says: {r.mooncake_refused}")
-                return Reply(frame, body, fds)
-            try:
-                try:
-                    eng = client_engine(conn.sock.getsockname()[0], r.mooncake_protocol or "tcp",
-                                        self.ctx.config.recv_pool_bytes)
-                except EngineUnavailable as e:
-                    if self._required:
-                        raise self._required_error(str(e)) from None
-                    self._decline(str(e))
-                    raise DockConnectionError(f"this client's Mooncake engine did not start ({e})") from None
-                received = eng.read(r.mooncake_session, r.remote_segments)
-            finally:  # read (or given up): the warehouse may unpin those segments
-                conn.post(pb.Frame(oneway=True, fetch=pb.FetchRequest(mooncake_done=[r.mooncake_loan])))
-            if not self.served:
-                self.served = True
-                logger.info("[client] warehouse %s at %s: reads over Mooncake (session %s, protocol %s)", wid,
-                            self.describe(), r.mooncake_session, eng.protocol)
-            return Reply(frame, body, fds, received)
-        finally:
-            pool.put(conn)
+            eng = client_engine(self.local_host, r.mooncake_protocol or "tcp", self.ctx.config.recv_pool_bytes)
+        except EngineUnavailable as e:
+            if self._required:
+                raise self._required_error(str(e)) from None
+            self._decline(str(e))
+            raise DockConnectionError(f"this client's Mooncake engine did not start ({e})") from None
+        reply.received = eng.read(r.mooncake_session, r.remote_segments)
+        if not self.served:
+            self.served = True
+            logger.info("[client] warehouse %s at %s: reads over Mooncake (session %s, protocol %s)", wid,
+                        self.describe(), r.mooncake_session, eng.protocol)
+        return reply
+
+
+def _read_done(frame: pb.Frame) -> pb.Frame | None:
+    """A Mooncake answer read (or given up): the one-way frame that lets the warehouse unpin its segments."""
+    r = frame.fetch_reply
+    if not r.remote_segments:
+        return None
+    return pb.Frame(oneway=True, fetch=pb.FetchRequest(mooncake_done=[r.mooncake_loan]))
 
 
 # -- the warehouse's end ---------------------------------------------------------------------------

@@ -50,8 +50,8 @@ from dockd import codec
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockConnectionError, DockError, DockProtocolError, StagingUnknown
 from dockd.net import device_share, memfd, wire
-from dockd.net.staging import Staging
-from dockd.net.transport import Context, Endpoint, Put, Reply, Transport, is_local
+from dockd.net.staging import Staging, StagingBuffer
+from dockd.net.transport import Context, Endpoint, Put, Reply, Request, Transport, is_local
 
 logger = logging.getLogger(__name__)
 
@@ -161,54 +161,28 @@ class ShmTransport(Transport):
         return n
 
     # -- payloads ------------------------------------------------------------------------------
-    def send_put(self, pool, put: Put) -> pb.Frame:
+    def put_request(self, put: Put) -> Request:
         """Device columns go by handle (same node). A large body is copied into a warm staging buffer
         (the one copy here) and named; the warehouse copies it into its own storage, before or (a lent
         buffer: see `dockd.net.staging`) right after it answers."""
-
         req, body = put.req, put.body
         mark = self.staging.mark()
         if body.size < SHM_MIN_BODY:
-            reply, _, _ = pool.call(pb.Frame(put=req), body.buffers, body.size, timeout=put.answer_s,
-                                    alive=put.alive(pool))
-            self.staging.answered(mark)
-            return reply
+            return Request(pb.Frame(put=req), body.buffers, body.size, timeout=put.answer_s, watch=put.alive,
+                           answer=functools.partial(_answered, self.staging, mark))
         buf = self.staging.take(body.size)
-        done = lent = False
         try:
             assert buf.view is not None  # a buffer is dropped only after it is given back
             body.write_into(memoryview(buf.view))  # type: ignore[arg-type]  # numpy declares __buffer__ only for Python 3.12+
-            req.staging, req.shm_size, req.lend_staging = buf.id, body.size, True
-            for attempt in (0, 1):
-                try:
-                    reply, _, _ = pool.call(pb.Frame(put=req), fds=[] if buf.registered else [buf.fd],
-                                            timeout=put.answer_s, alive=put.alive(pool))
-                    break
-                except StagingUnknown:  # the warehouse dropped our registration (many buffers, a restart)
-                    if attempt:
-                        raise
-                    buf.registered = False
-            buf.registered = True
-            done, lent = True, reply.put_reply.staging_lent
-        except DockError as e:
-            done = not isinstance(e, DockConnectionError)  # (an answer, if an error: the warehouse is done with it)
+        except BaseException:
+            self.staging.drop(buf)
             raise
-        finally:
-            # a put without an answer (a silent warehouse, a dropped connection) may still be taken in
-            # when the warehouse resumes: its buffer is dropped, never refilled by another put under it
-            if not done:
-                self.staging.drop(buf)
-            elif lent:
-                self.staging.lend(buf)
-            else:
-                self.staging.give(buf)
-            if done:
-                self.staging.answered(mark)
-        return reply
+        req.staging, req.shm_size, req.lend_staging = buf.id, body.size, True
+        return _StagedPut(self.staging, buf, mark, put).request()
 
-    def fetch(self, pool, wid: int, req: pb.FetchRequest, device, timeout: float | None) -> Reply:
+    def fetch_request(self, wid: int, req: pb.FetchRequest, device, timeout: float | None) -> Request:
         req.device = device is not None  # device-tier data by handle: we share the node's memory
-        return super().fetch(pool, wid, req, device, timeout)
+        return super().fetch_request(wid, req, device, timeout)
 
     def buffers(self, columns: Sequence[pb.ColumnData], reply: Reply, *, device=None,
                 shared: Sequence[pb.DeviceBuffer] = ()) -> dict[int, tuple[Any, int]]:
@@ -258,6 +232,50 @@ class ShmTransport(Transport):
 
     def close(self) -> None:
         self.staging.close()
+
+
+def _answered(staging: Staging, mark: int, reply: Reply) -> pb.Frame:
+    """A put that went in its frame is answered: the buffers lent before it was sent are free."""
+    staging.answered(mark)
+    return reply.frame
+
+
+class _StagedPut:
+    """A put whose body is in staging buffer `buf`: sent naming it (with its descriptor until the
+    warehouse has it), and the buffer then lent, given back or dropped as the answer says."""
+
+    def __init__(self, staging: Staging, buf: StagingBuffer, mark: int, put: Put) -> None:
+        self.staging, self.buf, self.mark, self.put = staging, buf, mark, put
+        self.retried = False
+
+    def request(self) -> Request:
+        return Request(pb.Frame(put=self.put.req), fds=[] if self.buf.registered else [self.buf.fd],
+                       timeout=self.put.answer_s, watch=self.put.alive, answer=self.answered, failed=self.failed)
+
+    def answered(self, reply: Reply) -> pb.Frame:
+        self.buf.registered = True
+        self._done(lent=reply.frame.put_reply.staging_lent)
+        return reply.frame
+
+    def failed(self, exc: BaseException) -> Request | None:
+        if isinstance(exc, StagingUnknown) and not self.retried:
+            self.retried = True  # the warehouse dropped our registration (many buffers, a restart): pass it again
+            self.buf.registered = False
+            return self.request()
+        if isinstance(exc, DockError) and not isinstance(exc, DockConnectionError):
+            self._done(lent=False)  # (an answer, if an error: the warehouse is done with the buffer)
+        else:
+            # a put without an answer (a silent warehouse, a dropped connection) may still be taken in
+            # when the warehouse resumes: its buffer is dropped, never refilled by another put under it
+            self.staging.drop(self.buf)
+        return None
+
+    def _done(self, *, lent: bool) -> None:
+        if lent:
+            self.staging.lend(self.buf)
+        else:
+            self.staging.give(self.buf)
+        self.staging.answered(self.mark)
 
 
 def _copy_shared(columns: Sequence[pb.ColumnData], shared: Sequence[pb.DeviceBuffer], device) -> dict[int, tuple]:

@@ -33,12 +33,13 @@ Contract (what an implementation provides; see `Transport` for signatures):
 - `recv_into(sock, mv, fds)`: read what has arrived (non-blocking: raise
   BlockingIOError when nothing has), appending any passed descriptors to `fds`.
   `spin_s`: seconds a call polls for a reply before sleeping.
-- `send_put(pool, put)`: send one put (its `pb.PutRequest` and encoded body)
-  on `pool` and return the reply frame. `put.kept` columns are accelerator
+- `put_request(put)`: the `Request` that sends one put (its `pb.PutRequest` and
+  encoded body); its answer is the reply frame. `put.kept` columns are accelerator
   memory exported by handle: a transport that cannot share device memory with
   the daemon sends `put.as_host()` instead.
-- `fetch(pool, wid, req, device, timeout)`: send one fetch and return a
-  `Reply` (frame, body, descriptors, and buffers it received by other means).
+- `fetch_request(wid, req, device, timeout)`: the `Request` that sends one fetch;
+  its answer is a `Reply` (frame, body, descriptors, and buffers it received by
+  other means).
 - `buffers(columns, reply, device=..., shared=...)`: every buffer the reply's
   runs point into, keyed as `dockd.codec.buffer_key` gives them (0: the body;
   k: the k-th passed segment; -k: device buffer k), as (buffer, base offset).
@@ -49,21 +50,20 @@ Contract (what an implementation provides; see `Transport` for signatures):
   whether it still serves the daemon a fresh hello describes (else the pool is
   dropped); `close()`.
 
-A new transport is one module defining a `Transport` subclass, listed in
-`dockd.net.candidates.TRANSPORTS`. The Mooncake Transfer
-Engine transport (`mooncake.py`) is built this way, with one difference from the
-plan below: the warehouse names its engine session in each fetch answer rather
-than in its hello, so a warehouse without an engine says so there (and a client
-requiring Mooncake raises). The plan was: take `name = "mooncake"`, `auto = True` and a
-priority between `shm` and `tcp`; apply when the daemon's hello
-(`Endpoint.advertised`) names a Mooncake segment (a field the wire contract
-would gain) and the engine imports; send frames over TCP (subclass `TcpTransport`); in `send_put`,
-write the body into a registered buffer and name it in the request; in
-`fetch`, ask for the runs as remote segments and read them into pooled
-registered buffers, returned as `Reply.received` (keys as above) from which
-`buffers` serves them; and release the pooled buffers when the decoded values
-are gone (the way `shm` unpins segments). `DOCKD_TRANSPORT` accepts the names
-`dockd.config.ClientConfig` allows.
+A transport never sends anything itself: it says what to send, and what to do with the
+answer, as a `Request` (frame, body buffers, descriptors, timeouts, and the `answer`,
+`failed` and `then` steps), and the connection pool of its daemon sends it
+(`dockd.net.connection.Pool.send`): `pool.send(pool.via.put_request(put))`.
+
+A new transport is one module defining a `Transport` subclass (both of its ends: the
+client's and, where the daemon serves it differently, the daemon's), listed in
+`dockd.net.candidates.TRANSPORTS`. The Mooncake Transfer Engine transport
+(`mooncake.py`) is built this way: it applies where the engine's package is installed,
+sends frames over TCP (it subclasses the TCP transports), asks each fetch for the runs as
+remote segments, reads them into pooled registered buffers, returned as
+`Reply.received` (keys as above) from which `buffers` serves them, and names the read
+in a one-way frame on the same connection (`Request.then`). `DOCKD_TRANSPORT` accepts
+the names `dockd.config.ClientConfig` allows.
 """
 
 from __future__ import annotations
@@ -77,18 +77,13 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
 from dockd import codec
 from dockd._proto import dockd_pb2 as pb
 from dockd.config import ClientConfig
-
-if TYPE_CHECKING:
-    from dockd.net.connection import Pool
-    from dockd.net.device_transport import ReaderLinks
-
 
 #: A daemon that answers no Hello within PROBE_S seconds is silent (stopped, hung), as the controller's
 #: default --heartbeat-timeout counts it; a request waiting on one that answers waits ALIVE_EVERY_S more.
@@ -113,12 +108,27 @@ class Endpoint:
     # that described it: where a transport finds what the daemon offers
 
 
+class Daemon(Protocol):
+    """A daemon as the pool that sends a request to it knows it (what a put's `alive` check asks)."""
+
+    @property
+    def address(self) -> str: ...
+
+    def answers(self) -> bool: ...
+
+
+class DeviceLinks(Protocol):
+    """A client's device links to warehouses on other nodes (`dockd.net.device_transport.ReaderLinks`)."""
+
+    def request(self, wid: int, host: str, device: Any, req: pb.FetchRequest, timeout: float | None) -> Request: ...
+
+
 @dataclasses.dataclass(slots=True)
 class Context:
     """What a client's transports share: its settings and a few services of the Dock."""
 
     config: ClientConfig = dataclasses.field(default_factory=ClientConfig)
-    links: ReaderLinks | None = None                 # device links (get(device=...) from other nodes)
+    links: DeviceLinks | None = None                 # device links (get(device=...) from other nodes)
     device_tier: Callable[[int], bool] = lambda wid: False  # whether warehouse wid has a device tier
     wake: Callable[[], None] = lambda: None          # an unpin is queued: wake the flusher that sends it
     warned: set[str] = dataclasses.field(default_factory=set)  # one-time warnings given
@@ -137,7 +147,7 @@ class Put:
     late: bool = False             # the deadline passed while waiting
     warned: bool = False           # its long wait was logged
 
-    def alive(self, pool: Pool) -> Callable[[], bool | float]:
+    def alive(self, pool: Daemon) -> Callable[[], bool | float]:
         """For `Pool.call`: whether to keep waiting for the put's answer (its warehouse answers a probe),
         and for how long (not past the deadline). A wait past PUT_WAIT_WARN_S is logged once."""
         sent = time.monotonic()
@@ -170,6 +180,37 @@ class Reply:
     body: np.ndarray
     fds: list[int]
     received: dict[int, tuple[Any, int]] | None = None
+
+
+def _as_is(reply: Reply) -> Reply:
+    return reply
+
+
+def _frame(reply: Reply) -> pb.Frame:
+    return reply.frame
+
+
+@dataclasses.dataclass(slots=True)
+class Request:
+    """What a transport asks its daemon's pool to send (`Pool.send`), and what to do with the answer.
+
+    The pool sends `frame` with `buffers` as its body (`size` bytes) and `fds` passed along, waits as
+    `Pool.call` does (`timeout`, `stall`; `watch(pool)` makes its `alive` check), and returns what
+    `answer` makes of the reply. A request that fails (an error reply, no answer, no connection) goes
+    to `failed`, which returns the request to send instead, or None: the error is raised. Exactly one
+    of `answer` and `failed` runs for each request the pool takes. `then` may name a one-way frame to
+    send on the same connection once `answer` has run (or raised)."""
+
+    frame: pb.Frame
+    buffers: Sequence = ()
+    size: int = 0
+    fds: Sequence[int] = ()
+    timeout: float | None = None
+    stall: float | None = None
+    watch: Callable[[Daemon], Callable[[], bool | float]] | None = None
+    answer: Callable[[Reply], Any] = _as_is
+    failed: Callable[[BaseException], Request | None] | None = None
+    then: Callable[[pb.Frame], pb.Frame | None] | None = None
 
 
 class Transport:
@@ -219,8 +260,8 @@ class Transport:
         return ""
 
     # -- payloads ------------------------------------------------------------------------------
-    def send_put(self, pool: Pool, put: Put) -> pb.Frame:
-
+    def put_request(self, put: Put) -> Request:
+        """Sends `put` (its answer: the reply frame)."""
         req, body = put.req, put.body
         if put.kept:  # device memory is shared by handle on one node only: send it as bytes
             assert put.as_host is not None  # encode gives every put its host-bytes form
@@ -230,12 +271,11 @@ class Transport:
                 _log.warning("[client] put(device='keep') to warehouse %s over %s (not the same node, or "
                              "DOCKD_TRANSPORT=tcp): its device columns are sent and stored as host bytes",
                              self.endpoint.warehouse, self.name.upper())
-        reply, _, _ = pool.call(pb.Frame(put=req), body.buffers, body.size, timeout=put.answer_s, alive=put.alive(pool))
-        return reply
+        return Request(pb.Frame(put=req), body.buffers, body.size, timeout=put.answer_s, watch=put.alive, answer=_frame)
 
-    def fetch(self, pool: Pool, wid: int, req: pb.FetchRequest, device, timeout: float | None) -> Reply:
-
-        return Reply(*pool.call(pb.Frame(fetch=req), timeout=timeout, stall=timeout))
+    def fetch_request(self, wid: int, req: pb.FetchRequest, device, timeout: float | None) -> Request:
+        """Sends one fetch to warehouse `wid` for a get onto `device` (None: host memory); its answer: a Reply."""
+        return Request(pb.Frame(fetch=req), timeout=timeout, stall=timeout)
 
     def buffers(self, columns: Sequence[pb.ColumnData], reply: Reply, *, device=None,
                 shared: Sequence[pb.DeviceBuffer] = ()) -> dict[int, tuple[Any, int]]:
@@ -289,4 +329,4 @@ def _close_all(fds) -> None:
         os.close(fd)
 
 
-__all__ = ["Context", "Endpoint", "Put", "Reply", "Transport", "is_local"]
+__all__ = ["Context", "Daemon", "DeviceLinks", "Endpoint", "Put", "Reply", "Request", "Transport", "is_local"]
