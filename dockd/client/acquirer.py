@@ -16,7 +16,7 @@ from dockd.client.confirm import Confirms
 from dockd.client.lease import Lease
 from dockd.client.router import CallScope, Router
 from dockd.errors import DockConnectionError, DockError, DockValueError
-from dockd.net.connection import Pool
+from dockd.net.pool import Pool
 from dockd.net.transport import ANSWER_GRACE_S, Reply
 
 logger = logging.getLogger(__name__)

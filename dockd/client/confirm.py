@@ -26,7 +26,8 @@ from dockd._proto import dockd_pb2 as pb
 from dockd.client.lease import Lease
 from dockd.client.router import CallScope, Router
 from dockd.errors import DockConnectionError, DockError, DockLeaseError
-from dockd.net.connection import Pool, forks
+from dockd.net.connection import forks
+from dockd.net.pool import Pool
 
 logger = logging.getLogger(__name__)
 

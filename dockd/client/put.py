@@ -19,7 +19,7 @@ from dockd.client import validate
 from dockd.client.router import Router
 from dockd.errors import DockConnectionError, DockTimeout, DockTypeError, DockValueError
 from dockd.net import device_share
-from dockd.net.connection import Pool
+from dockd.net.pool import Pool
 from dockd.net.transport import ANSWER_GRACE_S, Put
 
 logger = logging.getLogger(__name__)

@@ -51,7 +51,8 @@ from dockd.errors import (
 )
 from dockd.net import tls, wire
 from dockd.net.candidates import candidates
-from dockd.net.connection import Connection, Credentials, Pool, timed_out
+from dockd.net.connection import Connection, Credentials, timed_out
+from dockd.net.pool import Pool
 from dockd.net.transport import Context, Endpoint, Transport, is_local
 
 T = TypeVar("T")

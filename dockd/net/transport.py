@@ -1,7 +1,7 @@
 """Transports: how a client carries frames and payloads to one daemon.
 
 A `Transport` is made per daemon endpoint (the controller, each warehouse) and
-lives as long as that endpoint's connection pool (`dockd.net.connection.Pool`).
+lives as long as that endpoint's connection pool (`dockd.net.pool.Pool`).
 Everything that differs between ways of reaching a daemon is behind it; the
 put, fetch and acquire code above never asks which one it has.
 
@@ -53,7 +53,7 @@ Contract (what an implementation provides; see `Transport` for signatures):
 A transport never sends anything itself: it says what to send, and what to do with the
 answer, as a `Request` (frame, body buffers, descriptors, timeouts, and the `answer`,
 `failed` and `then` steps), and the connection pool of its daemon sends it
-(`dockd.net.connection.Pool.send`): `pool.send(pool.via.put_request(put))`.
+(`dockd.net.pool.Pool.send`): `pool.send(pool.via.put_request(put))`.
 
 A new transport is one module defining a `Transport` subclass (both of its ends: the
 client's and, where the daemon serves it differently, the daemon's), listed in

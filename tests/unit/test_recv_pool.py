@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from dockd.net.connection import RecvPool
+from dockd.net.recv_pool import RecvPool
 
 MiB = 1 << 20
 
