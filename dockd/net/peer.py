@@ -1,12 +1,11 @@
 """One framed connection inside a daemon's event loop (uvloop where available).
 
-`Peer` reads frames with a BufferedProtocol: small frames are parsed from a
-reused scratch buffer; a body goes straight into a freshly allocated Arrow
-buffer (the storage it will live in), so a put is received with no extra copy.
-A `Handler` decides what to do with requests; replies and requests sent from
-this side are matched by frame id. A body may be held back (`Handler.admit`):
-reading pauses, which pushes back on the sender through TCP, until the
-handler lets it in or rejects it (then the body is read and dropped).
+`Peer` reads frames as its base `dockd.net.frame_reader.FrameReader` does: small
+frames parsed from a reused scratch buffer, each body straight into the storage
+it will live in (`Handler.allocate`), held back while `Handler.admit` waits
+(reading pauses, which pushes back on the sender through TCP). A `Handler`
+decides what to do with requests; replies and requests sent from this side are
+matched by frame id.
 
 Every connection starts with the handshake of `dockd.net.auth`: an accepted one
 (`accept=`) sends a Challenge and takes nothing but an Auth frame until the
@@ -14,23 +13,17 @@ peer has proved its role; an outgoing one (`prove=`) answers the daemon's
 Challenge. Until then frames are small, bodiless and must arrive within
 `handshake_timeout`. Afterwards a frame started must keep arriving (no
 `stall_timeout` seconds without a byte inside a frame, and on average at
-least `min_rate` bytes a second once it has taken `RATE_GRACE` seconds: one
-that averages exactly `min_rate` is received to its end), and a client
-connection with no request at all for `idle_timeout` is closed. What an
-admitted body holds while it arrives is shared out by who sends it
-(`identity`; see `dockd.warehouse.admission`), which `on_body_done` tells when
-it is in.
-
-Memory held across connections is bounded too: a header larger than the
-scratch buffer is received into memory counted against one budget for the
-whole process (`header_budget`); a connection whose header does not fit is
-closed with an error saying so, and the others keep their room.
+least `min_rate` bytes a second once it has taken `RATE_GRACE` seconds:
+`FrameReader.frame_fault`), and a client connection with no request at all
+for `idle_timeout` is closed. What an admitted body holds while it arrives is
+shared out by who sends it (`identity`; see `dockd.warehouse.admission`),
+which `on_body_done` tells when it is in. Memory and descriptors held across
+connections are bounded as `FrameReader` says.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
 import os
@@ -38,35 +31,20 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Protocol, cast
 
-import pyarrow as pa
-
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockProtocolError, from_status, to_status
 from dockd.logutil import Throttle
 from dockd.net import auth, wire
+from dockd.net.frame_reader import FrameReader
 from dockd.net.same_host import peer_cred
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from dockd.net.same_host import UnixTransport
 
 logger = logging.getLogger(__name__)
 
-_SCRATCH = 64 << 10   # per connection; grows for large headers and shrinks back once they are parsed
-_DISCARD = 1 << 20
-HANDSHAKE_HEADER = 4096       # bytes a frame may have before the peer authenticated
-MAX_QUEUED_FDS = 64           # descriptors received ahead of the frames that claim them
-_TIMED_MAX = 4096             # requests of one connection timed at once (the rest go untimed)
-RATE_GRACE = 10.0             # seconds a frame may take before its average rate is checked
 _closing_log = Throttle()     # connections closed for bad input: one line per 10 s, however many
 _oneway_log = Throttle()
-
-
-def too_slow(got: int, elapsed: float, min_rate: int) -> bool:
-    """Whether a frame that has taken `elapsed` seconds to bring `got` bytes is cut: once past RATE_GRACE,
-    when it averages under `min_rate`. One at exactly `min_rate` is not: it is received to its end."""
-    return elapsed > RATE_GRACE and got < min_rate * elapsed
 
 
 def identity(role: str | None, transport) -> tuple:
@@ -95,25 +73,22 @@ class Handler(Protocol):
     def on_lost(self, peer: Peer) -> None: ...
 
 
-class Peer(asyncio.BufferedProtocol):
+class Peer(FrameReader):
     _ids = itertools.count(1)
     # seconds: to authenticate; without a byte inside a frame; without any request (set by the daemon)
     handshake_timeout, stall_timeout, idle_timeout = 10.0, 60.0, 3600.0
-    min_rate = 64 << 10          # bytes/s a frame must average once it has taken RATE_GRACE seconds
-    fd_budget = 4096             # descriptors all connections may have received ahead of their frames
-    fds_held = 0                 # ... held now
-    header_budget = 256 << 20    # bytes of grown receive buffers (large headers) all connections may hold
-    header_held = 0              # ... held now
 
     def __init__(self, handler: Handler, *, max_body: int, on_connect=None, accept: auth.ServerAuth | None = None,
                  instance: int = 0, prove=None) -> None:
+        # an outgoing connection reads replies (larger headers) from a daemon that proved itself
+        super().__init__(max_body=max_body, max_header=wire.MAX_REPLY_HEADER if prove is not None else wire.MAX_HEADER,
+                         metrics=getattr(handler, "metrics", None))
         self.handler = handler
-        self.max_body = max_body
         self.on_connect = on_connect  # called with the transport once connected (e.g. to set socket options)
         self._accept = accept          # accepted connection: what the peer must prove
         self._instance = instance
         self._prove = prove            # outgoing connection: (role, key or callable giving it, session)
-        self.role: str | None = None   # the peer's proven role ("client"/"daemon"; "server" for an outgoing one)
+        # role: the peer's proven role ("client"/"daemon"; "server" for an outgoing one)
         self.session = b""
         self.sid: bytes | None = None  # the session the controller files this connection under (once it used one)
         self.pid: int | None = None    # the peer's process, on a same-host (Unix) connection
@@ -121,32 +96,11 @@ class Peer(asyncio.BufferedProtocol):
         self._refusing = 0  # the id of the Auth whose check failed: `fail`'s frame answers it
         self.authed: asyncio.Future | None = None  # outgoing: resolves once both sides proved themselves
         self._timer: asyncio.TimerHandle | None = None
-        self._last = 0.0  # loop time of the last byte received
         self.parked = 0   # requests of this peer the handler holds (a waiting get): not idle
         self.id = next(Peer._ids)
-        self.transport: asyncio.Transport | None = None
-        self.name = "?"
-        self.closed = False
-        self._buf = bytearray(_SCRATCH)
-        self._mv = memoryview(self._buf)
-        self._lo = self._hi = 0
-        self._frame_t0: float | None = None  # when the frame now arriving in pieces began to (loop time)
-        self._frame_got = 0                  # ... and its bytes received since
-        self._pending: tuple[pb.Frame, int] | None = None  # frame whose body is next
-        self._admitting = False
-        self._dest: memoryview | None = None
-        self._dest_obj: pa.Buffer | None = None
-        self._dest_pos = 0
-        self._discard_left = 0
-        self._reject: BaseException | None = None
         self._calls: dict[int, asyncio.Future] = {}
         self._next_id = itertools.count(1)
-        self._fds: collections.deque[int] = collections.deque()  # received, not yet claimed by a frame
-        self._frame_fds: list[int] = []
-        self.metrics = getattr(handler, "metrics", None)  # a dockd.node.metrics.Metrics: requests are timed
         self._identity: tuple | None = None
-        self.on_body_done: Callable[[], None] | None = None  # called once the admitted body is in (or will not be)
-        self._started: dict[int, tuple[str, float]] = {}  # request id -> (kind, arrival), until its reply
 
     @property
     def identity(self) -> tuple:
@@ -159,15 +113,6 @@ class Peer(asyncio.BufferedProtocol):
     def passes_fds(self) -> bool:
         """True on a same-host Unix connection that can carry file descriptors."""
         return getattr(self.transport, "passes_fds", False)
-
-    def fds_received(self, fds: list[int]) -> None:
-        self._fds.extend(fds)
-        Peer.fds_held += len(fds)
-        if len(self._fds) > MAX_QUEUED_FDS or self.role is None:
-            self.fail(DockProtocolError(f"{len(self._fds)} descriptors sent ahead of the frames that use them"))
-        elif Peer.fds_held > Peer.fd_budget:
-            self.fail(DockProtocolError(f"this daemon holds {Peer.fds_held} descriptors sent ahead of their frames by "
-                                        f"all connections (at most {Peer.fd_budget}); retry"))
 
     # -- asyncio protocol -----------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -196,17 +141,11 @@ class Peer(asyncio.BufferedProtocol):
                 self._accept.failed("timeout")
             self.fail(DockAuthError(f"no authentication within {self.handshake_timeout:g}s"))
             return
-        mid_frame = self._dest is not None or self._hi > self._lo or self._pending is not None
-        if mid_frame and not self._admitting and now - self._last > self.stall_timeout:
-            self.fail(DockProtocolError(f"a frame stalled: no byte for {self.stall_timeout:g}s"))
+        fault = self.frame_fault(now)
+        if fault is not None:
+            self.fail(fault)
             return
-        t0 = self._frame_t0
-        if mid_frame and not self._admitting and t0 is not None and too_slow(self._frame_got, now - t0, self.min_rate):
-            self.fail(DockProtocolError(
-                f"a frame arrived at {self._frame_got / (now - t0):.0f} bytes/s for {now - t0:.0f}s, under this "
-                f"daemon's minimum of {self.min_rate} bytes/s: the connection is too slow, or holds its room on purpose"))
-            return
-        idle = not mid_frame and not self._calls and not self.parked
+        idle = not self.mid_frame() and not self._calls and not self.parked
         if idle and self.role == auth.CLIENT and now - self._last > self.idle_timeout:
             logger.info("[peer] closing idle connection peer=%s idle=%.0fs", self.name, now - self._last)
             self.close()  # a client reconnects on its next call
@@ -215,228 +154,33 @@ class Peer(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
-        self._shrink()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         if self.authed is not None and not self.authed.done():
             self.authed.set_exception(DockConnectionError(f"connection to {self.name} closed during authentication"))
-        if self._pending is not None and not self._admitting and self._reject is None and not self._pending[0].reply:
-            self.handler.on_abandoned(self, *self._pending)  # mid-body: the body's admission is void
-            self._pending = None
-        self._body_done()
+        self._stop_reading()
         err = DockConnectionError(f"connection to {self.name} closed" + (f": {exc}" if exc else ""))
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(err)
         self._calls.clear()
-        self._dest = self._dest_obj = None
-        for fd in [*self._fds, *self._frame_fds]:
-            os.close(fd)
-        Peer.fds_held -= len(self._fds)
-        self._fds.clear()
-        self._frame_fds = []
         try:
             self.handler.on_lost(self)
         except Exception:
             logger.exception("[peer] on_lost handler failed peer=%s", self.name)
 
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self._dest is not None:
-            return self._dest[self._dest_pos :]
-        if self._hi == len(self._buf):
-            self._compact(len(self._buf) * 2 if self._lo == 0 else 0)
-        return self._mv[self._hi :]
+    # -- frames read ----------------------------------------------------------------------
+    def _admit(self, frame: pb.Frame, body_size: int) -> Awaitable[None] | None:
+        return self.handler.admit(self, frame, body_size)
 
-    def buffer_updated(self, nbytes: int) -> None:
-        self._last = asyncio.get_running_loop().time()
-        self._frame_got += nbytes
-        self._guarded(self._received, nbytes)
+    def _allocate(self, size: int):
+        return self.handler.allocate(size)
 
-    def _received(self, nbytes: int) -> None:
-        if self._dest is not None:
-            self._dest_pos += nbytes
-            if self._dest_pos == len(self._dest):
-                self._body_filled()
-            return
-        self._hi += nbytes
-        self._parse()
+    def _abandoned(self, frame: pb.Frame, body_size: int) -> None:
+        self.handler.on_abandoned(self, frame, body_size)
 
-    def _guarded(self, step, *args) -> None:
-        """Run a reading step: bad input closes this connection (saying why), never the daemon."""
-        try:
-            step(*args)
-        except (DockProtocolError, DockAuthError) as e:
-            self.fail(e)
-        except Exception as e:  # a bug must not take the daemon down: drop this connection only
-            logger.exception("[peer] failed to handle input peer=%s", self.name)
-            self.fail(DockProtocolError(f"internal error while reading a frame: {e}"))
-
-    def eof_received(self) -> bool:
-        return False
-
-    # -- reading --------------------------------------------------------------------
-    def _hold(self, size: int) -> None:
-        """Count a receive buffer of `size` bytes (what it holds past the scratch size) against
-        the process's header budget; refuses (closing this connection) past it."""
-        delta = max(size - _SCRATCH, 0) - max(len(self._buf) - _SCRATCH, 0)
-        if delta > 0 and Peer.header_held + delta > Peer.header_budget:
-            raise DockProtocolError(
-                f"this daemon holds {Peer.header_held >> 20} MiB of large request headers from other connections "
-                f"(at most {Peer.header_budget >> 20} MiB) and cannot take {delta >> 20} MiB more now; retry, or "
-                "split the request")
-        Peer.header_held += delta
-
-    def _shrink(self) -> None:
-        """Back to the scratch buffer (its room in the header budget given back)."""
-        if len(self._buf) != _SCRATCH:
-            self._hold(_SCRATCH)
-            self._buf = bytearray(_SCRATCH)
-            self._mv = memoryview(self._buf)
-            self._lo = self._hi = 0
-
-    def _compact(self, grow: int = 0) -> None:
-        live = self._hi - self._lo
-        if grow:
-            self._hold(max(grow, live))
-            new = bytearray(max(grow, live))
-            new[:live] = self._mv[self._lo : self._hi]
-            self._buf, self._mv = new, memoryview(new)
-        else:
-            self._mv[:live] = self._mv[self._lo : self._hi]
-        self._lo, self._hi = 0, live
-
-    def _parse(self) -> None:
-        while self._pending is None and not self.closed:
-            avail = self._hi - self._lo
-            if avail < wire.PREFIX.size:
-                break
-            # an outgoing connection reads replies (larger headers) from a daemon that proved itself
-            hlen, blen = wire.parse_prefix(self._buf, self._lo, self.max_body,
-                                           wire.MAX_REPLY_HEADER if self._prove is not None else wire.MAX_HEADER)
-            if self.role is None and (hlen > HANDSHAKE_HEADER or blen):
-                raise DockAuthError("authenticate first: the first frames on a connection are small and bodiless")
-            need = wire.PREFIX.size + hlen
-            if avail < need:
-                self._arriving()
-                if need > len(self._buf) - self._lo:
-                    # grow with what has arrived, never to what a prefix merely announces
-                    self._compact(grow=min(need, max(2 * len(self._buf), avail + _SCRATCH)))
-                break
-            start = self._lo + wire.PREFIX.size
-            frame = wire.parse_header(self._mv[start : start + hlen])
-            self._lo += need
-            if frame.reply and blen:
-                raise DockProtocolError("a reply to a daemon carries no body")
-            if self.metrics is not None and not frame.reply and not frame.oneway and self.role is not None \
-                    and len(self._started) < _TIMED_MAX:
-                kind = frame.WhichOneof("kind")
-                if kind is not None:  # (a bare frame only gives pins back: it has no reply)
-                    self._started[frame.id] = (kind, time.perf_counter())
-            if frame.fds:
-                if frame.fds > len(self._fds):
-                    raise DockProtocolError(f"frame announces {frame.fds} descriptors but {len(self._fds)} arrived")
-                self._frame_fds = [self._fds.popleft() for _ in range(frame.fds)]
-                Peer.fds_held -= frame.fds
-            if blen == 0:
-                self._dispatch(frame, None)
-                continue
-            self._pending = (frame, blen)
-            wait = None if frame.reply else self.handler.admit(self, frame, blen)
-            if wait is not None:
-                assert self.transport is not None  # (reading: connected)
-                self._admitting = True
-                self.transport.pause_reading()
-                asyncio.ensure_future(wait).add_done_callback(self._admitted)
-                return
-            self._start_body()
-        if self._lo == self._hi:
-            self._lo = self._hi = 0
-            if self._dest is None:
-                self._frame_t0 = None
-            if len(self._buf) > 4 * _SCRATCH and self._dest is None:
-                self._shrink()
-
-    def _admitted(self, fut: asyncio.Future) -> None:
-        self._guarded(self._resume, fut)
-
-    def _resume(self, fut: asyncio.Future) -> None:
-        """A held-back body was let in (or rejected): read it, then the frames after it."""
-        assert self._pending is not None and self.transport is not None  # (the frame admitted; connected)
-        self._admitting = False
-        if self.closed:
-            if not fut.cancelled() and fut.exception() is None:
-                self.handler.on_abandoned(self, *self._pending)
-            self._pending = None
-            return
-        self._reject = fut.exception() if not fut.cancelled() else DockError("admission cancelled")
-        self._start_body()
-        self.transport.resume_reading()
-        if self._dest is None and self._pending is None:
-            self._parse()
-
-    def _start_body(self) -> None:
-        assert self._pending is not None  # (the frame whose body is next)
-        frame, blen = self._pending
-        take = min(self._hi - self._lo, blen)
-        if self._reject is not None:
-            self._lo += take
-            self._discard_left = blen - take
-            if self._discard_left == 0:
-                self._finish_reject()
-            else:
-                self._dest = memoryview(bytearray(min(self._discard_left, _DISCARD)))
-                self._dest_pos = 0
-            return
-        dest = self.handler.allocate(blen)
-        mv = memoryview(dest).cast("B") if isinstance(dest, pa.Buffer) else dest.writable()
-        mv[:take] = self._mv[self._lo : self._lo + take]
-        self._lo += take
-        if take == blen:
-            self._pending = None
-            self._body_done()
-            self._dispatch(frame, dest)
-        else:
-            self._dest, self._dest_obj, self._dest_pos = mv, dest, take
-            self._frame_t0, self._frame_got = asyncio.get_running_loop().time(), 0  # (admission may have waited)
-
-    def _arriving(self) -> None:
-        """A frame continues past what has arrived: its rate is watched from now (or its start)."""
-        if self._frame_t0 is None:
-            self._frame_t0, self._frame_got = asyncio.get_running_loop().time(), 0
-
-    def _body_filled(self) -> None:
-        assert self._dest is not None and self._pending is not None  # (a body was being received)
-        if self._reject is not None:
-            self._discard_left -= len(self._dest)
-            if self._discard_left > 0:
-                self._dest = self._dest[: min(self._discard_left, len(self._dest))]
-                self._dest_pos = 0
-                return
-            self._dest = None
-            self._finish_reject()
-        else:
-            frame, _ = self._pending
-            dest = self._dest_obj
-            self._dest = self._dest_obj = None
-            self._pending = None
-            self._body_done()
-            self._dispatch(frame, dest)
-        if not self._admitting:
-            self._parse()
-
-    def _body_done(self) -> None:
-        done, self.on_body_done = self.on_body_done, None
-        if done is not None:
-            done()
-
-    def _finish_reject(self) -> None:
-        assert self._pending is not None and self._reject is not None  # (a rejected body was read)
-        frame, _ = self._pending
-        exc, self._reject, self._pending = self._reject, None, None
-        for fd in self._frame_fds:
-            os.close(fd)
-        self._frame_fds = []
+    def _rejected(self, frame: pb.Frame, exc: BaseException) -> None:
         self.reply_error(frame, exc)
 
     def _dispatch(self, frame: pb.Frame, body) -> None:
