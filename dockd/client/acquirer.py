@@ -1,54 +1,23 @@
-"""Acquires: the request (every argument checked) and its reply made into a `Lease`."""
+"""Acquires: a get's options sent to the controller as one request, and its reply made into a `Lease`."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from dockd import ids, limits
 from dockd._proto import dockd_pb2 as pb
-from dockd.client import validate
 from dockd.client.confirm import Confirms
 from dockd.client.lease import Lease
+from dockd.client.options import GetOptions
 from dockd.client.router import CallScope, Router
 from dockd.errors import DockConnectionError, DockError, DockValueError
 from dockd.net.pool import Pool
 from dockd.net.transport import ANSWER_GRACE_S, Reply
 
 logger = logging.getLogger(__name__)
-
-
-def acquire_request(consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None,
-                    groups: bool, allow_partial: bool, shuffle: bool, seed: int | None, inline: bool,
-                    lease_timeout: float | None, dp_rank: int | None, dp_size: int | None,
-                    mp_group: tuple[int, int, int] | None, step: int | None, balance_by: str | Sequence[str] | None,
-                    where: Mapping[str, Any] | None, order_by: str | None, prefer_local: bool,
-                    max_staleness: int | None, home: int) -> pb.AcquireRequest:
-    """An acquire's request, every argument checked (see Dock.get and Dock.acquire)."""
-    validate.check_partition(partition)
-    validate.consumer_and_columns(consumer, columns)
-    if not isinstance(count, (int, np.integer)) or isinstance(count, bool) or count < 1:
-        raise DockValueError(f"count must be a positive int, got {count!r}")
-    if count > limits.MAX_SAMPLES:
-        raise DockValueError(f"count must be at most {limits.MAX_SAMPLES} samples per get, got {count!r}")
-    timeout = validate.seconds(timeout)
-    req = pb.AcquireRequest(partition=partition, consumer=consumer, columns=list(columns), count=int(count),
-                            groups=groups, allow_partial=allow_partial, shuffle=shuffle, inline=inline,
-                            timeout=-1.0 if timeout is None else float(timeout))
-    validate.rank_fields(req, dp_rank, dp_size, mp_group, step, balance_by)
-    validate.acquire_options(req, seed=seed, where=where, max_staleness=max_staleness, order_by=order_by,
-                             lease_timeout=lease_timeout)
-    if prefer_local and home >= 0:
-        if req.dp_size:
-            raise DockValueError("prefer_local does not apply to rank-aware gets (dp_size or mp_group): a "
-                                 "step's batch is one for all ranks")
-        req.near = home + 1
-    req.token = ids.random_bits(63) | 1  # a retried acquire gets the lease its lost reply carried
-    return req
 
 
 class Acquirer:
@@ -60,12 +29,16 @@ class Acquirer:
         self._warned_recovered: set[str] = set()
         self._unmappable = False  # an inline device buffer could not be mapped here: ask for none again
 
-    def acquire(self, req: pb.AcquireRequest, *, scope: CallScope | None, lazy: bool, device=None) -> Lease:
-        """Send `req` (with this client's pending confirms) to the controller, re-sent after a
-        reconnect with what is left of its timeout; an interrupted one gives back what it got.
-        `device`: where inline device-tier values (req.device) are copied."""
+    def acquire(self, opts: GetOptions, *, scope: CallScope | None = None, lazy: bool = False,
+                device: Any = None) -> Lease:
+        """Send the acquire `opts` asks for (with this client's pending confirms) to the controller,
+        re-sent after a reconnect with what is left of its timeout; an interrupted one gives back what
+        it got. `lazy`: inline values as received runs (see Batch); `device`: with opts.inline, the
+        device-tier values come inline too, shared by handle, and are copied there."""
+        frame = opts.frame(self._router.home)
+        req = frame.acquire
+        req.device = opts.inline and device is not None and not self._unmappable
         timeout = None if req.timeout < 0 else req.timeout
-        req.device = req.device and not self._unmappable
         at = self._router.owner(req.partition)
         deadline = None if timeout is None else time.monotonic() + timeout
         confirms = self._confirms.take(at, deadline)
@@ -77,7 +50,7 @@ class Acquirer:
                 req.timeout = max(0.0, deadline - time.monotonic())
             used[:] = [pool]
             # (waited for as long as the controller answers probes: a stopped one is reconnected to)
-            return pool.call(pb.Frame(acquire=req), scope=scope, alive=pool.answers,
+            return pool.call(frame, scope=scope, alive=pool.answers,
                              timeout=ANSWER_GRACE_S if timeout is None else req.timeout + ANSWER_GRACE_S)
 
         try:

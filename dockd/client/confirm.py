@@ -218,6 +218,12 @@ class Confirms:
                 "read smaller batches."
             )
 
+    def release(self, lease: Lease) -> int:
+        """Dock.release: the lease's samples go back to the pool; how many the controller gave back."""
+        frame = pb.Frame(release=pb.ReleaseRequest(lease=lease.id, ticket=lease.ticket))
+        reply, _, _ = self.ctrl_call(frame, at=lease.controller)
+        return reply.release_reply.released
+
     def release_now(self, lease: Lease) -> None:
         """Give back the lease of a get that failed, within connect_timeout (best effort: the controller
         also frees it when the lease expires or this client goes away)."""

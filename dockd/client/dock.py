@@ -6,10 +6,11 @@
            fetch round trip per warehouse involved, in parallel, then a
            one-way confirm
 
-The parts: `put` (encoding and sending puts), `lease` (acquires),
-`fetch` (reads from warehouses), `confirm` (confirms, releases, unpins),
-`stats`, `validate` (argument checks), `router` (where requests go) over
-`connection` pools, each with its `transport`.
+The parts: `put` (encoding and sending puts), `get` (gets and reads: a
+get's `options` sent by the `acquirer`, then `fetch` from warehouses),
+`confirm` (confirms, releases, unpins), `stats`, `validate` (argument
+checks), `router` (where requests go) over `dockd.net` connection pools,
+each with its transport.
 """
 
 from __future__ import annotations
@@ -26,21 +27,21 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from dockd._proto import dockd_pb2 as pb
 from dockd._ray.query import home_for
 from dockd.client import put as puts
 from dockd.client import stats as stats_
 from dockd.client import validate
-from dockd.client.acquirer import Acquirer, acquire_request
+from dockd.client.acquirer import Acquirer
 from dockd.client.batch import Batch
 from dockd.client.confirm import Confirms
-from dockd.client.fetch import Fetcher, maps_device, to_device
+from dockd.client.fetch import Fetcher
+from dockd.client.get import Getter
 from dockd.client.lease import Lease
+from dockd.client.options import GetOptions
 from dockd.client.router import CallScope, Router
 from dockd.config import ClientConfig, client_transport, env
-from dockd.errors import DockClosed, DockTypeError, DockValueError
+from dockd.errors import DockValueError
 from dockd.net import auth, wire
 from dockd.net.connection import Credentials
 from dockd.net.device_transport import ReaderLinks
@@ -50,12 +51,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Dock", "Lease"]
 
-FETCH_MIN_S = 1.0
-"""Seconds a get's fetch may take at least, even when its acquire used up the get's timeout
-(a get(timeout=0) of ready samples still gets this long to read them)."""
-CONFIRM_NOW_AFTER_S = 0.1
-"""A get that took longer than this (from its acquire to the end of its fetch) confirms its lease
-before returning, and returns nothing if the lease is gone: its samples were handed out again."""
 CLOSE_CONFIRM_S = 2.0
 """Seconds a Dock collected, or left open at interpreter exit, may take to confirm what its gets returned
 (a live controller takes one round trip); a controller that does not answer by then hands the samples
@@ -135,6 +130,7 @@ class Dock:
         self._confirms = Confirms(self._router, connect_timeout=self.connect_timeout, wake=wake, stop=self._stop)
         self._acquirer = Acquirer(self._router, self._confirms)
         self._fetcher = Fetcher(self._router, fetch_timeout=self.fetch_timeout)
+        self._getter = Getter(self._router, self._acquirer, self._fetcher, self._confirms)
         ctx.device_tier = self._fetcher.device_tier
         # a Dock dropped without close(), or left open at interpreter exit (finalize runs then too, holding the
         # Dock only weakly), still confirms what its gets returned, stops its flusher and closes its sockets
@@ -266,42 +262,18 @@ class Dock:
         the interpreter exiting with it still open (within CLOSE_CONFIRM_S). A process killed before
         that (SIGKILL, a crash, os._exit) has them handed out again to the next get of this consumer.
         """
-        target = validate.device(device)
-        mapped = target if maps_device(target) else None  # device-tier data shared by handle, copied once
-        started = time.monotonic()
-        reconnects = self._router.reconnects
-        lease = self.acquire(consumer, columns, count, partition=partition, timeout=timeout, groups=groups,
-                             allow_partial=allow_partial, shuffle=shuffle, seed=seed, dp_rank=dp_rank,
-                             dp_size=dp_size, mp_group=mp_group, step=step, balance_by=balance_by, where=where,
-                             order_by=order_by, prefer_local=prefer_local, max_staleness=max_staleness, _scope=_scope,
-                             _lazy=True, _device=mapped)
-        if _scope is not None and _scope.cancelled:  # cancelled as the lease arrived: give it back, take nothing
-            self.release(lease)
-            raise DockClosed("the get was cancelled")
-        left = self.fetch_timeout if timeout is None else max(FETCH_MIN_S, started + timeout - time.monotonic())
-        try:
-            values = self._fetcher.fetch(lease, lazy=True, device=mapped, deadline=time.monotonic() + left)
-        except BaseException:
-            self._confirms.release_now(lease)
-            raise
-        if lease.id:  # (0: a share every reader of it already confirmed; nothing to confirm)
-            if time.monotonic() - started > CONFIRM_NOW_AFTER_S or self._router.reconnects != reconnects:
-                self._confirms.confirm_now(lease, time.monotonic() - started)  # the lease may be gone: check first
-            else:
-                self._confirms.soon(lease.id, lease.controller)
-        batch = Batch(partition, lease.indexes, values, step=lease.step, rank_weights=lease.rank_weights)
-        if target is not None:
-            batch = Batch(partition, lease.indexes, {c: to_device(batch[c], target) for c in columns},
-                          step=lease.step, rank_weights=lease.rank_weights)
-        return batch
+        opts = GetOptions(consumer=consumer, columns=columns, count=count, partition=partition, timeout=timeout,
+                          groups=groups, allow_partial=allow_partial, shuffle=shuffle, seed=seed, dp_rank=dp_rank,
+                          dp_size=dp_size, mp_group=mp_group, step=step, balance_by=balance_by, where=where,
+                          order_by=order_by, prefer_local=prefer_local, max_staleness=max_staleness)
+        return self._getter.get(opts, device, _scope)
 
     def acquire(self, consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None = None,
                 groups: bool = False, allow_partial: bool = False, shuffle: bool = False, seed: int | None = None,
                 inline: bool = True, lease_timeout: float | None = None, dp_rank: int | None = None,
                 dp_size: int | None = None, mp_group: tuple[int, int, int] | None = None, step: int | None = None,
                 balance_by: str | Sequence[str] | None = None, where: Mapping[str, Any] | None = None,
-                order_by: str | None = None, prefer_local: bool = False, max_staleness: int | None = None,
-                _scope: CallScope | None = None, _lazy: bool = False, _device: Any = None) -> Lease:
+                order_by: str | None = None, prefer_local: bool = False, max_staleness: int | None = None) -> Lease:
         """Low-level: lease samples without fetching them (see get).
 
         With inline=True (the default) the values held by the controller's own
@@ -313,13 +285,11 @@ class Dock:
         consumers that work on leased samples for long. A lease always returns
         when its client dies; `extend` moves the deadline later. The rank-aware
         and tag arguments are get's."""
-        req = acquire_request(consumer, columns, count, partition=partition, timeout=timeout, groups=groups,
-                              allow_partial=allow_partial, shuffle=shuffle, seed=seed, inline=inline,
-                              lease_timeout=lease_timeout, dp_rank=dp_rank, dp_size=dp_size, mp_group=mp_group,
-                              step=step, balance_by=balance_by, where=where, order_by=order_by,
-                              prefer_local=prefer_local, max_staleness=max_staleness, home=self._router.home)
-        req.device = inline and _device is not None  # device-tier values inline too, shared by handle
-        return self._acquirer.acquire(req, scope=_scope, lazy=_lazy, device=_device)
+        return self._acquirer.acquire(GetOptions(
+            consumer=consumer, columns=columns, count=count, partition=partition, timeout=timeout, groups=groups,
+            allow_partial=allow_partial, shuffle=shuffle, seed=seed, inline=inline, lease_timeout=lease_timeout,
+            dp_rank=dp_rank, dp_size=dp_size, mp_group=mp_group, step=step, balance_by=balance_by, where=where,
+            order_by=order_by, prefer_local=prefer_local, max_staleness=max_staleness))
 
     def fetch(self, lease: Lease, *, timeout: float | None = None) -> dict[str, list[Any]]:
         """Low-level: read a lease's values from the warehouses holding them, in parallel. A warehouse
@@ -334,19 +304,7 @@ class Dock:
 
         Raises DockNotFound when an index does not exist or a column is not
         written for it yet (read never waits)."""
-        validate.check_partition(partition)
-        if isinstance(columns, str) or not columns:
-            raise DockTypeError(f"columns must be a non-empty list of column names, got {columns!r}")
-        idx = validate.int_list("indexes", indexes)
-        if not idx:
-            raise DockValueError("indexes is empty")
-        req = pb.LocateRequest(partition=partition, indexes=idx, columns=list(columns))
-        reply, _, _ = self._ctrl_call(pb.Frame(locate=req), partition=partition)
-        loc = reply.locate_reply
-        self._router.learn(loc.warehouses)
-        locs = np.asarray(loc.locations, dtype=np.int64).reshape(len(columns), len(idx))
-        values = self._fetcher.fetch(Lease(0, partition, list(columns), idx, locs), lazy=True)
-        return Batch(partition, idx, values)
+        return self._getter.read(partition, indexes, columns)
 
     def confirm(self, lease: Lease) -> None:
         """Low-level: the lease's samples were fetched; they are taken for good.
@@ -367,9 +325,7 @@ class Dock:
 
     def release(self, lease: Lease) -> int:
         """Low-level: give a lease's samples back to the pool for this consumer."""
-        reply, _, _ = self._ctrl_call(pb.Frame(release=pb.ReleaseRequest(lease=lease.id, ticket=lease.ticket)),
-                                      at=lease.controller)
-        return reply.release_reply.released
+        return self._confirms.release(lease)
 
     def clear(self, partition: str) -> int:
         """Free a partition's data on every warehouse and forget its metadata; returns its sample count."""

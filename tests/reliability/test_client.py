@@ -209,9 +209,9 @@ def test_a_child_forked_while_other_threads_held_the_clients_locks_does_not_hang
 
 _GET_AND_GO = """
 import asyncio, gc, os, signal, sys, dockd
-import dockd.client.confirm, dockd.client.dock
+import dockd.client.confirm, dockd.client.get
 # (the get's confirm waits for the client to go: no early confirm after a slow get, no flusher within the hour)
-dockd.client.dock.CONFIRM_NOW_AFTER_S = dockd.client.confirm.CONFIRM_DELAY_S = 3600.0
+dockd.client.get.CONFIRM_NOW_AFTER_S = dockd.client.confirm.CONFIRM_DELAY_S = 3600.0
 address, part, how = sys.argv[1:]
 if how == "async":
     async def main():
@@ -266,8 +266,8 @@ def test_a_stopped_controller_does_not_hold_up_the_exit(partition, client):
 import atexit, sys, time
 stopped = []
 atexit.register(lambda: print(f"exit took {time.monotonic() - stopped[0]:.1f}s", flush=True))  # runs last
-import os, signal, dockd, dockd.client.confirm, dockd.client.dock
-dockd.client.dock.CONFIRM_NOW_AFTER_S = dockd.client.confirm.CONFIRM_DELAY_S = 3600.0
+import os, signal, dockd, dockd.client.confirm, dockd.client.get
+dockd.client.get.CONFIRM_NOW_AFTER_S = dockd.client.confirm.CONFIRM_DELAY_S = 3600.0
 d = dockd.connect(sys.argv[1])
 print(d.get("c", ["x"], 4, partition=sys.argv[2], timeout=30).indexes, flush=True)
 os.kill(int(sys.argv[3]), signal.SIGSTOP)

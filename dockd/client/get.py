@@ -1,0 +1,91 @@
+"""Gets and reads: samples out of the dock.
+
+A get is one acquire (the values the controller's own warehouse holds come
+inline with the lease), the fetch of the rest from the warehouses that hold
+them, in parallel, then the confirm: with this client's next request, or at
+once when the get took long enough for its lease to be gone. A read locates
+samples by index instead of taking them, then fetches the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dockd._proto import dockd_pb2 as pb
+from dockd.client import validate
+from dockd.client.acquirer import Acquirer
+from dockd.client.batch import Batch
+from dockd.client.confirm import Confirms
+from dockd.client.fetch import Fetcher, maps_device, to_device
+from dockd.client.lease import Lease
+from dockd.client.options import GetOptions
+from dockd.client.router import CallScope, Router
+from dockd.errors import DockClosed, DockTypeError, DockValueError
+
+FETCH_MIN_S = 1.0
+"""Seconds a get's fetch may take at least, even when its acquire used up the get's timeout
+(a get(timeout=0) of ready samples still gets this long to read them)."""
+CONFIRM_NOW_AFTER_S = 0.1
+"""A get that took longer than this (from its acquire to the end of its fetch) confirms its lease
+before returning, and returns nothing if the lease is gone: its samples were handed out again."""
+
+
+class Getter:
+    """A Dock's gets (`Dock.get`) and reads (`Dock.read`)."""
+
+    def __init__(self, router: Router, acquirer: Acquirer, fetcher: Fetcher, confirms: Confirms) -> None:
+        self._router = router
+        self._acquirer = acquirer
+        self._fetcher = fetcher
+        self._confirms = confirms
+
+    def get(self, opts: GetOptions, device: Any, scope: CallScope | None) -> Batch:
+        """Dock.get: `opts` acquired, fetched and confirmed; the values on `device` if one is given.
+        `scope`: an AsyncDock get's, which cancelling it closes."""
+        target = validate.device(device)
+        mapped = target if maps_device(target) else None  # device-tier data shared by handle, copied once
+        started = time.monotonic()
+        reconnects = self._router.reconnects
+        lease = self._acquirer.acquire(opts, scope=scope, lazy=True, device=mapped)
+        if scope is not None and scope.cancelled:  # cancelled as the lease arrived: give it back, take nothing
+            self._confirms.release(lease)
+            raise DockClosed("the get was cancelled")
+        if opts.timeout is None:
+            left = self._fetcher.fetch_timeout
+        else:
+            left = max(FETCH_MIN_S, started + opts.timeout - time.monotonic())
+        try:
+            values = self._fetcher.fetch(lease, lazy=True, device=mapped, deadline=time.monotonic() + left)
+        except BaseException:
+            self._confirms.release_now(lease)
+            raise
+        if lease.id:  # (0: a share every reader of it already confirmed; nothing to confirm)
+            if time.monotonic() - started > CONFIRM_NOW_AFTER_S or self._router.reconnects != reconnects:
+                self._confirms.confirm_now(lease, time.monotonic() - started)  # the lease may be gone: check first
+            else:
+                self._confirms.soon(lease.id, lease.controller)
+        batch = Batch(opts.partition, lease.indexes, values, step=lease.step, rank_weights=lease.rank_weights)
+        if target is not None:
+            batch = Batch(opts.partition, lease.indexes, {c: to_device(batch[c], target) for c in lease.columns},
+                          step=lease.step, rank_weights=lease.rank_weights)
+        return batch
+
+    def read(self, partition: str, indexes: Sequence[int], columns: Sequence[str]) -> Batch:
+        """Dock.read: the samples located by the controller that owns the partition, then fetched."""
+        validate.check_partition(partition)
+        if isinstance(columns, str) or not columns:
+            raise DockTypeError(f"columns must be a non-empty list of column names, got {columns!r}")
+        idx = validate.int_list("indexes", indexes)
+        if not idx:
+            raise DockValueError("indexes is empty")
+        req = pb.LocateRequest(partition=partition, indexes=idx, columns=list(columns))
+        reply, _, _ = self._confirms.ctrl_call(pb.Frame(locate=req), partition=partition)
+        loc = reply.locate_reply
+        self._router.learn(loc.warehouses)
+        locs = np.asarray(loc.locations, dtype=np.int64).reshape(len(columns), len(idx))
+        values = self._fetcher.fetch(Lease(0, partition, list(columns), idx, locs), lazy=True)
+        return Batch(partition, idx, values)
