@@ -9,7 +9,7 @@ and column set (a *subscription*) a bitmap of the samples that request could tak
     gone       bool     deleted (by delete or retirement): never handed out again
     tags[name] int64    per-sample integer tags (e.g. a rollout's age)
 
-An `_Eligible` bitmap keeps a count per block of 1024, so an acquire walks the
+An `Eligible` bitmap (`eligible`) keeps a count per block of 1024, so an acquire walks the
 non-empty blocks in order: its cost grows with the batch size and n/1024, not
 with the partition. Eligibility is kept exact on every commit, lease, confirm
 and release, so the number of ready samples is always known without a scan.
@@ -31,6 +31,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from dockd import limits
+from dockd.controller.eligible import FEW, Eligible
 from dockd.errors import DockFull, DockValueError
 
 FREE, LEASED, TAKEN, LOST = 0, 1, 2, 3
@@ -41,10 +42,6 @@ MAX_COLUMNS = 64
 MAX_TAGS = 16
 VERSION_TAG = "version"  # the reserved tag holding each sample's policy version (put(version=...))
 INT64_MAX = (1 << 63) - 1
-_BLOCK_SHIFT = 10
-#: Up to this many samples (or group members), eligibility and commits are updated one sample at a
-#: time: a numpy call on a tiny array costs about as much as a dozen scalar updates.
-FEW = 8
 #: Column sets (with or without groups) one consumer keeps an eligibility bitmap for.
 MAX_VIEWS = 8
 #: The dock's per-consumer memory (`Cells`) is bounded to this many bytes per sample of --max-samples.
@@ -53,109 +50,11 @@ CELLS_PER_SAMPLE = 16
 FIRST_CAPACITY = 1024
 
 
-
-class _Eligible:
-    """A bitmap of units (samples or groups) with a population count per block."""
-
-    __slots__ = ("bits", "blocks", "total")
-
-    def __init__(self, capacity: int) -> None:
-        self.bits = np.zeros(capacity, dtype=bool)
-        self.blocks = np.zeros((capacity >> _BLOCK_SHIFT) + 1, dtype=np.int64)
-        self.total = 0
-
-    def grow(self, capacity: int) -> None:
-        if capacity <= len(self.bits):
-            return
-        bits = np.zeros(capacity, dtype=bool)
-        bits[: len(self.bits)] = self.bits
-        blocks = np.zeros((capacity >> _BLOCK_SHIFT) + 1, dtype=np.int64)
-        blocks[: len(self.blocks)] = self.blocks
-        self.bits, self.blocks = bits, blocks
-
-    def _count(self, units: np.ndarray, delta: int) -> None:
-        if len(units) <= FEW:  # np.add.at costs more than a few scalar updates
-            blocks = self.blocks
-            for b in (units >> _BLOCK_SHIFT).tolist():
-                blocks[b] = blocks.item(b) + delta
-        else:
-            np.add.at(self.blocks, units >> _BLOCK_SHIFT, delta)
-        self.total += delta * len(units)
-
-    def set(self, units: np.ndarray) -> None:
-        if len(units) <= FEW:  # a few units: scalar updates cost less than the array calls
-            self._flip(units.tolist(), True)
-            return
-        new = units[~self.bits[units]]
-        if len(new):
-            self.bits[new] = True
-            self._count(new, 1)
-
-    def clear(self, units: np.ndarray) -> None:
-        if len(units) <= FEW:
-            self._flip(units.tolist(), False)
-            return
-        old = units[self.bits[units]]
-        if len(old):
-            self.bits[old] = False
-            self._count(old, -1)
-
-    def flip(self, on: list[int], off: list[int]) -> None:
-        """Set the units `on` and clear the units `off` (a few of each)."""
-        if on:
-            self._flip(on, True)
-        if off:
-            self._flip(off, False)
-
-    def _flip(self, units: list[int], value: bool) -> None:
-        # (elements read with .item(): indexing gives numpy scalars, whose compare and add cost ~4x more)
-        bits, blocks, delta = self.bits, self.blocks, 1 if value else -1
-        bit, count, moved = bits.item, blocks.item, 0
-        for u in units:
-            if bit(u) != value:
-                bits[u] = value
-                b = u >> _BLOCK_SHIFT
-                blocks[b] = count(b) + delta
-                moved += delta
-        self.total += moved
-
-    def first(self, n: int) -> np.ndarray:
-        """The n smallest set units (fewer if fewer are set)."""
-        out: list[np.ndarray] = []
-        need = n
-        if self.total == 0:
-            return np.empty(0, dtype=np.int64)
-        for b in self.blocks.nonzero()[0]:  # (.nonzero of a 1-D array: np.flatnonzero without its wrappers)
-            lo = int(b) << _BLOCK_SHIFT
-            found = self.bits[lo : lo + (1 << _BLOCK_SHIFT)].nonzero()[0] + lo
-            out.append(found[:need])
-            need -= len(out[-1])
-            if need <= 0:
-                break
-        return out[0] if len(out) == 1 else np.concatenate(out)
-
-    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
-        """n distinct set units drawn uniformly at random, in draw order."""
-        n = min(n, self.total)
-        if n == 0:
-            return np.empty(0, dtype=np.int64)
-        ranks = rng.choice(self.total, size=n, replace=False)
-        nz = np.flatnonzero(self.blocks)
-        cum = np.cumsum(self.blocks[nz])
-        which = np.searchsorted(cum, ranks, side="right")
-        out = np.empty(n, dtype=np.int64)
-        for k, (w, r) in enumerate(zip(which, ranks)):
-            lo = int(nz[w]) << _BLOCK_SHIFT
-            within = int(r) - (int(cum[w - 1]) if w else 0)
-            out[k] = lo + np.flatnonzero(self.bits[lo : lo + (1 << _BLOCK_SHIFT)])[within]
-        return out
-
-
 @dataclasses.dataclass(slots=True)
 class _Sub:
     mask: int
     groups: bool
-    eligible: _Eligible
+    eligible: Eligible
     rng: np.random.Generator | None = None
 
 
@@ -450,7 +349,7 @@ class _Partition:
                 self.cells.give(len(old.eligible.bits))
             units = self.capacity // self.group_size if groups else self.capacity
             self.cells.take(units, f"another set of columns read by a consumer of partition {self.name!r}")
-            sub = _Sub(mask, groups, _Eligible(units))
+            sub = _Sub(mask, groups, Eligible(units))
             if self.size:
                 self.refresh(cons, np.arange(self.size, dtype=np.int64), [sub])
         subs[key] = sub  # (the most recently used last)
@@ -531,4 +430,3 @@ def _grown(arr: np.ndarray, cap: int, fill: int = 0) -> np.ndarray:
     out = np.full(cap, fill, dtype=arr.dtype)
     out[: len(arr)] = arr
     return out
-

@@ -223,9 +223,9 @@ def test_property_no_double_delivery_no_loss_groups_whole(ops):
 
 def _replay(ops, gs: int, few: int):
     """Run `ops` on a fresh controller with FEW = few; returns what every call answered and the final state."""
-    from dockd.controller import partition
+    from dockd.controller import eligible, partition
 
-    saved, partition.FEW = partition.FEW, few
+    saved, partition.FEW, eligible.FEW = partition.FEW, few, few
     try:
         c = Controller()
         answers, leases, size = [], [], 0
@@ -256,7 +256,7 @@ def _replay(ops, gs: int, few: int):
              for name, cons in part.consumers.items()})
         return answers, state
     finally:
-        partition.FEW = saved
+        partition.FEW = eligible.FEW = saved
 
 
 @settings(max_examples=80, deadline=None)
@@ -431,9 +431,11 @@ def test_the_few_sample_paths_do_what_the_array_paths_do(monkeypatch, seed):
     """Small leases and commits take scalar paths (a numpy call on a tiny array costs more); with them
     switched off, the same workload must hand out the same samples and leave the same state."""
     from dockd.controller import core as cmod
+    from dockd.controller import eligible as emod
     from dockd.controller import partition as pmod
 
     fast = _few_paths_run(seed)
     monkeypatch.setattr(pmod, "FEW", -1)
     monkeypatch.setattr(cmod, "FEW", -1)
+    monkeypatch.setattr(emod, "FEW", -1)
     assert _few_paths_run(seed) == fast
