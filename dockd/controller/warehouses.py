@@ -115,50 +115,59 @@ def rejoin(cat: Catalog, warehouse: int, inventory: Mapping[str, Inventory], *, 
     and the rejoining one's copy is ignored (logged).
     """
     cat.dead_warehouses.discard(warehouse)
-    drop = []
-    if known:
-        for name, part in cat.partitions.items():
-            held = inventory.get(name)
-            for col, loc in part.loc.items():
-                mine = np.flatnonzero(loc[: part.size] == warehouse)
-                if held is not None and col in held.columns:
-                    mine = mine[~np.isin(mine, held.columns[col], assume_unique=True)]
-                if len(mine) and known == DURABLE_REJOIN and lost:
-                    gone = mine if lost is True else _among(lost, name, col, mine)
-                    if len(gone):
-                        mine = mine[~np.isin(mine, gone, assume_unique=True)]
-                        _lost_on_disk(cat, part, col, gone, warehouse, lost is True)
-                if len(mine) and known == DURABLE_REJOIN:
-                    loc[mine] = NO_WAREHOUSE
-                    part.ready[mine] &= ~np.uint64(1 << part.columns[col])
-                    for cons in part.consumers.values():
-                        part.refresh(cons, mine)
-                    logger.warning("[controller] warehouse %d restarted from its data dir without %d values of column "
-                                   "%r of partition %r, committed but never acknowledged; they are unwritten again",
-                                   warehouse, len(mine), col, name)
-                elif len(mine):
-                    loc[mine] = LOST_WAREHOUSE
-                    cat.dead_warehouses.add(LOST_WAREHOUSE)
-                    logger.warning("[controller] warehouse %d rejoined without %d values of column %r of "
-                                   "partition %r; they are lost", warehouse, len(mine), col, name)
-            for col, rl in part.rloc.items():  # replicas it no longer holds are made again elsewhere
-                mine = np.flatnonzero(rl[: part.size] == warehouse)
-                if held is not None and col in held.columns:
-                    mine = mine[~np.isin(mine, held.columns[col], assume_unique=True)]
-                rl[mine] = NO_WAREHOUSE
-            if held is not None:
-                part.nbytes[warehouse] = held.nbytes
-                if part.deleted:  # samples deleted while it was away: it frees them now
-                    held_idx = [np.asarray(v, dtype=np.int64) for v in held.columns.values()]
-                    stale = np.unique(np.concatenate(held_idx)) if held_idx else np.empty(0, dtype=np.int64)
-                    stale = stale[stale < part.size]
-                    stale = stale[part.gone[stale]]
-                    if len(stale):
-                        cat.pending_frees.setdefault(name, {}).setdefault(warehouse, []).append(stale)
-            else:
-                part.nbytes.pop(warehouse, None)
-        drop = [name for name in inventory if name not in cat.partitions]
-        return drop
+    if not known:
+        _rebuild(cat, warehouse, inventory)
+        return []
+    for part in cat.partitions.values():
+        _reconcile(cat, part, warehouse, inventory.get(part.name), known == DURABLE_REJOIN, lost)
+    return [name for name in inventory if name not in cat.partitions]
+
+
+def _reconcile(cat: Catalog, part: _Partition, warehouse: int, held: Inventory | None, durable: bool,
+               lost: Mapping[str, Inventory] | bool | None) -> None:
+    """A known warehouse rejoins holding `held` of `part` (see rejoin): the records win."""
+    for col, loc in part.loc.items():
+        mine = np.flatnonzero(loc[: part.size] == warehouse)
+        if held is not None and col in held.columns:
+            mine = mine[~np.isin(mine, held.columns[col], assume_unique=True)]
+        if len(mine) and durable and lost:
+            gone = mine if lost is True else _among(lost, part.name, col, mine)
+            if len(gone):
+                mine = mine[~np.isin(mine, gone, assume_unique=True)]
+                _lost_on_disk(cat, part, col, gone, warehouse, lost is True)
+        if len(mine) and durable:
+            loc[mine] = NO_WAREHOUSE
+            part.ready[mine] &= ~np.uint64(1 << part.columns[col])
+            for cons in part.consumers.values():
+                part.refresh(cons, mine)
+            logger.warning("[controller] warehouse %d restarted from its data dir without %d values of column "
+                           "%r of partition %r, committed but never acknowledged; they are unwritten again",
+                           warehouse, len(mine), col, part.name)
+        elif len(mine):
+            loc[mine] = LOST_WAREHOUSE
+            cat.dead_warehouses.add(LOST_WAREHOUSE)
+            logger.warning("[controller] warehouse %d rejoined without %d values of column %r of "
+                           "partition %r; they are lost", warehouse, len(mine), col, part.name)
+    for col, rl in part.rloc.items():  # replicas it no longer holds are made again elsewhere
+        mine = np.flatnonzero(rl[: part.size] == warehouse)
+        if held is not None and col in held.columns:
+            mine = mine[~np.isin(mine, held.columns[col], assume_unique=True)]
+        rl[mine] = NO_WAREHOUSE
+    if held is None:
+        part.nbytes.pop(warehouse, None)
+        return
+    part.nbytes[warehouse] = held.nbytes
+    if part.deleted:  # samples deleted while it was away: it frees them now
+        held_idx = [np.asarray(v, dtype=np.int64) for v in held.columns.values()]
+        stale = np.unique(np.concatenate(held_idx)) if held_idx else np.empty(0, dtype=np.int64)
+        stale = stale[stale < part.size]
+        stale = stale[part.gone[stale]]
+        if len(stale):
+            cat.pending_frees.setdefault(part.name, {}).setdefault(warehouse, []).append(stale)
+
+
+def _rebuild(cat: Catalog, warehouse: int, inventory: Mapping[str, Inventory]) -> None:
+    """A warehouse the controller does not know rejoins (see rejoin): its inventory is the truth."""
     cat._samples = None
     for name, held in inventory.items():
         found = cat.partitions.get(name)
@@ -199,7 +208,6 @@ def rejoin(cat: Catalog, warehouse: int, inventory: Mapping[str, Inventory], *, 
                 subs = [s for s in cons.subs.values() if s.mask & newbits]
                 if subs:
                     part.refresh(cons, idx, subs)
-    return drop
 
 
 def _among(lost: Mapping[str, Inventory] | bool, partition: str, column: str, idx: np.ndarray) -> np.ndarray:
