@@ -58,23 +58,19 @@ import logging
 import os
 import pathlib
 import re
-import struct
 import time
 import zlib
 from collections.abc import Iterator, Mapping
-from typing import Any
 
 import msgpack
 
 from dockd import dirlock
 from dockd.controller.core import Controller
-from dockd.controller.records import JournalError, apply, pack_idx, pack_inventory, pack_tags
-from dockd.controller.warehouses import Inventory
+from dockd.controller.records import HEAD, JournalError, RecordWriter, apply, read
 from dockd.errors import DockStateFull
 
 logger = logging.getLogger(__name__)
 
-_HEAD = struct.Struct("<II")
 _SNAP = re.compile(r"snapshot-(\d+)\.msgpack$")
 _CHUNK = 1 << 20  # journal space reserved ahead at a time, when the disk has it
 _MARGIN = 64 << 10  # requests that add to the dock are refused with less than this reserved ahead
@@ -116,7 +112,7 @@ def _write_all(fd: int, data: bytes | bytearray) -> None:
         view = view[n:]
 
 
-class Journal:
+class Journal(RecordWriter):
     """Records the controller's decisions in a state dir and rebuilds them on restart."""
 
     def __init__(self, path: str | os.PathLike, *, fsync_interval: float = 0.05, compact_bytes: int = 64 << 20) -> None:
@@ -182,7 +178,7 @@ class Journal:
         replayed = skipped = good = 0
         if log.exists():
             with core.catalog.cells.unbounded():  # (what was decided is rebuilt, whatever the bound now)
-                for rec, good in self._read(log):  # noqa: B007 - good: where the last whole record ends
+                for rec, good in read(log):  # noqa: B007 - good: where the last whole record ends
                     if not apply(core, warehouses, rec, now):
                         skipped += 1
                     replayed += 1
@@ -202,21 +198,6 @@ class Journal:
             logger.warning("[journal] no room for a snapshot in %s: appending to %s after its %d bytes of records",
                            self.dir, log.name, good)
         return core, warehouses
-
-    @staticmethod
-    def _read(log: pathlib.Path) -> Iterator[tuple[list, int]]:
-        """The whole records of a journal file, each with the offset where it ends."""
-        data = log.read_bytes()
-        pos = 0
-        while pos + _HEAD.size <= len(data):
-            n, crc = _HEAD.unpack_from(data, pos)
-            body = data[pos + _HEAD.size : pos + _HEAD.size + n]
-            if len(body) < n or zlib.crc32(body) != crc:
-                break
-            pos += _HEAD.size + n
-            yield msgpack.unpackb(body, raw=False, strict_map_key=False), pos
-        if pos < len(data):
-            logger.warning("[journal] cut a torn record at the end of %s offset=%d bytes=%d", log, pos, len(data) - pos)
 
     # -- room --------------------------------------------------------------------------------
     def room(self) -> None:
@@ -303,7 +284,7 @@ class Journal:
         caller applies it at once, so a held record that cannot be written stops the journal as an
         applied one does."""
         body = self._packer.pack(rec)
-        data = _HEAD.pack(len(body), zlib.crc32(body)) + body
+        data = HEAD.pack(len(body), zlib.crc32(body)) + body
         err = None
         if self.broken is None:
             held = len(self._held)
@@ -508,80 +489,3 @@ class Journal:
                 self._fd = -1
         dirlock.release(self._lock)
         self._lock = -1
-
-    # -- the records a service writes ------------------------------------------------------
-    # Requests' records raise DockStateFull when they cannot be written (see `append`); records
-    # of what the controller already did on its own (warehouses, expiries, shares) never raise.
-    def warehouse(self, entry: dict) -> None:
-        self.append(["W", entry], applied=True)
-
-    def commit(self, partition, columns, warehouse, indexes, new_count, group_size, nbytes, put_id,
-               tags=None, token: int = 0, away=()) -> None:
-        rec = ["C", partition, list(columns), warehouse, None if indexes is None else pack_idx(indexes),
-               new_count, group_size, nbytes, put_id]
-        if tags or token:
-            rec.append(pack_tags(tags or {}))
-        if token:
-            rec.append(token)
-            if away:
-                rec.append(sorted(away))
-        self.append(rec)
-
-    def replica(self, partition, columns, warehouse, indexes, nbytes, put_id) -> None:
-        self.append(["A", partition, list(columns), warehouse, pack_idx(indexes), nbytes, put_id])
-
-    def create(self, partition: str, group_size: int, retire, max_staleness: int = -1, retire_stale: bool = False,
-               max_pending: int = 0) -> None:
-        rec = ["P", partition, group_size, list(retire)]
-        if max_staleness >= 0 or max_pending:
-            rec += [max_staleness, retire_stale, max_pending]
-        self.append(rec)
-
-    def set_version(self, partition: str, version: int) -> None:
-        self.append(["Y", partition, version])
-
-    def delete(self, partition: str, indexes) -> None:
-        self.append(["D", partition, pack_idx(indexes)])
-
-    def seal(self, partition: str) -> None:
-        self.append(["S", partition])
-
-    def reserve(self, partition: str, count: int, group_size: int) -> None:
-        self.append(["V", partition, count, group_size])
-
-    def loaded(self, partition: str, exported: dict) -> None:
-        self.append(["K", partition, exported])
-
-    def tags(self, partition: str, indexes, tags) -> None:
-        self.append(["T", partition, pack_idx(indexes), pack_tags(tags)])
-
-    def grant(self, lease, seconds_left: float, *, applied: bool = False) -> bool:
-        """A lease and the seconds it has left (its deadline minus now, on the loop's clock)."""
-        return self.append(["G", lease.id, lease.partition, lease.consumer, pack_idx(lease.indexes),
-                            float(seconds_left), lease.token, lease.owner], applied=applied)
-
-    def extend(self, lease_id: int, seconds_left: float) -> None:
-        self.append(["E", lease_id, float(seconds_left)])
-
-    def confirm(self, ids: list[int], *, hold: bool = False) -> None:
-        self.append(["F", ids], hold=hold)
-
-    def release(self, lease_id: int, *, applied: bool = False) -> bool:
-        return self.append(["R", lease_id], applied=applied)
-
-    def clear(self, partition: str) -> None:
-        self.append(["X", partition])
-
-    def lost(self, wid: int, unwritten: Mapping[str, Mapping[str, Any]] | None = None) -> None:
-        rec: list = ["L", wid]
-        if unwritten:
-            rec.append({p: {c: pack_idx(ix) for c, ix in cols.items()} for p, cols in unwritten.items()})
-        self.append(rec, applied=True)
-
-    def rejoin(self, wid: int, inventory: Mapping[str, Inventory], known: bool | str,
-               lost: Mapping[str, Inventory] | bool | None = None) -> None:
-        rec = ["J", wid, pack_inventory(inventory), known]
-        if lost:  # (values of files it dropped as damaged; True: every value it lacks)
-            rec.append(True if lost is True else pack_inventory(lost))
-        self.append(rec, applied=True)
-

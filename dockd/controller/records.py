@@ -1,5 +1,6 @@
-"""The journal's records: what each holds, how decisions are packed into them, and how a record
-replays onto a controller (`apply`). `dockd.controller.journal` writes and reads them.
+"""The journal's records: what each holds, how decisions are packed into them (`RecordWriter`), how
+they lie in a journal file (`read`), and how a record replays onto a controller (`apply`).
+`dockd.controller.journal` writes them and reads them back.
 
 Records (the first element names the kind):
 
@@ -33,12 +34,17 @@ while unconfirmed old shares expire back to the pool.
 from __future__ import annotations
 
 import logging
+import pathlib
 import struct
-from collections.abc import Mapping
+import zlib
+from collections.abc import Iterator, Mapping
+from typing import Any
 
+import msgpack
 import numpy as np
 
 from dockd.controller.core import Controller
+from dockd.controller.lease_table import Lease
 from dockd.controller.persist import import_partition
 from dockd.controller.warehouses import Inventory
 from dockd.errors import DockError
@@ -46,6 +52,8 @@ from dockd.errors import DockError
 logger = logging.getLogger(__name__)
 
 _FEW_IDX = 8  # (see pack_idx)
+HEAD = struct.Struct("<II")
+"""A record in a journal file: `u32 length | u32 crc32` of its msgpack body, then the body."""
 
 
 def pack_idx(idx) -> bytes | list[int]:
@@ -85,6 +93,21 @@ def pack_inventory(inv: Mapping[str, Inventory]) -> dict:
 def unpack_inventory(raw: dict) -> dict[str, Inventory]:
     return {name: Inventory(gs, nb, {c: np.frombuffer(b, dtype=np.int64).copy() for c, b in cols.items()})
             for name, (gs, nb, cols) in raw.items()}
+
+
+def read(log: pathlib.Path) -> Iterator[tuple[list, int]]:
+    """The whole records of a journal file, each with the offset where it ends."""
+    data = log.read_bytes()
+    pos = 0
+    while pos + HEAD.size <= len(data):
+        n, crc = HEAD.unpack_from(data, pos)
+        body = data[pos + HEAD.size : pos + HEAD.size + n]
+        if len(body) < n or zlib.crc32(body) != crc:
+            break
+        pos += HEAD.size + n
+        yield msgpack.unpackb(body, raw=False, strict_map_key=False), pos
+    if pos < len(data):
+        logger.warning("[journal] cut a torn record at the end of %s offset=%d bytes=%d", log, pos, len(data) - pos)
 
 
 class JournalError(DockError):
@@ -173,3 +196,85 @@ def _apply(core: Controller, warehouses: dict[int, dict], rec: list, now: float)
                     lost=unpack_inventory(lost) if isinstance(lost, dict) else lost)
     else:
         raise JournalError(f"unknown journal record kind {kind!r}: written by a newer dockd?")
+
+
+class RecordWriter:
+    """The records a controller's decisions are written as, one method per kind (the journal's
+    `append` writes them). Requests' records raise DockStateFull when they cannot be written;
+    records of what the controller already did on its own (warehouses, expiries, shares) never raise."""
+
+    def append(self, rec: list, *, applied: bool = False, hold: bool = False) -> bool:
+        raise NotImplementedError
+
+    def warehouse(self, entry: dict) -> None:
+        self.append(["W", entry], applied=True)
+
+    def commit(self, partition, columns, warehouse, indexes, new_count, group_size, nbytes, put_id,
+               tags=None, token: int = 0, away=()) -> None:
+        rec = ["C", partition, list(columns), warehouse, None if indexes is None else pack_idx(indexes),
+               new_count, group_size, nbytes, put_id]
+        if tags or token:
+            rec.append(pack_tags(tags or {}))
+        if token:
+            rec.append(token)
+            if away:
+                rec.append(sorted(away))
+        self.append(rec)
+
+    def replica(self, partition, columns, warehouse, indexes, nbytes, put_id) -> None:
+        self.append(["A", partition, list(columns), warehouse, pack_idx(indexes), nbytes, put_id])
+
+    def create(self, partition: str, group_size: int, retire, max_staleness: int = -1, retire_stale: bool = False,
+               max_pending: int = 0) -> None:
+        rec = ["P", partition, group_size, list(retire)]
+        if max_staleness >= 0 or max_pending:
+            rec += [max_staleness, retire_stale, max_pending]
+        self.append(rec)
+
+    def set_version(self, partition: str, version: int) -> None:
+        self.append(["Y", partition, version])
+
+    def delete(self, partition: str, indexes) -> None:
+        self.append(["D", partition, pack_idx(indexes)])
+
+    def seal(self, partition: str) -> None:
+        self.append(["S", partition])
+
+    def reserve(self, partition: str, count: int, group_size: int) -> None:
+        self.append(["V", partition, count, group_size])
+
+    def loaded(self, partition: str, exported: dict) -> None:
+        self.append(["K", partition, exported])
+
+    def tags(self, partition: str, indexes, tags) -> None:
+        self.append(["T", partition, pack_idx(indexes), pack_tags(tags)])
+
+    def grant(self, lease: Lease, seconds_left: float, *, applied: bool = False) -> bool:
+        """A lease and the seconds it has left (its deadline minus now, on the loop's clock)."""
+        return self.append(["G", lease.id, lease.partition, lease.consumer, pack_idx(lease.indexes),
+                            float(seconds_left), lease.token, lease.owner], applied=applied)
+
+    def extend(self, lease_id: int, seconds_left: float) -> None:
+        self.append(["E", lease_id, float(seconds_left)])
+
+    def confirm(self, ids: list[int], *, hold: bool = False) -> None:
+        self.append(["F", ids], hold=hold)
+
+    def release(self, lease_id: int, *, applied: bool = False) -> bool:
+        return self.append(["R", lease_id], applied=applied)
+
+    def clear(self, partition: str) -> None:
+        self.append(["X", partition])
+
+    def lost(self, wid: int, unwritten: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        rec: list = ["L", wid]
+        if unwritten:
+            rec.append({p: {c: pack_idx(ix) for c, ix in cols.items()} for p, cols in unwritten.items()})
+        self.append(rec, applied=True)
+
+    def rejoin(self, wid: int, inventory: Mapping[str, Inventory], known: bool | str,
+               lost: Mapping[str, Inventory] | bool | None = None) -> None:
+        rec = ["J", wid, pack_inventory(inventory), known]
+        if lost:  # (values of files it dropped as damaged; True: every value it lacks)
+            rec.append(True if lost is True else pack_inventory(lost))
+        self.append(rec, applied=True)
