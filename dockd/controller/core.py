@@ -26,7 +26,7 @@ from dockd import limits
 from dockd.controller import persist, selection, warehouses
 from dockd.controller import replica_map as replicas
 from dockd.controller.catalog import Catalog
-from dockd.controller.lease_table import AcquireResult, Lease, LeaseBook
+from dockd.controller.lease_table import AcquireResult, Lease, LeaseTable
 from dockd.controller.partition import FEW, FREE, LEASED, LOST_WAREHOUSE, NO_WAREHOUSE, TAKEN
 from dockd.controller.rounds import Round, Rounds
 from dockd.controller.warehouses import Inventory
@@ -50,7 +50,7 @@ class Controller:
             raise DockValueError(f"lease_timeout must be > 0 seconds, got {lease_timeout}")
         self.lease_timeout = lease_timeout
         self.catalog = Catalog(max_samples)
-        self.book = LeaseBook(lease_ids)
+        self.book = LeaseTable(lease_ids)
         self.ranks = Rounds(self.catalog, self.book, self)
         # the parts' state, by the names the service, the journal and the tests know it by
         self.partitions = self.catalog.partitions

@@ -49,7 +49,7 @@ class AcquireResult:
     weights: list[float] = dataclasses.field(default_factory=list)  # ... and each rank's sum of balance weights
 
 
-class LeaseBook:
+class LeaseTable:
     """The leases outstanding, by id; `tokens` maps an acquire's retry token to its lease, and
     `cleared` remembers leases that ended with their partition (a late confirm of one is no news),
     `taken` those their confirm ended (a confirm re-sent after a reconnect, when the first was

@@ -14,7 +14,7 @@ import numpy as np
 
 from dockd.controller import selection, warehouses
 from dockd.controller.catalog import Catalog
-from dockd.controller.lease_table import AcquireResult, Lease, LeaseBook, RoundKey
+from dockd.controller.lease_table import AcquireResult, Lease, LeaseTable, RoundKey
 from dockd.controller.partition import TAKEN, _Partition
 from dockd.errors import DockDrained, DockValueError
 
@@ -58,7 +58,7 @@ class Rounds:
     asked for again). `new_shares` and `dropped_shares` collect the shares made and given back
     since the service last took them (to journal)."""
 
-    def __init__(self, catalog: Catalog, book: LeaseBook, leaser: Leaser) -> None:
+    def __init__(self, catalog: Catalog, book: LeaseTable, leaser: Leaser) -> None:
         self.catalog = catalog
         self.book = book
         self.leaser = leaser
