@@ -1,51 +1,11 @@
-"""OpenRLHF plugin: a replay buffer whose samples live in dockd.
-
-`DockReplayBuffer` is a drop-in for ``openrlhf.trainer.ppo_utils.NaiveReplayBuffer``
-(OpenRLHF 0.11) and, when OpenRLHF is importable, a subclass of it (so
-``isinstance(buffer, NaiveReplayBuffer)`` holds; the class is built on first
-access of ``dockd.trainer_plugins.openrlhf.DockReplayBuffer``, so importing this
-module imports no OpenRLHF). Same constructor arguments, same methods, same
-batching (it uses OpenRLHF's own ``split_experience_batch`` /
-``make_experience_batch``), so ``DataLoader(buffer, batch_size=...,
-collate_fn=buffer.collate_fn)`` works as in OpenRLHF's actor and critic
-training loops. Two differences: OpenRLHF's ``split_experience_batch`` drops
-``Experience.index``; this buffer keeps it per sample, so batches carry the
-indexes of their samples. And `append` returns the dock indexes of the new
-samples where the original returns None. `append` splits an
-``Experience`` per sample and puts the samples into the dock; reads pull the
-samples the buffer's consumer has not seen yet into a local view that the
-DataLoader indexes. Experience makers on any node append, trainer ranks on any
-node read: two buffers with the same ``name`` and ``shard`` share samples.
-
-Switching an OpenRLHF run over is one call before OpenRLHF builds its actors::
-
-    runtime_env = dockd.trainer_plugins.openrlhf.install("10.0.0.1:7450")
-    ray.init(runtime_env=runtime_env)          # Ray workers install it too
-    train(args)                                # openrlhf.cli.train_ppo_ray.train
-
-Called without an address (and without ``DOCKD_ADDRESS``) after ``ray.init()``,
-`install` uses the dock running on the Ray cluster, launching one with
-`dockd.ray.launch` if there is none.
-
-Layout in the dock: partition ``"{name}/{shard}"`` (one per shard for the
-buffer's whole life: `clear` deletes the samples it drops with `dockd.Dock.delete`,
-so every buffer object sharing the name keeps sharing the same samples after any of
-them clears), one tensor column per ``Experience`` tensor field
-(``"exp/sequences"``, ...) and one ``"exp/meta"`` column carrying the
-non-tensor fields (``index``, ``prompts``, ``labels``, ``images``,
-``mm_train_inputs``, ``info``) msgpack-encoded, with tensors inside them kept
-bit-exact.
-"""
+"""The OpenRLHF replay buffer backed by the dock (see `dockd.trainer_plugins.openrlhf`)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
-import os
 import random
-import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,19 +20,20 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DockBufferConfig", "DockReplayBuffer", "install", "uninstall", "ENV_ADDRESS", "ENV_CONFIG"]
-
 ENV_ADDRESS = "DOCKD_ADDRESS"
 """Environment variable naming the dock (``host:port``) when no address is given."""
 ENV_CONFIG = "DOCKD_OPENRLHF_CONFIG"
 """Environment variable carrying `install`'s buffer config (JSON) into Ray workers."""
+
+PACKAGE = "dockd.trainer_plugins.openrlhf"
+"""Where the buffer class lives for users, pickles and Ray (this module is a part of it)."""
 
 META_COLUMN = "exp/meta"
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
 def _openrlhf(module: str = "openrlhf.trainer.ppo_utils.experience") -> Any:
-    return require(module, extra="openrlhf", what="dockd.trainer_plugins.openrlhf")
+    return require(module, extra="openrlhf", what=PACKAGE)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -413,113 +374,6 @@ def _dock_replay_buffer_class() -> type:
     _buffer_class = type(
         "DockReplayBuffer",
         (_DockReplayBufferImpl, naive),
-        {"__module__": __name__, "__qualname__": "DockReplayBuffer", "__doc__": _DockReplayBufferImpl.__doc__},
+        {"__module__": PACKAGE, "__qualname__": "DockReplayBuffer", "__doc__": _DockReplayBufferImpl.__doc__},
     )
     return _buffer_class
-
-
-def __getattr__(name: str) -> Any:
-    if name == "DockReplayBuffer":
-        return _dock_replay_buffer_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-if TYPE_CHECKING:  # pragma: no cover
-    DockReplayBuffer = _DockReplayBufferImpl
-
-
-# -- switching OpenRLHF over ---------------------------------------------------------
-_PATCH_SITES = (
-    "openrlhf.trainer.ppo_utils",
-    "openrlhf.trainer.ppo_utils.replay_buffer",
-    "openrlhf.trainer.ray.ppo_actor",
-    "openrlhf.trainer.ray.ppo_critic",
-)
-_originals: dict[str, Any] = {}
-
-
-def install(address: str | None = None, config: DockBufferConfig | None = None, **fields: Any) -> dict[str, Any]:
-    """Make OpenRLHF build a `DockReplayBuffer` wherever it builds ``NaiveReplayBuffer``.
-
-    Patches this process (``openrlhf.trainer.ppo_utils`` and the actor/critic modules that
-    imported the class) and returns a Ray ``runtime_env`` that repeats the patch in every
-    Ray worker process; pass it to ``ray.init(runtime_env=...)`` before OpenRLHF's ``train``.
-
-    Args:
-        address: dock address ``host:port``. Default: ``config.address``, else
-            ``DOCKD_ADDRESS``, else, when Ray is initialised in this process, the dock
-            running on Ray (`dockd.ray.find`) or a newly launched one (`dockd.ray.launch`).
-        config: a `DockBufferConfig`; `fields` override single fields of it.
-    """
-    cfg = dataclasses.replace(config or DockBufferConfig(), **fields)
-    if address:
-        cfg = dataclasses.replace(cfg, address=address)
-    if not cfg.address and not env(ENV_ADDRESS):
-        on_ray = _dock_on_ray()
-        if on_ray is None:
-            raise ValueError(
-                "install() has no dock address: pass install('host:port') (or config.address), set the "
-                f"{ENV_ADDRESS} environment variable, or call ray.init() first so that install() uses the dock "
-                "running on the Ray cluster (launching one if there is none)"
-            )
-        cfg = dataclasses.replace(cfg, address=on_ray)
-    cfg.resolved_address()  # fail now, not inside a Ray actor
-    _install_local(cfg)
-    payload = json.dumps({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
-    os.environ[ENV_CONFIG] = payload
-    return {
-        "env_vars": {ENV_CONFIG: payload, ENV_ADDRESS: cfg.resolved_address()},
-        "worker_process_setup_hook": f"{__name__}._ray_worker_setup",
-    }
-
-
-def _dock_on_ray() -> str | None:
-    """With Ray initialised here: the dock on Ray (found, else launched); else None."""
-    from dockd import ray as dock_ray
-
-    if not dock_ray.ray_initialized():
-        return None
-    address = dock_ray.find_or_launch()
-    logger.info("[openrlhf] no dock address configured; using the dock on Ray address=%s", address)
-    return address
-
-
-def _install_local(cfg: DockBufferConfig) -> type:
-    ppo_utils = _openrlhf("openrlhf.trainer.ppo_utils")
-    installed = type(
-        "DockReplayBuffer", (_dock_replay_buffer_class(),), {"_default_config": cfg, "__module__": __name__}
-    )
-    for site in _PATCH_SITES:
-        module: Any = ppo_utils if site == "openrlhf.trainer.ppo_utils" else sys.modules.get(site)  # (patched)
-        if module is None and site.endswith("replay_buffer"):
-            module = _openrlhf(site)
-        if module is None:  # imported later: it reads the patched ppo_utils attribute then
-            continue
-        current = getattr(module, "NaiveReplayBuffer", None)
-        if current is not None and not issubclass(current, _DockReplayBufferImpl):
-            _originals.setdefault(site, current)
-        module.NaiveReplayBuffer = installed
-    logger.info("[openrlhf] NaiveReplayBuffer -> DockReplayBuffer address=%s name=%s", cfg.address, cfg.name)
-    return installed
-
-
-def _ray_worker_setup() -> None:
-    """Ray ``worker_process_setup_hook``: repeat `install` inside a worker process."""
-    payload = env(ENV_CONFIG)
-    if not payload:
-        return
-    try:
-        _openrlhf("openrlhf.trainer.ppo_utils")
-    except ImportError:  # a worker that never runs OpenRLHF code
-        return
-    _install_local(DockBufferConfig(**json.loads(payload)))
-
-
-def uninstall() -> None:
-    """Undo `install` in this process."""
-    for site, original in _originals.items():
-        module: Any = sys.modules.get(site)  # an OpenRLHF module, patched
-        if module is not None:
-            module.NaiveReplayBuffer = original
-    _originals.clear()
-    os.environ.pop(ENV_CONFIG, None)
