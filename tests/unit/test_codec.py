@@ -205,7 +205,7 @@ def test_cat_into_joins_values_in_chunks_below_torchs_serial_size_and_values_pas
     (torch copies those with one memcpy per value); every split of the lengths, across, at and past a chunk's
     end, gives torch.cat's bytes, and a chunk never starts or ends inside a value. With one thread every
     concatenation is serial: the column goes in one call."""
-    big = codec._SERIAL_CAT
+    big = codec.body._SERIAL_CAT
     real_cat = torch.cat
     chunks: list[list[int]] = []
 

@@ -1,0 +1,124 @@
+"""A put's or reply's body: buffers laid out back to back, each run at an ALIGN-byte offset (`Body`),
+with per-sample tensors concatenated only when the body is written (`Joined`, `cat_into`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from dockd._lazy import lazy_torch
+from dockd.codec import dtypes
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_torch(globals(), on_load=dtypes.loaded)
+
+ALIGN = 64
+_PAD = bytes(ALIGN)
+# torch's grain size: a concatenation into fewer elements than this copies its inputs one memcpy each on the
+# calling thread; into more (with several intra-op threads) each input goes through a generic copy, 1.5-2x
+# slower for 64 per-sample tensors of ~1,000 elements. `cat_into` concatenates in chunks below it, unless
+# torch runs one intra-op thread: then every concatenation is serial, and one call costs less than several.
+_SERIAL_CAT = 32768
+
+
+def cat_into(tensors: list[torch.Tensor], lengths: Sequence[int], out: torch.Tensor) -> None:
+    """Concatenate flat CPU tensors of `out`'s dtype with `lengths` elements each into `out`
+    (1-D, sum(lengths) elements), in chunks of fewer than _SERIAL_CAT elements (torch's memcpy path) when
+    torch runs several intra-op threads. A tensor of more elements goes alone."""
+    with torch.no_grad():
+        if torch.get_num_threads() == 1:
+            torch.cat(tensors, out=out)
+            return
+        start = pos = acc = 0
+        for i, n in enumerate(lengths):
+            if acc and acc + n >= _SERIAL_CAT:
+                torch.cat(tensors[start:i], out=out[pos : pos + acc])
+                start, pos, acc = i, pos + acc, 0
+            acc += n
+        torch.cat(tensors[start:], out=out[pos : pos + acc])
+
+
+class Joined:
+    """Per-sample 1-D CPU tensors of one dtype whose bytes go back to back in a body. They are
+    concatenated only when the body is written: straight into the destination when it is a
+    staging buffer (`Body.write_into`, the put's one copy), else once, when the bytes are read."""
+
+    __slots__ = ("tensors", "lengths", "dtype", "nbytes", "_view")
+
+    def __init__(self, tensors: list, lengths: list[int], dtype, nbytes: int) -> None:
+        self.tensors, self.lengths, self.dtype, self.nbytes = tensors, lengths, dtype, nbytes
+        self._view: memoryview | None = None
+
+    def view(self) -> memoryview:
+        if self._view is None:
+            out = torch.empty(sum(self.lengths), dtype=self.dtype)
+            cat_into(self.tensors, self.lengths, out)
+            self._view = as_bytes(out)
+        return self._view
+
+    def write_into(self, dst: memoryview) -> None:
+        if self._view is not None:
+            dst[:] = self._view
+            return
+        cat_into(self.tensors, self.lengths, torch.frombuffer(dst, dtype=torch.uint8).view(self.dtype))
+
+
+class Body:
+    """Buffers laid out back to back, each run starting at an ALIGN-byte offset; kept as a
+    list (no concatenation), written with vectored I/O or into one buffer (`write_into`)."""
+
+    __slots__ = ("_parts", "size", "_joined")
+
+    def __init__(self) -> None:
+        self._parts: list[memoryview | bytes | Joined] = []
+        self.size = 0
+        self._joined = False  # a part is a Joined (not concatenated yet)
+
+    def add(self, *parts: memoryview | Joined) -> int:
+        """Append parts contiguously at the next aligned offset; returns that offset."""
+        pad = -self.size % ALIGN
+        if pad:
+            self._parts.append(_PAD[:pad])
+            self.size += pad
+        off = self.size
+        for data in parts:
+            if data.nbytes:
+                self._parts.append(data)
+                self.size += data.nbytes
+                self._joined = self._joined or type(data) is Joined
+        return off
+
+    def extend(self, data: memoryview) -> None:
+        """Append `data` right after the last part (no padding: it continues the run that part is in)."""
+        if data.nbytes:
+            self._parts.append(data)
+            self.size += data.nbytes
+
+    @property
+    def buffers(self) -> list[memoryview | bytes]:
+        """The body as buffers (values still to be concatenated are, now)."""
+        if self._joined:
+            self._parts = [p.view() if isinstance(p, Joined) else p for p in self._parts]
+            self._joined = False
+        return self._parts  # type: ignore[return-value]  # (none is a Joined any more)
+
+    def write_into(self, dst: memoryview) -> None:
+        """Write the whole body into `dst` (at least `size` bytes, byte-addressed)."""
+        off = 0
+        for p in self._parts:
+            if isinstance(p, Joined):
+                p.write_into(dst[off : off + p.nbytes])
+                off += p.nbytes
+            else:
+                src = memoryview(p).cast("B")
+                dst[off : off + src.nbytes] = src
+                off += src.nbytes
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    if not t.numel():
+        return memoryview(b"")
+    # (an ndarray is a buffer; numpy's stubs declare its __buffer__ only for Python >= 3.12)
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]

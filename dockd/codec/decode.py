@@ -1,0 +1,170 @@
+"""Wire -> values: a reply's runs back into per-sample values (`decode_reply`, `decode_run`), or kept as
+`Runs` and turned into one tensor for a whole column (`Runs.stacked`, `Runs.padded`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from dockd._lazy import lazy_torch
+from dockd._proto import dockd_pb2 as pb
+from dockd.codec import dtypes
+from dockd.codec.dtypes import DTYPES, ITEMSIZE
+from dockd.errors import DockProtocolError
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_torch(globals(), on_load=dtypes.loaded)
+
+
+def decode_run(run: pb.Run, buf, base: int = 0) -> list[Any]:
+    """A run's values, from the buffer holding bytes [base, ...) of its body or segment.
+
+    Tensors are zero-copy views of `buf` (one `frombuffer` per run) and keep it alive."""
+    off = run.offset - base
+    if run.kind == pb.MSGPACK:
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(run.nbytes, 1))
+        unpacker.feed(memoryview(buf)[off : off + run.nbytes])
+        try:
+            return [unpacker.unpack() for _ in range(run.count)]
+        except Exception as e:  # msgpack raises ValueError, StackError, OutOfData, ...
+            raise DockProtocolError(f"a stored value is not valid msgpack ({type(e).__name__}: {e})") from None
+    dtype = DTYPES[run.dtype]
+    shape = list(run.shape)
+    ragged = bool(shape) and shape[0] == -1
+    if run.nbytes == 0:
+        dev = buf.device if isinstance(buf, torch.Tensor) else None
+        if ragged:
+            return [torch.empty((n, *shape[1:]), dtype=dtype, device=dev) for n in run.lengths[:]]
+        return [torch.empty(shape, dtype=dtype, device=dev) for _ in range(run.count)]
+    flat = _view(buf, dtype, run.nbytes // ITEMSIZE[run.dtype], off)
+    if not ragged:
+        if run.count == 1:
+            return [flat.view(shape) if len(shape) != 1 else flat]
+        return list(flat.view(run.count, *shape).unbind(0))
+    trail = shape[1:]
+    unit = math.prod(trail)
+    parts = flat.split([n * unit for n in run.lengths[:]] if unit != 1 else run.lengths[:])
+    return [p.view(-1, *trail) for p in parts] if trail else list(parts)
+
+
+def _view(buf, dtype: torch.dtype, count: int, off: int) -> torch.Tensor:
+    """`count` elements at byte `off` of a received buffer, or of a uint8 tensor (device-tier bytes)."""
+    if isinstance(buf, torch.Tensor):
+        return buf[off : off + count * torch.empty(0, dtype=dtype).element_size()].view(dtype)
+    return torch.frombuffer(buf, dtype=dtype, count=count, offset=off)
+
+
+def spans(columns: Sequence[pb.ColumnData], where: str) -> dict[int, tuple[int, int]]:
+    """For each buffer k > 0 the runs point into (`where`: "segment" or "device_buffer"), the
+    byte range [lo, hi) its runs use."""
+    out: dict[int, tuple[int, int]] = {}
+    for c in columns:
+        for r in c.runs:
+            k = getattr(r, where)
+            if k:
+                lo, hi = out.get(k, (r.offset, r.offset + r.nbytes))
+                out[k] = (min(lo, r.offset), max(hi, r.offset + r.nbytes))
+    return out
+
+
+def buffer_key(run: pb.Run) -> int:
+    """Where a run's bytes are among a reply's buffers: 0 the body, k a passed segment, -k device buffer k."""
+    return -run.device_buffer if run.device_buffer else run.segment
+
+
+def decode_column(col: pb.ColumnData, buffers: Mapping[int, tuple[Any, int]]) -> list[Any]:
+    """A column's values from its runs; `buffers` maps a run's segment (0: the body) to (buffer, base)."""
+    return Runs.of(col, buffers).values()
+
+
+def decode_reply(columns: Sequence[pb.ColumnData], buffers: Mapping[int, tuple[Any, int]], *,
+                 lazy: bool = False) -> list[Any]:
+    """A reply's column values, decoding what `encode_columns` wrote: `buffers` maps each buffer key
+    (`buffer_key`: 0 the body, k a passed segment, -k device buffer k) to (buffer, base); a
+    client's transport builds it from what the reply carried (dockd.net.transport). With `lazy`,
+    each column stays `Runs` until its values are asked for."""
+    try:
+        columns = columns[:]  # (a list: see dockd.net.wire)
+        if lazy:
+            return [Runs.of(c, buffers) for c in columns]
+        return [decode_column(c, buffers) for c in columns]
+    except KeyError as e:
+        raise DockProtocolError(f"a run refers to descriptor {e} that was not passed") from None
+
+
+class Runs:
+    """A received column, not yet split into one object per value: its runs and the buffers
+    they live in. `values()` makes the list; `stacked()` and `padded()` build one tensor for
+    the whole column without a Python object per value."""
+
+    __slots__ = ("runs", "count")
+
+    def __init__(self, runs: list[tuple[pb.Run, Any, int]]) -> None:
+        self.runs = runs
+        self.count = sum(r.count for r, _, _ in runs)
+
+    @classmethod
+    def of(cls, col: pb.ColumnData, buffers: Mapping[int, tuple[Any, int]]) -> Runs:
+        return cls([(run, *buffers[buffer_key(run)]) for run in col.runs[:]])
+
+    def __len__(self) -> int:
+        return self.count
+
+    def values(self) -> list[Any]:
+        if len(self.runs) == 1:
+            return decode_run(*self.runs[0])
+        out: list[Any] = []
+        for run, buf, base in self.runs:
+            out.extend(decode_run(run, buf, base))
+        return out
+
+    def _flat(self) -> tuple[torch.Tensor, list[int], list[int]] | None:
+        """(all values' elements back to back, each value's first dimension, the common trailing
+        shape) when the column is tensors of one dtype and trailing shape; else None."""
+        if not self.runs or any(r.kind != pb.TENSOR for r, _, _ in self.runs):
+            return None
+        dtypes = {r.dtype for r, _, _ in self.runs}
+        trails = {tuple(r.shape[1:]) for r, _, _ in self.runs}
+        if len(dtypes) != 1 or len(trails) != 1 or any(not r.shape for r, _, _ in self.runs):
+            return None
+        dtype = DTYPES[dtypes.pop()]
+        trail = list(trails.pop())
+        flats: list[torch.Tensor] = []
+        lengths: list[int] = []
+        for run, buf, base in self.runs:
+            n = run.nbytes // ITEMSIZE[run.dtype]
+            flats.append(_view(buf, dtype, n, run.offset - base) if n else torch.empty(0, dtype=dtype))
+            lengths.extend(run.lengths[:] if run.shape[0] == -1 else [run.shape[0]] * run.count)
+        return (flats[0] if len(flats) == 1 else torch.cat(flats)), lengths, trail
+
+    def stacked(self) -> torch.Tensor | None:
+        """The column as one [n, *shape] tensor, a zero-copy view, when it came as one run of equal
+        shapes; else None (Batch.stacked stacks the values, or says why it cannot)."""
+        if len(self.runs) == 1:
+            run, buf, base = self.runs[0]
+            if run.kind == pb.TENSOR and run.shape and run.shape[0] != -1 and run.nbytes:
+                flat = _view(buf, DTYPES[run.dtype], run.nbytes // ITEMSIZE[run.dtype], run.offset - base)
+                return flat.view(run.count, *run.shape)
+        return None
+
+    def padded(self, pad_value: float | int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """[n, max_len, *trailing] padded on the right, and the lengths; None when the column is
+        not tensors of one dtype and trailing shape. The rows are views made by one split of
+        the received bytes, copied once into the padded tensor."""
+        flat = self._flat()
+        if flat is None:
+            return None
+        data, lengths, trail = flat
+        unit = math.prod(trail)
+        rows = data.split([n * unit for n in lengths])
+        if trail:
+            rows = [r.view(-1, *trail) for r in rows]
+        lens = torch.tensor(lengths, dtype=torch.int64)
+        if not rows:
+            return torch.empty((0, 0, *trail), dtype=data.dtype), lens
+        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad_value), lens
