@@ -42,11 +42,6 @@ def indexes_of(kept: np.ndarray | range) -> np.ndarray:
     return kept if isinstance(kept, np.ndarray) else np.arange(kept.start, kept.stop, dtype=np.int64)
 
 
-class StoredElsewhere(np.ndarray):
-    """The indexes of a re-sent put (same writer token) whose values are held already: the warehouse
-    answers with them and stores nothing."""
-
-
 class Catalog:
     """The partitions of one dock, at most `max_samples` samples in all (their metadata lives here)."""
 
@@ -136,7 +131,7 @@ class Catalog:
         idx = indexes_of(seen[2])
         if any(self._unheld(part, c, idx, away).any() for c in seen[1]):
             return None
-        return idx.view(StoredElsewhere)
+        return idx
 
     def _rewrite(self, part: _Partition, columns: Sequence[str], idx: np.ndarray, warehouse: int,
                  nbytes: int, away: Collection[int] = ()) -> np.ndarray:

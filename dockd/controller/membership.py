@@ -57,13 +57,13 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.controller.catalog import StoredElsewhere
 from dockd.controller.clock import Clock, Timer, Timers
 from dockd.controller.core import Controller
 from dockd.controller.warehouses import DURABLE_REJOIN, Inventory
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockTimeout, DockValueError, to_status
 from dockd.net import wire
 from dockd.net.peer import Peer
+from dockd.terms import DURABLE, CommitOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,6 @@ HEARTBEAT_INTERVAL = 1.0  # defaults of NodeConfig.heartbeat_interval / heartbea
 HEARTBEAT_TIMEOUT = 5.0
 _INFOS_KEPT = 4096  # sets of warehouses whose acquire_infos are kept
 PROBE_FRESH = 5.0  # seconds a probe's answer about an address decides registrations claiming it
-DURABLE = 1 << 62  # set in the instance of a warehouse with a data dir (--data-dir): it comes back after a restart
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -213,8 +212,8 @@ class Membership:
                 self._away(entry, "the controller restarted")
 
     # -- joining ----------------------------------------------------------------------------
-    def register(self, peer: Peer | None, req: pb.RegisterWarehouse, commit: Callable[[pb.CommitRequest], np.ndarray]
-                 ) -> pb.RegisterReply:
+    def register(self, peer: Peer | None, req: pb.RegisterWarehouse,
+                 commit: Callable[[pb.CommitRequest], CommitOutcome]) -> pb.RegisterReply:
         """A warehouse joins, or rejoins with what it holds and the commits it is still waiting on.
         Refused when it would displace a member that is still there (see the module docstring)."""
         displaced = []
@@ -420,9 +419,9 @@ class Membership:
             c.warehouse = entry.id
             out = reply.pending.add()
             try:
-                idx = commit(c)  # a re-sent commit gets its first answer back
-                out.indexes.extend(idx.tolist())
-                out.stored = isinstance(idx, StoredElsewhere)
+                res = commit(c)  # a re-sent commit gets its first answer back
+                out.indexes.extend(res.listed())
+                out.stored = res.stored
             except DockError as e:
                 to_status(e, out.status)
         return drop

@@ -8,12 +8,11 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.clock import Timer, seconds
 from dockd.errors import DockFull, DockStateFull, DockValueError
 from dockd.net.peer import Peer
+from dockd.terms import CommitOutcome
 
 if TYPE_CHECKING:
     from dockd.controller.service import ControllerService
@@ -23,7 +22,7 @@ if TYPE_CHECKING:
 class Paced:
     """A commit of new samples waiting because its partition has max_pending samples pending."""
     req: pb.CommitRequest
-    then: Callable[[np.ndarray | BaseException], None]
+    then: Callable[[CommitOutcome], None]
     peer: Peer | None
     timer: Timer | None = None
 
@@ -39,7 +38,7 @@ class Pacer:
         return bool(req.has_timeout and req.new_count and not req.indexes and (
             req.partition in self.paced or self.svc.core.must_wait(req.partition, req.new_count)))
 
-    def park(self, req: pb.CommitRequest, then, peer: Peer | None) -> np.ndarray | None:
+    def park(self, req: pb.CommitRequest, then, peer: Peer | None) -> CommitOutcome | None:
         svc = self.svc
         if req.put_id and req.put_id in svc.core.put_keys.get(req.warehouse, ()):
             return svc.apply_commit(req)  # re-sent: answered again
@@ -72,7 +71,7 @@ class Pacer:
     def _expired(self, partition: str, p: Paced) -> None:
         p.timer = None
         self.unpace(partition, p)
-        p.then(self.full_error(partition, p.req.timeout))
+        p.then(CommitOutcome(error=self.full_error(partition, p.req.timeout)))
 
     def unpace(self, partition: str, p: Paced) -> None:
         ps = self.paced.get(partition)
@@ -102,7 +101,7 @@ class Pacer:
             while ps and not core.must_wait(partition, ps[0].req.new_count):
                 p = ps[0]
                 self.unpace(partition, p)
-                res: np.ndarray | BaseException
+                res: CommitOutcome
                 try:
                     res = self.svc.apply_commit(p.req)
                 except DockStateFull:
@@ -112,14 +111,14 @@ class Pacer:
                     self.svc.timers.call_later(1.0, self.soon, partition)
                     break
                 except Exception as e:  # noqa: BLE001 - the put's answer
-                    res = e
+                    res = CommitOutcome(error=e)
                 p.then(res)
                 ps = self.paced.get(partition)
 
     def fail(self, partition: str, exc: BaseException) -> None:
         for p in list(self.paced.get(partition, ())):
             self.unpace(partition, p)
-            p.then(exc)
+            p.then(CommitOutcome(error=exc))
 
     def drop_peer(self, peer: Peer) -> None:
         """A connection closed (a warehouse re-sends its unanswered commits when it rejoins)."""

@@ -27,7 +27,6 @@ import numpy as np
 from dockd import limits, owners
 from dockd._proto import dockd_pb2 as pb
 from dockd._version import __version__
-from dockd.controller.catalog import StoredElsewhere
 from dockd.controller.checkpoint import Checkpoints
 from dockd.controller.clock import Clock, Timer, Timers
 from dockd.controller.core import Controller
@@ -43,6 +42,7 @@ from dockd.controller.warehouse_calls import LocalWarehouse, WarehouseCalls
 from dockd.errors import DockClosed, DockError, DockNotFound, DockValueError, to_status
 from dockd.net import auth
 from dockd.net.peer import Peer
+from dockd.terms import CommitOutcome
 
 __all__ = ["STALENESS_BUCKETS", "ControllerService", "LocalWarehouse"]
 
@@ -217,10 +217,10 @@ class ControllerService:
                                  f"{','.join(self.controllers)}: connect with a client of this dockd version")
 
     def commit(self, req: pb.CommitRequest, then=None, peer: Peer | None = None,
-               woken: set[str] | None = None) -> np.ndarray | None:
-        """Apply a commit; returns its indexes. With `then`, a commit of new samples to a partition
+               woken: set[str] | None = None) -> CommitOutcome | None:
+        """Apply a commit; returns its outcome. With `then`, a commit of new samples to a partition
         that has max_pending samples pending waits (up to req.timeout): None is returned and `then`
-        gets the indexes (or the error) when it is applied, from inside the event loop. With `woken`,
+        gets the outcome (the error in it, if it failed) when it is applied, from inside the event loop. With `woken`,
         the gets waiting on the partition are left for the caller to `wake` (see apply_commit)."""
         self.check_owner(req.partition)
         if then is not None and self.pacer.must_wait(req):
@@ -256,22 +256,22 @@ class ControllerService:
             self.waiting.wake(partition)
         return reply
 
-    def commit_reply(self, req: pb.CommitRequest, res: np.ndarray, out: pb.CommitReply) -> None:
+    def commit_reply(self, req: pb.CommitRequest, res: CommitOutcome, out: pb.CommitReply) -> None:
         """Fill a commit's answer: its indexes, and where to copy the put (--replicas 2)."""
-        out.indexes.extend(res.tolist())
-        out.stored = isinstance(res, StoredElsewhere)
-        target = None if out.stored else self.replication.target_of(req, res)
+        out.indexes.extend(res.listed())
+        out.stored = res.stored
+        target = None if out.stored else self.replication.target_of(req, np.asarray(res.indexes))
         if target is not None:
             out.replica.CopyFrom(target)
 
-    def apply_commit(self, req: pb.CommitRequest, woken: set[str] | None = None) -> np.ndarray:
+    def apply_commit(self, req: pb.CommitRequest, woken: set[str] | None = None) -> CommitOutcome:
         """Apply one commit and wake the gets waiting on its partition (or, given `woken`, add the
         partition there for the caller to wake)."""
         entry = self.members.get(req.warehouse)
         if entry is None or not entry.alive:
             raise DockValueError(f"warehouse {req.warehouse} is not a live member of this dock")
         if req.replica:
-            return self.replication.commit(req)
+            return CommitOutcome(self.replication.commit(req))
         indexes = list(req.indexes) if req.indexes else None
         gs = req.group_size or 1
         if req.partition in self.checkpoints.loading:
@@ -284,7 +284,7 @@ class ControllerService:
         away = self.members.away(but=req.warehouse) if req.token in self.core.catalog.tokens and not applied else ()
         stored = None if applied else self.core.catalog.stored(req.partition, req.token, away)
         if stored is not None:  # a put re-sent to this warehouse whose values another one holds: nothing to apply
-            return stored
+            return CommitOutcome(stored, stored=True)
         with self._ahead():
             if self.journal is not None and not applied:  # written ahead: a commit the journal cannot take is not applied
                 self.journal.room()
@@ -298,7 +298,7 @@ class ControllerService:
                 self.waiting.wake(req.partition)
             else:
                 woken.add(req.partition)
-        return idx
+        return CommitOutcome(idx)
 
     def acquire(self, peer: Peer, frame: pb.Frame) -> None:
         r = frame.acquire

@@ -29,6 +29,7 @@ from dockd.net import auth
 from dockd.net.peer import Peer
 from dockd.net.wire import check_protocol
 from dockd.node.tasks import reply_when_done, spawn
+from dockd.terms import CommitOutcome
 
 #: What serves one request: (the connection, the frame, its body or None, descriptors it carried).
 RequestHandler = Callable[[Peer, pb.Frame, Any, list[int]], None]
@@ -150,11 +151,11 @@ async def _cleared(clearing) -> pb.ClearReply:
     return pb.ClearReply(samples=await clearing)
 
 
-def commit_answer(ctl, peer: Peer, frame: pb.Frame, res) -> None:
+def commit_answer(ctl, peer: Peer, frame: pb.Frame, res: CommitOutcome) -> None:
     """A commit's answer: its indexes and where to copy the put (--replicas 2), or the error (at once, or
     once a commit that waited for its partition's consumers, max_pending, is applied)."""
-    if isinstance(res, BaseException):
-        peer.reply_error(frame, res)
+    if res.error is not None:
+        peer.reply_error(frame, res.error)
         return
     reply = pb.CommitReply()
     ctl.commit_reply(frame.commit, res, reply)

@@ -4,7 +4,9 @@ A put is committed first and stored after: the controller checks that explicit
 indexes exist (and that their columns are unwritten) before any memory is spent
 on them, so a put naming index 2**40 is refused without growing the index maps.
 The put pipeline hands a `pb.CommitRequest` to its committer and gets the
-outcome back through one callback, `then(indexes or error, cleared)`:
+outcome back through one callback, `then(outcome)` (a `dockd.terms.CommitOutcome`:
+the indexes, or the error; whether the values are held already, where to copy
+them, whether the partition was cleared since):
 
 - `LocalCommitter`: the controller runs in this process. The commit is applied
   at once, or (new samples of a partition with `max_pending` samples pending)
@@ -19,6 +21,7 @@ outcome back through one callback, `then(indexes or error, cleared)`:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import Protocol
 
@@ -26,33 +29,12 @@ import numpy as np
 
 from dockd import owners
 from dockd._proto import dockd_pb2 as pb
-from dockd.controller.catalog import StoredElsewhere
-from dockd.errors import DockConnectionError, from_status
+from dockd.errors import DockConnectionError
 from dockd.net.peer import Peer
+from dockd.terms import CommitOutcome
 
-#: The outcome of a commit: its indexes (or the error), and whether its partition was cleared after it applied.
-Then = Callable[[np.ndarray | list | BaseException, bool], None]
-
-
-class Committed(list):
-    """A commit's indexes, with the warehouse to copy the put to before answering it (--replicas 2)."""
-
-    def __init__(self, indexes, replica: pb.WarehouseInfo) -> None:
-        super().__init__(indexes)
-        self.replica = replica
-
-
-def answered(reply: pb.CommitReply) -> list | np.ndarray:
-    """A commit's answer as its outcome: the indexes (a `Committed` when there is a copy to make, a
-    `StoredElsewhere` when another warehouse holds a re-sent put's values)."""
-    if reply.stored:
-        return np.asarray(reply.indexes, dtype=np.int64).view(StoredElsewhere)
-    return Committed(reply.indexes, reply.replica) if reply.HasField("replica") else list(reply.indexes)
-
-
-def outcome(reply: pb.CommitReply) -> list | np.ndarray | BaseException:
-    """A commit's answer in a batch or a rejoin's list: the error its status carries, else `answered`."""
-    return from_status(reply.status) if reply.status.code != pb.OK else answered(reply)
+#: Where a committer hands a commit's outcome.
+Then = Callable[[CommitOutcome], None]
 
 
 class Committer(Protocol):
@@ -81,23 +63,23 @@ class LocalCommitter:
         # inline (one round trip), where retried inside the commit they found none and fetched them after
         woken: set[str] = set()
         try:
-            idx = self.controller.commit(req, lambda res: then(self._copy_to(req, res), False), peer,
+            res = self.controller.commit(req, lambda res: then(self._copy_to(req, res)), peer,
                                          woken)  # (None: paced)
         except Exception as e:  # noqa: BLE001 - the put's answer
-            then(e, False)
+            then(CommitOutcome(error=e))
             return
         try:
-            if idx is not None:
-                then(self._copy_to(req, idx), False)
+            if res is not None:
+                then(self._copy_to(req, res))
         finally:
             self.controller.wake(woken)
 
-    def _copy_to(self, req: pb.CommitRequest, res):
+    def _copy_to(self, req: pb.CommitRequest, res: CommitOutcome) -> CommitOutcome:
         """The outcome, with the warehouse to copy the put to (--replicas 2), if any."""
-        if isinstance(res, (BaseException, StoredElsewhere)):
+        if res.error is not None or res.stored:
             return res
-        target = self.controller.replication.target_of(req, res)
-        return res if target is None else Committed(res.tolist(), target)
+        target = self.controller.replication.target_of(req, np.asarray(res.indexes))
+        return res if target is None else dataclasses.replace(res, replica=target)
 
     def in_flight(self, partition: str) -> bool:
         return False
@@ -134,11 +116,9 @@ class RemoteCommitter:
             del self._committing[partition]
         try:
             if f.cancelled():
-                then(DockConnectionError("commit cancelled"), False)
-            elif (exc := f.exception()) is not None:
-                then(exc, False)
-            else:
-                then(f.result(), entry[1])
+                then(CommitOutcome(error=DockConnectionError("commit cancelled")))
+            else:  # (the link resolves every commit with its outcome, failures included)
+                then(dataclasses.replace(f.result(), cleared=True) if entry[1] else f.result())
         finally:
             self._pending[partition] -= 1
             if not self._pending[partition]:

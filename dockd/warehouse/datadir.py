@@ -43,7 +43,7 @@ it that every value it records on this warehouse and does not get back is
 lost. Each dropped file gets an error line saying which.
 
 The instance a warehouse with a data dir draws has bit 62 set
-(`membership.DURABLE`): its controller then waits out `--warehouse-grace` for
+(`dockd.terms.DURABLE`): its controller then waits out `--warehouse-grace` for
 a restart instead of declaring it lost when its address refuses connections,
 and a value it recorded on it that the restarted warehouse does not hold (its
 commit was applied but the kill came before the file was written, so the put
@@ -69,9 +69,9 @@ import pyarrow as pa
 
 from dockd import dirlock
 from dockd._proto import dockd_pb2 as pb
-from dockd.controller.membership import DURABLE
 from dockd.errors import DockStateFull, DockValueError
 from dockd.net import auth
+from dockd.terms import DURABLE
 from dockd.warehouse import putfile
 from dockd.warehouse.putfile import HEAD as _HEAD
 from dockd.warehouse.putfile import Damaged, Room, part_dir

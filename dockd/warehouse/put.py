@@ -35,7 +35,6 @@ import numpy as np
 
 from dockd import limits, runcheck
 from dockd._proto import dockd_pb2 as pb
-from dockd.controller.catalog import StoredElsewhere
 from dockd.errors import DockAuthError, DockError, DockProtocolError
 from dockd.logutil import Throttle
 from dockd.net import memfd
@@ -43,6 +42,7 @@ from dockd.net.peer import Peer
 from dockd.node.metrics import Metrics
 from dockd.node.tasks import failed, spawn
 from dockd.recent import Recent
+from dockd.terms import CommitOutcome
 from dockd.warehouse.admission import Admission
 from dockd.warehouse.commit import Committer
 from dockd.warehouse.core import Warehouse
@@ -274,44 +274,44 @@ class PutPipeline:
             self.warehouse.check_absent(req.partition, req.indexes, (c.name for c in req.columns[:]))
 
     # -- store ---------------------------------------------------------------------------------
-    def _land(self, put: _Put, res, cleared: bool) -> None:
+    def _land(self, put: _Put, res: CommitOutcome) -> None:
         """The commit's outcome: store the put (unless it failed, or was cleared since) and answer it."""
         req = put.frame.put
-        if isinstance(res, BaseException):
+        if res.error is not None:
             self._drop(put)
-            self._fail(put, res)
+            self._fail(put, res.error)
             return
-        if self._answer_first(put, res, cleared):
+        if self._answer_first(put, res):
             return
         rest = None  # (the rest of a lent staging buffer's payload: copied in before the put is copied on)
         try:
             # cleared after the controller applied it: answered, and gone as the clear says; or a put re-sent
             # here after its first warehouse went away, whose values a warehouse holds: answered, not stored
-            if cleared or put.held or isinstance(res, StoredElsewhere):
+            if res.cleared or put.held or res.stored:
                 self._drop(put)
             elif req.replica:  # stored whole; what the controller did not record (deleted meanwhile) is freed
                 self.warehouse.store(req.partition, req.indexes, req.columns, put.buf, put.size, put.seg, 0,
                                      token=req.token, room=put.room)
-                dropped = np.setdiff1d(np.asarray(req.indexes, dtype=np.int64), np.asarray(res, dtype=np.int64))
+                dropped = np.setdiff1d(np.asarray(req.indexes, dtype=np.int64),
+                                       np.asarray(res.indexes, dtype=np.int64))
                 if len(dropped):
                     self.admission.free(req.partition, dropped)
             else:
-                self._file(put, res)  # (--data-dir: written first)
+                self._file(put, res.indexes)  # (--data-dir: written first)
                 rest = put.rest
         except Exception as e:  # noqa: BLE001 - the put's answer
             self._give_back_room(put)  # (unless its file was written, or removed on failing)
             self._fail(put, e)
             return
-        out = res.tolist() if isinstance(res, np.ndarray) else list(res)
-        target = getattr(res, "replica", None)
-        if target is not None and not cleared and self.replicator is not None:
+        out = res.listed()
+        if res.replica is not None and not res.cleared and self.replicator is not None:
             if rest is not None:
                 rest()
-            spawn(self._copy_then_answer(put, out, target))
+            spawn(self._copy_then_answer(put, out, res.replica))
             return
         self._answer(put, out)
 
-    def _answer_first(self, put: _Put, res, cleared: bool) -> bool:
+    def _answer_first(self, put: _Put, res: CommitOutcome) -> bool:
         """A put kept in memory only (no data dir, no replica) whose commit applied: answered, then filed
         under its indexes and (a lent staging buffer) the rest of its payload copied in, so that its
         writer goes on meanwhile. Nothing reads it in between: this loop runs no other request until
@@ -319,26 +319,26 @@ class PutPipeline:
         answer is answered. Such a store cannot fail after the checks and the commit (only writing a
         data dir file can), so the answer stands. False: not such a put (the caller stores it first)."""
         req = put.frame.put
-        if (cleared or put.held or req.replica or self.data_dir is not None
-                or isinstance(res, StoredElsewhere) or getattr(res, "replica", None) is not None):
+        if (res.cleared or put.held or req.replica or self.data_dir is not None
+                or res.stored or res.replica is not None):
             return False
-        self._answer(put, res.tolist() if isinstance(res, np.ndarray) else list(res), lent=put.rest is not None)
+        self._answer(put, res.listed(), lent=put.rest is not None)
         try:
-            self._file(put, res)
+            self._file(put, res.indexes)
         except Exception as e:  # noqa: BLE001 - answered already: a second answer would confuse its connection
             logger.error("[warehouse] an answered put could not be stored peer=%s partition=%s samples=%d; reads of "
-                         "them will fail", put.peer.name, req.partition, len(res), exc_info=e)
+                         "them will fail", put.peer.name, req.partition, len(res.indexes), exc_info=e)
             self._drop(put)
             return True
         if put.rest is not None:
             put.rest()
         return True
 
-    def _file(self, put: _Put, res) -> None:
+    def _file(self, put: _Put, indexes: np.ndarray | Sequence[int]) -> None:
         """File a put of new or existing samples under the indexes its commit gave (with a data dir,
         its file is written first, into the room taken for it)."""
         req = put.frame.put
-        self.warehouse.store(req.partition, res, req.columns, put.buf, put.size, put.seg, group_size(req),
+        self.warehouse.store(req.partition, indexes, req.columns, put.buf, put.size, put.seg, group_size(req),
                              device=put.dev, token=req.token, room=put.room)
 
     async def _copy_then_answer(self, put: _Put, out: list[int], target: pb.WarehouseInfo) -> None:
@@ -355,11 +355,11 @@ class PutPipeline:
                                "repairs it", target.id, target.host, target.port, req.partition, len(out), e)
             report = pb.CommitRequest(partition=req.partition, indexes=out, columns=columns, warehouse=self._wid(),
                                       replica=True)
-            done = asyncio.get_running_loop().create_future()
-            self.committer.commit(report, req.timeout, put.peer, lambda res, cleared: done.set_result(res))
+            done: asyncio.Future[CommitOutcome] = asyncio.get_running_loop().create_future()
+            self.committer.commit(report, req.timeout, put.peer, done.set_result)
             res = await done
-            if isinstance(res, BaseException):
-                self._fail(put, res)  # (its re-send is answered from what the controller holds: see Catalog.stored)
+            if res.error is not None:
+                self._fail(put, res.error)  # (its re-send is answered from what the controller holds: Catalog.stored)
                 return
         self._answer(put, out)
 

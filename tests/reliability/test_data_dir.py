@@ -364,8 +364,8 @@ def test_without_a_data_dir_nothing_changes(data_dir):
     """The instance of a warehouse without a data dir never carries the durable mark, and a data
     dir is refused where it does not apply."""
     from dockd.config import NodeConfig
-    from dockd.controller.membership import DURABLE
     from dockd.node.daemon import Node
+    from dockd.terms import DURABLE
 
     for _ in range(64):
         assert not Node(NodeConfig(join="127.0.0.1:1")).instance & DURABLE

@@ -68,7 +68,7 @@ class Dock:
 
     def put(self, partition: str, n: int, **kw) -> np.ndarray:
         return self.svc.commit(pb.CommitRequest(partition=partition, columns=["x"], new_count=n, warehouse=self.wid,
-                                                nbytes=8 * n, **kw))
+                                                nbytes=8 * n, **kw)).indexes
 
     def get(self, peer: FakePeer, partition: str, count: int, *, consumer: str = "c", timeout: float = -1.0,
             **kw) -> pb.Frame:
@@ -264,7 +264,7 @@ def test_a_commit_waits_for_max_pending_and_goes_in_once_consumers_take_some():
         lease = d.answer(c, d.get(c, "p", 1)).acquire_reply.lease
         d.svc.confirm(c, pb.ConfirmRequest(leases=[lease]))
         await d.advance(0)
-        assert len(answers) == 1 and list(answers[0]) == [2]  # applied: the third sample
+        assert len(answers) == 1 and answers[0].listed() == [2]  # applied: the third sample
         assert "p" not in d.svc.paced and d.wpeer.parked == 0
         d.svc.shutdown()
 
@@ -282,8 +282,8 @@ def test_a_paced_commit_that_waits_its_timeout_fails_with_dock_full():
         await d.advance(3.9)
         assert answers == []
         await d.advance(0.2)
-        assert len(answers) == 1 and isinstance(answers[0], DockFull)
-        assert "waited 4 s for them" in str(answers[0])
+        assert len(answers) == 1 and isinstance(answers[0].error, DockFull)
+        assert "waited 4 s for them" in str(answers[0].error)
         assert d.svc.core.partitions["p"].size == 1 and "p" not in d.svc.paced
         d.svc.shutdown()
 

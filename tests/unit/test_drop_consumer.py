@@ -97,7 +97,7 @@ def test_dropping_the_consumer_a_put_waits_for_lets_it_in_and_fails_its_waiting_
         assert answers == [] and d.answer(typo, waiting) is None
         assert _drop(d, "typo").dropped
         await d.advance(0)
-        assert len(answers) == 1 and list(answers[0]) == [3]  # the put went in at once
+        assert len(answers) == 1 and answers[0].listed() == [3]  # the put went in at once
         failed = d.answer(typo, waiting)
         assert isinstance(failed, DockClosed) and "dropped" in str(failed)
         got = d.answer(train, other)  # the other consumer's get still waits, and is served by the put
@@ -154,7 +154,7 @@ def test_the_error_of_a_paced_put_names_the_consumer_furthest_behind():
         answers: list = []
         _paced_put(d, answers)
         await d.advance(61.0)
-        assert len(answers) == 1 and "dock.drop_consumer('p', 'typo')" in str(answers[0])
+        assert len(answers) == 1 and "dock.drop_consumer('p', 'typo')" in str(answers[0].error)
         d.svc.shutdown()
 
     asyncio.run(main())

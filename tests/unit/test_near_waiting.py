@@ -23,7 +23,7 @@ class TwoWarehouses(Dock):
 
     def put_on(self, k: int, partition: str, n: int) -> np.ndarray:
         return self.svc.commit(pb.CommitRequest(partition=partition, columns=["x"], new_count=n,
-                                                warehouse=self.wids[k], nbytes=8 * n))
+                                                warehouse=self.wids[k], nbytes=8 * n)).indexes
 
     def got(self, peer: FakePeer, frame: pb.Frame) -> list[int] | None:
         out = self.answer(peer, frame)
