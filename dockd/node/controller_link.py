@@ -22,7 +22,7 @@ link logs the reason (at most once a minute), tries again every REFUSED_RETRY_S 
 that wait for it fail at once with that reason rather than after the grace period with "unreachable".
 
 On a dock with TLS (`--tls-cert`) the link reads the controller's TLS preamble and
-runs the TLS handshake before the dockd one (`open_link`); a warehouse whose TLS
+runs the TLS handshake before the dockd one (`dial.open_link`); a warehouse whose TLS
 settings do not match its controller's stops at its first join with the reason.
 """
 
@@ -34,18 +34,25 @@ import dataclasses
 import functools
 import logging
 import random
-import socket
-import ssl
 import time
 from collections.abc import Callable
 
 from dockd import limits
 from dockd._proto import dockd_pb2 as pb
 from dockd.config import env
-from dockd.errors import DockAuthError, DockConfigError, DockConnectionError, DockError, DockProtocolError, DockTimeout
-from dockd.net import tls, wire
+from dockd.errors import (
+    DockAuthError,
+    DockConfigError,
+    DockConnectionError,
+    DockError,
+    DockProtocolError,
+    DockTimeout,
+    from_status,
+)
+from dockd.net import tls
 from dockd.net.peer import Peer
-from dockd.warehouse.commit import answered, outcome
+from dockd.node.dial import open_link
+from dockd.terms import CommitOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -55,23 +62,15 @@ BATCH_BYTES = 4 << 20  # bytes of commits a batch collects before it goes (besid
 #: DOCKD_COMMIT_BATCH=0: every commit goes to the controller at once, alone (the baseline benchmarks.commit_batch
 #: measures coalescing against); unset or 1: coalesced
 COALESCE = env("DOCKD_COMMIT_BATCH", "1") != "0"
-KEEPALIVE = (5, 2, 3)  # idle seconds, interval seconds, probes: a dead peer is noticed in ~11 s
 
 
-def keepalive(transport) -> None:
-    """TCP keepalive on a connection, so a vanished host is noticed without traffic."""
-    sock = transport.get_extra_info("socket")
-    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        if hasattr(socket, "TCP_KEEPIDLE"):
-            idle, interval, count = KEEPALIVE
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
-    except OSError as e:
-        logger.debug("[link] cannot set TCP keepalive: %s", e)
+def outcome_of(reply: pb.CommitReply) -> CommitOutcome:
+    """A commit's answer (`CommitReply`) as its outcome: the error its status carries, else the indexes,
+    whether another warehouse holds a re-sent put's values, and where to copy the put."""
+    if reply.status.code != pb.OK:
+        return CommitOutcome(error=from_status(reply.status))
+    return CommitOutcome(list(reply.indexes), stored=reply.stored,
+                         replica=reply.replica if reply.HasField("replica") else None)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -167,7 +166,7 @@ class ControllerLink:
             if p.timer is not None:
                 p.timer.cancel()
             if not p.fut.done():
-                p.fut.set_exception(DockConnectionError("the warehouse is shutting down"))
+                p.fut.set_result(CommitOutcome(error=DockConnectionError("the warehouse is shutting down")))
         self._pending.clear()
         self._queue.clear()
 
@@ -258,7 +257,7 @@ class ControllerLink:
             if p.timer is not None:
                 p.timer.cancel()
                 p.timer = None
-            self._resolve(p, e)
+            self._resolve(p, CommitOutcome(error=e))
 
     async def _register(self, peer: Peer) -> None:
         reg = pb.RegisterWarehouse()
@@ -285,13 +284,14 @@ class ControllerLink:
             for (_, p), res in zip(pending, out.pending):
                 if p.timer is not None:
                     p.timer.cancel()
-                self._resolve(p, outcome(res))
+                self._resolve(p, outcome_of(res))
             self._queue.clear()  # (every commit queued before the rejoin went with it)
 
     # -- commits ----------------------------------------------------------------------------------
     def commit(self, req: pb.CommitRequest, limit: float) -> asyncio.Future:
-        """Commit a put's metadata; resolves to its indexes. Waits (up to `limit` seconds, and at
-        most `grace`) while the controller is unreachable; re-sent on rejoin if its reply was lost."""
+        """Commit a put's metadata; resolves to its outcome (failures included). Waits (up to `limit`
+        seconds, and at most `grace`) while the controller is unreachable; re-sent on rejoin if its reply
+        was lost."""
         self._seq += 1
         req.put_id = self._seq
         fut = asyncio.get_running_loop().create_future()
@@ -300,7 +300,7 @@ class ControllerLink:
         if self.joined.is_set():
             self._enqueue(p)
         elif self.refused is not None:
-            self._resolve(p, self.refused)
+            self._resolve(p, CommitOutcome(error=self.refused))
         else:
             self._arm(p)
         return fut
@@ -348,11 +348,11 @@ class ControllerLink:
                 exc = DockProtocolError(f"the controller answered {len(results)} of a batch of {len(out)} commits")
             for slot, p in enumerate(out):
                 if exc is not None:
-                    self._resolve(p, exc)
+                    self._resolve(p, CommitOutcome(error=exc))
                 elif results[slot].wait:  # its partition paces puts: sent alone, it waits at the controller
                     self._send_alone(p)
                 else:
-                    self._resolve(p, outcome(results[slot]))
+                    self._resolve(p, outcome_of(results[slot]))
 
     def _send_alone(self, p: _Pending) -> None:
         assert self.peer is not None  # (joined, or its batch was just answered on it)
@@ -361,15 +361,11 @@ class ControllerLink:
         p.sent = self.peer.request(pb.Frame(commit=p.req))
         p.sent.add_done_callback(functools.partial(self._committed, p))
 
-    def _resolve(self, p: _Pending, res) -> None:
+    def _resolve(self, p: _Pending, outcome: CommitOutcome) -> None:
         if self._pending.get(p.req.put_id) is p:
             del self._pending[p.req.put_id]
-        if p.fut.done():
-            return
-        if isinstance(res, BaseException):
-            p.fut.set_exception(res)
-        else:
-            p.fut.set_result(res)
+        if not p.fut.done():
+            p.fut.set_result(outcome)
 
     def answered(self, put_id: int) -> bool:
         """Whether the controller's answer to commit `put_id` has been read from the connection (its
@@ -389,7 +385,7 @@ class ControllerLink:
         exc = f.exception() if not f.cancelled() else DockConnectionError("commit cancelled")
         if isinstance(exc, DockConnectionError):
             return  # the link is down: it stays pending and goes out again with the rejoin
-        self._resolve(p, exc if exc is not None else answered(f.result()[0].commit_reply))
+        self._resolve(p, CommitOutcome(error=exc) if exc is not None else outcome_of(f.result()[0].commit_reply))
 
     def _arm(self, p: _Pending) -> None:
         if p.timer is None and not p.fut.done():
@@ -400,130 +396,7 @@ class ControllerLink:
         if self.joined.is_set() or p.fut.done():
             return
         self._pending.pop(p.req.put_id, None)
-        p.fut.set_exception(DockConnectionError(
+        p.fut.set_result(CommitOutcome(error=DockConnectionError(
             f"the controller at {self.address} has been unreachable for {p.limit:g}s, so this put could not be "
             "committed and was not stored; retry it once the controller is back"
-        ))
-
-
-async def open_link(make_peer: Callable[[], Peer], host: str, port: int,
-                    link_tls: tls.LinkTls | None) -> tuple[asyncio.BaseTransport, Peer]:
-    """Connect a daemon-to-daemon link: TCP, then, when the far daemon's first frame is the TLS
-    preamble (dockd.net.tls), TLS checked with `link_tls`. A mismatch either way raises DockAuthError."""
-    loop = asyncio.get_running_loop()
-    address = f"{host}:{port}"
-    sock: socket.socket | None = None
-    last: OSError = OSError(f"cannot resolve {host}")
-    for family, kind, proto, _, addr in await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM):
-        sock = socket.socket(family, kind, proto)
-        sock.setblocking(False)
-        try:
-            await loop.sock_connect(sock, addr)
-            break
-        except OSError as e:
-            sock.close()
-            sock, last = None, e
-    if sock is None:
-        raise last
-    try:
-        frame, size = await _peek_frame(sock)
-        if not tls.is_preamble(frame):
-            if link_tls is not None:
-                raise tls.not_tls(address, "this warehouse (--tls-cert)")
-            transport, peer = await loop.create_connection(make_peer, sock=sock)
-            return transport, peer
-        if link_tls is None:
-            raise tls.needs_tls(address, "this warehouse")
-        if len(sock.recv(size)) != size:  # the preamble, read whole by the peek above
-            raise DockProtocolError(f"{address} cut its TLS preamble short")
-        made: list[Peer] = []
-
-        def factory() -> Peer:
-            made.append(make_peer())
-            return made[-1]
-
-        try:
-            transport, peer = await loop.create_connection(factory, sock=sock, ssl=link_tls.context,
-                                                           server_hostname=host, ssl_handshake_timeout=5.0)
-        except BaseException as e:
-            for p in made:  # made, never connected: let the daemon forget it
-                p.connection_lost(e if isinstance(e, Exception) else None)
-            if isinstance(e, ssl.SSLCertVerificationError):
-                raise tls.untrusted(address, link_tls.ca, e) from None
-            raise
-        return transport, peer
-    except BaseException:
-        sock.close()
-        raise
-
-
-async def _peek_frame(sock: socket.socket, limit: int = 4096) -> tuple[pb.Frame, int]:
-    """The first frame the far daemon sent (a challenge or the TLS preamble), left unread; and its size."""
-    loop = asyncio.get_running_loop()
-    want = wire.PREFIX.size
-    while True:
-        try:
-            data: bytes | None = sock.recv(want, socket.MSG_PEEK)
-        except (BlockingIOError, InterruptedError):
-            data = None
-        if data == b"":
-            raise ConnectionResetError("the daemon closed the connection before its challenge")
-        if data is not None and len(data) >= want:
-            if want == wire.PREFIX.size:
-                hlen, _ = wire.parse_prefix(data, 0, 0, limit)
-                want += hlen
-                continue
-            return wire.parse_header(data[wire.PREFIX.size : want]), want
-        # wait until `want` bytes are there (or the connection ends): the socket reads as readable only
-        # then (SO_RCVLOWAT; a part of the frame that arrived already would otherwise wake us at once)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
-        readable: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(sock.fileno(), _wake, readable)
-        try:
-            await readable
-        finally:
-            loop.remove_reader(sock.fileno())
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
-
-
-def _wake(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-async def discover_controllers(make_peer: Callable[[], Peer], addresses: list[str], link_tls: tls.LinkTls | None,
-                               timeout: float | None) -> list[str]:
-    """The dock's controllers, asked of the first of `addresses` that answers (a Hello), trying them
-    in turn for up to `timeout` seconds (None: as long as it takes)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    delay, waiting_logged = BACKOFF_MIN, 0.0
-    while True:
-        errors = []
-        for address in addresses:
-            host, _, port = address.rpartition(":")
-            try:
-                _, peer = await asyncio.wait_for(open_link(make_peer, host, int(port), link_tls), 5.0)
-                try:
-                    assert peer.authed is not None  # (an outgoing connection's, made once it connected)
-                    await asyncio.wait_for(peer.authed, 10.0)
-                    reply, _ = await asyncio.wait_for(
-                        peer.request(pb.Frame(hello=pb.Hello(client="warehouse", protocol=wire.PROTOCOL_VERSION))), 10.0)
-                finally:
-                    peer.close()
-                return list(reply.hello_reply.controllers) or [address]  # (none: the dock's only controller)
-            except DockAuthError:
-                raise
-            except (DockError, OSError, asyncio.TimeoutError) as e:
-                errors.append(f"{address}: {e or 'timed out'}" if len(addresses) > 1 else str(e or "timed out"))
-        now = time.monotonic()
-        which = (f"the controller at {addresses[0]}" if len(addresses) == 1 else
-                 f"any of the controllers at {', '.join(addresses)}")
-        if now - waiting_logged > 30:
-            waiting_logged = now
-            logger.warning("[link] waiting for %s (%s); retrying", which, "; ".join(errors))
-        if deadline is not None and now + delay > deadline:
-            raise DockConnectionError(
-                f"cannot reach {which} to join within {timeout:g}s ({'; '.join(errors)}); start it, or check the "
-                "address (--join)") from None
-        await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-        delay = min(delay * 2, BACKOFF_MAX)
+        )))

@@ -12,7 +12,7 @@ from dockd.controller.agreement import PROBE_INTERVAL, Agreement
 from dockd.errors import DockConfigError, DockError
 from dockd.net import tls, wire
 from dockd.net.peer import Peer
-from dockd.node.controller_link import open_link
+from dockd.node.dial import open_link
 
 logger = logging.getLogger(__name__)
 

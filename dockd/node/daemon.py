@@ -9,13 +9,14 @@ on one framed port, plus gRPC health/admin on a second port.
     admission.Admission   room: the capacity queue, reservations, frees, where bodies are received
     put.PutPipeline       every put: admit (validate, reserve), receive, take device runs, check,
                           commit through a committer, store, answer
-    commit.*Committer     the controller in this process, or over `link.ControllerLink`
+    commit.*Committer     the controller in this process, or over a `controller_link.ControllerLink`
+    uplinks.Uplinks       the warehouse's links to the dock's controllers: joining them, numbering
     fetch.FetchPath       fetch replies and the values inlined into acquire replies
-    checkpoint.Checkpoints  dump/load of a partition's values
+    dump.Checkpoints      dump/load of a partition's values
     dispatch.Dispatcher   one table from request kind to handler
 
 A warehouse that is not co-hosted joins the controller over a framed connection
-of its own (`link.ControllerLink`), commits every put there before storing and
+of its own (`controller_link.ControllerLink`), commits every put there before storing and
 acknowledging it, and receives `free` requests on it. It outlives its
 controller: it keeps its data and serves reads while the controller is away,
 and rejoins when it is back.
@@ -30,7 +31,6 @@ import logging
 import secrets
 import signal
 import sys
-import time
 from collections.abc import Awaitable, Mapping
 
 import numpy as np
@@ -42,17 +42,17 @@ from dockd.config import NodeConfig
 from dockd.controller.agreement import Agreement
 from dockd.controller.core import Controller
 from dockd.controller.service import ControllerService
-from dockd.errors import DockAuthError, DockConnectionError, DockError, DockValueError
+from dockd.errors import DockAuthError, DockError, DockValueError
 from dockd.net import auth, memfd, mooncake, same_host
 from dockd.net.device_transport import WarehouseLinks
 from dockd.net.peer import Peer
 from dockd.net.wire import PROTOCOL_VERSION, check_protocol
 from dockd.node import controller_probe
-from dockd.node.controller_link import ControllerLink, discover_controllers
 from dockd.node.dispatch import WAREHOUSE_KINDS, Dispatcher, RequestHandler, controller_handlers, plain
 from dockd.node.listen import Keys, Listeners, watch_pid
 from dockd.node.metrics import Metrics, MetricsServer
 from dockd.node.tasks import failed, reply_when_done, spawn
+from dockd.node.uplinks import Uplinks
 from dockd.warehouse import memory, readback
 from dockd.warehouse.admission import Admission
 from dockd.warehouse.commit import LocalCommitter, RemoteCommitter, RoutingCommitter
@@ -68,21 +68,16 @@ from dockd.warehouse.weights import WeightsService
 
 logger = logging.getLogger(__name__)
 
-NUMBER_TRY_S = 3.0
-"""With several controllers, how long a new warehouse waits for one to number it before it asks the next."""
-
-
 class Node:
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
-        self.instance = secrets.randbits(62) | 1  # (bit 62 is set only with a data dir: membership.DURABLE)
+        self.instance = secrets.randbits(62) | 1  # (bit 62 is set only with a data dir: terms.DURABLE)
         self.metrics = Metrics()  # (each Peer times its requests here)
         self._metrics_server: MetricsServer | None = None
         self.metrics_port = 0
         self.grpc_port = 0
         self._grpc = None
         self.exit_code = 0
-        self._wid = -1
         self._stopping: asyncio.Event | None = None
         self.warehouse = Warehouse(cfg.capacity, cfg.device_capacity)
         self.data_dir = DataDir(cfg.data_dir, dock_of(cfg), drop_damaged=cfg.drop_damaged_files) \
@@ -98,8 +93,6 @@ class Node:
                                segments=self.segments, metrics=self.metrics) if cfg.spill_dir else None
         self.controller: ControllerService | None = None
         self.agreement: Agreement | None = None  # several controllers: whether they agree on their list
-        self.link: ControllerLink | None = None  # to the controller that numbers warehouses (with several: the first)
-        self.other_links: dict[int, ControllerLink] = {}  # several controllers: to each of the others, by index
         if cfg.controller:
             self.controller = ControllerService(
                 Controller(lease_timeout=cfg.lease_timeout, max_samples=cfg.max_samples), local=HostedWarehouse(self),
@@ -117,12 +110,15 @@ class Node:
         else:  # (its links are made once this node listens and knows the dock's controllers)
             self.committer = RoutingCommitter([RemoteCommitter(None)])
         self.admission.on_clear = self._cleared
+        self.uplinks = Uplinks(cfg, listeners=self.listeners, committer=self.committer,
+                               inventory=self.warehouse.inventory, on_drop=self.admission.free,
+                               controller=self.controller, data_dir=self.data_dir)
         self.replicator = Replicator(self.warehouse, self.listeners.make_link_peer, self.listeners.link_tls,
                                      timeout=cfg.daemon_timeout)
         self.weights = WeightsService(warehouse=self.warehouse, admission=self.admission, replicator=self.replicator,
                                       wid=lambda: self.wid, info=self._info, timeout=cfg.daemon_timeout,
                                       daemon=lambda peer: not self.keys.server_auth.roles or peer.role == auth.DAEMON,
-                                      check_warehouse=self._check_warehouse, members=self._members)
+                                      check_warehouse=self._check_warehouse, members=self.uplinks.members)
         self.puts = PutPipeline(warehouse=self.warehouse, segments=self.segments, admission=self.admission,
                                 committer=self.committer, metrics=self.metrics, wid=lambda: self.wid,
                                 check_warehouse=self._check_warehouse, replicator=self.replicator,
@@ -130,7 +126,8 @@ class Node:
                                 data_dir=self.data_dir)
         self.fetches = FetchPath(warehouse=self.warehouse, segments=self.segments, links=self.links,
                                  committer=self.committer, metrics=self.metrics, wid=lambda: self.wid)
-        self.dispatcher = Dispatcher(self._handlers(), self.keys.server_auth, from_controller=self._from_a_controller,
+        self.dispatcher = Dispatcher(self._handlers(), self.keys.server_auth,
+                                     from_controller=self.uplinks.from_a_controller,
                                      unpin=lambda peer, pins: self.segments.unpin(peer.pid, pins))
 
     @property
@@ -144,14 +141,7 @@ class Node:
     @property
     def wid(self) -> int:
         """This node's warehouse id (-1: none, or not joined yet)."""
-        return self.link.wid if self.link is not None else self._wid
-
-    def _links(self) -> list[ControllerLink]:
-        return ([self.link] if self.link is not None else []) + list(self.other_links.values())
-
-    def _from_a_controller(self, peer: Peer) -> bool:
-        """Whether `peer` is this warehouse's link to a controller (which frees, measures, dumps its data)."""
-        return any(peer is link.peer for link in self._links())
+        return self.uplinks.wid
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -181,7 +171,8 @@ class Node:
             self.controller.start()
         if self.agreement is not None:
             spawn(controller_probe.watch(self.agreement, self.listeners.make_probe_peer, self.listeners.link_tls))
-        await self._join(reg)
+        if self.controller is None or self.cfg.warehouse:  # (a controller without a warehouse registers nothing)
+            await self.uplinks.join(reg)
         from dockd.node.admin import start_grpc
 
         figures = Figures(self)
@@ -199,98 +190,6 @@ class Node:
             self.cfg.host, self.port, self.grpc_port, self.metrics_port or "-", self.controller is not None, self.wid,
             room, self.cfg.state_dir or "-",
         )
-
-    async def _join(self, reg: pb.RegisterWarehouse) -> None:
-        """Register this node's warehouse with the dock's controllers (learned from the first of the
-        addresses --join gives, or a restart's data dir remembers, that answers). One of them numbers
-        it: with one controller that one; with several, the one in this process if there is one, else
-        the first that answers, tried in the dock's order (each numbers its own ids, so one that is
-        down keeps no new warehouse out); the others take that id. Each commits the puts of the
-        partitions it owns (dockd.owners); links to the others are made in the background (one that
-        is down stalls only its partitions' puts)."""
-        if self.controller is not None and not self.cfg.warehouse:
-            return  # a controller without a warehouse: nothing to register
-        timeout = self.cfg.join_timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if self.controller is not None:
-            controllers, own = list(self.cfg.controllers), self.controller.own
-        else:
-            addresses = self.cfg.join_addresses
-            if self.data_dir is not None:  # a restart also asks the controllers the last process knew
-                addresses += [a for a in self.data_dir.controllers if a not in addresses]
-            controllers = await discover_controllers(self.listeners.make_link_peer, addresses,
-                                                     self.listeners.link_tls, timeout)
-            own = -1
-            if len(controllers) > 1:
-                reg.controllers.extend(controllers)
-                assert isinstance(self.committer, RoutingCommitter)  # (a joining node routes; see __init__)
-                self.committer.committers = [RemoteCommitter(None) for _ in controllers]
-        n = len(controllers)
-        if own >= 0:  # this process numbers its warehouse (the only controller, or one of several)
-            assert self.controller is not None
-            self._wid = self.controller.register(None, reg).id
-            numbered_by = own
-        elif n == 1 or (self.data_dir is not None and self.data_dir.wid >= 0):
-            # one controller, or a restart on its data dir, which knows its id and needs no number:
-            # with several controllers each is joined in the background (one that is down stalls
-            # only its own partitions, also across this warehouse's restart)
-            numbered_by = 0
-            self.link = self._link_to(controllers[0], 0, n, reg)
-            if n > 1:
-                self.link.start_in_background()
-            else:
-                await self.link.start(None if deadline is None else max(0.1, deadline - time.monotonic()))
-        else:
-            numbered_by, self.link = await self._numbered(controllers, reg, deadline)
-        if self.data_dir is not None and self.wid >= 0:
-            self.data_dir.joined(self.wid, self.port, controllers)
-        for k in range(n):
-            if k == numbered_by:
-                continue
-            assigned = pb.RegisterWarehouse()
-            assigned.CopyFrom(reg)
-            assigned.id, assigned.assigned = self.wid, True
-            link = self.other_links[k] = self._link_to(controllers[k], k, n, assigned)
-            link.start_in_background()
-        if n > 1:
-            logger.info("[node] warehouse=%d registers with controllers=%s (numbered by %s)", self.wid,
-                        ",".join(controllers), controllers[numbered_by])
-
-    async def _numbered(self, controllers: list[str], reg: pb.RegisterWarehouse,
-                        deadline: float | None) -> tuple[int, ControllerLink]:
-        """A new warehouse of a dock with several controllers joins the first that answers, each
-        tried for NUMBER_TRY_S in the dock's order and again until `deadline`: (its index, the link)."""
-        n, k, tries = len(controllers), 0, 0
-        while True:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise DockConnectionError(
-                    f"none of the dock's controllers ({', '.join(controllers)}) answered within "
-                    f"{self.cfg.join_timeout:g}s to number this warehouse; start one, or check the addresses (--join)")
-            link = self._link_to(controllers[k], k, n, reg)
-            try:
-                await link.start(NUMBER_TRY_S if left is None else max(0.1, min(NUMBER_TRY_S, left)))
-                return k, link
-            except DockConnectionError as e:
-                if tries < n:  # (the first round says which are down; later rounds go on quietly)
-                    logger.warning("[node] %s; asking the next controller", e)
-                tries += 1
-                k = (k + 1) % n
-
-    def _link_to(self, address: str, k: int, n: int, reg: pb.RegisterWarehouse) -> ControllerLink:
-        """The link to controller `k` of `n`: its commits, and a rejoin inventory of its partitions only."""
-        def owned(pending: list[pb.CommitRequest]) -> list[pb.InventoryPartition]:
-            return [p for p in self.warehouse.inventory(pending) if owners.owner_index(p.name, n) == k]
-
-        link = ControllerLink(address, make_peer=self.listeners.make_link_peer, registration=reg,
-                              inventory=owned if n > 1 else self.warehouse.inventory, on_drop=self.admission.free,
-                              grace=self.cfg.controller_grace)
-        if self.data_dir is not None:  # a restart rejoins each controller under its id, with its partitions' inventory
-            link.resume(self.data_dir.wid, self.data_dir.seq)
-        committer = self.committer.committers[k] if isinstance(self.committer, RoutingCommitter) else self.committer
-        assert isinstance(committer, RemoteCommitter)  # (a controller of another process)
-        committer.link = link
-        return link
 
     def ready_line(self) -> str:
         return json.dumps(
@@ -315,8 +214,7 @@ class Node:
             self._grpc.stop(grace=0.5)
         if self._metrics_server is not None:
             self._metrics_server.close()
-        for link in self._links():
-            link.close(leave=True)
+        self.uplinks.close(leave=True)
         if self.controller is not None:
             self.controller.shutdown()
         self.admission.shutdown()
@@ -354,8 +252,7 @@ class Node:
         self.segments.disconnected(peer.pid)
         self.links.lost(peer)
         self.admission.lost(peer)
-        for link in self._links():
-            link.connection_lost(peer)
+        self.uplinks.connection_lost(peer)
         if self.controller is not None:
             self.controller.on_lost(peer)
 
@@ -380,25 +277,12 @@ class Node:
         self.committer.cleared(partition)
         self.weights.cleared(partition)
 
-    async def _members(self) -> dict[int, pb.WarehouseInfo]:
-        """The dock's warehouses as its controller lists them (the one in this process, or over the link)."""
-        if self.controller is not None:
-            infos = self.controller.warehouse_infos(usage=False)
-        else:
-            peer = self.link.peer if self.link is not None else None
-            if peer is None or peer.closed:
-                raise DockConnectionError("this warehouse is not connected to its controller right now")
-            hello = pb.Frame(hello=pb.Hello(client="weights relay", protocol=PROTOCOL_VERSION))
-            reply, _ = await asyncio.wait_for(peer.request(hello), self.cfg.daemon_timeout)
-            infos = reply.hello_reply.warehouses
-        return {w.id: w for w in infos}
-
     def _info(self) -> pb.WarehouseInfo:
         """How other warehouses reach this one."""
         return pb.WarehouseInfo(id=max(self.wid, 0), host=self.cfg.advertise or self.cfg.host, port=self.port)
 
     def _from_controller(self, peer: Peer, kind: str) -> None:
-        if not self._from_a_controller(peer):  # only this warehouse's controllers free, measure, dump its data
+        if not self.uplinks.from_a_controller(peer):  # only this warehouse's controllers free, measure, dump its data
             raise DockAuthError(f"{kind} requests come from this warehouse's controller only")
 
     def _free(self, peer: Peer, frame: pb.Frame) -> None:
@@ -428,8 +312,7 @@ class Node:
         m, w = self.metrics, self.warehouse
         out = pb.HelloReply(protocol=PROTOCOL_VERSION, hosts_controller=self.controller is not None, warehouse_id=self.wid,
                             unix=self.unix_name, instance=self.instance,
-                            joined=(any(link.joined.is_set() for link in self._links()) if self.link is not None
-                                    else self.wid >= 0),
+                            joined=self.uplinks.joined(),
                             version=__version__, used=w.used, capacity=w.capacity,
                             put_bytes=sum(m.put_bytes.values()), get_bytes=sum(m.get_bytes.values()),
                             device_used=w.device_used, device_capacity=w.device_capacity,
@@ -541,8 +424,7 @@ def serve(cfg: NodeConfig, *, announce=sys.stdout) -> int:
             await starting
         except asyncio.CancelledError:
             logger.info("[node] stopped before it was ready")
-            for link in node._links():
-                link.close()
+            node.uplinks.close()
             return 0
         except (DockError, OSError) as e:
             logger.error("[node] cannot start: %s", e)

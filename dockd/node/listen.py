@@ -35,7 +35,7 @@ from dockd.config import NodeConfig
 from dockd.logutil import Throttle
 from dockd.net import auth, memfd, same_host, tls, wire
 from dockd.net.peer import Handler, Peer
-from dockd.node.controller_link import keepalive
+from dockd.node.dial import keepalive
 
 logger = logging.getLogger(__name__)
 _refusals = Throttle()  # connections refused (limits, other users): one line per 10 s
@@ -230,7 +230,7 @@ class Listeners:
 
     def make_link_peer(self) -> Peer:
         """This warehouse's connection to its controller: it proves the daemon role (over TLS when
-        `link_tls` is set: dockd.node.controller_link.open_link finds it here)."""
+        `link_tls` is set: dockd.node.dial.open_link finds it here)."""
         peer = Peer(self.handler, max_body=self.cfg.max_frame, on_connect=keepalive,
                     prove=(auth.DAEMON, self.keys.link_key(), b""))
         self.peers.add(peer)

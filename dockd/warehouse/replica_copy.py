@@ -21,7 +21,7 @@ from dockd import codec, ids
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockConnectionError
 from dockd.net.peer import Peer
-from dockd.node.controller_link import open_link
+from dockd.node.dial import open_link
 from dockd.warehouse.core import Warehouse
 
 logger = logging.getLogger(__name__)

@@ -220,7 +220,7 @@ def test_a_commit_made_while_a_rejoin_is_being_answered_goes_out_after_it():
                     _running(join=f"127.0.0.1:{ctl.port}", join_timeout=20, capacity=1 << 20) as node):
             peer = await _connect(node)
             assert await _put(peer, "q", torch.arange(4, dtype=torch.float32)) == [0, 1, 2, 3]
-            link = node.link
+            link = node.uplinks.link
             assert link is not None
             register, made = link._register, []
 
@@ -236,7 +236,7 @@ def test_a_commit_made_while_a_rejoin_is_being_answered_goes_out_after_it():
             await asyncio.wait_for(link.joined.wait(), 10)
             while not made or not link.joined.is_set():
                 await asyncio.sleep(0.01)
-            assert list(await asyncio.wait_for(made[0], 5)) == [4, 5]
+            assert (await asyncio.wait_for(made[0], 5)).listed() == [4, 5]
 
     _run(main())
 
