@@ -8,7 +8,9 @@ rot unnoticed. `make docs` runs the same build into site/.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -52,3 +54,17 @@ def test_no_reference_to_removed_design_notes() -> None:
     stale = [str(p.relative_to(ROOT)) for p in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
              if "design-notes" in p.read_text()]
     assert not stale, stale
+
+
+def test_the_api_reference_lists_every_public_dock_call() -> None:
+    """docs/api/dockd.md names Dock's members one by one (their order; the partition calls are
+    inherited from PartitionCalls): a public method, or documented property, that is not in that list
+    would be missing from the API reference."""
+    import dockd
+
+    block = (ROOT / "docs" / "api" / "dockd.md").read_text().split("::: dockd.Dock\n", 1)[1].split("\n\n", 1)[0]
+    listed = re.findall(r"^ +- (\w+)$", block, re.M)
+    public = [n for n in dir(dockd.Dock) if not n.startswith("_") and (
+        inspect.isfunction(getattr(dockd.Dock, n)) or isinstance(getattr(dockd.Dock, n), property)
+        and getattr(dockd.Dock, n).__doc__)]
+    assert len(listed) == len(set(listed)) and sorted(listed) == sorted(public), (listed, public)

@@ -12,7 +12,8 @@ from dockd._proto import dockd_pb2 as pb
 from dockd.client.confirm import Confirms
 from dockd.client.lease import Lease
 from dockd.client.options import GetOptions
-from dockd.client.router import CallScope, Router
+from dockd.client.router import Router
+from dockd.client.scope import CallScope
 from dockd.errors import DockConnectionError, DockError, DockValueError
 from dockd.net.pool import Pool
 from dockd.net.transport import ANSWER_GRACE_S, Reply

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from dockd.client.dock import Dock
-from dockd.client.router import CallScope
+from dockd.client.scope import CallScope
 
 
 def _twin(method: Callable) -> Callable[[Callable], Callable]:

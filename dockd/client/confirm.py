@@ -24,7 +24,8 @@ import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.lease import Lease
-from dockd.client.router import CallScope, Router
+from dockd.client.router import Router
+from dockd.client.scope import CallScope
 from dockd.errors import DockConnectionError, DockError, DockLeaseError
 from dockd.net.connection import forks
 from dockd.net.pool import Pool
@@ -252,7 +253,7 @@ class Confirms:
     def send_unpins(self) -> None:
         """Tell daemons which of the segments they lent this process it no longer maps (one-way;
         a lost one only keeps a segment from being reused until this process exits)."""
-        for pool in list(self._router.all_pools):
+        for pool in list(self._router.dialer.pools):
             sids = pool.via.take_unpins()
             if not sids:
                 continue

@@ -23,7 +23,8 @@ from dockd.client.confirm import Confirms
 from dockd.client.fetch import Fetcher, maps_device, to_device
 from dockd.client.lease import Lease
 from dockd.client.options import GetOptions
-from dockd.client.router import CallScope, Router
+from dockd.client.router import Router
+from dockd.client.scope import CallScope
 from dockd.errors import DockClosed, DockTypeError, DockValueError
 
 FETCH_MIN_S = 1.0

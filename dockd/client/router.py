@@ -23,16 +23,15 @@ Retries back off from 50 ms to 1 s and give up after `reconnect_timeout`
 seconds (or the call's own deadline, if sooner) with a DockConnectionError
 naming the daemon's host:port.
 
-Each pool talks to its daemon over the best transport that works
-(`dockd.net.candidates`): the router tries them in order when
-it opens a pool, and never looks at which one it got.
+Each pool talks to its daemon over the best transport that works: the
+router's `Dialer` opens it (trying `dockd.net.candidates` in order) and
+closes them all with the client; the router never looks at which one it got.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -40,26 +39,25 @@ from typing import TypeVar
 
 from dockd import owners
 from dockd._proto import dockd_pb2 as pb
+from dockd.client.dialer import Dialer
+from dockd.client.home import choose_home
+from dockd.client.retry import retry
 from dockd.errors import (
-    DockAuthError,
     DockClosed,
     DockConfigError,
     DockConnectionError,
     DockError,
     DockTimeout,
-    DockValueError,
 )
 from dockd.net import tls, wire
-from dockd.net.candidates import candidates
-from dockd.net.connection import Connection, Credentials, timed_out
+from dockd.net.connection import Credentials, timed_out
 from dockd.net.pool import Pool
-from dockd.net.transport import Context, Endpoint, Transport, is_local
+from dockd.net.transport import Context, Endpoint
 
 T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
-BACKOFF_MIN, BACKOFF_MAX = 0.05, 1.0
 REFUSED_RETRY_S = 3.0
 """Seconds the first connection retries an address where nothing listens (a daemon that is starting)
 before it gives up, within connect_timeout; a daemon that accepts but is slow gets all of connect_timeout."""
@@ -69,8 +67,9 @@ class Router:
     def __init__(self, host: str, port: int, *, warehouse: int | str | None, connect_timeout: float,
                  reconnect_timeout: float, name: str, stop: threading.Event, prefer: str | None = None,
                  creds: Credentials | None = None, ctx: Context | None = None) -> None:
-        self.creds = creds if creds is not None else Credentials()
         self.ctx = ctx if ctx is not None else Context()
+        self.dialer = Dialer(connect_timeout=connect_timeout, creds=creds if creds is not None else Credentials(),
+                             ctx=self.ctx)
         self.connect_timeout = connect_timeout
         self.reconnect_timeout = reconnect_timeout
         self.name = name
@@ -80,12 +79,10 @@ class Router:
         self.prefer = prefer  # "host:port" to choose as home while it is live (e.g. this Ray node's)
         self.lock = threading.Lock()
         self._reconnecting = threading.Lock()
-        self.all_pools: list[Pool] = []
         self.pools: dict[int, Pool] = {}
         self.warehouses: dict[int, pb.WarehouseInfo] = {}
-        self.closed = False
         self.replicas = 1  # warehouses holding each value (the controller's --replicas)
-        self.ctrl = self._open_pool(self._fallback(Endpoint(host, port)))
+        self.ctrl = self.dialer.plain(Endpoint(host, port))
         self.home = -1
         self.reconnects = 0  # times the controller connection was made again (its sessions' leases may be gone)
         # several controllers (dockd.owners): every one's address in the dock's order, and the pools to the
@@ -97,42 +94,17 @@ class Router:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def _fallback(self, endpoint: Endpoint) -> Transport:
-        """The transport that always works for `endpoint` (TCP)."""
-        return next(c for c in candidates(endpoint, self.ctx) if c.fallback)(endpoint, self.ctx)
-
-    def _open_pool(self, transport: Transport) -> Pool:
-        pool = Pool(transport, connect_timeout=self.connect_timeout, creds=self.creds)
-        with self.lock:
-            self.all_pools.append(pool)
-            if self.closed:
-                pool.close()
-        return pool
-
-    def _close_pool(self, pool: Pool) -> None:
-        pool.close()
-        with self.lock:
-            if pool in self.all_pools:
-                self.all_pools.remove(pool)
-
     def _replace_ctrl(self, pool: Pool) -> None:
         """Send controller calls over `pool` from now on; the previous pool's calls in flight finish."""
         old, self.ctrl = self.ctrl, pool
-        self._retire_pool(old)
+        self.dialer.retire(old)
 
-    def _retire_pool(self, pool: Pool) -> None:
-        """A pool that another takes the place of: its calls in flight finish first (see Pool.retire;
-        closing it would cut off answers to requests the daemon applied)."""
-        pool.retire()
-        with self.lock:
-            self.all_pools = [p for p in self.all_pools if not p.closed]
+    @property
+    def closed(self) -> bool:
+        return self.dialer.closed
 
     def close(self) -> None:
-        with self.lock:
-            self.closed = True
-            pools, self.all_pools = list(self.all_pools), []
-        for pool in pools:
-            pool.close()
+        self.dialer.close()
 
     # -- connecting ------------------------------------------------------------------------
     def connect(self) -> None:
@@ -147,10 +119,10 @@ class Router:
                 raise DockConnectionError(f"{self.address} is a dockd warehouse that knows no controller")
             logger.info("[client] %s is a warehouse; following it to the controller at %s", self.address,
                         hello.controller)
-            self._close_pool(self.ctrl)
+            self.dialer.close_pool(self.ctrl)
             self.host, _, port = hello.controller.rpartition(":")
             self.port = int(port)
-            self.ctrl = self._open_pool(self._fallback(Endpoint(self.host, self.port)))
+            self.ctrl = self.dialer.plain(Endpoint(self.host, self.port))
             self.ctrl, hello = self._retry(lambda: self._hello_here(self.ctrl), deadline, self.address,
                                            refused_s=REFUSED_RETRY_S)
         self._adopt(hello)
@@ -188,20 +160,21 @@ class Router:
         try:
             return pool, self._hello(pool, timeout)
         except tls.NeedsTls as e:
-            here = self._better(Endpoint(pool.host, pool.port, e.same_host), pool.via, timeout) if e.same_host else None
+            here = (self.dialer.better(Endpoint(pool.host, pool.port, e.same_host), pool.via, timeout)
+                    if e.same_host else None)
             if here is None:  # (another host, or TCP only: TLS settings are what it takes)
                 raise
         try:
             hello = self._hello(here, timeout)
         except BaseException:
-            self._close_pool(here)
+            self.dialer.close_pool(here)
             raise
-        self._close_pool(pool)
+        self.dialer.close_pool(pool)
         return here, hello
 
     def _adopt(self, hello: pb.HelloReply) -> None:
         """Take a controller's hello: a better transport to it if it offers one, and the warehouse table."""
-        better = self._better(Endpoint(self.host, self.port, hello.unix, advertised=hello), self.ctrl.via)
+        better = self.dialer.better(Endpoint(self.host, self.port, hello.unix, advertised=hello), self.ctrl.via)
         if better is not None:
             self._replace_ctrl(better)
         if hello.controllers:
@@ -214,53 +187,11 @@ class Router:
             gone = [self.pools.pop(wid) for wid in stale]
             self.warehouses = fresh
         for pool in gone:
-            self._close_pool(pool)
-
-    def _better(self, endpoint: Endpoint, current: Transport | None = None,
-                timeout: float | None = None) -> Pool | None:
-        """A pool over the best transport to `endpoint` that works and is better than `current`
-        (None: none is). Each candidate but the fallback is tried with one connection made within
-        `timeout` seconds (at most connect_timeout); one that fails is skipped, but a daemon that
-        accepts and does not answer raises: it is there, only stopped or busy, and TCP would not
-        answer either."""
-        for cls in candidates(endpoint, self.ctx):
-            if current is not None and cls is type(current):
-                return None
-            if cls.fallback:
-                return None if current is not None else self._open_pool(cls(endpoint, self.ctx))
-            pool = self._open_pool(cls(endpoint, self.ctx))
-            try:
-                pool.put(pool.get(timeout))
-            except (DockConnectionError, DockAuthError) as e:  # (refused: another user at the same-host socket)
-                self._close_pool(pool)
-                if timed_out(e):
-                    raise
-                logger.info("[client] %s transport to %s:%d unavailable (%s); trying the next", cls.name,
-                            endpoint.host, endpoint.port, e)
-                continue
-            return pool
-        return None
+            self.dialer.close_pool(pool)
 
     def _choose_home(self, exclude: int | None, *, retrying: bool) -> int:
-        live = [w for w in self.warehouses.values() if w.alive and w.id != exclude]
-        if self.pinned is not None:
-            for w in self.warehouses.values():
-                # (an unresponsive one is still a member: a pinned client waits for it like for one that is away)
-                if str(self.pinned) in (str(w.id), f"{w.host}:{w.port}") and (w.alive or w.state == "unresponsive"):
-                    return w.id
-            if retrying:  # pinned, and away for now: wait for it to come back
-                raise DockConnectionError(f"warehouse {self.pinned!r}, which this client is pinned to, is not live")
-            raise DockValueError(
-                f"warehouse {self.pinned!r} is not a live member of the dock at {self.address}; "
-                f"members: {[f'{w.id}={w.host}:{w.port}' for w in live]}"
-            )
-        if not live:
-            raise DockConnectionError(f"the dock at {self.address} has no live warehouse")
-        for w in live:
-            if f"{w.host}:{w.port}" == self.prefer:
-                return w.id
-        local = [w for w in live if is_local(w.host)] or live
-        return local[os.getpid() % len(local)].id
+        return choose_home(self.warehouses, pinned=self.pinned, prefer=self.prefer, exclude=exclude,
+                           retrying=retrying, address=self.address)
 
     def pool(self, wid: int, timeout: float | None = None) -> Pool:
         """The connections to warehouse `wid`. The first use of a same-host one tries its shared-memory
@@ -271,12 +202,12 @@ class Router:
         info = self.warehouses.get(wid)
         if info is None:
             raise DockConnectionError(f"warehouse {wid} is unknown to this client")
-        new = self._better(_endpoint(info), None, timeout)
+        new = self.dialer.better(_endpoint(info), None, timeout)
         assert new is not None  # with no current transport, the fallback (TCP) always gives a pool
         with self.lock:
             pool = self.pools.setdefault(wid, new)
         if pool is not new:
-            self._close_pool(new)
+            self.dialer.close_pool(new)
         return pool
 
     def hello(self, wid: int, timeout: float | None = None) -> pb.HelloReply:
@@ -297,7 +228,7 @@ class Router:
         with self.lock:
             pool = self.pools.pop(wid, None)
         if pool is not None:
-            self._retire_pool(pool)
+            self.dialer.retire(pool)
 
     def learn(self, infos) -> None:
         """Warehouses named by a controller reply: new ones are added; for known ones at the same
@@ -376,28 +307,28 @@ class Router:
             if self._others.get(address) is pool:
                 del self._others[address]
                 self.reconnects += 1
-        self._retire_pool(pool)
+        self.dialer.retire(pool)
 
     def _open_controller(self, address: str, timeout: float | None = None) -> Pool:
         """A pool to the controller at `address` over the best transport it offers (checked with a Hello
         answered within `timeout`, default connect_timeout)."""
         host, _, port = address.rpartition(":")
-        plain = self._open_pool(self._fallback(Endpoint(host, int(port))))
+        plain = self.dialer.plain(Endpoint(host, int(port)))
         try:
             plain, hello = self._hello_here(plain, timeout)
             if not hello.hosts_controller:
                 raise DockConnectionError(f"{address} does not host a dockd controller")
-            better = self._better(Endpoint(host, int(port), hello.unix, advertised=hello), plain.via)
+            better = self.dialer.better(Endpoint(host, int(port), hello.unix, advertised=hello), plain.via)
         except BaseException:
-            self._close_pool(plain)
+            self.dialer.close_pool(plain)
             raise
         if better is not None:
-            self._close_pool(plain)
+            self.dialer.close_pool(plain)
             plain = better
         with self.lock:
             pool = self._others.setdefault(address, plain)
         if pool is not plain:
-            self._close_pool(plain)
+            self.dialer.close_pool(plain)
         return pool
 
     def _give_up(self, deadline: float | None) -> float:
@@ -421,14 +352,14 @@ class Router:
         try:
             if self.ctrl is not failed:
                 return  # another thread already did
-            fresh = self._open_pool(self._fallback(Endpoint(self.host, self.port)))
+            fresh = self.dialer.plain(Endpoint(self.host, self.port))
             try:
                 fresh, hello = self._retry(lambda: self._hello_here(fresh, self._within(give_up)), give_up, self.address,
                                            cause)
                 if not hello.hosts_controller:
                     raise DockConnectionError(f"{self.address} no longer hosts the dockd controller")
             except BaseException:
-                self._close_pool(fresh)
+                self.dialer.close_pool(fresh)
                 raise
             self._replace_ctrl(fresh)
             self.reconnects += 1
@@ -492,62 +423,11 @@ class Router:
 
     def _retry(self, attempt: Callable[[], T], give_up: float, what: str, cause: Exception | None = None, *,
                refused_s: float | None = None) -> T:
-        """Call `attempt` until it stops raising DockConnectionError or `give_up` passes (with
-        `refused_s`: or that many seconds passed in which every attempt was refused)."""
-        delay = BACKOFF_MIN
-        started = time.monotonic()
-        tries = refused = 0
-        while True:
-            tries += 1
-            try:
-                return attempt()
-            except DockConnectionError as e:
-                cause = e
-                refused += e.refused
-            took = time.monotonic() - started
-            if refused_s is not None and refused == tries and took >= refused_s:
-                raise DockConnectionError(
-                    f"cannot reach dockd at {what} (retried for {took:.1f}s, {tries} attempts, each refused): nothing "
-                    "listens there. Is `dockd serve` running, and is this its framed port (as its ready line prints)?"
-                ) from None
-            left = give_up - time.monotonic()
-            if left <= 0:
-                raise DockConnectionError(
-                    f"cannot reach dockd at {what} (retried for {took:.1f}s, {tries} attempts): {cause}"
-                ) from None
-            if self._stop.wait(min(delay, left)) or self.closed:
-                raise DockClosed("the dock client was closed while reconnecting")
-            delay = min(delay * 2, BACKOFF_MAX)
+        return retry(attempt, give_up, what, cause, stopped=self._stopped, refused_s=refused_s)
 
-
-class CallScope:
-    """The connections one call has checked out right now, so that cancelling the call (an
-    AsyncDock coroutine) closes those and nothing another call is using."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._conns: set[Connection] = set()
-        self.cancelled = False
-
-    def enter(self, conn: Connection) -> None:
-        with self._lock:
-            self._conns.add(conn)
-            if not self.cancelled:
-                return
-        conn.close()
-        raise DockClosed("the call was cancelled")
-
-    def leave(self, conn: Connection) -> None:
-        with self._lock:
-            self._conns.discard(conn)
-
-    def cancel(self) -> None:
-        """Wake the call's thread: its connections close, and it makes no new request."""
-        with self._lock:
-            self.cancelled = True
-            conns = list(self._conns)
-        for conn in conns:
-            conn.close()
+    def _stopped(self, seconds: float) -> bool:
+        """Wait `seconds` between attempts; whether the client closed meanwhile."""
+        return self._stop.wait(seconds) or self.closed
 
 
 def _endpoint(info: pb.WarehouseInfo) -> Endpoint:

@@ -29,7 +29,7 @@ from dockd.weights.read import WeightsReader
 if TYPE_CHECKING:
     import torch
 
-    from dockd.client.dock import Dock
+    from dockd.client.interface import DockInterface as Dock
 
 __all__ = ["DEFAULT_BUCKET_SIZE", "DEFAULT_HOLD_S", "DEFAULT_KEEP", "Publication", "Published", "Publisher",
            "Settings", "WeightsReader", "publish"]

@@ -28,7 +28,7 @@ from dockd.weights.buckets import Bucket, Packer
 from dockd.weights.table import Table, now_ms
 
 if TYPE_CHECKING:
-    from dockd.client.dock import Dock
+    from dockd.client.interface import DockInterface as Dock
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from dockd.weights.source import RelaySource
 from dockd.weights.table import Table
 
 if TYPE_CHECKING:
-    from dockd.client.dock import Dock
+    from dockd.client.interface import DockInterface as Dock
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from dockd.client.lease import Lease
 from dockd.errors import DockNotFound, DockTimeout
 
 if TYPE_CHECKING:
-    from dockd.client.dock import Dock
+    from dockd.client.interface import DockInterface as Dock
 
 WAIT_S = 10.0  # seconds one wait may take at the warehouse before it answers with what it holds
 COLUMN = "data"

@@ -12,7 +12,7 @@ from dockd.errors import DockNotFound, DockTimeout
 from dockd.weights import versions as vt
 
 if TYPE_CHECKING:
-    from dockd.client.dock import Dock
+    from dockd.client.interface import DockInterface as Dock
 
 logger = logging.getLogger(__name__)
 

@@ -113,7 +113,7 @@ def test_a_call_in_flight_while_the_client_replaces_its_controller_connections_g
             t = threading.Thread(target=confirm)
             t.start()
             wait_until(lambda: len(old._all) > len(old._idle), what="the confirm to be in flight")
-            router._replace_ctrl(router._open_pool(router._fallback(Endpoint(router.host, router.port))))
+            router._replace_ctrl(router.dialer.plain(Endpoint(router.host, router.port)))
         finally:
             os.kill(daemon.pid, signal.SIGCONT)
         t.join(30)
