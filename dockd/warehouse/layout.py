@@ -195,7 +195,8 @@ class _Batch:
             lo, hi = self.span(r0, r1)
             if hi <= lo:
                 return np.zeros(0)
-            values: np.ndarray = torch.frombuffer(bytearray(self.host(lo, hi - lo)), dtype=DTYPES[self.dtype]).double().numpy()
+            raw = torch.frombuffer(bytearray(self.host(lo, hi - lo)), dtype=DTYPES[self.dtype])
+            values: np.ndarray = raw.double().numpy()
             return values
         return np.full(r1 - r0, float(math.prod(self.shape)))
 
