@@ -48,82 +48,30 @@ does so by itself).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.clock import Clock, Timer, Timers
 from dockd.controller.core import Controller
+from dockd.controller.member import WarehouseEntry
+from dockd.controller.probes import AddressProbes, Probe, probe_instance
 from dockd.controller.warehouses import DURABLE_REJOIN, Inventory
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockTimeout, DockValueError, to_status
 from dockd.net import wire
 from dockd.net.peer import Peer
-from dockd.terms import DURABLE, CommitOutcome
+from dockd.terms import CommitOutcome
 
 logger = logging.getLogger(__name__)
 
 MAX_WAREHOUSES = 0xFFF0  # ids above are reserved markers (partition.LOST_WAREHOUSE, partition.NO_WAREHOUSE)
-PROBE_TIMEOUT = 2.0
 HEARTBEAT_INTERVAL = 1.0  # defaults of NodeConfig.heartbeat_interval / heartbeat_timeout
 HEARTBEAT_TIMEOUT = 5.0
 _INFOS_KEPT = 4096  # sets of warehouses whose acquire_infos are kept
-PROBE_FRESH = 5.0  # seconds a probe's answer about an address decides registrations claiming it
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class WarehouseEntry:
-    id: int
-    host: str
-    port: int
-    capacity: int
-    unix: str = ""
-    instance: int = 0
-    state: str = "joined"
-    peer: Peer | None = None  # its connection; None while away, and for the one hosted in this process
-    local: bool = False
-    timer: Timer | None = None
-    beat_sent: float | None = None  # clock time the unanswered heartbeat went out (None: none outstanding)
-
-    @property
-    def alive(self) -> bool:
-        """A connected member: requests to it go over its connection (an unresponsive one answers
-        them once it runs again), and its commits are taken."""
-        return self.state in ("joined", "unresponsive")
-
-    @property
-    def durable(self) -> bool:
-        """It keeps its data in a data dir: a restart (same instance) brings its samples back."""
-        return bool(self.instance & DURABLE)
-
-    @property
-    def reachable(self) -> bool:
-        """Its data can still be read: joined, or away but not given up on."""
-        return self.state in ("joined", "unresponsive", "rejoining")
-
-    @property
-    def connected(self) -> bool:
-        """Its connection is open (the controller's own warehouse always is)."""
-        return self.local or (self.peer is not None and not getattr(self.peer, "closed", False))
-
-    def key(self) -> tuple:
-        """What `info` shows of it (but `used`)."""
-        return self.id, self.host, self.port, self.capacity, self.unix, self.state, self.instance
-
-    def info(self, used: int = 0) -> pb.WarehouseInfo:
-        # clients see an unresponsive warehouse as not alive: they do not choose it for their puts
-        return pb.WarehouseInfo(id=self.id, host=self.host, port=self.port, alive=self.state == "joined",
-                                capacity=self.capacity, used=used, unix=self.unix, state=self.state,
-                                durable=self.durable)
-
-    def record(self) -> dict:
-        # unresponsive is a passing state of a joined member: a restarted controller waits for its rejoin
-        return {"id": self.id, "host": self.host, "port": self.port, "capacity": self.capacity, "unix": self.unix,
-                "instance": self.instance, "state": "joined" if self.state == "unresponsive" else self.state}
 
 
 def inventory_of(req: pb.RegisterWarehouse, field: str = "inventory") -> dict[str, Inventory]:
@@ -148,7 +96,7 @@ class Membership:
     def __init__(self, core: Controller, journal, *, grace: float, on_change: Callable[[], None],
                  heartbeat_interval: float = HEARTBEAT_INTERVAL, heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
                  clock: Clock = time.monotonic, timers: Timers | None = None,
-                 probe: Callable[[str, int], Awaitable[int | None]] | None = None,
+                 probe: Probe | None = None,
                  numbering: tuple[int, int] = (0, 1)) -> None:
         """`clock`: the time grace, heartbeats and probes go by (timers set through `timers`, one of
         that clock: a service passes its own); `probe`: how an address is asked which instance
@@ -158,6 +106,8 @@ class Membership:
         self.timers = timers if timers is not None else Timers(clock)
         self.clock = self.timers.clock
         self.probe = probe or probe_instance
+        # (asked through self.probe, which a test may replace)
+        self.addresses = AddressProbes(lambda host, port: self.probe(host, port), self.clock)
         self.core = core
         self.journal = journal
         self._rebuild_warned = False
@@ -168,7 +118,6 @@ class Membership:
         self.entries: dict[int, WarehouseEntry] = {}
         self.numbering = numbering
         self._beat: Timer | None = None
-        self._probes: dict[tuple[str, int, int], _Probe] = {}  # (address claimed, claimant) -> who answers there
         self._acquire_infos: dict[tuple, bytes] = {}  # (see acquire_infos)
 
     def get(self, wid: int) -> WarehouseEntry | None:
@@ -304,7 +253,7 @@ class Membership:
             self._send_beat(e)  # (a connection dead at the far end is noticed sooner)
             raise DockAuthError(f"registration refused: {claim} claims the address of {member}, a live member whose "
                                 "connection is open and answering")
-        done, instance = self._who_answers(req.host, req.port, req.instance)
+        done, instance = self.addresses.who_answers(req.host, req.port, req.instance)
         if not done:
             raise DockTimeout(f"registration of {claim} waits: the controller is checking which process answers at "
                               f"that address, held by {member}; retry shortly")
@@ -313,29 +262,6 @@ class Membership:
                       "the member itself answers there" if instance == e.instance else
                       f"instance {instance:x} answers there")
             raise DockAuthError(f"registration refused: {claim} claims the address of {member}, and {answer}")
-
-    def _who_answers(self, host: str, port: int, claimant: int) -> tuple[bool, int | None]:
-        """(whether known, instance answering at host:port) per a probe made for this claimant's
-        registration: started by its first attempt, decided by a retry. A probe that found the
-        claimant answering holds for PROBE_FRESH seconds, any other answer for one second (an
-        address changing hands may have answered nothing a moment ago)."""
-        key = (host, port, claimant)
-        now = self.clock()
-        p = self._probes.get(key)
-        if p is not None and p.task is None and now - p.at <= (PROBE_FRESH if p.instance == claimant else 1.0):
-            return True, p.instance
-        if p is None or p.task is None:
-            if len(self._probes) >= 256:  # (registrations come from daemons only; keep the table small anyway)
-                for k in [k for k, q in self._probes.items() if q.task is None and now - q.at > PROBE_FRESH]:
-                    del self._probes[k]
-            p = self._probes[key] = _Probe(asyncio.ensure_future(self._probe_address(key)))
-        return False, None
-
-    async def _probe_address(self, key: tuple[str, int, int]) -> None:
-        instance = await self.probe(key[0], key[1])
-        p = self._probes.get(key)
-        if p is not None:
-            p.task, p.instance, p.at = None, instance, self.clock()
 
     # -- heartbeats ---------------------------------------------------------------------------
     def _start_heartbeats(self) -> None:
@@ -491,39 +417,7 @@ class Membership:
         if self._beat is not None:
             self._beat.cancel()
             self._beat = None
-        for p in self._probes.values():
-            if p.task is not None:
-                p.task.cancel()
-        self._probes.clear()
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _Probe:
-    task: asyncio.Task | None  # running; None once answered
-    instance: int | None = None  # as probe_instance returns it
-    at: float = 0.0
+        self.addresses.close()
 
 
 _tasks: set[asyncio.Task] = set()
-
-
-async def probe_instance(host: str, port: int, timeout: float = PROBE_TIMEOUT) -> int | None:
-    """The instance of the dockd daemon at host:port; 0 if the connection is refused,
-    None if it cannot be told (timeout, not a dockd daemon)."""
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-    except ConnectionRefusedError:
-        return 0
-    except (OSError, asyncio.TimeoutError):
-        return None
-    try:  # every daemon opens a connection with its challenge, which names its instance
-        prefix = await asyncio.wait_for(reader.readexactly(wire.PREFIX.size), timeout)
-        hlen, blen = wire.parse_prefix(prefix, 0, 0)
-        if hlen > 4096:
-            return None
-        frame = wire.parse_header(await asyncio.wait_for(reader.readexactly(hlen), timeout))
-        return frame.challenge.instance or None
-    except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, DockError):
-        return None
-    finally:
-        writer.close()

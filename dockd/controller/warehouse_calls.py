@@ -24,7 +24,7 @@ from dockd.logutil import Throttle
 from dockd.net.peer import Peer
 
 if TYPE_CHECKING:
-    from dockd.controller.membership import WarehouseEntry
+    from dockd.controller.member import WarehouseEntry
     from dockd.controller.partition import _Partition
     from dockd.controller.service import ControllerService
 
