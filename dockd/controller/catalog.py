@@ -1,6 +1,7 @@
 """The dock's partitions and their samples: commits (columns written, new samples
 allocated, re-sent commits answered once), partition options, deletes and retirement, tags,
-and the frees deletes leave for the warehouses. Leases and rounds are the controller's."""
+and the frees deletes leave for the warehouses. What it answers without changing anything
+(listings, counts ready) is `reads`; leases and rounds are the controller's."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from collections.abc import Collection, Mapping, Sequence
 import numpy as np
 
 from dockd import limits
-from dockd.controller import selection
 from dockd.controller.partition import (
     CELLS_PER_SAMPLE,
     FREE,
@@ -345,25 +345,6 @@ class Catalog:
         part = self.partitions.get(partition)
         return bool(new_count and part is not None and part.max_pending and part.pending() >= part.max_pending)
 
-    def list_samples(self, partition: str, *, consumer: str = "", where: selection.Where | None = None,
-                     limit: int = 1000, start: int = 0) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Samples (not deleted, a column written; not yet handed to `consumer` if given) whose tags
-        lie in `where`, smallest indexes from `start` first, at most `limit`; with their tags. Takes
-        nothing."""
-        part = self.part(partition)
-        n = part.size
-        mask = part.live()
-        cons = part.consumers.get(consumer) if consumer else None
-        if cons is not None:
-            mask &= cons.state[:n] == FREE
-        mask[: min(start, n)] = False
-        idx = np.flatnonzero(mask)
-        if where:
-            idx = idx[selection.within(part, idx, where)]
-        idx = idx[:limit]
-        tags = {name: arr[idx] for name, arr in part.tags.items()}
-        return idx, tags
-
     def reserve(self, partition: str, count: int, *, group_size: int = 1) -> np.ndarray:
         """New samples with no column written yet (a rollout fills them later, by index)."""
         return self._allocate(self._for_new(partition, count, group_size), count)
@@ -429,38 +410,6 @@ class Catalog:
         out = {p: {w: np.unique(np.concatenate(a)) for w, a in ws.items()} for p, ws in self.pending_frees.items()}
         self.pending_frees = {}
         return out
-    def ready_count(self, partition: str, consumer: str, columns: Sequence[str], groups: bool = False) -> int:
-        """How many samples `consumer` could take right now (whole groups only with groups=True)."""
-        part = self.partitions.get(partition)
-        if part is None:
-            return 0
-        mask = part.mask_of(columns)
-        if mask is None:
-            return 0
-        sub = part.subscription(part.consumer(consumer), mask, groups)
-        return sub.eligible.total * (part.group_size if groups else 1)
-
-    def all_taken(self, partition: str, consumer: str) -> int | None:
-        """How many samples `consumer` took of a partition when it has had every one of them (none is
-        free for it, being written or leased to it); None otherwise."""
-        part = self.partitions.get(partition)
-        cons = part.consumers.get(consumer) if part is not None else None
-        if part is None or cons is None or not cons.taken or cons.leased:
-            return None
-        n = part.size
-        if (~part.gone[:n] & (cons.state[:n] == FREE)).any():
-            return None
-        return cons.taken
-
-    def why_not_ready(self, partition: str, columns: Sequence[str]) -> str:
-        """A hint for timeout messages: unknown partition or columns."""
-        part = self.partitions.get(partition)
-        if part is None:
-            return f" Partition {partition!r} does not exist yet (nothing was put in it)."
-        missing = [c for c in columns if c not in part.columns]
-        if missing:
-            return f" No sample of partition {partition!r} has column(s) {missing} yet; known: {sorted(part.columns)}."
-        return ""
 
     def forget(self, partition: str) -> _Partition:
         """Drop a partition (a clear): its samples and the frees pending for it."""

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from dockd import limits
-from dockd.controller import persist, selection, warehouses
+from dockd.controller import persist, reads, selection, warehouses
 from dockd.controller import replica_map as replicas
 from dockd.controller.catalog import Catalog
 from dockd.controller.lease_table import AcquireResult, Lease, LeaseTable
@@ -98,7 +98,7 @@ class Controller:
         return self.catalog.must_wait(partition, new_count)
 
     def list_samples(self, partition: str, **kw: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        return self.catalog.list_samples(partition, **kw)
+        return reads.list_samples(self.catalog, partition, **kw)
 
     def reserve(self, partition: str, count: int, *, group_size: int = 1) -> np.ndarray:
         return self.catalog.reserve(partition, count, group_size=group_size)
@@ -116,10 +116,10 @@ class Controller:
         return self.catalog.take_frees()
 
     def ready_count(self, partition: str, consumer: str, columns: Sequence[str], groups: bool = False) -> int:
-        return self.catalog.ready_count(partition, consumer, columns, groups)
+        return reads.ready_count(self.catalog, partition, consumer, columns, groups)
 
     def why_not_ready(self, partition: str, columns: Sequence[str]) -> str:
-        return self.catalog.why_not_ready(partition, columns)
+        return reads.why_not_ready(self.catalog, partition, columns)
 
     def locate(self, partition: str, indexes: Sequence[int], columns: Sequence[str]) -> np.ndarray:
         return warehouses.locate(self.catalog, partition, indexes, columns)

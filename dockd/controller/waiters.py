@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from dockd import limits
 from dockd._proto import dockd_pb2 as pb
+from dockd.controller import reads
 from dockd.controller.clock import Timer, seconds
 from dockd.errors import DockError, DockStateFull, DockTimeout, DockValueError
 from dockd.net.peer import Peer
@@ -205,7 +206,7 @@ class Waiters:
                 ready=ready,
             )
         head = f"{what} timed out after {after}: {ready} of {r.count} {unit} were ready"
-        taken = core.catalog.all_taken(r.partition, r.consumer) if not ready else None
+        taken = reads.all_taken(core.catalog, r.partition, r.consumer) if not ready else None
         if taken is not None:
             deleted = core.partitions[r.partition].deleted
             return DockTimeout(
