@@ -87,6 +87,7 @@ def _acquire(r: pb.AcquireRequest) -> None:
     _columns(r.columns)
     _count("samples", r.count)
     _count("confirms", len(r.confirm), MAX_LEASES)
+    _count("leases (count / per_lease)", -(-r.count // r.per_lease) if r.per_lease else 0, MAX_LEASES)
     _count("data-parallel ranks", r.dp_size, MAX_RANKS)
     _count("samples", r.count * max(r.dp_size, 1))
     if not r.allow_partial:  # (a partial get takes at most what one reply holds: see the controller service)
@@ -125,6 +126,10 @@ def _locate(r: pb.LocateRequest) -> None:
 
 def _confirm(r: pb.ConfirmRequest) -> None:
     _count("confirms", max(len(r.leases), len(r.tickets)), MAX_LEASES)
+
+
+def _release(r: pb.ReleaseRequest) -> None:
+    _count("leases", len(r.leases), MAX_LEASES)
 
 
 def _clear(r: pb.ClearRequest) -> None:
@@ -169,7 +174,8 @@ def _hello(r: pb.Hello) -> None:
 
 
 _CHECKS: dict[str, Callable[[Any], None]] = {
-    "put": _put, "acquire": _acquire, "fetch": _fetch, "locate": _locate, "confirm": _confirm, "clear": _clear,
+    "put": _put, "acquire": _acquire, "fetch": _fetch, "locate": _locate, "confirm": _confirm, "release": _release,
+    "clear": _clear,
     "commit": _commit, "commits": _commits, "partition": _partition, "free": _samples_of, "measure": _samples_of,
     "replicate": _replicate, "register": _register, "hello": _hello,
 }

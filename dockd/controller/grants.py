@@ -65,15 +65,31 @@ class Acquiring:
             again.owner = sid  # the client that retried holds it (a lease restored from the journal may have had none)
         elif res is not None:
             self._handed_out(r.partition, res.indexes)
-            if svc.journal is not None:
-                lease = core.leases[res.lease]
-                try:
-                    svc.journal.grant(lease, lease.deadline - svc.clock())
-                except DockStateFull:
-                    core.release(lease.id)  # not recorded: not granted
-                    raise
-            svc.leasing.schedule_expiry()
+            per = r.per_lease
+            if per and r.groups:  # (whole groups in each lease)
+                gs = core.partitions[r.partition].group_size
+                per = max(gs, per // gs * gs)
+            self._grant(res, per)
         return res
+
+    def _grant(self, res: AcquireResult, per_lease: int) -> None:
+        """A lease just granted: cut into leases of `per_lease` samples (a client taking several gets'
+        worth at once), each journaled ahead of the answer, and its expiry timed."""
+        svc, core = self.svc, self.svc.core
+        lease = core.leases[res.lease]
+        res.seconds = lease.deadline - svc.clock()
+        leases = core.book.split(res.lease, per_lease) if per_lease else [lease]
+        if len(leases) > 1:
+            res.leases = [l.id for l in leases]
+        if svc.journal is not None:
+            try:
+                for l in leases:
+                    svc.journal.grant(l, res.seconds)
+            except DockStateFull:
+                for l in leases:
+                    core.release(l.id)  # not recorded: not granted
+                raise
+        svc.leasing.schedule_expiry()
 
     def near_ready(self, r: pb.AcquireRequest) -> dict[int, int]:
         """Warehouse id -> samples ready for get `r` with all its columns there (staleness bound and
@@ -192,6 +208,8 @@ class Acquiring:
         out = pb.Frame()
         reply = out.acquire_reply  # filled in place: building a message and wrapping it would copy it
         reply.lease = res.lease
+        reply.leases.extend(res.leases)
+        reply.lease_seconds = res.seconds
         if res.lease:
             reply.ticket = svc.leasing.ticket(res.lease)
         reply.step = res.step

@@ -47,6 +47,8 @@ class AcquireResult:
     locations: np.ndarray  # uint16, shape (len(columns), len(indexes))
     step: int = 0          # rank-aware gets: the step this share belongs to
     weights: list[float] = dataclasses.field(default_factory=list)  # ... and each rank's sum of balance weights
+    leases: list[int] = dataclasses.field(default_factory=list)  # per_lease: every lease, in order of `indexes`
+    seconds: float = 0.0   # seconds the lease(s) had left when granted (0: not said)
 
 
 class LeaseTable:
@@ -86,6 +88,24 @@ class LeaseTable:
             self._push_deadline(lease)
         if lease.token:
             self.tokens[lease.token] = lease.id
+
+    def split(self, lease_id: int, per: int) -> list[Lease]:
+        """Cut a lease just granted into leases of `per` samples each, in order (the last may hold
+        fewer): the first keeps its id and token, the others get new ids and the same owner and
+        deadline. One slice per new lease; the samples' state does not change (all are leased)."""
+        first = self.leases[lease_id]
+        idx = first.indexes
+        if len(idx) <= per:
+            return [first]
+        in_order = lease_id in self._fifo
+        first.indexes = idx[:per].copy()
+        out = [first]
+        for at in range(per, len(idx), per):
+            lease = Lease(self.new_id(), first.partition, first.consumer, idx[at:at + per].copy(), first.owner,
+                          first.deadline)
+            self.add(lease, in_order=in_order)
+            out.append(lease)
+        return out
 
     def in_order(self, lease_id: int) -> bool:
         return lease_id in self._fifo

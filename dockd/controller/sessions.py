@@ -139,18 +139,24 @@ class Leasing:
         return pb.ExtendReply(seconds=seconds)
 
     def release(self, peer: Peer, req: pb.ReleaseRequest) -> int:
+        """Give leases back (the one named or its acquire's token's, and `req.leases`); how many
+        samples went back to the pool. The gets waiting on their partitions are tried at once."""
         svc = self.svc
-        lease_id = req.lease or svc.core.lease_tokens.get(req.token, 0)
-        lease = self.owned(peer, lease_id, req.ticket)
-        if lease is None or lease.need > 1:  # (a share other model-parallel ranks read: it expires if unconfirmed)
-            return 0
-        if svc.journal is not None:
-            svc.journal.release(lease_id)  # written ahead
-        lease = svc.core.release(lease_id)
-        if lease is None:
-            return 0
-        svc.waiting.wake(lease.partition)
-        return len(lease.indexes)
+        ids = [req.lease or svc.core.lease_tokens.get(req.token, 0), *req.leases[:]]  # ([:]: see dockd.net.wire)
+        released, woken = 0, set()
+        for k, lease_id in enumerate(ids):
+            lease = self.owned(peer, lease_id, req.ticket if k == 0 else b"")
+            if lease is None or lease.need > 1:  # (a share other model-parallel ranks read: it expires if unconfirmed)
+                continue
+            if svc.journal is not None:
+                svc.journal.release(lease_id)  # written ahead
+            lease = svc.core.release(lease_id)
+            if lease is not None:
+                released += len(lease.indexes)
+                woken.add(lease.partition)
+        for name in woken:
+            svc.waiting.wake(name)
+        return released
 
     # -- expiry ---------------------------------------------------------------------------------
     def schedule_expiry(self) -> None:
