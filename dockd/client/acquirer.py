@@ -101,4 +101,4 @@ class Acquirer:
         if len(inline) < len(columns):
             locs = np.asarray(a.locations[:], dtype=np.int64).reshape(len(columns), len(idx))
         return Lease(a.lease, req.partition, columns, idx, locs, inline, bytes(a.ticket), a.step,
-                     a.rank_weights[:])
+                     a.rank_weights[:], parts=a.leases[:], seconds=a.lease_seconds)

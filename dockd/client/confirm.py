@@ -15,6 +15,7 @@ samples out again.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -53,6 +54,7 @@ class Confirms:
         self._flusher: threading.Thread | None = None
         self._closed = False
         self._forks = forks()  # (a forked child's copy is its parent's to confirm)
+        self._held: dict[int, Lease] = {}  # leases taken ahead (get(prefetch=...)), not handed out yet
 
     def ctrl_call(self, frame: pb.Frame, *, timeout: float | None = None, deadline: float | None = None,
                   scope: CallScope | None = None, partition: str | None = None,
@@ -102,6 +104,35 @@ class Confirms:
         if leases:
             with self._lock:
                 self._pending[at] = leases + self._pending.get(at, [])
+
+    # -- leases taken ahead ------------------------------------------------------------------------
+    def hold(self, leases: list[Lease]) -> None:
+        """Leases taken ahead: released when the client goes, unless a get hands them out first."""
+        with self._lock:
+            self._held.update((lease.id, lease) for lease in leases)
+
+    def serve(self, lease: Lease) -> None:
+        """A lease taken ahead is a get's now: confirmed as that get's, no longer released at close."""
+        with self._lock:
+            self._held.pop(lease.id, None)
+
+    def release_held(self, leases: list[Lease], timeout: float | None = None) -> None:
+        """Give leases taken ahead back now, one request per controller (best effort, within `timeout`,
+        default connect_timeout: a lease not given back expires, or goes back with this client's session)."""
+        by_at: dict[str, list[int]] = {}
+        with self._lock:
+            for lease in leases:
+                self._held.pop(lease.id, None)
+                by_at.setdefault(lease.controller, []).append(lease.id)
+        limit = self._connect_timeout if timeout is None else timeout
+        for at, ids in by_at.items():
+            frame = pb.Frame(release=pb.ReleaseRequest(lease=ids[0], leases=ids[1:]))
+            try:
+                self._router.controller(functools.partial(_call, frame=frame, timeout=limit), at=at,
+                                        deadline=time.monotonic() + limit)
+            except Exception as e:  # noqa: BLE001 - they expire instead
+                logger.warning("[client] could not release %d lease(s) taken ahead (%s): their samples go back to the "
+                               "pool when they expire or this client's connections close", len(ids), e)
 
     def flush(self, *, retry: bool = True, timeout: float | None = None) -> None:
         """Deliver every pending confirm, to each controller its own (without `retry`: one attempt
@@ -164,8 +195,11 @@ class Confirms:
         try:
             self._closed = True
             self._settle(lambda: self._sending, deadline)
+            held, self._held = list(self._held.values()), {}
         finally:
             self._lock.release()
+        if held:  # (first: the other clients of their consumers take them now)
+            self.release_held(held, timeout=max(0.001, deadline - time.monotonic()))
         try:
             self.flush(retry=False, timeout=max(0.001, deadline - time.monotonic()))
         except DockError as e:
@@ -265,6 +299,10 @@ class Confirms:
                     pool.put(conn)
             except DockError as e:
                 logger.debug("[client] could not send unpins: %s", e)
+
+
+def _call(pool: Pool, *, frame: pb.Frame, timeout: float) -> tuple[pb.Frame, np.ndarray, list[int]]:
+    return pool.call(frame, timeout=timeout)
 
 
 def _flush_loop(ref: weakref.ref, wake: threading.Event, stop: threading.Event) -> None:

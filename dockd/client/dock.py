@@ -203,7 +203,8 @@ class Dock(PartitionCalls):
             dp_rank: int | None = None, dp_size: int | None = None, mp_group: tuple[int, int, int] | None = None,
             step: int | None = None, balance_by: str | Sequence[str] | None = None,
             where: Mapping[str, Any] | None = None, order_by: str | None = None, prefer_local: bool = False,
-            device: str | Any | None = None, max_staleness: int | None = None, _scope: CallScope | None = None) -> Batch:
+            device: str | Any | None = None, max_staleness: int | None = None, prefetch: int = 0,
+            _scope: CallScope | None = None) -> Batch:
         """Take `count` samples ready in `columns` that `consumer` has not had yet.
 
         Blocks until they are ready; after `timeout` seconds raises DockTimeout
@@ -260,12 +261,22 @@ class Dock(PartitionCalls):
         the latest when the client goes: `close()` (within connect_timeout), the Dock collected, or
         the interpreter exiting with it still open (within CLOSE_CONFIRM_S). A process killed before
         that (SIGKILL, a crash, os._exit) has them handed out again to the next get of this consumer.
+
+        `prefetch=n` (streaming consumers): one acquire takes up to n gets' worth (n leases of `count`),
+        and the next gets with the same arguments are served from them: the controller sees one
+        acquire per n gets. Each get's samples are fetched and confirmed as above; those held ahead
+        are this client's until a get returns them, it closes (they are released at once), or half
+        their lease timeout passed (released). Other clients of the consumer see at most n x count
+        fewer samples meanwhile. A get that is not partial takes ahead only what is ready when it
+        asks. Rank-aware gets (dp_size, mp_group) take no leases ahead.
         """
         opts = GetOptions(consumer=consumer, columns=columns, count=count, partition=partition, timeout=timeout,
                           groups=groups, allow_partial=allow_partial, shuffle=shuffle, seed=seed, dp_rank=dp_rank,
                           dp_size=dp_size, mp_group=mp_group, step=step, balance_by=balance_by, where=where,
                           order_by=order_by, prefer_local=prefer_local, max_staleness=max_staleness)
-        return self._getter.get(opts, device, _scope)
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise DockValueError(f"prefetch must be an int >= 0 (gets' worth of leases taken ahead), got {prefetch!r}")
+        return self._getter.get(opts, device, _scope, prefetch)
 
     def acquire(self, consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None = None,
                 groups: bool = False, allow_partial: bool = False, shuffle: bool = False, seed: int | None = None,

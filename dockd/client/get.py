@@ -18,6 +18,7 @@ import numpy as np
 from dockd._proto import dockd_pb2 as pb
 from dockd.client import validate
 from dockd.client.acquirer import Acquirer
+from dockd.client.ahead import Ahead
 from dockd.client.batch import Batch
 from dockd.client.confirm import Confirms
 from dockd.client.fetch import Fetcher, maps_device, to_device
@@ -43,15 +44,20 @@ class Getter:
         self._acquirer = acquirer
         self._fetcher = fetcher
         self._confirms = confirms
+        self._ahead = Ahead(acquirer, confirms)
 
-    def get(self, opts: GetOptions, device: Any, scope: CallScope | None) -> Batch:
-        """Dock.get: `opts` acquired, fetched and confirmed; the values on `device` if one is given.
+    def get(self, opts: GetOptions, device: Any, scope: CallScope | None, prefetch: int = 0) -> Batch:
+        """Dock.get: `opts` acquired (with `prefetch` > 1 from this client's leases taken ahead, see
+        dockd.client.ahead), fetched and confirmed; the values on `device` if one is given.
         `scope`: an AsyncDock get's, which cancelling it closes."""
         target = validate.device(device)
         mapped = target if maps_device(target) else None  # device-tier data shared by handle, copied once
         started = time.monotonic()
         reconnects = self._router.reconnects
-        lease = self._acquirer.acquire(opts, scope=scope, lazy=True, device=mapped)
+        if prefetch > 1 and opts.dp_size is None and opts.mp_group is None:  # (a rank's share is one step's)
+            lease = self._ahead.lease(opts, prefetch, scope)
+        else:
+            lease = self._acquirer.acquire(opts, scope=scope, lazy=True, device=mapped)
         if scope is not None and scope.cancelled:  # cancelled as the lease arrived: give it back, take nothing
             self._confirms.release(lease)
             raise DockClosed("the get was cancelled")

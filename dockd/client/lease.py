@@ -26,3 +26,6 @@ class Lease:
     step: int = 0        # rank-aware gets: the step this share belongs to
     rank_weights: list[float] = dataclasses.field(default_factory=list)  # ... each rank's sum of balance_by
     controller: str = ""  # several controllers: the address of the one that granted it ("": the first contact)
+    # an acquire with per_lease (prefetch): every lease its samples went in, in order (this one the first)
+    parts: list[int] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0  # seconds it had left when granted (0: not said)

@@ -43,6 +43,7 @@ class GetOptions:
     max_staleness: Final[int | None]
     inline: Final[bool] = True  # (acquire's own two: a get's values come inline, under the daemon's lease timeout)
     lease_timeout: Final[float | None] = None
+    per_lease: Final[int] = 0  # (leases taken ahead: the samples in leases of this many each)
 
     def frame(self, home: int) -> pb.Frame:
         """The acquire as the frame that is sent (its request is `frame.acquire`), every argument
@@ -68,5 +69,6 @@ class GetOptions:
                 raise DockValueError("prefer_local does not apply to rank-aware gets (dp_size or mp_group): a "
                                      "step's batch is one for all ranks")
             req.near = home + 1
+        req.per_lease = self.per_lease
         req.token = ids.random_bits(63) | 1  # a retried acquire gets the lease its lost reply carried
         return frame

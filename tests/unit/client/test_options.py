@@ -76,4 +76,4 @@ def test_made_once_from_the_arguments_as_given():
     o = opts(columns=("x",), timeout=1)
     assert o.columns == ("x",) and o.timeout == 1 and o.inline and o.lease_timeout is None  # (acquire's two: defaults)
     assert list(o.frame(home=-1).acquire.columns) == ["x"]
-    assert {f.name for f in dataclasses.fields(GetOptions)} == {*PLAIN, "inline", "lease_timeout"}
+    assert {f.name for f in dataclasses.fields(GetOptions)} == {*PLAIN, "inline", "lease_timeout", "per_lease"}
