@@ -14,7 +14,7 @@ import numpy as np
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.warehouse_calls import FREE_RETRY_S
 from dockd.errors import DockConnectionError, DockStateFull
-from tests.unit.test_controller_service import Dock, FakePeer
+from tests.unit.controller.fakes import Dock, FakePeer
 
 
 class Warehouse(FakePeer):

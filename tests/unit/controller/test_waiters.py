@@ -12,7 +12,7 @@ import numpy as np
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller import selection
 from dockd.controller.waiters import PASS_OVER
-from tests.unit.test_controller_service import Dock, FakePeer
+from tests.unit.controller.fakes import Dock, FakePeer
 
 
 class TwoWarehouses(Dock):

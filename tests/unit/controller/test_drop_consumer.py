@@ -13,7 +13,7 @@ from dockd.client.stats import _partition as stats_partition
 from dockd.controller.core import Controller
 from dockd.controller.service import ControllerService
 from dockd.errors import DockClosed, DockNotFound
-from tests.unit.test_controller_service import Dock, FakeClock, FakePeer
+from tests.unit.controller.fakes import Dock, FakeClock, FakePeer
 
 
 def _put(c: Controller, n: int) -> list[int]:
