@@ -8,48 +8,58 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
 from dockd._version import __version__
+from dockd.controller.core import Controller
+from dockd.controller.journal import Journal
+from dockd.controller.membership import Membership
+from dockd.controller.warehouse_calls import WarehouseCalls
 from dockd.errors import DockDataLost, DockNotFound, DockStateFull, DockValueError
-
-if TYPE_CHECKING:
-    from dockd.controller.service import ControllerService
 
 logger = logging.getLogger(__name__)
 
 
 class Checkpoints:
-    def __init__(self, svc: ControllerService) -> None:
-        self.svc = svc
+    """Saves and loads under `root` ("": anywhere), the files written and read by the warehouses
+    (`calls`); a loaded partition is journaled, and the gets waiting on it are woken (`wake`)."""
+
+    def __init__(self, core: Controller, members: Membership, journal: Journal | None, calls: WarehouseCalls, *,
+                 root: str, wake: Callable[[str], None]) -> None:
+        self.core = core
+        self.members = members
+        self.journal = journal
+        self.calls = calls
+        self.root = root
+        self.wake = wake
         self.loading: set[str] = set()  # partitions a load is filling
 
     async def save(self, req: pb.PartitionRequest) -> pb.PartitionReply:
         """Write a partition to a directory every daemon can reach: its metadata (this controller)
         and one Arrow IPC file per warehouse holding its data (the warehouses, in parallel)."""
         name, path = req.partition, req.save.path
-        _check_dir(path, self.svc.checkpoint_root)
-        meta = self.svc.core.export_partition(name)
-        part = self.svc.core.partitions[name]
+        _check_dir(path, self.root)
+        meta = self.core.export_partition(name)
+        part = self.core.partitions[name]
         n = part.size
         held = set()
         for loc in part.loc.values():
             held.update(np.unique(loc[:n][loc[:n] < 0xFFFE]).tolist())
         for wid in sorted(held):
-            entry = self.svc.members.get(wid)
+            entry = self.members.get(wid)
             if entry is None or not entry.alive:
                 raise DockDataLost(f"cannot save partition {name!r}: warehouse {wid}, which holds some of its data, "
                                    "is not reachable; save once it is back, or delete what it held")
         files = {wid: f"warehouse-{wid}.arrow" for wid in sorted(held)}
-        dump = self.svc.calls.dump
+        dump = self.calls.dump
         replies = await asyncio.gather(*(dump(wid, pb.DumpRequest(partition=name, path=os.path.join(path, f)))
                                          for wid, f in files.items()))
         meta = {"format": "dockd-checkpoint", "version": 1, "dockd": __version__, "partition": meta,
                 "files": [[wid, f] for wid, f in files.items()]}
-        await self.svc.loop.run_in_executor(None, _write_meta, path, meta)
+        await asyncio.get_running_loop().run_in_executor(None, _write_meta, path, meta)
         out = pb.PartitionReply(samples=n - part.deleted, nbytes=sum(r.nbytes for r in replies))
         logger.info("[controller] partition saved partition=%s path=%s samples=%d bytes=%d warehouses=%d", name, path,
                     out.samples, out.nbytes, len(files))
@@ -59,13 +69,13 @@ class Checkpoints:
         """Restore a partition saved by `save`, under req.partition: each warehouse file goes to the
         warehouse of the same id if it is live, else to another live one."""
         name, path = req.partition, req.load.path
-        _check_dir(path, self.svc.checkpoint_root)
-        meta = await self.svc.loop.run_in_executor(None, _read_meta, path)
-        if name in self.svc.core.partitions or name in self.loading:
+        _check_dir(path, self.root)
+        meta = await asyncio.get_running_loop().run_in_executor(None, _read_meta, path)
+        if name in self.core.partitions or name in self.loading:
             raise DockValueError(f"partition {name!r} exists (or is being loaded); clear it or load the checkpoint "
                                  "under another name")
-        if self.svc.journal is not None:
-            self.svc.journal.room()
+        if self.journal is not None:
+            self.journal.room()
         self.loading.add(name)
         try:
             return await self._load(name, path, meta)
@@ -73,7 +83,7 @@ class Checkpoints:
             self.loading.discard(name)
 
     async def _load(self, name: str, path: str, meta: dict) -> pb.PartitionReply:
-        live = sorted(e.id for e in self.svc.members.entries.values() if e.alive)
+        live = sorted(e.id for e in self.members.entries.values() if e.alive)
         if meta["files"] and not live:
             raise DockValueError("no live warehouse to load the checkpoint into")
         targets, k = {}, 0
@@ -86,27 +96,27 @@ class Checkpoints:
         d = meta["partition"]
         limit = d["size"]
         try:
-            replies = await asyncio.gather(*(self.svc.calls.dump(targets[wid], pb.DumpRequest(
+            replies = await asyncio.gather(*(self.calls.dump(targets[wid], pb.DumpRequest(
                 partition=name, path=os.path.join(path, f), load=True, limit=limit))
                 for wid, f in meta["files"]))
         except BaseException:
-            await self.svc.calls.free_everywhere(name)  # (a warehouse that ran out of room: nothing half-loaded stays)
+            await self.calls.free_everywhere(name)  # (a warehouse that ran out of room: nothing half-loaded stays)
             raise
-        self.svc.core.import_partition(d, name, targets)
-        part = self.svc.core.partitions[name]
+        self.core.import_partition(d, name, targets)
+        part = self.core.partitions[name]
         for (wid, _), r in zip(meta["files"], replies):
             part.nbytes[targets[wid]] = part.nbytes.get(targets[wid], 0) + r.nbytes
-        if self.svc.journal is not None:
+        if self.journal is not None:
             try:
-                self.svc.journal.loaded(name, self.svc.core.export_partition(name))
+                self.journal.loaded(name, self.core.export_partition(name))
             except DockStateFull:
-                del self.svc.core.partitions[name]  # not recorded: not loaded
-                await self.svc.calls.free_everywhere(name)
+                del self.core.partitions[name]  # not recorded: not loaded
+                await self.calls.free_everywhere(name)
                 raise
         out = pb.PartitionReply(samples=limit - part.deleted, nbytes=sum(r.nbytes for r in replies))
         logger.info("[controller] partition loaded partition=%s path=%s samples=%d bytes=%d", name, path,
                     out.samples, out.nbytes)
-        self.svc.waiting.wake(name)
+        self.wake(name)
         return out
 
 

@@ -6,20 +6,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller import selection
+from dockd.controller.clock import Timers
+from dockd.controller.core import Controller
+from dockd.controller.journal import Journal
 from dockd.controller.lease_table import AcquireResult
+from dockd.controller.membership import Membership
+from dockd.controller.pacing import Pacer
 from dockd.controller.partition import VERSION_TAG
+from dockd.controller.replica_service import Replication
 from dockd.controller.rounds import Round
+from dockd.controller.sessions import Leasing
+from dockd.controller.waiters import Waiters
+from dockd.controller.warehouse_calls import LocalWarehouse, WarehouseCalls
 from dockd.errors import DockDataLost, DockStateFull, DockValueError
 from dockd.net.peer import Peer
-
-if TYPE_CHECKING:
-    from dockd.controller.service import ControllerService
 
 logger = logging.getLogger(__name__)
 
@@ -36,28 +41,45 @@ def _lease_seconds(r: pb.AcquireRequest) -> float | None:
 
 
 class Acquiring:
-    def __init__(self, svc: ControllerService) -> None:
-        self.svc = svc
+    """The gets of one controller: leases granted to `leasing`'s sessions and journaled in `journal`
+    (None: none kept), the gets `waiting` on a balanced round failed or woken once it is weighed
+    (columns measured by the warehouses: `calls`), puts `pacer` holds let in by what is handed out,
+    and the reply: locations (read from replicas where their home is away: `replication`), the
+    warehouses' addresses (`members`), columns the warehouse in this process (`local`) holds inline."""
+
+    def __init__(self, core: Controller, journal: Journal | None, timers: Timers, *, leasing: Leasing,
+                 waiting: Waiters, pacer: Pacer, calls: WarehouseCalls, replication: Replication,
+                 members: Membership, local: LocalWarehouse | None) -> None:
+        self.core = core
+        self.journal = journal
+        self.timers = timers
+        self.leasing = leasing
+        self.waiting = waiting
+        self.pacer = pacer
+        self.calls = calls
+        self.replication = replication
+        self.members = members
+        self.local = local
         # per bucket of STALENESS_BUCKETS (and past the last), samples handed out; their sum
         self.staleness_counts = [0] * (len(STALENESS_BUCKETS) + 1)
         self.staleness_sum = 0
 
     def attempt(self, peer: Peer, r: pb.AcquireRequest) -> AcquireResult | None:
         """Try a get once: what it gets, or None to wait."""
-        svc, core = self.svc, self.svc.core
-        sid = svc.leasing.session(peer)
+        core = self.core
+        sid = self.leasing.session(peer)
         if r.dp_size:
             return self._share(r, sid)
         again = core.leases.get(core.lease_tokens.get(r.token, 0)) if r.token else None
         if again is not None and again.owner not in (sid, b""):
             again = None  # another client's token: no replay for it (tokens are random, so this is an attack)
             r.token = 0
-        if again is None and svc.journal is not None:
-            svc.journal.room()
+        if again is None and self.journal is not None:
+            self.journal.room()
         res = core.acquire(
             r.partition, r.consumer, r.columns[:], r.count,
             groups=r.groups, allow_partial=r.allow_partial, shuffle=r.shuffle,
-            seed=r.seed if r.has_seed else None, owner=sid, now=svc.clock(), token=r.token,
+            seed=r.seed if r.has_seed else None, owner=sid, now=self.timers.clock(), token=r.token,
             lease_timeout=_lease_seconds(r), where=where_of(r), order_by=r.order_by,
             near=r.near - 1 if r.near else None, max_staleness=r.max_staleness - 1 if r.max_staleness else None,
         )
@@ -75,26 +97,26 @@ class Acquiring:
     def _grant(self, res: AcquireResult, per_lease: int) -> None:
         """A lease just granted: cut into leases of `per_lease` samples (a client taking several gets'
         worth at once), each journaled ahead of the answer, and its expiry timed."""
-        svc, core = self.svc, self.svc.core
+        core = self.core
         lease = core.leases[res.lease]
-        res.seconds = lease.deadline - svc.clock()
+        res.seconds = lease.deadline - self.timers.clock()
         leases = core.book.split(res.lease, per_lease) if per_lease else [lease]
         if len(leases) > 1:
             res.leases = [l.id for l in leases]
-        if svc.journal is not None:
+        if self.journal is not None:
             try:
                 for l in leases:
-                    svc.journal.grant(l, res.seconds)
+                    self.journal.grant(l, res.seconds)
             except DockStateFull:
                 for l in leases:
                     core.release(l.id)  # not recorded: not granted
                 raise
-        svc.leasing.schedule_expiry()
+        self.leasing.schedule_expiry()
 
     def near_ready(self, r: pb.AcquireRequest) -> dict[int, int]:
         """Warehouse id -> samples ready for get `r` with all its columns there (staleness bound and
         where applied): how Waiters.wake finds the waiting gets it can serve from their own node."""
-        part = self.svc.core.partitions.get(r.partition)
+        part = self.core.partitions.get(r.partition)
         if part is None or len(part.nbytes) < 2:  # (data on one warehouse: nothing to prefer)
             return {}
         v = selection.view(part, r.consumer, r.columns[:], r.count, r.groups)
@@ -106,7 +128,6 @@ class Acquiring:
 
     def _share(self, r: pb.AcquireRequest, sid: bytes) -> AcquireResult | None:
         """A rank-aware get (see Controller.share); a round to balance is weighed in the background."""
-        svc = self.svc
         if r.shuffle or r.allow_partial:
             raise DockValueError("a rank-aware get (dp_size or mp_group) hands out `count` samples per rank in order; "
                                  "shuffle and allow_partial do not apply (order_by and where do; a sealed partition "
@@ -115,13 +136,13 @@ class Acquiring:
             if name not in r.columns and not self._is_tag(r.partition, name):
                 raise DockValueError(f"balance_by={name!r} is neither a tag of partition {r.partition!r} nor one of "
                                      f"the columns this get reads ({r.columns[:]})")
-        if svc.journal is not None:
-            svc.journal.room()
-        res = svc.core.share(
+        if self.journal is not None:
+            self.journal.room()
+        res = self.core.share(
             r.partition, r.consumer, r.columns[:], r.count, dp_rank=r.dp_rank, dp_size=r.dp_size,
             mp_rank=r.mp_rank, mp_size=r.mp_size or 1, mp_group=r.mp_group, step=r.step if r.has_step else None,
             groups=r.groups, where=where_of(r), order_by=r.order_by, balance=bool(r.balance_by), owner=sid,
-            now=svc.clock(), lease_timeout=_lease_seconds(r),
+            now=self.timers.clock(), lease_timeout=_lease_seconds(r),
             max_staleness=r.max_staleness - 1 if r.max_staleness else None,
         )
         if res is not None and not isinstance(res, Round) and res.lease:
@@ -134,8 +155,7 @@ class Acquiring:
 
     def _handed_out(self, partition: str, idx: np.ndarray) -> None:
         """Samples were just leased: count their staleness; commits waiting for room may go in."""
-        svc = self.svc
-        part = svc.core.partitions.get(partition)
+        part = self.core.partitions.get(partition)
         if part is None:
             return
         if part.version or VERSION_TAG in part.tags:
@@ -145,39 +165,37 @@ class Acquiring:
             for b in np.flatnonzero(counts).tolist():
                 self.staleness_counts[b] += int(counts[b])
             self.staleness_sum += int(st.sum())
-        if partition in svc.paced:
-            svc.pacer.soon(partition)
+        if partition in self.pacer.paced:
+            self.pacer.soon(partition)
 
     def _is_tag(self, partition: str, name: str) -> bool:
-        part = self.svc.core.partitions.get(partition)
+        part = self.core.partitions.get(partition)
         return part is not None and name in part.tags
 
     def journal_shares(self) -> None:
         """Record the shares made and given back since the last call. Shares whose grant cannot be
         recorded go back to the pool (as if they expired at once) and DockStateFull is raised."""
-        svc = self.svc
-        shares, dropped = svc.core.ranks.take_journal()
-        if svc.journal is not None:
+        shares, dropped = self.core.ranks.take_journal()
+        if self.journal is not None:
             for lid in dropped:
-                svc.journal.release(lid, applied=True)
-            now = svc.clock()
+                self.journal.release(lid, applied=True)
+            now = self.timers.clock()
             for k, lease in enumerate(shares):
                 try:
-                    svc.journal.grant(lease, lease.deadline - now)
+                    self.journal.grant(lease, lease.deadline - now)
                 except DockStateFull:
                     for gone in shares[k:]:
-                        svc.core.release(gone.id)  # not recorded: not granted
+                        self.core.release(gone.id)  # not recorded: not granted
                     raise
         if shares:
-            svc.leasing.schedule_expiry()
+            self.leasing.schedule_expiry()
 
     async def _weigh(self, rnd: Round, names: list[str]) -> None:
         """Weigh a round's samples by `names` (tags, or columns measured where they are stored), split it
         among its ranks, and serve the ranks waiting for it. A failure gives the round's samples back and
         fails the gets waiting for it."""
-        svc = self.svc
         try:
-            part = svc.core.partitions.get(rnd.partition)
+            part = self.core.partitions.get(rnd.partition)
             if part is None:
                 raise DockDataLost(f"partition {rnd.partition!r} was cleared while a balanced round was weighed")
             idx = rnd.indexes
@@ -186,24 +204,23 @@ class Acquiring:
                 if name in part.tags:
                     weights += part.tags[name][idx]
                 else:
-                    weights += await svc.calls.measure(part, name, idx)
+                    weights += await self.calls.measure(part, name, idx)
             if not np.isfinite(weights).all() or (weights < 0).any():
                 raise DockValueError(f"balance_by={names} gave negative or non-finite weights; balance by "
                                      "non-negative numbers (lengths, token counts)")
-            svc.core.split_round(rnd, weights)
+            self.core.split_round(rnd, weights)
             self.journal_shares()
         except Exception as e:  # noqa: BLE001 - reported to the gets that wait for this round
-            svc.core.drop_round(rnd)
+            self.core.drop_round(rnd)
             logger.warning("[controller] balanced round failed partition=%s error=%s", rnd.partition, e)
             _, consumer, cols, groups, dp_size, *_ = rnd.key
-            svc.waiting.fail(rnd.partition, e, lambda a: a.consumer == consumer and a.dp_size == dp_size
+            self.waiting.fail(rnd.partition, e, lambda a: a.consumer == consumer and a.dp_size == dp_size
                              and tuple(sorted(a.columns)) == cols)
-        svc.waiting.wake(rnd.partition)
+        self.waiting.wake(rnd.partition)
 
     def reply(self, peer: Peer, frame: pb.Frame, r: pb.AcquireRequest, res: AcquireResult) -> None:
-        svc = self.svc
-        if svc.replication.replicas > 1 and len(res.indexes):  # (values whose warehouse is away: from their replica)
-            res.locations = svc.replication.readable(r.partition, r.columns, res.indexes, res.locations)
+        if self.replication.replicas > 1 and len(res.indexes):  # (values whose warehouse is away: from their replica)
+            res.locations = self.replication.readable(r.partition, r.columns, res.indexes, res.locations)
         locs = res.locations.ravel().tolist()
         out = pb.Frame()
         reply = out.acquire_reply  # filled in place: building a message and wrapping it would copy it
@@ -211,16 +228,16 @@ class Acquiring:
         reply.leases.extend(res.leases)
         reply.lease_seconds = res.seconds
         if res.lease:
-            reply.ticket = svc.leasing.ticket(res.lease)
+            reply.ticket = self.leasing.ticket(res.lease)
         reply.step = res.step
         reply.rank_weights.extend(res.weights)
         reply.indexes.extend(res.indexes.tolist())
         reply.locations.extend(locs)
-        infos = svc.members.acquire_infos(sorted(set(locs)))  # (appended to the frame: see acquire_infos)
-        part = svc.core.partitions.get(r.partition)
+        infos = self.members.acquire_infos(sorted(set(locs)))  # (appended to the frame: see acquire_infos)
+        part = self.core.partitions.get(r.partition)
         reply.recovered = part is not None and part.recovered
-        if r.inline and svc.local is not None:
-            cols, body, segs, shared = svc.local.inline(peer, r.partition, r.columns[:], res.indexes, res.locations,
+        if r.inline and self.local is not None:
+            cols, body, segs, shared = self.local.inline(peer, r.partition, r.columns[:], res.indexes, res.locations,
                                                         r.device)
             reply.inline.extend(cols)
             reply.device_buffers.extend(shared)

@@ -4,18 +4,17 @@ samples waiting for its consumers waits, in order, until they take some or its t
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.controller.clock import Timer, seconds
+from dockd.controller.clock import Timer, Timers, seconds
+from dockd.controller.core import Controller
+from dockd.controller.membership import Membership
 from dockd.errors import DockFull, DockStateFull, DockValueError
 from dockd.net.peer import Peer
 from dockd.terms import CommitOutcome
-
-if TYPE_CHECKING:
-    from dockd.controller.service import ControllerService
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -28,21 +27,27 @@ class Paced:
 
 
 class Pacer:
-    def __init__(self, svc: ControllerService) -> None:
-        self.svc = svc
+    """The commits waiting for their partitions' consumers. `apply` applies a commit (and wakes the
+    gets waiting for it): a commit let in, or one re-sent that was applied already."""
+
+    def __init__(self, core: Controller, members: Membership, timers: Timers, *,
+                 apply: Callable[[pb.CommitRequest], CommitOutcome]) -> None:
+        self.core = core
+        self.members = members
+        self.timers = timers
+        self.apply = apply
         self.paced: dict[str, list[Paced]] = {}  # partition -> commits waiting for max_pending, in order
         self._due: set[str] = set()
         self.total = 0  # commits that had to wait for max_pending
 
     def must_wait(self, req: pb.CommitRequest) -> bool:
         return bool(req.has_timeout and req.new_count and not req.indexes and (
-            req.partition in self.paced or self.svc.core.must_wait(req.partition, req.new_count)))
+            req.partition in self.paced or self.core.must_wait(req.partition, req.new_count)))
 
     def park(self, req: pb.CommitRequest, then, peer: Peer | None) -> CommitOutcome | None:
-        svc = self.svc
-        if req.put_id and req.put_id in svc.core.put_keys.get(req.warehouse, ()):
-            return svc.apply_commit(req)  # re-sent: answered again
-        entry = svc.members.get(req.warehouse)
+        if req.put_id and req.put_id in self.core.put_keys.get(req.warehouse, ()):
+            return self.apply(req)  # re-sent: answered again
+        entry = self.members.get(req.warehouse)
         if entry is None or not entry.alive:
             raise DockValueError(f"warehouse {req.warehouse} is not a live member of this dock")
         if req.timeout == 0:
@@ -53,11 +58,11 @@ class Pacer:
         if peer is not None:
             peer.parked += 1
         if req.timeout > 0:
-            p.timer = svc.timers.call_later(req.timeout, self._expired, req.partition, p)
+            p.timer = self.timers.call_later(req.timeout, self._expired, req.partition, p)
         return None
 
     def full_error(self, partition: str, timeout: float) -> DockFull:
-        part = self.svc.core.partitions.get(partition)
+        part = self.core.partitions.get(partition)
         pending, limit = (part.pending(), part.max_pending) if part is not None else (0, 0)
         behind = part.most_behind() if part is not None else None
         who = (f" Consumer {behind[0]!r} is the furthest behind ({behind[1]} not yet handed to it); if nobody runs "
@@ -90,12 +95,12 @@ class Pacer:
         inside a wake: applying a commit wakes gets itself)."""
         if partition in self.paced and partition not in self._due:
             if not self._due:
-                self.svc.loop.call_soon(self._run)
+                asyncio.get_running_loop().call_soon(self._run)
             self._due.add(partition)
 
     def _run(self) -> None:
         due, self._due = self._due, set()
-        core = self.svc.core
+        core = self.core
         for partition in due:
             ps = self.paced.get(partition)
             while ps and not core.must_wait(partition, ps[0].req.new_count):
@@ -103,12 +108,12 @@ class Pacer:
                 self.unpace(partition, p)
                 res: CommitOutcome
                 try:
-                    res = self.svc.apply_commit(p.req)
+                    res = self.apply(p.req)
                 except DockStateFull:
                     self.paced.setdefault(partition, []).insert(0, p)  # (it waits on; tried again soon)
                     if p.peer is not None:
                         p.peer.parked += 1
-                    self.svc.timers.call_later(1.0, self.soon, partition)
+                    self.timers.call_later(1.0, self.soon, partition)
                     break
                 except Exception as e:  # noqa: BLE001 - the put's answer
                     res = CommitOutcome(error=e)

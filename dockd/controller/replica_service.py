@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller import replica_map as replicas
-from dockd.controller.clock import Timer
+from dockd.controller.clock import Timer, Timers
+from dockd.controller.core import Controller
+from dockd.controller.journal import Journal
+from dockd.controller.membership import Membership
+from dockd.controller.warehouse_calls import LocalWarehouse
 from dockd.errors import DockValueError
 from dockd.logutil import Throttle
-
-if TYPE_CHECKING:
-    from dockd.controller.service import ControllerService
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +35,20 @@ _failures = Throttle()  # (a repair that keeps failing, e.g. into a full warehou
 
 
 class Replication:
-    def __init__(self, svc: ControllerService, replicas: int) -> None:
+    """`replicas` copies of each value (1 or 2), over `members`; the copies' commits are journaled in
+    `journal` (None: none kept); a repair asked of `local` (the warehouse in this process) or of a
+    warehouse over its link is given up after `daemon_timeout` seconds."""
+
+    def __init__(self, core: Controller, members: Membership, journal: Journal | None, timers: Timers, *,
+                 replicas: int, local: LocalWarehouse | None, daemon_timeout: float) -> None:
         if replicas not in (1, 2):
             raise DockValueError(f"--replicas is 1 (one copy of each value) or 2 (two warehouses), got {replicas}")
-        self.svc = svc
+        self.core = core
+        self.members = members
+        self.journal = journal
+        self.timers = timers
+        self.local = local
+        self.daemon_timeout = daemon_timeout
         self.replicas = replicas
         self._timer: Timer | None = None
         self._copies: list[tuple[float, str, list[str], np.ndarray]] = []  # (deadline, partition, columns, indexes)
@@ -47,7 +57,7 @@ class Replication:
 
     def start(self) -> None:
         if self.replicas > 1 and self._timer is None:
-            self._timer = self.svc.timers.call_later(REPAIR_INTERVAL, self._tick)
+            self._timer = self.timers.call_later(REPAIR_INTERVAL, self._tick)
 
     def close(self) -> None:
         if self._timer is not None:
@@ -58,40 +68,39 @@ class Replication:
 
     # -- puts -----------------------------------------------------------------------------------
     def _joined(self) -> list[int]:
-        return [e.id for e in self.svc.members.entries.values() if e.state == "joined"]
+        return [e.id for e in self.members.entries.values() if e.state == "joined"]
 
     def target_of(self, req: pb.CommitRequest, idx: np.ndarray) -> pb.WarehouseInfo | None:
         """Where the warehouse that committed `req` copies it before answering its writer (None: no
         copy: one replica, a copy's own commit, or no other warehouse joined; a repair makes it later)."""
-        if self.replicas < 2 or req.replica or req.partition not in self.svc.core.partitions:
+        if self.replicas < 2 or req.replica or req.partition not in self.core.partitions:
             return None
         wid = replicas.target(self._joined(), req.warehouse)
         if wid is None:
             return None
         idx = np.asarray(idx, dtype=np.int64)
-        part = self.svc.core.partitions[req.partition]
+        part = self.core.partitions[req.partition]
         replicas.mark_pending(part, req.columns, idx)
-        self._copies.append((self.svc.clock() + COPY_DEADLINE, req.partition, req.columns[:], idx))
-        return self.svc.members.infos([wid], usage=False)[0]
+        self._copies.append((self.timers.clock() + COPY_DEADLINE, req.partition, req.columns[:], idx))
+        return self.members.infos([wid], usage=False)[0]
 
     def commit(self, req: pb.CommitRequest) -> np.ndarray:
         """A warehouse holds a copy of written values, or (their own warehouse) could not make it;
         journaled ahead, like a commit (a failed copy replays to nothing: copies on their way are
         not journaled)."""
-        svc = self.svc
-        if svc.journal is not None and svc.core.catalog.recall(req.warehouse, req.put_id) is None:
-            svc.journal.room()
-            svc.journal.replica(req.partition, req.columns, req.warehouse, list(req.indexes), req.nbytes, req.put_id)
-        return svc.core.commit_replica(req.partition, req.columns[:], warehouse=req.warehouse,
+        if self.journal is not None and self.core.catalog.recall(req.warehouse, req.put_id) is None:
+            self.journal.room()
+            self.journal.replica(req.partition, req.columns, req.warehouse, list(req.indexes), req.nbytes, req.put_id)
+        return self.core.commit_replica(req.partition, req.columns[:], warehouse=req.warehouse,
                                        indexes=list(req.indexes), nbytes=req.nbytes, put_id=req.put_id)
 
     def readable(self, partition: str, columns, idx: np.ndarray, locs: np.ndarray) -> np.ndarray:
         """A get's locations (columns x samples), with values whose warehouse is away (rejoining, or not
         answering) but whose replica's is joined read from the replica."""
-        away = [e.id for e in self.svc.members.entries.values() if e.state in ("rejoining", "unresponsive")]
+        away = [e.id for e in self.members.entries.values() if e.state in ("rejoining", "unresponsive")]
         if not away or not np.isin(locs, away).any():
             return locs
-        part = self.svc.core.partitions[partition]
+        part = self.core.partitions[partition]
         joined = self._joined()
         out = locs.copy()
         for row, c in enumerate(columns):
@@ -104,16 +113,16 @@ class Replication:
         return out
 
     def counts(self, partition: str) -> tuple[int, int]:
-        return replicas.counts(self.svc.core.partitions[partition])
+        return replicas.counts(self.core.partitions[partition])
 
     # -- repairs --------------------------------------------------------------------------------
     def _tick(self) -> None:
-        self._timer = self.svc.timers.call_later(REPAIR_INTERVAL, self._tick)
-        now = self.svc.clock()
+        self._timer = self.timers.call_later(REPAIR_INTERVAL, self._tick)
+        now = self.timers.clock()
         keep = []
         for copy in self._copies:
             deadline, partition, columns, idx = copy
-            part = self.svc.core.partitions.get(partition)
+            part = self.core.partitions.get(partition)
             if part is None:
                 continue
             if deadline <= now:
@@ -125,11 +134,11 @@ class Replication:
             self._repair()
 
     def _repair(self) -> None:
-        members = self.svc.members
+        members = self.members
         joined = self._joined()
         live = {e.id for e in members.entries.values() if e.alive}
-        for part in list(self.svc.core.partitions.values()):
-            for (home, col), idx in replicas.missing(part, self.svc.core.dead_warehouses, live).items():
+        for part in list(self.core.partitions.values()):
+            for (home, col), idx in replicas.missing(part, self.core.dead_warehouses, live).items():
                 wid = replicas.target(joined, home)
                 if wid is None:
                     continue
@@ -146,20 +155,20 @@ class Replication:
     async def _ask(self, home: int, req: pb.ReplicateRequest, idx: np.ndarray) -> None:
         """Ask `home` to copy values to req.target; values whose copy failed are repaired again later."""
         try:
-            entry = self.svc.members.get(home)
+            entry = self.members.get(home)
             if entry is None or not entry.alive:
                 raise DockValueError(f"warehouse {home} is not live")
             if entry.local:
-                assert self.svc.local is not None  # (a local member is the warehouse in this process)
-                await asyncio.wait_for(self.svc.local.replicate(req), self.svc.daemon_timeout)
+                assert self.local is not None  # (a local member is the warehouse in this process)
+                await asyncio.wait_for(self.local.replicate(req), self.daemon_timeout)
             else:
                 assert entry.peer is not None
-                await asyncio.wait_for(entry.peer.request(pb.Frame(replicate=req)), self.svc.daemon_timeout)
+                await asyncio.wait_for(entry.peer.request(pb.Frame(replicate=req)), self.daemon_timeout)
             self.repaired += len(idx)
             logger.info("[controller] replicated partition=%s column=%s samples=%d from=%d to=%d", req.partition,
                         req.columns[0], len(idx), home, req.target.id)
         except Exception as e:  # noqa: BLE001 - a repair that failed is retried
-            part = self.svc.core.partitions.get(req.partition)
+            part = self.core.partitions.get(req.partition)
             if part is not None:
                 replicas.unmark(part, req.columns, idx)
             _failures.log(logger, logging.WARNING, "[controller] replicating partition=%s samples=%d from warehouse %d "

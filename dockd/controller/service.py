@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import Protocol
 
 import numpy as np
 
@@ -49,6 +50,10 @@ __all__ = ["STALENESS_BUCKETS", "ControllerService", "LocalWarehouse"]
 logger = logging.getLogger(__name__)
 
 
+class _HoldsCore(Protocol):
+    core: Controller
+
+
 class ControllerService:
     """The controller of one dock.
 
@@ -71,8 +76,6 @@ class ControllerService:
                  controllers: tuple[str, ...] = (), own: int = 0, replicas: int = 1) -> None:
         self.controllers = controllers  # several controllers: all of them, in the dock's order (dockd.owners)
         self.own = own  # ... and this one's place among them
-        self.daemon_timeout = daemon_timeout
-        self.checkpoint_root = checkpoint_root  # checkpoints are written and read only below it ("": anywhere)
         self.core = core
         self.local = local
         self.clock = clock
@@ -80,13 +83,19 @@ class ControllerService:
         self.journal = Journal(state_dir, fsync_interval=fsync_interval) if state_dir else None
         self.members = Membership(core, self.journal, grace=warehouse_grace, on_change=self.wake_all,
                                   timers=self.timers, numbering=(own, len(controllers)) if controllers else (0, 1))
-        self.waiting = Waiters(self)
-        self.pacer = Pacer(self)
-        self.leasing = Leasing(self)
-        self.acquiring = Acquiring(self)
-        self.checkpoints = Checkpoints(self)
-        self.calls = WarehouseCalls(self)
-        self.replication = Replication(self, replicas)
+        self.waiting = Waiters(core, self.timers, retry_all=self.wake_all)
+        self.pacer = Pacer(core, self.members, self.timers, apply=self.apply_commit)
+        self.calls = WarehouseCalls(core, self.members, local, self.timers, daemon_timeout=daemon_timeout)
+        self.leasing = Leasing(core, self.journal, self.timers, waiting=self.waiting, pacer=self.pacer,
+                               calls=self.calls)
+        self.replication = Replication(core, self.members, self.journal, self.timers, replicas=replicas, local=local,
+                                       daemon_timeout=daemon_timeout)
+        self.acquiring = Acquiring(core, self.journal, self.timers, leasing=self.leasing, waiting=self.waiting,
+                                   pacer=self.pacer, calls=self.calls, replication=self.replication,
+                                   members=self.members, local=local)
+        self.waiting.gets = self.acquiring  # (it wakes waiting gets itself: given once it is made)
+        self.checkpoints = Checkpoints(core, self.members, self.journal, self.calls, root=checkpoint_root,
+                                       wake=self.waiting.wake)
         self._sync_timer: Timer | None = None
         self._syncing = False
         self.closing = False
@@ -139,12 +148,21 @@ class ControllerService:
         self.journal.lock()  # (one controller per state dir: a second one refuses to start)
         core, records = self.journal.load(lease_timeout=self.core.lease_timeout, now=self.clock())
         core.max_samples = self.core.max_samples
-        self.core = self.members.core = core
+        self._adopt(core)
         self.leasing.ticket_key = self.journal.secret()
         self.members.restore(records)
         self.leasing.schedule_expiry()
         self.replication.start()
         self._sync_timer = self.timers.call_later(self.journal.fsync_interval, self._sync)
+
+    def _adopt(self, core: Controller) -> None:
+        """The controller rebuilt from the state dir replaces the fresh one, in every part holding it
+        (before serving: nothing was decided on the fresh one)."""
+        self.core = core
+        parts: list[_HoldsCore] = [self.members, self.waiting, self.pacer, self.calls, self.leasing,
+                                   self.replication, self.acquiring, self.checkpoints]
+        for part in parts:
+            part.core = core
 
     def _sync(self) -> None:
         """Batched durability: fsync the journal in a worker thread; compact it when large."""

@@ -8,23 +8,34 @@ import hashlib
 import hmac
 import logging
 import secrets
-from typing import TYPE_CHECKING
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.controller.clock import Timer
+from dockd.controller.clock import Timer, Timers
+from dockd.controller.core import Controller
+from dockd.controller.journal import Journal
 from dockd.controller.lease_table import Lease
+from dockd.controller.pacing import Pacer
+from dockd.controller.waiters import Waiters
+from dockd.controller.warehouse_calls import WarehouseCalls
 from dockd.errors import DockLeaseError, DockValueError
 from dockd.net.peer import Peer
-
-if TYPE_CHECKING:
-    from dockd.controller.service import ControllerService
 
 logger = logging.getLogger(__name__)
 
 
 class Leasing:
-    def __init__(self, svc: ControllerService) -> None:
-        self.svc = svc
+    """The leases of one controller's clients, journaled in `journal` (None: none kept), their
+    deadlines on `timers`. A lease that ends wakes the gets `waiting` on its partition; a taken
+    one lets the puts paced on it in (`pacer`) and may leave frees for the warehouses (`calls`)."""
+
+    def __init__(self, core: Controller, journal: Journal | None, timers: Timers, *, waiting: Waiters,
+                 pacer: Pacer, calls: WarehouseCalls) -> None:
+        self.core = core
+        self.journal = journal
+        self.timers = timers
+        self.waiting = waiting
+        self.pacer = pacer
+        self.calls = calls
         self.sessions: dict[bytes, set[Peer]] = {}  # client session -> its connections (leases belong to sessions)
         self.ticket_key = secrets.token_bytes(32)
         self.expired = 0  # leases that expired unconfirmed
@@ -49,7 +60,7 @@ class Leasing:
 
     def owned(self, peer: Peer, lease_id: int, ticket: bytes) -> Lease | None:
         """The lease if this peer may act on it; None if it is gone; raises DockLeaseError if it is another's."""
-        lease = self.svc.core.leases.get(lease_id)
+        lease = self.core.leases.get(lease_id)
         if lease is None:
             return None
         sid = self.session(peer)
@@ -71,10 +82,10 @@ class Leasing:
         if conns:
             return []
         del self.sessions[sid]  # the client's last connection: it is gone, its leases go back to the pool
-        released = self.svc.core.release_owner(sid)
-        if self.svc.journal is not None:
+        released = self.core.release_owner(sid)
+        if self.journal is not None:
             for lease in released:
-                self.svc.journal.release(lease.id, applied=True)
+                self.journal.release(lease.id, applied=True)
         return released
 
     # -- what clients ask -----------------------------------------------------------------------
@@ -83,7 +94,7 @@ class Leasing:
         goes with the request's next one (the caller flushes the journal before it answers)."""
         if not leases:
             return
-        svc, core = self.svc, self.svc.core
+        core = self.core
         done, unknown, refused, sealed, mine = [], [], [], set(), []
         for k, lid in enumerate(leases[:]):  # ([:]: see dockd.net.wire)
             try:
@@ -101,20 +112,20 @@ class Leasing:
             # (as Controller.confirm decides: a share read by several ranks ends with its last reader's confirm)
             if lease.need <= 1 or member is None or (lease.confirmed | 1 << member).bit_count() >= lease.need:
                 done.append(lid)
-        if done and svc.journal is not None:
-            svc.journal.confirm(done, hold=hold)  # written ahead: confirms the journal cannot take are not applied
+        if done and self.journal is not None:
+            self.journal.confirm(done, hold=hold)  # written ahead: confirms the journal cannot take are not applied
         for lease, member in mine:
             if core.confirm(lease.id, member):
                 part = core.partitions.get(lease.partition)
-                if part is not None and part.sealed and lease.partition in svc.waiters:
+                if part is not None and part.sealed and lease.partition in self.waiting.by_partition:
                     sealed.add(lease.partition)  # the last leased samples taken: waiting gets may be at the end
         if done:
-            svc.calls.schedule_frees()  # (retirement)
-            if svc.paced:
+            self.calls.schedule_frees()  # (retirement)
+            if self.pacer.paced:
                 for lease, _ in mine:
-                    svc.pacer.soon(lease.partition)
+                    self.pacer.soon(lease.partition)
         for name in sealed:
-            svc.waiting.wake(name)
+            self.waiting.wake(name)
         if unknown or refused:
             logger.warning("[controller] confirms refused peer=%s expired_or_released=%d another_clients=%d",
                            peer.name, len(unknown), len(refused))
@@ -123,64 +134,61 @@ class Leasing:
             out.refused.extend(refused)
 
     def extend(self, peer: Peer, req: pb.ExtendRequest) -> pb.ExtendReply:
-        svc = self.svc
         lease = self.owned(peer, req.lease, req.ticket)
         if lease is None:
-            if req.lease in svc.core.cleared_leases:
+            if req.lease in self.core.cleared_leases:
                 raise DockLeaseError(f"lease {req.lease} ended when its partition was cleared")
             raise DockLeaseError(f"lease {req.lease} expired or was released: its samples were handed out again")
-        seconds = req.seconds if req.seconds > 0 else svc.core.lease_timeout
+        seconds = req.seconds if req.seconds > 0 else self.core.lease_timeout
         if not seconds <= 7 * 86400:
             raise DockValueError(f"a lease is extended by at most a week, got {req.seconds}s")
-        if svc.journal is not None:
-            svc.journal.extend(lease.id, seconds)
-        svc.core.extend(lease.id, svc.clock() + seconds)
+        if self.journal is not None:
+            self.journal.extend(lease.id, seconds)
+        self.core.extend(lease.id, self.timers.clock() + seconds)
         self.schedule_expiry()
         return pb.ExtendReply(seconds=seconds)
 
     def release(self, peer: Peer, req: pb.ReleaseRequest) -> int:
         """Give leases back (the one named or its acquire's token's, and `req.leases`); how many
         samples went back to the pool. The gets waiting on their partitions are tried at once."""
-        svc = self.svc
-        ids = [req.lease or svc.core.lease_tokens.get(req.token, 0), *req.leases[:]]  # ([:]: see dockd.net.wire)
+        ids = [req.lease or self.core.lease_tokens.get(req.token, 0), *req.leases[:]]  # ([:]: see dockd.net.wire)
         released, woken = 0, set()
         for k, lease_id in enumerate(ids):
             lease = self.owned(peer, lease_id, req.ticket if k == 0 else b"")
             if lease is None or lease.need > 1:  # (a share other model-parallel ranks read: it expires if unconfirmed)
                 continue
-            if svc.journal is not None:
-                svc.journal.release(lease_id)  # written ahead
-            lease = svc.core.release(lease_id)
+            if self.journal is not None:
+                self.journal.release(lease_id)  # written ahead
+            lease = self.core.release(lease_id)
             if lease is not None:
                 released += len(lease.indexes)
                 woken.add(lease.partition)
         for name in woken:
-            svc.waiting.wake(name)
+            self.waiting.wake(name)
         return released
 
     # -- expiry ---------------------------------------------------------------------------------
     def schedule_expiry(self) -> None:
-        deadline = self.svc.core.next_lease_deadline()
+        deadline = self.core.next_lease_deadline()
         if deadline is None or deadline >= self._expiry_at:
             return
         if self._expiry is not None:
             self._expiry.cancel()
         self._expiry_at = deadline
-        self._expiry = self.svc.timers.call_at(deadline, self._on_expiry)
+        self._expiry = self.timers.call_at(deadline, self._on_expiry)
 
     def _on_expiry(self) -> None:
-        svc = self.svc
         self._expiry, self._expiry_at = None, float("inf")
-        expired = svc.core.expire_leases(svc.clock())
-        if svc.journal is not None:
+        expired = self.core.expire_leases(self.timers.clock())
+        if self.journal is not None:
             for lease in expired:
-                svc.journal.release(lease.id, applied=True)
+                self.journal.release(lease.id, applied=True)
         self.expired += len(expired)
         if expired:
             logger.warning("[controller] leases expired unconfirmed count=%d; their samples return to the pool",
                            len(expired))
         for part in {l.partition for l in expired}:
-            svc.waiting.wake(part)
+            self.waiting.wake(part)
         self.schedule_expiry()
 
     def close(self) -> None:

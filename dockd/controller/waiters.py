@@ -7,17 +7,17 @@ times per earlier get), so the samples a node commits go to that node's readers,
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 from dockd import limits
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller import reads
-from dockd.controller.clock import Timer, seconds
+from dockd.controller.clock import Timer, Timers, seconds
+from dockd.controller.core import Controller
+from dockd.controller.lease_table import AcquireResult
 from dockd.errors import DockError, DockStateFull, DockTimeout, DockValueError
 from dockd.net.peer import Peer
-
-if TYPE_CHECKING:
-    from dockd.controller.service import ControllerService
 
 #: How many times a waiting get may see a later near get of the same consumer served before it
 #: (from that get's own warehouse); then it goes first again, so no get starves behind local ones.
@@ -32,13 +32,30 @@ class Waiter:
     passed_over: int = 0  # later near gets served before this one (see PASS_OVER)
 
 
-class Waiters:
-    """The parked gets of a controller, by partition, in arrival order."""
+class Gets(Protocol):
+    """How a waiting get is tried again and answered (grants.Acquiring)."""
 
-    def __init__(self, svc: ControllerService) -> None:
-        self.svc = svc
+    def attempt(self, peer: Peer, r: pb.AcquireRequest) -> AcquireResult | None: ...
+
+    def reply(self, peer: Peer, frame: pb.Frame, r: pb.AcquireRequest, res: AcquireResult) -> None: ...
+
+    def near_ready(self, r: pb.AcquireRequest) -> dict[int, int]: ...
+
+
+class Waiters:
+    """The parked gets of a controller, by partition, in arrival order. Timeouts are `timers`;
+    `retry_all` tries every waiting get again (after the state dir was full); `gets` (set once the
+    service has made it: it wakes these waiters itself) tries and answers one."""
+
+    gets: Gets
+
+    def __init__(self, core: Controller, timers: Timers, *, retry_all: Callable[[], None]) -> None:
+        self.core = core
+        self.timers = timers
+        self.retry_all = retry_all
         self.by_partition: dict[str, list[Waiter]] = {}
         self._full_retry: Timer | None = None  # waiting gets tried again once the state dir has room
+        self._closed = False
 
     @property
     def count(self) -> int:
@@ -56,7 +73,7 @@ class Waiters:
         self.by_partition.setdefault(r.partition, []).append(w)
         peer.parked += 1  # a blocked get: its connection is busy, not idle
         if r.timeout > 0:
-            w.timer = self.svc.timers.call_later(r.timeout, self._expire, r.partition, w)
+            w.timer = self.timers.call_later(r.timeout, self._expire, r.partition, w)
 
     def wake(self, partition: str) -> None:
         """Retry the gets waiting on a partition, in arrival order. Once one finds too few samples,
@@ -86,7 +103,7 @@ class Waiters:
         """The first pass of wake: each waiting near get whose own warehouse holds enough ready samples
         is tried before the earlier gets of the same consumer (they take what is left in the second
         pass, or wait for the next commit). False: stop waking (the state dir is full)."""
-        acq = self.svc.acquiring
+        acq = self.gets
         ready: dict[tuple | Waiter, dict[int, int]] = {}  # per kind of request: warehouse -> samples ready
         earlier: dict[str, list[Waiter]] = {}  # consumer -> its gets seen so far and still waiting
         held: set[str] = set()  # consumers with an earlier get passed over PASS_OVER times: no more passing
@@ -119,7 +136,7 @@ class Waiters:
     def _try(self, partition: str, w: Waiter) -> bool | None:
         """Try a waiting get once: True when answered (served or failed), False when it still waits,
         None when the state dir is full (every get stays parked and is tried again soon)."""
-        acq = self.svc.acquiring
+        acq = self.gets
         try:
             res = acq.attempt(w.peer, w.frame.acquire)
         except DockStateFull:
@@ -140,12 +157,12 @@ class Waiters:
             self.wake(part)
 
     def _retry_later(self) -> None:
-        if self._full_retry is None and not self.svc.closing:
-            self._full_retry = self.svc.timers.call_later(1.0, self._retry)
+        if self._full_retry is None and not self._closed:
+            self._full_retry = self.timers.call_later(1.0, self._retry)
 
     def _retry(self) -> None:
         self._full_retry = None
-        self.svc.wake_all()
+        self.retry_all()
 
     def drop(self, partition: str, w: Waiter) -> None:
         ws = self.by_partition.get(partition)
@@ -180,6 +197,7 @@ class Waiters:
         return out
 
     def close(self, exc: BaseException) -> None:
+        self._closed = True
         for part in list(self.by_partition):
             self.fail(part, exc)
         if self._full_retry is not None:
@@ -192,7 +210,7 @@ class Waiters:
         w.peer.reply_error(w.frame, self.timeout_error(w.frame.acquire))
 
     def timeout_error(self, r: pb.AcquireRequest) -> DockTimeout:
-        core = self.svc.core
+        core = self.core
         ready = core.ready_count(r.partition, r.consumer, r.columns[:], r.groups)
         unit = "samples in whole groups" if r.groups else "samples"
         what = f"get(consumer={r.consumer!r}, partition={r.partition!r}, columns={r.columns[:]})"

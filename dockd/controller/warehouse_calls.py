@@ -14,19 +14,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
+from dockd.controller.clock import Timers
+from dockd.controller.core import Controller
+from dockd.controller.member import WarehouseEntry
+from dockd.controller.membership import Membership
+from dockd.controller.partition import _Partition
 from dockd.errors import DockConnectionError, DockDataLost
 from dockd.logutil import Throttle
 from dockd.net.peer import Peer
-
-if TYPE_CHECKING:
-    from dockd.controller.member import WarehouseEntry
-    from dockd.controller.partition import _Partition
-    from dockd.controller.service import ControllerService
 
 logger = logging.getLogger(__name__)
 _failed_log = Throttle()
@@ -57,19 +57,27 @@ class LocalWarehouse(Protocol):
 
 
 class WarehouseCalls:
-    def __init__(self, svc: ControllerService) -> None:
-        self.svc = svc
+    """Calls to the dock's warehouses: `local` is the one in this process (None: there is none), the
+    others are called over their links, each call given up after `daemon_timeout` seconds."""
+
+    def __init__(self, core: Controller, members: Membership, local: LocalWarehouse | None, timers: Timers, *,
+                 daemon_timeout: float) -> None:
+        self.core = core
+        self.members = members
+        self.local = local
+        self.timers = timers
+        self.daemon_timeout = daemon_timeout
         self._frees_soon = False
         self.uncleared: dict[int, set[str]] = {}  # warehouse -> partitions cleared that it may still hold
 
     def _live(self, wid: int) -> WarehouseEntry | None:
-        entry = self.svc.members.get(wid)
+        entry = self.members.get(wid)
         return entry if entry is not None and entry.alive else None
 
     @property
     def _local(self) -> LocalWarehouse:
         """The warehouse in this process (a member is local only when there is one)."""
-        local = self.svc.local
+        local = self.local
         assert local is not None
         return local
 
@@ -81,18 +89,18 @@ class WarehouseCalls:
 
     # -- frees --------------------------------------------------------------------------------
     def schedule_frees(self) -> None:
-        if self.svc.core.pending_frees and not self._frees_soon:
+        if self.core.pending_frees and not self._frees_soon:
             self._frees_soon = True
-            self.svc.loop.call_soon(self._flush_frees)
+            asyncio.get_running_loop().call_soon(self._flush_frees)
 
     def _flush_frees(self) -> None:
         """Tell warehouses to free the samples deletes and retirement left (one request per warehouse
         and partition). Those of a warehouse that is away wait for it to rejoin; those of one declared
         lost go (its rejoin inventory would show them)."""
         self._frees_soon = False
-        for partition, ws in self.svc.core.take_frees().items():
+        for partition, ws in self.core.take_frees().items():
             for wid, idx in ws.items():
-                entry = self.svc.members.get(wid)
+                entry = self.members.get(wid)
                 if entry is None or not entry.alive:
                     if entry is not None and entry.reachable:
                         self._again(partition, wid, idx)
@@ -106,13 +114,13 @@ class WarehouseCalls:
 
     def _again(self, partition: str, wid: int, idx: np.ndarray) -> None:
         """Free these samples on the next flush (a rejoin, a delete, or a timer, wakes it)."""
-        self.svc.core.pending_frees.setdefault(partition, {}).setdefault(wid, []).append(idx)
+        self.core.pending_frees.setdefault(partition, {}).setdefault(wid, []).append(idx)
 
     def _remote_freed(self, partition: str, wid: int, idx: np.ndarray, fut: asyncio.Future) -> None:
         if fut.cancelled() or fut.exception() is not None:
             err = fut.exception() if not fut.cancelled() else "cancelled"
-            entry = self.svc.members.get(wid)
-            again = entry is not None and entry.reachable and partition in self.svc.core.partitions
+            entry = self.members.get(wid)
+            again = entry is not None and entry.reachable and partition in self.core.partitions
             _failed_log.log(logger, logging.WARNING, "[controller] free of deleted samples failed warehouse=%d "
                             "partition=%s samples=%d error=%s; %s", wid, partition, len(idx), err,
                             "sent again once it answers" if again else "not sent again (the warehouse or the "
@@ -120,13 +128,13 @@ class WarehouseCalls:
             if again:
                 self._again(partition, wid, idx)
                 if not isinstance(err, DockConnectionError):  # (a lost connection: its rejoin flushes them)
-                    self.svc.timers.call_later(FREE_RETRY_S, self.schedule_frees)
+                    self.timers.call_later(FREE_RETRY_S, self.schedule_frees)
             return
         reply, _ = fut.result()
         self._freed(partition, wid, reply.free_reply.nbytes)
 
     def _freed(self, partition: str, wid: int, nbytes: int) -> None:
-        part = self.svc.core.partitions.get(partition)
+        part = self.core.partitions.get(partition)
         if part is not None and wid in part.nbytes:
             part.nbytes[wid] = max(0, part.nbytes[wid] - nbytes)
 
@@ -135,9 +143,9 @@ class WarehouseCalls:
         is told when it rejoins (`cleared_meanwhile`); a wedged one must not hang the caller: it gets
         daemon_timeout."""
         remote, sent = [], []
-        for wid in [w for w in self.uncleared if not (e := self.svc.members.get(w)) or not e.reachable]:
+        for wid in [w for w in self.uncleared if not (e := self.members.get(w)) or not e.reachable]:
             del self.uncleared[wid]  # (declared lost, or gone)
-        for entry in self.svc.members.entries.values():
+        for entry in self.members.entries.values():
             if entry.local and entry.alive:
                 self._local.free(partition)
             elif entry.alive:
@@ -145,7 +153,7 @@ class WarehouseCalls:
                 sent.append(entry.id)
             elif entry.reachable:
                 self.uncleared.setdefault(entry.id, set()).add(partition)
-        wait = [asyncio.ensure_future(asyncio.wait_for(r, self.svc.daemon_timeout)) for r in remote]
+        wait = [asyncio.ensure_future(asyncio.wait_for(r, self.daemon_timeout)) for r in remote]
         for wid, res in zip(sent, await asyncio.gather(*wait, return_exceptions=True)):
             if isinstance(res, BaseException):
                 self.uncleared.setdefault(wid, set()).add(partition)
@@ -166,7 +174,7 @@ class WarehouseCalls:
         held = {p.name for p in req.inventory}
         out = []
         for name in sorted(names & held):
-            part = self.svc.core.partitions.get(name)
+            part = self.core.partitions.get(name)
             if part is not None and not self._holds_new(part, req.id, req.pending):
                 out.append(name)
         if out:
@@ -180,7 +188,7 @@ class WarehouseCalls:
     def _holds_new(self, part: _Partition, wid: int, pending) -> bool:
         """Whether the controller records values of `part` on warehouse `wid` other than those of its
         re-sent commits (`pending`) that it applied before (their answers were lost)."""
-        resent = [self.svc.core.catalog.recall(wid, c.put_id) for c in pending if c.partition == part.name]
+        resent = [self.core.catalog.recall(wid, c.put_id) for c in pending if c.partition == part.name]
         skip = np.concatenate([r for r in resent if r is not None] or [np.empty(0, dtype=np.int64)])
         for loc in part.loc.values():
             mine = np.flatnonzero(loc[: part.size] == wid)
@@ -215,6 +223,6 @@ class WarehouseCalls:
                 req = pb.MeasureRequest(partition=part.name, column=column, indexes=idx[sel].tolist())
                 asks.append((sel, self._peer(entry).request(pb.Frame(measure=req))))
         for sel, fut in asks:
-            reply, _ = await asyncio.wait_for(fut, self.svc.daemon_timeout)
+            reply, _ = await asyncio.wait_for(fut, self.daemon_timeout)
             out[sel] = reply.measure_reply.values
         return out
