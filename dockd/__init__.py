@@ -37,7 +37,7 @@ from dockd.errors import (
 )
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and the API reference
-    from dockd.client import AsyncDock, Batch, Dock, Lease, connect, connect_async
+    from dockd.client import AsyncDock, Batch, Dock, Jagged, Lease, connect, connect_async
     from dockd.local import LocalCluster, start_local
 
 #: public name -> the module that defines it, imported on first access
@@ -45,6 +45,7 @@ _LAZY = {
     "AsyncDock": "dockd.client",
     "Batch": "dockd.client",
     "Dock": "dockd.client",
+    "Jagged": "dockd.client",
     "Lease": "dockd.client",
     "connect": "dockd.client",
     "connect_async": "dockd.client",
@@ -71,6 +72,7 @@ __all__ = [
     "DockTimeout",
     "DockTypeError",
     "DockValueError",
+    "Jagged",
     "Lease",
     "LocalCluster",
     "connect",

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from dockd._lazy import lazy_torch
 from dockd.codec import Runs
+from dockd.codec.decode import jagged_of, padded_of
 from dockd.errors import DockTypeError, DockValueError
 
 if TYPE_CHECKING:
@@ -21,9 +22,10 @@ class Batch:
     `batch.indexes` lists the sample indexes; `batch["col"]` is a list with one
     value per sample in the same order (tensors for tensor columns, Python
     values for msgpack columns). `len(batch)` is the number of samples.
-    `batch.stacked("col")` and `batch.padded("col")` build one tensor for a
-    whole column without making the per-sample list first (the list is made
-    on first access, then kept).
+    `batch.stacked("col")`, `batch.padded("col")` and `batch.jagged("col")` build
+    one tensor for a whole column without making the per-sample list first (the
+    list is made on first access, then kept); `batch.to_tensordict()` gives the
+    whole batch as a tensordict.TensorDict.
     """
 
     __slots__ = ("partition", "indexes", "_columns", "step", "rank_weights")
@@ -89,19 +91,44 @@ class Batch:
             out = runs.padded(pad_value)
             if out is not None and out[0].dim() == 2:
                 return out
-        values = self[column]
-        if not all(isinstance(v, torch.Tensor) for v in values):
-            raise DockTypeError(f"column {column!r} holds non-tensor values; padded() needs tensors")
+        values = self._tensors(column, "padded")
         if any(v.dim() != 1 for v in values):
             raise DockValueError(f"padded() needs 1-D values; column {column!r} has shapes {[tuple(v.shape) for v in values[:4]]}...")
+        return padded_of(torch.cat(values), [len(v) for v in values], pad_value)
+
+    def jagged(self, column: str) -> torch.Tensor:
+        """A column of tensors of one dtype and trailing shape, ragged in their first dimension
+        ((L_i,) or (L_i, *trailing)), as one jagged nested tensor (torch.nested, layout=torch.jagged):
+        one values buffer plus offsets, in `indexes` order. The values are a view of the received
+        bytes when the column came as one run (from one warehouse, and one put or consecutive puts the
+        warehouse sent as one run): on the same host, of the sealed shared-memory segment, mapped
+        privately (a write copies the pages it touches; the stored bytes never change); else one
+        copy joins the runs. Tensors of equal shapes come back jagged too (all lengths equal)."""
+        runs = self._columns.get(column)
+        if isinstance(runs, Runs) and (out := runs.jagged()) is not None:
+            return out
+        values = self._tensors(column, "jagged")
+        if any(v.dim() == 0 for v in values) or len({tuple(v.shape[1:]) for v in values}) > 1:
+            raise DockValueError(f"jagged() needs values ragged in their first dimension only; column {column!r} has "
+                                 f"shapes {[tuple(v.shape) for v in values[:4]]}...")
+        return jagged_of(torch.cat(values), [v.shape[0] for v in values])
+
+    def _tensors(self, column: str, call: str) -> list[torch.Tensor]:
+        """A column's values, checked to be tensors of one dtype (for `call`)."""
+        values = self[column]
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            raise DockTypeError(f"column {column!r} holds non-tensor values; {call}() needs tensors")
         if len({v.dtype for v in values}) > 1:
             raise DockValueError(f"column {column!r} mixes dtypes {sorted({str(v.dtype) for v in values})}")
-        lengths = torch.tensor([len(v) for v in values], dtype=torch.int64)
-        dtype = values[0].dtype if values else torch.float32
-        padded = torch.full((len(values), int(lengths.max()) if len(values) else 0), pad_value, dtype=dtype)
-        for row, v in zip(padded, values):
-            row[: len(v)] = v
-        return padded, lengths
+        return values
+
+    def to_tensordict(self):
+        """The batch as a tensordict.TensorDict of batch_size [n], rows in `indexes` order: a column of
+        equal-shaped tensors as one [n, ...] tensor, a ragged one as a jagged nested tensor, any other as
+        a NonTensorStack of its values. Needs the tensordict package (pip install dockd[tensordict])."""
+        from dockd.client.tensordicts import to_tensordict
+
+        return to_tensordict(self)
 
     def __repr__(self) -> str:
         return f"Batch(partition={self.partition!r}, samples={len(self)}, columns={self.columns})"

@@ -15,7 +15,7 @@ from typing import Any
 
 from dockd import codec, ids
 from dockd._proto import dockd_pb2 as pb
-from dockd.client import validate
+from dockd.client import tensordicts, validate
 from dockd.client.router import Router
 from dockd.errors import DockConnectionError, DockTimeout, DockTypeError, DockValueError
 from dockd.net import device_share
@@ -28,15 +28,22 @@ PUT_SLACK_S = 10.0
 
 
 def split_columns(columns: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
-    """Each column as one batched tensor or a sequence of values, and the number of samples."""
+    """Each column as one batched tensor, a jagged column or a sequence of values, and the number of
+    samples. `columns` may be a tensordict.TensorDict of batch_size [n]."""
+    if tensordicts.is_tensordict(columns):
+        columns = tensordicts.columns_of(columns)
     if not isinstance(columns, Mapping) or not columns:
         raise DockTypeError("columns must be a non-empty dict of column name -> values")
-    split, counts = {}, {}
+    split: dict[str, Any] = {}
+    counts: dict[str, int] = {}
     for name, values in columns.items():
         if not isinstance(name, str) or not name:
             raise DockTypeError(f"column names must be non-empty strings, got {name!r}")
         validate.text(name, "column name")
         t = codec.batched(values)  # kept whole: encoded as one buffer
+        if t is None and (j := codec.jagged(name, values)) is not None:  # a jagged column: one buffer too
+            split[name], counts[name] = j, j.offsets.numel() - 1
+            continue
         split[name] = t if t is not None else codec.split_column(name, values)
         counts[name] = int(t.shape[0]) if t is not None else len(split[name])
     n = next(iter(counts.values()))

@@ -10,6 +10,8 @@ described once (`dockd.v1.Run`):
   first dimension (token ids, log-probs, masks) is one run: the values are
   packed with one concatenation, and the run carries each value's first
   dimension (`lengths`);
+- a jagged column (a jagged nested tensor, or a `Jagged` (values, offsets) pair) is one ragged
+  run over its values buffer as it is, checked once for the column;
 - Python values (str, numbers, lists, dicts, None, bytes) are msgpack, one
   run per stretch of them, with each value's byte length.
 
@@ -25,9 +27,9 @@ The package: `dtypes` (ITEMSIZE, DTYPES), `body` (a body's layout), `encode` (va
 from dockd.codec.body import ALIGN, Body, Joined, cat_into
 from dockd.codec.decode import Runs, buffer_key, decode_column, decode_reply, decode_run, spans
 from dockd.codec.dtypes import DTYPES, ITEMSIZE
-from dockd.codec.encode import batched, device_column, encode_columns, split_column
+from dockd.codec.encode import Jagged, batched, device_column, encode_columns, jagged, split_column
 
 __all__ = [
-    "ALIGN", "DTYPES", "ITEMSIZE", "Body", "Joined", "Runs", "batched", "buffer_key", "cat_into", "decode_column",
-    "decode_reply", "decode_run", "device_column", "encode_columns", "spans", "split_column",
+    "ALIGN", "DTYPES", "ITEMSIZE", "Body", "Jagged", "Joined", "Runs", "batched", "buffer_key", "cat_into", "decode_column",
+    "decode_reply", "decode_run", "device_column", "encode_columns", "jagged", "spans", "split_column",
 ]

@@ -152,19 +152,45 @@ class Runs:
                 return flat.view(run.count, *run.shape)
         return None
 
-    def padded(self, pad_value: float | int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """[n, max_len, *trailing] padded on the right, and the lengths; None when the column is
-        not tensors of one dtype and trailing shape. The rows are views made by one split of
-        the received bytes, copied once into the padded tensor."""
+    def jagged(self) -> torch.Tensor | None:
+        """The column as a jagged nested tensor (one values buffer plus offsets); None when it is not
+        tensors of one dtype and trailing shape. Its values are a view of the received bytes (a mapped
+        segment on the same host, else the reply's body) when the column came as one run; runs of
+        several puts or warehouses are concatenated into one buffer (a copy)."""
         flat = self._flat()
         if flat is None:
             return None
         data, lengths, trail = flat
-        unit = math.prod(trail)
-        rows = data.split([n * unit for n in lengths])
-        if trail:
-            rows = [r.view(-1, *trail) for r in rows]
-        lens = torch.tensor(lengths, dtype=torch.int64)
-        if not rows:
-            return torch.empty((0, 0, *trail), dtype=data.dtype), lens
-        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad_value), lens
+        return jagged_of(data.view(-1, *trail) if trail else data, lengths)
+
+    def padded(self, pad_value: float | int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """[n, max_len, *trailing] padded on the right, and the lengths; None when the column is
+        not tensors of one dtype and trailing shape. The received bytes are copied once into the
+        padded tensor, by one masked assignment (no tensor per value)."""
+        flat = self._flat()
+        if flat is None:
+            return None
+        data, lengths, trail = flat
+        return padded_of(data.view(-1, *trail) if trail else data, lengths, pad_value)
+
+
+def jagged_of(values: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """A jagged nested tensor over `values` (rows back to back) with samples of `lengths` rows."""
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    if lengths:
+        torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0, out=offsets[1:])
+    return torch.nested.nested_tensor_from_jagged(values, offsets.to(values.device),
+                                                  min_seqlen=min(lengths, default=0), max_seqlen=max(lengths, default=0))
+
+
+def padded_of(values: torch.Tensor, lengths: list[int], pad_value: float | int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of `lengths` back to back in `values`, as [n, max_len, *trailing] padded on the right
+    (bit-exact for every dtype), and the int64 lengths."""
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    width = max(lengths, default=0)
+    out = torch.full((len(lengths), width, *values.shape[1:]), pad_value, dtype=values.dtype, device=values.device)
+    rows = values.reshape(values.shape[0], -1)  # (as bytes: index_put has no kernel for some dtypes)
+    if rows.numel():
+        mask = (torch.arange(width) < lens[:, None]).to(values.device)
+        out.view(len(lengths), width, -1).view(torch.uint8)[mask] = rows.contiguous().view(torch.uint8)
+    return out, lens

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -35,6 +35,45 @@ def batched(values: Any) -> torch.Tensor | None:
     if isinstance(values, torch.Tensor) and values.dim() >= 1 and values.layout == torch.strided and not values.is_quantized:
         return values if values.dtype in NAMES else None
     return None
+
+
+class Jagged(NamedTuple):
+    """A ragged column as one buffer: `values` holds every sample's rows back to back (first
+    dimension: the rows, the rest: the trailing shape all samples share), `offsets` the n + 1
+    row offsets (int, non-decreasing). Sample i is values[offsets[i]:offsets[i + 1]]. A jagged
+    nested tensor (torch.nested, layout=torch.jagged) is the same thing; either is stored as one run."""
+
+    values: Any
+    offsets: Any
+
+
+def jagged(column: str, values: Any) -> Jagged | None:
+    """The column as (values, offsets) when it is given as a `Jagged` pair or a jagged nested tensor
+    without holes (checked per column, not per value); None for any other column."""
+    if type(values) is Jagged:
+        flat, offsets = values
+    elif isinstance(values, torch.Tensor) and values.is_nested and values.layout == torch.jagged \
+            and values._ragged_idx == 1 and values.lengths() is None:  # type: ignore[attr-defined]
+        flat, offsets = values.values(), values.offsets()  # type: ignore[attr-defined]
+    else:
+        return None
+    if not isinstance(flat, torch.Tensor) or not isinstance(offsets, torch.Tensor):
+        raise DockTypeError(f"column {column!r}: a Jagged column is (values, offsets), two tensors; got "
+                            f"({type(flat).__name__}, {type(offsets).__name__})")
+    if flat.dim() < 1 or flat.layout != torch.strided or flat.is_quantized or flat.dtype not in NAMES:
+        raise DockTypeError(f"column {column!r}: jagged values must be a dense tensor of at least one dimension "
+                            f"with a supported dtype ({sorted(DTYPES)}), got {flat.dtype} {tuple(flat.shape)}")
+    _has_data(column, flat)
+    if offsets.dim() != 1 or offsets.numel() < 2 or offsets.dtype.is_floating_point or offsets.dtype.is_complex \
+            or offsets.dtype == torch.bool:
+        raise DockValueError(f"column {column!r}: jagged offsets must be a 1-D integer tensor of n + 1 >= 2 "
+                             f"entries, got {offsets.dtype} {tuple(offsets.shape)}")
+    offsets = offsets.detach().to("cpu", torch.int64)
+    lengths = offsets.diff()
+    if int(offsets[0]) < 0 or int(offsets[-1]) > flat.shape[0] or bool((lengths < 0).any()):
+        raise DockValueError(f"column {column!r}: jagged offsets must be non-decreasing within the "
+                             f"{flat.shape[0]} rows of the values, from {int(offsets[0])} to {int(offsets[-1])}")
+    return Jagged(flat.detach()[int(offsets[0]):int(offsets[-1])], offsets)
 
 
 def _has_data(column: str, t: torch.Tensor, sample: int | None = None) -> torch.Tensor:
@@ -101,16 +140,37 @@ def encode_columns(columns: Mapping[str, Any], body: Body) -> list[pb.ColumnData
         t = batched(values)
         if t is not None:
             _tensor_run(col, [t], body, batched=True)
+        elif type(values) is Jagged:
+            _jagged_run(col, values, body)
         else:
             _runs(col, name, split_column(name, values), body)
         out.append(col)
     return out
 
 
+def _jagged_run(col: pb.ColumnData, values: Jagged, body: Body) -> None:
+    """A jagged column (see `jagged`): one ragged run over its values buffer, as it is (made contiguous on
+    the host): the body's only copy of it is the one into the staging buffer or the socket."""
+    flat = _cpu(values.values)
+    run = col.runs.add(kind=pb.TENSOR, count=values.offsets.numel() - 1, dtype=NAMES[flat.dtype],
+                       shape=[-1, *flat.shape[1:]], lengths=values.offsets.diff().tolist())
+    data = as_bytes(flat)
+    run.offset, run.nbytes = body.add(data), data.nbytes
+
+
 def device_column(name: str, values: Any, keep: Any) -> tuple[pb.ColumnData, torch.Tensor] | None:
     """put(device="keep"): a column of tensors for which `keep(tensor)` holds, as one run over one
     tensor left where it is (a batched tensor as it is, made contiguous; per-sample tensors of one
-    dtype and trailing shape concatenated on their device). None: the column goes to the body."""
+    dtype and trailing shape concatenated on their device; a jagged column's values). None: the column
+    goes to the body."""
+    if type(values) is Jagged:
+        if not keep(values.values):
+            return None
+        col = pb.ColumnData(name=name)
+        t = values.values.contiguous()
+        col.runs.add(kind=pb.TENSOR, count=values.offsets.numel() - 1, dtype=NAMES[t.dtype], shape=[-1, *t.shape[1:]],
+                     lengths=values.offsets.diff().tolist(), nbytes=t.numel() * t.element_size())
+        return col, t
     t = batched(values)
     if t is not None:
         if not keep(t):
