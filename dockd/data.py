@@ -46,13 +46,15 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         collate: turns a `Batch` into what is yielded; default a dict with "indexes" and one list
             of values per column.
         connect_kwargs: passed to `dockd.connect` (e.g. token_file).
+        prefetch: batches' worth of leases each iterator takes ahead (`Dock.get(prefetch=...)`): one
+            acquire per `prefetch` batches; 0 or 1: one per batch. Rank-aware iterators take none.
     """
 
     def __init__(self, address: str, consumer: str, columns: Sequence[str], batch_size: int, *, partition: str,
                  dp_rank: int | None = None, dp_size: int | None = None, balance_by: str | Sequence[str] | None = None,
                  groups: bool = False, where: Mapping[str, Any] | None = None, order_by: str | None = None,
                  timeout: float | None = None, collate: Callable[[Batch], Any] | None = None,
-                 connect_kwargs: Mapping[str, Any] | None = None) -> None:
+                 connect_kwargs: Mapping[str, Any] | None = None, prefetch: int = 4) -> None:
         super().__init__()
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise DockValueError(f"batch_size must be a positive int, got {batch_size!r}")
@@ -68,6 +70,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         self.groups, self.where, self.order_by, self.timeout = groups, where, order_by, timeout
         self.collate = collate or self._as_dict
         self.connect_kwargs = dict(connect_kwargs or {})
+        self.prefetch = prefetch
 
     def _as_dict(self, batch: Batch) -> dict[str, Any]:
         return {"indexes": list(batch.indexes), **{c: batch[c] for c in self.columns}}
@@ -90,7 +93,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
                 try:
                     batch = dock.get(self.consumer, self.columns, self.batch_size, partition=self.partition,
                                      timeout=self.timeout, groups=self.groups, where=self.where,
-                                     order_by=self.order_by, **ranks)
+                                     order_by=self.order_by, prefetch=self.prefetch, **ranks)
                 except DockDrained:
                     return
                 yield self.collate(batch)

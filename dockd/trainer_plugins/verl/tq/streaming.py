@@ -43,6 +43,10 @@ def chunk_batch_fn(td: Any, batch_meta: BatchMeta, micro_batch_size: int = 1) ->
     return out
 
 
+PREFETCH = 4
+"""Batches' worth of leases a StreamingDataset takes ahead (Dock.get(prefetch=...)): one acquire per 4 batches."""
+
+
 class StreamingDataset(torch.utils.data.IterableDataset):
     """``transfer_queue.StreamingDataset`` on dockd: yields ``(TensorDict, BatchMeta)`` micro-batches.
 
@@ -160,7 +164,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         data_partition = client._data(self.partition_id, gen)
         try:
             batch = client.dock.get(consumer, cols, self.batch_size, partition=data_partition,
-                                    timeout=self.poll_interval)
+                                    timeout=self.poll_interval, prefetch=PREFETCH)
         except dockd.DockDrained:
             return False
         except (dockd.DockTimeout, dockd.DockNotFound):
