@@ -112,6 +112,11 @@ def _write_all(fd: int, data: bytes | bytearray) -> None:
         view = view[n:]
 
 
+def ahead(journal: Journal | None) -> contextlib.AbstractContextManager:
+    """`journal.ahead()`, or nothing to cut off without a journal."""
+    return journal.ahead() if journal is not None else contextlib.nullcontext()
+
+
 class Journal(RecordWriter):
     """Records the controller's decisions in a state dir and rebuilds them on restart."""
 

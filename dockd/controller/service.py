@@ -1,16 +1,18 @@
 """The controller on the wire: waiting acquires, leases tied to connections, the
 journal. All decisions are made by `core.Controller`; this layer only holds
 waiters and timers, records decisions in the journal (with a state dir), and
-turns results into frames. Its parts:
+turns results into frames. Its parts (attribute: module), each given the parts it
+uses when it is made, none the service:
 
-    waiters          gets waiting for data, woken when their partition changes, timed out
-    pacing           puts waiting for a partition's consumers (max_pending)
-    leasing          client sessions, tickets, confirm / release / extend, lease expiry
-    acquiring        a get's try, a rank-aware get's share and its balancing, the reply
-    checkpoints      save and load of partitions
-    warehouse_calls  frees, measures and checkpoint files asked of the warehouses
-    membership       warehouses joining, rejoining, probed and declared lost
-    replication      --replicas 2: where each put's copy goes, and repairs of missing copies
+    waiting: waiters          gets waiting for data, woken when their partition changes, timed out
+    pacer: pacing             puts waiting for a partition's consumers (max_pending)
+    leasing: sessions         client sessions, tickets, confirm / release / extend, lease expiry
+    acquiring: grants         a get's try, a rank-aware get's share and its balancing, the reply
+    ops: partition_ops        create, seal, delete, tags, list, drop a consumer, clear
+    checkpoints: checkpoint   save and load of partitions
+    calls: warehouse_calls    frees, measures and checkpoint files asked of the warehouses
+    members: membership       warehouses joining, rejoining, probed and declared lost
+    replication: replica_service  --replicas 2: where each put's copy goes, repairs of missing copies
 
 Every timer runs on the service's `clock` (`clock.Timers`), so tests can move time by hand.
 """
@@ -18,7 +20,6 @@ Every timer runs on the service's `clock` (`clock.Timers`), so tests can move ti
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Protocol
@@ -31,16 +32,17 @@ from dockd._version import __version__
 from dockd.controller.checkpoint import Checkpoints
 from dockd.controller.clock import Clock, Timer, Timers
 from dockd.controller.core import Controller
-from dockd.controller.grants import STALENESS_BUCKETS, Acquiring, where_of
-from dockd.controller.journal import Journal
+from dockd.controller.grants import STALENESS_BUCKETS, Acquiring
+from dockd.controller.journal import Journal, ahead
 from dockd.controller.lease_table import AcquireResult
 from dockd.controller.membership import Membership
 from dockd.controller.pacing import Pacer
+from dockd.controller.partition_ops import PartitionOps
 from dockd.controller.replica_service import Replication
 from dockd.controller.sessions import Leasing
 from dockd.controller.waiters import Waiters
 from dockd.controller.warehouse_calls import LocalWarehouse, WarehouseCalls
-from dockd.errors import DockClosed, DockError, DockNotFound, DockValueError, to_status
+from dockd.errors import DockClosed, DockError, DockValueError, to_status
 from dockd.net import auth
 from dockd.net.peer import Peer
 from dockd.terms import CommitOutcome
@@ -77,7 +79,6 @@ class ControllerService:
         self.controllers = controllers  # several controllers: all of them, in the dock's order (dockd.owners)
         self.own = own  # ... and this one's place among them
         self.core = core
-        self.local = local
         self.clock = clock
         self.timers = Timers(clock)
         self.journal = Journal(state_dir, fsync_interval=fsync_interval) if state_dir else None
@@ -96,6 +97,8 @@ class ControllerService:
         self.waiting.gets = self.acquiring  # (it wakes waiting gets itself: given once it is made)
         self.checkpoints = Checkpoints(core, self.members, self.journal, self.calls, root=checkpoint_root,
                                        wake=self.waiting.wake)
+        self.ops = PartitionOps(core, self.journal, waiting=self.waiting, pacer=self.pacer, calls=self.calls,
+                                loading=self.checkpoints.loading)
         self._sync_timer: Timer | None = None
         self._syncing = False
         self.closing = False
@@ -160,7 +163,7 @@ class ControllerService:
         (before serving: nothing was decided on the fresh one)."""
         self.core = core
         parts: list[_HoldsCore] = [self.members, self.waiting, self.pacer, self.calls, self.leasing,
-                                   self.replication, self.acquiring, self.checkpoints]
+                                   self.replication, self.acquiring, self.checkpoints, self.ops]
         for part in parts:
             part.core = core
 
@@ -303,7 +306,7 @@ class ControllerService:
         stored = None if applied else self.core.catalog.stored(req.partition, req.token, away)
         if stored is not None:  # a put re-sent to this warehouse whose values another one holds: nothing to apply
             return CommitOutcome(stored, stored=True)
-        with self._ahead():
+        with ahead(self.journal):
             if self.journal is not None and not applied:  # written ahead: a commit the journal cannot take is not applied
                 self.journal.room()
                 self.journal.commit(req.partition, req.columns, req.warehouse, indexes, req.new_count, gs, req.nbytes,
@@ -358,121 +361,15 @@ class ControllerService:
 
     async def clear(self, req: pb.ClearRequest) -> int:
         self.check_owner(req.partition)
-        if self.journal is not None and req.partition in self.core.partitions:
-            self.journal.clear(req.partition)  # written ahead
-        n = self.core.clear(req.partition)
-        logger.info("[controller] partition cleared partition=%s samples=%d", req.partition, n)
-        self.waiting.fail(req.partition, DockClosed(f"partition {req.partition!r} was cleared while this get waited"))
-        self.pacer.fail(req.partition, DockClosed(f"partition {req.partition!r} was cleared while this put waited "
-                                                  "for its consumers (max_pending)"))
-        await self.calls.free_everywhere(req.partition)
-        return n
+        return await self.ops.clear(req.partition)
 
     def partition(self, req: pb.PartitionRequest) -> pb.PartitionReply:
         """Operations on a partition's samples: create (options), delete, seal, reserve, set tags,
-        set the policy version, list."""
-        name, op, out = req.partition, req.WhichOneof("op"), pb.PartitionReply()
-        if not name:
+        set the policy version, drop a consumer, list (see partition_ops)."""
+        if not req.partition:
             raise DockValueError("partition must be a non-empty string")
-        self.check_owner(name)
-        if op == "list":  # reads only: nothing to journal, nobody to wake
-            ls = req.list
-            limit = min(ls.limit or 1000, limits.MAX_SAMPLES)
-            idx, listed = self.core.list_samples(name, consumer=ls.consumer, where=where_of(ls), limit=limit,
-                                                 start=ls.start)
-            out.indexes.extend(idx.tolist())
-            out.tags.extend(pb.Tag(name=t, values=v.tolist()) for t, v in listed.items())
-            out.version = self.core.partitions[name].version
-            return out
-        if name in self.checkpoints.loading:
-            raise DockValueError(f"partition {name!r} is being loaded from a checkpoint; try again once the load "
-                                 "returned")
-        j = self.journal  # each record is written ahead: an operation the journal cannot take is not applied
-        if j is not None and op in ("create", "reserve", "set_tags"):
-            j.room()
-        with self._ahead():
-            self._partition_op(name, op, req, out)
-        self.calls.schedule_frees()
-        self.waiting.wake(name)  # a delete, a seal or new tags can end or serve waiting gets
-        self.pacer.soon(name)  # ... and a delete or new options can let waiting puts in
-        return out
-
-    def _ahead(self):
-        """Records written ahead of a change are cut off again if the change is refused (Journal.ahead)."""
-        return self.journal.ahead() if self.journal is not None else contextlib.nullcontext()
-
-    def _partition_op(self, name: str, op: str, req: pb.PartitionRequest, out: pb.PartitionReply) -> None:
-        j = self.journal
-        if op == "create":
-            c = req.create
-            gs, retire = c.group_size or 1, list(c.retire_when_consumed_by)
-            opts = dict(max_staleness=c.max_staleness - 1 if c.max_staleness else -1, retire_stale=c.retire_stale,
-                        max_pending=c.max_pending)
-            if j is not None:
-                j.create(name, gs, retire, **opts)
-            self.core.create_partition(name, group_size=gs, retire=retire, **opts)
-            logger.info("[controller] partition options partition=%s group_size=%d retire_when_consumed_by=%s "
-                        "max_staleness=%s retire_stale=%s max_pending=%s", name, gs, ",".join(retire) or "-",
-                        opts["max_staleness"] if c.max_staleness else "-", c.retire_stale, c.max_pending or "-")
-        elif op == "set_version":
-            v = req.set_version.version
-            if name not in self.core.partitions:
-                raise DockNotFound(f"partition {name!r} does not exist; create it (create_partition) before setting "
-                                   "its policy version")
-            if j is not None:
-                j.set_version(name, v)
-            out.samples = self.core.set_version(name, v)
-            out.version = v
-            if out.samples:
-                logger.info("[controller] stale samples retired partition=%s version=%d samples=%d", name, v,
-                            out.samples)
-        elif op == "delete":
-            idx = np.asarray(req.delete.indexes, dtype=np.int64)
-            if j is not None and len(idx) and name in self.core.partitions:
-                j.delete(name, idx)
-            out.samples = self.core.delete(name, idx)
-        elif op == "seal":
-            if j is not None:
-                j.seal(name)
-            self.core.seal(name)
-            logger.info("[controller] partition sealed partition=%s", name)
-        elif op == "reserve":
-            r = req.reserve
-            gs = r.group_size or 1
-            if j is not None:
-                j.reserve(name, r.count, gs)
-            idx = self.core.reserve(name, r.count, group_size=gs)
-            out.indexes.extend(idx.tolist())
-        elif op == "drop_consumer":
-            self._drop_consumer(name, req.drop_consumer.consumer, out)
-        elif op == "set_tags":
-            tags = {t.name: list(t.values) for t in req.set_tags.tags}
-            if j is not None:
-                j.tags(name, list(req.set_tags.indexes), tags)
-            self.core.set_tags(name, list(req.set_tags.indexes), tags)
-        else:
-            raise DockValueError(f"partition operation {op!r} is not supported by this controller (version "
-                                 f"{__version__})")
-
-    def _drop_consumer(self, name: str, consumer: str, out: pb.PartitionReply) -> None:
-        """Forget a consumer (Controller.drop_consumer); its waiting gets fail, and the caller lets the
-        puts its pending samples held back (max_pending) in."""
-        if not consumer:
-            raise DockValueError("drop_consumer needs the consumer's name")
-        part = self.core.catalog.part(name)
-        if consumer not in part.consumers:
-            out.dropped = False
-        else:
-            if self.journal is not None:
-                self.journal.append(["U", name, consumer])  # written ahead (records.py)
-            leases = self.core.drop_consumer(name, consumer)
-            out.dropped = leases is not None
-            logger.info("[controller] consumer dropped partition=%s consumer=%s leases_ended=%d", name, consumer,
-                        len(leases or ()))
-        self.waiting.fail(name, DockClosed(
-            f"consumer {consumer!r} of partition {name!r} was dropped (drop_consumer) while this get waited; a "
-            "new get under that name reads the partition again as a fresh consumer"),
-            which=lambda r: r.consumer == consumer)
+        self.check_owner(req.partition)
+        return self.ops.apply(req)
 
     async def save(self, req: pb.PartitionRequest) -> pb.PartitionReply:
         self.check_owner(req.partition)

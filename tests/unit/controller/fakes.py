@@ -8,7 +8,10 @@ import asyncio
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
+from dockd.controller.clock import Timers
 from dockd.controller.core import Controller
+from dockd.controller.journal import Journal
+from dockd.controller.membership import Membership
 from dockd.controller.service import ControllerService
 from dockd.net import auth
 
@@ -83,3 +86,22 @@ class Dock:
 
 def run(coro):
     return asyncio.run(coro)
+
+
+class Journaled:
+    """A controller core rebuilt from a journal in `state_dir` (locked, as a service's), with membership
+    and timers on a clock the test moves: what the tests of one part of the service build it on."""
+
+    def __init__(self, state_dir) -> None:
+        self.clock = FakeClock()
+        self.timers = Timers(self.clock)
+        self.journal = Journal(state_dir)
+        self.journal.lock()
+        self.core, _ = self.journal.load(lease_timeout=30.0, now=self.clock())
+        self.members = Membership(self.core, self.journal, grace=15.0, on_change=lambda: None, timers=self.timers)
+
+    def restarted(self) -> Controller:
+        """The core a restart rebuilds from what was journaled (this journal closed first)."""
+        self.journal.close()
+        core, _ = Journal(self.journal.dir).load(lease_timeout=30.0, now=self.clock())
+        return core

@@ -11,7 +11,7 @@ from dockd._proto import dockd_pb2 as pb
 from dockd.controller.core import Controller
 from dockd.controller.service import ControllerService
 from dockd.errors import DockDataLost, DockFull, DockTimeout, DockValueError
-from tests.unit.controller.fakes import Dock, FakePeer, run
+from tests.unit.controller.fakes import Dock, FakeClock, FakePeer, run
 
 
 def test_an_expired_lease_hands_its_sample_out_again():
@@ -344,5 +344,31 @@ def test_an_acquire_names_its_warehouses_as_they_are_now():
         away = d.answer(a, d.get(a, "p", 1)).acquire_reply
         assert [(w.id, w.state, w.alive) for w in away.warehouses] == [(d.wid, "rejoining", False)]
         d.svc.shutdown()
+
+    run(main())
+
+
+def test_a_service_started_from_its_state_dir_serves_from_the_rebuilt_core_in_every_part(tmp_path):
+    def service() -> ControllerService:
+        svc = ControllerService(Controller(lease_timeout=30.0), state_dir=str(tmp_path), clock=FakeClock())
+        svc.start()
+        return svc
+
+    async def main():
+        svc = service()
+        wid = svc.register(FakePeer("warehouse"), pb.RegisterWarehouse(host="10.0.0.9", port=7000,
+                                                                      capacity=1 << 30, instance=77)).id
+        svc.commit(pb.CommitRequest(partition="p", columns=["x"], new_count=3, warehouse=wid))
+        svc.shutdown()
+        again = ControllerService(Controller(lease_timeout=30.0), state_dir=str(tmp_path), clock=FakeClock())
+        fresh = again.core
+        again.start()
+        assert again.core is not fresh and again.core.partitions["p"].size == 3
+        parts = [again.members, again.waiting, again.pacer, again.calls, again.leasing, again.replication,
+                 again.acquiring, again.checkpoints, again.ops]
+        assert [type(p).__name__ for p in parts if p.core is not again.core] == []
+        listed = again.partition(pb.PartitionRequest(partition="p", list=pb.ListSamples()))
+        assert list(listed.indexes) == [0, 1, 2]
+        again.shutdown()
 
     run(main())
