@@ -49,21 +49,24 @@ def to_tensordict(batch: Any) -> Any:
     except ImportError:
         raise DockTypeError("Batch.to_tensordict() needs the tensordict package: pip install dockd[tensordict]") \
             from None
-    import torch
 
     fields: dict[str, Any] = {}
     for column in batch.columns:
-        runs = batch._columns[column]
-        if isinstance(runs, Runs):
-            kinds = {r.kind for r, _, _ in runs.runs}
-            if kinds == {pb.TENSOR}:
-                ragged = any(r.shape and r.shape[0] == -1 for r, _, _ in runs.runs)
-                fields[column] = batch.jagged(column) if ragged else batch.stacked(column)
-                continue
-        values = batch[column]
-        if values and all(isinstance(v, torch.Tensor) for v in values):
-            same = len({tuple(v.shape) for v in values}) == 1
-            fields[column] = batch.stacked(column) if same else batch.jagged(column)
-        else:
-            fields[column] = NonTensorStack(*[NonTensorData(v) for v in values])  # (from_list would stack lists)
+        field = tensor_field(batch, column)
+        fields[column] = field if field is not None else NonTensorStack(*[NonTensorData(v) for v in batch[column]])
     return TensorDict(fields, batch_size=[len(batch)])
+
+
+def tensor_field(batch: Any, column: str) -> Any:
+    """A Batch's column as one tensor field: equal-shaped tensors as one [n, ...] tensor, ragged ones (put
+    jagged, or of different lengths) as a jagged nested tensor; None when its values are not tensors."""
+    import torch
+
+    runs = batch._columns[column]
+    if isinstance(runs, Runs) and {r.kind for r, _, _ in runs.runs} == {pb.TENSOR}:
+        ragged = any(r.shape and r.shape[0] == -1 for r, _, _ in runs.runs)
+        return batch.jagged(column) if ragged else batch.stacked(column)
+    values = batch[column]
+    if not values or not all(isinstance(v, torch.Tensor) for v in values):
+        return None
+    return batch.stacked(column) if len({tuple(v.shape) for v in values}) == 1 else batch.jagged(column)

@@ -444,6 +444,26 @@ def test_transfer_queue_ragged_fields_and_data_parser(dockd_tq: Any) -> None:
         tq.kv_put(key="e", partition_id="parsed", fields={"x": torch.ones(2)}, data_parser=lambda d: {})
 
 
+def test_transfer_queue_passes_jagged_fields_to_the_dock_whole(dockd_tq: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A jagged field goes to the dock as the nested tensor it is (one values buffer, one ragged run), not
+    unbound into a tensor per sample."""
+    tq = dockd_tq
+    given: list[Any] = []
+    real_put = dockd.Dock.put
+
+    def spy(self: Any, columns: Any, **kw: Any) -> Any:
+        given.extend(v for k, v in columns.items() if k == "r")
+        return real_put(self, columns, **kw)
+
+    monkeypatch.setattr(dockd.Dock, "put", spy)
+    rows = [torch.arange(n, dtype=torch.bfloat16) for n in (4, 0, 2)]
+    tq.kv_batch_put(keys=["j0", "j1", "j2"], partition_id="jagged",
+                    fields=TensorDict({"r": torch.nested.as_nested_tensor(rows, layout=torch.jagged)}, batch_size=3))
+    assert len(given) == 1 and isinstance(given[0], torch.Tensor) and given[0].layout == torch.jagged
+    got = tq.kv_batch_get(keys=["j0", "j1", "j2"], partition_id="jagged")["r"]
+    assert got.layout == torch.jagged and all(torch.equal(a, b) for a, b in zip(got.unbind(0), rows))
+
+
 def test_transfer_queue_batch_meta_is_strict(dockd_tq: Any) -> None:
     tq = dockd_tq
     with pytest.raises(TypeError, match="global_indexes"):

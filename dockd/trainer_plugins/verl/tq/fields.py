@@ -1,8 +1,8 @@
 """Fields in and out of dock columns: what a put gives (a TensorDict, a dict, after a ``data_parser``)
 becomes one column per field, and columns read back become a TensorDict.
 
-A regular tensor field is one tensor column (one row per sample), a nested tensor field one
-tensor per sample, anything else a msgpack-encoded ``"nt/<field>"`` column.
+A regular tensor field is one tensor column (one row per sample), a nested tensor field one ragged
+column (a jagged one put as its values buffer and offsets, no tensor per sample), anything else a msgpack-encoded ``"nt/<field>"`` column.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
+import dockd
+from dockd.client.tensordicts import tensor_field
 from dockd.trainer_plugins import _codec
 from dockd.trainer_plugins.verl.tq.keylog import NT
 
@@ -74,8 +76,8 @@ def to_columns(fields: Any, n: int) -> tuple[dict[str, Any], dict[str, bool]]:
         if isinstance(values, torch.Tensor) and not values.is_nested:
             columns[name] = values.detach().to("cpu")
             kinds[name] = True
-        elif isinstance(values, torch.Tensor):
-            columns[name] = [v.detach().to("cpu") for v in values.unbind(0)]
+        elif isinstance(values, torch.Tensor):  # a nested tensor: as it is (a jagged one is one buffer in the dock)
+            columns[name] = values.detach()
             kinds[name] = True
         else:
             columns[NT + name] = [_codec.encode(v) for v in values]
@@ -85,12 +87,15 @@ def to_columns(fields: Any, n: int) -> tuple[dict[str, Any], dict[str, bool]]:
 
 def to_tensordict(tensordict: Any, names: list[str], cols: list[str], values: Any, n: int) -> Any:
     """A TensorDict of `n` rows with field `names` from the dock columns `cols` (one per name) in
-    `values`: non-tensor columns decoded into a NonTensorStack, tensors of one shape stacked, ragged
-    ones (or none at all) a jagged nested tensor."""
+    `values` (a dockd Batch, or a dict of lists): non-tensor columns decoded into a NonTensorStack, tensors
+    of one shape stacked, ragged ones (or none at all) a jagged nested tensor, made from a Batch's received
+    buffer without a tensor per value (`Batch.jagged`)."""
     out: dict[str, Any] = {}
     for f, c in zip(names, cols):
         if c.startswith(NT):
             out[f] = tensordict.NonTensorStack.from_list([_codec.decode(v) for v in values[c]])
+        elif isinstance(values, dockd.Batch) and (field := tensor_field(values, c)) is not None:
+            out[f] = field
         else:
             vals = values[c]
             if len({tuple(v.shape) for v in vals}) <= 1 and vals:
