@@ -165,6 +165,11 @@ class Dock(PartitionCalls):
             version: int | None = None) -> list[int]:
         """Write samples; returns their indexes. Returns once the data is stored and visible.
 
+        `columns`: column name -> values, each a tensor/array whose first dimension is the sample axis,
+        a list with one value per sample, or a ragged column as one buffer (a jagged nested tensor or a
+        `dockd.Jagged(values, offsets)`, stored as one run; `Batch.jagged` gives it back); or a
+        `tensordict.TensorDict` of batch_size [n] (see `Batch.to_tensordict`).
+
         Without `indexes`, creates new samples (a multiple of `group_size`, each
         run of `group_size` consecutive samples one group). With `indexes`, adds
         columns to existing samples (also those `reserve` handed out). `timeout`
