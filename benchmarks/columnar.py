@@ -95,103 +95,148 @@ def memcpy_gbps(nbytes: int, repeats: int = 5, working_set: int = 256 << 20) -> 
     return nbytes / statistics.median(times) / 1e9
 
 
-def measure(*, quick: bool = False, repeats: int = 3) -> dict[str, Any]:
+GRPO_BATCH = 64
+
+
+def as_jagged(data: dict[str, list[Any]]) -> dict[str, Any]:
+    """The ragged columns of `data` as jagged nested tensors (one values buffer plus offsets each)."""
+    return {k: torch.nested.as_nested_tensor(v, layout=torch.jagged) if k in TENSORS else v for k, v in data.items()}
+
+
+def read_all(t: torch.Tensor) -> int:
+    """Read every byte of a tensor's buffer (a consumer that uses the data), as int64 words where they fit."""
+    flat = t.reshape(-1).view(torch.uint8)
+    return int((flat.view(torch.int64) if flat.numel() % 8 == 0 else flat).sum())
+
+
+def _grpo(d, data: dict[str, list[Any]], repeats: int, *, jagged: bool) -> dict[str, float]:
+    """GRPO-shaped puts and gets of GRPO_BATCH samples: every value of every column as its own object
+    (`batch[column]`, the list API), or (`jagged`) each ragged column put as a jagged nested tensor and
+    got as one (`batch.jagged(column)`), its values read by the consumer."""
+    n, batch = len(data["uid"]), GRPO_BATCH
+    nbytes = sample_bytes(data)
+    chunks = [{k: v[s:s + batch] for k, v in data.items()} for s in range(0, n, batch)]
+    if jagged:
+        chunks = [as_jagged(c) for c in chunks]
+    put_t, get_t = [], []
+    for r in range(repeats):
+        part = f"grpo-{'jagged' if jagged else 'lists'}-{r}"
+        t0 = time.perf_counter()
+        for c in chunks:
+            d.put(c, partition=part)
+        put_t.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        got = 0
+        for _ in range(n // batch):
+            b = d.get("trainer", list(data), batch, partition=part, timeout=60)
+            for k in data:
+                if not jagged:
+                    assert len(b[k]) == batch  # every value of every column as its own object (the list API)
+                elif k in TENSORS:
+                    read_all(b.jagged(k).values())
+                else:
+                    assert len(b[k]) == batch
+            got += len(b)
+        get_t.append(time.perf_counter() - t0)
+        assert got == n
+        d.clear(part)
+    key = "grpo_jagged" if jagged else "grpo"
+    return {"grpo_bytes_per_sample": nbytes / n,
+            f"{key}_put_samples_per_s": n / statistics.median(put_t), f"{key}_get_samples_per_s": n / statistics.median(get_t),
+            f"{key}_put_GBps": nbytes / statistics.median(put_t) / 1e9, f"{key}_get_GBps": nbytes / statistics.median(get_t) / 1e9}
+
+
+def _memory(d, pid: int, quick: bool) -> dict[str, float]:
+    """Memory per stored value and the put rate of 4 x 16 B columns put 1,000 samples at a time."""
+    mem_samples, mem_put = (20_000, 1000) if quick else (200_000, 1000)
+    cols = {f"c{k}": torch.full((mem_put, 4), k, dtype=torch.float32) for k in range(4)}  # 16 B per value
+    d.put(cols, partition="warm")
+    d.clear("warm")
+    time.sleep(0.5)
+    before = _rss(pid)
+    t0 = time.perf_counter()
+    for _ in range(mem_samples // mem_put):
+        d.put(cols, partition="mem")
+    put_s = time.perf_counter() - t0
+    time.sleep(0.5)
+    grown = _rss(pid) - before
+    payload = mem_samples * 4 * 16
+    d.clear("mem")
+    return {"mem_overhead_per_value_B": (grown - payload) / (mem_samples * 4),
+            "mem_dock_per_sample_B": (grown - payload) / mem_samples, "mem_put_samples_per_s": mem_samples / put_s}
+
+
+def _multi(d, quick: bool, repeats: int) -> dict[str, float]:
+    """Multi-column (4 x 4 KiB) vs single-column (1 x 16 KiB) gets, as lists and as stacked columns."""
+    res: dict[str, float] = {}
+    n_get, per = (1024 if quick else 8192), 256
+    multi = {f"m{k}": torch.randn(n_get, 1024) for k in range(4)}  # 4 x 4 KiB
+    single = {"s": torch.randn(n_get, 4096)}                          # 1 x 16 KiB
+    for how in ("lists", "stacked"):  # one tensor per value (the list API), or one per column
+        for name, src in (("multi", multi), ("single", single)):
+            times = []
+            for r in range(repeats):
+                part = f"{name}-{how}-{r}"
+                for s in range(0, n_get, per):
+                    d.put({k: v[s:s + per] for k, v in src.items()}, partition=part)
+                t0 = time.perf_counter()
+                for _ in range(n_get // per):
+                    b = d.get("c", list(src), per, partition=part, timeout=60)
+                    for k in src:
+                        assert (len(b[k]) if how == "lists" else b.stacked(k).shape[0]) == per
+                times.append((time.perf_counter() - t0) / n_get)
+                d.clear(part)
+            res[f"get_{name}_{how}_us_per_sample"] = statistics.median(times) * 1e6
+        res[f"get_multi_vs_single_{how}"] = (res[f"get_multi_{how}_us_per_sample"]
+                                             / res[f"get_single_{how}_us_per_sample"])
+    return res
+
+
+def _big(d, quick: bool, repeats: int) -> dict[str, float]:
+    """Same-host puts of 1 MiB and 16 MiB samples, one per put, into warm segments, against memcpy."""
+    res: dict[str, float] = {}
+    for mib in (1, 16):
+        size = mib << 20
+        x = torch.randint(0, 255, (1, size), dtype=torch.uint8)
+        n = 8 if quick else (64 if mib == 1 else 16)
+        for _ in range(4):
+            d.put({"x": x}, partition=f"big{mib}-warm")
+        d.clear(f"big{mib}-warm")
+        times = []
+        for r in range(repeats):
+            part = f"big{mib}-{r}"
+            t0 = time.perf_counter()
+            for _ in range(n):
+                d.put({"x": x}, partition=part)
+            times.append((time.perf_counter() - t0) / n)
+            d.clear(part)
+        res[f"put_{mib}MiB_GBps"] = size / statistics.median(times) / 1e9
+        res[f"memcpy_{mib}MiB_GBps"] = memcpy_gbps(size)
+        res[f"put_{mib}MiB_vs_memcpy"] = res[f"put_{mib}MiB_GBps"] / res[f"memcpy_{mib}MiB_GBps"]
+    return res
+
+
+def measure(*, quick: bool = False, repeats: int = 3, only: str = "memory,multi,grpo,big") -> dict[str, Any]:
+    """The cases named in `only` (comma-separated: memory, multi, grpo, big)."""
     import dockd
 
     torch.set_num_threads(1)
     res: dict[str, Any] = {}
-    mem_samples, mem_put = (20_000, 1000) if quick else (200_000, 1000)
+    cases = set(only.split(","))
     with dockd.start_local(1, capacity="8GiB") as cluster, dockd.connect(cluster.address) as d:
-        pid = cluster.procs[0].pid
-        # -- memory per value and put rate ------------------------------------------------
-        cols = {f"c{k}": torch.full((mem_put, 4), k, dtype=torch.float32) for k in range(4)}  # 16 B per value
-        d.put(cols, partition="warm")
-        d.clear("warm")
-        time.sleep(0.5)
-        before = _rss(pid)
-        t0 = time.perf_counter()
-        for _ in range(mem_samples // mem_put):
-            d.put(cols, partition="mem")
-        put_s = time.perf_counter() - t0
-        time.sleep(0.5)
-        grown = _rss(pid) - before
-        payload = mem_samples * 4 * 16
-        res["mem_overhead_per_value_B"] = (grown - payload) / (mem_samples * 4)
-        res["mem_dock_per_sample_B"] = (grown - payload) / mem_samples
-        res["mem_put_samples_per_s"] = mem_samples / put_s
-        d.clear("mem")
-
-        # -- multi-column vs single-column gets -------------------------------------------
-        n_get, per = (1024 if quick else 8192), 256
-        multi = {f"m{k}": torch.randn(n_get, 1024) for k in range(4)}  # 4 x 4 KiB
-        single = {"s": torch.randn(n_get, 4096)}                          # 1 x 16 KiB
-        for how in ("lists", "stacked"):  # one tensor per value (the list API), or one per column
-            for name, src in (("multi", multi), ("single", single)):
-                times = []
-                for r in range(repeats):
-                    part = f"{name}-{how}-{r}"
-                    for s in range(0, n_get, per):
-                        d.put({k: v[s:s + per] for k, v in src.items()}, partition=part)
-                    t0 = time.perf_counter()
-                    for _ in range(n_get // per):
-                        b = d.get("c", list(src), per, partition=part, timeout=60)
-                        for k in src:
-                            assert (len(b[k]) if how == "lists" else b.stacked(k).shape[0]) == per
-                    times.append((time.perf_counter() - t0) / n_get)
-                    d.clear(part)
-                res[f"get_{name}_{how}_us_per_sample"] = statistics.median(times) * 1e6
-            res[f"get_multi_vs_single_{how}"] = (res[f"get_multi_{how}_us_per_sample"]
-                                                 / res[f"get_single_{how}_us_per_sample"])
-
-        # -- GRPO-shaped samples ------------------------------------------------------------
-        n_grpo, batch = (256 if quick else 2048), 64
-        data = grpo_samples(n_grpo)
-        nbytes = sample_bytes(data)
-        res["grpo_bytes_per_sample"] = nbytes / n_grpo
-        put_t, get_t = [], []
-        for r in range(repeats):
-            part = f"grpo-{r}"
-            t0 = time.perf_counter()
-            for s in range(0, n_grpo, batch):
-                d.put({k: v[s:s + batch] for k, v in data.items()}, partition=part)
-            put_t.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            got = 0
-            for _ in range(n_grpo // batch):
-                b = d.get("trainer", list(data), batch, partition=part, timeout=60)
-                for k in data:  # every value of every column as its own object (the list API)
-                    assert len(b[k]) == batch
-                got += len(b)
-            get_t.append(time.perf_counter() - t0)
-            assert got == n_grpo
-            d.clear(part)
-        res["grpo_put_samples_per_s"] = n_grpo / statistics.median(put_t)
-        res["grpo_get_samples_per_s"] = n_grpo / statistics.median(get_t)
-        res["grpo_put_GBps"] = nbytes / statistics.median(put_t) / 1e9
-        res["grpo_get_GBps"] = nbytes / statistics.median(get_t) / 1e9
-        res["memcpy_grpo_batch_GBps"] = memcpy_gbps(int(nbytes / n_grpo * batch))
-        res["grpo_put_vs_memcpy"] = res["grpo_put_GBps"] / res["memcpy_grpo_batch_GBps"]
-        res["grpo_get_vs_memcpy"] = res["grpo_get_GBps"] / res["memcpy_grpo_batch_GBps"]
-
-        # -- same-host puts of large samples ------------------------------------------------
-        for mib in (1, 16):
-            size = mib << 20
-            x = torch.randint(0, 255, (1, size), dtype=torch.uint8)
-            n = 8 if quick else (64 if mib == 1 else 16)
-            for _ in range(4):
-                d.put({"x": x}, partition=f"big{mib}-warm")
-            d.clear(f"big{mib}-warm")
-            times = []
-            for r in range(repeats):
-                part = f"big{mib}-{r}"
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    d.put({"x": x}, partition=part)
-                times.append((time.perf_counter() - t0) / n)
-                d.clear(part)
-            res[f"put_{mib}MiB_GBps"] = size / statistics.median(times) / 1e9
-            res[f"memcpy_{mib}MiB_GBps"] = memcpy_gbps(size)
-            res[f"put_{mib}MiB_vs_memcpy"] = res[f"put_{mib}MiB_GBps"] / res[f"memcpy_{mib}MiB_GBps"]
+        if "memory" in cases:
+            res.update(_memory(d, cluster.procs[0].pid, quick))
+        if "multi" in cases:
+            res.update(_multi(d, quick, repeats))
+        if "grpo" in cases:  # per-sample lists (today's API), and jagged columns
+            data = grpo_samples(256 if quick else 2048)
+            res.update(_grpo(d, data, repeats, jagged=False))
+            res.update(_grpo(d, data, repeats, jagged=True))
+            res["memcpy_grpo_batch_GBps"] = memcpy_gbps(int(res["grpo_bytes_per_sample"] * GRPO_BATCH))
+            for key in ("grpo_put", "grpo_get", "grpo_jagged_put", "grpo_jagged_get"):
+                res[f"{key}_vs_memcpy"] = res[f"{key}_GBps"] / res["memcpy_grpo_batch_GBps"]
+        if "big" in cases:
+            res.update(_big(d, quick, repeats))
     return res
 
 
@@ -217,9 +262,10 @@ def run(config) -> dict:
     return {"rows": rows, "measured": res}
 
 
-if __name__ == "__main__":  # a standalone run: python benchmarks/columnar.py [--quick]
+if __name__ == "__main__":  # a standalone run: python -m benchmarks.columnar [--quick] [--only=grpo,big]
     import json
     import sys
 
-    print(json.dumps(measure(quick="--quick" in sys.argv), indent=1))
+    only = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")), "memory,multi,grpo,big")
+    print(json.dumps(measure(quick="--quick" in sys.argv, only=only), indent=1))
     os._exit(0)
