@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_public_api_is_stable():
     assert sorted(dockd.__all__) == sorted([
         "AsyncDock", "Batch", "Dock", "DockAuthError", "DockClosed", "DockConfigError", "DockConnectionError", "DockDataLost", "DockDrained", "DockError",
-        "DockFull", "DockLeaseError", "DockNotFound", "DockProtocolError", "DockStateFull", "DockTimeout", "DockTypeError", "DockValueError", "Lease",
+        "DockFull", "DockLeaseError", "DockNotFound", "DockProtocolError", "DockStateFull", "DockTimeout", "DockTypeError", "DockValueError", "Jagged", "Lease",
         "LocalCluster", "connect", "connect_async", "start_local",
     ])
     for name in dockd.__all__:
