@@ -27,6 +27,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from typing import ClassVar
 
 import pyarrow as pa
 
@@ -53,12 +54,12 @@ def too_slow(got: int, elapsed: float, min_rate: int) -> bool:
 class FrameReader(asyncio.BufferedProtocol):
     """Frames off one connection, each body into its destination; see the module docstring."""
 
-    stall_timeout = 60.0         # seconds a frame started may go without a byte
-    min_rate = 64 << 10          # bytes/s a frame must average once it has taken RATE_GRACE seconds
-    fd_budget = 4096             # descriptors all connections may have received ahead of their frames
-    fds_held = 0                 # ... held now
-    header_budget = 256 << 20    # bytes of grown receive buffers (large headers) all connections may hold
-    header_held = 0              # ... held now
+    stall_timeout: ClassVar[float] = 60.0  # seconds a frame started may go without a byte
+    min_rate: ClassVar[int] = 64 << 10   # bytes/s a frame must average once it has taken RATE_GRACE seconds
+    fd_budget: ClassVar[int] = 4096      # descriptors all connections may have received ahead of their frames
+    fds_held: ClassVar[int] = 0          # ... held now
+    header_budget: ClassVar[int] = 256 << 20  # bytes of grown receive buffers (large headers) all connections may hold
+    header_held: ClassVar[int] = 0       # ... held now
 
     def __init__(self, *, max_body: int, max_header: int, metrics=None) -> None:
         self.max_body = max_body

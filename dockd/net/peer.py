@@ -29,7 +29,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Sequence
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, ClassVar, Protocol, cast
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockProtocolError, from_status, to_status
@@ -74,9 +74,11 @@ class Handler(Protocol):
 
 
 class Peer(FrameReader):
-    _ids = itertools.count(1)
+    _ids: ClassVar[itertools.count[int]] = itertools.count(1)
     # seconds: to authenticate; without a byte inside a frame; without any request (set by the daemon)
-    handshake_timeout, stall_timeout, idle_timeout = 10.0, 60.0, 3600.0
+    handshake_timeout: ClassVar[float] = 10.0
+    stall_timeout: ClassVar[float] = 60.0
+    idle_timeout: ClassVar[float] = 3600.0
 
     def __init__(self, handler: Handler, *, max_body: int, on_connect=None, accept: auth.ServerAuth | None = None,
                  instance: int = 0, prove=None) -> None:
