@@ -67,16 +67,27 @@ class PartitionCalls:
         return self._partition_op(partition, set_version=pb.SetVersion(version=version)).samples
 
     def list(self, partition: str, consumer: str | None = None, *, where: Mapping[str, Any] | None = None,
-             limit: int = 1000, start: int = 0) -> dict[str, Any]:
+             limit: int = 1000, start: int = 0, since: str | None = None) -> dict[str, Any]:
         """The partition's samples (written, not deleted), smallest index first, with their tags and
         policy versions, without taking them for anyone. `consumer`: only those not yet handed to
         it (what it could still get); `where`: as get's; at most `limit` from index `start` on.
         Returns {"indexes": [...], "versions": [...], "tags": {name: [...]}, "version": the
-        trainer's version}."""
-        r = self._partition_op(partition, list=validate.list_samples(consumer, where, limit, start))
+        trainer's version}.
+
+        since: list what changed instead, for a view kept up to date by polling. ``since=""``
+        lists every sample; each answer has a "cursor", and ``since=cursor`` then answers only the
+        samples written, tagged or deleted after it: "indexes" (with "tags" and "versions") are
+        listed now, "deleted" left the listing. "full" is set when the answer is the whole listing
+        (no cursor, or one from before the partition was cleared or its controller restarted):
+        replace the view by it. "more" is set when more than `limit` samples changed: ask again
+        with the new cursor for the rest. Not with consumer or start."""
+        r = self._partition_op(partition, list=validate.list_samples(consumer, where, limit, start, since))
         tags = {t.name: list(t.values) for t in r.tags}
         idx = list(r.indexes)
-        return {"indexes": idx, "versions": tags.get("version", [0] * len(idx)), "tags": tags, "version": r.version}
+        out = {"indexes": idx, "versions": tags.get("version", [0] * len(idx)), "tags": tags, "version": r.version}
+        if since is not None:
+            out.update(deleted=list(r.deleted), cursor=r.cursor, full=r.full, more=r.more)
+        return out
 
     def delete(self, partition: str, indexes: Sequence[int]) -> int:
         """Delete samples: all their columns are freed on every warehouse, and no consumer gets

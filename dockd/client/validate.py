@@ -246,12 +246,20 @@ def create_partition(group_size, retire_when_consumed_by, max_staleness, retire_
         max_staleness=0 if max_staleness is None else int(max_staleness) + 1, max_pending=int(max_pending or 0))
 
 
-def list_samples(consumer, where, limit, start) -> pb.ListSamples:
+def list_samples(consumer, where, limit, start, since=None) -> pb.ListSamples:
     if consumer is not None and (not isinstance(consumer, str) or not consumer):
         raise DockValueError(f"consumer must be a non-empty string or None, got {consumer!r}")
     for name, v in (("limit", limit), ("start", start)):
         whole(name, v, 0)
-    op = pb.ListSamples(consumer=consumer or "", limit=min(int(limit), limits.MAX_SAMPLES) or 1, start=int(start))
+    if since is not None:
+        if not isinstance(since, str):
+            raise DockValueError(f"since must be a cursor an earlier dock.list handed out ('cursor'), or '' to "
+                                 f"list from the start, got {since!r}")
+        if consumer is not None or start:
+            raise DockValueError("list(since=...) lists every sample changed since the cursor: it takes neither "
+                                 "consumer nor start")
+    op = pb.ListSamples(consumer=consumer or "", limit=min(int(limit), limits.MAX_SAMPLES) or 1, start=int(start),
+                        changes=since is not None, since=since or "")
     if where:
         op.where.extend(where_list(where))
     return op

@@ -144,6 +144,7 @@ class Catalog:
             part.ready[sel] |= np.uint64(1 << part.columns[c])
             changed.append(sel)
         sel = np.unique(np.concatenate(changed)) if changed else idx[:0]
+        part.touch(sel)
         part.nbytes[warehouse] = part.nbytes.get(warehouse, 0) + nbytes
         for cons in part.consumers.values():  # (a consumer that met them lost may take them now)
             cons.state[sel[cons.state[sel] == LOST]] = FREE
@@ -366,6 +367,7 @@ class Catalog:
     def _set_tags(part: _Partition, idx: np.ndarray, tags: Mapping[str, Sequence[int]]) -> None:
         for name, values in tags.items():
             part.tag(name, create=True)[idx] = np.asarray(values, dtype=np.int64)
+        part.touch(idx)
 
     def delete(self, partition: str, indexes: Sequence[int] | np.ndarray) -> int:
         """Delete samples: all their columns are freed (the frees wait in pending_frees) and no
@@ -388,6 +390,7 @@ class Catalog:
             del self.pending_frees[part.name]
         part.gone[idx] = True
         part.ready[idx] = 0
+        part.touch(idx)
         part.deleted += len(idx)
         for cons in part.consumers.values():
             part.refresh(cons, idx)

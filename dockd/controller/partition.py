@@ -8,6 +8,8 @@ and column set (a *subscription*) a bitmap of the samples that request could tak
 
     gone       bool     deleted (by delete or retirement): never handed out again
     tags[name] int64    per-sample integer tags (e.g. a rollout's age)
+    changed    int64    the partition's change count when the sample was last written, tagged or
+                        deleted (`touch`); made by the first listing of changes (dockd.controller.changes)
 
 An `Eligible` bitmap (`eligible`) keeps a count per block of 1024, so an acquire walks the
 non-empty blocks in order: its cost grows with the batch size and n/1024, not
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -48,6 +52,10 @@ MAX_VIEWS = 8
 CELLS_PER_SAMPLE = 16
 #: Samples a partition's arrays are first made for (at its first sample; an empty partition has none).
 FIRST_CAPACITY = 1024
+#: A partition's epoch names it in this controller process: a change cursor of another epoch (a
+#: partition cleared and made again, a restarted controller) is not one of its own.
+_PROCESS = os.urandom(4).hex()
+_EPOCHS = itertools.count(1)
 
 
 @dataclasses.dataclass(slots=True)
@@ -113,7 +121,7 @@ class _Partition:
 
     __slots__ = ("name", "group_size", "cells", "size", "capacity", "ready", "columns", "loc", "rloc", "consumers",
                  "nbytes", "recovered", "gone", "deleted", "tags", "sealed", "retire", "version", "max_staleness",
-                 "retire_stale", "max_pending", "stale_retired")
+                 "retire_stale", "max_pending", "stale_retired", "epoch", "seq", "changed")
 
     def __init__(self, name: str, group_size: int, cells: Cells | None = None) -> None:
         self.name = name
@@ -141,6 +149,9 @@ class _Partition:
         self.retire_stale = False
         self.max_pending = 0
         self.stale_retired = 0
+        self.epoch = f"{_PROCESS}.{next(_EPOCHS)}"
+        self.seq = 0  # changes counted (once `changed` is kept)
+        self.changed: np.ndarray | None = None
 
     # -- layout ---------------------------------------------------------------
     def reserve(self, n: int) -> None:
@@ -153,6 +164,8 @@ class _Partition:
         self.cells.take(self.cells_held(cap) - self.cells_held(), f"growing partition {self.name!r} to {cap} samples")
         self.ready = _grown(self.ready, cap)
         self.gone = _grown(self.gone, cap)
+        if self.changed is not None:
+            self.changed = _grown(self.changed, cap)
         for name, arr in self.tags.items():
             self.tags[name] = _grown(arr, cap)
         for locs in (self.loc, self.rloc):
@@ -203,6 +216,19 @@ class _Partition:
         if self.retire:
             return [self.consumers.get(c) for c in self.retire]
         return list(self.consumers.values())
+
+    def track_changes(self) -> np.ndarray:
+        """The per-sample change counts, kept from now on (each sample starts unchanged)."""
+        if self.changed is None:
+            self.changed = np.zeros(self.capacity, dtype=np.int64)
+        return self.changed
+
+    def touch(self, idx: np.ndarray | Sequence[int]) -> None:
+        """Samples idx were written, tagged, deleted or unwritten: one more change of the partition
+        (counted only once someone lists changes)."""
+        if self.changed is not None and len(idx):
+            self.seq += 1
+            self.changed[idx] = self.seq
 
     def live(self) -> np.ndarray:
         """Per sample: not deleted, and at least one column written."""
@@ -276,6 +302,7 @@ class _Partition:
             for c in columns:
                 self.loc[c][idx] = warehouse
             self.ready[idx] |= np.uint64(newbits)
+        self.touch(idx)
         return newbits
 
     def locations(self, columns: Sequence[str], idx: np.ndarray) -> np.ndarray:
@@ -406,6 +433,7 @@ class _Partition:
     def metadata_bytes(self) -> int:
         """Bytes of metadata held for this partition (all arrays)."""
         total = self.ready.nbytes + self.gone.nbytes + sum(a.nbytes for a in self.loc.values())
+        total += self.changed.nbytes if self.changed is not None else 0
         total += sum(a.nbytes for a in self.rloc.values())
         total += sum(a.nbytes for a in self.tags.values())
         for cons in self.consumers.values():

@@ -13,6 +13,7 @@ import numpy as np
 from dockd import limits
 from dockd._proto import dockd_pb2 as pb
 from dockd._version import __version__
+from dockd.controller.changes import list_changes
 from dockd.controller.core import Controller
 from dockd.controller.grants import where_of
 from dockd.controller.journal import Journal, ahead
@@ -74,10 +75,24 @@ class PartitionOps:
 
     def _list(self, name: str, ls: pb.ListSamples, out: pb.PartitionReply) -> pb.PartitionReply:
         limit = min(ls.limit or 1000, limits.MAX_SAMPLES)
+        if ls.changes:
+            return self._list_changes(name, ls, limit, out)
         idx, listed = self.core.list_samples(name, consumer=ls.consumer, where=where_of(ls), limit=limit,
                                              start=ls.start)
         out.indexes.extend(idx.tolist())
         out.tags.extend(pb.Tag(name=t, values=v.tolist()) for t, v in listed.items())
+        out.version = self.core.partitions[name].version
+        return out
+
+    def _list_changes(self, name: str, ls: pb.ListSamples, limit: int, out: pb.PartitionReply) -> pb.PartitionReply:
+        if ls.consumer or ls.start:
+            raise DockValueError("a listing of changes (since=) takes neither consumer nor start: it lists every "
+                                 "sample changed since the cursor")
+        ch = list_changes(self.core.catalog, name, ls.since, where=where_of(ls), limit=limit)
+        out.indexes.extend(ch.indexes.tolist())
+        out.tags.extend(pb.Tag(name=t, values=v.tolist()) for t, v in ch.tags.items())
+        out.deleted.extend(ch.deleted.tolist())
+        out.cursor, out.full, out.more = ch.cursor, ch.full, ch.more
         out.version = self.core.partitions[name].version
         return out
 

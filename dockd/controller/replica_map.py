@@ -150,6 +150,7 @@ def unwrite(cat: Catalog, values: Mapping[str, Mapping[str, np.ndarray]]) -> Non
             part.loc[col][idx] = NO_WAREHOUSE
             rloc(part, col)[idx] = NO_WAREHOUSE
             part.ready[idx] &= ~np.uint64(1 << part.columns[col])
+            part.touch(idx)
             for cons in part.consumers.values():
                 part.refresh(cons, idx)
 

@@ -138,6 +138,7 @@ def _reconcile(cat: Catalog, part: _Partition, warehouse: int, held: Inventory |
         if len(mine) and durable:
             loc[mine] = NO_WAREHOUSE
             part.ready[mine] &= ~np.uint64(1 << part.columns[col])
+            part.touch(mine)
             for cons in part.consumers.values():
                 part.refresh(cons, mine)
             logger.warning("[controller] warehouse %d restarted from its data dir without %d values of column "
@@ -195,6 +196,7 @@ def _rebuild(cat: Catalog, warehouse: int, inventory: Mapping[str, Inventory]) -
             ix = ix[~taken]
             part.loc[col][ix] = warehouse
             part.ready[ix] |= np.uint64(1 << b)
+            part.touch(ix)
             newbits |= 1 << b
             changed.append(ix)
         part.nbytes[warehouse] = part.nbytes.get(warehouse, 0) + held.nbytes
