@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
+import uuid
 from collections.abc import Iterator
 from typing import Any
 from unittest import mock
@@ -379,6 +381,26 @@ def dockd_tq(dock_cluster: dockd.LocalCluster) -> Iterator[Any]:
     tq.init()
     yield tq
     compat.uninstall()
+
+
+def test_kv_list_answers_a_kept_read_only_view_changed_only_by_new_entries(dockd_tq: Any) -> None:
+    tq, pid = dockd_tq, f"view-{uuid.uuid4().hex[:6]}"
+    tq.kv_batch_put(keys=["a", "b"], partition_id=pid, tags=[{"status": "pending"}, {"status": "pending"}])
+    first = tq.kv_list(pid)[pid]
+    assert first == {"a": {"status": "pending"}, "b": {"status": "pending"}}
+    assert tq.kv_list(pid)[pid] is first  # unchanged: the same view, not a copy per poll
+    with pytest.raises(TypeError, match="read-only"):
+        first["c"] = {}
+    with pytest.raises(TypeError, match="read-only"):
+        first["a"]["status"] = "running"
+    tq.kv_put(key="a", partition_id=pid, tag={"status": "running", "step": 2})
+    tq.kv_clear(keys=["b"], partition_id=pid)
+    second = tq.kv_list(pid)[pid]
+    assert second == {"a": {"status": "running", "step": 2}}
+    assert first == {"a": {"status": "pending"}, "b": {"status": "pending"}}  # a held answer never changes
+    back = pickle.loads(pickle.dumps(second))
+    assert type(back) is dict and type(back["a"]) is dict and back == second
+    assert tq.kv_list()[pid] is second
 
 
 def test_transfer_queue_switch_across_processes(

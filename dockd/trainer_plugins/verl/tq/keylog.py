@@ -13,6 +13,11 @@ one msgpack-encoded entry per sample of column ``"entry"``; every process replay
     share    a sampler's choice for the ranks of one batch_index
     reset    reset_consumption of a task (None: every task)
     retag    set_custom_meta: tags replaced
+
+`_Partition.listing` is what ``kv_list`` answers, kept as the entries are applied: {key: its tags}.
+Handed out as is (no copy per poll); once handed out it is never changed again (the next change
+copies it first), and each key's tags are replaced, never changed in place: a caller may hold and
+walk an answer while other threads put. Both are read-only (`ReadOnlyDict`).
 """
 
 from __future__ import annotations
@@ -40,12 +45,31 @@ def meta_partition(pid: str) -> str:
     return f"tq-meta/{pid}"
 
 
+class ReadOnlyDict(dict):
+    """A dict that refuses changes (kv_list's answer and each key's tags, shared with callers);
+    it pickles as a plain dict."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("this dict is kept and shared by dockd's transfer_queue (kv_list's answer, a key's tags) "
+                        "and is read-only; copy it first (dict(...)) to change it")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = __ior__ = _refuse  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return dict, (dict(self),)
+
+
+_NO_TAGS = ReadOnlyDict()
+
+
 @dataclasses.dataclass(slots=True)
 class _Key:
     index: int | None  # None: the key holds tags only, no sample was assigned to it yet
     gen: int
     fields: dict[str, tuple[int, bool]]  # field -> (warehouse id, is_tensor)
-    tags: dict[str, Any]
+    tags: ReadOnlyDict  # replaced on a change, never changed in place (kv_list's answers hold it)
 
 
 def sample_indexes(recs: Sequence[_Key]) -> list[int]:
@@ -77,6 +101,19 @@ class _Partition:
         self.shares: dict[str, dict[tuple[Any, Any], list[int]]] = {}
         # task -> indexes chosen for another rank that it has not taken yet (no other choice takes them)
         self.aside: dict[str, set[int]] = {}
+        self._listing = ReadOnlyDict()  # key -> its tags (`listing`)
+        self._shared = False  # _listing was handed out: copy it before the next change
+
+    def listing(self) -> ReadOnlyDict:
+        """{key: tags} of every key, read-only, without a copy; never changed once returned."""
+        self._shared = True
+        return self._listing
+
+    def _list(self) -> dict[str, ReadOnlyDict]:
+        """_listing to change (a copy of it once it was handed out), through dict's own methods."""
+        if self._shared:
+            self._listing, self._shared = ReadOnlyDict(self._listing), False
+        return self._listing
 
     def consumer(self, task: str) -> str:
         """The dock consumer name of `task`: a new one after each reset_consumption, so that the
@@ -104,7 +141,8 @@ class _Partition:
             rec = self.keys.get(key)
             index = e["indexes"][i] if e["indexes"] is not None else None
             if rec is None:  # a new key; without an index it holds tags only (no sample yet)
-                rec = self.keys[key] = _Key(index=index, gen=e["gen"], fields={}, tags={})
+                rec = self.keys[key] = _Key(index=index, gen=e["gen"], fields={}, tags=_NO_TAGS)
+                dict.__setitem__(self._list(), key, rec.tags)
             elif index is not None and rec.index is None:  # a tag-only key gets its sample
                 rec.index, rec.gen = index, e["gen"]
             elif index is not None and (rec.index != index or rec.gen != e["gen"]):
@@ -113,11 +151,14 @@ class _Partition:
             for f, kind in e["fields"].items():
                 rec.fields[f] = (e["wid"], kind)
             if e["tags"] is not None and e["tags"][i] is not None:
-                rec.tags.update(e["tags"][i])
+                rec.tags = ReadOnlyDict({**rec.tags, **e["tags"][i]})
+                dict.__setitem__(self._list(), key, rec.tags)
 
     def _clear(self, e: dict[str, Any]) -> None:
+        listing = self._list()
         for key in e["keys"]:
             self.keys.pop(key, None)
+            dict.pop(listing, key, None)
 
     def _rotate(self, e: dict[str, Any]) -> None:
         if e["gen"] > self.gen:
@@ -154,9 +195,11 @@ class _Partition:
 
     def _retag(self, e: dict[str, Any]) -> None:
         """set_custom_meta: the tags are replaced, not merged."""
+        listing = self._list()
         for key, tags in zip(e["keys"], e["tags"]):
             if key in self.keys:
-                self.keys[key].tags = dict(tags)
+                self.keys[key].tags = ReadOnlyDict(tags)
+                dict.__setitem__(listing, key, self.keys[key].tags)
 
 
 _HANDLERS = {

@@ -219,13 +219,11 @@ class _Client(_Consumption):
                 raise RuntimeError(f"Some global_indexes have no corresponding keys! partition={pid!r} {missing}")
 
     def list_keys(self, pid: str | None) -> dict[str, dict[str, Any]]:
+        """{partition: {key: tags}}: each partition's kept listing (`_Partition.listing`), read-only
+        and shared, brought up to date by the key log's new entries only."""
         pids = [pid] if pid is not None else self.partitions()
-        out: dict[str, dict[str, Any]] = {}
         with self.lock:
-            for p in pids:
-                part = self.sync(p)
-                out[p] = {k: dict(r.tags) for k, r in part.keys.items()}
-        return out
+            return {p: self.sync(p).listing() for p in pids}
 
     def clear(self, keys: list[str], pid: str) -> None:
         with self.lock:
