@@ -25,7 +25,7 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 from dockd._proto import dockd_pb2 as pb
 from dockd._ray.query import home_for
@@ -306,13 +306,24 @@ class Dock(PartitionCalls):
             dp_rank=dp_rank, dp_size=dp_size, mp_group=mp_group, step=step, balance_by=balance_by, where=where,
             order_by=order_by, prefer_local=prefer_local, max_staleness=max_staleness))
 
-    def fetch(self, lease: Lease, *, timeout: float | None = None) -> dict[str, list[Any]]:
-        """Low-level: read a lease's values from the warehouses holding them, in parallel. A warehouse
-        that does not answer within `timeout` seconds (default `fetch_timeout`) raises DockTimeout
-        naming it; the lease is left as it is (release it, or fetch again)."""
+    @overload
+    def fetch(self, lease: Lease, *, timeout: float | None = None,
+              batch: Literal[False] = False) -> dict[str, list[Any]]: ...
+
+    @overload
+    def fetch(self, lease: Lease, *, timeout: float | None = None, batch: Literal[True]) -> Batch: ...
+
+    def fetch(self, lease: Lease, *, timeout: float | None = None, batch: bool = False) -> dict[str, list[Any]] | Batch:
+        """Low-level: read a lease's values from the warehouses holding them, in parallel: a list per
+        column, or with batch=True a `Batch` of the lease's samples, whose columns that came whole from
+        one warehouse stay the received buffers (`Batch.jagged` / `Batch.stacked` without a tensor
+        per value). A warehouse that does not answer within `timeout` seconds (default
+        `fetch_timeout`) raises DockTimeout naming it; the lease is left as it is (release it, or
+        fetch again)."""
         timeout = validate.seconds(timeout)
         limit = self.fetch_timeout if timeout is None else timeout
-        return self._fetcher.fetch(lease, lazy=False, deadline=time.monotonic() + limit)
+        values = self._fetcher.fetch(lease, lazy=batch, deadline=time.monotonic() + limit)
+        return Batch(lease.partition, lease.indexes, values) if batch else values
 
     def read(self, partition: str, indexes: Sequence[int], columns: Sequence[str]) -> Batch:
         """Read written samples by index without taking them for any consumer.

@@ -482,8 +482,14 @@ def test_transfer_queue_passes_jagged_fields_to_the_dock_whole(dockd_tq: Any, mo
     tq.kv_batch_put(keys=["j0", "j1", "j2"], partition_id="jagged",
                     fields=TensorDict({"r": torch.nested.as_nested_tensor(rows, layout=torch.jagged)}, batch_size=3))
     assert len(given) == 1 and isinstance(given[0], torch.Tensor) and given[0].layout == torch.jagged
-    got = tq.kv_batch_get(keys=["j0", "j1", "j2"], partition_id="jagged")["r"]
-    assert got.layout == torch.jagged and all(torch.equal(a, b) for a, b in zip(got.unbind(0), rows))
+
+    def per_value(*args: Any, **kw: Any) -> Any:
+        raise AssertionError("the get built the field from a tensor per value")
+
+    monkeypatch.setattr(torch.nested, "nested_tensor", per_value)  # (from the received buffer: Batch.jagged)
+    monkeypatch.setattr(torch, "stack", per_value)
+    got = tq.kv_batch_get(keys=["j2", "j0", "j1"], partition_id="jagged")["r"]
+    assert got.layout == torch.jagged and all(torch.equal(a, b) for a, b in zip(got.unbind(0), rows[2:] + rows[:2]))
 
 
 def test_transfer_queue_batch_meta_is_strict(dockd_tq: Any) -> None:

@@ -164,14 +164,14 @@ class _Client(_Consumption):
             sample_indexes(recs),  # (each holds every field in `names`, so a sample)
             np.array([[r.fields[f][0] for r in recs] for f in names], dtype=np.int64),
         )
+        values: dockd.Batch | dict[str, list[Any]]
         if not keys:
-            values: dict[str, list[Any]] = {c: [] for c in cols}
+            values = {c: [] for c in cols}
         else:
-            try:
-                values = self.dock.fetch(lease)
+            try:  # (a Batch: a ragged column that came as one run is one jagged tensor, no tensor per value)
+                values = self.dock.fetch(lease, batch=True)
             except dockd.DockError:  # the log's locations are stale (a loaded checkpoint): ask the controller
-                read = self.dock.read(lease.partition, lease.indexes, cols)
-                values = {c: read[c] for c in cols}
+                values = self.dock.read(lease.partition, lease.indexes, cols)
         return to_tensordict(tensordict, names, cols, values, len(keys))
 
     def meta(self, pid: str, keys: list[str], create: bool = False) -> BatchMeta:
