@@ -23,30 +23,40 @@ def array_cells(value: Any) -> int:
     """What a remembered value costs: the elements of its int64 arrays (ranges and the rest: nothing)."""
     if isinstance(value, np.ndarray):
         return len(value)
+    n = 0
     if isinstance(value, tuple):
-        return sum(array_cells(v) for v in value)
-    return 0
+        for v in value:
+            if isinstance(v, (np.ndarray, tuple)):
+                n += array_cells(v)
+    return n
 
 
 class Recent(Generic[V]):
     """Entries in insertion order (oldest first), at most `count` of them holding at most `cells` array
     elements together (see `array_cells`)."""
 
-    __slots__ = ("_d", "count", "cells", "held", "_cost")
+    __slots__ = ("_d", "_costs", "count", "cells", "held", "_cost")
 
     def __init__(self, count: int, cells: int, cost: Callable[[Any], int] = array_cells) -> None:
         self._d: collections.OrderedDict[Hashable, V] = collections.OrderedDict()
+        self._costs: dict[Hashable, int] = {}  # the entries that cost anything, and what (measured once, when added)
         self.count, self.cells, self.held, self._cost = count, cells, 0, cost
 
     def add(self, key: Hashable, value: V) -> None:
-        old = self._d.pop(key, None)
-        if old is not None:
-            self.held -= self._cost(old)
-        self._d[key] = value
-        self.held += self._cost(value)
-        while len(self._d) > 1 and (len(self._d) > self.count or self.held > self.cells):
-            _, gone = self._d.popitem(last=False)
-            self.held -= self._cost(gone)
+        d, costs = self._d, self._costs
+        if d.pop(key, None) is not None:
+            self.held -= costs.pop(key, 0)
+        d[key] = value
+        cost = self._cost(value)
+        if cost:
+            costs[key] = cost
+            self.held += cost
+        n = len(d)
+        while n > 1 and (n > self.count or self.held > self.cells):
+            gone, _ = d.popitem(last=False)
+            n -= 1
+            if costs:
+                self.held -= costs.pop(gone, 0)
 
     def get(self, key: Hashable, default: Any = None) -> V | Any:
         return self._d.get(key, default)

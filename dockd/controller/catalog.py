@@ -37,6 +37,12 @@ def kept_as(idx: np.ndarray, consecutive: bool) -> np.ndarray | range:
     return range(int(idx[0]), int(idx[0]) + len(idx)) if consecutive and len(idx) else idx
 
 
+def _token_cells(seen: tuple[str, tuple[str, ...], np.ndarray | range]) -> int:
+    """What a remembered put costs `Catalog.tokens`: its indexes, when they are an array."""
+    kept = seen[2]
+    return len(kept) if isinstance(kept, np.ndarray) else 0
+
+
 def indexes_of(kept: np.ndarray | range) -> np.ndarray:
     """Remembered indexes (see `kept_as`) as an int64 array."""
     return kept if isinstance(kept, np.ndarray) else np.arange(kept.start, kept.stop, dtype=np.int64)
@@ -54,7 +60,8 @@ class Catalog:
         # per warehouse, put_id -> indexes of its recent commits (a re-sent commit is answered, not re-applied)
         self.put_keys: dict[int, Recent[np.ndarray | range]] = {}
         # writer token -> (partition, columns, indexes) of recent puts (see `stored` and `commit`)
-        self.tokens: Recent[tuple[str, tuple[str, ...], np.ndarray | range]] = Recent(TOKENS_KEPT, TOKENS_CELLS)
+        self.tokens: Recent[tuple[str, tuple[str, ...], np.ndarray | range]] = Recent(TOKENS_KEPT, TOKENS_CELLS,
+                                                                                      _token_cells)
         # deleted samples whose data a warehouse still holds: partition -> warehouse -> index arrays
         # (the service sends the frees; replaying a journal refills it, and a second free is harmless)
         self.pending_frees: dict[str, dict[int, list[np.ndarray]]] = {}

@@ -60,7 +60,7 @@ import pathlib
 import re
 import time
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import msgpack
 
@@ -113,8 +113,18 @@ def _write_all(fd: int, data: bytes | bytearray) -> None:
 
 
 def ahead(journal: Journal | None) -> contextlib.AbstractContextManager:
-    """`journal.ahead()`, or nothing to cut off without a journal."""
-    return journal.ahead() if journal is not None else contextlib.nullcontext()
+    return journal.ahead() if journal is not None else contextlib.nullcontext()  # (nothing to cut off without one)
+
+
+class _Ahead:
+    """`Journal.ahead`: a class, not a generator, since every commit enters one."""
+    __slots__ = ("journal", "size", "records")
+    def __init__(self, journal: Journal) -> None:
+        self.journal, self.size, self.records = journal, journal.size, journal.records
+    def __enter__(self) -> None: ...
+    def __exit__(self, kind, exc, tb) -> None:
+        if kind is not None and self.journal.size > self.size:
+            self.journal._undo(self.size, self.records)
 
 
 class Journal(RecordWriter):
@@ -341,18 +351,11 @@ class Journal(RecordWriter):
         finally:
             self._held = bytearray()
 
-    @contextlib.contextmanager
-    def ahead(self) -> Iterator[None]:
+    def ahead(self) -> _Ahead:
         """Around a request's records and the change they are written ahead of: if the change is refused
         (it raises), its records are cut off again, so that a restart never applies what its client was
         told failed (a replay checks the request again, but not always under the same bounds)."""
-        size, records = self.size, self.records
-        try:
-            yield
-        except BaseException:
-            if self.size > size:
-                self._undo(size, records)
-            raise
+        return _Ahead(self)
 
     def _undo(self, size: int, records: int) -> None:
         if self._truncate(size, "the record of a refused request"):

@@ -280,45 +280,52 @@ class ControllerService:
     def commit_reply(self, req: pb.CommitRequest, res: CommitOutcome, out: pb.CommitReply) -> None:
         """Fill a commit's answer: its indexes, and where to copy the put (--replicas 2)."""
         out.indexes.extend(res.listed())
-        out.stored = res.stored
-        target = None if out.stored else self.replication.target_of(req, np.asarray(res.indexes))
-        if target is not None:
-            out.replica.CopyFrom(target)
+        if res.stored:
+            out.stored = True
+        elif self.replication.replicas > 1:
+            target = self.replication.target_of(req, np.asarray(res.indexes))
+            if target is not None:
+                out.replica.CopyFrom(target)
 
     def apply_commit(self, req: pb.CommitRequest, woken: set[str] | None = None) -> CommitOutcome:
         """Apply one commit and wake the gets waiting on its partition (or, given `woken`, add the
         partition there for the caller to wake)."""
-        entry = self.members.get(req.warehouse)
+        wid = req.warehouse
+        entry = self.members.get(wid)
         if entry is None or not entry.alive:
-            raise DockValueError(f"warehouse {req.warehouse} is not a live member of this dock")
+            raise DockValueError(f"warehouse {wid} is not a live member of this dock")
         if req.replica:
             return CommitOutcome(self.replication.commit(req))
+        partition, core, journal = req.partition, self.core, self.journal
         indexes = list(req.indexes) if req.indexes else None
         gs = req.group_size or 1
-        if req.partition in self.checkpoints.loading:
-            raise DockValueError(f"partition {req.partition!r} is being loaded from a checkpoint; put to it once "
+        if partition in self.checkpoints.loading:
+            raise DockValueError(f"partition {partition!r} is being loaded from a checkpoint; put to it once "
                                  "the load returned")
-        tags = {t.name: list(t.values) for t in req.tags} or None
-        applied = req.put_id and req.put_id in self.core.put_keys.get(req.warehouse, ())  # (re-sent: answered again)
-        # a put re-sent to this warehouse (its writer's token seen before): values held by a warehouse that does not
-        # answer now count as not held, since it may have gone away between their commit and storing them
-        away = self.members.away(but=req.warehouse) if req.token in self.core.catalog.tokens and not applied else ()
-        stored = None if applied else self.core.catalog.stored(req.partition, req.token, away)
-        if stored is not None:  # a put re-sent to this warehouse whose values another one holds: nothing to apply
-            return CommitOutcome(stored, stored=True)
-        with ahead(self.journal):
-            if self.journal is not None and not applied:  # written ahead: a commit the journal cannot take is not applied
-                self.journal.room()
-                self.journal.commit(req.partition, req.columns, req.warehouse, indexes, req.new_count, gs, req.nbytes,
-                                    req.put_id, tags, req.token, away)
-            idx = self.core.commit(req.partition, req.columns[:], warehouse=req.warehouse, indexes=indexes,
-                                   new_count=req.new_count, group_size=gs, nbytes=req.nbytes, put_id=req.put_id,
-                                   tags=tags, token=req.token, away=away)
-        if req.partition in self.waiters:
+        tags = {t.name: list(t.values) for t in req.tags} or None if req.tags else None
+        put_id, token = req.put_id, req.token
+        applied = put_id and put_id in core.put_keys.get(wid, ())  # (re-sent: answered again)
+        away: list[int] | tuple[()] = ()
+        if token in core.catalog.tokens and not applied:
+            # a put re-sent to this warehouse (its writer's token seen before): values held by a warehouse that does
+            # not answer now count as not held, since it may have gone away between their commit and storing them
+            away = self.members.away(but=wid)
+            stored = core.catalog.stored(partition, token, away)
+            if stored is not None:  # a put re-sent to this warehouse whose values another one holds: nothing to apply
+                return CommitOutcome(stored, stored=True)
+        columns = req.columns[:]
+        with ahead(journal):
+            if journal is not None and not applied:  # written ahead: a commit the journal cannot take is not applied
+                journal.room()
+                journal.commit(partition, columns, wid, indexes, req.new_count, gs, req.nbytes, put_id, tags, token,
+                               away)
+            idx = core.commit(partition, columns, warehouse=wid, indexes=indexes, new_count=req.new_count,
+                              group_size=gs, nbytes=req.nbytes, put_id=put_id, tags=tags, token=token, away=away)
+        if partition in self.waiting.by_partition:
             if woken is None:
-                self.waiting.wake(req.partition)
+                self.waiting.wake(partition)
             else:
-                woken.add(req.partition)
+                woken.add(partition)
         return CommitOutcome(idx)
 
     def acquire(self, peer: Peer, frame: pb.Frame) -> None:

@@ -157,6 +157,6 @@ def commit_answer(ctl, peer: Peer, frame: pb.Frame, res: CommitOutcome) -> None:
     if res.error is not None:
         peer.reply_error(frame, res.error)
         return
-    reply = pb.CommitReply()
-    ctl.commit_reply(frame.commit, res, reply)
-    peer.reply(frame, pb.Frame(commit_reply=reply))
+    out = pb.Frame()
+    ctl.commit_reply(frame.commit, res, out.commit_reply)  # (filled in place: wrapping a reply would copy it)
+    peer.reply(frame, out)
