@@ -190,13 +190,14 @@ class Controller:
         selection.check_request(partition, consumer, columns, count)
         if token:
             again = self.lease_tokens.get(token)
-            if again is not None:
-                lease = self.leases[again]
-                held = self.partitions[lease.partition]
-                locs = held.locations(columns, lease.indexes) if all(
-                    c in held.loc for c in columns) else np.full((len(columns), len(lease.indexes)), NO_WAREHOUSE,
-                                                                 np.uint16)
-                return AcquireResult(lease.id, lease.indexes, locs)
+            if again is not None:  # (every lease of its grant still outstanding, when it was split: see book.split)
+                leases = self.book.batch(self.leases[again])
+                held_idx = leases[0].indexes if len(leases) == 1 else np.concatenate([l.indexes for l in leases])
+                held = self.partitions[leases[0].partition]
+                locs = held.locations(columns, held_idx) if all(c in held.loc for c in columns) else \
+                    np.full((len(columns), len(held_idx)), NO_WAREHOUSE, np.uint16)
+                return AcquireResult(again, held_idx, locs, leases=[l.id for l in leases] if leases[0].rest else [],
+                                     seconds=max(leases[0].deadline - now, 0.0) if leases[0].rest else 0.0)
         part = self.partitions.get(partition)
         if part is None:
             return None

@@ -83,8 +83,9 @@ class Acquiring:
             lease_timeout=_lease_seconds(r), where=where_of(r), order_by=r.order_by,
             near=r.near - 1 if r.near else None, max_staleness=r.max_staleness - 1 if r.max_staleness else None,
         )
-        if again is not None:
-            again.owner = sid  # the client that retried holds it (a lease restored from the journal may have had none)
+        if again is not None:  # the client that retried holds it (a lease restored from the journal may have had none)
+            for lease in core.book.batch(again):
+                lease.owner = sid
         elif res is not None:
             self._handed_out(r.partition, res.indexes)
             per = r.per_lease
@@ -96,7 +97,7 @@ class Acquiring:
 
     def _grant(self, res: AcquireResult, per_lease: int) -> None:
         """A lease just granted: cut into leases of `per_lease` samples (a client taking several gets'
-        worth at once), each journaled ahead of the answer, and its expiry timed."""
+        worth at once), journaled ahead of the answer (one record for them all), and its expiry timed."""
         core = self.core
         lease = core.leases[res.lease]
         res.seconds = lease.deadline - self.timers.clock()
@@ -105,8 +106,10 @@ class Acquiring:
             res.leases = [l.id for l in leases]
         if self.journal is not None:
             try:
-                for l in leases:
-                    self.journal.grant(l, res.seconds)
+                if len(leases) == 1:
+                    self.journal.grant(lease, res.seconds)
+                else:
+                    self.journal.grants(leases, res.seconds, per_lease)
             except DockStateFull:
                 for l in leases:
                     core.release(l.id)  # not recorded: not granted

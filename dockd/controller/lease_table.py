@@ -36,6 +36,7 @@ class Lease:
     holders: dict[bytes, int] | None = None
     need: int = 1
     confirmed: int = 0
+    rest: tuple[int, ...] = ()  # a lease split from one grant (its first): the ids of the others, in order
 
 
 @dataclasses.dataclass(slots=True)
@@ -89,10 +90,11 @@ class LeaseTable:
         if lease.token:
             self.tokens[lease.token] = lease.id
 
-    def split(self, lease_id: int, per: int) -> list[Lease]:
+    def split(self, lease_id: int, per: int, ids: list[int] | None = None) -> list[Lease]:
         """Cut a lease just granted into leases of `per` samples each, in order (the last may hold
-        fewer): the first keeps its id and token, the others get new ids and the same owner and
-        deadline. One slice per new lease; the samples' state does not change (all are leased)."""
+        fewer): the first keeps its id and token and names the others (`rest`), which get new ids
+        (`ids`: these, a journal's replay) and the same owner and deadline. One slice per new lease;
+        the samples' state does not change (all are leased)."""
         first = self.leases[lease_id]
         idx = first.indexes
         if len(idx) <= per:
@@ -100,12 +102,20 @@ class LeaseTable:
         in_order = lease_id in self._fifo
         first.indexes = idx[:per].copy()
         out = [first]
-        for at in range(per, len(idx), per):
-            lease = Lease(self.new_id(), first.partition, first.consumer, idx[at:at + per].copy(), first.owner,
-                          first.deadline)
+        for k, at in enumerate(range(per, len(idx), per)):
+            lease = Lease(self.new_id() if ids is None else ids[k], first.partition, first.consumer,
+                          idx[at:at + per].copy(), first.owner, first.deadline)
             self.add(lease, in_order=in_order)
             out.append(lease)
+        first.rest = tuple(lease.id for lease in out[1:])
         return out
+
+    def batch(self, first: Lease) -> list[Lease]:
+        """A lease and those split from the same grant still outstanding (see `split`), in order."""
+        if not first.rest:
+            return [first]
+        leases = self.leases
+        return [first, *(leases[lid] for lid in first.rest if lid in leases)]
 
     def in_order(self, lease_id: int) -> bool:
         return lease_id in self._fifo

@@ -70,8 +70,9 @@ def snapshot(cat: Catalog, leases: Iterable[Lease], lease_timeout: float, wall_o
         "lease_timeout": lease_timeout,
         "dead": sorted(cat.dead_warehouses),
         "partitions": [export_partition(p) for p in cat.partitions.values()],
-        "leases": [[l.id, l.partition, l.consumer, l.indexes.tobytes(), l.deadline + wall_offset, l.token, l.owner]
-                   for l in leases],
+        # (a lease split from one grant names the others: see LeaseTable.split)
+        "leases": [[l.id, l.partition, l.consumer, l.indexes.tobytes(), l.deadline + wall_offset, l.token, l.owner,
+                    *([list(l.rest)] if l.rest else [])] for l in leases],
         "put_keys": [[w, [[k, [v.start, v.stop] if isinstance(v, range) else indexes_of(v).tobytes()]
                           for k, v in keys.items()]] for w, keys in cat.put_keys.items()],
     }
@@ -83,9 +84,11 @@ def restore(cat: Catalog, grant: Callable[..., Lease], snap: dict, *, wall_offse
     cat.dead_warehouses.update(snap["dead"])
     for d in snap["partitions"]:
         cat.adopt(import_partition(d))
-    for lid, part, consumer, raw, deadline, token, owner in snap["leases"]:
-        grant(lid, part, consumer, np.frombuffer(raw, dtype=np.int64).copy(), deadline=deadline - wall_offset,
-              token=token, owner=owner)
+    for lid, part, consumer, raw, deadline, token, owner, *rest in snap["leases"]:
+        lease = grant(lid, part, consumer, np.frombuffer(raw, dtype=np.int64).copy(), deadline=deadline - wall_offset,
+                      token=token, owner=owner)
+        if rest:
+            lease.rest = tuple(rest[0])
     for w, keys in snap["put_keys"]:  # (a commit of new samples as its range; older snapshots: every index)
         kept = cat.put_keys[w] = Recent(PUT_KEYS_KEPT, PUT_KEYS_CELLS)
         for k, v in keys:

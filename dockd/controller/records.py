@@ -9,6 +9,8 @@ Records (the first element names the kind):
                        [, writer token[, warehouses not answering when a put with that token was re-sent]]])
     A  replica commit  (partition, columns, warehouse, indexes, nbytes, put_id): it holds a copy (--replicas 2)
     G  lease granted   (id, partition, consumer, indexes, seconds left, token, owner session)
+    B  a grant split into leases of `per` samples each (the first's id, partition, consumer, all their
+       indexes, seconds left, token, owner session, per, the other leases' ids): one record for them all
     E  lease extended  (id, seconds left)
     F  leases confirmed (ids)
     R  lease released  (id): given back, expired, or its client went away
@@ -171,6 +173,10 @@ def _apply(core: Controller, warehouses: dict[int, dict], rec: list, now: float)
     elif kind == "G":
         _, lid, part, consumer, idx, left, token, owner = rec
         core.grant(lid, part, consumer, unpack_idx(idx), deadline=_deadline(core, left, now), token=token, owner=owner)
+    elif kind == "B":
+        _, lid, part, consumer, idx, left, token, owner, per, ids = rec
+        core.grant(lid, part, consumer, unpack_idx(idx), deadline=_deadline(core, left, now), token=token, owner=owner)
+        core.book.split(lid, per, ids)
     elif kind == "E":
         core.extend(rec[1], _deadline(core, rec[2], now))
     elif kind == "F":
@@ -253,6 +259,13 @@ class RecordWriter:
         """A lease and the seconds it has left (its deadline minus now, on the loop's clock)."""
         return self.append(["G", lease.id, lease.partition, lease.consumer, pack_idx(lease.indexes),
                             float(seconds_left), lease.token, lease.owner], applied=applied)
+
+    def grants(self, leases: list[Lease], seconds_left: float, per: int) -> None:
+        """Leases split from one grant (`LeaseTable.split`: the first, then the rest, of `per` samples each)."""
+        first = leases[0]
+        self.append(["B", first.id, first.partition, first.consumer,
+                     pack_idx(np.concatenate([l.indexes for l in leases])), float(seconds_left), first.token,
+                     first.owner, per, [l.id for l in leases[1:]]])
 
     def extend(self, lease_id: int, seconds_left: float) -> None:
         self.append(["E", lease_id, float(seconds_left)])

@@ -124,3 +124,23 @@ def test_rank_aware_gets_keep_their_shares_with_prefetch(cluster, partition):
 def test_prefetch_is_checked(dock, partition):
     with pytest.raises(dockd.DockValueError, match="prefetch"):
         dock.get("c", ["x"], 1, partition=partition, prefetch=-1)
+
+
+def test_a_retried_acquire_gets_back_every_lease_of_its_window(cluster, dock, partition, raw):
+    """The reply of an acquire taking leases ahead (per_lease) is lost and the client re-sends it with
+    the same token: it gets all the leases of that grant again, not only the first (the others would
+    stay leased to it, unseen, until they expired), and nothing more is leased."""
+    from dockd._proto import dockd_pb2 as pb
+
+    dock.put({"x": torch.arange(6)}, partition=partition)
+    c = raw(cluster.address, session=b"retrying-client")
+    req = pb.AcquireRequest(partition=partition, consumer="train", columns=["x"], count=6, per_lease=2,
+                            allow_partial=True, token=4242, timeout=10)
+    first = c.call(pb.Frame(id=1, acquire=req)).acquire_reply
+    again = c.call(pb.Frame(id=2, acquire=req)).acquire_reply
+    assert len(first.leases) == 3 and list(first.indexes) == list(range(6))
+    assert (list(again.leases), list(again.indexes), again.lease) == (list(first.leases), list(first.indexes),
+                                                                     first.lease)
+    assert leased(dock, partition) == 6
+    c.send(pb.Frame(id=3, release=pb.ReleaseRequest(leases=list(again.leases))))
+    wait_until(lambda: leased(dock, partition) == 0, what="the retried window released whole")

@@ -13,6 +13,7 @@ import pytest
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.grants import STALENESS_BUCKETS, Acquiring
+from dockd.controller.journal import Journal
 from dockd.controller.pacing import Pacer
 from dockd.controller.replica_service import Replication
 from dockd.controller.sessions import Leasing
@@ -99,5 +100,33 @@ def test_a_reply_carries_the_ticket_the_samples_and_their_warehouses(tmp_path):
         assert out.lease == res.lease and out.ticket == g.leasing.ticket(res.lease)
         assert list(out.indexes) == [0, 1, 2] and list(out.locations) == [g.wid] * 3
         assert [(w.id, w.host, w.port) for w in out.warehouses] == [(g.wid, "10.0.0.9", 7000)]
+
+    asyncio.run(main())
+
+
+def test_a_split_grant_is_one_record_and_a_retry_gets_every_lease_back_also_after_a_restart(tmp_path):
+    """get(prefetch=n): an acquire with per_lease is one journal record for all its leases, and the
+    same acquire re-sent (its reply lost) gets all of them back, not only the first, before and after
+    the controller is rebuilt from the state dir (journal, then snapshot)."""
+    async def main():
+        g = Grants(tmp_path)
+        peer = FakePeer("a", b"session-a")
+        records = g.journal.records
+        res = g.acquiring.attempt(peer, _get(4, per_lease=2, token=77, allow_partial=True))
+        assert res is not None and len(res.leases) == 2 and res.indexes.tolist() == [0, 1, 2, 3]
+        assert g.journal.records == records + 1
+        again = g.acquiring.attempt(peer, _get(4, per_lease=2, token=77, allow_partial=True))
+        assert again is not None and again.leases == res.leases and again.indexes.tolist() == [0, 1, 2, 3]
+        assert again.lease == res.lease and again.seconds > 0
+        core = g.restarted()  # (replayed from the journal)
+        retried = core.acquire("p", "c", ["x"], 4, allow_partial=True, token=77, owner=b"session-a", now=g.clock())
+        assert retried is not None and retried.leases == res.leases and retried.indexes.tolist() == [0, 1, 2, 3]
+        j = Journal(tmp_path)
+        j.compact(core, {}, now=g.clock())  # (a snapshot holds them, the journal nothing)
+        j.close()
+        core, _ = Journal(tmp_path).load(lease_timeout=30.0, now=g.clock())
+        retried = core.acquire("p", "c", ["x"], 4, allow_partial=True, token=77, owner=b"session-a", now=g.clock())
+        assert retried is not None and retried.leases == res.leases and retried.indexes.tolist() == [0, 1, 2, 3]
+        assert core.ready_count("p", "c", ["x"]) == 0
 
     asyncio.run(main())
