@@ -217,6 +217,55 @@ def test_outputs_written_back_to_the_same_samples(dock: dockd.Dock) -> None:
     dock.clear("verl-wb")
 
 
+def _no_tensor_per_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From here on, building a field from a tensor per value fails the test."""
+    def per_value(*args: Any, **kw: Any) -> Any:
+        raise AssertionError("the get built a field from a tensor per value")
+
+    monkeypatch.setattr(torch.nested, "nested_tensor", per_value)
+    monkeypatch.setattr(torch, "stack", per_value)
+
+
+def test_data_proto_ragged_fields_go_whole_and_come_back_from_the_buffers(
+    dock: dockd.Dock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A jagged batch field is put as the nested tensor it is (one ragged run) and got back from the
+    received buffer (no tensor per value), on the plain get and on a DOCK_DISPATCH worker's shard; bit-exact,
+    bf16, a trailing shape, empty rows; a ragged column whose samples in one batch share a length comes back
+    [n, length, ...] as before."""
+    rows = [torch.randn(n, 2).to(torch.bfloat16) for n in (3, 0, 5, 1)] + [torch.randn(2, 2).to(torch.bfloat16)] * 2
+    data = DataProto.from_dict(tensors={"resp": torch.nested.as_nested_tensor(rows, layout=torch.jagged),
+                                        "ids": torch.arange(12).view(6, 2)})
+    given: list[Any] = []
+    real_put = dockd.Dock.put
+
+    def spy(self: Any, columns: Any, **kw: Any) -> Any:
+        given.append(columns["resp"])
+        return real_put(self, columns, **kw)
+
+    monkeypatch.setattr(dockd.Dock, "put", spy)
+    plugin.put_data_proto(dock, data, partition="verl-jag")
+    assert isinstance(given[0], torch.Tensor) and given[0].layout == torch.jagged  # not a list per sample
+    tail = torch.stack(rows[4:])
+    _no_tensor_per_value(monkeypatch)
+    got = plugin.get_data_proto(dock, consumer="t", count=4, partition="verl-jag", batch_keys=["resp", "ids"],
+                                timeout=5.0)
+    assert got.batch["resp"].layout == torch.jagged
+    assert all(_same(a, b) for a, b in zip(got.batch["resp"].unbind(0), rows[:4]))
+    assert _same(got.batch["ids"], data.batch["ids"][:4])
+    # the last two (both of length 2) through a worker's shard: one [2, 2, 2] tensor, as torch.stack made it
+    lease = dock.acquire("t", plugin.data_proto_columns(["resp"], ()), 2, partition="verl-jag", inline=False)
+    locations, _ = plugin.dispatch.metadata_only(dock, lease)
+    shard = plugin.DockShard(request=plugin.DockRequest(address="-", partition="verl-jag", consumer="t", count=2,
+                                                        batch_keys=("resp",)),
+                             rank=0, count=2, indexes=tuple(lease.indexes),
+                             locations=tuple(tuple(int(w) for w in row) for row in locations))
+    part, idx = plugin.dispatch._fetch_slice(dock, shard)
+    assert idx == [4, 5] and _same(part.batch["resp"], tail)
+    dock.confirm(lease)
+    dock.clear("verl-jag")
+
+
 def test_dispatch_splits_counts_and_validates() -> None:
     assert plugin.shard_counts(10, 3) == [4, 3, 3]
     assert plugin.shard_counts(2, 4) == [1, 1, 0, 0]

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from dockd.client.batch import Batch
+from dockd.client.tensordicts import tensor_field
 from dockd.trainer_plugins import _codec, require
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -74,8 +76,8 @@ def put_data_proto(
                     f"put_data_proto: batch[{key!r}] is a {type(value).__name__}; nested TensorDicts are not "
                     "supported, flatten them first (TensorDict.flatten_keys())"
                 )
-            if value.is_nested:
-                columns[key] = list(value.unbind(0))
+            if value.is_nested:  # as it is: a jagged one is one ragged run over its values buffer
+                columns[key] = value.detach()
             else:
                 columns[key] = value.detach().to("cpu")
     for key, arr in (data.non_tensor_batch or {}).items():
@@ -106,12 +108,7 @@ def batch_to_data_proto(
     n = len(batch.indexes)
     tensors: dict[str, torch.Tensor] = {}
     for key in batch_keys:
-        values = batch[key]
-        shapes = {tuple(v.shape) for v in values}
-        if len(shapes) == 1:
-            tensors[key] = torch.stack(values) if n else torch.empty(0)
-        else:
-            tensors[key] = torch.nested.nested_tensor(values, layout=torch.jagged)
+        tensors[key] = _batch_tensor(batch, key, n)
     non_tensors: dict[str, np.ndarray] = {}
     for key in non_tensor_batch_keys:
         items = [_codec.decode(v) for v in batch[NON_TENSOR_PREFIX + key]]
@@ -138,6 +135,25 @@ def batch_to_data_proto(
     td = tensordict.TensorDict(tensors, batch_size=[n]) if tensors else None
     data: DataProto = protocol.DataProto(batch=td, non_tensor_batch=non_tensors, meta_info=meta_info)
     return data
+
+
+def _batch_tensor(batch: Any, key: str, n: int) -> torch.Tensor:
+    """A batch key's column as one tensor: [n, ...] when every sample has one shape, else a jagged
+    nested tensor. From a `dockd.Batch`, built from the received buffers (`Batch.stacked` / `Batch.jagged`:
+    a view where the column came as one run, else one copy), no tensor per value."""
+    if not n:
+        return torch.empty(0)
+    field = tensor_field(batch, key) if isinstance(batch, Batch) else None
+    if field is None:
+        values = batch[key]
+        if len({tuple(v.shape) for v in values}) == 1:
+            return torch.stack(values)
+        return torch.nested.nested_tensor(values, layout=torch.jagged)
+    if field.is_nested:  # put ragged, yet every sample of this batch has one length: [n, length, ...]
+        lengths = field.offsets().diff()
+        if bool((lengths == lengths[0]).all()):
+            return field.values().unflatten(0, (n, int(lengths[0])))
+    return field
 
 
 def _wrap_element(value: Any) -> Any:

@@ -265,8 +265,7 @@ def _fetch_slice(dock: Any, shard: DockShard) -> tuple[Any, list[int]]:
     args = (shard.lease_id, req.partition, columns, list(shard.indexes), locations)
     inline = _codec.decode(shard.inline) if shard.inline else {}
     lease = dockd.Lease(*args, inline=inline) if inline else dockd.Lease(*args)
-    values = dock.fetch(lease)
-    batch = dockd.Batch(req.partition, list(shard.indexes), values)
+    batch = dock.fetch(lease, batch=True)  # (a column that came as one run stays its received buffer)
     data = batch_to_data_proto(batch, batch_keys=req.batch_keys, non_tensor_batch_keys=req.non_tensor_batch_keys)
     return data, list(shard.indexes)
 
