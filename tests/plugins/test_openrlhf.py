@@ -140,6 +140,44 @@ def test_every_field_round_trips_like_naive_buffer(
     assert {int(e.sequences.shape[0]) for e in buf.items} != {12}
 
 
+def test_append_puts_step_fields_as_jagged_columns_like_naive_buffer(
+    make_buffer: Any, naive_buffer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each step field goes to the dock as one jagged column (the rows' unpadded prefixes in one buffer),
+    each episode field as one batched tensor, never a tensor per sample; what comes back is what
+    NaiveReplayBuffer keeps, bit for bit: a row without padding, a row whose mask is all zeros (nothing
+    stripped, as OpenRLHF does), bf16 and fp16 fields, a None field."""
+    def experience() -> Experience:
+        exp = make_experience(5, batch=5)
+        exp.attention_mask[0] = 1
+        exp.attention_mask[1] = 0
+        return exp
+
+    given: list[dict[str, Any]] = []
+    real_put = dockd.Dock.put
+
+    def spy(self: Any, columns: Any, **kw: Any) -> Any:
+        given.append(dict(columns))
+        return real_put(self, columns, **kw)
+
+    monkeypatch.setattr(dockd.Dock, "put", spy)
+    buf = make_buffer(2, name="jagged", shard="s0")
+    naive_buffer.append(experience())
+    assert buf.append(experience()) == [0, 1, 2, 3, 4]
+    for f in dataclasses.fields(Experience):
+        column = given[0].get(f"exp/{f.name}")
+        if f.name == "rollout_log_probs":  # None: an empty value per sample, in one tensor
+            assert isinstance(column, torch.Tensor) and column.shape == (5, 0)
+        elif Experience.is_step_tensor_field(f.name):
+            assert type(column) is dockd.Jagged, f"{f.name} was put as {type(column).__name__}"
+        elif Experience.is_episode_tensor_field(f.name):
+            assert isinstance(column, torch.Tensor) and column.shape == (5,), f.name
+    assert len(buf) == 5
+    for got, want in zip(buf.items, naive_buffer.items):
+        assert_same_experience(got, want)
+    assert [int(e.sequences.shape[0]) for e in buf.items][:2] == [12, 12]
+
+
 def test_appended_in_another_process_read_here(
     make_buffer: Any, dock_cluster: dockd.LocalCluster, naive_buffer: Any, run_python: Any
 ) -> None:

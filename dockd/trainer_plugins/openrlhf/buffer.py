@@ -194,35 +194,60 @@ class _DockReplayBufferImpl:
     def append(self, experience: Experience) -> list[int]:
         """Split `experience` per sample, strip right padding, put the samples into the dock.
 
-        Returns the dock indexes of the new samples.
+        The samples are what OpenRLHF's ``split_experience_batch`` and ``remove_padding_in_sequences``
+        make of it, bit for bit, but each step field goes to the dock as one jagged column (one buffer
+        of the rows' unpadded prefixes plus offsets) and each episode field as one batched column: no
+        tensor per sample. Returns the dock indexes of the new samples.
         """
         if self.cpu_offload:
             experience.to_device(torch.device("cpu"))
-        index = experience.index
-        items = self._exp_mod.split_experience_batch(experience)  # sets experience.index = None
-        experience.index = index
-        items = self._exp_mod.remove_padding_in_sequences(items)
-        if not items:
+        n = _batch_size(experience)
+        if n == 0:
             return []
-        if isinstance(index, list) and len(index) == len(items):
+        columns: dict[str, Any] = {f"exp/{name}": self._column(experience, name, n) for name in self._tensor_fields}
+        none_fields = [name for name in self._tensor_fields if getattr(experience, name) is None]
+        # the per-sample metadata as OpenRLHF splits it, on a copy without the tensor fields
+        shell = dataclasses.replace(experience, **{name: None for name in self._tensor_fields})
+        shell.sequences = list(range(n))  # (split_experience_batch counts the samples by it)
+        items = self._exp_mod.split_experience_batch(shell)
+        index = experience.index
+        if isinstance(index, list) and len(index) == n:
             for i, item in enumerate(items):  # OpenRLHF drops `index` here; keep it per sample
                 item.index = [index[i]]
-        columns: dict[str, list[Any]] = {c: [] for c in self._columns}
-        for item in items:
-            none_fields = []
-            for name in self._tensor_fields:
-                value = getattr(item, name)
-                if value is None:
-                    none_fields.append(name)
-                    value = _EMPTY
-                elif not isinstance(value, torch.Tensor):
-                    raise TypeError(f"Experience.{name} must be a tensor or None, got {type(value).__name__}")
-                columns[f"exp/{name}"].append(value.detach().to("cpu").contiguous())
-            meta = {"none": none_fields, "fields": {n: getattr(item, n) for n in self._other_fields}}
-            columns[META_COLUMN].append(_codec.encode(meta))
+        columns[META_COLUMN] = [
+            _codec.encode({"none": none_fields, "fields": {name: getattr(item, name) for name in self._other_fields}})
+            for item in items
+        ]
         indexes = self.dock.put(columns, partition=self.partition, timeout=self.config.put_timeout)
-        logger.debug("[openrlhf] appended samples=%d partition=%s", len(items), self.partition)
+        logger.debug("[openrlhf] appended samples=%d partition=%s", n, self.partition)
         return list(indexes)
+
+    def _column(self, experience: Experience, name: str, n: int) -> Any:
+        """Tensor field `name` of a batched experience as one column of `n` samples: a step field
+        without each row's right padding (``remove_padding_in_sequences``: as many positions as the
+        attention mask pads, cut off the end) as a `dockd.Jagged`, an episode field as it is, None as
+        an empty uint8 value per sample."""
+        value = getattr(experience, name)
+        if value is None:
+            return _EMPTY.expand(n, 0)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"Experience.{name} must be a tensor or None, got {type(value).__name__}")
+        if len(value) != n:
+            raise ValueError(f"Size of {name} ({len(value)}) does not match batch_size ({n})")
+        value = value.detach()
+        if not self._Experience.is_step_tensor_field(name):
+            return value.to("cpu").contiguous()
+        width = value.shape[1]
+        lengths = (width - _right_pad(experience)).clamp_(min=0)
+        rows = value.contiguous().view(n, width, -1)
+        if bool((lengths == width).all()):  # no padding: the tensor's own buffer
+            flat = rows.view(n * width, *value.shape[2:])
+        else:  # the unpadded prefixes back to back, copied once as bytes (any dtype)
+            keep = torch.arange(width, device=value.device)[None, :] < lengths.to(value.device)[:, None]
+            flat = rows.view(torch.uint8).view(n, width, -1)[keep].view(value.dtype).view(-1, *value.shape[2:])
+        offsets = torch.zeros(n + 1, dtype=torch.int64)
+        torch.cumsum(lengths.to("cpu", torch.int64), 0, out=offsets[1:])
+        return dockd.Jagged(flat.to("cpu"), offsets)
 
     def clear(self) -> None:
         """Drop every sample ready for this buffer's consumer now, locally and in the dock.
@@ -343,6 +368,21 @@ class _DockReplayBufferImpl:
         if self.limit > 0 and len(self.items) > self.limit:
             del self.items[: len(self.items) - self.limit]
         return n
+
+
+def _batch_size(experience: Experience) -> int:
+    if experience.sequences is None:
+        raise ValueError("Experience.sequences is None; DockReplayBuffer.append needs a batched experience")
+    return len(experience.sequences)
+
+
+def _right_pad(experience: Experience) -> torch.Tensor:
+    """Each sample's right padding, as ``remove_padding_in_sequences`` counts it: the positions after the
+    attention mask's last maximum (int64 on the CPU)."""
+    mask = experience.attention_mask
+    if mask is None:
+        raise ValueError("Experience.attention_mask is None; the buffer strips each sample's right padding by it")
+    return mask.flip(1).argmax(1).to("cpu", torch.int64)
 
 
 @contextlib.contextmanager
