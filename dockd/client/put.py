@@ -40,10 +40,10 @@ def split_columns(columns: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
         if not isinstance(name, str) or not name:
             raise DockTypeError(f"column names must be non-empty strings, got {name!r}")
         validate.text(name, "column name")
-        t = codec.batched(values)  # kept whole: encoded as one buffer
-        if t is None and (j := codec.jagged(name, values)) is not None:  # a jagged column: one buffer too
+        if (j := codec.jagged(name, values)) is not None:  # a jagged column: one buffer
             split[name], counts[name] = j, j.offsets.numel() - 1
             continue
+        t = codec.batched(values)  # kept whole: encoded as one buffer too
         split[name] = t if t is not None else codec.split_column(name, values)
         counts[name] = int(t.shape[0]) if t is not None else len(split[name])
     n = next(iter(counts.values()))

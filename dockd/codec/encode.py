@@ -49,12 +49,12 @@ class Jagged(NamedTuple):
 
 def jagged(column: str, values: Any) -> Jagged | None:
     """The column as (values, offsets) when it is given as a `Jagged` pair or a jagged nested tensor
-    without holes (checked per column, not per value); None for any other column."""
+    without holes (checked per column, not per value, with numpy on the n + 1 offsets); None for any
+    other column."""
     if type(values) is Jagged:
         flat, offsets = values
-    elif isinstance(values, torch.Tensor) and values.is_nested and values.layout == torch.jagged \
-            and values._ragged_idx == 1 and values.lengths() is None:  # type: ignore[attr-defined]
-        flat, offsets = values.values(), values.offsets()  # type: ignore[attr-defined]
+    elif (parts := _nested_parts(values)) is not None:
+        flat, offsets = parts
     else:
         return None
     if not isinstance(flat, torch.Tensor) or not isinstance(offsets, torch.Tensor):
@@ -69,11 +69,34 @@ def jagged(column: str, values: Any) -> Jagged | None:
         raise DockValueError(f"column {column!r}: jagged offsets must be a 1-D integer tensor of n + 1 >= 2 "
                              f"entries, got {offsets.dtype} {tuple(offsets.shape)}")
     offsets = offsets.detach().to("cpu", torch.int64)
-    lengths = offsets.diff()
-    if int(offsets[0]) < 0 or int(offsets[-1]) > flat.shape[0] or bool((lengths < 0).any()):
+    o = offsets.numpy()
+    first, last = int(o[0]), int(o[-1])
+    if first < 0 or last > flat.shape[0] or (o[1:] < o[:-1]).any():
         raise DockValueError(f"column {column!r}: jagged offsets must be non-decreasing within the "
-                             f"{flat.shape[0]} rows of the values, from {int(offsets[0])} to {int(offsets[-1])}")
-    return Jagged(flat.detach()[int(offsets[0]):int(offsets[-1])], offsets)
+                             f"{flat.shape[0]} rows of the values, from {first} to {last}")
+    return Jagged(flat.detach()[first:last] if first or last != flat.shape[0] else flat.detach(), offsets)
+
+
+def _nested_parts(t: Any) -> tuple[Any, Any] | None:
+    """(values, offsets) of a jagged nested tensor without holes (ragged in dimension 1), else None. Read
+    off its fields where torch keeps them (`NestedTensor._values`, ...): its public accessors (`values()`,
+    `layout`, ...) each go through torch's dispatch, 10-30 us apiece, the most of a jagged put's encoding."""
+    if not isinstance(t, torch.Tensor) or type(t) is torch.Tensor:
+        return None  # (a plain tensor, or something else: not a jagged nested tensor)
+    fields: tuple[Any, Any, Any, Any]
+    try:
+        fields = t._values, t._offsets, t._lengths, t._ragged_idx  # type: ignore[attr-defined]
+    except AttributeError:  # (another tensor subclass, or a torch that keeps them otherwise)
+        if not t.is_nested or t.layout != torch.jagged:
+            return None
+        fields = t.values(), t.offsets(), t.lengths(), t._ragged_idx  # type: ignore[attr-defined]
+    values, offsets, lengths, ragged_idx = fields
+    return (values, offsets) if lengths is None and ragged_idx == 1 else None
+
+
+def lengths_of(offsets: torch.Tensor) -> list[int]:
+    """Each sample's rows from n + 1 int64 CPU offsets (a ragged run's `lengths`)."""
+    return np.diff(offsets.numpy()).tolist()
 
 
 def _has_data(column: str, t: torch.Tensor, sample: int | None = None) -> torch.Tensor:
@@ -153,7 +176,7 @@ def _jagged_run(col: pb.ColumnData, values: Jagged, body: Body) -> None:
     the host): the body's only copy of it is the one into the staging buffer or the socket."""
     flat = _cpu(values.values)
     run = col.runs.add(kind=pb.TENSOR, count=values.offsets.numel() - 1, dtype=NAMES[flat.dtype],
-                       shape=[-1, *flat.shape[1:]], lengths=values.offsets.diff().tolist())
+                       shape=[-1, *flat.shape[1:]], lengths=lengths_of(values.offsets))
     data = as_bytes(flat)
     run.offset, run.nbytes = body.add(data), data.nbytes
 
@@ -169,7 +192,7 @@ def device_column(name: str, values: Any, keep: Any) -> tuple[pb.ColumnData, tor
         col = pb.ColumnData(name=name)
         t = values.values.contiguous()
         col.runs.add(kind=pb.TENSOR, count=values.offsets.numel() - 1, dtype=NAMES[t.dtype], shape=[-1, *t.shape[1:]],
-                     lengths=values.offsets.diff().tolist(), nbytes=t.numel() * t.element_size())
+                     lengths=lengths_of(values.offsets), nbytes=t.numel() * t.element_size())
         return col, t
     t = batched(values)
     if t is not None:

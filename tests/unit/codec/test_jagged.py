@@ -113,3 +113,31 @@ def test_padded_of_is_bit_exact_for_every_kind_of_dtype(dtype):
         assert same_bits(row[: len(r)], r)
         assert same_bits(row[len(r):], torch.ones(4 - len(r), 2).to(dtype))
 
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_nested_tensor_with_holes_or_ragged_elsewhere_is_not_one_run():
+    values, offsets = torch.arange(10.0), torch.tensor([0, 4, 10])
+    holes = torch.nested.nested_tensor_from_jagged(values, offsets, lengths=torch.tensor([2, 3]))  # rows 0-1, 4-6
+    assert codec.jagged("c", holes) is None  # (taken value by value: the holes are not sent)
+    ragged_second = torch.nested.nested_tensor_from_jagged(torch.arange(12.0).view(6, 2), torch.tensor([0, 2, 6]))
+    assert codec.jagged("c", ragged_second.transpose(1, 2)) is None  # ragged in dimension 2
+    nt = torch.nested.nested_tensor_from_jagged(values, offsets)  # its fields, as its public accessors give them
+    j = codec.jagged("c", nt)
+    assert j is not None and j.values.data_ptr() == nt.values().data_ptr() and torch.equal(j.offsets, nt.offsets())
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_jagged_of_builds_what_torchs_own_function_builds(monkeypatch, fast):
+    from dockd.codec import decode
+
+    if not fast:  # (torch's public function: where NestedTensor is not found or refuses the arguments)
+        monkeypatch.setattr(decode, "_NESTED", [None])
+    values = torch.arange(18, dtype=torch.bfloat16).view(9, 2)
+    out = decode.jagged_of(values, [3, 0, 5, 1])
+    ref = torch.nested.nested_tensor_from_jagged(values, torch.tensor([0, 3, 3, 8, 9]), min_seqlen=0, max_seqlen=5)
+    assert out.values().data_ptr() == values.data_ptr()  # (a view: nothing copied)
+    assert out.shape[0] == 4 and out.offsets().tolist() == [0, 3, 3, 8, 9]
+    assert (out._min_seqlen, out._max_seqlen) == (0, 5) == (ref._min_seqlen, ref._max_seqlen)
+    assert torch.equal(out.to_padded_tensor(-1.0), ref.to_padded_tensor(-1.0))
+    assert all(torch.equal(a, b) for a, b in zip((out * 2).unbind(), (ref * 2).unbind(), strict=True))
