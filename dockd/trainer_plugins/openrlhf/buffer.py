@@ -239,12 +239,11 @@ class _DockReplayBufferImpl:
             return value.to("cpu").contiguous()
         width = value.shape[1]
         lengths = (width - _right_pad(experience)).clamp_(min=0)
-        rows = value.contiguous().view(n, width, -1)
+        value = value.contiguous()
         if bool((lengths == width).all()):  # no padding: the tensor's own buffer
-            flat = rows.view(n * width, *value.shape[2:])
-        else:  # the unpadded prefixes back to back, copied once as bytes (any dtype)
-            keep = torch.arange(width, device=value.device)[None, :] < lengths.to(value.device)[:, None]
-            flat = rows.view(torch.uint8).view(n, width, -1)[keep].view(value.dtype).view(-1, *value.shape[2:])
+            flat = value.view(n * width, *value.shape[2:])
+        else:
+            flat = _prefixes(value, lengths.to(value.device))
         offsets = torch.zeros(n + 1, dtype=torch.int64)
         torch.cumsum(lengths.to("cpu", torch.int64), 0, out=offsets[1:])
         return dockd.Jagged(flat.to("cpu"), offsets)
@@ -374,6 +373,21 @@ def _batch_size(experience: Experience) -> int:
     if experience.sequences is None:
         raise ValueError("Experience.sequences is None; DockReplayBuffer.append needs a batched experience")
     return len(experience.sequences)
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _prefixes(value: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Row i's first lengths[i] positions of a contiguous [n, width, ...] tensor, back to back: one masked
+    copy of the bytes as they are (through an integer view of the same item size: bit-exact for any dtype)."""
+    n, width = value.shape[:2]
+    keep = torch.arange(width, device=value.device)[None, :] < lengths[:, None]
+    as_int = _SAME_SIZE_INT.get(value.element_size())
+    if value.dim() == 2 and as_int is not None:
+        return value.view(as_int).masked_select(keep).view(value.dtype)
+    rows = value.view(n, width, -1).view(torch.uint8)
+    return rows[keep].view(value.dtype).view(-1, *value.shape[2:])
 
 
 def _right_pad(experience: Experience) -> torch.Tensor:
