@@ -75,6 +75,29 @@ def test_broadcast_packing_is_bit_exact() -> None:
                 assert got == want
 
 
+def test_stage_batches_hold_equal_shaped_columns_as_one_tensor(dock: dockd.Dock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage's batch holds a column of equal shapes as the one tensor the dock handed over (no tensor
+    per value, no torch.stack), and the broadcast carries it as one chunk, bit-exact."""
+    from dockd.trainer_plugins.megatron_grpo.comm import to_local
+    from dockd.trainer_plugins.megatron_grpo.stages import _stack
+
+    ids = torch.arange(24).view(4, 6)
+    logp = torch.randn(4, 3).bfloat16()
+    dock.put({"input_ids": ids, "old_log_prob": logp, "note": ["a", "b", "c", "d"]}, partition="mg-stacked")
+
+    def per_value(*args: Any, **kw: Any) -> Any:
+        raise AssertionError("a column was stacked from a tensor per value")
+
+    monkeypatch.setattr(torch, "stack", per_value)
+    batch = dock.get("c", ["input_ids", "old_log_prob", "note"], 4, partition="mg-stacked", timeout=5.0)
+    local = to_local(batch, ["input_ids", "old_log_prob", "note"])
+    assert torch.equal(_stack(local, "input_ids", torch.device("cpu")), ids)
+    back = _unpack(*_pack(local))
+    assert torch.equal(back.stacked("old_log_prob").view(torch.int16), logp.view(torch.int16))
+    assert back["note"] == ["a", "b", "c", "d"] and [int(v[0]) for v in back["input_ids"]] == [0, 6, 12, 18]
+    dock.clear("mg-stacked")
+
+
 TP_READ = """
 import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
 import dockd

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import dockd
+from dockd.client.tensordicts import tensor_field
 from dockd.trainer_plugins import _codec
 from dockd.trainer_plugins._lease import metadata_only
 
@@ -64,19 +65,26 @@ def collective_backend(device: torch.device | str) -> str:
 
 @dataclass(slots=True)
 class LocalBatch:
-    """A batch held by this rank: the same reading surface as `dockd.Batch`."""
+    """A batch held by this rank: the same reading surface as `dockd.Batch`. A column of equal-shaped
+    tensors is held as one [n, ...] tensor (`stacked`), as the dock handed it over; any other as a list."""
 
     indexes: list[int]
-    columns: dict[str, list[Any]]
+    columns: dict[str, Any]
 
     def __getitem__(self, column: str) -> list[Any]:
-        return self.columns[column]
+        values = self.columns[column]
+        return list(values.unbind(0)) if isinstance(values, torch.Tensor) else values
 
     def __len__(self) -> int:
         return len(self.indexes)
 
-    def padded(self, column: str, pad_value: float = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def stacked(self, column: str) -> torch.Tensor:
+        """A column of equal-shaped tensors as one [n, ...] tensor (the one held, no copy)."""
         values = self.columns[column]
+        return values if isinstance(values, torch.Tensor) else torch.stack(values)
+
+    def padded(self, column: str, pad_value: float = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        values = self[column]
         lengths = torch.tensor([v.shape[0] for v in values], dtype=torch.int64)
         out = torch.full((len(values), int(lengths.max()) if len(values) else 0), pad_value, dtype=values[0].dtype)
         for i, v in enumerate(values):
@@ -85,7 +93,13 @@ class LocalBatch:
 
 
 def to_local(batch: Any, columns: Sequence[str]) -> LocalBatch:
-    return LocalBatch(indexes=list(batch.indexes), columns={c: list(batch[c]) for c in columns})
+    """A dock batch's columns: one of equal-shaped tensors as one tensor built from the received buffer
+    (`Batch.stacked`: a view where it came as one run), no tensor per value; any other as a list."""
+    local: dict[str, Any] = {}
+    for c in columns:
+        field = tensor_field(batch, c) if isinstance(batch, dockd.Batch) else None
+        local[c] = field if field is not None and not field.is_nested else list(batch[c])
+    return LocalBatch(indexes=list(batch.indexes), columns=local)
 
 
 def _pack(batch: LocalBatch) -> tuple[bytes, torch.Tensor]:
@@ -94,6 +108,13 @@ def _pack(batch: LocalBatch) -> tuple[bytes, torch.Tensor]:
     offset = 0
     cols: dict[str, list[Any]] = {}
     for name, values in batch.columns.items():
+        if isinstance(values, torch.Tensor):  # a stacked column: one entry, one chunk
+            t = values.detach().to("cpu").contiguous()
+            raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+            cols[name] = ["T", str(t.dtype).removeprefix("torch."), list(t.shape), offset, raw.numel()]
+            chunks.append(raw)
+            offset += raw.numel()
+            continue
         entries: list[Any] = []
         for v in values:
             if isinstance(v, torch.Tensor):
@@ -113,8 +134,14 @@ def _pack(batch: LocalBatch) -> tuple[bytes, torch.Tensor]:
 def _unpack(header: bytes, payload: torch.Tensor) -> LocalBatch:
     meta = _codec.decode(header)
     payload = payload.to("cpu")
-    columns: dict[str, list[Any]] = {}
+    columns: dict[str, Any] = {}
     for name, entries in meta["columns"].items():
+        if entries and entries[0] == "T":  # a stacked column
+            _, dtype, shape, off, nbytes = entries
+            dt = getattr(torch, dtype)
+            columns[name] = payload[off: off + nbytes].clone().view(dt).reshape(shape) if nbytes else \
+                torch.empty(shape, dtype=dt)
+            continue
         values: list[Any] = []
         for e in entries:
             if e[0] == "t":
@@ -261,10 +288,10 @@ class TPReader:
             )
         if not src:
             lease = _make_lease(meta)
-        values = self.dock.fetch(lease)
+        values = self.dock.fetch(lease, batch=True)
         if src:
             # the data stays readable until the partition is cleared, so the first rank
             # confirms after its own fetch; a peer whose fetch fails raises on its side
             self.dock.confirm(lease)
         assert lease is not None
-        return LocalBatch(indexes=list(lease.indexes), columns={c: values[c] for c in columns})
+        return to_local(values, columns)

@@ -64,8 +64,9 @@ class StageContext:
         )
 
 
-def _stack(values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    return torch.stack(values).to(device)
+def _stack(batch: Any, column: str, device: torch.device) -> torch.Tensor:
+    """A column of equal-shaped tensors as one [n, ...] tensor on `device`, from the buffer the batch holds."""
+    return batch.stacked(column).to(device)
 
 
 class RolloutStage:
@@ -79,7 +80,7 @@ class RolloutStage:
     def run(self, partition: str, count: int) -> None:
         c, cfg = self.ctx.config.columns, self.ctx.config
         batch = self.ctx.get_tp(partition, cfg.consumers.rollout, [c.prompts], count)
-        prompts = _stack(batch[c.prompts], self.ctx.device)
+        prompts = _stack(batch, c.prompts, self.ctx.device)
         responses = generate(
             self.actor,
             prompts,
@@ -118,7 +119,7 @@ class RewardStage:
             partition=partition,
             timeout=cfg.get_timeout,
         )
-        scores = self.reward_fn(torch.stack(batch[c.prompts]), torch.stack(batch[c.responses])).float()
+        scores = self.reward_fn(batch.stacked(c.prompts), batch.stacked(c.responses)).float()
         if scores.shape != (len(batch.indexes),):
             raise ValueError(
                 f"reward_fn must return one score per sample, shape ({len(batch.indexes)},), got {tuple(scores.shape)}"
@@ -140,7 +141,7 @@ class LogProbStage:
     def run(self, partition: str, count: int) -> None:
         c = self.ctx.config.columns
         batch = self.ctx.get_tp(partition, self.consumer, [c.input_ids, c.prompt_length], count)
-        input_ids = _stack(batch[c.input_ids], self.ctx.device)
+        input_ids = _stack(batch, c.input_ids, self.ctx.device)
         prompt_length = int(batch[c.prompt_length][0])
         was_training = self.model.training
         self.model.eval()
@@ -167,7 +168,7 @@ class AdvantageStage:
             groups=True,
             timeout=cfg.get_timeout,
         )
-        scores = torch.stack(batch[c.rm_scores]).view(-1, cfg.group_size)
+        scores = batch.stacked(c.rm_scores).view(-1, cfg.group_size)
         adv = (scores - scores.mean(dim=1, keepdim=True)) / (scores.std(dim=1, keepdim=True) + self.eps)
         self.ctx.dock.put({c.advantages: adv.reshape(-1)}, partition=partition, indexes=batch.indexes)
 
@@ -189,11 +190,11 @@ class UpdateStage:
             count,
         )
         dev = self.ctx.device
-        input_ids = _stack(batch[c.input_ids], dev)
+        input_ids = _stack(batch, c.input_ids, dev)
         prompt_length = int(batch[c.prompt_length][0])
-        old = _stack(batch[c.old_log_prob], dev)
-        ref = _stack(batch[c.ref_log_prob], dev)
-        adv = _stack(batch[c.advantages], dev).view(-1, 1)
+        old = _stack(batch, c.old_log_prob, dev)
+        ref = _stack(batch, c.ref_log_prob, dev)
+        adv = _stack(batch, c.advantages, dev).view(-1, 1)
         n = input_ids.shape[0]
         mb = cfg.micro_batch_size or n
         self.actor.train()
