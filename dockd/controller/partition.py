@@ -443,8 +443,8 @@ class _Partition:
         return total
 
 
-def _check_tags(tags: Mapping[str, Sequence[int]], n: int) -> None:
-    """Tag values: one for all n samples, or one each."""
+def _check_tags(tags: Mapping[str, Sequence[int] | np.ndarray], n: int) -> None:
+    """Tag values: one for all n samples, or one each (a replayed record's are arrays)."""
     for name, values in tags.items():
         k = len(values)
         if k not in (1, n):

@@ -67,9 +67,9 @@ def test_release_returns_samples_and_confirm_keeps_them():
 def test_leases_of_a_lost_owner_and_expired_leases_return():
     c = Controller(lease_timeout=10)
     put(c, "p", ["x"], 4)
-    c.acquire("p", "a", ["x"], 2, owner=7, now=0.0)
-    c.acquire("p", "b", ["x"], 2, owner=8, now=5.0)
-    assert [l.owner for l in c.release_owner(7)] == [7]
+    c.acquire("p", "a", ["x"], 2, owner=b"7", now=0.0)
+    c.acquire("p", "b", ["x"], 2, owner=b"8", now=5.0)
+    assert [l.owner for l in c.release_owner(b"7")] == [b"7"]
     assert c.ready_count("p", "a", ["x"]) == 4
     assert c.next_lease_deadline() == 15.0
     assert c.expire_leases(14.9) == []

@@ -11,11 +11,10 @@ import asyncio
 import pytest
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.controller.clock import Timers
 from dockd.controller.replica_service import COPY_DEADLINE, REPAIR_INTERVAL, Replication
 from dockd.errors import DockValueError
 from dockd.terms import CommitOutcome
-from tests.unit.controller.fakes import FakeClock, FakePeer, Journaled
+from tests.unit.controller.fakes import FakePeer, Journaled
 
 
 class Hosted:
@@ -89,6 +88,8 @@ def test_a_copy_that_does_not_arrive_in_time_is_repaired_by_its_home(tmp_path):
     asyncio.run(main())
 
 
-def test_replicas_are_one_or_two():
+def test_replicas_are_one_or_two(tmp_path):
+    j = Journaled(tmp_path)
     with pytest.raises(DockValueError, match="--replicas is 1"):
-        Replication(None, None, None, Timers(FakeClock()), replicas=3, local=None, daemon_timeout=1.0)  # type: ignore[arg-type]
+        Replication(j.core, j.members, j.journal, j.timers, replicas=3, local=None, daemon_timeout=1.0)
+    j.journal.close()
