@@ -9,6 +9,7 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 import dockd
@@ -380,8 +381,15 @@ _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64
 
 def _prefixes(value: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Row i's first lengths[i] positions of a contiguous [n, width, ...] tensor, back to back: one masked
-    copy of the bytes as they are (through an integer view of the same item size: bit-exact for any dtype)."""
+    copy of the bytes as they are (through an integer view of the same item size: bit-exact for any dtype).
+    On the CPU through numpy, on this thread: torch's masked copy of a batch this size goes to its thread
+    pool, which on a machine whose cores are busy took 13-116 ms per call against numpy's 0.1-0.7 ms
+    (64 x 1024 int64, two threads, 2-core VM)."""
     n, width = value.shape[:2]
+    if value.device.type == "cpu":
+        picked = np.arange(width)[None, :] < lengths.numpy()[:, None]
+        raw = value.view(n, width, -1).view(torch.uint8).numpy()
+        return torch.from_numpy(raw[picked]).view(value.dtype).view(-1, *value.shape[2:])
     keep = torch.arange(width, device=value.device)[None, :] < lengths[:, None]
     as_int = _SAME_SIZE_INT.get(value.element_size())
     if value.dim() == 2 and as_int is not None:
@@ -396,6 +404,8 @@ def _right_pad(experience: Experience) -> torch.Tensor:
     mask = experience.attention_mask
     if mask is None:
         raise ValueError("Experience.attention_mask is None; the buffer strips each sample's right padding by it")
+    if mask.device.type == "cpu":  # (numpy, on this thread: see _prefixes)
+        return torch.from_numpy(np.argmax(mask.numpy()[:, ::-1], axis=1).astype(np.int64))
     return mask.flip(1).argmax(1).to("cpu", torch.int64)
 
 
