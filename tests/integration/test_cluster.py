@@ -73,6 +73,22 @@ def controller_args(port: int, *extra: str) -> list[str]:
     return ["--controller", "--no-warehouse", "--port", str(port), "--lease-timeout", "60", *extra]
 
 
+class DurableController:
+    """A controller without a warehouse on a --state-dir, with one warehouse joined to it, among `procs`;
+    `restart()` SIGKILLs the controller and starts it again on its dir at its address."""
+
+    def __init__(self, procs: Procs, state: str) -> None:
+        self.procs, self.state, self.port = procs, state, free_port()
+        self.ctl, _ = procs.start(*controller_args(self.port, "--state-dir", state))
+        self.address = f"127.0.0.1:{self.port}"
+        procs.start("--port", "0", "--join", self.address)
+
+    def restart(self) -> None:
+        self.ctl.send_signal(signal.SIGKILL)
+        self.ctl.wait()
+        self.ctl, _ = self.procs.start(*controller_args(self.port, "--state-dir", self.state))
+
+
 def live_warehouses(address: str) -> int:
     with dockd.connect(address) as d:
         return sum(w["alive"] for w in d.stats()["warehouses"].values())

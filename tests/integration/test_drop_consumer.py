@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -16,7 +15,7 @@ import torch
 
 import dockd
 from tests.conftest import wait_until
-from tests.integration.test_cluster import Procs, controller_args, free_port
+from tests.integration.test_cluster import DurableController, Procs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -95,12 +94,8 @@ def test_async_dock_drops_a_consumer(cluster, partition):
 def test_a_drop_survives_a_controller_sigkill_with_a_state_dir(tmp_path):
     procs = Procs()
     try:
-        port = free_port()
-        state = str(tmp_path / "state")
-        ctl, _ = procs.start(*controller_args(port, "--state-dir", state))
-        address = f"127.0.0.1:{port}"
-        procs.start("--port", "0", "--join", address)
-        with dockd.connect(address, reconnect_timeout=60) as d:
+        dock = DurableController(procs, str(tmp_path / "state"))
+        with dockd.connect(dock.address, reconnect_timeout=60) as d:
             d.create_partition("p", max_pending=2)
             d.put({"x": torch.ones(2, 4)}, partition="p")
             d.get("train", ["x"], 2, partition="p", timeout=10)
@@ -109,9 +104,7 @@ def test_a_drop_survives_a_controller_sigkill_with_a_state_dir(tmp_path):
             with pytest.raises(dockd.DockFull, match="drop_consumer"):
                 d.put({"x": torch.ones(1, 4)}, partition="p", timeout=0.5)
             assert d.drop_consumer("p", "typo")
-            ctl.send_signal(signal.SIGKILL)
-            ctl.wait()
-            procs.start(*controller_args(port, "--state-dir", state))
+            dock.restart()
             st = wait_until(lambda: (s := d.stats()) and s["partitions"]["p"], what="the controller back")
             wait_until(lambda: {w["state"] for w in d.stats()["warehouses"].values()} == {"joined"},
                        what="the warehouse to rejoin")

@@ -4,14 +4,12 @@ once its cursor is from before a clear or a controller restart with a state dir.
 
 from __future__ import annotations
 
-import signal
-
 import pytest
 import torch
 
 import dockd
 from tests.conftest import wait_until
-from tests.integration.test_cluster import Procs, controller_args, free_port
+from tests.integration.test_cluster import DurableController, Procs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -86,18 +84,12 @@ def test_a_cleared_partition_answers_an_old_cursor_in_full(dock, partition):
 def test_a_cursor_from_before_a_controller_restart_gets_the_whole_listing(tmp_path):
     procs = Procs()
     try:
-        port = free_port()
-        state = str(tmp_path / "state")
-        ctl, _ = procs.start(*controller_args(port, "--state-dir", state))
-        address = f"127.0.0.1:{port}"
-        procs.start("--port", "0", "--join", address)
-        with dockd.connect(address, reconnect_timeout=60) as d:
+        dock = DurableController(procs, str(tmp_path / "state"))
+        with dockd.connect(dock.address, reconnect_timeout=60) as d:
             d.put({"x": torch.ones(4, 2)}, partition="p", tags={"age": 2})
             view = View(d, "p")
             view.poll()
-            ctl.send_signal(signal.SIGKILL)
-            ctl.wait()
-            procs.start(*controller_args(port, "--state-dir", state))
+            dock.restart()
             wait_until(lambda: "p" in d.stats()["partitions"], what="the controller back")
             d.delete("p", [1])  # a change the view must not miss across the restart
             assert view.poll() == 3 and view.fulls == 2
