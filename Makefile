@@ -4,7 +4,8 @@
 #               but the slow ones; `make test-slow` runs those (CI runs both)
 #   make mooncake  the Mooncake Transfer Engine (.[mooncake]) and the system library it loads (libibverbs1)
 #   make docs   build the documentation site (API reference from the docstrings) into site/
-#   make dist   build the sdist and the wheel into dist/
+#   make dist   build the sdist and the wheel into dist/ (the request path compiled where a C compiler is present)
+#   make test-compiled  the unit tests against the compiled modules
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -13,7 +14,7 @@ STAMP := $(VENV)/.dockd-installed
 # spec would pull a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: setup run test test-slow test-fast frameworks mooncake proto bench bench-peers check docs dist clean
+.PHONY: setup run test test-slow test-fast test-compiled frameworks mooncake proto bench bench-peers check docs dist clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -67,11 +68,18 @@ check: setup
 docs: setup
 	$(VENV)/bin/mkdocs build --strict --site-dir site
 
-# the sdist and the wheel (dist/dockd-VERSION.tar.gz, dist/dockd-VERSION-py3-none-any.whl). The wheel
+# the sdist and the wheel (dist/dockd-VERSION.tar.gz, dist/dockd-VERSION-cpXY-...whl). The wheel
 # declares torch as a range (pyproject.toml); install torch first the way your machine needs it.
+# Built with the virtualenv's mypy (no isolation), the wheel holds the request path compiled with mypyc
+# where a C compiler is present (setup.py's COMPILED; each .py stays as its fallback); DOCKD_PURE=1, or no
+# compiler, gives the pure-Python wheel (dockd-VERSION-py3-none-any.whl).
 dist: setup
 	rm -rf dist
-	$(PY) -m build --outdir dist .
+	$(PY) -m build --no-isolation --outdir dist .
+
+# the unit tests against the compiled modules, in a compiled copy of the checkout (CI runs it)
+test-compiled: setup
+	scripts/test_compiled.sh $(PY)
 
 bench: setup
 	$(PY) -m benchmarks
