@@ -23,9 +23,9 @@ from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
 # The controller's request path (the core and the service around it), the request checks, and the daemon's
-# frame parsing and dispatch. net/peer.py and net/frame_reader.py stay interpreted: a compiled class checks
-# every argument annotated with it (the controller's tests pass duck-typed peers) and cannot be subclassed
-# by interpreted code (the frame reader's tests do).
+# frame path (parsing, the connection, dispatch). A compiled class checks every argument annotated with it
+# (the tests' fake connections subclass Peer) and can be subclassed by interpreted code only where it is
+# marked `@mypyc_attr(allow_interpreted_subclasses=True)` (Peer, FrameReader).
 COMPILED = [
     "dockd/controller/agreement.py",
     "dockd/controller/catalog.py",
@@ -52,6 +52,8 @@ COMPILED = [
     "dockd/controller/warehouses.py",
     "dockd/ids.py",
     "dockd/limits.py",
+    "dockd/net/frame_reader.py",
+    "dockd/net/peer.py",
     "dockd/net/wire.py",
     "dockd/node/dispatch.py",
     "dockd/node/metrics.py",

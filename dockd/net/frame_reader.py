@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from typing import ClassVar
 
 import pyarrow as pa
+from mypy_extensions import mypyc_attr
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockAuthError, DockError, DockProtocolError
@@ -51,6 +52,7 @@ def too_slow(got: int, elapsed: float, min_rate: int) -> bool:
     return elapsed > RATE_GRACE and got < min_rate * elapsed
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # (compiled, it may still be subclassed in Python: the tests do)
 class FrameReader(asyncio.BufferedProtocol):
     """Frames off one connection, each body into its destination; see the module docstring."""
 

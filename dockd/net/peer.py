@@ -31,6 +31,8 @@ import time
 from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, ClassVar, Protocol, cast
 
+from mypy_extensions import mypyc_attr
+
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockAuthError, DockConnectionError, DockError, DockProtocolError, from_status, to_status
 from dockd.logutil import Throttle
@@ -73,6 +75,7 @@ class Handler(Protocol):
     def on_lost(self, peer: Peer) -> None: ...
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # (compiled, it may still be subclassed in Python: the tests do)
 class Peer(FrameReader):
     _ids: ClassVar[itertools.count[int]] = itertools.count(1)
     # seconds: to authenticate; without a byte inside a frame; without any request (set by the daemon)

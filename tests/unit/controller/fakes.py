@@ -14,6 +14,7 @@ from dockd.controller.journal import Journal
 from dockd.controller.membership import Membership
 from dockd.controller.service import ControllerService
 from dockd.net import auth
+from dockd.net.peer import Peer
 
 
 class FakeClock:
@@ -24,12 +25,12 @@ class FakeClock:
         return self.now
 
 
-class FakePeer:
-    """A client or warehouse connection as the service sees it: replies are recorded."""
+class FakePeer(Peer):
+    """A client or warehouse connection as the service sees it (a Peer never connected): replies are recorded."""
 
     def __init__(self, name: str = "client", session: bytes = b"") -> None:
-        self.name, self.session, self.sid, self.role = name, session, None, auth.CLIENT
-        self.parked, self.closed = 0, False
+        super().__init__(None, max_body=0)  # (nothing is read: no handler)
+        self.name, self.session, self.role = name, session, auth.CLIENT
         self.replies: list[tuple[pb.Frame, object]] = []  # (request frame, reply frame or exception)
 
     def reply(self, frame, out, *rest, tail: bytes = b"") -> None:

@@ -15,10 +15,7 @@ from dockd.controller.core import LOST_WAREHOUSE, Controller, Inventory
 from dockd.controller.journal import Journal
 from dockd.controller.membership import Membership
 from dockd.errors import DockAuthError, DockDataLost, DockTimeout
-
-
-class FakePeer:
-    """Membership only compares connections by identity."""
+from tests.unit.controller.fakes import FakePeer
 
 
 def reg(port: int, instance: int, **kw) -> pb.RegisterWarehouse:
@@ -97,8 +94,10 @@ def test_a_silent_warehouse_gets_its_grace_then_is_lost_and_a_rejoin_in_time_kee
     run(main())
 
 
-class ClosedPeer:
-    closed = True
+class ClosedPeer(FakePeer):
+    def __init__(self) -> None:
+        super().__init__("warehouse")
+        self.closed = True
 
 
 async def answering_as(instance: int):
