@@ -244,16 +244,19 @@ class FrameReader(asyncio.BufferedProtocol):
 
     def _resume(self, fut: asyncio.Future) -> None:
         """A held-back body was let in (or rejected): read it, then the frames after it."""
-        assert self._pending is not None and self.transport is not None  # (the frame admitted; connected)
+        # (locals, not the attributes, are narrowed: `_start_body` clears `_pending` once the body is in, and a
+        # compiled module would check the attribute's narrowed type where it is read again below)
+        pending, transport = self._pending, self.transport
+        assert pending is not None and transport is not None  # (the frame admitted; connected)
         self._admitting = False
         if self.closed:
             if not fut.cancelled() and fut.exception() is None:
-                self._abandoned(*self._pending)
+                self._abandoned(*pending)
             self._pending = None
             return
         self._reject = fut.exception() if not fut.cancelled() else DockError("admission cancelled")
         self._start_body()
-        self.transport.resume_reading()
+        transport.resume_reading()
         if self._dest is None and self._pending is None:
             self._parse()
 
