@@ -15,6 +15,7 @@ from dockd._proto import dockd_pb2 as pb
 from dockd.config import NodeConfig
 from dockd.errors import DockAuthError, DockConnectionError, DockFull, DockNotFound, DockValueError, from_status
 from dockd.net import auth, wire
+from dockd.net.peer import Peer
 from dockd.net.wire import PROTOCOL_VERSION
 from dockd.node.daemon import Node
 from dockd.node.dispatch import CONTROLLER_KINDS, SERVED_KINDS
@@ -144,9 +145,10 @@ def test_the_table_serves_every_request_kind_of_the_wire():
 
 def test_a_warehouse_without_the_controller_refuses_controller_kinds_saying_where_it_is():
     node = Node(_cfg(join="127.0.0.1:1"))
+    peer = Peer(node.dispatcher, max_body=0)  # (a connection as handlers get it; never connected)
     for kind in sorted(CONTROLLER_KINDS):
         with pytest.raises(DockValueError, match="warehouse without the controller.*127.0.0.1:1"):
-            node.dispatcher.table[kind](None, pb.Frame(), None, [])
+            node.dispatcher.table[kind](peer, pb.Frame(), None, [])
 
 
 def test_join_takes_one_controller_or_several_and_names_a_bad_address():
