@@ -125,7 +125,8 @@ class Batch:
     def to_tensordict(self):
         """The batch as a tensordict.TensorDict of batch_size [n], rows in `indexes` order: a column of
         equal-shaped tensors as one [n, ...] tensor, a ragged one as a jagged nested tensor, any other as
-        a NonTensorStack of its values. Needs the tensordict package (pip install dockd[tensordict])."""
+        a NonTensorStack of its values. Needs the tensordict package (from a checkout:
+        pip install -e '.[tensordict]')."""
         from dockd.client.tensordicts import to_tensordict
 
         return to_tensordict(self)

@@ -1,4 +1,5 @@
-"""TensorDicts in and out (tensordict is an optional dependency: `pip install dockd[tensordict]`).
+"""TensorDicts in and out (tensordict is an optional dependency: from a checkout,
+`pip install -e '.[tensordict]'`).
 
 `columns_of(td)`: a TensorDict of batch_size [n] as a put's columns: a tensor field as a batched
 column, a jagged nested tensor as a jagged column (one buffer), a NonTensorStack as its n values, a
@@ -47,8 +48,8 @@ def to_tensordict(batch: Any) -> Any:
     try:
         from tensordict import NonTensorData, NonTensorStack, TensorDict
     except ImportError:
-        raise DockTypeError("Batch.to_tensordict() needs the tensordict package: pip install dockd[tensordict]") \
-            from None
+        raise DockTypeError("Batch.to_tensordict() needs the tensordict package: "
+                            "pip install -e '.[tensordict]' from a checkout") from None
 
     fields: dict[str, Any] = {}
     for column in batch.columns:
