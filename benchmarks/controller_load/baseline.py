@@ -3,10 +3,10 @@
 An echo server in a child process (``multiprocessing`` spawn, blocking
 socket, ``recv_into`` a preallocated buffer, ``sendall`` back) and the
 client here, ping-pong, one message in flight: the round trip (p50/p99) and
-the server's CPU per round trip (utime + stime from ``/proc/<pid>/stat``,
-the same counter the load benchmark reads for the daemons; for the compiled
-server, whose few thousand round trips can cost less than that counter's
-10 ms tick, its rusage to the microsecond). As in
+the server's CPU per round trip, which the server measures itself with its
+process CPU clock over the timed round trips (the load benchmark reads the
+daemons' ``/proc`` counters, but those tick at 10 ms, and a few thousand
+round trips of a fast echo can cost less than one tick). As in
 ``benchmarks.ceilings.measure_rtt`` (which measures the TCP round trip alone),
 the best of a few fresh process pairs is kept: on a small VM the round trip
 is bimodal, depending on where the scheduler puts the two processes. The
@@ -30,14 +30,16 @@ from pathlib import Path
 from typing import Any
 
 from ..ceilings import _recv_exact
-from .procstat import cpu_seconds
 
 MSG_BYTES = 64
 
 logger = logging.getLogger(__name__)
 
 
-def _echo_server(family: str, address: Any, ready: Any) -> None:
+def _echo_server(family: str, address: Any, ready: Any, warmup: int) -> None:
+    """Echo 64-byte messages on one connection; when its client goes, send back the CPU seconds this
+    process spent after the first `warmup` messages (``time.process_time``: to the nanosecond, where
+    /proc's counters tick at 10 ms, and a few thousand fast round trips cost less than a tick)."""
     fam = socket.AF_UNIX if family == "unix" else socket.AF_INET
     listener = socket.socket(fam, socket.SOCK_STREAM)
     listener.bind(address)
@@ -49,14 +51,19 @@ def _echo_server(family: str, address: Any, ready: Any) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buf = bytearray(MSG_BYTES)
     view = memoryview(buf)
+    seen, cpu0 = 0, time.process_time()
     try:
         while True:
             _recv_exact(conn, view)
             conn.sendall(view)
+            seen += 1
+            if seen == warmup:
+                cpu0 = time.process_time()
     except (ConnectionError, OSError):
         pass
     finally:
         conn.close()
+        ready.send(time.process_time() - cpu0)
 
 
 def echo_round(family: str, count: int, warmup: int = 500) -> dict[str, Any]:
@@ -65,7 +72,7 @@ def echo_round(family: str, count: int, warmup: int = 500) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="dkload-echo-")
     address: Any = os.path.join(tmp, "echo.sock") if family == "unix" else ("127.0.0.1", 0)
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_echo_server, args=(family, address, child), daemon=True)
+    proc = ctx.Process(target=_echo_server, args=(family, address, child, warmup), daemon=True)
     proc.start()
     try:
         if not parent.poll(60):
@@ -74,7 +81,10 @@ def echo_round(family: str, count: int, warmup: int = 500) -> dict[str, Any]:
         fam = socket.AF_UNIX if family == "unix" else socket.AF_INET
         sock = socket.socket(fam, socket.SOCK_STREAM)
         sock.connect(bound if family == "unix" else tuple(bound))
-        out = _ping_pong(sock, proc.pid, count, warmup)
+        out = _ping_pong(sock, count, warmup)
+        if not parent.poll(10):
+            raise RuntimeError(f"{family} echo server did not report its CPU")
+        out["server_cpu_us_per_round_trip"] = parent.recv() / count * 1e6
     finally:
         proc.join(timeout=5)
         if proc.is_alive():
@@ -102,35 +112,24 @@ def compiled_echo_round(count: int, warmup: int = 500) -> dict[str, Any] | None:
         if built.returncode:
             logger.warning("no compiled echo baseline: %s failed: %s", cc, built.stderr.strip()[-500:])
             return None
-        proc = subprocess.Popen([exe], stdout=subprocess.PIPE)
-        try:
-            assert proc.stdout is not None
-            port = int(proc.stdout.readline())
-            out = _ping_pong(socket.create_connection(("127.0.0.1", port)), proc.pid, count, warmup)
-            # (it exits when its client goes.) /proc's counters tick at 10 ms, and a few thousand
-            # round trips of this server can take less than one tick of CPU: its rusage, to the
-            # microsecond, over its whole life (warm-up, start and accept included) is the figure.
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:
-                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-                if pid:
-                    proc.returncode = os.waitstatus_to_exitcode(status)
-                    break
-                time.sleep(0.01)
-            else:
-                raise RuntimeError("the compiled echo server did not exit when its client went")
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
-        out["server_cpu_us_per_round_trip"] = (usage.ru_utime + usage.ru_stime) / (count + warmup) * 1e6
+        with subprocess.Popen([exe, str(warmup)], stdout=subprocess.PIPE, text=True) as proc:
+            try:
+                assert proc.stdout is not None
+                port = int(proc.stdout.readline())
+                out = _ping_pong(socket.create_connection(("127.0.0.1", port)), count, warmup)
+                # (it exits when its client goes, printing its CPU after the warm-up, in ns)
+                out["server_cpu_us_per_round_trip"] = int(proc.stdout.readline()) / 1e3 / count
+            finally:
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
     return {"family": "tcp", "server": "c", **out}
 
 
-def _ping_pong(sock: socket.socket, server_pid: int, count: int, warmup: int) -> dict[str, Any]:
-    """``count`` timed 64-byte round trips on ``sock`` (closed after); latencies and CPU of both ends."""
+def _ping_pong(sock: socket.socket, count: int, warmup: int) -> dict[str, Any]:
+    """``count`` timed 64-byte round trips on ``sock`` (closed after): latencies and the client's CPU (the
+    server measures its own)."""
     if sock.family == socket.AF_INET:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     view = memoryview(bytearray(MSG_BYTES))
@@ -139,7 +138,6 @@ def _ping_pong(sock: socket.socket, server_pid: int, count: int, warmup: int) ->
             sock.sendall(view)
             _recv_exact(sock, view)
         lat = []
-        cpu0 = cpu_seconds([server_pid])
         own0 = time.process_time()
         t_start = time.perf_counter()
         for _ in range(count):
@@ -148,7 +146,6 @@ def _ping_pong(sock: socket.socket, server_pid: int, count: int, warmup: int) ->
             _recv_exact(sock, view)
             lat.append(time.perf_counter() - t0)
         wall = time.perf_counter() - t_start
-        server_cpu = cpu_seconds([server_pid]) - cpu0
         client_cpu = time.process_time() - own0
     lat.sort()
     return {
@@ -157,7 +154,6 @@ def _ping_pong(sock: socket.socket, server_pid: int, count: int, warmup: int) ->
         "p99_us": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e6,
         "mean_us": statistics.fmean(lat) * 1e6,
         "round_trips_per_s": count / wall,
-        "server_cpu_us_per_round_trip": server_cpu / count * 1e6,
         "client_cpu_us_per_round_trip": client_cpu / count * 1e6,
     }
 

@@ -77,6 +77,17 @@ def test_compiled_echo_server_answers_every_round_trip():
     r = compiled_echo_round(300, warmup=10)
     assert r is not None and r["family"] == "tcp" and r["server"] == "c" and r["round_trips"] == 300
     assert r["p99_us"] >= r["p50_us"] > 0 and r["round_trips_per_s"] > 0
+    assert r["server_cpu_us_per_round_trip"] > 0  # (its own CPU clock: 300 round trips are far under a tick)
+
+
+def test_python_echo_server_measures_its_own_cpu_below_procs_tick():
+    """300 round trips cost the server well under /proc's 10 ms tick: the figure must still not be 0."""
+    from benchmarks.controller_load.baseline import echo_round
+
+    for family in ("unix", "tcp"):
+        r = echo_round(family, 300, warmup=10)
+        assert r["round_trips"] == 300 and r["p99_us"] >= r["p50_us"] > 0
+        assert 0 < r["server_cpu_us_per_round_trip"] < 10_000
 
 
 def test_compiled_echo_is_skipped_when_it_cannot_be_built(monkeypatch):
