@@ -104,3 +104,21 @@ def test_a_jagged_get_of_one_run_is_a_view_of_the_mapped_segment_and_of_several_
         assert torch.equal(both.values(), torch.cat(rows)) and torch.equal(two.jagged("x").values(), torch.cat(rows))
         d.clear(partition)
         d.clear(partition + "-b")
+
+
+def test_a_jagged_get_served_from_leases_taken_ahead_is_a_view_of_the_mapped_segment(cluster, partition):
+    """get(prefetch=n): the one acquire's inline columns are cut into each get's samples as they came, so
+    each get's jagged column is a view of the mapped segment (they were decoded into per-sample tensors,
+    then joined by a copy), and its other columns are its own samples' values."""
+    rows = [torch.randint(0, 1 << 30, (n,), dtype=torch.int64) for n in (40_000, 7, 90_000, 30_000, 0, 20_000, 5, 60_000)]
+    with dockd.connect(cluster.address, warehouse=0) as d:  # (the controller's warehouse: values come inline)
+        d.put({"x": torch.nested.as_nested_tensor(rows, layout=torch.jagged), "uid": [f"s{i}" for i in range(8)]},
+              partition=partition)
+        for k in range(4):  # one acquire of 8, four gets of 2
+            b = d.get("c", ["x", "uid"], 2, partition=partition, timeout=10, prefetch=4)
+            assert b.indexes == [2 * k, 2 * k + 1] and b["uid"] == [f"s{2 * k}", f"s{2 * k + 1}"]
+            got = b.jagged("x")
+            assert in_a_segment(got.values())
+            assert got.offsets().tolist() == [0, len(rows[2 * k]), len(rows[2 * k]) + len(rows[2 * k + 1])]
+            assert all(torch.equal(a, e) for a, e in zip(got.unbind(), rows[2 * k: 2 * k + 2], strict=True))
+        d.clear(partition)
