@@ -151,6 +151,26 @@ def test_msgpack_values_are_one_run_per_stretch_between_tensors():
     assert out[:2] == ["a", {"k": 1}] and torch.equal(out[2], torch.ones(2)) and out[3:] == [3, None]
 
 
+@pytest.mark.parametrize("values", [
+    [0.1, -2.5, float("inf"), 1e300, -0.0],
+    ["", "a" * 31, "b" * 32, "é" * 127, "c" * 255, "d" * 256, "e" * 65535, "f" * 65536, "uid-0-1", "日本"],
+], ids=["floats", "strs"])
+def test_a_column_of_only_floats_or_only_strs_is_packed_in_one_call_to_the_bytes_of_one_value_each(values):
+    import msgpack
+
+    col, buf = encode(values)
+    (run,) = col.runs
+    blobs = [msgpack.packb(v, use_bin_type=True) for v in values]
+    assert list(run.lengths) == [len(b) for b in blobs]
+    assert bytes(buf[run.offset : run.offset + run.nbytes]) == b"".join(blobs)
+    assert roundtrip(values) == values
+
+
+def test_a_str_without_utf8_form_in_a_column_of_strs_is_refused_naming_its_sample():
+    with pytest.raises(DockTypeError, match="column 'c' sample 1: cannot store a value of type str"):
+        roundtrip(["ok", "bad \udc80"])
+
+
 def test_decode_reply_reads_what_encode_columns_wrote_from_the_buffers_it_is_given():
     """decode_reply is the encoding's inverse over the buffers a transport hands it (key 0: the body)."""
     body = codec.Body()
