@@ -118,10 +118,9 @@ class Body:
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor (viewed as bytes along its last dimension: one torch call
-    fewer than flattening it first)."""
+    """The bytes of a contiguous CPU tensor. (Flattened first: a contiguous tensor's size-1 last dimension
+    may have any stride, e.g. a transposed (1, n), and viewing it as bytes as it is would fail.)"""
     if not t.numel():
         return memoryview(b"")
-    data = (t if t.dim() else t.reshape(1)).view(torch.uint8).numpy()
     # (an ndarray is a buffer; numpy's stubs declare its __buffer__ only for Python >= 3.12)
-    return memoryview(data).cast("B")  # type: ignore[arg-type]
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]

@@ -171,6 +171,16 @@ def test_a_str_without_utf8_form_in_a_column_of_strs_is_refused_naming_its_sampl
         roundtrip(["ok", "bad \udc80"])
 
 
+def test_a_contiguous_tensor_whose_last_dimension_has_size_one_and_another_stride_roundtrips():
+    """torch calls a transposed (1, n) contiguous (a size-1 dimension's stride is free), yet it cannot be
+    viewed as bytes along that dimension: the encoding flattens it first."""
+    t = torch.arange(4, dtype=torch.float32).reshape(1, 4).t()
+    assert t.is_contiguous() and t.stride() == (1, 4)
+    (out,) = roundtrip([t])
+    assert torch.equal(out, t)
+    assert torch.equal(torch.stack(roundtrip(t)), t)
+
+
 def test_decode_reply_reads_what_encode_columns_wrote_from_the_buffers_it_is_given():
     """decode_reply is the encoding's inverse over the buffers a transport hands it (key 0: the body)."""
     body = codec.Body()
