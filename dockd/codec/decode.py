@@ -158,11 +158,17 @@ class Runs:
         tensors of one dtype and trailing shape. Its values are a view of the received bytes (a mapped
         segment on the same host, else the reply's body) when the column came as one run; runs of
         several puts or warehouses are concatenated into one buffer (a copy)."""
+        rows = self.packed()
+        return None if rows is None else jagged_of(*rows)
+
+    def packed(self) -> tuple[torch.Tensor, list[int]] | None:
+        """The column's rows back to back ([rows, *trailing]) and each sample's number of rows; None when it
+        is not tensors of one dtype and trailing shape. The rows are a view as `jagged`'s values are."""
         flat = self._flat()
         if flat is None:
             return None
         data, lengths, trail = flat
-        return jagged_of(data.view(-1, *trail) if trail else data, lengths)
+        return (data.view(-1, *trail) if trail else data), lengths
 
     def padded(self, pad_value: float | int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
         """[n, max_len, *trailing] padded on the right, and the lengths; None when the column is
@@ -177,10 +183,15 @@ class Runs:
 
 def jagged_of(values: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """A jagged nested tensor over `values` (rows back to back) with samples of `lengths` rows."""
+    lo, hi = min(lengths, default=0), max(lengths, default=0)
+    return _nested(values, offsets_of(lengths, values.device), lo, hi)
+
+
+def offsets_of(lengths: Sequence[int], device: Any) -> torch.Tensor:
+    """The n + 1 int64 offsets of samples of `lengths` rows, on `device`."""
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    lo, hi = min(lengths, default=0), max(lengths, default=0)
-    return _nested(values, torch.from_numpy(offsets).to(values.device), lo, hi)
+    return torch.from_numpy(offsets).to(device)
 
 
 _NESTED: list[Any] = []  # torch's NestedTensor class, once looked up (empty: not yet; [None]: not there)

@@ -120,5 +120,7 @@ def test_a_jagged_get_served_from_leases_taken_ahead_is_a_view_of_the_mapped_seg
             got = b.jagged("x")
             assert in_a_segment(got.values())
             assert got.offsets().tolist() == [0, len(rows[2 * k]), len(rows[2 * k]) + len(rows[2 * k + 1])]
+            pair = b.packed("x")  # (the same column as a Jagged pair: the same view, the same offsets)
+            assert pair.values.data_ptr() == got.values().data_ptr() and torch.equal(pair.offsets, got.offsets())
             assert all(torch.equal(a, e) for a, e in zip(got.unbind(), rows[2 * k: 2 * k + 2], strict=True))
         d.clear(partition)
