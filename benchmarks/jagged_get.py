@@ -12,6 +12,8 @@ read by the consumer, the two msgpack columns as lists. Cases:
 - ``prefetch``: get(prefetch=P): one acquire per P gets.
 - ``overlap``: get(prefetch=P) on a thread of its own one batch ahead of the consumer (`Ahead`
   below): the next get's round trips in flight while this batch is read.
+- ``packed``: as ``prefetch``, each ragged column taken as the `dockd.Jagged` (values, offsets) pair
+  (`batch.packed(col)`) instead of a nested tensor.
 - ``call``: the get alone (no jagged tensors built, nothing read): the round trips' share.
 
 Each repeat runs every case once on a fresh partition (the puts untimed), the cases in turn, so the
@@ -44,7 +46,7 @@ import torch
 from benchmarks import columnar
 from benchmarks.columnar import GRPO_BATCH, TENSORS, as_jagged, grpo_samples, memcpy_gbps, sample_bytes
 
-CASES = ("get", "prefetch", "overlap", "call")
+CASES = ("get", "prefetch", "overlap", "packed", "call")
 _WORDS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1))
 
 
@@ -62,15 +64,18 @@ def read_words(t: torch.Tensor) -> int:
 READ: list[Callable[[torch.Tensor], int]] = [read_words]  # (--bytewise: columnar's read_all)
 
 
-def consume(b) -> int:
-    """What the consumer does with a batch: every ragged column's values read in full, the rest listed."""
+def consume(b, packed: bool = False) -> int:
+    """What the consumer does with a batch: every ragged column's values read in full (taken as a jagged
+    nested tensor, or with `packed` as the Jagged pair), the rest listed."""
     n = 0
     read = READ[0]
     for k in b.columns:
-        if k in TENSORS:
-            n += read(b.jagged(k).values())
-        else:
+        if k not in TENSORS:
             n += len(b[k])
+        elif packed:
+            n += read(b.packed(k).values)
+        else:
+            n += read(b.jagged(k).values())
     return n
 
 
@@ -118,9 +123,9 @@ def _pass(d, case: str, part: str, names: list[str], gets: int, prefetch: int) -
             got += len(b)
         return got
     for _ in range(gets):
-        b = get(prefetch if case == "prefetch" else 0)
+        b = get(prefetch if case in ("prefetch", "packed") else 0)
         if case != "call":
-            consume(b)
+            consume(b, packed=case == "packed")
         got += len(b)
     return got
 

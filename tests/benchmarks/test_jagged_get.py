@@ -34,5 +34,5 @@ def test_ahead_yields_each_batch_in_order_and_raises_what_a_get_raised():
 def test_a_short_run_measures_every_case_against_memcpy():
     res = measure(samples=128, repeats=1, prefetch=2)
     assert res["memcpy_batch_GBps"] > 0 and res["bytes_per_sample"] > 20_000
-    for case in ("get", "prefetch", "overlap", "call"):
+    for case in ("get", "prefetch", "overlap", "packed", "call"):
         assert res[f"{case}_ms_per_get"] > 0 and res[f"{case}_vs_memcpy"] > 0
