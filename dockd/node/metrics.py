@@ -57,7 +57,7 @@ import bisect
 import logging
 import time
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -353,7 +353,8 @@ class MetricsServer:
                                                 limit=self.MAX_REQUEST)
         except OSError as e:
             raise OSError(f"cannot serve metrics on {host}:{port} (--metrics-port): {e.strerror or e}") from None
-        self.port = self._server.sockets[0].getsockname()[1]
+        server: Any = self._server  # (uvloop's .sockets is a list where typeshed says tuple: compiled, a check)
+        self.port = server.sockets[0].getsockname()[1]
 
     def close(self) -> None:
         if self._server is not None:
