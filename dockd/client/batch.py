@@ -29,7 +29,7 @@ class Batch:
     batch as a tensordict.TensorDict.
     """
 
-    __slots__ = ("partition", "indexes", "_columns", "step", "rank_weights")
+    __slots__ = ("partition", "indexes", "_columns", "step", "rank_weights", "_offsets")
 
     def __init__(self, partition: str, indexes: list[int], columns: dict[str, list[Any] | Runs], *, step: int = 0,
                  rank_weights: list[float] | None = None) -> None:
@@ -38,6 +38,7 @@ class Batch:
         self._columns = columns
         self.step = step  # rank-aware gets: the step this batch belongs to
         self.rank_weights = rank_weights or []  # ... with balance_by: each rank's sum of the weights
+        self._offsets: dict[tuple[Any, tuple[int, ...]], torch.Tensor] = {}  # see `_offsets_of`
 
     def __getitem__(self, column: str) -> list[Any]:
         try:
@@ -105,20 +106,31 @@ class Batch:
         warehouse sent as one run): on the same host, of the sealed shared-memory segment, mapped
         privately (a write copies the pages it touches; the stored bytes never change); else one
         copy joins the runs. Tensors of equal shapes come back jagged too (all lengths equal)."""
-        runs = self._columns.get(column)
-        if isinstance(runs, Runs) and (out := runs.jagged()) is not None:
-            return out
-        return jagged_of(*self._rows(column, "jagged"))
+        values, lengths = self._packed_rows(column, "jagged")
+        return jagged_of(values, lengths, self._offsets_of(lengths, values.device))
 
     def packed(self, column: str) -> Jagged:
         """The column `jagged` gives, as the `dockd.Jagged(values, offsets)` pair a put takes: the values
         back to back ([rows, *trailing], a view where jagged()'s values are) and the n + 1 int64 offsets
         (sample i is values[offsets[i]:offsets[i + 1]]; varlen attention's cu_seqlens), without torch's
         nested tensor subclass, whose making and values() cost ~5x the pair's (~55 us a column, ~10)."""
+        values, lengths = self._packed_rows(column, "packed")
+        return Jagged(values, self._offsets_of(lengths, values.device))
+
+    def _packed_rows(self, column: str, call: str) -> tuple[torch.Tensor, list[int]]:
         runs = self._columns.get(column)
         rows = runs.packed() if isinstance(runs, Runs) else None
-        values, lengths = rows if rows is not None else self._rows(column, "packed")
-        return Jagged(values, offsets_of(lengths, values.device))
+        return rows if rows is not None else self._rows(column, call)
+
+    def _offsets_of(self, lengths: list[int], device: Any) -> torch.Tensor:
+        """One offsets tensor for every ragged column of this batch with these lengths (a response's
+        log-probs, mask and ids): jagged nested tensors over the same offsets share their ragged
+        dimension, so torch combines them (`a - b`), where separately made offsets are refused."""
+        key = (device, tuple(lengths))
+        out = self._offsets.get(key)
+        if out is None:
+            out = self._offsets[key] = offsets_of(lengths, device)
+        return out
 
     def _rows(self, column: str, call: str) -> tuple[torch.Tensor, list[int]]:
         """A column of tensors ragged in their first dimension only, joined (a copy), and their lengths."""

@@ -181,10 +181,11 @@ class Runs:
         return padded_of(data.view(-1, *trail) if trail else data, lengths, pad_value)
 
 
-def jagged_of(values: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """A jagged nested tensor over `values` (rows back to back) with samples of `lengths` rows."""
+def jagged_of(values: torch.Tensor, lengths: list[int], offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """A jagged nested tensor over `values` (rows back to back) with samples of `lengths` rows (`offsets`:
+    theirs, made already)."""
     lo, hi = min(lengths, default=0), max(lengths, default=0)
-    return _nested(values, offsets_of(lengths, values.device), lo, hi)
+    return _nested(values, offsets_of(lengths, values.device) if offsets is None else offsets, lo, hi)
 
 
 def offsets_of(lengths: Sequence[int], device: Any) -> torch.Tensor:

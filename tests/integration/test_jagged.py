@@ -82,6 +82,26 @@ def test_a_tensordict_with_tensor_jagged_and_non_tensor_fields_goes_in_and_comes
     dock.clear(partition)
 
 
+def test_jagged_columns_of_equal_lengths_come_back_combinable_as_rl_code_combines_them(dock, partition):
+    """log_probs - ref_log_probs, masked by the response mask: torch combines jagged nested tensors only over
+    one offsets tensor, so the columns of a batch with the same lengths share theirs (in the TensorDict too)."""
+    lens = (3, 1, 4, 2)
+    cols = {name: torch.nested.as_nested_tensor([torch.randn(n) for n in lens], layout=torch.jagged)
+            for name in ("log_probs", "ref_log_probs")}
+    cols["mask"] = torch.nested.as_nested_tensor([torch.ones(n) for n in lens], layout=torch.jagged)
+    cols["prompt"] = torch.nested.as_nested_tensor([torch.arange(n) for n in (5, 5, 2, 7)], layout=torch.jagged)
+    dock.put(cols, partition=partition)
+    b = dock.get("c", list(cols), 4, partition=partition, timeout=10)
+    kl = (b.jagged("log_probs") - b.jagged("ref_log_probs")) * b.jagged("mask")
+    want = [(x - y).tolist() for x, y in zip(b["log_probs"], b["ref_log_probs"])]
+    assert [t.tolist() for t in kl.unbind()] == want
+    assert b.packed("log_probs").offsets is b.packed("mask").offsets
+    assert b.packed("prompt").offsets is not b.packed("mask").offsets  # (other lengths: offsets of their own)
+    td = b.to_tensordict()
+    assert [t.tolist() for t in (td["log_probs"] - td["ref_log_probs"]).unbind()] == want
+    dock.clear(partition)
+
+
 @pytest.mark.skipif(not same_host.available(), reason="needs Linux memfd and SCM_RIGHTS")
 def test_a_jagged_get_of_one_run_is_a_view_of_the_mapped_segment_and_of_several_a_copy(cluster, partition):
     rows = [torch.randint(0, 1 << 30, (n,), dtype=torch.int64) for n in (40_000, 0, 90_000, 30_000)]  # ~1.3 MB
