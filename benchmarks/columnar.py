@@ -103,10 +103,18 @@ def as_jagged(data: dict[str, list[Any]]) -> dict[str, Any]:
     return {k: torch.nested.as_nested_tensor(v, layout=torch.jagged) if k in TENSORS else v for k, v in data.items()}
 
 
+_WORDS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1))
+
+
 def read_all(t: torch.Tensor) -> int:
-    """Read every byte of a tensor's buffer (a consumer that uses the data), as int64 words where they fit."""
+    """Read every byte of a tensor's buffer (a consumer that uses the data), as the widest integer words its
+    size and address divide into. (Read byte by byte, as this did for any size not a multiple of 8, the
+    ~280 KB of a float32 column of an odd number of elements took 127 us against 7 us as int32 words: the
+    three float32 columns of a GRPO batch cost 0.38 ms of a 2.3 ms jagged get.)"""
     flat = t.reshape(-1).view(torch.uint8)
-    return int((flat.view(torch.int64) if flat.numel() % 8 == 0 else flat).sum())
+    n = flat.numel()
+    dtype = next(dt for dt, w in _WORDS if n % w == 0 and flat.data_ptr() % w == 0)
+    return int(flat.view(dtype).sum())
 
 
 def _grpo(d, data: dict[str, list[Any]], repeats: int, *, jagged: bool) -> dict[str, float]:

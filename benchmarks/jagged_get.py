@@ -20,8 +20,8 @@ Each repeat runs every case once on a fresh partition (the puts untimed), the ca
 cases of one repeat share the machine's load; figures are medians over the repeats. The ceiling is
 a single-thread memcpy of one batch's bytes into warm memory, cycling through 256 MiB (the same
 run; `columnar.memcpy_gbps`). The consumer reads each buffer as the widest integer words its size divides
-into (`read_words`); ``--bytewise`` reads as columnar's `read_all` does, byte by byte where a buffer's size
-is not a multiple of 8 (its figures). ``--profile CASE`` runs one more pass of CASE under cProfile in the
+into (`read_words`, columnar's `read_all`); ``--bytewise`` reads as `read_all` did before 2026-12-05, byte by
+byte where a buffer's size is not a multiple of 8 (the figures taken that way). ``--profile CASE`` runs one more pass of CASE under cProfile in the
 client and prints its top functions.
 
     python -m benchmarks.jagged_get [--repeats 3] [--samples 2048] [--prefetch 4] [--bytewise] [--profile get]
@@ -47,21 +47,17 @@ from benchmarks import columnar
 from benchmarks.columnar import GRPO_BATCH, TENSORS, as_jagged, grpo_samples, memcpy_gbps, sample_bytes
 
 CASES = ("get", "prefetch", "overlap", "packed", "call")
-_WORDS = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1))
+read_words = columnar.read_all
 
 
-def read_words(t: torch.Tensor) -> int:
-    """Read every byte of a tensor's buffer, as the widest integer words its size divides into. (columnar's
-    `read_all` reads a buffer whose size is not a multiple of 8 byte by byte: 127 us for the ~280 KB of a
-    float32 column of an odd number of elements, against 7 us as int32 words; the three float32 columns of
-    a GRPO batch cost 0.38 ms of its read that way, more than reading the whole 2 MB takes as words.)"""
+def read_bytewise(t: torch.Tensor) -> int:
+    """How columnar's `read_all` read before it read by words: int64 words where the size is a multiple of
+    8, else byte by byte (``--bytewise``, to compare with figures taken that way)."""
     flat = t.reshape(-1).view(torch.uint8)
-    n = flat.numel()
-    dtype = next(dt for dt, w in _WORDS if n % w == 0 and flat.data_ptr() % w == 0)
-    return int(flat.view(dtype).sum())
+    return int((flat.view(torch.int64) if flat.numel() % 8 == 0 else flat).sum())
 
 
-READ: list[Callable[[torch.Tensor], int]] = [read_words]  # (--bytewise: columnar's read_all)
+READ: list[Callable[[torch.Tensor], int]] = [read_words]  # (--bytewise: read_bytewise)
 
 
 def consume(b, packed: bool = False) -> int:
@@ -194,7 +190,7 @@ def main() -> None:
                     help="read as benchmarks.columnar does (byte by byte where a buffer's size is not a multiple of 8)")
     a = ap.parse_args()
     if a.bytewise:
-        READ[0] = columnar.read_all
+        READ[0] = read_bytewise
     res = measure(samples=a.samples, repeats=a.repeats, prefetch=a.prefetch, cases=a.cases.split(","),
                   profile=a.profile)
     prof = res.pop("profile", None)
