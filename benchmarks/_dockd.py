@@ -107,7 +107,7 @@ def connect(address: str, path: str, **kwargs: Any) -> Any:
 def transport_in_use(dock: Any) -> str | None:
     """The transport of the client's pool to its home warehouse, when the client exposes it."""
     try:
-        return str(dock._pool(dock.home).transport)
+        return str(dock._router.pool(dock.home).transport)
     except Exception:  # noqa: BLE001 - informational only
         return None
 

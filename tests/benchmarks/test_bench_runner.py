@@ -121,3 +121,20 @@ def test_versions_list_and_bad_name():
     assert "runnable" in proc.stdout or "would be skipped" in proc.stdout
     proc = _bench("--only", "no-such-scenario")
     assert proc.returncode != 0 and "Valid scenarios are" in proc.stderr
+
+
+def test_the_benchmarks_record_which_transport_a_client_uses():
+    """`_dockd.transport_in_use` read a client attribute that had gone (every row said null, and a client
+    asked for shared memory that fell back to TCP was measured as if it were on shared memory)."""
+    import dockd
+    from benchmarks import _dockd
+    from dockd.net import same_host
+
+    with dockd.start_local(1) as cluster:
+        paths = {"socket": "tcp"} | ({"shm": "shm"} if same_host.available() else {})
+        for path, transport in paths.items():
+            dock = _dockd.connect(cluster.address, path)
+            try:
+                assert _dockd.transport_in_use(dock) == transport
+            finally:
+                dock.close()
