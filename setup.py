@@ -22,13 +22,15 @@ import sysconfig
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
-# The controller's request path (the core and the service around it), the request checks, and the daemon's
-# frame path (parsing, the connection, dispatch). A compiled class checks every argument annotated with it
+# The controller's request path (every module of dockd/controller/: the core and the service around it;
+# tests/unit/test_compiled.py checks none is left out), the request checks, and the daemon's frame path
+# (parsing, the connection, dispatch). A compiled class checks every argument annotated with it
 # (the tests' fake connections subclass Peer) and can be subclassed by interpreted code only where it is
 # marked `@mypyc_attr(allow_interpreted_subclasses=True)` (Peer, FrameReader).
 COMPILED = [
     "dockd/controller/agreement.py",
     "dockd/controller/catalog.py",
+    "dockd/controller/changes.py",
     "dockd/controller/checkpoint.py",
     "dockd/controller/clock.py",
     "dockd/controller/core.py",
@@ -36,10 +38,14 @@ COMPILED = [
     "dockd/controller/grants.py",
     "dockd/controller/journal.py",
     "dockd/controller/lease_table.py",
+    "dockd/controller/member.py",
     "dockd/controller/membership.py",
     "dockd/controller/pacing.py",
     "dockd/controller/partition.py",
+    "dockd/controller/partition_ops.py",
     "dockd/controller/persist.py",
+    "dockd/controller/probes.py",
+    "dockd/controller/reads.py",
     "dockd/controller/records.py",
     "dockd/controller/replica_map.py",
     "dockd/controller/replica_service.py",
