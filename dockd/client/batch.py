@@ -113,7 +113,8 @@ class Batch:
         """The column `jagged` gives, as the `dockd.Jagged(values, offsets)` pair a put takes: the values
         back to back ([rows, *trailing], a view where jagged()'s values are) and the n + 1 int64 offsets
         (sample i is values[offsets[i]:offsets[i + 1]]; varlen attention's cu_seqlens), without torch's
-        nested tensor subclass, whose making and values() cost ~5x the pair's (~55 us a column, ~10)."""
+        nested tensor subclass, whose making and values() cost ~5x the pair's (~55 us a column, ~10). The
+        offsets are shared by the batch's ragged columns of the same lengths: do not change them in place."""
         values, lengths = self._packed_rows(column, "packed")
         return Jagged(values, self._offsets_of(lengths, values.device))
 
