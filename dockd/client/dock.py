@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import secrets
 import sys
 import threading
 import time
@@ -121,8 +120,8 @@ class Dock(PartitionCalls):
         self._links = ReaderLinks()  # device links to warehouses on other nodes (get(device=...))
         pinned = warehouse if warehouse is not None else (config.warehouse or None)
         prefer, token = _ray_home(address, pinned, token)
-        # the session owns this client's leases; it is random, so nobody else can claim them
-        self._creds = Credentials(key=auth.client_token(token), session=secrets.token_bytes(16), name=self._name)
+        # the session owns this client's leases (over all its connections); random: nobody else can claim it
+        self._creds = Credentials(key=auth.client_token(token), session=auth.client_session(), name=self._name)
         wake = threading.Event()
         ctx = Context(config=config, links=self._links, wake=wake.set)
         self._router = Router(host, port, warehouse=pinned, connect_timeout=self.connect_timeout,

@@ -91,6 +91,14 @@ def client_token(token: str | bytes | None = None) -> bytes | None:
     return raw.strip()
 
 
+def client_session() -> bytes:
+    """A new client's session id (the leases it takes belong to it): 16 random bytes, the first
+    never zero. A controller gives a claimed session that starts with a zero byte to no one (it keeps
+    those for connections that claim none, each its own), so a client that drew one (1 in 256) was a
+    session per connection: its leases taken over one could not be confirmed over another."""
+    return bytes([1 + secrets.randbelow(255)]) + secrets.token_bytes(15)
+
+
 def _netns() -> str:
     try:
         return str(os.stat("/proc/self/ns/net").st_ino)
