@@ -176,10 +176,7 @@ class Confirms:
         except BaseException:
             self.put_back(leases, at)
             raise
-        late = len(reply.confirm_reply.unknown) + len(reply.confirm_reply.refused)
-        if late:  # the gets already returned: say it, the samples were handed out again
-            logger.warning("[client] %d of %d leases expired before their confirm reached the controller: their "
-                           "samples were handed out again (consider a longer --lease-timeout)", late, len(leases))
+        _warn_late(reply.confirm_reply, len(leases))
 
     def close(self, timeout: float) -> None:
         """The client goes (Dock.close, its collection, interpreter exit): deliver what its gets
@@ -240,12 +237,14 @@ class Confirms:
             self.wake.set()
             return
         r = reply.confirm_reply
-        gone = set(r.unknown) | set(r.refused)
-        if len(gone - {lease.id}):
-            logger.warning("[client] %d of %d leases expired before their confirm reached the controller: their "
-                           "samples were handed out again (consider a longer --lease-timeout)",
-                           len(gone - {lease.id}), len(leases) - 1)
-        if lease.id in gone:
+        _warn_late(r, len(leases) - 1, but=lease.id)
+        if lease.id in r.refused:
+            raise DockLeaseError(
+                f"this get's lease {lease.id} on {len(lease.indexes)} samples of partition {lease.partition!r} was "
+                "refused as another client's: the controller did not count this connection in the session that "
+                "took it, so the samples are not returned here; they go out again when the lease ends"
+            )
+        if lease.id in r.unknown:
             raise DockLeaseError(
                 f"this get's lease {lease.id} on {len(lease.indexes)} samples of partition {lease.partition!r} expired "
                 f"or was released while the get took {took:.1f}s: the samples were handed out again, so they are not "
@@ -320,3 +319,18 @@ def _flush_loop(ref: weakref.ref, wake: threading.Event, stop: threading.Event) 
             logger.warning("[client] could not confirm fetched leases: %s", e)
         confirms.send_unpins()
         del confirms
+
+
+def _warn_late(r: pb.ConfirmReply, sent: int, but: int | None = None) -> None:
+    """Say which confirms of gets that returned already came too late (their samples go out again):
+    expired or released (`unknown`), or refused as another client's (`refused`: this client's session
+    does not own them, which a lease it took over any of its connections never is)."""
+    unknown = sum(1 for i in r.unknown if i != but)
+    refused = sum(1 for i in r.refused if i != but)
+    if unknown:
+        logger.warning("[client] %d of %d leases expired before their confirm reached the controller: their "
+                       "samples were handed out again (consider a longer --lease-timeout)", unknown, sent)
+    if refused:
+        logger.warning("[client] %d of %d confirms were refused as another client's: the controller does not count "
+                       "this connection in the session that took them, and hands their samples out again", refused,
+                       sent)
