@@ -28,6 +28,10 @@ from dockd.local import spawn_node
 from tests.conftest import wait_until
 from tests.integration.test_cluster import Procs, free_port
 
+# A test that patches one of the journal's own functions: a compiled journal calls them directly, unpatched.
+PATCHES_JOURNAL = pytest.mark.skipif(not (journal_mod.__file__ or "").endswith(".py"),
+                                     reason="patches the journal's own _write_all, which a compiled journal calls directly")
+
 pytestmark = pytest.mark.timeout(240)
 
 
@@ -112,8 +116,7 @@ def test_a_full_disk_is_refused_before_anything_is_decided(tmp_path, monkeypatch
     assert back.partitions["p"].size == 4
 
 
-@pytest.mark.skipif(not journal_mod.__file__.endswith(".py"),
-                    reason="patches the journal's own _write_all, which a compiled journal calls directly")
+@PATCHES_JOURNAL
 def test_a_decision_that_cannot_be_recorded_stops_the_journal_until_a_snapshot(tmp_path, monkeypatch):
     j, core = _new_journal(tmp_path)
     _put(j, core, 1)
@@ -194,6 +197,7 @@ def test_a_gets_confirm_goes_to_the_file_with_its_grant_in_one_write(tmp_path, m
     assert not back.leases and back.partitions["p"].consumers["c"].taken == 2
 
 
+@PATCHES_JOURNAL
 def test_a_held_confirm_that_cannot_be_written_stops_the_journal_and_its_get_is_refused(tmp_path, monkeypatch):
     j, core = _new_journal(tmp_path)
     _put(j, core, 1, n=4)
