@@ -4,6 +4,7 @@ wrapper that makes the kernel kill that process when the actor's process dies.""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,7 +39,7 @@ def death_tie_prefix() -> list[str]:
 
 
 def _token_file(token: str) -> str:
-    """A new file, readable by this user only, holding `token`; its path."""
+    """A new file, readable by this user only, holding `token`, alone in a new folder; its path."""
     folder = tempfile.mkdtemp(prefix="dockd-ray-")  # mode 700
     path = os.path.join(folder, "token")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -73,17 +74,25 @@ class DaemonActor:
                 return self._info()
             host = ray_module().util.get_node_ip_address()
             self._stopping = False
+            files = []  # the token files: the daemon reads them as it starts, so they go once it is up (or failed)
             if token:
                 self._token = token
-                args = [*args, "--token-file", _token_file(token)]
+                files.append(_token_file(token))
+                args = [*args, "--token-file", files[-1]]
             if daemon_token:
                 self._daemon_token = daemon_token
-                args = [*args, "--daemon-token-file", _token_file(daemon_token)]
+                files.append(_token_file(daemon_token))
+                args = [*args, "--daemon-token-file", files[-1]]
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             # Forked from the actor's main thread, where Ray runs a default (max_concurrency=1)
             # actor's methods: PR_SET_PDEATHSIG fires when the forking *thread* ends, and that
             # thread lives as long as the actor's process.
-            proc, ready = spawn_node(["--host", host, *args], timeout=timeout, env=env, prefix=death_tie_prefix())
+            try:
+                proc, ready = spawn_node(["--host", host, *args], timeout=timeout, env=env,
+                                         prefix=death_tie_prefix())
+            finally:
+                for path in files:
+                    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
             self._proc, self._ready = proc, ready
             self._joined = args[args.index("--join") + 1] if "--join" in args else self._address()
             threading.Thread(target=self._monitor, args=(proc,), name="dockd-daemon-monitor", daemon=True).start()

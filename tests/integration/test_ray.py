@@ -8,11 +8,13 @@ land on its own node's warehouse is dockd.ray.connect() picking it by Ray node i
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -35,6 +37,8 @@ pytestmark = [
 slow = pytest.mark.slow
 
 _NODE: dict[str, Any] = {"num_cpus": 2, "object_store_memory": 80 * 1024**2}
+# the folders of token files in the temp dir before this module launched anything (see the last test)
+_TOKEN_FOLDERS = set(glob.glob(os.path.join(tempfile.gettempdir(), "dockd-ray-*")))
 
 
 def _gone(pid: int) -> bool:
@@ -364,6 +368,9 @@ def test_shutdown_leaves_nothing_and_a_plugin_launches_anew(dock_address: str, m
 
     infos = dock_ray.warehouses()
     assert len(infos) == 3
+    # the dock's tokens were written for its daemons to read as they started, and removed once they did
+    left = set(glob.glob(os.path.join(tempfile.gettempdir(), "dockd-ray-*"))) - _TOKEN_FOLDERS
+    assert not left, f"token files left behind: {sorted(left)[:3]}"
     dock_ray.shutdown()
     stopped(infos)
     dock_ray.shutdown()  # idempotent
