@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import threading
 import time
 from typing import Any
 
 from dockd import codec
-from dockd._proto import dockd_pb2 as pb
 from dockd.client.acquirer import Acquirer
 from dockd.client.confirm import Confirms
 from dockd.client.lease import Lease
@@ -66,45 +64,11 @@ def split(lease: Lease) -> list[Lease]:
 
 def cut(values: Any, a: int, b: int) -> Any:
     """Samples [a, b) of a column that came inline: a list's slice, or its received runs cut to those
-    samples (a jagged or stacked column of the lease stays one view of the reply's bytes)."""
+    samples (`Runs.cut`: a jagged or stacked column of the lease stays one view of the reply's bytes)."""
     if not isinstance(values, codec.Runs):
         return values[a:b]
-    runs, start = [], 0
-    for run, buf, base in values.runs:
-        lo, hi = max(a - start, 0), min(b - start, run.count)
-        start += run.count
-        if lo < hi:
-            part = _rows(run, lo, hi)
-            if part is None:  # (a run without the sizes to cut it by: its values, sliced)
-                return values.values()[a:b]
-            runs.append((part, buf, base))
-    return codec.Runs(runs)
-
-
-def _rows(run: pb.Run, lo: int, hi: int) -> pb.Run | None:
-    """Values [lo, hi) of a received run as a run of their own over the same bytes; None when the run
-    does not say each value's size."""
-    if lo == 0 and hi == run.count:
-        return run
-    shape = run.shape[:]
-    ragged = run.kind == pb.MSGPACK or (bool(shape) and shape[0] == -1)
-    if run.kind == pb.MSGPACK:
-        unit = 1  # (lengths: each value's bytes)
-    elif run.dtype not in codec.ITEMSIZE:
-        return None
-    else:  # a ragged tensor's lengths count rows of its trailing shape
-        unit = math.prod(shape[1:] if ragged else shape) * codec.ITEMSIZE[run.dtype]
-    if not ragged:
-        skip, size = lo * unit, (hi - lo) * unit
-        lengths: list[int] = []
-    else:
-        lengths = run.lengths[:]
-        if len(lengths) != run.count:
-            return None
-        skip, size = sum(lengths[:lo]) * unit, sum(lengths[lo:hi]) * unit
-        lengths = lengths[lo:hi]
-    return pb.Run(kind=run.kind, count=hi - lo, dtype=run.dtype, shape=shape, lengths=lengths,
-                  offset=run.offset + skip, nbytes=size, segment=run.segment, device_buffer=run.device_buffer)
+    part = values.cut(a, b)
+    return part if part is not None else values.values()[a:b]  # (a run without its values' sizes: sliced)
 
 
 class Ahead:

@@ -1,5 +1,6 @@
 """Wire -> values: a reply's runs back into per-sample values (`decode_reply`, `decode_run`), or kept as
-`Runs` and turned into one tensor for a whole column (`Runs.stacked`, `Runs.padded`)."""
+`Runs` and turned into one tensor for a whole column (`Runs.stacked`, `Runs.padded`) or cut to some of its
+values without a copy (`Runs.cut`)."""
 
 from __future__ import annotations
 
@@ -124,6 +125,20 @@ class Runs:
             out.extend(decode_run(run, buf, base))
         return out
 
+    def cut(self, a: int, b: int) -> Runs | None:
+        """Values [a, b) as runs of their own over the same bytes (views: nothing decoded or copied);
+        None when a run they touch does not say each value's size."""
+        runs, start = [], 0
+        for run, buf, base in self.runs:
+            lo, hi = max(a - start, 0), min(b - start, run.count)
+            start += run.count
+            if lo < hi:
+                part = cut_run(run, lo, hi)
+                if part is None:
+                    return None
+                runs.append((part, buf, base))
+        return Runs(runs)
+
     def _flat(self) -> tuple[torch.Tensor, list[int], list[int]] | None:
         """(all values' elements back to back, each value's first dimension, the common trailing
         shape) when the column is tensors of one dtype and trailing shape; else None."""
@@ -179,6 +194,32 @@ class Runs:
             return None
         data, lengths, trail = flat
         return padded_of(data.view(-1, *trail) if trail else data, lengths, pad_value)
+
+
+def cut_run(run: pb.Run, lo: int, hi: int) -> pb.Run | None:
+    """Values [lo, hi) of a run as a run of their own over the same bytes; None when the run does not say
+    each value's size."""
+    if lo == 0 and hi == run.count:
+        return run
+    shape = run.shape[:]
+    ragged = run.kind == pb.MSGPACK or (bool(shape) and shape[0] == -1)
+    if run.kind == pb.MSGPACK:
+        unit = 1  # (lengths: each value's bytes)
+    elif run.dtype not in ITEMSIZE:
+        return None
+    else:  # a ragged tensor's lengths count rows of its trailing shape
+        unit = math.prod(shape[1:] if ragged else shape) * ITEMSIZE[run.dtype]
+    if not ragged:
+        skip, size = lo * unit, (hi - lo) * unit
+        lengths: list[int] = []
+    else:
+        lengths = run.lengths[:]
+        if len(lengths) != run.count:
+            return None
+        skip, size = sum(lengths[:lo]) * unit, sum(lengths[lo:hi]) * unit
+        lengths = lengths[lo:hi]
+    return pb.Run(kind=run.kind, count=hi - lo, dtype=run.dtype, shape=shape, lengths=lengths,
+                  offset=run.offset + skip, nbytes=size, segment=run.segment, device_buffer=run.device_buffer)
 
 
 def jagged_of(values: torch.Tensor, lengths: list[int], offsets: torch.Tensor | None = None) -> torch.Tensor:
