@@ -84,7 +84,7 @@ def put_request(columns: Mapping[str, Any], *, partition: str, indexes: Sequence
             if got is not None:
                 kept[name] = got
     body = codec.Body()
-    req.columns.extend(codec.encode_columns({k: v for k, v in split.items() if k not in kept}, body))
+    codec.encode_columns({k: v for k, v in split.items() if k not in kept} if kept else split, body, req.columns)
     tensors = []
     for col, t in kept.values():
         t = device_share.base_layout(t)
@@ -100,7 +100,7 @@ def put_request(columns: Mapping[str, Any], *, partition: str, indexes: Sequence
         host.CopyFrom(req)
         del host.device_buffers[:], host.columns[:]
         hbody = codec.Body()
-        host.columns.extend(codec.encode_columns(split, hbody))
+        codec.encode_columns(split, hbody, host.columns)
         return host, hbody
 
     # a put with a timeout is given up (DockTimeout) after 2 x timeout + PUT_SLACK_S: its timeout bounds each

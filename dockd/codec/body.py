@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from dockd._lazy import lazy_torch
 from dockd.codec import dtypes
 
@@ -117,10 +119,21 @@ class Body:
                 off += src.nbytes
 
 
+_NO_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # (dtypes numpy lacks: viewed as bytes by torch)
+
+
 def as_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor. (Flattened first: a contiguous tensor's size-1 last dimension
-    may have any stride, e.g. a transposed (1, n), and viewing it as bytes as it is would fail.)"""
+    may have any stride, e.g. a transposed (1, n), and viewing it as bytes as it is would fail.) Viewed by
+    numpy where it has the dtype: a third of torch's reshape and view (~0.8 against 2.2 us, per run)."""
     if not t.numel():
         return memoryview(b"")
     # (an ndarray is a buffer; numpy's stubs declare its __buffer__ only for Python >= 3.12)
+    if dtypes.NAMES.get(t.dtype) not in _NO_NUMPY:
+        try:
+            a = t.numpy()
+        except (TypeError, RuntimeError):  # (a numpy without the dtype; a tensor that requires grad)
+            pass
+        else:
+            return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]

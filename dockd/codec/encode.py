@@ -156,11 +156,13 @@ def split_column(name: str, values: Any) -> Sequence[Any]:
     return values
 
 
-def encode_columns(columns: Mapping[str, Any], body: Body) -> list[pb.ColumnData]:
-    """Columns (batched tensors/arrays, or one value per sample) as runs; their bytes go to `body`."""
+def encode_columns(columns: Mapping[str, Any], body: Body, into: Any = None) -> list[pb.ColumnData]:
+    """Columns (batched tensors/arrays, or one value per sample) as runs; their bytes go to `body`. With
+    `into` (a request's repeated ColumnData field) each column is made in place there (a message
+    extended with built columns copies them: ~0.7 us a column)."""
     out = []
     for name, values in columns.items():
-        col = pb.ColumnData(name=name)
+        col = pb.ColumnData(name=name) if into is None else into.add(name=name)
         t = batched(values)
         if t is not None:
             _tensor_run(col, [t], body, batched=True)
@@ -232,8 +234,9 @@ def _runs(col: pb.ColumnData, name: str, values: Sequence[Any], body: Body) -> N
     """Split per-sample values into runs: tensors of one dtype and trailing shape, or msgpack values."""
     if _one_ragged_run(col, values, body):
         return
-    if all(type(v) in _PLAIN for v in values):  # (scalars: one msgpack run, without looking for tensors)
-        _msgpack_run(col, name, values if type(values) is list else list(values), 0, body)
+    kinds = set(map(type, values))
+    if kinds <= _PLAIN:  # (scalars: one msgpack run, without looking for tensors)
+        _msgpack_run(col, name, values if type(values) is list else list(values), 0, body, kinds)
         return
     start = 0
     key: tuple = ()  # (no value's key is (): the first value starts the first group)
@@ -329,11 +332,12 @@ def _msgpack_default(obj: Any) -> Any:
 _packers = threading.local()  # one Packer per thread (a Packer keeps a buffer: not shared between threads)
 
 
-def _msgpack_run(col: pb.ColumnData, name: str, values: list[Any], start: int, body: Body) -> None:
+def _msgpack_run(col: pb.ColumnData, name: str, values: list[Any], start: int, body: Body,
+                 kinds: set[type] | None = None) -> None:
     packer = getattr(_packers, "packer", None)
     if packer is None:
         packer = _packers.packer = msgpack.Packer(use_bin_type=True, default=_msgpack_default, strict_types=True)
-    whole = _packed_whole(packer, values)
+    whole = _packed_whole(packer, values, set(map(type, values)) if kinds is None else kinds)
     if whole is not None:
         packed, lengths = whole
         run = col.runs.add(kind=pb.MSGPACK, count=len(values), lengths=lengths)
@@ -353,17 +357,17 @@ def _msgpack_run(col: pb.ColumnData, name: str, values: list[Any], start: int, b
     run.offset, run.nbytes = body.add(memoryview(data)), len(data)
 
 
-def _packed_whole(packer: msgpack.Packer, values: list[Any]) -> tuple[memoryview, list[int]] | None:
+def _packed_whole(packer: msgpack.Packer, values: list[Any], kinds: set[type]) -> tuple[memoryview, list[int]] | None:
     """A column of only floats or only strs (rewards, uids) packed in one call: the list's values back to
     back (its array header cut off), and each value's packed length, known from the value (a float: 9
-    bytes; a str: its UTF-8 bytes and a header of 1, 2, 3 or 5). None for any other column, or a str
-    with no UTF-8 form (the per-value packing names the sample)."""
-    kinds = set(map(type, values))
+    bytes; a str: its UTF-8 bytes (its length, when all are ASCII) and a header of 1, 2, 3 or 5). None
+    for any other column (`kinds`: the values' types), or a str with no UTF-8 form (the per-value
+    packing names the sample)."""
     if kinds == {float}:
         lengths = [9] * len(values)
     elif kinds == {str}:
         try:
-            sizes = [len(v.encode()) for v in values]
+            sizes = list(map(len, values)) if all(map(str.isascii, values)) else [len(v.encode()) for v in values]
         except UnicodeEncodeError:
             return None
         lengths = [n + (1 if n < 32 else 2 if n < 256 else 3 if n < 65536 else 5) for n in sizes]

@@ -181,6 +181,24 @@ def test_a_contiguous_tensor_whose_last_dimension_has_size_one_and_another_strid
     assert torch.equal(torch.stack(roundtrip(t)), t)
 
 
+@pytest.mark.parametrize("dtype", sorted(codec.DTYPES, key=str))
+def test_as_bytes_gives_a_tensors_bytes_whether_numpy_has_its_dtype_or_not(dtype):
+    """as_bytes views a tensor through numpy where numpy has the dtype, through torch's uint8 view where
+    it lacks it (bfloat16, float8): the same bytes either way, flattened, for a tensor that requires grad,
+    a transposed (1, n) and an empty one too."""
+    from dockd.codec.body import as_bytes
+
+    dt = codec.DTYPES[dtype]
+    base = (torch.arange(24, dtype=torch.float64) % 7).to(dt).reshape(4, 6)
+    cases = [base, base[1:2].t(), torch.empty(0, 3, dtype=dt)]
+    if dt.is_floating_point:
+        cases.append(base.detach().clone().requires_grad_(True))
+    for t in cases:
+        want = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        got = as_bytes(t.contiguous() if not t.requires_grad else t)
+        assert got.format == "B" and got.ndim == 1 and bytes(got) == want
+
+
 def test_decode_reply_reads_what_encode_columns_wrote_from_the_buffers_it_is_given():
     """decode_reply is the encoding's inverse over the buffers a transport hands it (key 0: the body)."""
     body = codec.Body()
