@@ -31,6 +31,7 @@ COMPILED = [
     "dockd/controller/agreement.py",
     "dockd/controller/catalog.py",
     "dockd/controller/changes.py",
+    "dockd/controller/commit_runs.py",
     "dockd/controller/checkpoint.py",
     "dockd/controller/clock.py",
     "dockd/controller/core.py",

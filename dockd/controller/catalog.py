@@ -212,12 +212,7 @@ class Catalog:
                         f"column {c!r} is already written for samples {dup[:8].tolist()} of partition "
                         f"{partition!r}; a sample's column is written once"
                     )
-        newbits = part.write(columns, bits, idx, warehouse)
-        part.nbytes[warehouse] = part.nbytes.get(warehouse, 0) + nbytes
-        for cons in part.consumers.values():
-            subs = [s for s in cons.subs.values() if s.mask & newbits]
-            if subs:
-                part.refresh(cons, idx, subs)
+        _record(part, columns, bits, idx, warehouse, nbytes)
         return idx
 
     def _for_new(self, partition: str, count: int, group_size: int) -> _Partition:
@@ -447,3 +442,49 @@ class Catalog:
             for w, n in part.nbytes.items():
                 out[w] = out.get(w, 0) + n
         return out
+
+
+def commit_run(catalog: Catalog, partition: str, columns: Sequence[str], *, warehouse: int, group_size: int,
+               counts: Sequence[int], nbytes: int, put_ids: Sequence[int], tokens: Sequence[int]) -> list[range]:
+    """A run of commits applied as one (see `dockd.controller.commit_runs`): record that `warehouse` holds
+    `columns` of new samples, `counts[k]` of them for the k-th commit
+    (put id `put_ids[k]`, writer token `tokens[k]`, 0 for none); returns each commit's indexes, which
+    follow one another. Raises, changing nothing but what a first commit alone would (a partition
+    made, a column named), when one commit of them would be refused alone."""
+    if not partition:
+        raise DockValueError("partition must be a non-empty string")
+    if not columns or len(set(columns)) != len(columns):
+        raise DockValueError(f"a put needs at least one column, each named once: got {list(columns)}")
+    total = 0
+    for n in counts:
+        if n < 1 or n % group_size:
+            raise DockValueError(f"a put of new samples needs a positive multiple of group_size={group_size} "
+                                 f"values, got {n}")
+        total += n
+    part = catalog._for_new(partition, total, group_size)
+    bits = [part.bit(c) for c in columns]
+    idx = catalog._allocate(part, total)
+    _record(part, columns, bits, idx, warehouse, nbytes)
+    out: list[range] = []
+    start = int(idx[0])
+    cols = tuple(columns)
+    for n, put_id, token in zip(counts, put_ids, tokens):
+        kept = range(start, start + n)
+        start += n
+        catalog.remember(warehouse, put_id, kept)
+        if token:
+            catalog.tokens.add(token, (partition, cols, kept))
+        out.append(kept)
+    return out
+
+
+def _record(part: _Partition, columns: Sequence[str], bits: list[int], idx: np.ndarray, warehouse: int,
+            nbytes: int) -> None:
+    """`warehouse` holds `columns` (their `bits`) of samples idx, `nbytes` more: each consumer's view of them
+    is refreshed."""
+    newbits = part.write(columns, bits, idx, warehouse)
+    part.nbytes[warehouse] = part.nbytes.get(warehouse, 0) + nbytes
+    for cons in part.consumers.values():
+        subs = [s for s in cons.subs.values() if s.mask & newbits]
+        if subs:
+            part.refresh(cons, idx, subs)

@@ -25,7 +25,7 @@ import numpy as np
 from dockd import limits
 from dockd.controller import persist, reads, selection, warehouses
 from dockd.controller import replica_map as replicas
-from dockd.controller.catalog import Catalog
+from dockd.controller.catalog import Catalog, commit_run
 from dockd.controller.lease_table import AcquireResult, Lease, LeaseTable
 from dockd.controller.partition import FEW, FREE, LEASED, LOST_WAREHOUSE, NO_WAREHOUSE, TAKEN
 from dockd.controller.rounds import Round, Rounds
@@ -82,6 +82,11 @@ class Controller:
         return self.catalog.commit(partition, columns, warehouse=warehouse, indexes=indexes, new_count=new_count,
                                    group_size=group_size, nbytes=nbytes, put_id=put_id, tags=tags, token=token,
                                    away=away)
+
+    def commit_run(self, partition: str, columns: Sequence[str], *, warehouse: int, group_size: int,
+                   counts: Sequence[int], nbytes: int, put_ids: Sequence[int], tokens: Sequence[int]) -> list[range]:
+        return commit_run(self.catalog, partition, columns, warehouse=warehouse, group_size=group_size,
+                                      counts=counts, nbytes=nbytes, put_ids=put_ids, tokens=tokens)
 
     def commit_replica(self, partition: str, columns: Sequence[str], *, warehouse: int,
                        indexes: Sequence[int] | np.ndarray, nbytes: int = 0, put_id: int = 0) -> np.ndarray:

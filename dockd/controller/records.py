@@ -7,6 +7,8 @@ Records (the first element names the kind):
     W  warehouse entry (id, host, port, unix, capacity, instance, state)
     C  commit          (partition, columns, warehouse, indexes | None, new_count, group_size, nbytes, put_id[, tags
                        [, writer token[, warehouses not answering when a put with that token was re-sent]]])
+    M  a run of commits of new samples applied as one (partition, columns, warehouse, group_size, each one's
+       new_count, their nbytes, each one's put_id, each one's writer token or 0): see controller.commit_runs
     A  replica commit  (partition, columns, warehouse, indexes, nbytes, put_id): it holds a copy (--replicas 2)
     G  lease granted   (id, partition, consumer, indexes, seconds left, token, owner session)
     B  a grant split into leases of `per` samples each (the first's id, partition, consumer, all their
@@ -119,7 +121,7 @@ class JournalError(DockError):
 _LEGACY_WALL = 1e8  # a lease time above this was written as a wall-clock deadline (older dockd)
 # records written before the request they record was applied: one the controller then refused
 # replays to the same refusal, which replay skips
-_AHEAD = frozenset("CAPDSVTXEFRYU")
+_AHEAD = frozenset("CMAPDSVTXEFRYU")
 
 
 def _deadline(core: Controller, left: float, now: float) -> float:
@@ -152,6 +154,10 @@ def _apply(core: Controller, warehouses: dict[int, dict], rec: list, now: float)
         core.commit(part, cols, warehouse=wid, indexes=None if idx is None else unpack_idx(idx), new_count=new_count,
                     group_size=gs, nbytes=nbytes, put_id=put_id, tags=unpack_tags(more[0]) if more else None,
                     token=more[1] if len(more) > 1 else 0, away=more[2] if len(more) > 2 else ())
+    elif kind == "M":
+        _, part, cols, wid, gs, counts, nbytes, put_ids, tokens = rec
+        core.commit_run(part, cols, warehouse=wid, group_size=gs, counts=counts, nbytes=nbytes, put_ids=put_ids,
+                        tokens=tokens)
     elif kind == "A":
         _, part, cols, wid, idx, nbytes, put_id = rec
         core.commit_replica(part, cols, warehouse=wid, indexes=unpack_idx(idx), nbytes=nbytes, put_id=put_id)
@@ -226,6 +232,10 @@ class RecordWriter:
             if away:
                 rec.append(sorted(away))
         self.append(rec)
+
+    def commit_run(self, partition: str, columns: list[str], warehouse: int, group_size: int, counts: list[int],
+                   nbytes: int, put_ids: list[int], tokens: list[int]) -> None:
+        self.append(["M", partition, columns, warehouse, group_size, counts, nbytes, put_ids, tokens])
 
     def replica(self, partition, columns, warehouse, indexes, nbytes, put_id) -> None:
         self.append(["A", partition, list(columns), warehouse, pack_idx(indexes), nbytes, put_id])

@@ -29,6 +29,7 @@ import numpy as np
 from dockd import limits, owners
 from dockd._proto import dockd_pb2 as pb
 from dockd._version import __version__
+from dockd.controller import commit_runs
 from dockd.controller.checkpoint import Checkpoints
 from dockd.controller.clock import Clock, Timer, Timers
 from dockd.controller.core import Controller
@@ -254,25 +255,29 @@ class ControllerService:
             self.waiting.wake(partition)
 
     def commit_batch(self, batch: pb.CommitBatch) -> pb.CommitBatchReply:
-        """Apply a warehouse's coalesced commits in order, each on its own: one that fails has its error
-        in its result; one that would wait for its partition's consumers (max_pending) is not applied and
-        says so (`wait`), and its warehouse sends it again alone. Waiting gets are tried once per
+        """Apply a warehouse's coalesced commits in order: consecutive ones of new samples to one
+        partition as one run (`commit_runs`), the others each on its own. One that fails has its error
+        in its result; one that would wait for its partition's consumers (max_pending) is not applied
+        and says so (`wait`), and its warehouse sends it again alone. Waiting gets are tried once per
         partition, after the last commit."""
         reply = pb.CommitBatchReply()
         woken: set[str] = set()
-        for req in batch.commits:
-            out = reply.results.add()
-            try:
-                self.check_owner(req.partition)
-                if self.pacer.must_wait(req) and req.put_id not in self.core.put_keys.get(req.warehouse, ()):
-                    out.wait = True
-                    continue
-                self.commit_reply(req, self.apply_commit(req, woken), out)
-            except Exception as e:  # noqa: BLE001 - this commit's answer; the others stand
-                if not isinstance(e, DockError):
-                    logger.error("[controller] commit failed partition=%s warehouse=%d", req.partition, req.warehouse,
-                                 exc_info=e)
-                to_status(e, out.status)
+        for run in commit_runs.runs(self, batch.commits):
+            if len(run) > 1 and commit_runs.apply_run(self, run, reply, woken):
+                continue
+            for req in run:
+                out = reply.results.add()
+                try:
+                    self.check_owner(req.partition)
+                    if self.pacer.must_wait(req) and req.put_id not in self.core.put_keys.get(req.warehouse, ()):
+                        out.wait = True
+                        continue
+                    self.commit_reply(req, self.apply_commit(req, woken), out)
+                except Exception as e:  # noqa: BLE001 - this commit's answer; the others stand
+                    if not isinstance(e, DockError):
+                        logger.error("[controller] commit failed partition=%s warehouse=%d", req.partition,
+                                     req.warehouse, exc_info=e)
+                    to_status(e, out.status)
         for partition in woken:
             self.waiting.wake(partition)
         return reply
