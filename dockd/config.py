@@ -26,6 +26,8 @@ ENV_VARS = {
     "DOCKD_COMMIT_BATCH": "warehouse daemons: 0 sends every commit to the controller alone, as its own message (default 1: "
                           "the commits of puts read together go as one message; 0 is the baseline of "
                           "benchmarks.commit_batch)",
+    "DOCKD_COMMITS_IN_FLIGHT": "warehouse daemons: commit messages on their way to the controller at once (default 1: "
+                               "commits made while one is unanswered go together with its answer; 0: no bound)",
     "DOCKD_RECV_POOL_BYTES": "bytes of warm receive buffers a client keeps for large socket replies (default 1 GiB)",
     "DOCKD_DEVICE_LINK_TIMEOUT": "seconds a device link's join or transfer may take before it is aborted (default 60)",
     "DOCKD_TOKEN": "the dock's token, for clients (prefer DOCKD_TOKEN_FILE)",

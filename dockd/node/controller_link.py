@@ -62,6 +62,11 @@ BATCH_BYTES = 4 << 20  # bytes of commits a batch collects before it goes (besid
 #: DOCKD_COMMIT_BATCH=0: every commit goes to the controller at once, alone (the baseline benchmarks.commit_batch
 #: measures coalescing against); unset or 1: coalesced
 COALESCE = env("DOCKD_COMMIT_BATCH", "1") != "0"
+#: Commit messages a link keeps on their way to the controller at once. While that many are unanswered, new
+#: commits wait and go together with the next answer: a window that the controller's own round trip times, so
+#: the busier the controller, the more commits each message carries, and an idle one sees no wait at all
+#: (DOCKD_COMMITS_IN_FLIGHT=0: no bound, every turn's batch goes at once).
+IN_FLIGHT = int(env("DOCKD_COMMITS_IN_FLIGHT", "1"))
 
 
 def outcome_of(reply: pb.CommitReply) -> CommitOutcome:
@@ -114,6 +119,7 @@ class ControllerLink:
         self._pending: dict[int, _Pending] = {}  # put_id -> commit waiting for its reply, in order
         self._queue: collections.deque[_Pending] = collections.deque()  # joined: not sent yet (the next batch)
         self._flush_at: asyncio.Handle | None = None
+        self._out: set[asyncio.Future] = set()  # commit messages sent by _flush, not answered yet (IN_FLIGHT)
         self._seq = 0
         self._task: asyncio.Task | None = None
         self._closing = False
@@ -286,6 +292,7 @@ class ControllerLink:
                     p.timer.cancel()
                 self._resolve(p, outcome_of(res))
             self._queue.clear()  # (every commit queued before the rejoin went with it)
+        self._out.clear()  # (what was on its way went over the connection lost)
 
     # -- commits ----------------------------------------------------------------------------------
     def commit(self, req: pb.CommitRequest, limit: float) -> asyncio.Future:
@@ -307,8 +314,7 @@ class ControllerLink:
 
     def _enqueue(self, p: _Pending) -> None:
         """Queue a commit for the batch that goes at the end of this turn of the loop, with every other
-        commit of the puts read in the same turn (the busier the warehouse, the more each batch carries;
-        a commit never waits for another)."""
+        commit of the puts read in the same turn, or (IN_FLIGHT batches unanswered) with the next answer."""
         if not COALESCE:
             self._send_alone(p)
             return
@@ -319,8 +325,11 @@ class ControllerLink:
     def _flush(self) -> None:
         """Send the queued commits as one CommitBatch (up to MAX_COMMIT_BATCH of them; one alone)."""
         self._flush_at = None
-        if not self.joined.is_set() or self.peer is None:
+        peer = self.peer
+        if not self.joined.is_set() or peer is None:
             return  # the rejoin sends them (RegisterWarehouse.pending)
+        if IN_FLIGHT and len(self._out) >= IN_FLIGHT:
+            return  # they go once one of those is answered (_sent_answered)
         out: list[_Pending] = []
         size = 0
         while self._queue and len(out) < limits.MAX_COMMIT_BATCH and size < BATCH_BYTES:
@@ -334,11 +343,25 @@ class ControllerLink:
         if len(out) < 2:
             for p in out:  # (one commit goes as it did before coalescing)
                 self._send_alone(p)
+                self._track(p.sent)
             return
-        sent = self.peer.request(pb.Frame(commits=pb.CommitBatch(commits=[p.req for p in out])))
+        sent = peer.request(pb.Frame(commits=pb.CommitBatch(commits=[p.req for p in out])))
         for slot, p in enumerate(out):
             p.sent, p.slot = sent, slot
         sent.add_done_callback(functools.partial(self._batch_answered, out))
+        self._track(sent)
+
+    def _track(self, sent: asyncio.Future | None) -> None:
+        """Count a commit message `_flush` sent among those on their way (IN_FLIGHT)."""
+        if IN_FLIGHT and sent is not None:
+            self._out.add(sent)
+            sent.add_done_callback(self._sent_answered)
+
+    def _sent_answered(self, sent: asyncio.Future) -> None:
+        """A commit message was answered (or its connection lost): the commits queued meanwhile go now."""
+        self._out.discard(sent)
+        if self._queue and self._flush_at is None:
+            self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
 
     def _batch_answered(self, out: list[_Pending], f: asyncio.Future) -> None:
         exc = f.exception() if not f.cancelled() else DockConnectionError("commit cancelled")
