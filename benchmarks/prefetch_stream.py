@@ -1,8 +1,8 @@
 """Controller CPU per trajectory in the streaming shape, with and without leases taken ahead.
 
 The shape (issue 44): a controller without a warehouse, with a state dir; 2 warehouses; rollout
-workers in 2 processes x 4 threads, each process on its own warehouse, put one trajectory at a time,
-back to back or paced (`--rate R`: R puts per second per process, the model's 80 per node); a
+workers in 2 processes x 4 threads (`--writers`), each process on its own warehouse, put one
+trajectory at a time, back to back or paced (`--rate R`: R puts per second per process, the model's 80 per node); a
 trainer process of 4 threads streams gets of up to 8 (allow_partial) under one consumer name, with
 get(prefetch=P). Each run moves N trajectories through a fresh partition; the controller's CPU
 (utime + stime) from the first put to the last get, divided by N, is its cost per trajectory (its
@@ -173,6 +173,7 @@ class Shape:
     prefetch: int
     rate: float
     partial: bool = True
+    writers: int = 4  # threads per rollout process (puts in flight per warehouse)
 
 
 def one_run(address: str, ctrl: tuple[int, int], env: dict[str, str], partition: str, shape: Shape) -> dict[str, Any]:
@@ -183,7 +184,8 @@ def one_run(address: str, ctrl: tuple[int, int], env: dict[str, str], partition:
     me = [sys.executable, str(HERE)]  # (a script, not -m: a tree's own benchmarks/ must not shadow this one)
     ctrl_pid, metrics_port = ctrl
     workers = [[*me, "trainer", address, partition, str(n), "4", str(prefetch), str(int(shape.partial))],
-               *([*me, "rollout", address, str(w), partition, str(n // 2 + (w < n % 2)), "4", str(rate)]
+               *([*me, "rollout", address, str(w), partition, str(n // 2 + (w < n % 2)),
+                  str(shape.writers), str(rate)]
                  for w in range(2))]
     procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
              for cmd in workers]
@@ -279,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", default="0", help="puts per second per rollout process, comma-separated (0: back to back)")
     p.add_argument("--whole", action="store_true",
                    help="the trainer's gets wait for 8 samples (no allow_partial); N a multiple of 8")
+    p.add_argument("--writers", type=int, default=4,
+                   help="threads per rollout process, each with one put in flight (the model's node: 8)")
     p.add_argument("--idle-seconds", type=float, default=3.0,
                    help="how long the controller's idle CPU is measured before each tree's runs")
     p.add_argument("--tree", action="append", default=[], metavar="LABEL=DIR",
@@ -293,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     rates = [float(x) for x in args.rate.split(",")]
     if args.whole and args.trajectories % 8:
         p.error(f"--whole takes gets of exactly 8: --trajectories {args.trajectories} is not a multiple of 8")
-    shapes = [Shape(args.trajectories, pf, rate, not args.whole) for rate in rates for pf in values]
+    shapes = [Shape(args.trajectories, pf, rate, not args.whole, args.writers) for rate in rates for pf in values]
     runs = []
     loads = []
     for r in range(args.rounds):
