@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 SHM_MIN_BODY = 256 << 10   # puts at least this big go through a memfd
 SHM_MIN_VALUE = 64 << 10   # runs of stored values at least this big are passed by descriptor ...
 SHM_COPY_REPLY = 256 << 10  # ... in a reply with more bytes of them than this (fewer: copied, which costs less)
+SEND_BUFFER = 1 << 20      # the daemon's send buffer per same-host connection (the kernel doubles it)
 MAX_FDS = 253              # SCM_MAX_FD
 _ANC = socket.CMSG_SPACE(MAX_FDS * 4) if hasattr(socket, "CMSG_SPACE") else 0
 MSG_CTRUNC = int(socket.MSG_CTRUNC)
@@ -302,6 +303,16 @@ def _copy_shared(columns: Sequence[pb.ColumnData], shared: Sequence[pb.DeviceBuf
 
 
 # -- the daemon's end ------------------------------------------------------------------------------
+def _widen_send_buffer(sock: socket.socket) -> None:
+    """Let a reply of SHM_COPY_REPLY bytes (and its header) go in one write: with the default send
+    buffer (net.core.wmem_default, 208 KiB here) a 256 KiB reply went in two, the second after the
+    event loop's wait for the socket to drain. The kernel caps the size at net.core.wmem_max."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+    except OSError as e:  # (a limit of the host: replies then go in more writes)
+        logger.debug("[shm] cannot widen a connection's send buffer: %s", e)
+
+
 class UnixTransport:
     """Just enough of asyncio.Transport for a Peer, over a Unix socket with descriptor passing."""
 
@@ -311,6 +322,7 @@ class UnixTransport:
         self.protocol = protocol
         self.passes_fds = True
         sock.setblocking(False)
+        _widen_send_buffer(sock)
         self._closing = False
         self._reading = True
         self._out: collections.deque[tuple[list, list]] = collections.deque()  # (buffers, fds) waiting to be written
