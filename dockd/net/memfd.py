@@ -16,19 +16,14 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import itertools
-import logging
 import mmap
 import os
-import queue
 import resource
-import threading
 import weakref
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-
-logger = logging.getLogger(__name__)
 
 HUGE = 2 << 20             # PMD size: segments are sized and mapped in its multiples
 PAGE = mmap.PAGESIZE
@@ -151,15 +146,13 @@ class _Mapped:
     __array_interface__: dict[str, Any]
 
 
-def _map(fd: int, length: int, offset: int, flags: int, readonly: bool = False, on_free=None,
-         unmap=None) -> np.ndarray:
+def _map(fd: int, length: int, offset: int, flags: int, readonly: bool = False, on_free=None) -> np.ndarray:
     """Map `length` bytes of `fd` from `offset` as a uint8 array (writable unless `readonly`).
 
     Unlike `mmap.mmap`, which keeps a duplicate of the descriptor for as long as the
     mapping lives, this holds none: a process holding thousands of mappings (a
     warehouse's segments, a trainer's zero-copy tensors) does not run out of
-    descriptors. Tensors made from the array keep it, and so the mapping, alive; when they are gone
-    `unmap` (default: at once, `_unmap`) unmaps it and runs `on_free`."""
+    descriptors. Tensors made from the array keep it, and so the mapping, alive."""
     if length == 0:
         return np.empty(0, dtype=np.uint8)
     prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
@@ -171,7 +164,7 @@ def _map(fd: int, length: int, offset: int, flags: int, readonly: bool = False, 
         _libc.madvise(addr, length, mmap.MADV_HUGEPAGE)
     owner = _Mapped()
     owner.__array_interface__ = {"data": (addr, readonly), "shape": (length,), "typestr": "|u1", "version": 3}
-    weakref.finalize(owner, unmap or _unmap, addr, length, on_free).atexit = False  # the exit unmaps; tensors may outlive finalizers
+    weakref.finalize(owner, _unmap, addr, length, on_free).atexit = False  # the exit unmaps; tensors may outlive finalizers
     return np.asarray(owner)
 
 
@@ -179,42 +172,6 @@ def _unmap(addr: int, length: int, on_free) -> None:
     _libc.munmap(addr, length)
     if on_free is not None:
         on_free()
-
-
-class _Unmapper:
-    """Unmaps on a thread of its own: the munmap of a reader's mapping of a few MB (its page tables,
-    the TLB) costs ~0.1 ms, paid by whichever thread drops the last tensor viewing it, typically the
-    consumer on its way to the next get (~8 % of a GRPO get of 64, 2 MB); here it overlaps that get.
-    The thread is started on first use in each process (a fork's child starts its own)."""
-
-    def __init__(self) -> None:
-        self._forked()
-        os.register_at_fork(after_in_child=self._forked)
-
-    def _forked(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._pid = 0
-
-    def __call__(self, addr: int, length: int, on_free) -> None:
-        if self._pid != os.getpid():
-            with self._lock:
-                if self._pid != os.getpid():
-                    threading.Thread(target=self._run, args=(self._queue,), name="dockd-unmap", daemon=True).start()
-                    self._pid = os.getpid()
-        self._queue.put((addr, length, on_free))
-
-    @staticmethod
-    def _run(q: queue.SimpleQueue) -> None:
-        while True:
-            addr, length, on_free = q.get()
-            try:
-                _unmap(addr, length, on_free)
-            except Exception:  # (on_free's failure: the mapping is gone all the same)
-                logger.exception("[shm] after unmapping a segment's mapping")
-
-
-_unmap_later = _Unmapper()
 
 
 def map_shared(fd: int, size: int, *, readonly: bool = False) -> np.ndarray:
@@ -225,12 +182,11 @@ def map_shared(fd: int, size: int, *, readonly: bool = False) -> np.ndarray:
 
 def map_private(fd: int, start: int, end: int, on_free=None) -> tuple[np.ndarray, int]:
     """Map [start, end) of a segment copy-on-write; returns (mapping, offset of start in it).
-    `on_free` runs once the mapping is gone (the last tensor viewing it was dropped; unmapped on
-    `_Unmapper`'s thread).
+    `on_free` runs once the mapping is gone (the last tensor viewing it was dropped).
 
     The mapping starts on a huge-page boundary so huge pages can be mapped whole."""
     base = start - start % (HUGE if end - start >= HUGE else PAGE)
-    return _map(fd, end - base, base, mmap.MAP_PRIVATE, on_free=on_free, unmap=_unmap_later), start - base
+    return _map(fd, end - base, base, mmap.MAP_PRIVATE, on_free=on_free), start - base
 
 
 def huge_pages_state() -> str:
