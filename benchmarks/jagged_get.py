@@ -22,9 +22,9 @@ a single-thread memcpy of one batch's bytes into warm memory, cycling through 25
 run; `columnar.memcpy_gbps`). The consumer reads each buffer as the widest integer words its size divides
 into (`read_words`, columnar's `read_all`); ``--bytewise`` reads as `read_all` did before 2026-12-05, byte by
 byte where a buffer's size is not a multiple of 8 (the figures taken that way). ``--profile CASE`` runs one more pass of CASE under cProfile in the
-client and prints its top functions.
+client and prints its top functions (by ``--sort``, default tottime).
 
-    python -m benchmarks.jagged_get [--repeats 3] [--samples 2048] [--prefetch 4] [--bytewise] [--profile get]
+    python -m benchmarks.jagged_get [--repeats 3] [--samples 2048] [--prefetch 4] [--bytewise] [--profile get [--sort cumtime]]
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def _pass(d, case: str, part: str, names: list[str], gets: int, prefetch: int) -
 
 
 def measure(*, samples: int = 2048, repeats: int = 3, prefetch: int = 4, cases=CASES,
-            profile: str | None = None) -> dict[str, Any]:
+            profile: str | None = None, sort: str = "tottime") -> dict[str, Any]:
     import dockd
 
     torch.set_num_threads(1)
@@ -165,7 +165,7 @@ def measure(*, samples: int = 2048, repeats: int = 3, prefetch: int = 4, cases=C
             _pass(d, profile, part, names, gets, prefetch)
             prof.disable()
             out = io.StringIO()
-            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+            pstats.Stats(prof, stream=out).sort_stats(sort).print_stats(30)
             res["profile"] = out.getvalue()
     memcpy = memcpy_gbps(nbytes * GRPO_BATCH // samples)
     res.update({"bytes_per_sample": nbytes / samples, "memcpy_batch_GBps": memcpy, "loadavg": loads,
@@ -186,13 +186,14 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, default=4)
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--profile", choices=CASES, default=None)
+    ap.add_argument("--sort", default="tottime", help="--profile's order (a pstats key: tottime, cumtime)")
     ap.add_argument("--bytewise", action="store_true",
                     help="read as benchmarks.columnar does (byte by byte where a buffer's size is not a multiple of 8)")
     a = ap.parse_args()
     if a.bytewise:
         READ[0] = read_bytewise
     res = measure(samples=a.samples, repeats=a.repeats, prefetch=a.prefetch, cases=a.cases.split(","),
-                  profile=a.profile)
+                  profile=a.profile, sort=a.sort)
     prof = res.pop("profile", None)
     print(json.dumps(res, indent=1))
     if prof:
