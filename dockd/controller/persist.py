@@ -73,8 +73,9 @@ def snapshot(cat: Catalog, leases: Iterable[Lease], lease_timeout: float, wall_o
         # (a lease split from one grant names the others: see LeaseTable.split)
         "leases": [[l.id, l.partition, l.consumer, l.indexes.tobytes(), l.deadline + wall_offset, l.token, l.owner,
                     *([list(l.rest)] if l.rest else [])] for l in leases],
-        "put_keys": [[w, [[k, [v.start, v.stop] if isinstance(v, range) else indexes_of(v).tobytes()]
-                          for k, v in keys.items()]] for w, keys in cat.put_keys.items()],
+        "put_keys": [[w, [[k, _kept_out(v)] for k, v in keys.items()]] for w, keys in cat.put_keys.items()],
+        # (writer tokens: a put re-sent to another warehouse after a restart is still applied once)
+        "tokens": [[tok, part, list(cols), _kept_out(v)] for tok, (part, cols, v) in cat.tokens.items()],
     }
 
 
@@ -92,7 +93,18 @@ def restore(cat: Catalog, grant: Callable[..., Lease], snap: dict, *, wall_offse
     for w, keys in snap["put_keys"]:  # (a commit of new samples as its range; older snapshots: every index)
         kept = cat.put_keys[w] = Recent(PUT_KEYS_KEPT, PUT_KEYS_CELLS)
         for k, v in keys:
-            kept.add(k, range(*v) if isinstance(v, list) else np.frombuffer(v, dtype=np.int64).copy())
+            kept.add(k, _kept_in(v))
+    for tok, part, cols, v in snap.get("tokens", ()):  # (older snapshots kept none)
+        cat.tokens.add(tok, (part, tuple(cols), _kept_in(v)))
+
+
+def _kept_out(v: np.ndarray | range) -> list[int] | bytes:
+    """Remembered indexes (`catalog.kept_as`) as a snapshot holds them: a range as [start, stop]."""
+    return [v.start, v.stop] if isinstance(v, range) else indexes_of(v).tobytes()
+
+
+def _kept_in(v: list[int] | bytes) -> np.ndarray | range:
+    return range(v[0], v[1]) if isinstance(v, list) else np.frombuffer(v, dtype=np.int64).copy()
 
 
 def check_version(snap: dict) -> None:

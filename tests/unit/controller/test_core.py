@@ -439,3 +439,17 @@ def test_the_few_sample_paths_do_what_the_array_paths_do(monkeypatch, seed):
     monkeypatch.setattr(cmod, "FEW", -1)
     monkeypatch.setattr(emod, "FEW", -1)
     assert _few_paths_run(seed) == fast
+
+
+def test_writer_tokens_survive_a_snapshot_so_a_put_re_sent_after_a_restart_is_applied_once():
+    """A put's writer re-sends it with its token to another warehouse when the first went away after
+    its commit: the controller answers it with the first attempt's indexes. The snapshot a restarted
+    controller starts from kept no tokens, so such a re-send made new samples beside the first ones."""
+    c = Controller()
+    first = c.commit("p", ["x"], warehouse=1, new_count=3, token=77)
+    c.commit("p", ["y"], warehouse=1, indexes=[0, 1], token=78)  # (explicit indexes: kept as they are)
+    back = Controller.restore(c.snapshot(0.0), wall_offset=0.0)
+    assert back.catalog.tokens.get(77) == ("p", ("x",), range(0, 3))
+    assert back.catalog.tokens.get(78)[2].tolist() == [0, 1]
+    again = back.commit("p", ["x"], warehouse=2, new_count=3, token=77)
+    assert again.tolist() == first.tolist() and back.partitions["p"].size == 3
