@@ -86,7 +86,7 @@ class Controller:
     def commit_run(self, partition: str, columns: Sequence[str], *, warehouse: int, group_size: int,
                    counts: Sequence[int], nbytes: int, put_ids: Sequence[int], tokens: Sequence[int]) -> list[range]:
         return commit_run(self.catalog, partition, columns, warehouse=warehouse, group_size=group_size,
-                                      counts=counts, nbytes=nbytes, put_ids=put_ids, tokens=tokens)
+                          counts=counts, nbytes=nbytes, put_ids=put_ids, tokens=tokens)
 
     def commit_replica(self, partition: str, columns: Sequence[str], *, warehouse: int,
                        indexes: Sequence[int] | np.ndarray, nbytes: int = 0, put_id: int = 0) -> np.ndarray:

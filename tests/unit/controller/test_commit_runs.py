@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from dockd._proto import dockd_pb2 as pb
+from dockd.controller import core as core_mod
 from dockd.controller.core import Controller
 from dockd.controller.records import read
 from dockd.controller.service import ControllerService
@@ -108,6 +111,26 @@ def test_a_commit_that_cannot_join_a_run_cuts_it_and_each_answer_stays_its_own()
         assert _indexes(out) == [[2], [0], [3, 4], [0, 2], [5], [6]]
         assert out.results[1].stored
         assert all(r.status.code == pb.OK for r in out.results)
+        svc.shutdown()
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(not (core_mod.__file__ or "").endswith(".py"), reason="patches the core, compiled here")
+def test_a_fault_in_a_run_answers_each_of_its_commits_with_it_and_the_batch_goes_on(monkeypatch, caplog):
+    async def main():
+        svc, wid = _service()
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(svc.core, "commit_run", broken)
+        out = svc.commit_batch(pb.CommitBatch(commits=[
+            _new(wid, 1, 1), _new(wid, 1, 2), pb.CommitRequest(partition="q", columns=["x"], new_count=2,
+                                                               warehouse=wid, put_id=3)]))
+        assert [r.status.code != pb.OK for r in out.results] == [True, True, False]
+        assert "a bug" in out.results[0].status.message and list(out.results[2].indexes) == [0, 1]
+        assert "a run of 2 commits failed" in caplog.text
         svc.shutdown()
 
     asyncio.run(main())
