@@ -102,6 +102,18 @@ def env_float(name: str, default: float) -> float:
         raise DockValueError(f"environment variable {name}={raw!r} is not a number") from None
 
 
+def commits_in_flight() -> int:
+    """Commit messages a link keeps on their way to the controller at once (DOCKD_COMMITS_IN_FLIGHT, default
+    1). While that many are unanswered, new commits wait and go together with the next answer: a window that
+    the controller's own round trip times, so the busier the controller, the more commits each message
+    carries, and an idle one sees no wait at all. 0: no bound, every turn's batch goes at once."""
+    n = env_float("DOCKD_COMMITS_IN_FLIGHT", 1)
+    if not 0 <= n < 1e6 or n != int(n):  # (NaN and inf fail the first)
+        raise DockValueError(f"DOCKD_COMMITS_IN_FLIGHT={n:g}: give a whole number of commit messages, 1 or more "
+                             "(0: no bound)")
+    return int(n)
+
+
 #: What a client's `transport` setting may be (dockd.net.transport): tried in order under "auto".
 CLIENT_TRANSPORTS = ("auto", "tcp", "mooncake")
 #: How a daemon serves remote readers (`dockd serve --transport`, dockd.net.mooncake).
@@ -257,6 +269,8 @@ class NodeConfig:
         return [a.strip() for a in self.join.split(",") if a.strip()]
 
     def __post_init__(self) -> None:
+        if self.warehouse and self.join:
+            commits_in_flight()  # (checked at start: the warehouse's links read it when they are made)
         if self.transport not in SERVE_TRANSPORTS:
             raise DockValueError(f"--transport {self.transport!r}: use one of {', '.join(SERVE_TRANSPORTS)}")
         if self.transport == "mooncake" and not self.shm:

@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 from dockd import limits
 from dockd._proto import dockd_pb2 as pb
-from dockd.config import env
+from dockd.config import commits_in_flight, env
 from dockd.errors import (
     DockAuthError,
     DockConfigError,
@@ -62,11 +62,7 @@ BATCH_BYTES = 4 << 20  # bytes of commits a batch collects before it goes (besid
 #: DOCKD_COMMIT_BATCH=0: every commit goes to the controller at once, alone (the baseline benchmarks.commit_batch
 #: measures coalescing against); unset or 1: coalesced
 COALESCE = env("DOCKD_COMMIT_BATCH", "1") != "0"
-#: Commit messages a link keeps on their way to the controller at once. While that many are unanswered, new
-#: commits wait and go together with the next answer: a window that the controller's own round trip times, so
-#: the busier the controller, the more commits each message carries, and an idle one sees no wait at all
-#: (DOCKD_COMMITS_IN_FLIGHT=0: no bound, every turn's batch goes at once).
-IN_FLIGHT = int(env("DOCKD_COMMITS_IN_FLIGHT", "1"))
+
 
 
 def outcome_of(reply: pb.CommitReply) -> CommitOutcome:
@@ -119,7 +115,8 @@ class ControllerLink:
         self._pending: dict[int, _Pending] = {}  # put_id -> commit waiting for its reply, in order
         self._queue: collections.deque[_Pending] = collections.deque()  # joined: not sent yet (the next batch)
         self._flush_at: asyncio.Handle | None = None
-        self._out: set[asyncio.Future] = set()  # commit messages sent by _flush, not answered yet (IN_FLIGHT)
+        self.in_flight = commits_in_flight()  # (read at start: a bad value stops the daemon there, with its name)
+        self._out: set[asyncio.Future] = set()  # commit messages sent by _flush, not answered yet (in_flight)
         self._seq = 0
         self._task: asyncio.Task | None = None
         self._closing = False
@@ -314,7 +311,7 @@ class ControllerLink:
 
     def _enqueue(self, p: _Pending) -> None:
         """Queue a commit for the batch that goes at the end of this turn of the loop, with every other
-        commit of the puts read in the same turn, or (IN_FLIGHT batches unanswered) with the next answer."""
+        commit of the puts read in the same turn, or (in_flight batches unanswered) with the next answer."""
         if not COALESCE:
             self._send_alone(p)
             return
@@ -328,7 +325,7 @@ class ControllerLink:
         peer = self.peer
         if not self.joined.is_set() or peer is None:
             return  # the rejoin sends them (RegisterWarehouse.pending)
-        if IN_FLIGHT and len(self._out) >= IN_FLIGHT:
+        if self.in_flight and len(self._out) >= self.in_flight:
             return  # they go once one of those is answered (_sent_answered)
         out: list[_Pending] = []
         size = 0
@@ -352,8 +349,8 @@ class ControllerLink:
         self._track(sent)
 
     def _track(self, sent: asyncio.Future | None) -> None:
-        """Count a commit message `_flush` sent among those on their way (IN_FLIGHT)."""
-        if IN_FLIGHT and sent is not None:
+        """Count a commit message `_flush` sent among those on their way (in_flight)."""
+        if self.in_flight and sent is not None:
             self._out.add(sent)
             sent.add_done_callback(self._sent_answered)
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from dockd._proto import dockd_pb2 as pb
-from dockd.errors import DockConnectionError
-from dockd.node import controller_link
+from dockd.config import commits_in_flight
+from dockd.errors import DockConnectionError, DockValueError
 from dockd.node.controller_link import ControllerLink
 
 
@@ -58,11 +60,10 @@ async def _turn() -> None:
         await asyncio.sleep(0)
 
 
-def test_commits_made_while_one_is_unanswered_go_together_once_it_is_answered(monkeypatch):
-    monkeypatch.setattr(controller_link, "IN_FLIGHT", 1)
-
+def test_commits_made_while_one_is_unanswered_go_together_once_it_is_answered():
     async def main():
         link, wire = _link()
+        assert link.in_flight == 1  # (the default)
         a = _commit(link, 1)
         await _turn()
         assert [wire.commits_of(k) for k in range(len(wire.sent))] == [[1]]  # (an idle controller: at once)
@@ -82,9 +83,7 @@ def test_commits_made_while_one_is_unanswered_go_together_once_it_is_answered(mo
     asyncio.run(main())
 
 
-def test_a_lost_connection_frees_the_window_and_without_a_bound_each_turn_goes_at_once(monkeypatch):
-    monkeypatch.setattr(controller_link, "IN_FLIGHT", 1)
-
+def test_a_lost_connection_frees_the_window_and_without_a_bound_each_turn_goes_at_once():
     async def main():
         link, wire = _link()
         _commit(link, 1)
@@ -93,7 +92,7 @@ def test_a_lost_connection_frees_the_window_and_without_a_bound_each_turn_goes_a
         b = _commit(link, 2)
         await _turn()
         assert len(wire.sent) == 2 and wire.commits_of(1) == [2] and not b.done()
-        monkeypatch.setattr(controller_link, "IN_FLIGHT", 0)
+        link.in_flight = 0  # (DOCKD_COMMITS_IN_FLIGHT=0)
         _commit(link, 3)
         await _turn()
         _commit(link, 4)
@@ -101,3 +100,21 @@ def test_a_lost_connection_frees_the_window_and_without_a_bound_each_turn_goes_a
         assert [wire.commits_of(k) for k in range(len(wire.sent))] == [[1], [2], [3], [4]]
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("raw", ["-1", "1.5", "nan", "inf", "two"])
+def test_a_bad_bound_is_refused_naming_the_variable(monkeypatch, raw):
+    monkeypatch.setenv("DOCKD_COMMITS_IN_FLIGHT", raw)
+    with pytest.raises(DockValueError, match="DOCKD_COMMITS_IN_FLIGHT"):
+        commits_in_flight()
+    monkeypatch.setenv("DOCKD_COMMITS_IN_FLIGHT", "4")
+    assert commits_in_flight() == 4
+
+
+def test_a_warehouse_given_a_bad_bound_is_refused_at_start(monkeypatch):
+    from dockd.config import NodeConfig
+
+    monkeypatch.setenv("DOCKD_COMMITS_IN_FLIGHT", "-1")
+    with pytest.raises(DockValueError, match="DOCKD_COMMITS_IN_FLIGHT=-1"):
+        NodeConfig(join="127.0.0.1:7450")
+    NodeConfig(controller=True)  # (a controller's own warehouse commits by a call: it has no link to bound)
