@@ -30,6 +30,7 @@ from setuptools.command.build_ext import build_ext
 COMPILED = [
     "dockd/controller/agreement.py",
     "dockd/controller/catalog.py",
+    "dockd/controller/catalog_runs.py",
     "dockd/controller/changes.py",
     "dockd/controller/commit_runs.py",
     "dockd/controller/checkpoint.py",

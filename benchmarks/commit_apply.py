@@ -1,10 +1,11 @@
 """What applying a warehouse's batch of commits costs the controller, per commit, in process.
 
-    python -m benchmarks.commit_apply [--commits 20000] [--batch 1,2,4,8,64] [--rounds 3] [--no-state-dir]
+    python -m benchmarks.commit_apply [--commits 20000] [--batch 1,2,4,8,64] [--rounds 3] [--no-state-dir] [--writes]
 
 A `ControllerService` with a state dir (its journal written as a daemon's is), one registered warehouse,
 and N commits of one trajectory each (two columns, a writer token, a put id) fed as `CommitBatch`es of B
-(B = 1: `commit`, as a warehouse sends a lone commit). No socket, no parse of the wire: the CPU of the
+(B = 1: `commit`, as a warehouse sends a lone commit). `--writes`: N samples are put first, then the N
+commits each write a column of one of them (`indexes=`: a reward written after its trajectory). No socket, no parse of the wire: the CPU of the
 service's own work per commit, the part that applying consecutive commits as runs
 (`dockd/controller/commit_runs.py`) changes. Each batch size gets a fresh service per round; the best
 round is kept (a shared VM's figures are noisy). Run it from two checkouts (PYTHONPATH) to compare.
@@ -18,7 +19,7 @@ import tempfile
 import time
 
 
-def per_commit_us(n: int, batch: int, state_dir: bool) -> float:
+def per_commit_us(n: int, batch: int, state_dir: bool, writes: bool = False) -> float:
     """CPU microseconds per commit for `n` commits fed `batch` at a time."""
     from dockd._proto import dockd_pb2 as pb
     from dockd.controller.core import Controller
@@ -43,9 +44,14 @@ def per_commit_us(n: int, batch: int, state_dir: bool) -> float:
             svc.start()
             wid = svc.register(_Link(), pb.RegisterWarehouse(host="10.0.0.9", port=7000, capacity=1 << 30,
                                                              instance=77)).id
-            reqs = [pb.CommitRequest(partition="p", columns=["tokens", "reward"], new_count=1, warehouse=wid,
-                                     nbytes=1100, put_id=i + 1, token=(i + 1) * 7919, has_timeout=True, timeout=30.0)
-                    for i in range(n)]
+            if writes:
+                svc.commit(pb.CommitRequest(partition="p", columns=["tokens"], new_count=n, warehouse=wid, put_id=n + 1))
+                reqs = [pb.CommitRequest(partition="p", columns=["reward"], indexes=[i], warehouse=wid, nbytes=8,
+                                         put_id=i + 1, token=(i + 1) * 7919) for i in range(n)]
+            else:
+                reqs = [pb.CommitRequest(partition="p", columns=["tokens", "reward"], new_count=1, warehouse=wid,
+                                         nbytes=1100, put_id=i + 1, token=(i + 1) * 7919, has_timeout=True,
+                                         timeout=30.0) for i in range(n)]
             batches = [pb.CommitBatch(commits=reqs[i:i + batch]) for i in range(0, n, batch)]
             t = time.process_time()
             for b in batches:
@@ -54,7 +60,8 @@ def per_commit_us(n: int, batch: int, state_dir: bool) -> float:
                 else:
                     svc.commit_batch(b)
             dt = time.process_time() - t
-            assert svc.core.partitions["p"].size == n
+            part = svc.core.partitions["p"]
+            assert part.size == n and bool((part.ready[:n] == part.ready[0]).all())  # (every commit applied)
             svc.shutdown()
             return dt / n * 1e6
 
@@ -67,14 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", default="1,2,4,8,64", help="commits per batch, comma-separated")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-state-dir", action="store_true", help="no journal (a controller without --state-dir)")
+    p.add_argument("--writes", action="store_true", help="commits of a column of existing samples (indexes=)")
     args = p.parse_args(argv)
     import dockd
 
     sizes = [int(x) for x in args.batch.split(",")]
-    print(f"dockd from {dockd.__file__}; {args.commits} commits; state dir: {not args.no_state_dir}")
+    print(f"dockd from {dockd.__file__}; {args.commits} commits of {'a column of one existing sample' if args.writes else 'one new sample'}; "
+          f"state dir: {not args.no_state_dir}")
     print("| commits per batch | CPU us per commit (best of rounds) | rounds |\n|---|---|---|")
     for b in sizes:
-        got = [per_commit_us(args.commits, b, not args.no_state_dir) for _ in range(args.rounds)]
+        got = [per_commit_us(args.commits, b, not args.no_state_dir, args.writes) for _ in range(args.rounds)]
         print(f"| {b} | {min(got):.1f} | {', '.join(f'{x:.1f}' for x in got)} |")
     return 0
 

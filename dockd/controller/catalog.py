@@ -187,32 +187,10 @@ class Catalog:
             bits = [part.bit(c) for c in columns]
             idx = self._allocate(part, new_count)
         else:
-            if part is None:
-                raise DockNotFound(f"partition {partition!r} does not exist; put new samples first (without indexes)")
+            part = existing(part, partition)
             idx = np.asarray(indexes, dtype=np.int64).reshape(-1)
-            if len(idx) == 0:
-                raise DockValueError("indexes is empty")
-            bad = idx[(idx < 0) | (idx >= part.size)]
-            if len(bad):
-                raise DockNotFound(
-                    f"sample indexes {bad[:8].tolist()} do not exist in partition {partition!r} "
-                    f"(it holds indexes 0..{part.size - 1})"
-                )
-            if len(np.unique(idx)) != len(idx):
-                raise DockValueError("indexes contain duplicates; each sample can appear once per put")
-            if part.deleted:
-                gone = idx[part.gone[idx]]
-                if len(gone):
-                    raise DockNotFound(f"samples {gone[:8].tolist()} of partition {partition!r} were deleted")
-            bits = [part.bit(c) for c in columns]
-            for c, b in zip(columns, bits):
-                dup = idx[(part.ready[idx] >> np.uint64(b)) & np.uint64(1) == 1]
-                if len(dup):
-                    raise DockValueError(
-                        f"column {c!r} is already written for samples {dup[:8].tolist()} of partition "
-                        f"{partition!r}; a sample's column is written once"
-                    )
-        _record(part, columns, bits, idx, warehouse, nbytes)
+            bits = unwritten(part, partition, columns, idx)
+        record(part, columns, bits, idx, warehouse, nbytes)
         return idx
 
     def _for_new(self, partition: str, count: int, group_size: int) -> _Partition:
@@ -444,41 +422,42 @@ class Catalog:
         return out
 
 
-def commit_run(catalog: Catalog, partition: str, columns: Sequence[str], *, warehouse: int, group_size: int,
-               counts: Sequence[int], nbytes: int, put_ids: Sequence[int], tokens: Sequence[int]) -> list[range]:
-    """A run of commits applied as one (see `dockd.controller.commit_runs`): record that `warehouse` holds
-    `columns` of new samples, `counts[k]` of them for the k-th commit
-    (put id `put_ids[k]`, writer token `tokens[k]`, 0 for none); returns each commit's indexes, which
-    follow one another. Raises, changing nothing but what a first commit alone would (a partition
-    made, a column named), when one commit of them would be refused alone."""
-    if not partition:
-        raise DockValueError("partition must be a non-empty string")
-    if not columns or len(set(columns)) != len(columns):
-        raise DockValueError(f"a put needs at least one column, each named once: got {list(columns)}")
-    total = 0
-    for n in counts:
-        if n < 1 or n % group_size:
-            raise DockValueError(f"a put of new samples needs a positive multiple of group_size={group_size} "
-                                 f"values, got {n}")
-        total += n
-    part = catalog._for_new(partition, total, group_size)
+def existing(part: _Partition | None, partition: str) -> _Partition:
+    """The partition a write of existing samples' columns goes to."""
+    if part is None:
+        raise DockNotFound(f"partition {partition!r} does not exist; put new samples first (without indexes)")
+    return part
+
+
+def unwritten(part: _Partition, partition: str, columns: Sequence[str], idx: np.ndarray) -> list[int]:
+    """The bits of `columns` in `part`, once samples idx are checked to exist (not deleted), each once, with
+    none of those columns written yet."""
+    if len(idx) == 0:
+        raise DockValueError("indexes is empty")
+    bad = idx[(idx < 0) | (idx >= part.size)]
+    if len(bad):
+        raise DockNotFound(
+            f"sample indexes {bad[:8].tolist()} do not exist in partition {partition!r} "
+            f"(it holds indexes 0..{part.size - 1})"
+        )
+    if len(np.unique(idx)) != len(idx):
+        raise DockValueError("indexes contain duplicates; each sample can appear once per put")
+    if part.deleted:
+        gone = idx[part.gone[idx]]
+        if len(gone):
+            raise DockNotFound(f"samples {gone[:8].tolist()} of partition {partition!r} were deleted")
     bits = [part.bit(c) for c in columns]
-    idx = catalog._allocate(part, total)
-    _record(part, columns, bits, idx, warehouse, nbytes)
-    out: list[range] = []
-    start = int(idx[0])
-    cols = tuple(columns)
-    for n, put_id, token in zip(counts, put_ids, tokens):
-        kept = range(start, start + n)
-        start += n
-        catalog.remember(warehouse, put_id, kept)
-        if token:
-            catalog.tokens.add(token, (partition, cols, kept))
-        out.append(kept)
-    return out
+    for c, b in zip(columns, bits):
+        dup = idx[(part.ready[idx] >> np.uint64(b)) & np.uint64(1) == 1]
+        if len(dup):
+            raise DockValueError(
+                f"column {c!r} is already written for samples {dup[:8].tolist()} of partition "
+                f"{partition!r}; a sample's column is written once"
+            )
+    return bits
 
 
-def _record(part: _Partition, columns: Sequence[str], bits: list[int], idx: np.ndarray, warehouse: int,
+def record(part: _Partition, columns: Sequence[str], bits: list[int], idx: np.ndarray, warehouse: int,
             nbytes: int) -> None:
     """`warehouse` holds `columns` (their `bits`) of samples idx, `nbytes` more: each consumer's view of them
     is refreshed."""

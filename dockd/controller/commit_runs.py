@@ -1,14 +1,15 @@
-"""Commits applied as runs: consecutive commits of a warehouse's batch (`CommitBatch`) that add new
-samples to one partition, with the same columns and group size, are applied as one. A run costs
-one allocation, one write per column, one eligibility refresh per consumer and one journal record
-(`RecordWriter.commit_run`; the change itself is `catalog.commit_run`) whatever its length; only
-remembering each put id and writer token (for re-sends) stays per commit. Each commit still gets
-its own indexes and its own answer, in batch order, as if applied alone.
+"""Commits applied as runs: consecutive commits of a warehouse's batch (`CommitBatch`) to one partition,
+with the same columns, that add new samples (of one group size) or write columns of existing samples
+(`indexes=`), are applied as one. A run costs one allocation (new samples), one check of its indexes
+(existing ones), one write per column, one eligibility refresh per consumer and one journal record
+(`M` or `I`; the change itself is `catalog_runs`) whatever its length; only remembering each put id
+and writer token (for re-sends) stays per commit. Each commit still gets its own indexes and its own
+answer, in batch order, as if applied alone.
 
-A commit goes into a run only when applying it alone could not come out differently: new samples
-(no explicit indexes, tags or replica), its put id not applied before and its writer token not seen
-(a re-send is answered from what was recorded), its partition not pacing puts (`max_pending`) and
-not being loaded from a checkpoint. A run that is refused as a whole (the dock full, the partition
+A commit goes into a run only when applying it alone could not come out differently: no tags or
+replica, its put id not applied before and its writer token not seen (a re-send is answered from
+what was recorded), its partition not being loaded from a checkpoint, and for new samples not
+pacing puts (`max_pending`). Two commits of one run that name the same sample refuse the run. A run that is refused as a whole (the dock full, the partition
 sealed, a bad group size, the journal unable to take it) is applied again commit by commit, so each
 commit gets the answer it would have got alone (some may fit where all together did not).
 """
@@ -18,6 +19,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from typing import Protocol
+
+import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.checkpoint import Checkpoints
@@ -49,12 +52,13 @@ class _Service(Protocol):
 
 def runs(svc: _Service, commits: Sequence[pb.CommitRequest]) -> list[list[pb.CommitRequest]]:
     """A batch's `commits` cut into runs, in order: consecutive commits that may go into a run (`_plain`)
-    and share partition, columns, group size and warehouse go together; any other is a run of one."""
+    and share partition, columns, warehouse and kind (new samples of one group size, or columns of
+    existing samples) go together; any other is a run of one."""
     out: list[list[pb.CommitRequest]] = []
     key: tuple | None = None
     for req in commits:
         if _plain(svc, req):
-            k = (req.partition, tuple(req.columns), req.group_size or 1, req.warehouse)
+            k = (req.partition, tuple(req.columns), -1 if req.indexes else req.group_size or 1, req.warehouse)
             if k == key:
                 out[-1].append(req)
                 continue
@@ -67,15 +71,21 @@ def runs(svc: _Service, commits: Sequence[pb.CommitRequest]) -> list[list[pb.Com
 
 def _plain(svc: _Service, req: pb.CommitRequest) -> bool:
     """Whether applying `req` in a run cannot come out differently from applying it alone."""
-    if req.indexes or req.replica or req.tags or req.new_count < 1 or req.partition in svc.checkpoints.loading:
+    if req.replica or req.tags or req.partition in svc.checkpoints.loading:
         return False
+    if req.indexes:  # (columns of existing samples: never paced)
+        if req.new_count:
+            return False
+    elif req.new_count < 1:
+        return False
+    else:
+        part = svc.core.partitions.get(req.partition)
+        if (part is not None and part.max_pending) or req.partition in svc.pacer.paced:
+            return False
     core = svc.core
     if req.put_id and req.put_id in core.put_keys.get(req.warehouse, ()):
         return False
-    if req.token and req.token in core.catalog.tokens:
-        return False
-    part = core.partitions.get(req.partition)
-    return (part is None or not part.max_pending) and req.partition not in svc.pacer.paced
+    return not (req.token and req.token in core.catalog.tokens)
 
 
 def apply_run(svc: _Service, run: list[pb.CommitRequest], reply: pb.CommitBatchReply,
@@ -88,20 +98,31 @@ def apply_run(svc: _Service, run: list[pb.CommitRequest], reply: pb.CommitBatchR
     entry = svc.members.get(wid)
     if entry is None or not entry.alive:
         return False
-    counts = [r.new_count for r in run]
     put_ids = [r.put_id for r in run]
     tokens = [r.token for r in run]
     nbytes = sum(r.nbytes for r in run)
     columns = list(first.columns)
     journal = svc.journal
+    outcomes: list[CommitOutcome]
     try:
         svc.check_owner(partition)
         with ahead(journal):
             if journal is not None:
                 journal.room()
-                journal.commit_run(partition, columns, wid, gs, counts, nbytes, put_ids, tokens)
-            kept = svc.core.commit_run(partition, columns, warehouse=wid, group_size=gs, counts=counts,
-                                       nbytes=nbytes, put_ids=put_ids, tokens=tokens)
+            if first.indexes:
+                written = [np.asarray(r.indexes, dtype=np.int64) for r in run]
+                if journal is not None:
+                    journal.write_run(partition, columns, wid, written, nbytes, put_ids, tokens)
+                svc.core.write_run(partition, columns, warehouse=wid, indexes=written, nbytes=nbytes,
+                                   put_ids=put_ids, tokens=tokens)
+                outcomes = [CommitOutcome(ix) for ix in written]
+            else:
+                counts = [r.new_count for r in run]
+                if journal is not None:
+                    journal.commit_run(partition, columns, wid, gs, counts, nbytes, put_ids, tokens)
+                outcomes = [CommitOutcome(ix) for ix in svc.core.commit_run(
+                    partition, columns, warehouse=wid, group_size=gs, counts=counts, nbytes=nbytes, put_ids=put_ids,
+                    tokens=tokens)]
     except DockError:
         return False
     except Exception as e:  # noqa: BLE001 - a fault: each commit of the run is answered with it, the batch goes on
@@ -112,6 +133,6 @@ def apply_run(svc: _Service, run: list[pb.CommitRequest], reply: pb.CommitBatchR
         return True
     if partition in svc.waiting.by_partition:
         woken.add(partition)
-    for req, idx in zip(run, kept):
-        svc.commit_reply(req, CommitOutcome(idx), reply.results.add())
+    for req, res in zip(run, outcomes):
+        svc.commit_reply(req, res, reply.results.add())
     return True

@@ -25,7 +25,8 @@ import numpy as np
 from dockd import limits
 from dockd.controller import persist, reads, selection, warehouses
 from dockd.controller import replica_map as replicas
-from dockd.controller.catalog import Catalog, commit_run
+from dockd.controller.catalog import Catalog
+from dockd.controller.catalog_runs import commit_run, write_run
 from dockd.controller.lease_table import AcquireResult, Lease, LeaseTable
 from dockd.controller.partition import FEW, FREE, LEASED, LOST_WAREHOUSE, NO_WAREHOUSE, TAKEN
 from dockd.controller.rounds import Round, Rounds
@@ -87,6 +88,11 @@ class Controller:
                    counts: Sequence[int], nbytes: int, put_ids: Sequence[int], tokens: Sequence[int]) -> list[range]:
         return commit_run(self.catalog, partition, columns, warehouse=warehouse, group_size=group_size,
                           counts=counts, nbytes=nbytes, put_ids=put_ids, tokens=tokens)
+
+    def write_run(self, partition: str, columns: Sequence[str], *, warehouse: int, indexes: Sequence[np.ndarray],
+                  nbytes: int, put_ids: Sequence[int], tokens: Sequence[int]) -> None:
+        write_run(self.catalog, partition, columns, warehouse=warehouse, indexes=indexes, nbytes=nbytes,
+                  put_ids=put_ids, tokens=tokens)
 
     def commit_replica(self, partition: str, columns: Sequence[str], *, warehouse: int,
                        indexes: Sequence[int] | np.ndarray, nbytes: int = 0, put_id: int = 0) -> np.ndarray:

@@ -9,6 +9,8 @@ Records (the first element names the kind):
                        [, writer token[, warehouses not answering when a put with that token was re-sent]]])
     M  a run of commits of new samples applied as one (partition, columns, warehouse, group_size, each one's
        new_count, their nbytes, each one's put_id, each one's writer token or 0): see controller.commit_runs
+    I  a run of commits of columns of existing samples applied as one (partition, columns, warehouse, each
+       one's indexes, their nbytes, each one's put_id, each one's writer token or 0)
     A  replica commit  (partition, columns, warehouse, indexes, nbytes, put_id): it holds a copy (--replicas 2)
     G  lease granted   (id, partition, consumer, indexes, seconds left, token, owner session)
     B  a grant split into leases of `per` samples each (the first's id, partition, consumer, all their
@@ -121,7 +123,7 @@ class JournalError(DockError):
 _LEGACY_WALL = 1e8  # a lease time above this was written as a wall-clock deadline (older dockd)
 # records written before the request they record was applied: one the controller then refused
 # replays to the same refusal, which replay skips
-_AHEAD = frozenset("CMAPDSVTXEFRYU")
+_AHEAD = frozenset("CMIAPDSVTXEFRYU")
 
 
 def _deadline(core: Controller, left: float, now: float) -> float:
@@ -158,6 +160,10 @@ def _apply(core: Controller, warehouses: dict[int, dict], rec: list, now: float)
         _, part, cols, wid, gs, counts, nbytes, put_ids, tokens = rec
         core.commit_run(part, cols, warehouse=wid, group_size=gs, counts=counts, nbytes=nbytes, put_ids=put_ids,
                         tokens=tokens)
+    elif kind == "I":
+        _, part, cols, wid, idxs, nbytes, put_ids, tokens = rec
+        core.write_run(part, cols, warehouse=wid, indexes=[unpack_idx(x) for x in idxs], nbytes=nbytes,
+                       put_ids=put_ids, tokens=tokens)
     elif kind == "A":
         _, part, cols, wid, idx, nbytes, put_id = rec
         core.commit_replica(part, cols, warehouse=wid, indexes=unpack_idx(idx), nbytes=nbytes, put_id=put_id)
@@ -236,6 +242,10 @@ class RecordWriter:
     def commit_run(self, partition: str, columns: list[str], warehouse: int, group_size: int, counts: list[int],
                    nbytes: int, put_ids: list[int], tokens: list[int]) -> None:
         self.append(["M", partition, columns, warehouse, group_size, counts, nbytes, put_ids, tokens])
+
+    def write_run(self, partition: str, columns: list[str], warehouse: int, indexes: list, nbytes: int,
+                  put_ids: list[int], tokens: list[int]) -> None:
+        self.append(["I", partition, columns, warehouse, [pack_idx(ix) for ix in indexes], nbytes, put_ids, tokens])
 
     def replica(self, partition, columns, warehouse, indexes, nbytes, put_id) -> None:
         self.append(["A", partition, list(columns), warehouse, pack_idx(indexes), nbytes, put_id])

@@ -134,3 +134,41 @@ def test_a_fault_in_a_run_answers_each_of_its_commits_with_it_and_the_batch_goes
         svc.shutdown()
 
     asyncio.run(main())
+
+
+def _write(wid: int, indexes: list[int], put_id: int, column: str = "r", **kw) -> pb.CommitRequest:
+    return pb.CommitRequest(partition="p", columns=[column], indexes=indexes, warehouse=wid, nbytes=4 * len(indexes),
+                            put_id=put_id, **kw)
+
+
+def test_column_writes_of_existing_samples_go_as_a_run_and_one_naming_a_sample_twice_refuses_it(tmp_path):
+    """Commits of `indexes=` puts (a reward written later for samples put before) go as one run (`I`):
+    each answered with its own indexes, replayed to the same state; two that name one sample, or one
+    naming a sample that does not exist, refuse the run, and alone each gets what it would have got."""
+    state = tmp_path / "state"
+
+    async def main():
+        svc, wid = _service(str(state))
+        svc.commit(pb.CommitRequest(partition="p", columns=["x"], new_count=8, warehouse=wid, put_id=1))
+        out = svc.commit_batch(pb.CommitBatch(commits=[
+            _write(wid, [0, 1], 2, token=11), _write(wid, [5], 3), _write(wid, [2, 3], 4)]))
+        assert _indexes(out) == [[0, 1], [5], [2, 3]] and all(r.status.code == pb.OK for r in out.results)
+        assert [r[0] for r in _records(state)].count("I") == 1
+        twice = svc.commit_batch(pb.CommitBatch(commits=[_write(wid, [4, 6], 5), _write(wid, [6, 7], 6),
+                                                         _write(wid, [9], 7)]))
+        assert _indexes(twice)[0] == [4, 6] and twice.results[0].status.code == pb.OK
+        assert "already written" in twice.results[1].status.message
+        assert "do not exist" in twice.results[2].status.message
+        again = svc.commit_batch(pb.CommitBatch(commits=[_write(wid, [0, 1], 2, token=11), _write(wid, [5], 3)]))
+        assert _indexes(again) == [[0, 1], [5]]  # (re-sent: answered again, not refused as written twice)
+        bit = 1 << svc.core.partitions["p"].columns["r"]
+        written = [i for i in range(8) if svc.core.partitions["p"].ready[i] & bit]
+        assert written == [0, 1, 2, 3, 4, 5, 6]
+        svc.shutdown()
+        for _ in range(2):  # replayed from the journal, then from the snapshot the replay left
+            core = _restarted(state)
+            part = core.partitions["p"]
+            assert [i for i in range(8) if part.ready[i] & bit] == written
+            assert core.catalog.recall(wid, 3).tolist() == [5]
+
+    asyncio.run(main())

@@ -1,0 +1,67 @@
+"""The catalog's side of commits applied as runs (`dockd.controller.commit_runs` cuts a warehouse's batch
+into runs and journals them): a run of commits of new samples (`commit_run`), or of columns of existing
+samples (`write_run`), changes the catalog once, as its commits applied one by one would."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from dockd.controller.catalog import Catalog, existing, record, unwritten
+from dockd.errors import DockValueError
+
+
+def commit_run(catalog: Catalog, partition: str, columns: Sequence[str], *, warehouse: int, group_size: int,
+               counts: Sequence[int], nbytes: int, put_ids: Sequence[int], tokens: Sequence[int]) -> list[range]:
+    """A run of commits applied as one (see `dockd.controller.commit_runs`): record that `warehouse` holds
+    `columns` of new samples, `counts[k]` of them for the k-th commit
+    (put id `put_ids[k]`, writer token `tokens[k]`, 0 for none); returns each commit's indexes, which
+    follow one another. Raises, changing nothing but what a first commit alone would (a partition
+    made, a column named), when one commit of them would be refused alone."""
+    if not partition:
+        raise DockValueError("partition must be a non-empty string")
+    if not columns or len(set(columns)) != len(columns):
+        raise DockValueError(f"a put needs at least one column, each named once: got {list(columns)}")
+    total = 0
+    for n in counts:
+        if n < 1 or n % group_size:
+            raise DockValueError(f"a put of new samples needs a positive multiple of group_size={group_size} "
+                                 f"values, got {n}")
+        total += n
+    part = catalog._for_new(partition, total, group_size)
+    bits = [part.bit(c) for c in columns]
+    idx = catalog._allocate(part, total)
+    record(part, columns, bits, idx, warehouse, nbytes)
+    out: list[range] = []
+    start = int(idx[0])
+    cols = tuple(columns)
+    for n, put_id, token in zip(counts, put_ids, tokens):
+        kept = range(start, start + n)
+        start += n
+        catalog.remember(warehouse, put_id, kept)
+        if token:
+            catalog.tokens.add(token, (partition, cols, kept))
+        out.append(kept)
+    return out
+
+
+def write_run(catalog: Catalog, partition: str, columns: Sequence[str], *, warehouse: int,
+              indexes: Sequence[np.ndarray], nbytes: int, put_ids: Sequence[int], tokens: Sequence[int]) -> None:
+    """A run of commits of columns of existing samples applied as one (see `dockd.controller.commit_runs`):
+    the k-th wrote `columns` of samples `indexes[k]` (put id `put_ids[k]`, writer token `tokens[k]`).
+    Raises, changing nothing but the columns named, when one of them would be refused alone, or when
+    two of them name the same sample (alone, the second would be refused)."""
+    if not partition:
+        raise DockValueError("partition must be a non-empty string")
+    if not columns or len(set(columns)) != len(columns):
+        raise DockValueError(f"a put needs at least one column, each named once: got {list(columns)}")
+    idx = np.concatenate(indexes) if len(indexes) > 1 else indexes[0]
+    part = existing(catalog.partitions.get(partition), partition)
+    bits = unwritten(part, partition, columns, idx)
+    record(part, columns, bits, idx, warehouse, nbytes)
+    cols = tuple(columns)
+    for ix, put_id, token in zip(indexes, put_ids, tokens):
+        catalog.remember(warehouse, put_id, ix)
+        if token:
+            catalog.tokens.add(token, (partition, cols, ix))
