@@ -1,6 +1,8 @@
-"""A put checked before the warehouse stores it: its header (`check_put`, the one place a put is
-validated) and its runs against the bytes they describe (`check_columns`: the one check of a put's
-columns), made by the put pipeline (`dockd.warehouse.put`)."""
+"""A put checked before the warehouse stores it, in two passes made by the put pipeline
+(`dockd.warehouse.put`): its header before any room is spent on it (`check_put`: names, counts,
+indexes and every run's shape against its byte count), then, once its bytes are in, the runs against
+the bytes they point into (`check_body`: each run within its body or device buffer, msgpack values
+that decode). `check_columns` makes both for columns alone (a weights put)."""
 
 from __future__ import annotations
 
@@ -14,21 +16,12 @@ from dockd.codec import ITEMSIZE
 from dockd.errors import DockProtocolError, DockValueError
 
 
-def check_put(req: pb.PutRequest, body_size: int | None = None, device_sizes: Sequence[int] | None = None) -> int:
-    """Check a put's header (and its runs against the body, when its size is known); the
-    number of samples. The one place a put is validated."""
+def check_put(req: pb.PutRequest) -> int:
+    """Check a put's header (everything but where its runs lie in bytes yet to arrive); the number
+    of samples. The one place a put's header is validated."""
     if not req.partition:
         raise DockValueError("partition must be a non-empty string")
-    if body_size is None:  # before the body is in: only the shape of the request
-        if not req.columns:
-            raise DockValueError("a put needs at least one column")
-        counts = {c.name: sum(r.count for r in c.runs[:]) for c in req.columns[:]}
-        n: int = next(iter(counts.values()))
-        if n == 0 or any(v != n for v in counts.values()):
-            raise DockValueError(f"every column needs the same positive number of values, got {counts}")
-    else:
-        n = check_columns(req.columns, body_size,
-                          [d.nbytes for d in req.device_buffers] if device_sizes is None else device_sizes)
+    n = _check_runs(req.columns, len(req.device_buffers))
     if req.indexes:
         if len(req.indexes) != n:
             raise DockValueError(f"{len(req.indexes)} indexes given for {n} values per column")
@@ -46,41 +39,77 @@ def check_put(req: pb.PutRequest, body_size: int | None = None, device_sizes: Se
     return n
 
 
+def check_body(columns: Sequence[pb.ColumnData], body, body_size: int, device_sizes: Sequence[int] = ()) -> None:
+    """The runs of columns whose shapes were checked (`check_put`) against the bytes they point into:
+    each lies within the body (`body_size` bytes) or its device buffer (sizes `device_sizes`), and every
+    msgpack run in the body holds `count` whole msgpack values of the lengths it gives (checked once,
+    when stored, so that readers never meet a value they cannot decode)."""
+    mv = None
+    for c in columns[:]:  # ([:]: a list, see dockd.net.wire)
+        for run in c.runs[:]:
+            end = run.offset + run.nbytes
+            if run.device_buffer:
+                if run.device_buffer > len(device_sizes):
+                    raise DockProtocolError(f"a run in device buffer {run.device_buffer} of {len(device_sizes)}")
+                _within(run, end, device_sizes[run.device_buffer - 1])
+                continue
+            _within(run, end, body_size)
+            if run.kind == pb.MSGPACK:
+                if mv is None:  # (a bodiless put's runs hold 0 bytes)
+                    mv = memoryview(body if body is not None else b"").cast("B")
+                _check_msgpack(c.name, run, mv[run.offset:end])
+
+
 def check_columns(columns: Sequence[pb.ColumnData], body_size: int, device_sizes: Sequence[int] = ()) -> int:
     """Validate columns against the body (or device buffers, sizes `device_sizes`) they point
-    into; returns the number of samples.
+    into, their msgpack values not decoded; returns the number of samples.
 
     Raises DockValueError for a request that is wrong, DockProtocolError for runs that
     do not describe their bytes."""
+    n = _check_runs(columns, len(device_sizes))
+    for c in columns[:]:
+        for run in c.runs[:]:
+            _within(run, run.offset + run.nbytes,
+                    device_sizes[run.device_buffer - 1] if run.device_buffer else body_size)
+    return n
+
+
+def _within(run: pb.Run, end: int, size: int) -> None:
+    if end > size:
+        raise DockProtocolError(f"a run at offset {run.offset} with {run.nbytes} bytes runs past the {size}-byte "
+                                f"{'device buffer' if run.device_buffer else 'body'}")
+
+
+def _check_runs(columns: Sequence[pb.ColumnData], device_buffers: int) -> int:
+    """Columns' names and runs (each run's shape against its byte count, in a device buffer of the
+    `device_buffers` a put names, or in its body); the number of values each column holds."""
     if not columns:
         raise DockValueError("a put needs at least one column")
     columns = columns[:]  # (a list: see dockd.net.wire)
     names = [c.name for c in columns]
     if len(set(names)) != len(names) or not all(names):
         raise DockValueError(f"column names must be non-empty and distinct, got {names}")
-    counts = {}
+    counts = []
     for c in columns:
         n = 0
         for run in c.runs[:]:
             if run.device_buffer:
-                if run.device_buffer > len(device_sizes):
-                    raise DockProtocolError(f"a run in device buffer {run.device_buffer} of {len(device_sizes)}")
+                if run.device_buffer > device_buffers:
+                    raise DockProtocolError(f"a run in device buffer {run.device_buffer} of {device_buffers}")
                 if run.segment:
                     raise DockProtocolError("a run is either in a device buffer or in a segment")
-                check_run(run, device_sizes[run.device_buffer - 1])
-            else:
-                check_run(run, body_size)
+            check_run(run)
             n += run.count
-        counts[c.name] = n
-    n = next(iter(counts.values()))
-    if n == 0 or any(v != n for v in counts.values()):
-        raise DockValueError(f"every column needs the same positive number of values, got {counts}")
+        counts.append(n)
+    n = counts[0]
+    if n == 0 or counts.count(n) != len(counts):
+        got = dict(zip(names, counts))
+        raise DockValueError(f"every column needs the same positive number of values, got {got}")
     return n
 
 
-def check_run(run: pb.Run, body_size: int) -> None:
-    if run.offset + run.nbytes > body_size:
-        raise DockProtocolError(f"a run at offset {run.offset} with {run.nbytes} bytes runs past the {body_size}-byte body")
+def check_run(run: pb.Run) -> None:
+    """A run's kind, dtype and shape against its byte count (not yet where its bytes lie)."""
     if run.kind == pb.MSGPACK:
         if len(run.lengths) != run.count or sum(run.lengths[:]) != run.nbytes:  # ([:]: a list, see dockd.net.wire)
             raise DockProtocolError(f"a msgpack run of {run.count} values does not add up to its {run.nbytes} bytes")
@@ -104,24 +133,19 @@ def check_run(run: pb.Run, body_size: int) -> None:
         raise DockProtocolError(f"a run of {run.count} x {shape} {run.dtype} does not match its {run.nbytes} bytes")
 
 
-def check_msgpack(columns: Sequence[pb.ColumnData], body) -> None:
-    """Every msgpack run of a put holds `count` whole msgpack values of the lengths it gives
-    (checked once, when stored, so that readers never meet a value they cannot decode)."""
-    mv = memoryview(body).cast("B") if body is not None else None
-    for c in columns[:]:
-        for run in c.runs[:]:
-            if run.kind != pb.MSGPACK or run.device_buffer:
-                continue
-            assert mv is not None  # (a run not in a device buffer is in the body)
-            unpacker = msgpack.Unpacker(max_buffer_size=max(run.nbytes, 1))
-            unpacker.feed(mv[run.offset : run.offset + run.nbytes])
-            try:
-                for n in run.lengths[:]:
-                    start = unpacker.tell()
-                    unpacker.skip()
-                    if unpacker.tell() - start != n:
-                        raise ValueError(f"a value of {unpacker.tell() - start} bytes where the run says {n}")
-            except Exception as e:  # msgpack raises ValueError, StackError, OutOfData, ...
-                raise DockValueError(f"column {c.name!r} holds a value that is not valid msgpack "
-                                     f"({type(e).__name__}: {e}); values of Python objects are encoded by "
-                                     "dockd's client") from None
+def _check_msgpack(column: str, run: pb.Run, data: memoryview) -> None:
+    """A msgpack run's bytes hold `count` whole values of the lengths it gives."""
+    unpacker = msgpack.Unpacker(max_buffer_size=max(run.nbytes, 1))
+    unpacker.feed(data)
+    skip, tell = unpacker.skip, unpacker.tell
+    end = 0
+    try:
+        for n in run.lengths[:]:
+            skip()
+            end += n
+            if tell() != end:
+                raise ValueError(f"a value of {tell() - end + n} bytes where the run says {n}")
+    except Exception as e:  # msgpack raises ValueError, StackError, OutOfData, ...
+        raise DockValueError(f"column {column!r} holds a value that is not valid msgpack "
+                             f"({type(e).__name__}: {e}); values of Python objects are encoded by "
+                             "dockd's client") from None

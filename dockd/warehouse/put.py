@@ -265,11 +265,11 @@ class PutPipeline:
         self.committer.commit(commit, put.frame.put.timeout, put.peer, functools.partial(self._land, put))
 
     def _validate(self, req: pb.PutRequest, buf, size: int, dev: list, held: bool = False) -> None:
-        """The put against its bytes, once they are all ours: its runs fit the body and device copies,
-        its msgpack values decode, and (explicit indexes) its columns are unwritten here (a replica
-        of values `held` here already is committed, not stored again)."""
-        runcheck.check_put(req, size, [int(t.numel()) for t in dev])
-        runcheck.check_msgpack(req.columns, buf)
+        """The put against its bytes, once they are all ours (its header was checked at admission): its
+        runs fit the body and device copies, its msgpack values decode, and (explicit indexes) its
+        columns are unwritten here (a replica of values `held` here already is committed, not stored
+        again)."""
+        runcheck.check_body(req.columns, buf, size, [int(t.numel()) for t in dev])
         if req.indexes and not held:
             self.warehouse.check_absent(req.partition, req.indexes, (c.name for c in req.columns[:]))
 
