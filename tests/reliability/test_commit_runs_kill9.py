@@ -1,9 +1,10 @@
 """Commits applied as runs (`dockd/controller/commit_runs.py`), under SIGKILLs of the controller: eight
-writer threads put one sample each, as fast as they can, to one warehouse, so its link carries several
-commits per message and the controller applies them as runs, journaled as one record each (`M`); the
-controller (with a state dir, no warehouse of its own) is SIGKILLed and started again four times meanwhile.
-Every acknowledged put must come out exactly once with its own value; a put that raised may come out
-once or not at all; nothing else comes. Real `dockd serve` processes on loopback."""
+writer threads put one sample each, then write a second column of it by index, as fast as they can, to
+one warehouse, so its link carries several commits per message and the controller applies them as runs,
+journaled as one record each (`M` for new samples, `I` for column writes); the controller (with a state
+dir, no warehouse of its own) is SIGKILLed and started again four times meanwhile. Every acknowledged put
+and column write must come out exactly once with its own value; one that raised may come out once or not
+at all; nothing else comes. Real `dockd serve` processes on loopback."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def test_every_acknowledged_put_comes_out_once_while_runs_of_commits_meet_contro
     wh, _ = _spawn(["--join", address, "--capacity", "1GiB", "--port", "0"], log)
     acked: dict[int, int] = {}  # id -> index
     raised: set[int] = set()
+    written: set[int] = set()  # ids whose column "r" was written (acknowledged)
     lock = threading.Lock()
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -70,6 +72,13 @@ def test_every_acknowledged_put_comes_out_once_while_runs_of_commits_meet_contro
                         continue
                     with lock:
                         acked[i] = idx[0]
+                    try:
+                        d.put({"r": [torch.tensor([float(-i)], dtype=torch.float64)]}, partition=PARTITION,
+                              indexes=idx, timeout=60)
+                    except dockd.DockError:
+                        continue
+                    with lock:
+                        written.add(i)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -87,9 +96,9 @@ def test_every_acknowledged_put_comes_out_once_while_runs_of_commits_meet_contro
             t.join(120)
         assert not errors, errors
         assert not any(t.is_alive() for t in threads)
-        runs = [rec for name in sorted(os.listdir(state)) if name.startswith("journal-")
-                for rec, _ in read(tmp_path / "state" / name) if rec[0] == "M"]
-        assert runs, "no run of commits was journaled: the writers never put two commits in one message"
+        kinds = [rec[0] for name in sorted(os.listdir(state)) if name.startswith("journal-")
+                 for rec, _ in read(tmp_path / "state" / name)]
+        assert "M" in kinds and "I" in kinds, "no run of commits of each kind was journaled after the last restart"
         got: dict[int, int] = {}
         with dockd.connect(address) as d:
             while True:  # (until nothing more comes: a put that raised may have come too)
@@ -104,6 +113,18 @@ def test_every_acknowledged_put_comes_out_once_while_runs_of_commits_meet_contro
                     got[k] = index
         missing = sorted(set(acked) - set(got))
         assert not missing, f"{len(missing)} acknowledged ids never came: {missing[:8]}"
+        rewards: set[int] = set()
+        with dockd.connect(address) as d:  # (another consumer: the samples whose column r was written)
+            while True:
+                try:
+                    b = d.get("check-r", ["id", "r"], 512, partition=PARTITION, allow_partial=True,
+                              timeout=2 if len(rewards) >= len(written) else 30)
+                except dockd.DockTimeout:
+                    break
+                for k, r in zip(b["id"], b["r"]):
+                    assert k not in rewards and float(r[0]) == -k, f"id {k}: column r twice, or another value"
+                    rewards.add(k)
+        assert written <= rewards <= set(acked), (len(written), len(rewards))
         assert {k: got[k] for k in acked} == acked  # each acknowledged id, at the index its put was told
         assert set(got) <= set(acked) | raised
     finally:
