@@ -374,11 +374,13 @@ class PutPipeline:
             self.data_dir.give_back(put.room)
 
     def _answer(self, put: _Put, out: list[int], lent: bool = False) -> None:
-        req = put.frame.put
-        self.tokens.done(req.token, out)
-        self.metrics.put(put.peer.passes_fds, len(out), put.size + put.dev_bytes)
-        put.peer.reply(put.frame, pb.Frame(put_reply=pb.PutReply(indexes=out, spilled_bytes=put.spilled,
-                                                                 staging_lent=lent)))
+        """Answer the put, then (in the same turn: nothing runs in between) its re-sends and the metrics."""
+        try:
+            put.peer.reply(put.frame, pb.Frame(put_reply=pb.PutReply(indexes=out, spilled_bytes=put.spilled,
+                                                                     staging_lent=lent)))
+        finally:
+            self.tokens.done(put.frame.put.token, out)
+            self.metrics.put(put.peer.passes_fds, len(out), put.size + put.dev_bytes)
 
     def _fail(self, put: _Put, exc: BaseException) -> None:
         if not isinstance(exc, (DockError, ValueError, TypeError)):
