@@ -61,6 +61,36 @@ CHALLENGE_GRACE_S = 1.0
 connection, what it is (a dockd daemon sends its challenge at once; an HTTP server waits for a request)."""
 
 
+class ReplyWaits:
+    """How long a connection spins for a reply, learnt from how long its replies took, by kind of
+    request: a bit more than the kind's typical wait (SPIN_MARGIN times it, and SPIN_SLACK_S), within
+    `cap` (the transport's `spin_s`); not at all for a kind whose replies typically take longer than
+    `cap` (a large put, a get that waits for data): there a spin only takes the CPU from the daemon
+    it waits for, and the call sleeps in poll at once. A kind not seen yet spins `cap`."""
+
+    SPIN_MARGIN = 1.5
+    SPIN_SLACK_S = 30e-6
+    WEIGHT = 0.25  # of each new wait in the moving average
+
+    def __init__(self, cap: float) -> None:
+        self.cap = cap
+        self._typical: dict[str | None, float] = {}
+
+    def spin(self, kind: str | None) -> float:
+        """Seconds to spin for the reply to a request of `kind`."""
+        typical = self._typical.get(kind)
+        if typical is None:
+            return self.cap
+        return 0.0 if typical > self.cap else min(self.cap, typical * self.SPIN_MARGIN + self.SPIN_SLACK_S)
+
+    def waited(self, kind: str | None, seconds: float) -> None:
+        """A reply to a request of `kind` started to arrive `seconds` after it was sent. Each wait
+        counts as at most 4 x cap, so one long wait stops the spin for a few calls at most."""
+        seconds = min(max(seconds, 0.0), 4 * self.cap)
+        typical = self._typical.get(kind)
+        self._typical[kind] = seconds if typical is None else typical + (seconds - typical) * self.WEIGHT
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Credentials:
     """What a client proves when it connects (see dockd.net.auth)."""
@@ -103,6 +133,9 @@ class Connection:
         self._buf = bytearray(_SCRATCH)
         self._mv = memoryview(self._buf)
         self._lo = self._hi = 0
+        self._spin = self.via.spin_s  # seconds the wait for the next frame's first bytes spins
+        self._waits = ReplyWaits(self.via.spin_s)
+        self._reply_at = 0.0  # when the first bytes of the frame being read arrived
         self._next_id = 1
         self.broken = False
         self.closed = False
@@ -275,12 +308,16 @@ class Connection:
         self._enter()
         self.busy = True
         started = time.monotonic()
+        kind = frame.WhichOneof("kind")
         try:
             self._alive, self._wait = (alive, timeout) if timeout is not None else (None, None)
             self.send(frame, buffers, body_size, fds)
-            self._deadline = None if timeout is None else time.monotonic() + timeout
+            sent = self._reply_at = time.monotonic()
+            self._deadline = None if timeout is None else sent + timeout
             self._stall = stall if timeout is not None else None
+            self._spin = self._waits.spin(kind)
             reply, body, got = self._read_frame()
+            self._waits.waited(kind, self._reply_at - sent)
         except TimeoutError:
             self.broken = True
             probed = " nor a probe (stopped, hung or overloaded?)" if self._alive is not None else ""
@@ -339,7 +376,10 @@ class Connection:
             new[:live] = self._mv[self._lo : self._hi]
             self._buf, self._mv, self._lo, self._hi = new, memoryview(new), 0, live
         while self._hi - self._lo < n:
-            got = self._recv_into(self._mv[self._hi :], self.via.spin_s if self._hi == self._lo else 0.0)
+            first = self._hi == self._lo
+            got = self._recv_into(self._mv[self._hi :], self._spin if first else 0.0)
+            if first:
+                self._reply_at = time.monotonic()
             if got == 0:
                 self.broken = True
                 if self.closed:
