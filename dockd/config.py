@@ -22,7 +22,9 @@ ENV_VARS = {
     "DOCKD_TRANSPORT": "'auto' (default: shared memory to same-host daemons, Mooncake where the warehouse runs its "
                        "engine and the package is installed, TCP otherwise), 'tcp', or 'mooncake' (required: reads "
                        "from a warehouse that cannot use it raise)",
-    "DOCKD_SPIN_US": "microseconds a same-host client call polls for its reply before sleeping (default 200; 0: never)",
+    "DOCKD_SPIN_US": "the most microseconds a same-host client call polls for its reply before sleeping; it polls about "
+                     "1.5x as long as that kind of request's replies take, and not at all where they take longer "
+                     "(default 1000; 0: never)",
     "DOCKD_COMMIT_BATCH": "warehouse daemons: 0 sends every commit to the controller alone, as its own message (default 1: "
                           "the commits of puts read together go as one message; 0 is the baseline of "
                           "benchmarks.commit_batch)",
@@ -136,7 +138,7 @@ class ClientConfig:
     reconnect_timeout: float = 30.0
     fetch_timeout: float = 60.0
     transport: str = "auto"
-    spin_s: float = 200e-6
+    spin_s: float = 1e-3
     recv_pool_bytes: int = 1 << 30
     device_link_timeout: float = 60.0
     tls: str = ""
@@ -153,7 +155,7 @@ class ClientConfig:
             reconnect_timeout=env_float("DOCKD_RECONNECT_TIMEOUT", 30.0),
             fetch_timeout=env_float("DOCKD_FETCH_TIMEOUT", 60.0),
             transport=transport,
-            spin_s=env_float("DOCKD_SPIN_US", 200.0) / 1e6,
+            spin_s=env_float("DOCKD_SPIN_US", 1000.0) / 1e6,
             recv_pool_bytes=int(env_float("DOCKD_RECV_POOL_BYTES", float(1 << 30))),
             device_link_timeout=env_float("DOCKD_DEVICE_LINK_TIMEOUT", 60.0),
             tls=env("DOCKD_TLS_CA"),

@@ -32,7 +32,7 @@ Contract (what an implementation provides; see `Transport` for signatures):
   what one that sent other bytes is (TCP asks a gRPC port whether it is a dockd daemon's admin port).
 - `recv_into(sock, mv, fds)`: read what has arrived (non-blocking: raise
   BlockingIOError when nothing has), appending any passed descriptors to `fds`.
-  `spin_s`: seconds a call polls for a reply before sleeping.
+  `spin_s`: the most seconds a call polls for a reply before sleeping (the connection adapts within it).
 - `put_request(put)`: the `Request` that sends one put (its `pb.PutRequest` and
   encoded body); its answer is the reply frame. `put.kept` columns are accelerator
   memory exported by handle: a transport that cannot share device memory with
