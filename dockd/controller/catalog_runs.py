@@ -19,10 +19,7 @@ def commit_run(catalog: Catalog, partition: str, columns: Sequence[str], *, ware
     (put id `put_ids[k]`, writer token `tokens[k]`, 0 for none); returns each commit's indexes, which
     follow one another. Raises, changing nothing but what a first commit alone would (a partition
     made, a column named), when one commit of them would be refused alone."""
-    if not partition:
-        raise DockValueError("partition must be a non-empty string")
-    if not columns or len(set(columns)) != len(columns):
-        raise DockValueError(f"a put needs at least one column, each named once: got {list(columns)}")
+    _check_names(partition, columns)
     total = 0
     for n in counts:
         if n < 1 or n % group_size:
@@ -52,10 +49,7 @@ def write_run(catalog: Catalog, partition: str, columns: Sequence[str], *, wareh
     the k-th wrote `columns` of samples `indexes[k]` (put id `put_ids[k]`, writer token `tokens[k]`).
     Raises, changing nothing but the columns named, when one of them would be refused alone, or when
     two of them name the same sample (alone, the second would be refused)."""
-    if not partition:
-        raise DockValueError("partition must be a non-empty string")
-    if not columns or len(set(columns)) != len(columns):
-        raise DockValueError(f"a put needs at least one column, each named once: got {list(columns)}")
+    _check_names(partition, columns)
     idx = np.concatenate(indexes) if len(indexes) > 1 else indexes[0]
     part = existing(catalog.partitions.get(partition), partition)
     bits = unwritten(part, partition, columns, idx)
@@ -65,3 +59,11 @@ def write_run(catalog: Catalog, partition: str, columns: Sequence[str], *, wareh
         catalog.remember(warehouse, put_id, ix)
         if token:
             catalog.tokens.add(token, (partition, cols, ix))
+
+
+def _check_names(partition: str, columns: Sequence[str]) -> None:
+    """What a commit alone checks first (a run refused here is applied commit by commit, each with its error)."""
+    if not partition:
+        raise DockValueError("partition must be a non-empty string")
+    if not columns or len(set(columns)) != len(columns):
+        raise DockValueError(f"a put needs at least one column, each named once: got {list(columns)}")

@@ -73,16 +73,16 @@ def _plain(svc: _Service, req: pb.CommitRequest) -> bool:
     """Whether applying `req` in a run cannot come out differently from applying it alone."""
     if req.replica or req.tags or req.partition in svc.checkpoints.loading:
         return False
+    core = svc.core
     if req.indexes:  # (columns of existing samples: never paced)
         if req.new_count:
             return False
     elif req.new_count < 1:
         return False
     else:
-        part = svc.core.partitions.get(req.partition)
+        part = core.partitions.get(req.partition)
         if (part is not None and part.max_pending) or req.partition in svc.pacer.paced:
             return False
-    core = svc.core
     if req.put_id and req.put_id in core.put_keys.get(req.warehouse, ()):
         return False
     return not (req.token and req.token in core.catalog.tokens)
