@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from dockd import limits
-from dockd.controller import persist, reads, selection, warehouses
+from dockd.controller import blocks, persist, reads, selection, warehouses
 from dockd.controller import replica_map as replicas
 from dockd.controller.catalog import Catalog
 from dockd.controller.catalog_runs import commit_run, write_run
@@ -53,6 +53,7 @@ class Controller:
         self.catalog = Catalog(max_samples)
         self.book = LeaseTable(lease_ids)
         self.ranks = Rounds(self.catalog, self.book, self)
+        self.blocks = blocks.Blocks()  # blocks of new indexes granted to warehouses (--commit-window)
         # the parts' state, by the names the service, the journal and the tests know it by
         self.partitions = self.catalog.partitions
         self.dead_warehouses = self.catalog.dead_warehouses
@@ -116,6 +117,15 @@ class Controller:
 
     def seal(self, partition: str) -> None:
         self.catalog.seal(partition)
+
+    def grant_block(self, partition: str, owner: int, count: int, group_size: int,
+                    block_id: int = 0) -> blocks.Block:
+        """Reserve `count` new samples as a block of indexes owned by warehouse `owner` (see `blocks`)."""
+        return blocks.grant(self.catalog, self.blocks, partition, owner, count, group_size, block_id)
+
+    def drop_blocks(self, ids: Sequence[int]) -> tuple[list[blocks.Block], int]:
+        """Drop blocks, deleting their samples no column was written for (see `blocks.drop`)."""
+        return blocks.drop(self.catalog, self.blocks, ids)
 
     def set_tags(self, partition: str, indexes: Sequence[int] | np.ndarray, tags: Mapping[str, Sequence[int]]) -> None:
         self.catalog.set_tags(partition, indexes, tags)
@@ -372,6 +382,7 @@ class Controller:
         """Forget a partition; returns how many samples it held."""
         part = self.catalog.forget(partition)
         self.ranks.forget_partition(partition)
+        self.blocks.forget_partition(partition)
         for lease in [l for l in self.leases.values() if l.partition == partition]:
             self.book.forget(lease)
         return part.size
@@ -396,7 +407,9 @@ class Controller:
     def snapshot(self, wall_offset: float) -> dict:
         """Everything needed to rebuild this controller. Lease deadlines are stored on the
         wall clock (`deadline + wall_offset`) so another process can restore them."""
-        return persist.snapshot(self.catalog, self.leases.values(), self.lease_timeout, wall_offset)
+        snap = persist.snapshot(self.catalog, self.leases.values(), self.lease_timeout, wall_offset)
+        snap["blocks"] = self.blocks.export()
+        return snap
 
     @classmethod
     def restore(cls, snap: dict, *, wall_offset: float, lease_timeout: float | None = None) -> Controller:
@@ -404,6 +417,7 @@ class Controller:
         persist.check_version(snap)
         c = cls(lease_timeout=lease_timeout or snap["lease_timeout"])
         persist.restore(c.catalog, c.grant, snap, wall_offset=wall_offset)
+        c.blocks.load(snap.get("blocks"))  # (older snapshots: none)
         return c
 
     def export_partition(self, partition: str) -> dict:

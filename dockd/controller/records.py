@@ -30,6 +30,9 @@ Records (the first element names the kind):
     K  partition loaded from a checkpoint (partition, its exported metadata)
     Y  the trainer's policy version set (partition, version)
     U  consumer dropped (partition, consumer): its progress and leases forgotten
+    N  a block of new indexes granted (id, partition, owner warehouse, start, count, group_size): its samples
+       reserved and the block registered, in one record (see controller.blocks)
+    H  blocks dropped (ids): their samples with no column written deleted (holes), the blocks forgotten
 
 A rank-aware get's shares are journaled as plain leases (G) when a round is
 split; the lease holding a round before its split, and which rank holds which
@@ -123,7 +126,7 @@ class JournalError(DockError):
 _LEGACY_WALL = 1e8  # a lease time above this was written as a wall-clock deadline (older dockd)
 # records written before the request they record was applied: one the controller then refused
 # replays to the same refusal, which replay skips
-_AHEAD = frozenset("CMIAPDSVTXEFRYU")
+_AHEAD = frozenset("CMIAPDSVTXEFRYUN")
 
 
 def _deadline(core: Controller, left: float, now: float) -> float:
@@ -178,6 +181,11 @@ def _apply(core: Controller, warehouses: dict[int, dict], rec: list, now: float)
         core.seal(rec[1])
     elif kind == "V":
         core.reserve(rec[1], rec[2], group_size=rec[3])
+    elif kind == "N":
+        _, bid, part, owner, _start, count, gs = rec  # (replayed in order, the reserve starts there again)
+        core.grant_block(part, owner, count, gs, bid)
+    elif kind == "H":
+        core.drop_blocks(rec[1])
     elif kind == "K":
         core.catalog.adopt(import_partition(rec[2]))  # (exported under its name, rec[1])
     elif kind == "T":
@@ -268,6 +276,13 @@ class RecordWriter:
 
     def reserve(self, partition: str, count: int, group_size: int) -> None:
         self.append(["V", partition, count, group_size])
+
+    def block(self, block_id: int, partition: str, owner: int, start: int, count: int, group_size: int) -> None:
+        self.append(["N", block_id, partition, owner, start, count, group_size])
+
+    def blocks_dropped(self, ids: list[int]) -> None:
+        """Blocks dropped (their unwritten samples deleted): a decision already applied."""
+        self.append(["H", ids], applied=True)
 
     def loaded(self, partition: str, exported: dict) -> None:
         self.append(["K", partition, exported])

@@ -1,0 +1,160 @@
+"""Blocks of new sample indexes granted to warehouses (`--commit-window`): the registry and what the
+catalog does for them. Pure: no journal, no sockets (`block_service` is the controller's side on the wire).
+
+A warehouse whose puts are answered before their commit takes their indexes from a block the
+partition's controller granted it: `count` new samples reserved (no column written), owned by that
+warehouse. A put's commit then writes columns of some of them (`CommitRequest.block`): valid only
+from the block's owner and inside the block. Block ids grow and are never reused, across restarts
+too (`Blocks.next_id` goes into snapshots; a replayed grant moves it past its id).
+
+A block is dropped when its partition is cleared or sealed (a seal takes the blocks back from their
+owners first), when its owner leaves or restarts, or when a rejoining owner no longer names it;
+dropping deletes the samples of it that no column was written for (holes: their indexes are never
+handed out again). A commit of a block that is gone, or of samples deleted meanwhile, is `CLEARED`:
+nothing is recorded, and the warehouse frees what it stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from dockd.controller.catalog import Catalog, indexes_of
+from dockd.errors import DockValueError
+
+APPLY, AGAIN, CLEARED = "apply", "again", "cleared"
+"""What `judge` says of a block commit: write its columns; answer it with the indexes it got already (a
+re-send whose put id was forgotten, its writer token not); or answer it `cleared` (its samples are gone)."""
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class Block:
+    id: int
+    partition: str
+    owner: int  # the warehouse it was granted to
+    start: int  # its indexes: [start, start + count)
+    count: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.count
+
+
+class Blocks:
+    """The blocks granted and not dropped, by id; `next_id` is the id the next grant gets."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[int, Block] = {}
+        self.next_id = 1
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def get(self, block_id: int) -> Block | None:
+        return self.by_id.get(block_id)
+
+    def add(self, block: Block) -> None:
+        self.by_id[block.id] = block
+        self.next_id = max(self.next_id, block.id + 1)
+
+    def of_partition(self, partition: str) -> list[Block]:
+        return [b for b in self.by_id.values() if b.partition == partition]
+
+    def of_owner(self, warehouse: int, partition: str | None = None) -> list[Block]:
+        return [b for b in self.by_id.values()
+                if b.owner == warehouse and (partition is None or b.partition == partition)]
+
+    def pop(self, ids: Iterable[int]) -> list[Block]:
+        """Drop these blocks from the registry (unknown ids are skipped); returns those dropped."""
+        return [b for i in ids if (b := self.by_id.pop(i, None)) is not None]
+
+    def forget_partition(self, partition: str) -> None:
+        """A cleared partition's blocks go with it (their samples are gone already)."""
+        for b in self.of_partition(partition):
+            del self.by_id[b.id]
+
+    def export(self) -> dict:
+        """The registry as a snapshot holds it."""
+        return {"next": self.next_id, "blocks": [[b.id, b.partition, b.owner, b.start, b.count]
+                                                 for b in self.by_id.values()]}
+
+    def load(self, d: dict | None) -> None:
+        """Fill from `export`'s dict (None: a snapshot from before blocks, which holds none)."""
+        if not d:
+            return
+        for bid, partition, owner, start, count in d["blocks"]:
+            self.add(Block(bid, partition, owner, start, count))
+        self.next_id = max(self.next_id, d["next"])
+
+
+def grant(cat: Catalog, blocks: Blocks, partition: str, owner: int, count: int, group_size: int,
+          block_id: int = 0) -> Block:
+    """Reserve `count` new samples of `partition` (made if need be) as a block owned by warehouse `owner`
+    (`block_id` 0: the next id; a replayed grant gives its own). Raises as `Catalog.reserve` does (a wrong
+    group size, a sealed partition, the dock full), granting nothing."""
+    idx = cat.reserve(partition, count, group_size=group_size)
+    block = Block(block_id or blocks.next_id, partition, owner, int(idx[0]), count)
+    blocks.add(block)
+    return block
+
+
+def unwritten(cat: Catalog, block: Block) -> np.ndarray:
+    """The samples of `block` that no column was written for and that are not deleted."""
+    part = cat.partitions.get(block.partition)
+    if part is None:
+        return np.empty(0, dtype=np.int64)
+    stop = min(block.stop, part.size)
+    sel = np.arange(block.start, stop, dtype=np.int64)
+    return sel[(part.ready[block.start:stop] == 0) & ~part.gone[block.start:stop]]
+
+
+def drop(cat: Catalog, blocks: Blocks, ids: Iterable[int]) -> tuple[list[Block], int]:
+    """Drop blocks (unknown ids skipped), deleting their unwritten samples; returns the blocks dropped and
+    how many samples were deleted. Never raises: a journal replays it as it was decided."""
+    dropped = blocks.pop(ids)
+    n = 0
+    for block in dropped:
+        rest = unwritten(cat, block)
+        if len(rest):
+            n += cat.delete(block.partition, rest)
+    return dropped, n
+
+
+def judge(cat: Catalog, blocks: Blocks, block_id: int, warehouse: int, partition: str,
+          indexes: Sequence[int] | np.ndarray, token: int = 0) -> tuple[str, np.ndarray]:
+    """What a commit of block `block_id` by `warehouse` writing samples `indexes` comes to (its put id
+    not applied before): (APPLY, indexes), (AGAIN, the indexes it got), or (CLEARED, the samples of it
+    to delete: those not deleted yet, when its block is still there). Raises DockValueError for a commit
+    that is wrong whatever happened meanwhile: another warehouse's block, another partition, indexes
+    outside the block."""
+    block = blocks.get(block_id)
+    idx = np.asarray(indexes, dtype=np.int64).reshape(-1)
+    if block is None:  # dropped: its partition cleared or sealed, or its owner restarted or gone
+        return CLEARED, idx[:0]
+    if block.owner != warehouse:
+        raise DockValueError(f"block {block_id} of partition {block.partition!r} was granted to warehouse "
+                             f"{block.owner}, not to warehouse {warehouse}: only its owner commits puts from it")
+    if block.partition != partition:
+        raise DockValueError(f"block {block_id} is of partition {block.partition!r}, not of {partition!r}")
+    if not len(idx):
+        raise DockValueError(f"a commit of block {block_id} names no indexes")
+    outside = idx[(idx < block.start) | (idx >= block.stop)]
+    if len(outside):
+        raise DockValueError(f"indexes {outside[:8].tolist()} are outside block {block_id} of partition "
+                             f"{partition!r} (indexes {block.start}..{block.stop - 1})")
+    part = cat.partitions.get(partition)
+    if part is None:  # (a clear drops the partition's blocks too)
+        return CLEARED, idx[:0]
+    seen = cat.tokens.get(token) if token else None
+    if seen is not None:  # the writer's put was committed before: this very commit, or its re-send elsewhere
+        if seen[0] == partition and np.array_equal(indexes_of(seen[2]), idx):
+            return AGAIN, idx
+        idx = np.unique(idx)
+        return CLEARED, idx[~part.gone[idx]]
+    gone = part.gone[idx]
+    if gone.any():
+        idx = np.unique(idx[~gone])
+        return CLEARED, idx
+    return APPLY, idx
