@@ -8,10 +8,12 @@ answer, in batch order, as if applied alone.
 
 A commit goes into a run only when applying it alone could not come out differently: no tags or
 replica, its put id not applied before and its writer token not seen (a re-send is answered from
-what was recorded), its partition not being loaded from a checkpoint, and for new samples not
-pacing puts (`max_pending`). Two commits of one run that name the same sample refuse the run. A run that is refused as a whole (the dock full, the partition
-sealed, a bad group size, the journal unable to take it) is applied again commit by commit, so each
-commit gets the answer it would have got alone (some may fit where all together did not).
+what was recorded), its partition not being loaded from a checkpoint, for new samples not
+pacing puts (`max_pending`), and for a commit of a block of indexes one that would be applied (not
+cleared: `block_service`). Two commits of one run that name the same sample refuse the run. A run
+that is refused as a whole (the dock full, the partition sealed, a bad group size, the journal
+unable to take it) is applied again commit by commit, so each commit gets the answer it would have
+got alone (some may fit where all together did not).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Protocol
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
+from dockd.controller.block_service import Blocking
 from dockd.controller.checkpoint import Checkpoints
 from dockd.controller.core import Controller
 from dockd.controller.journal import Journal, ahead
@@ -44,6 +47,7 @@ class _Service(Protocol):
     pacer: Pacer
     members: Membership
     waiting: Waiters
+    blocking: Blocking
 
     def check_owner(self, partition: str) -> None: ...
 
@@ -85,7 +89,9 @@ def _plain(svc: _Service, req: pb.CommitRequest) -> bool:
             return False
     if req.put_id and req.put_id in core.put_keys.get(req.warehouse, ()):
         return False
-    return not (req.token and req.token in core.catalog.tokens)
+    if req.token and req.token in core.catalog.tokens:
+        return False
+    return not req.block or svc.blocking.may_run(req)  # (a block commit: only one that would be applied)
 
 
 def apply_run(svc: _Service, run: list[pb.CommitRequest], reply: pb.CommitBatchReply,

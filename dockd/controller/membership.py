@@ -56,6 +56,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
+from dockd.controller.block_service import drop_blocks
 from dockd.controller.clock import Clock, Timer, Timers
 from dockd.controller.core import Controller
 from dockd.controller.member import WarehouseEntry
@@ -347,7 +348,7 @@ class Membership:
             try:
                 res = commit(c)  # a re-sent commit gets its first answer back
                 out.indexes.extend(res.listed())
-                out.stored = res.stored
+                out.stored, out.cleared = res.stored, res.cleared
             except DockError as e:
                 to_status(e, out.status)
         return drop
@@ -404,6 +405,8 @@ class Membership:
         if self.journal is not None:
             self.journal.lost(entry.id, unwritten)
             self._save(entry)
+        drop_blocks(self.core, self.journal, [b.id for b in self.core.blocks.of_owner(entry.id)],
+                    f"warehouse {entry.id} {entry.state}")  # (its gets are woken below)
         level = logging.WARNING if held and not on_purpose else logging.INFO
         logger.log(level, "[controller] warehouse %s id=%d address=%s:%d bytes=%d reason=%r",
                    entry.state, entry.id, entry.host, entry.port, held, why)

@@ -13,6 +13,7 @@ uses when it is made, none the service:
     calls: warehouse_calls    frees, measures and checkpoint files asked of the warehouses
     members: membership       warehouses joining, rejoining, probed and declared lost
     replication: replica_service  --replicas 2: where each put's copy goes, repairs of missing copies
+    blocking: block_service   blocks of new indexes granted to warehouses, block commits, a seal's handshake
 
 Every timer runs on the service's `clock` (`clock.Timers`), so tests can move time by hand.
 """
@@ -30,6 +31,7 @@ from dockd import limits, owners
 from dockd._proto import dockd_pb2 as pb
 from dockd._version import __version__
 from dockd.controller import commit_runs
+from dockd.controller.block_service import Blocking
 from dockd.controller.checkpoint import Checkpoints
 from dockd.controller.clock import Clock, Timer, Timers
 from dockd.controller.core import Controller
@@ -100,6 +102,9 @@ class ControllerService:
                                        wake=self.waiting.wake)
         self.ops = PartitionOps(core, self.journal, waiting=self.waiting, pacer=self.pacer, calls=self.calls,
                                 loading=self.checkpoints.loading)
+        self.blocking = Blocking(core, self.journal, self.members, waiting=self.waiting,
+                                 loading=self.checkpoints.loading, daemon_timeout=daemon_timeout,
+                                 replicas=replicas)
         self._sync_timer: Timer | None = None
         self._syncing = False
         self.closing = False
@@ -164,7 +169,7 @@ class ControllerService:
         (before serving: nothing was decided on the fresh one)."""
         self.core = core
         parts: list[_HoldsCore] = [self.members, self.waiting, self.pacer, self.calls, self.leasing,
-                                   self.replication, self.acquiring, self.checkpoints, self.ops]
+                                   self.replication, self.acquiring, self.checkpoints, self.ops, self.blocking]
         for part in parts:
             part.core = core
 
@@ -196,9 +201,18 @@ class ControllerService:
                 del req.inventory[:]
                 req.inventory.extend(mine)
         cleared = self.calls.cleared_meanwhile(req)  # (held from before a clear it missed: dropped, not adopted)
+        was = self.members.get(req.id)
+        same = was is not None and was.instance == req.instance
         reply = self.members.register(peer, req, self.apply_commit)
         reply.drop.extend(cleared)
+        self.blocking.registered(reply.id, req, same and was is self.members.get(reply.id))
+        reply.blocks = self.blocking.grants
         return reply
+
+    def block(self, peer: Peer | None, req: pb.BlockRequest) -> pb.BlockReply:
+        """A warehouse asks for a block of new indexes (see block_service)."""
+        self.check_owner(req.partition)
+        return self.blocking.grant(peer, req)
 
     def warehouse_infos(self, ids=None, *, usage: bool = True) -> list[pb.WarehouseInfo]:
         return self.members.infos(ids, usage=usage)
@@ -287,6 +301,8 @@ class ControllerService:
         out.indexes.extend(res.listed())
         if res.stored:
             out.stored = True
+        elif res.cleared:
+            out.cleared = True
         elif self.replication.replicas > 1:
             target = self.replication.target_of(req, np.asarray(res.indexes))
             if target is not None:
@@ -310,6 +326,10 @@ class ControllerService:
         tags = {t.name: list(t.values) for t in req.tags} or None if req.tags else None
         put_id, token = req.put_id, req.token
         applied = put_id and put_id in core.put_keys.get(wid, ())  # (re-sent: answered again)
+        if req.block and not applied:
+            out = self.blocking.commit(req, woken)
+            if out is not None:  # (cleared, or answered again)
+                return out
         away: list[int] | tuple[()] = ()
         if token in core.catalog.tokens and not applied:
             # a put re-sent to this warehouse (its writer's token seen before): values held by a warehouse that does
@@ -381,7 +401,17 @@ class ControllerService:
         if not req.partition:
             raise DockValueError("partition must be a non-empty string")
         self.check_owner(req.partition)
+        if req.WhichOneof("op") == "seal" and (req.partition in self.blocking.sealing or
+                                               self.core.blocks.of_partition(req.partition)):
+            raise DockValueError(f"partition {req.partition!r} has blocks of indexes open on warehouses: a seal "
+                                 "takes them back first (ControllerService.seal)")
         return self.ops.apply(req)
+
+    async def seal(self, req: pb.PartitionRequest) -> pb.PartitionReply:
+        """Seal a partition; with blocks of its indexes open on warehouses, once they gave them back
+        (see block_service). A seal that cannot reach an owner fails naming it."""
+        self.check_owner(req.partition)
+        return await self.blocking.seal(req.partition, lambda: self.ops.apply(req))
 
     async def save(self, req: pb.PartitionRequest) -> pb.PartitionReply:
         self.check_owner(req.partition)

@@ -1,0 +1,296 @@
+"""Blocks of new indexes granted to warehouses (`--commit-window`: `dockd.controller.blocks`, `block_service`):
+grants and their refusals, block commits (written like columns of existing samples, or answered cleared when
+their samples are gone), a seal's handshake with the owners, blocks dropped with their owner, and the registry
+through journal replay and snapshots. The controller service in-process, on fake connections."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from dockd._proto import dockd_pb2 as pb
+from dockd.controller.core import Controller
+from dockd.controller.records import read
+from dockd.controller.service import ControllerService
+from dockd.errors import DockConnectionError, DockDrained, DockValueError
+from tests.unit.controller import test_warehouse_calls
+from tests.unit.controller.fakes import FakeClock, FakePeer
+
+
+class Warehouse(test_warehouse_calls.Warehouse):
+    """A warehouse's link: the requests the controller sends it wait for the test to answer them."""
+
+    def asked(self, kind: str) -> list[tuple[pb.Frame, asyncio.Future]]:
+        return [(f, fut) for f, fut in self.sent if f.WhichOneof("kind") == kind]
+
+
+def _service(state=None, **kw) -> ControllerService:
+    svc = ControllerService(Controller(lease_timeout=30.0, **kw), state_dir=None if state is None else str(state),
+                            clock=FakeClock(), daemon_timeout=0.2)
+
+    async def cannot_tell(host, port):  # (the probe of an away warehouse's address: no answer either way)
+        return None
+
+    svc.members.probe = cannot_tell
+    svc.start()
+    return svc
+
+
+def _join(svc: ControllerService, port: int = 7000, instance: int = 77) -> tuple[Warehouse, int]:
+    peer = Warehouse(f"warehouse:{port}")
+    reg = pb.RegisterWarehouse(host="10.0.0.9", port=port, capacity=1 << 30, instance=instance)
+    return peer, svc.register(peer, reg).id
+
+
+def _commit(wid: int, block: int, indexes, put_id: int, partition: str = "p", **kw) -> pb.CommitRequest:
+    return pb.CommitRequest(partition=partition, columns=["x"], indexes=list(indexes), warehouse=wid, block=block,
+                            nbytes=8 * len(indexes), put_id=put_id, **kw)
+
+
+def _records(state) -> list[list]:
+    return [rec for path in sorted(state.glob("journal-*.log")) for rec, _ in read(path)]
+
+
+def _get(svc: ControllerService, peer: FakePeer, count: int, **kw) -> pb.Frame:
+    frame = pb.Frame(acquire=pb.AcquireRequest(partition="p", consumer="c", columns=["x"], count=count, **kw))
+    svc.acquire(peer, frame)
+    return frame
+
+
+def _on_a_dock(test):
+    """A test as a coroutine taking a controller with a state dir in tmp_path/state and one warehouse joined
+    (its link, its id), run on a loop (the controller shut down after)."""
+    def run(tmp_path) -> None:
+        async def main() -> None:
+            svc = _service(tmp_path / "state")
+            try:
+                await test(svc, *_join(svc), tmp_path / "state")
+            finally:
+                svc.shutdown()
+
+        asyncio.run(main())
+
+    run.__name__, run.__doc__ = test.__name__, test.__doc__
+    return run
+
+
+def _restarted(state) -> Controller:
+    svc = _service(state)
+    svc.shutdown()
+    return svc.core
+
+
+def _registry(core: Controller) -> tuple[int, list[tuple]]:
+    return core.blocks.next_id, sorted((b.id, b.partition, b.owner, b.start, b.count)
+                                       for b in core.blocks.by_id.values())
+
+
+def test_a_grant_reserves_the_block_in_one_record_and_refusals_say_why(tmp_path):
+    async def main():
+        svc = _service(tmp_path / "state", max_samples=40)
+        peer, wid = _join(svc)
+        first = svc.block(peer, pb.BlockRequest(partition="p", count=8, group_size=2))
+        second = svc.block(peer, pb.BlockRequest(partition="p", count=4, group_size=2))
+        assert (first.block, first.start, first.count, second.block, second.start) == (1, 0, 8, 2, 8)
+        part = svc.core.partitions["p"]
+        assert part.size == 12 and not part.ready[:12].any() and part.group_size == 2
+        assert [r for r in _records(tmp_path / "state") if r[0] == "N"] == [
+            ["N", 1, "p", wid, 0, 8, 2], ["N", 2, "p", wid, 8, 4, 2]]
+        for bad in (pb.BlockRequest(partition="p", count=0, group_size=2),
+                    pb.BlockRequest(partition="p", count=5, group_size=2),
+                    pb.BlockRequest(partition="p", count=8, group_size=4)):  # (p holds groups of 2)
+            with pytest.raises(DockValueError):
+                svc.block(peer, bad)
+        with pytest.raises(DockValueError, match="joined"):  # (not a member's link)
+            svc.block(Warehouse("stranger"), pb.BlockRequest(partition="p", count=2, group_size=2))
+        full = svc.block(peer, pb.BlockRequest(partition="p", count=30, group_size=2))
+        assert full.block == 0 and "max-samples" in full.why
+        svc.partition(pb.PartitionRequest(partition="paced", create=pb.CreatePartition(max_pending=4)))
+        assert "max_pending" in svc.block(peer, pb.BlockRequest(partition="paced", count=2)).why
+        svc.partition(pb.PartitionRequest(partition="done", seal=True))
+        assert "sealed" in svc.block(peer, pb.BlockRequest(partition="done", count=2)).why
+        assert svc.core.partitions["p"].size == 12 and svc.core.blocks.next_id == 3  # (refusals granted nothing)
+        svc.shutdown()
+
+        plain = _service()  # (no state dir: a block would not outlive a restart)
+        peer, _ = _join(plain)
+        reply = plain.block(peer, pb.BlockRequest(partition="p", count=2))
+        assert reply.block == 0 and "state dir" in reply.why and "p" not in plain.core.partitions
+        assert not plain.register(Warehouse(), pb.RegisterWarehouse(host="h", port=1, instance=5)).blocks
+        plain.shutdown()
+        copies = ControllerService(Controller(), state_dir=str(tmp_path / "copies"), clock=FakeClock(), replicas=2)
+        copies.start()
+        peer, _ = _join(copies)
+        assert "--replicas 2" in copies.block(peer, pb.BlockRequest(partition="p", count=2)).why
+        copies.shutdown()
+
+    asyncio.run(main())
+
+
+@_on_a_dock
+async def test_a_block_commit_writes_columns_tags_and_token_and_a_waiting_get_takes_them(svc, peer, wid, state):
+    assert svc.register(Warehouse(), pb.RegisterWarehouse(host="10.0.0.9", port=7001, instance=5)).blocks
+    svc.block(peer, pb.BlockRequest(partition="p", count=4))
+    reader = FakePeer("trainer", b"session-t")
+    get = _get(svc, reader, 2, timeout=30.0)
+    assert not reader.replies  # (reserved samples are not ready)
+    res = svc.commit(_commit(wid, 1, [0, 1], put_id=1, token=9, tags=[pb.Tag(name="age", values=[3, 4])]))
+    assert res.listed() == [0, 1] and not res.cleared
+    (frame, out), = reader.replies
+    assert frame is get and list(out.acquire_reply.indexes) == [0, 1]
+    part = svc.core.partitions["p"]
+    assert part.tag("age")[:2].tolist() == [3, 4] and svc.core.catalog.tokens.get(9)[0] == "p"
+    assert svc.commit(_commit(wid, 1, [0, 1], put_id=1, token=9)).listed() == [0, 1]  # (re-sent: answered)
+    assert [r[0] for r in _records(state)].count("C") == 1
+
+
+@_on_a_dock
+async def test_block_commits_whose_samples_are_gone_are_answered_cleared_and_record_nothing(svc, peer, wid, state):
+    other, oid = _join(svc, port=7001, instance=78)
+    svc.block(peer, pb.BlockRequest(partition="p", count=8))
+    assert svc.commit(_commit(wid, 99, [0], put_id=1)).cleared  # (an unknown block: dropped)
+    svc.partition(pb.PartitionRequest(partition="p", delete=pb.DeleteSamples(indexes=[2])))
+    out = pb.CommitReply()
+    svc.commit_reply(_commit(wid, 1, [2, 3], 2), svc.commit(_commit(wid, 1, [2, 3], put_id=2)), out)
+    assert out.cleared and not out.indexes
+    part = svc.core.partitions["p"]
+    assert part.gone[:4].tolist() == [False, False, True, True] and not part.ready[:4].any()
+    # the writer re-sent its put to another warehouse, which committed it first (after its commit)
+    first = svc.commit(pb.CommitRequest(partition="p", columns=["x"], new_count=1, warehouse=oid, token=55))
+    assert svc.commit(_commit(wid, 1, [4], put_id=3, token=55)).cleared
+    assert part.gone[4] and svc.core.catalog.tokens.get(55)[2] == range(first.listed()[0], first.listed()[0] + 1)
+    for bad, why in ((_commit(oid, 1, [5], put_id=4), "granted to warehouse"),
+                     (_commit(wid, 1, [9], put_id=5), "outside block"),
+                     (_commit(wid, 1, [5], put_id=6, partition="q"), "of partition")):
+        with pytest.raises(DockValueError, match=why):
+            svc.commit(bad)
+    assert not part.ready[5:8].any() and not part.gone[5:8].any()
+    await svc.clear(pb.ClearRequest(partition="p"))
+    assert not svc.core.blocks.by_id and svc.commit(_commit(wid, 1, [5], put_id=7)).cleared
+    kinds = [r[0] for r in _records(state)]
+    assert kinds.count("C") == 1 and kinds.count("D") == 3, kinds  # (the other's put; the delete, two clears)
+
+
+@_on_a_dock
+async def test_block_commits_of_a_batch_go_in_one_run_beside_a_cleared_one(svc, peer, wid, state):
+    svc.block(peer, pb.BlockRequest(partition="p", count=8))
+    reply = svc.commit_batch(pb.CommitBatch(commits=[
+        _commit(wid, 1, [0, 1], 1, token=1), _commit(wid, 1, [2], 2, token=2), _commit(wid, 1, [3], 3),
+        _commit(wid, 7, [4], 4)]))  # (its block is unknown)
+    assert [list(r.indexes) for r in reply.results] == [[0, 1], [2], [3], []]
+    assert [r.cleared for r in reply.results] == [False, False, False, True]
+    assert [r[0] for r in _records(state)].count("I") == 1
+    assert svc.core.partitions["p"].ready[:5].astype(bool).tolist() == [True] * 4 + [False]
+
+
+@_on_a_dock
+async def test_a_seal_takes_the_blocks_back_deletes_their_rest_and_a_get_ends_drained(svc, peer, wid, state):
+    other, oid = _join(svc, port=7001, instance=78)
+    svc.block(peer, pb.BlockRequest(partition="p", count=4))
+    svc.block(other, pb.BlockRequest(partition="p", count=4))
+    svc.commit(_commit(wid, 1, [0], put_id=1))
+    with pytest.raises(DockValueError, match="blocks of indexes open"):  # (not without the handshake)
+        svc.partition(pb.PartitionRequest(partition="p", seal=True))
+    sealing = asyncio.ensure_future(svc.seal(pb.PartitionRequest(partition="p", seal=True)))
+    again = asyncio.ensure_future(svc.seal(pb.PartitionRequest(partition="p", seal=True)))
+    await asyncio.sleep(0)
+    (ask, fut), = peer.asked("return_blocks")
+    assert ask.return_blocks.partition == "p" and len(other.asked("return_blocks")) == 1
+    assert "being sealed" in svc.block(peer, pb.BlockRequest(partition="p", count=2)).why
+    svc.commit(_commit(wid, 1, [1], put_id=2))  # (the owner flushes its commits before it answers)
+    fut.set_result((pb.Frame(return_blocks_reply=pb.ReturnBlocksReply(blocks=[1])), None))
+    other.asked("return_blocks")[0][1].set_result((pb.Frame(return_blocks_reply=pb.ReturnBlocksReply(blocks=[2])),
+                                                   None))
+    await sealing
+    await again  # (waited for the first: nothing left to take back)
+    part = svc.core.partitions["p"]
+    assert part.sealed and not svc.core.blocks.by_id
+    assert part.gone[:8].tolist() == [False, False] + [True] * 6
+    reader = FakePeer("trainer", b"session-t")
+    got = _get(svc, reader, 8, allow_partial=True, timeout=0)
+    lease = reader.replies[0][1].acquire_reply
+    assert list(lease.indexes) == [0, 1] and reader.replies[0][0] is got
+    svc.confirm(reader, pb.ConfirmRequest(leases=[lease.lease]))  # (the written ones taken)
+    with pytest.raises(DockDrained):
+        _get(svc, reader, 1, timeout=0)
+    assert len(peer.asked("return_blocks")) == 1  # (the second seal asked nothing)
+
+
+@_on_a_dock
+async def test_a_seal_whose_owner_does_not_answer_fails_naming_it_and_grants_go_on(svc, peer, wid, state):
+    svc.block(peer, pb.BlockRequest(partition="p", count=4))
+    with pytest.raises(DockConnectionError, match=rf"warehouse {wid} at 10\.0\.0\.9:7000 holds block\(s\) \[1\]"
+                                                  r".*did not answer.*restart it"):
+        await svc.seal(pb.PartitionRequest(partition="p", seal=True))
+    part = svc.core.partitions["p"]
+    assert not part.sealed and not part.gone[:4].any() and 1 in svc.core.blocks.by_id
+    assert svc.block(peer, pb.BlockRequest(partition="p", count=4)).block == 2  # (the sealing mark is lifted)
+    svc.on_lost(peer)  # (away: a seal fails at once, naming it)
+    with pytest.raises(DockConnectionError, match="rejoining, not connected"):
+        await svc.seal(pb.PartitionRequest(partition="p", seal=True))
+
+
+@_on_a_dock
+async def test_an_owner_that_leaves_or_rejoins_without_them_has_its_blocks_dropped(svc, peer, wid, state):
+    other, oid = _join(svc, port=7001, instance=78)
+    for p in (peer, peer, other):
+        svc.block(p, pb.BlockRequest(partition="p", count=4))
+    svc.commit(_commit(wid, 1, [0], put_id=1))
+    svc.on_lost(peer)
+    back = Warehouse("warehouse again")  # (names block 2 only; its pending commit of block 1 goes first)
+    reply = svc.register(back, pb.RegisterWarehouse(host="10.0.0.9", port=7000, capacity=1 << 30, instance=77,
+                                                    rejoin=True, id=wid, blocks=[2],
+                                                    pending=[_commit(wid, 1, [1], put_id=2)]))
+    assert list(reply.pending[0].indexes) == [1] and reply.blocks
+    part = svc.core.partitions["p"]
+    assert sorted(svc.core.blocks.by_id) == [2, 3]
+    assert part.gone[:4].tolist() == [False, False, True, True] and not part.gone[4:12].any()
+    svc.leave(other, pb.LeaveRequest(id=oid))
+    assert sorted(svc.core.blocks.by_id) == [2] and part.gone[8:12].all()
+    assert [r for r in _records(state) if r[0] == "H"] == [["H", [1]], ["H", [3]]]
+
+
+def test_replay_and_snapshots_restore_the_registry_and_a_block_commit_is_recalled(tmp_path):
+    state = tmp_path / "state"
+
+    async def main():
+        svc = _service(state)
+        peer, wid = _join(svc)
+        for _ in range(3):
+            svc.block(peer, pb.BlockRequest(partition="p", count=4))
+        svc.commit(_commit(wid, 3, [8, 9], put_id=5))
+        svc.on_lost(peer)
+        svc.register(Warehouse(), pb.RegisterWarehouse(host="10.0.0.9", port=7000, instance=77, rejoin=True, id=wid,
+                                                       blocks=[1, 3]))  # (drops block 2)
+        want = _registry(svc.core)
+        assert want == (4, [(1, "p", wid, 0, 4), (3, "p", wid, 8, 4)])
+        svc.shutdown()
+        for _ in range(2):  # replayed from the journal, then from the snapshot the replay left
+            core = _restarted(state)
+            assert _registry(core) == want and core.partitions["p"].gone[4:8].all()
+            assert core.catalog.recall(wid, 5).tolist() == [8, 9]
+        svc = _service(state)  # a restart, then the owner rejoins re-sending the commit its answer missed
+        svc.register(Warehouse(), pb.RegisterWarehouse(host="10.0.0.9", port=7000, instance=77, rejoin=True, id=wid,
+                                                       blocks=[1]))  # (block 3 dropped: its rest deleted)
+        assert svc.commit(_commit(wid, 3, [8, 9], put_id=5)).listed() == [8, 9]  # (recalled, not cleared)
+        nxt = svc.block(svc.members.get(wid).peer, pb.BlockRequest(partition="p", count=4))
+        assert nxt.block == 4 and nxt.start == 12  # (ids and indexes never handed out twice)
+        svc.shutdown()
+        snap = Controller().snapshot(0.0)
+        del snap["blocks"]  # (a snapshot from before blocks)
+        assert _registry(Controller.restore(snap, wall_offset=0.0)) == (1, [])
+
+    asyncio.run(main())
+
+
+def test_the_rest_of_a_dropped_block_is_what_no_column_was_written_for():
+    core = Controller()
+    block = core.grant_block("p", 1, 6, 2)
+    core.commit("p", ["x"], warehouse=1, indexes=[0, 1])
+    core.delete("p", [4])
+    dropped, deleted = core.drop_blocks([block.id, 99])
+    assert [b.id for b in dropped] == [block.id] and deleted == 3
+    assert core.partitions["p"].gone[:6].tolist() == [False, False, True, True, True, True]
+    assert np.count_nonzero(core.partitions["p"].ready[:6]) == 2
