@@ -149,13 +149,12 @@ class Blocking:
         return CommitOutcome(cleared=True)
 
     def may_run(self, req: pb.CommitRequest) -> bool:
-        """Whether a block commit (its put id and token not seen) may go in a run: it would be applied."""
+        """Whether a block commit (its put id and token not seen) may go in a run: its block is there and it
+        names samples of it. (One of them deleted refuses the run, and each commit is then judged alone.)"""
         try:
-            verdict, _ = blocks.judge(self.core.catalog, self.core.blocks, req.block, req.warehouse, req.partition,
-                                      req.indexes, req.token)
+            return blocks.owned(self.core.blocks, req.block, req.warehouse, req.partition, req.indexes) is not None
         except DockValueError:
             return False  # (alone, it gets its error)
-        return verdict == blocks.APPLY
 
     # -- membership -----------------------------------------------------------------------------
     def registered(self, wid: int, req: pb.RegisterWarehouse, same_instance: bool) -> None:

@@ -122,32 +122,39 @@ def drop(cat: Catalog, blocks: Blocks, ids: Iterable[int]) -> tuple[list[Block],
     return dropped, n
 
 
-def judge(cat: Catalog, blocks: Blocks, block_id: int, warehouse: int, partition: str,
-          indexes: Sequence[int] | np.ndarray, token: int = 0) -> tuple[str, np.ndarray]:
-    """What a commit of block `block_id` by `warehouse` writing samples `indexes` comes to (its put id
-    not applied before): (APPLY, indexes), (AGAIN, the indexes it got), or (CLEARED, the samples of it
-    to delete: those not deleted yet, when its block is still there). Raises DockValueError for a commit
-    that is wrong whatever happened meanwhile: another warehouse's block, another partition, indexes
-    outside the block."""
+def owned(blocks: Blocks, block_id: int, warehouse: int, partition: str, indexes: Sequence[int]) -> Block | None:
+    """The block a commit by `warehouse` of samples `indexes` of `partition` names, or None when it was dropped.
+    Raises DockValueError for a commit that is wrong whatever happened meanwhile: another warehouse's block,
+    another partition's, no indexes, indexes outside the block."""
     block = blocks.get(block_id)
-    idx = np.asarray(indexes, dtype=np.int64).reshape(-1)
     if block is None:  # dropped: its partition cleared or sealed, or its owner restarted or gone
-        return CLEARED, idx[:0]
+        return None
     if block.owner != warehouse:
         raise DockValueError(f"block {block_id} of partition {block.partition!r} was granted to warehouse "
                              f"{block.owner}, not to warehouse {warehouse}: only its owner commits puts from it")
     if block.partition != partition:
         raise DockValueError(f"block {block_id} is of partition {block.partition!r}, not of {partition!r}")
-    if not len(idx):
+    if not len(indexes):
         raise DockValueError(f"a commit of block {block_id} names no indexes")
-    outside = idx[(idx < block.start) | (idx >= block.stop)]
-    if len(outside):
-        raise DockValueError(f"indexes {outside[:8].tolist()} are outside block {block_id} of partition "
-                             f"{partition!r} (indexes {block.start}..{block.stop - 1})")
+    if min(indexes) < block.start or max(indexes) >= block.stop:
+        outside = [i for i in indexes if not block.start <= i < block.stop]
+        raise DockValueError(f"indexes {outside[:8]} are outside block {block_id} of partition {partition!r} "
+                             f"(indexes {block.start}..{block.stop - 1})")
+    return block
+
+
+def judge(cat: Catalog, blocks: Blocks, block_id: int, warehouse: int, partition: str, indexes: Sequence[int],
+          token: int = 0) -> tuple[str, np.ndarray]:
+    """What a commit of block `block_id` by `warehouse` writing samples `indexes` comes to (its put id
+    not applied before): (APPLY, no indexes), (AGAIN, the indexes it got), or (CLEARED, the samples of it
+    to delete: those not deleted yet, when its block is still there). Raises as `owned` does."""
     part = cat.partitions.get(partition)
-    if part is None:  # (a clear drops the partition's blocks too)
-        return CLEARED, idx[:0]
+    if owned(blocks, block_id, warehouse, partition, indexes) is None or part is None:
+        return CLEARED, _NONE  # (a clear drops the partition's blocks too)
     seen = cat.tokens.get(token) if token else None
+    if seen is None and not part.deleted:  # (the common case: nothing to look up per sample)
+        return APPLY, _NONE
+    idx = np.asarray(indexes, dtype=np.int64).reshape(-1)
     if seen is not None:  # the writer's put was committed before: this very commit, or its re-send elsewhere
         if seen[0] == partition and np.array_equal(indexes_of(seen[2]), idx):
             return AGAIN, idx
@@ -155,6 +162,8 @@ def judge(cat: Catalog, blocks: Blocks, block_id: int, warehouse: int, partition
         return CLEARED, idx[~part.gone[idx]]
     gone = part.gone[idx]
     if gone.any():
-        idx = np.unique(idx[~gone])
-        return CLEARED, idx
-    return APPLY, idx
+        return CLEARED, np.unique(idx[~gone])
+    return APPLY, _NONE
+
+
+_NONE = np.empty(0, dtype=np.int64)

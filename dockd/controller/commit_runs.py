@@ -9,8 +9,8 @@ answer, in batch order, as if applied alone.
 A commit goes into a run only when applying it alone could not come out differently: no tags or
 replica, its put id not applied before and its writer token not seen (a re-send is answered from
 what was recorded), its partition not being loaded from a checkpoint, for new samples not
-pacing puts (`max_pending`), and for a commit of a block of indexes one that would be applied (not
-cleared: `block_service`). Two commits of one run that name the same sample refuse the run. A run
+pacing puts (`max_pending`), and for a commit of a block of indexes one from its owner inside its
+block (`block_service`). Two commits of one run that name the same sample refuse the run. A run
 that is refused as a whole (the dock full, the partition sealed, a bad group size, the journal
 unable to take it) is applied again commit by commit, so each commit gets the answer it would have
 got alone (some may fit where all together did not).

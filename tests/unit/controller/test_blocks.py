@@ -183,6 +183,11 @@ async def test_block_commits_of_a_batch_go_in_one_run_beside_a_cleared_one(svc, 
     assert [r.cleared for r in reply.results] == [False, False, False, True]
     assert [r[0] for r in _records(state)].count("I") == 1
     assert svc.core.partitions["p"].ready[:5].astype(bool).tolist() == [True] * 4 + [False]
+    svc.partition(pb.PartitionRequest(partition="p", delete=pb.DeleteSamples(indexes=[6])))
+    reply = svc.commit_batch(pb.CommitBatch(commits=[_commit(wid, 1, [5], 5), _commit(wid, 1, [6], 6)]))
+    assert [(list(r.indexes), r.cleared) for r in reply.results] == [([5], False), ([], True)]  # (each alone)
+    kinds = [r[0] for r in _records(state)]
+    assert kinds[-2:] == ["D", "C"] and kinds.count("I") == 1  # (the run's record refused: cut off again)
 
 
 @_on_a_dock
