@@ -14,7 +14,7 @@ from dockd._proto import dockd_pb2 as pb
 from dockd.controller.core import Controller
 from dockd.controller.records import read
 from dockd.controller.service import ControllerService
-from dockd.errors import DockConnectionError, DockDrained, DockValueError
+from dockd.errors import DockConnectionError, DockDrained, DockTimeout, DockValueError
 from tests.unit.controller import test_warehouse_calls
 from tests.unit.controller.fakes import FakeClock, FakePeer
 
@@ -299,3 +299,25 @@ def test_the_rest_of_a_dropped_block_is_what_no_column_was_written_for():
     assert [b.id for b in dropped] == [block.id] and deleted == 3
     assert core.partitions["p"].gone[:6].tolist() == [False, False, True, True, True, True]
     assert np.count_nonzero(core.partitions["p"].ready[:6]) == 2
+
+
+@_on_a_dock
+async def test_an_owner_restarted_as_a_new_process_at_its_address_has_its_blocks_dropped(svc, peer, wid, state):
+    svc.block(peer, pb.BlockRequest(partition="p", count=4))
+    svc.commit(_commit(wid, 1, [0], put_id=1))
+
+    async def the_new_one_answers(host, port):
+        return 99
+
+    svc.members.probe = the_new_one_answers
+    svc.on_lost(peer)
+    restarted = pb.RegisterWarehouse(host="10.0.0.9", port=7000, capacity=1 << 30, instance=99)
+    with pytest.raises(DockTimeout):  # (while the controller asks who answers at the address)
+        svc.register(Warehouse("restarted"), restarted)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    new = svc.register(Warehouse("restarted"), restarted).id
+    assert svc.members.get(wid).state == "lost" and new != wid and not svc.core.blocks.by_id
+    part = svc.core.partitions["p"]
+    assert part.gone[:4].tolist() == [False, True, True, True]  # (the written one is lost, not deleted)
+    assert svc.commit(_commit(new, 1, [1], put_id=1)).cleared  # (its block is gone)
