@@ -29,6 +29,9 @@ from setuptools.command.build_ext import build_ext
 # marked `@mypyc_attr(allow_interpreted_subclasses=True)` (Peer, FrameReader).
 COMPILED = [
     "dockd/controller/agreement.py",
+    "dockd/controller/block_drops.py",
+    "dockd/controller/block_service.py",
+    "dockd/controller/blocks.py",
     "dockd/controller/catalog.py",
     "dockd/controller/catalog_runs.py",
     "dockd/controller/changes.py",

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from dockd import limits
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller import blocks
+from dockd.controller.block_drops import drop_blocks
 from dockd.controller.core import Controller
 from dockd.controller.journal import Journal, ahead
 from dockd.errors import DockConnectionError, DockFull, DockStateFull, DockValueError
@@ -42,19 +43,6 @@ RETURN_TIMEOUT = 10.0
 """Seconds a seal waits for an owner to give its blocks back (at most the daemon timeout)."""
 
 T = TypeVar("T")
-
-
-def drop_blocks(core: Controller, journal: Journal | None, ids: Iterable[int], why: str) -> set[str]:
-    """Drop blocks (journaled; their unwritten samples deleted); returns their partitions, whose waiting
-    gets may end now."""
-    dropped, deleted = core.drop_blocks(list(ids))
-    if not dropped:
-        return set()
-    if journal is not None:
-        journal.blocks_dropped([b.id for b in dropped])
-    logger.info("[controller] blocks dropped blocks=%s samples_deleted=%d reason=%r", [b.id for b in dropped],
-                deleted, why)
-    return {b.partition for b in dropped}
 
 
 class Blocking:
@@ -171,6 +159,12 @@ class Blocking:
             self.waiting.wake(partition)
 
     # -- seal's handshake -------------------------------------------------------------------------
+    def check_closed(self, partition: str) -> None:
+        """Raise unless the partition has no block open (nor a seal taking them back)."""
+        if partition in self.sealing or self.core.blocks.of_partition(partition):
+            raise DockValueError(f"partition {partition!r} has blocks of indexes open on warehouses: a seal "
+                                 "takes them back first (ControllerService.seal)")
+
     async def seal(self, partition: str, then: Callable[[], T]) -> T:
         """Take back the open blocks of `partition` from their owners, then `then()` (the seal itself).
         Seals of one partition go one at a time."""

@@ -118,8 +118,7 @@ class Controller:
     def seal(self, partition: str) -> None:
         self.catalog.seal(partition)
 
-    def grant_block(self, partition: str, owner: int, count: int, group_size: int,
-                    block_id: int = 0) -> blocks.Block:
+    def grant_block(self, partition: str, owner: int, count: int, group_size: int, block_id: int = 0) -> blocks.Block:
         """Reserve `count` new samples as a block of indexes owned by warehouse `owner` (see `blocks`)."""
         return blocks.grant(self.catalog, self.blocks, partition, owner, count, group_size, block_id)
 
@@ -407,9 +406,8 @@ class Controller:
     def snapshot(self, wall_offset: float) -> dict:
         """Everything needed to rebuild this controller. Lease deadlines are stored on the
         wall clock (`deadline + wall_offset`) so another process can restore them."""
-        snap = persist.snapshot(self.catalog, self.leases.values(), self.lease_timeout, wall_offset)
-        snap["blocks"] = self.blocks.export()
-        return snap
+        return {**persist.snapshot(self.catalog, self.leases.values(), self.lease_timeout, wall_offset),
+                "blocks": self.blocks.export()}
 
     @classmethod
     def restore(cls, snap: dict, *, wall_offset: float, lease_timeout: float | None = None) -> Controller:

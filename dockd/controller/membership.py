@@ -56,7 +56,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.controller.block_service import drop_blocks
+from dockd.controller.block_drops import drop_blocks
 from dockd.controller.clock import Clock, Timer, Timers
 from dockd.controller.core import Controller
 from dockd.controller.member import WarehouseEntry

@@ -209,8 +209,7 @@ class ControllerService:
         reply.blocks = self.blocking.grants
         return reply
 
-    def block(self, peer: Peer | None, req: pb.BlockRequest) -> pb.BlockReply:
-        """A warehouse asks for a block of new indexes (see block_service)."""
+    def block(self, peer: Peer | None, req: pb.BlockRequest) -> pb.BlockReply:  # (see block_service)
         self.check_owner(req.partition)
         return self.blocking.grant(peer, req)
 
@@ -401,10 +400,8 @@ class ControllerService:
         if not req.partition:
             raise DockValueError("partition must be a non-empty string")
         self.check_owner(req.partition)
-        if req.WhichOneof("op") == "seal" and (req.partition in self.blocking.sealing or
-                                               self.core.blocks.of_partition(req.partition)):
-            raise DockValueError(f"partition {req.partition!r} has blocks of indexes open on warehouses: a seal "
-                                 "takes them back first (ControllerService.seal)")
+        if req.WhichOneof("op") == "seal":
+            self.blocking.check_closed(req.partition)  # (open blocks: sealed by `seal`, which takes them back)
         return self.ops.apply(req)
 
     async def seal(self, req: pb.PartitionRequest) -> pb.PartitionReply:

@@ -1,0 +1,25 @@
+"""Dropping blocks of indexes (`blocks`): journaled, their unwritten samples deleted, logged. Shared by
+the block service (a seal's handshake, a rejoin) and membership (an owner that leaves, restarts or is lost)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from dockd.controller.core import Controller
+from dockd.controller.journal import Journal
+
+logger = logging.getLogger(__name__)
+
+
+def drop_blocks(core: Controller, journal: Journal | None, ids: Iterable[int], why: str) -> set[str]:
+    """Drop blocks (journaled; their unwritten samples deleted); returns their partitions, whose waiting
+    gets may end now."""
+    dropped, deleted = core.drop_blocks(list(ids))
+    if not dropped:
+        return set()
+    if journal is not None:
+        journal.blocks_dropped([b.id for b in dropped])
+    logger.info("[controller] blocks dropped blocks=%s samples_deleted=%d reason=%r", [b.id for b in dropped],
+                deleted, why)
+    return {b.partition for b in dropped}
