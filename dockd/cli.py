@@ -80,6 +80,7 @@ def _serve(args) -> int:
         capacity=parse_size(args.capacity), device_capacity=parse_size(args.device_capacity), lease_timeout=args.lease_timeout, shm=not args.no_shm,
         state_dir=args.state_dir or "", data_dir=args.data_dir or "", drop_damaged_files=args.drop_damaged_files,
         spill_dir=args.spill_dir or "", spill_capacity=parse_size(args.spill_capacity), join_timeout=args.join_timeout, controller_grace=args.controller_grace,
+        commit_window=args.commit_window,
         warehouse_grace=args.warehouse_grace, replicas=args.replicas, token_file=args.token_file or config.env("DOCKD_TOKEN_FILE"),
         daemon_token_file=args.daemon_token_file or "", insecure=args.insecure, max_connections=args.max_connections,
         handshake_timeout=args.handshake_timeout, stall_timeout=args.stall_timeout, idle_timeout=args.idle_timeout,
@@ -216,6 +217,11 @@ SERVE_OPTIONS: tuple[tuple[str, dict, str], ...] = (
      "a warehouse waits this long for its controller at start (default: as long as it takes)"),
     ("--controller-grace", {"type": float, "default": 60.0, "metavar": "SECONDS"},
      "puts wait this long for an unreachable controller before failing (default 60)"),
+    ("--commit-window", {"type": float, "default": 0.0, "metavar": "SECONDS"},
+     "answer a put of new samples once it is stored, before its commit, and send the commits to the "
+     "controller together every SECONDS (indexes come from blocks the controller grants ahead; it needs "
+     "a --state-dir). Other clients see the samples up to SECONDS later; the writer sees its own at once. "
+     "Default 0: every put is answered after its commit"),
     ("--token-file", {"metavar": "FILE"},
      "the dock's token (also $DOCKD_TOKEN_FILE): every connection must prove it; required to bind "
      "a non-loopback address"),

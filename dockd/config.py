@@ -194,6 +194,9 @@ class NodeConfig:
     """Seconds a warehouse waits for its controller at start (None: as long as it takes)."""
     controller_grace: float = 60.0
     """Seconds a put waits for an unreachable controller before it fails (the warehouse keeps retrying)."""
+    commit_window: float = 0.0
+    """Seconds the commits of puts answered before their commit wait to go to the controller together
+    (0: every put is answered after its commit). See docs/design.md, "Puts answered before their commit"."""
     warehouse_grace: float = 15.0
     """Controller: seconds a warehouse whose connection dropped has to rejoin before its samples are lost."""
     state_dir: str = ""
@@ -323,6 +326,7 @@ class NodeConfig:
             raise DockValueError("--spill-capacity goes with --spill-dir")
         if self.spill_dir and not self.warehouse:
             raise DockValueError("--spill-dir is a warehouse's; drop it with --no-warehouse")
+        self._check_commit_window()
         if self.data_dir and self.device_capacity:
             raise DockValueError("--data-dir does not keep the device tier's bytes; drop --device-capacity, or "
                                  "--data-dir")
@@ -344,3 +348,12 @@ class NodeConfig:
             raise DockValueError("TLS needs --tls-cert and --tls-key together (and --tls-ca only with them)")
         if self.join_timeout is not None and self.join_timeout <= 0:
             raise DockValueError(f"join timeout must be > 0 seconds, got {self.join_timeout}")
+
+    def _check_commit_window(self) -> None:
+        if not 0 <= self.commit_window <= 10:  # (NaN fails it too)
+            raise DockValueError(f"--commit-window must be between 0 and 10 seconds (0: off), got {self.commit_window}")
+        if self.commit_window and self.data_dir:
+            raise DockValueError("--commit-window answers puts before their commit, which a warehouse's --data-dir "
+                                 "does not keep yet (a restart would lose them); drop one of the two")
+        if self.commit_window and not self.warehouse:
+            raise DockValueError("--commit-window is a warehouse's; drop it with --no-warehouse")

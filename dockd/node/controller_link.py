@@ -33,6 +33,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -53,6 +54,7 @@ from dockd.net import tls
 from dockd.net.peer import Peer
 from dockd.node.dial import open_link
 from dockd.terms import CommitOutcome
+from dockd.warehouse.blocks import Blocks
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ def outcome_of(reply: pb.CommitReply) -> CommitOutcome:
     whether another warehouse holds a re-sent put's values, and where to copy the put."""
     if reply.status.code != pb.OK:
         return CommitOutcome(error=from_status(reply.status))
-    return CommitOutcome(list(reply.indexes), stored=reply.stored,
+    return CommitOutcome(list(reply.indexes), stored=reply.stored, cleared=reply.cleared,
                          replica=reply.replica if reply.HasField("replica") else None)
 
 
@@ -82,6 +84,7 @@ class _Pending:
     sent: asyncio.Future | None = None  # the request on the wire (done the moment its reply is read)
     slot: int = -1                      # its place in the CommitBatch that carried it (-1: sent alone)
     timer: asyncio.TimerHandle | None = None
+    windowed: bool = False              # its put was answered already (--commit-window): it never expires
 
 
 class ControllerLink:
@@ -94,11 +97,14 @@ class ControllerLink:
         inventory: builds the rejoin inventory (excluding the given uncommitted puts).
         on_drop: frees a partition the controller no longer has.
         grace: seconds a put waits for an unreachable controller before failing.
+        window: --commit-window: seconds the commits of puts answered before their commit wait to go
+            together (0: every put is answered after its commit).
     """
 
     def __init__(self, address: str, *, make_peer: Callable[[], Peer], registration: pb.RegisterWarehouse,
                  inventory: Callable[[list[pb.CommitRequest]], list[pb.InventoryPartition]],
-                 on_drop: Callable[[str], object], grace: float, link_tls: tls.LinkTls | None = None) -> None:
+                 on_drop: Callable[[str], object], grace: float, link_tls: tls.LinkTls | None = None,
+                 window: float = 0.0) -> None:
         host, _, port = address.rpartition(":")
         self.address, self.host, self.port = address, host, int(port)
         self.make_peer = make_peer
@@ -108,6 +114,11 @@ class ControllerLink:
         self.inventory = inventory
         self.on_drop = on_drop
         self.grace = grace
+        self.window = window
+        self.blocks = Blocks()  # blocks of new indexes this warehouse hands out (--commit-window)
+        self.grants = False     # the controller grants blocks (RegisterReply.blocks)
+        self._window: list[_Pending] = []  # commits of answered puts, waiting for the window to go
+        self._window_at: asyncio.TimerHandle | None = None
         self.peer: Peer | None = None
         self.wid = -1
         self.joined = asyncio.Event()
@@ -260,7 +271,8 @@ class ControllerLink:
             if p.timer is not None:
                 p.timer.cancel()
                 p.timer = None
-            self._resolve(p, CommitOutcome(error=e))
+            if not p.windowed:  # (an answered put's commit waits for the controller to take this warehouse back)
+                self._resolve(p, CommitOutcome(error=e))
 
     async def _register(self, peer: Peer) -> None:
         reg = pb.RegisterWarehouse()
@@ -271,10 +283,19 @@ class ControllerLink:
             reg.rejoin, reg.id = True, self.wid
             reg.pending.extend(p.req for _, p in pending)
             reg.inventory.extend(self.inventory([p.req for _, p in pending]))
+            reg.blocks.extend(sorted(set(self.blocks.ids()) | {p.req.block for _, p in pending if p.req.block}))
         reply, _ = await asyncio.wait_for(peer.request(pb.Frame(register=reg)), 60.0)
         out = reply.register_reply
         if rejoin and out.id != self.wid:
             logger.warning("[link] the controller gave this warehouse a new id old=%d new=%d", self.wid, out.id)
+            self.blocks.clear()
+        if self.window and not out.blocks and (self.grants or not rejoin):
+            logger.warning("[link] --commit-window %gs has no effect with the controller at %s: it keeps no state dir "
+                           "(--state-dir), so it grants no blocks of indexes and puts are answered after their "
+                           "commit", self.window, self.address)
+        self.grants = bool(out.blocks) and self.window > 0
+        if not self.grants:
+            self.blocks.clear()
         self.wid = out.id
         self.registration.id = out.id
         self.registration.ClearField("lost")  # (files its data dir dropped at start: told to the first answered
@@ -289,6 +310,7 @@ class ControllerLink:
                     p.timer.cancel()
                 self._resolve(p, outcome_of(res))
             self._queue.clear()  # (every commit queued before the rejoin went with it)
+            self._window.clear()
         self._out.clear()  # (what was on its way went over the connection lost)
 
     # -- commits ----------------------------------------------------------------------------------
@@ -408,7 +430,7 @@ class ControllerLink:
         self._resolve(p, CommitOutcome(error=exc) if exc is not None else outcome_of(f.result()[0].commit_reply))
 
     def _arm(self, p: _Pending) -> None:
-        if p.timer is None and not p.fut.done():
+        if p.timer is None and not p.fut.done() and not p.windowed:
             p.timer = asyncio.get_running_loop().call_later(p.limit, self._expire, p)
 
     def _expire(self, p: _Pending) -> None:
@@ -420,3 +442,46 @@ class ControllerLink:
             f"the controller at {self.address} has been unreachable for {p.limit:g}s, so this put could not be "
             "committed and was not stored; retry it once the controller is back"
         )))
+
+    # -- puts answered before their commit (--commit-window) -------------------------------------------
+    def commit_windowed(self, req: pb.CommitRequest) -> asyncio.Future:
+        """Commit an answered put's metadata in the next window (its indexes from a block: `req.block`);
+        resolves to its outcome. It waits for an absent controller as long as it takes, and is re-sent on
+        rejoin."""
+        self._seq += 1
+        req.put_id = self._seq
+        fut = asyncio.get_running_loop().create_future()
+        p = _Pending(req, fut, math.inf, windowed=True)
+        self._pending[req.put_id] = p
+        self._window.append(p)
+        if len(self._window) >= limits.MAX_COMMIT_BATCH:
+            self._release_window()
+        elif self._window_at is None:
+            self._window_at = asyncio.get_running_loop().call_later(self.window, self._release_window)
+        return fut
+
+    def _release_window(self) -> None:
+        """The window's commits go now (with the next commit message this link may send)."""
+        if self._window_at is not None:
+            self._window_at.cancel()
+            self._window_at = None
+        window, self._window = self._window, []
+        if not self.joined.is_set():
+            return  # (they wait in _pending and go with the rejoin)
+        self._queue.extend(window)
+        if self._flush_at is None:
+            self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
+
+    async def flush(self, partition: str = "") -> None:
+        """Send the window's commits now and return once every answered put's commit (of `partition`, or of
+        every partition) made so far is applied. Raises DockConnectionError if that takes longer than
+        `grace` (the controller is away: they stay and go when it is back)."""
+        futs = [p.fut for p in self._pending.values() if p.windowed and (not partition or p.req.partition == partition)]
+        if not futs:
+            return
+        self._release_window()
+        _, waiting = await asyncio.wait(futs, timeout=self.grace)
+        if waiting:
+            raise DockConnectionError(
+                f"{len(waiting)} commits of puts this warehouse answered before their commit did not reach the "
+                f"controller at {self.address} within {self.grace:g}s; they are kept and sent once it is back")

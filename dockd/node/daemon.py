@@ -266,6 +266,8 @@ class Node:
             "dump": plain(self._dump),
             "hello": plain(self._hello),
             "replicate": plain(self._replicate),
+            "flush": plain(self._flush),
+            "return_blocks": plain(self._return_blocks),
         }
         assert set(table) == WAREHOUSE_KINDS
         table.update(self.weights.handlers())  # (dockd.weights: the relay, and reads of a version's buckets)
@@ -306,6 +308,23 @@ class Node:
 
     async def _replicated(self, req: pb.ReplicateRequest) -> pb.ReplicateReply:
         return pb.ReplicateReply(nbytes=await self.replicator.serve(req))
+
+    def _flush(self, peer: Peer, frame: pb.Frame) -> None:
+        """A writer's read-your-writes (--commit-window): answered once the commits of the puts this warehouse
+        answered before their commit are applied."""
+        self._check_warehouse()
+        spawn(reply_when_done(peer, frame, self._flushed(frame.flush.partition), "flush_reply"))
+
+    async def _flushed(self, partition: str) -> pb.FlushReply:
+        await self.committer.flush(partition)
+        return pb.FlushReply()
+
+    def _return_blocks(self, peer: Peer, frame: pb.Frame) -> None:
+        self._from_controller(peer, "return_blocks")
+        spawn(reply_when_done(peer, frame, self._returned(frame.return_blocks.partition), "return_blocks_reply"))
+
+    async def _returned(self, partition: str) -> pb.ReturnBlocksReply:
+        return pb.ReturnBlocksReply(blocks=await self.committer.return_blocks(partition))
 
     def _hello(self, peer: Peer, frame: pb.Frame) -> None:
         check_protocol(frame.hello.protocol, f"the client {frame.hello.client or peer.name}")

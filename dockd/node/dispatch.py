@@ -35,11 +35,11 @@ from dockd.terms import CommitOutcome
 RequestHandler = Callable[[Peer, pb.Frame, Any, list[int]], None]
 
 CONTROLLER_KINDS = frozenset({"acquire", "confirm", "release", "extend", "clear", "stats", "register", "commit",
-                              "commits", "locate", "leave", "partition"})
-WAREHOUSE_KINDS = frozenset({"put", "fetch", "free", "measure", "dump", "hello", "replicate"})
+                              "commits", "locate", "leave", "partition", "block"})
+WAREHOUSE_KINDS = frozenset({"put", "fetch", "free", "measure", "dump", "hello", "replicate", "flush", "return_blocks"})
 WEIGHTS_KINDS = frozenset({"weights_wait", "weights_read", "weights_relay"})  # dockd.warehouse.weights
-DAEMON_KINDS = frozenset({"register", "commit", "commits", "leave", "free", "measure", "dump", "replicate",
-                          "weights_relay"})  # only daemons of this dock
+DAEMON_KINDS = frozenset({"register", "commit", "commits", "leave", "free", "measure", "dump", "replicate", "block",
+                          "weights_relay", "return_blocks"})  # only daemons of this dock
 #: Every request kind a daemon serves (the rest of the Frame's kinds are replies and the handshake's).
 SERVED_KINDS = CONTROLLER_KINDS | WAREHOUSE_KINDS | WEIGHTS_KINDS
 
@@ -113,7 +113,7 @@ def controller_handlers(ctl, *, where: str, join: str, agreement: Agreement | No
 
     def partition(peer: Peer, frame: pb.Frame) -> None:
         op = frame.partition.WhichOneof("op")
-        if op in ("save", "load"):
+        if op in ("save", "load", "seal"):  # (a seal may first take blocks of indexes back from their owners)
             spawn(reply_when_done(peer, frame, getattr(ctl, op)(frame.partition), "partition_reply"))
         else:
             peer.reply(frame, pb.Frame(partition_reply=ctl.partition(frame.partition)))
@@ -126,6 +126,7 @@ def controller_handlers(ctl, *, where: str, join: str, agreement: Agreement | No
         "extend": lambda peer, frame: peer.reply(frame, pb.Frame(extend_reply=ctl.extend(peer, frame.extend))),
         "commit": commit,
         "commits": lambda peer, frame: peer.reply(frame, pb.Frame(commits_reply=ctl.commit_batch(frame.commits))),
+        "block": lambda peer, frame: peer.reply(frame, pb.Frame(block_reply=ctl.block(peer, frame.block))),
         "stats": lambda peer, frame: peer.reply(frame, pb.Frame(stats_reply=ctl.stats())),
         "locate": lambda peer, frame: peer.reply(frame, ctl.locate(frame.locate)),
         "leave": lambda peer, frame: ctl.leave(peer, frame.leave),

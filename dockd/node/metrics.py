@@ -12,6 +12,7 @@ Series (all prefixed `dockd_`):
 
     build_info{version,controller,warehouse}            1
     put_samples_total / put_bytes_total{transport}      stored by this warehouse
+    puts_before_commit_total                            puts answered before their commit (--commit-window)
     get_samples_total / get_bytes_total{transport}      served by this warehouse
     request_seconds{op}                                 histogram: request in to reply out
     request_errors_total{op,error}                      requests answered with an error
@@ -119,6 +120,7 @@ class Metrics:
         self.spill_out_bytes = 0  # stored puts spilled to files (dockd.warehouse.spill)
         self.spill_restored_bytes = 0  # spilled puts restored into memory by a fetch
         self.spill_read_bytes = 0  # spilled puts read for a reply without restoring them
+        self.puts_before_commit = 0  # puts answered before their commit (--commit-window)
 
     def put(self, shm: bool, samples: int, nbytes: int) -> None:
         t = "shm" if shm else "tcp"
@@ -244,6 +246,8 @@ def _warehouse_families(w: WarehouseUsage, m: Metrics, device_links: int) -> Ite
                                 value=w.device_used)
         yield GaugeMetricFamily("dockd_warehouse_device_capacity_bytes", "device-tier bytes it holds",
                                 value=w.device_capacity)
+    yield CounterMetricFamily("dockd_puts_before_commit", "puts answered once stored, before their commit "
+                              "(--commit-window)", value=m.puts_before_commit)
     yield CounterMetricFamily("dockd_device_spilled_bytes", "device-run bytes stored in host memory "
                               "instead (device tier full or absent)", value=m.spilled_bytes)
     yield CounterMetricFamily("dockd_device_shared_bytes", "device-tier bytes read by same-node readers "

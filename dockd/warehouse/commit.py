@@ -16,12 +16,21 @@ them, whether the partition was cleared since):
   first (the controller made the put visible before its reply reached us)
   waits for it to land; a clear that the link delivered after the commit's
   answer marks it `cleared`, so it is answered but not stored.
+
+With --commit-window a remote committer also answers puts before their commit:
+`take` gives a put of new samples indexes from a block the warehouse holds (None:
+none now), the put is stored and answered, and `commit_windowed` sends its commit
+with the link's next window. `flush` returns once those commits are applied (a
+writer's read-your-writes), `return_blocks` gives a partition's blocks back (a
+seal's handshake). Only a put that the controller then refuses (its samples were
+cleared or deleted meanwhile) reaches its `then`, which frees what was stored.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Protocol
 
@@ -31,7 +40,10 @@ from dockd import owners
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockConnectionError
 from dockd.net.peer import Peer
+from dockd.node.tasks import spawn
 from dockd.terms import CommitOutcome
+
+logger = logging.getLogger(__name__)
 
 #: Where a committer hands a commit's outcome.
 Then = Callable[[CommitOutcome], None]
@@ -50,6 +62,19 @@ class Committer(Protocol):
 
     def cleared(self, partition: str) -> None:
         """`partition` was freed whole: puts applied before the clear must not land after it."""
+
+    def take(self, partition: str, count: int, group_size: int) -> tuple[int, np.ndarray] | None:
+        """(block id, indexes) for a put of new samples answered before its commit; None: commit it first."""
+
+    def commit_windowed(self, req: pb.CommitRequest, then: Then) -> None:
+        """Commit an answered put with the next window; `then` gets an outcome to act on (an error, or
+        `cleared`), not one of a partition cleared here since."""
+
+    async def flush(self, partition: str) -> None:
+        """Return once the commits of the puts answered before their commit (of `partition`; "": all) are applied."""
+
+    async def return_blocks(self, partition: str) -> list[int]:
+        """Take no more indexes from the partition's blocks, flush their commits; the blocks' ids."""
 
 
 class LocalCommitter:
@@ -87,6 +112,18 @@ class LocalCommitter:
     async def landed(self, partition: str, ready: Callable[[], bool]) -> None:
         return
 
+    def take(self, partition: str, count: int, group_size: int) -> tuple[int, np.ndarray] | None:
+        return None  # (a commit in this process costs no round trip)
+
+    def commit_windowed(self, req: pb.CommitRequest, then: Then) -> None:
+        raise AssertionError("take() gives no blocks: nothing is committed in a window here")
+
+    async def flush(self, partition: str) -> None:
+        return
+
+    async def return_blocks(self, partition: str) -> list[int]:
+        return []
+
     def cleared(self, partition: str) -> None:
         return
 
@@ -100,6 +137,8 @@ class RemoteCommitter:
         # partition -> [put id, cleared] of its puts waiting on the controller
         self._committing: dict[str, list[list]] = {}
         self._landing: list[asyncio.Future] = []  # fetches waiting for a put to land
+        # partition -> [cleared here] of its answered puts whose windowed commit is not answered yet
+        self._windowed: dict[str, list[list[bool]]] = {}
 
     def commit(self, req: pb.CommitRequest, limit: float, peer: Peer, then: Then) -> None:
         partition = req.partition
@@ -142,6 +181,69 @@ class RemoteCommitter:
             # A put whose commit was answered before this free (the link delivers both in order)
             # was applied before the clear: it must not land after it.
             entry[1] = entry[1] or self.link.answered(entry[0])
+        for gone in self._windowed.get(partition, ()):
+            gone[0] = True  # (freed with the partition: its outcome frees nothing, its indexes may be reused)
+        if self.link is not None:
+            self.link.blocks.drop(partition)
+
+    def take(self, partition: str, count: int, group_size: int) -> tuple[int, np.ndarray] | None:
+        """Indexes from a block of the link's (None: no block holds them now); asks for the next block
+        ahead, in the background."""
+        link = self.link
+        if link is None or not link.grants or not link.joined.is_set():
+            return None
+        got = link.blocks.take(partition, count, group_size)
+        want = link.blocks.wants(partition, count, group_size)
+        if want:
+            spawn(self._ask_block(partition, want, group_size))
+        return got
+
+    async def _ask_block(self, partition: str, count: int, group_size: int) -> None:
+        link = self.link
+        try:
+            if link.peer is None:
+                raise DockConnectionError("not connected")
+            frame = pb.Frame(block=pb.BlockRequest(partition=partition, count=count, group_size=group_size))
+            reply, _ = await asyncio.wait_for(link.peer.request(frame), link.grace)
+        except Exception as e:  # noqa: BLE001 - the next put asks again; meanwhile puts are answered after their commit
+            link.blocks.failed(partition)
+            logger.debug("[warehouse] no block of indexes for partition=%s: %s", partition, e)
+            return
+        r = reply.block_reply
+        if not r.block:
+            logger.debug("[warehouse] the controller grants no block for partition=%s now: %s", partition, r.why)
+        link.blocks.granted(partition, r.block, r.start, r.count, group_size)
+
+    def commit_windowed(self, req: pb.CommitRequest, then: Then) -> None:
+        partition = req.partition
+        gone = [False]
+        entries = self._windowed.setdefault(partition, [])
+        entries.append(gone)
+
+        def answered(f: asyncio.Future) -> None:
+            entries.remove(gone)
+            if not entries and self._windowed.get(partition) is entries:
+                del self._windowed[partition]
+            if f.cancelled():
+                return
+            res = f.result()
+            if res.cleared:  # (the controller dropped its block: the rest of it is no longer ours to hand out)
+                self.link.blocks.forget(req.block)
+            if not gone[0]:
+                then(res)
+
+        self.link.commit_windowed(req).add_done_callback(answered)
+
+    async def flush(self, partition: str) -> None:
+        if self.link is not None:
+            await self.link.flush(partition)
+
+    async def return_blocks(self, partition: str) -> list[int]:
+        if self.link is None:
+            return []
+        ids = self.link.blocks.drop(partition)
+        await self.link.flush(partition)
+        return ids
 
 
 class RoutingCommitter:
@@ -165,3 +267,18 @@ class RoutingCommitter:
 
     def cleared(self, partition: str) -> None:
         self.of(partition).cleared(partition)
+
+    def take(self, partition: str, count: int, group_size: int) -> tuple[int, np.ndarray] | None:
+        return self.of(partition).take(partition, count, group_size)
+
+    def commit_windowed(self, req: pb.CommitRequest, then: Then) -> None:
+        self.of(req.partition).commit_windowed(req, then)
+
+    async def flush(self, partition: str) -> None:
+        if partition:
+            await self.of(partition).flush(partition)
+        else:
+            await asyncio.gather(*(c.flush("") for c in self.committers))
+
+    async def return_blocks(self, partition: str) -> list[int]:
+        return await self.of(partition).return_blocks(partition)

@@ -9,7 +9,9 @@
     take     device runs (put(device="keep")) are copied into the device tier or spilled
     validate the put against its bytes, once (`_validate`): runs fit, msgpack values decode,
              explicit indexes' columns are unwritten here
-    commit   through the committer (controller in this process, or over the link)
+    commit   through the committer (controller in this process, or over the link); with
+             --commit-window a put of new samples that a block of indexes holds is stored and
+             answered first, and its commit goes with the link's next window (`_before_commit`)
     store    once the commit is answered; a put kept in memory only is answered first and
              stored right after, in the same turn of the loop (`_answer_first`)
     copy     (--replicas 2) to the warehouse the commit's answer names (`replica.Replicator`);
@@ -247,6 +249,11 @@ class PutPipeline:
         if not req.indexes:  # new samples may wait for the partition's consumers (max_pending), as long as the put may
             commit.has_timeout, commit.timeout = True, req.timeout
         put = _Put(peer, frame, buf, seg, size, dev, spilled, held, room, rest)
+        if not (req.indexes or req.replica or dev or req.resent or self.data_dir is not None):
+            taken = self.committer.take(req.partition, req.new_count, req.group_size or 1)
+            if taken is not None:
+                self._before_commit(put, commit, *taken)
+                return
         if room is not None and size >= WRITE_OFF_LOOP:
             spawn(self._write_then_commit(put, commit))
             return
@@ -263,6 +270,34 @@ class PutPipeline:
             self._fail(put, e)
             return
         self.committer.commit(commit, put.frame.put.timeout, put.peer, functools.partial(self._land, put))
+
+    def _before_commit(self, put: _Put, commit: pb.CommitRequest, block: int, idx: np.ndarray) -> None:
+        """A put of new samples given indexes from a block (--commit-window): stored, answered, and its
+        commit sent with the link's next window. A put that cannot be stored leaves a hole in the block."""
+        req = put.frame.put
+        commit.indexes.extend(idx.tolist())
+        commit.block, commit.new_count, commit.has_timeout = block, 0, False
+        try:
+            self._file(put, idx)
+        except Exception as e:  # noqa: BLE001 - the put's answer
+            self._drop(put)
+            self._fail(put, e)
+            return
+        self._answer(put, idx.tolist(), lent=put.rest is not None, uncommitted=True)
+        self.metrics.puts_before_commit += 1
+        if put.rest is not None:
+            put.rest()
+        self.committer.commit_windowed(commit, functools.partial(self._settled, req.partition, idx))
+
+    def _settled(self, partition: str, idx: np.ndarray, res: CommitOutcome) -> None:
+        """The outcome of a put answered before its commit: its values are freed if the controller did not
+        record them (its samples were cleared or deleted meanwhile, or it refused the commit)."""
+        if res.error is None and not res.cleared:
+            return
+        if res.error is not None:
+            logger.error("[warehouse] the controller refused the commit of a put answered before it partition=%s "
+                         "samples=%d: %s; its values are dropped", partition, len(idx), res.error)
+        self.admission.free(partition, idx)
 
     def _validate(self, req: pb.PutRequest, buf, size: int, dev: list, held: bool = False) -> None:
         """The put against its bytes, once they are all ours (its header was checked at admission): its
@@ -373,11 +408,11 @@ class PutPipeline:
             assert self.data_dir is not None  # (only a data dir takes room)
             self.data_dir.give_back(put.room)
 
-    def _answer(self, put: _Put, out: list[int], lent: bool = False) -> None:
+    def _answer(self, put: _Put, out: list[int], lent: bool = False, uncommitted: bool = False) -> None:
         """Answer the put, then (in the same turn: nothing runs in between) its re-sends and the metrics."""
         try:
             put.peer.reply(put.frame, pb.Frame(put_reply=pb.PutReply(indexes=out, spilled_bytes=put.spilled,
-                                                                     staging_lent=lent)))
+                                                                     staging_lent=lent, uncommitted=uncommitted)))
         finally:
             self.tokens.done(put.frame.put.token, out)
             self.metrics.put(put.peer.passes_fds, len(out), put.size + put.dev_bytes)
