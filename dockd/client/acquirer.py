@@ -42,6 +42,7 @@ class Acquirer:
         timeout = None if req.timeout < 0 else req.timeout
         at = self._router.owner(req.partition)
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._router.flush_writes(req.partition, deadline)  # (sees this client's puts answered before their commit)
         confirms = self._confirms.take(at, deadline)
         req.confirm.extend(confirms)
         used: list[Pool] = []

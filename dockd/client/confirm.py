@@ -61,7 +61,9 @@ class Confirms:
                   at: str = "") -> tuple[pb.Frame, np.ndarray, list[int]]:
         """A controller request (to the one that owns `partition`, or the one at `at`), re-sent after a
         reconnect if the connection drops. Pending confirms are delivered first, so the call sees this
-        client's own gets applied (those the flusher is sending too)."""
+        client's own gets applied (those the flusher is sending too), and so are the commits of its puts
+        answered before them (a call naming no partition: of every partition)."""
+        self._router.flush_writes(partition, deadline)
         self.flush()
         with self._lock:
             self._settle(lambda: self._sending, deadline)

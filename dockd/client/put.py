@@ -113,7 +113,13 @@ def put_request(columns: Mapping[str, Any], *, partition: str, indexes: Sequence
 def send(router: Router, put: Put, warned: set[str]) -> list[int]:
     """Send `put` to the home warehouse (re-homed and re-sent if it goes away); its indexes."""
 
+    tried: list[int] = []
+
     def attempt(wid: int, pool: Pool) -> pb.Frame:
+        # a re-send (its first answer was lost) is answered after its commit, which the put's token applies
+        # once: from a block of new indexes it could be stored twice, once under each attempt's indexes
+        put.req.resent = bool(tried)
+        tried.append(wid)
         try:
             return pool.send(pool.via.put_request(put))
         except DockConnectionError:
@@ -127,6 +133,8 @@ def send(router: Router, put: Put, warned: set[str]) -> list[int]:
             ) from None
 
     reply = router.warehouse(attempt, put.deadline)
+    if reply.put_reply.uncommitted or len(tried) > 1:  # (the next controller call on it flushes those commits)
+        router.wrote(put.req.partition, tried[-1])
     if reply.put_reply.spilled_bytes and "spill" not in warned:
         warned.add("spill")
         logger.warning("[client] put(device='keep'): %d bytes were stored in host memory: the warehouse's device "

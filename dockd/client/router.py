@@ -89,6 +89,38 @@ class Router:
         # others than the first contact, opened on first use
         self.controllers: list[str] = []
         self._others: dict[str, Pool] = {}
+        # partition -> warehouses that answered a put of ours before its commit (--commit-window), since
+        # this client's last controller call on that partition: flushed before the next (read-your-writes)
+        self._unflushed: dict[str, set[int]] = {}
+
+    def wrote(self, partition: str, wid: int) -> None:
+        """Warehouse `wid` answered a put to `partition` that may not be committed yet."""
+        with self.lock:
+            self._unflushed.setdefault(partition, set()).add(wid)
+
+    def flush_writes(self, partition: str | None, deadline: float | None = None) -> None:
+        """Before a controller call on `partition` (None: on every partition): have each warehouse that
+        answered a put of ours there before its commit apply those commits first, so that the call sees
+        them. A warehouse that cannot be reached is passed over with a warning: what it answered and did
+        not commit goes with it, as its stored values do."""
+        with self.lock:
+            if not self._unflushed:
+                return
+            if partition is None:
+                todo, self._unflushed = self._unflushed, {}
+            else:
+                wids = self._unflushed.pop(partition, None)
+                todo = {partition: wids} if wids else {}
+        for part, wids in todo.items():
+            frame = pb.Frame(flush=pb.FlushRequest(partition=part))
+            for wid in sorted(wids):
+                limit = self.reconnect_timeout if deadline is None else max(0.1, deadline - time.monotonic())
+                try:
+                    self.pool(wid).call(frame, timeout=limit)
+                except DockError as e:
+                    logger.warning("[client] warehouse %s could not apply the commits of puts it answered before "
+                                   "them (partition %r): %s; this call may not see them yet", self.address_of(wid),
+                                   part, e)
 
     @property
     def address(self) -> str:
