@@ -212,8 +212,9 @@ def one_run(address: str, ctrl: tuple[int, int], env: dict[str, str], partition:
             "commits_per_message": n / messages if messages else float("nan")}
 
 
-def run_tree(label: str, tree: str | None, r: int, shapes: list[Shape], idle_s: float) -> list[dict]:
-    """One round on fresh daemons of one tree: every shape."""
+def run_tree(label: str, tree: str | None, r: int, shapes: list[Shape], idle_s: float,
+             window: float = 0.0) -> list[dict]:
+    """One round on fresh daemons of one tree (warehouses with --commit-window `window`): every shape."""
     from dockd.local import spawn_node
 
     env = child_env(tree)
@@ -227,7 +228,8 @@ def run_tree(label: str, tree: str | None, r: int, shapes: list[Shape], idle_s: 
             address = f"127.0.0.1:{ready['port']}"
             for _ in range(2):
                 procs.append(spawn_node(["--host", "127.0.0.1", "--port", "0", "--join", address,
-                                         "--capacity", "2GiB", "--log-level", "WARNING"], env=env)[0])
+                                         "--capacity", "2GiB", "--log-level", "WARNING",
+                                         *(["--commit-window", str(window)] if window else [])], env=env)[0])
             so = compiled_modules(c.pid, str(Path(tree or REPO_ROOT).resolve()))
             idle = idle_cpu_ms_per_s(c.pid, idle_s)
             for i, shape in enumerate(shapes):
@@ -287,7 +289,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="how long the controller's idle CPU is measured before each tree's runs")
     p.add_argument("--tree", action="append", default=[], metavar="LABEL=DIR",
                    help="run daemons and workers with DIR first on PYTHONPATH (repeatable; default: this checkout)")
+    p.add_argument("--window", default="0", metavar="SECONDS,...",
+                   help="the warehouses' --commit-window, comma-separated: each tree runs with each (0: off)")
     args = p.parse_args(argv)
+    windows = [float(x) for x in args.window.split(",") if x]
     trees: list[tuple[str, str | None]] = [(t.split("=", 1)[0], t.split("=", 1)[1]) if "=" in t else (t, t)
                                            for t in args.tree] or [("checkout", None)]
     for label, tree in trees:
@@ -300,21 +305,25 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [Shape(args.trajectories, pf, rate, not args.whole, args.writers) for rate in rates for pf in values]
     runs = []
     loads = []
+    if len(windows) > 1 or windows[0]:  # (each tree once per window: labelled "TREE w=SECONDS")
+        runs_of = [(f"{label} w={w:g}", tree, w) for label, tree in trees for w in windows]
+    else:
+        runs_of = [(label, tree, 0.0) for label, tree in trees]
     for r in range(args.rounds):
-        for label, tree in trees:
+        for label, tree, w in runs_of:
             with open("/proc/loadavg") as f:
                 loads.append(f.read().split()[0])
-            runs += run_tree(label, tree, r, shapes, args.idle_seconds)
+            runs += run_tree(label, tree, r, shapes, args.idle_seconds, w)
     print(f"\nN = {args.trajectories} trajectories per run, {args.rounds} rounds, trainer gets of "
           f"{'exactly 8' if args.whole else 'up to 8 (allow_partial)'}, loadavg (1 min) at each start "
           f"{', '.join(loads)}")
-    for label, tree in trees:
+    for label, tree, _ in runs_of:
         mine = [x for x in runs if x["tree"] == label]
         so = sorted({x["controller_compiled_modules"] for x in mine})
         idle = sorted({round(x["idle_ms_per_s"], 2) for x in mine})
         print(f"tree {label}: {tree or REPO_ROOT}, dockd extension files mapped by the controller: {so}, "
               f"its idle CPU ms/s: {idle}")
-    print("\n".join(table(runs, [t[0] for t in trees], values, rates)))
+    print("\n".join(table(runs, [t[0] for t in runs_of], values, rates)))
     return 0
 
 
