@@ -21,7 +21,7 @@ import numpy as np
 MIN_BLOCK = 64
 """Indexes a block holds at least."""
 MAX_BLOCK = 4096
-"""... and at most (unless one put needs more)."""
+"""... and at most (a put of more gets a block of its own size)."""
 PUTS_PER_BLOCK = 16
 """A block holds this many puts of the size that asked for it (within MIN_BLOCK and MAX_BLOCK)."""
 REFUSED_BACKOFF_S = 1.0
@@ -69,7 +69,7 @@ class Blocks:
         controller refused one a moment ago); marks the request as on its way."""
         if partition in self._asking or self._clock() < self._refused.get(partition, 0.0):
             return 0
-        size = min(MAX_BLOCK, max(MIN_BLOCK, count * PUTS_PER_BLOCK, count))
+        size = max(count, min(MAX_BLOCK, max(MIN_BLOCK, count * PUTS_PER_BLOCK)))
         size = -(-size // group_size) * group_size
         left = sum(b.left for b in self._open.get(partition, ()) if b.group_size == group_size)
         if left >= count and left * 2 > size:
