@@ -125,3 +125,41 @@ def test_a_commit_window_a_warehouse_cannot_keep_is_refused_at_start(tmp_path, e
                           text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert proc.returncode != 0
     assert needle in proc.stderr
+
+
+def test_a_killed_warehouse_takes_what_it_answered_with_it_and_its_blocks_end(tmp_path):
+    """Without a data dir a warehouse's uncommitted answers die with it, as its stored values do; the
+    rest of its blocks is deleted once the controller declares it lost, so a seal then goes through."""
+    ctrl, ready = spawn_node(["--controller", "--no-warehouse", "--port", "0", "--state-dir", str(tmp_path / "s"),
+                              "--warehouse-grace", "1"])
+    address = f"127.0.0.1:{ready['port']}"
+    procs = [ctrl]
+    try:
+        wh, wready = spawn_node(["--join", address, "--port", "0", "--capacity", "1GiB", "--metrics-port", "0",
+                                 "--commit-window", "8"])
+        procs.append(wh)
+        with dockd.connect(address) as d:
+            ids = _put_until_uncommitted(d, "lost", wready["metrics_port"])
+        wh.kill()
+        wh.wait(20)
+        other, _ = spawn_node(["--join", address, "--port", "0", "--capacity", "1GiB"])  # (a dock needs one)
+        procs.append(other)
+        with dockd.connect(address) as d:
+            def sealed() -> bool:
+                try:
+                    d.seal("lost")
+                except dockd.DockError:
+                    return False  # (the owner is away, not yet declared lost: the seal names it)
+                return True
+            wait_until(sealed, timeout=60, what="a seal once the killed owner is declared lost")
+            p = d.stats()["partitions"]["lost"]
+            assert p["sealed"]
+            # what is left: the samples committed before the kill (every put but the last); the block's
+            # unwritten rest, and the answered put it never committed, were deleted with it
+            assert p["samples"] - p["deleted"] == len(ids) - 1 == p["columns"]["id"]
+    finally:
+        for proc in reversed(procs):
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(20)
+            proc.stdout.close()
