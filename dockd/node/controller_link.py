@@ -176,13 +176,23 @@ class ControllerLink:
             self.peer.send(pb.Frame(leave=pb.LeaveRequest(id=self.wid), oneway=True))
         if self._task is not None:
             self._task.cancel()
+        if self._window_at is not None:
+            self._window_at.cancel()
+        early = 0
         for p in self._pending.values():
             if p.timer is not None:
                 p.timer.cancel()
-            if not p.fut.done():
+            if p.windowed:  # (answered already: it goes with the warehouse's values, nothing to answer)
+                early += not p.fut.done()
+                p.fut.cancel()
+            elif not p.fut.done():
                 p.fut.set_result(CommitOutcome(error=DockConnectionError("the warehouse is shutting down")))
+        if early:
+            logger.warning("[link] %d puts answered before their commit were not committed to the controller at %s: "
+                           "they go with this warehouse's values", early, self.address)
         self._pending.clear()
         self._queue.clear()
+        self._window.clear()
 
     def connection_lost(self, peer: Peer) -> None:
         if peer is self.peer:
@@ -290,9 +300,8 @@ class ControllerLink:
             logger.warning("[link] the controller gave this warehouse a new id old=%d new=%d", self.wid, out.id)
             self.blocks.clear()
         if self.window and not out.blocks and (self.grants or not rejoin):
-            logger.warning("[link] --commit-window %gs has no effect with the controller at %s: it keeps no state dir "
-                           "(--state-dir), so it grants no blocks of indexes and puts are answered after their "
-                           "commit", self.window, self.address)
+            logger.warning("[link] --commit-window %gs: the controller at %s grants no blocks of indexes (no --state-dir, "
+                           "or --replicas 2): puts are answered after their commit", self.window, self.address)
         self.grants = bool(out.blocks) and self.window > 0
         if not self.grants:
             self.blocks.clear()
@@ -472,16 +481,9 @@ class ControllerLink:
         if self._flush_at is None:
             self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
 
-    async def flush(self, partition: str = "") -> None:
-        """Send the window's commits now and return once every answered put's commit (of `partition`, or of
-        every partition) made so far is applied. Raises DockConnectionError if that takes longer than
-        `grace` (the controller is away: they stay and go when it is back)."""
+    def windowed(self, partition: str) -> list[asyncio.Future]:
+        """The outcomes of the commits of answered puts (of `partition`; "": all) not applied yet; they go now."""
         futs = [p.fut for p in self._pending.values() if p.windowed and (not partition or p.req.partition == partition)]
-        if not futs:
-            return
-        self._release_window()
-        _, waiting = await asyncio.wait(futs, timeout=self.grace)
-        if waiting:
-            raise DockConnectionError(
-                f"{len(waiting)} commits of puts this warehouse answered before their commit did not reach the "
-                f"controller at {self.address} within {self.grace:g}s; they are kept and sent once it is back")
+        if futs:
+            self._release_window()
+        return futs

@@ -235,14 +235,21 @@ class RemoteCommitter:
         self.link.commit_windowed(req).add_done_callback(answered)
 
     async def flush(self, partition: str) -> None:
-        if self.link is not None:
-            await self.link.flush(partition)
+        link = self.link
+        futs = [] if link is None else link.windowed(partition)
+        if not futs:
+            return
+        _, waiting = await asyncio.wait(futs, timeout=link.grace)
+        if waiting:
+            raise DockConnectionError(
+                f"{len(waiting)} commits of puts this warehouse answered before their commit did not reach the "
+                f"controller at {link.address} within {link.grace:g}s; they are kept and sent once it is back")
 
     async def return_blocks(self, partition: str) -> list[int]:
         if self.link is None:
             return []
         ids = self.link.blocks.drop(partition)
-        await self.link.flush(partition)
+        await self.flush(partition)
         return ids
 
 
