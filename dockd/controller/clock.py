@@ -17,6 +17,9 @@ from collections.abc import Callable
 
 Clock = Callable[[], float]
 
+LATE = 0.001
+"""Seconds a timer's loop timer is set past its time (see `Timers._arm`)."""
+
 
 class Timer:
     __slots__ = ("when", "seq", "fn", "args", "handle", "_timers")
@@ -59,7 +62,9 @@ class Timers:
             ran += 1
 
     def _arm(self, t: Timer) -> None:
-        t.handle = asyncio.get_running_loop().call_later(max(0.0, t.when - self.clock()), self._fire, t)
+        # (LATE: uvloop keeps its time in whole milliseconds and fires timers up to 1 ms before the clock
+        # gets there; each such timer woke the loop twice, half of an idle controller's wake-ups)
+        t.handle = asyncio.get_running_loop().call_later(max(0.0, t.when - self.clock()) + LATE, self._fire, t)
 
     def _fire(self, t: Timer) -> None:
         if t not in self._pending:
