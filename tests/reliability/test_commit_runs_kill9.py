@@ -4,7 +4,12 @@ one warehouse, so its link carries several commits per message and the controlle
 journaled as one record each (`M` for new samples, `I` for column writes); the controller (with a state
 dir, no warehouse of its own) is SIGKILLed and started again four times meanwhile. Every acknowledged put
 and column write must come out exactly once with its own value; one that raised may come out once or not
-at all; nothing else comes. Real `dockd serve` processes on loopback."""
+at all; nothing else comes. Real `dockd serve` processes on loopback.
+
+The same with the warehouse started with `--commit-window 0.05`: it answers each put once stored, with
+indexes from blocks the controller granted ahead, and sends their commits in windows, so windows of answered
+puts wait for the restarted controller and go with the warehouse's rejoin (a column write by index, answered
+after its commit, may reach the controller before its sample's windowed commit)."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch
 import dockd
 from dockd.controller.records import read
 from dockd.local import read_ready
+from tests.conftest import scrape, value
 
 pytestmark = pytest.mark.slow
 
@@ -43,13 +49,15 @@ def _kill(p: subprocess.Popen) -> None:
         p.stdout.close()
 
 
-def test_every_acknowledged_put_comes_out_once_while_runs_of_commits_meet_controller_kills(tmp_path):
+@pytest.mark.parametrize("window", [0.0, 0.05], ids=["answered-after-commit", "commit-window"])
+def test_every_acknowledged_put_comes_out_once_while_runs_of_commits_meet_controller_kills(tmp_path, window):
     state = str(tmp_path / "state")
     log = open(tmp_path / "daemons.log", "ab")  # noqa: SIM115 - closed below
     ctrl_args = ["--controller", "--no-warehouse", "--state-dir", state, "--warehouse-grace", "60"]
     ctrl, ready = _spawn([*ctrl_args, "--port", "0"], log)
     address = f"127.0.0.1:{ready['port']}"
-    wh, _ = _spawn(["--join", address, "--capacity", "1GiB", "--port", "0"], log)
+    wh, wready = _spawn(["--join", address, "--capacity", "1GiB", "--port", "0", "--metrics-port", "0",
+                         "--commit-window", str(window)], log)
     acked: dict[int, int] = {}  # id -> index
     raised: set[int] = set()
     written: set[int] = set()  # ids whose column "r" was written (acknowledged)
@@ -98,7 +106,12 @@ def test_every_acknowledged_put_comes_out_once_while_runs_of_commits_meet_contro
         assert not any(t.is_alive() for t in threads)
         kinds = [rec[0] for name in sorted(os.listdir(state)) if name.startswith("journal-")
                  for rec, _ in read(tmp_path / "state" / name)]
-        assert "M" in kinds and "I" in kinds, "no run of commits of each kind was journaled after the last restart"
+        early = value(scrape(wready["metrics_port"]), "dockd_puts_before_commit_total")
+        if window:
+            assert early > len(acked) / 2, f"only {early} of {len(acked)} puts were answered before their commit"
+        else:
+            assert early == 0
+            assert "M" in kinds and "I" in kinds, "no run of commits of each kind was journaled after the last restart"
         got: dict[int, int] = {}
         with dockd.connect(address) as d:
             while True:  # (until nothing more comes: a put that raised may have come too)
