@@ -103,9 +103,9 @@ class Router:
         answered a put of ours there before its commit apply those commits first, so that the call sees
         them. A warehouse that cannot be reached is passed over with a warning: what it answered and did
         not commit goes with it, as its stored values do."""
+        if not self._unflushed:  # (every controller call passes here: no lock when there is nothing to flush)
+            return
         with self.lock:
-            if not self._unflushed:
-                return
             if partition is None:
                 todo, self._unflushed = self._unflushed, {}
             else:

@@ -275,7 +275,8 @@ class PutPipeline:
         """A put of new samples given indexes from a block (--commit-window): stored, answered, and its
         commit sent with the link's next window. A put that cannot be stored leaves a hole in the block."""
         req = put.frame.put
-        commit.indexes.extend(idx.tolist())
+        out = idx.tolist()
+        commit.indexes.extend(out)
         commit.block, commit.new_count, commit.has_timeout = block, 0, False
         try:
             self._file(put, idx)
@@ -283,7 +284,7 @@ class PutPipeline:
             self._drop(put)
             self._fail(put, e)
             return
-        self._answer(put, idx.tolist(), lent=put.rest is not None, uncommitted=True)
+        self._answer(put, out, lent=put.rest is not None, uncommitted=True)
         self.metrics.puts_before_commit += 1
         if put.rest is not None:
             put.rest()
