@@ -20,20 +20,52 @@ reordering) moves partitions to other owners, so it must stay the same across
 restarts of a dock whose controllers keep state. Daemons and clients compare it
 whenever they meet (`differs`), and a dock whose controllers disagree refuses
 service (dockd.controller.agreement) rather than split.
+
+A hot partition (one async-RL stream of the whole cluster) can be spread over
+several controllers: ``--shards NAME=S`` on every controller makes partition
+NAME the union of S shards, each an ordinary partition named
+``shard_name(NAME, k, S)`` and owned by the controller after NAME's own by k
+places, so S <= K shards land on S different controllers. The shards are part
+of the dock's identity as the list is (compared with it). Clients do the
+spreading (dockd.client.shards); daemons only route each shard to its owner.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from dockd.errors import DockValueError
 
+SHARD_MARK = "~shard-"
+"""What separates a spread partition's name from its shard's place in a shard's name."""
+
+
+def shard_name(partition: str, k: int, count: int) -> str:
+    """The name of shard k (of `count`) of spread partition `partition`."""
+    return f"{partition}{SHARD_MARK}{k}-of-{count}"
+
+
+def shard_of(name: str) -> tuple[str, int, int] | None:
+    """(partition, k, count) when `name` is a shard's name (`shard_name`), else None."""
+    at = name.rfind(SHARD_MARK)
+    if at <= 0:
+        return None
+    k, sep, count = name[at + len(SHARD_MARK):].partition("-of-")
+    if not sep or not k.isdigit() or not count.isdigit() or int(k) >= int(count):
+        return None
+    return name[:at], int(k), int(count)
+
 
 def owner_index(partition: str, count: int) -> int:
-    """Index, among `count` controllers, of the one that owns `partition` (0 when there is one)."""
+    """Index, among `count` controllers, of the one that owns `partition` (0 when there is one).
+    Shard k of a spread partition: k places after the one that owns the spread partition's name."""
     if count <= 1:
         return 0
+    if SHARD_MARK in partition:
+        shard = shard_of(partition)
+        if shard is not None:
+            return (owner_index(shard[0], count) + shard[1]) % count
     digest = hashlib.blake2b(partition.encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "little") % count
 
@@ -51,6 +83,41 @@ def parse(text: str) -> tuple[str, ...]:
     if len(set(out)) != len(out):
         raise DockValueError(f"--controllers names an address twice: {','.join(out)}")
     return tuple(out)
+
+
+def parse_shards(text: str, controllers: int) -> dict[str, int]:
+    """--shards NAME=S,NAME=S,...: each spread partition and its shard count, checked against the
+    number of controllers (every shard on another one: 2 <= S <= that number)."""
+    out: dict[str, int] = {}
+    for item in text.split(","):
+        item = item.strip()
+        name, sep, count = item.rpartition("=")
+        if not sep or not name or not count.isdigit():
+            raise DockValueError(f"--shards: {item!r} is not NAME=COUNT (e.g. --shards rollouts=4: partition "
+                                 "'rollouts' spread over 4 controllers; the same on every controller)")
+        if SHARD_MARK in name:
+            raise DockValueError(f"--shards: partition name {name!r} holds {SHARD_MARK!r}, which names shards")
+        if name in out:
+            raise DockValueError(f"--shards names partition {name!r} twice")
+        if not 2 <= int(count) <= controllers:
+            raise DockValueError(f"--shards {item}: a partition is spread over 2 to {controllers} shards with "
+                                 f"{controllers} controllers (--controllers), one shard per controller")
+        out[name] = int(count)
+    return out
+
+
+def shard_names(shards: Mapping[str, int]) -> list[str]:
+    """The spread partitions as they travel and are compared: "name=count", sorted by name."""
+    return [f"{name}={count}" for name, count in sorted(shards.items())]
+
+
+def shards_from(names: Sequence[str]) -> dict[str, int]:
+    """The spread partitions from their wire form (`shard_names`)."""
+    out = {}
+    for item in names:
+        name, _, count = item.rpartition("=")
+        out[name] = int(count)
+    return out
 
 
 def own_index(controllers: Sequence[str], host: str, port: int, advertise: str = "") -> int:
