@@ -140,8 +140,14 @@ def differs(mine: Sequence[str], theirs: Sequence[str]) -> bool:
     return tuple(mine) != tuple(theirs)
 
 
-def disagreement(mine: Sequence[str], mine_where: str, theirs: Sequence[str], theirs_where: str) -> str:
-    """What a refusal says: both lists, and the fix."""
+def disagreement(mine: Sequence[str], mine_where: str, theirs: Sequence[str], theirs_where: str,
+                 my_shards: Sequence[str] = (), their_shards: Sequence[str] = ()) -> str:
+    """What a refusal says: both lists (and spread partitions, when those differ), and the fix."""
+    if not differs(mine, theirs) and list(my_shards) != list(their_shards):
+        return (f"the dock's controllers disagree on its spread partitions: {mine_where} has --shards "
+                f"{','.join(my_shards) or '(none)'}, {theirs_where} has {','.join(their_shards) or '(none)'}. "
+                "Every controller needs the same --shards (it decides which controller owns each shard): restart "
+                "the one that is wrong with the right --shards; the dock refuses service until they agree")
     return (f"the dock's daemons disagree on its controllers: {mine_where} has --controllers "
             f"{','.join(mine) or '(none: one controller)'}, {theirs_where} has "
             f"{','.join(theirs) or '(none: one controller)'}. Every controller needs the same list in the same "

@@ -88,6 +88,7 @@ class Router:
         # several controllers (dockd.owners): every one's address in the dock's order, and the pools to the
         # others than the first contact, opened on first use
         self.controllers: list[str] = []
+        self.shards: dict[str, int] = {}  # spread partitions (--shards) -> their shard counts
         self._others: dict[str, Pool] = {}
         # partition -> warehouses that answered a put of ours before its commit (--commit-window), since
         # this client's last controller call on that partition: flushed before the next (read-your-writes)
@@ -169,7 +170,8 @@ class Router:
         conn = pool.get(deadline - time.monotonic())
         try:
             reply, _, _ = conn.call(pb.Frame(hello=pb.Hello(client=self.name, protocol=wire.PROTOCOL_VERSION,
-                                                            controllers=self.controllers)),
+                                                            controllers=self.controllers,
+                                                            shards=owners.shard_names(self.shards))),
                                     timeout=max(0.001, deadline - time.monotonic()))
         except BaseException:
             pool.discard(conn)
@@ -179,10 +181,11 @@ class Router:
         wire.check_protocol(hello.protocol, f"dockd at {pool.address}")
         if hello.disagreement:  # the dock's controllers were started with different lists: it refuses service
             raise DockConfigError(hello.disagreement)
-        if hello.hosts_controller and self.controllers and owners.differs(self.controllers, hello.controllers):
+        if hello.hosts_controller and self.controllers and (owners.differs(self.controllers, hello.controllers)
+                                                            or owners.shard_names(self.shards) != list(hello.shards)):
             raise DockConfigError(owners.disagreement(
                 self.controllers, f"the controller this client reached first ({self.address})", hello.controllers,
-                f"the controller at {pool.address}"))
+                f"the controller at {pool.address}", owners.shard_names(self.shards), hello.shards))
         return hello
 
     def _hello_here(self, pool: Pool, timeout: float | None = None) -> tuple[Pool, pb.HelloReply]:
@@ -211,6 +214,7 @@ class Router:
             self._replace_ctrl(better)
         if hello.controllers:
             self.controllers = list(hello.controllers)
+            self.shards = owners.shards_from(hello.shards)
         self.replicas = hello.replicas or 1
         fresh = {w.id: w for w in hello.warehouses}
         with self.lock:
