@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.client import validate
+from dockd.client import spread_calls, validate
 from dockd.client.acquirer import Acquirer
 from dockd.client.ahead import Ahead
 from dockd.client.batch import Batch
@@ -26,6 +26,7 @@ from dockd.client.lease import Lease
 from dockd.client.options import GetOptions
 from dockd.client.router import Router
 from dockd.client.scope import CallScope
+from dockd.client.spread import of
 from dockd.errors import DockClosed, DockTypeError, DockValueError
 
 FETCH_MIN_S = 1.0
@@ -82,17 +83,24 @@ class Getter:
         return batch
 
     def read(self, partition: str, indexes: Sequence[int], columns: Sequence[str]) -> Batch:
-        """Dock.read: the samples located by the controller that owns the partition, then fetched."""
+        """Dock.read: the samples located by the controller that owns the partition, then fetched.
+        A spread partition's are read from each shard they name (dockd.client.spread_calls.read)."""
         validate.check_partition(partition)
         if isinstance(columns, str) or not columns:
             raise DockTypeError(f"columns must be a non-empty list of column names, got {columns!r}")
         idx = validate.int_list("indexes", indexes)
         if not idx:
             raise DockValueError("indexes is empty")
+        spread = of(self._router.shards, partition) if self._router.shards else None
+        if spread is not None:
+            return Batch(partition, idx, spread_calls.read(spread, idx, lambda name, local: self._read(name, local, columns)))
+        return Batch(partition, idx, self._read(partition, idx, columns))
+
+    def _read(self, partition: str, idx: list[int], columns: Sequence[str]) -> dict[str, Any]:
+        """The values of samples `idx` of an ordinary partition (lazily decoded runs or lists, by column)."""
         req = pb.LocateRequest(partition=partition, indexes=idx, columns=list(columns))
         reply, _, _ = self._confirms.ctrl_call(pb.Frame(locate=req), partition=partition)
         loc = reply.locate_reply
         self._router.learn(loc.warehouses)
         locs = np.asarray(loc.locations, dtype=np.int64).reshape(len(columns), len(idx))
-        values = self._fetcher.fetch(Lease(0, partition, list(columns), idx, locs), lazy=True)
-        return Batch(partition, idx, values)
+        return self._fetcher.fetch(Lease(0, partition, list(columns), idx, locs), lazy=True)
