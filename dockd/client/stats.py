@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dockd import owners
 from dockd._proto import dockd_pb2 as pb
 from dockd.client.router import Router
 from dockd.errors import DockError
@@ -50,17 +51,68 @@ def _partition(p: pb.PartitionStats) -> dict[str, Any]:
     }
 
 
+_SUMMED = ("samples", "deleted", "pending", "stale", "stale_retired", "paced_puts", "replicated",
+           "under_replicated", "max_pending")
+"""A spread partition's numbers that are its shards' summed (max_pending: each shard's is a share of it)."""
+
+
+def _summed(entries: list[dict[str, int]]) -> dict[str, int]:
+    """Per key (consumer, column), the entries' values summed."""
+    out: dict[str, int] = {}
+    for entry in entries:
+        for key, n in entry.items():
+            out[key] = out.get(key, 0) + n
+    return out
+
+
+def _spread(shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """A spread partition's entry from its shards' (those that exist): numbers summed, consumers and
+    columns merged (their counts summed), sealed when every shard is, recovered when any is, the
+    trainer's version the newest; its options are the first shard's (create_partition sets them on all).
+    A consumer's depth on a shard it never asked is that shard's samples not deleted (reserved ones
+    not yet written included)."""
+    first = shards[0]
+    consumers: dict[str, dict[str, int]] = {}
+    for shard in shards:
+        for name, c in shard["consumers"].items():
+            consumers[name] = _summed([consumers.get(name, {}), c])
+    out = {**first, **{key: sum(shard[key] or 0 for shard in shards) for key in _SUMMED},
+           "columns": _summed([shard["columns"] for shard in shards]),
+           "consumers": consumers,
+           "depth": {name: sum(shard["depth"].get(name, shard["samples"] - shard["deleted"]) for shard in shards)
+                     for name in consumers},
+           "pending_by": dict(sorted(_summed([shard["pending_by"] for shard in shards]).items(),
+                                     key=lambda kv: (-kv[1], kv[0]))),
+           "sealed": all(shard["sealed"] for shard in shards),
+           "recovered": any(shard["recovered"] for shard in shards),
+           "tags": list(dict.fromkeys(t for shard in shards for t in shard["tags"])),
+           "version": max(shard["version"] for shard in shards),
+           "controller": [shard["controller"] for shard in shards]}
+    out["max_pending"] = out["max_pending"] or None
+    return out
+
+
 def stats(replies: dict[str, pb.StatsReply], router: Router, *, traffic: bool,
           connect_timeout: float) -> dict[str, Any]:
     """The dict Dock.stats returns, from each controller's reply (by its address): each partition
     from the controller that owns it (named in its "controller"), the warehouses as the first
     controller sees them (every controller knows each warehouse; it numbers them), gets waiting
-    summed over the controllers."""
+    summed over the controllers.
+
+    A spread partition (--shards) is listed under its own name, summed over its shards ("shards":
+    their names; "controller": the list of their controllers), and each shard under its own name as
+    an ordinary partition; the top-level "samples" counts each sample once."""
     first = next(iter(replies.values()))
     parts = {}
     for address, s in replies.items():
         for p in s.partitions:
             parts[p.name] = {**_partition(p), "controller": address}
+    samples = sum(p["samples"] for p in parts.values())
+    for name, count in router.shards.items():
+        names = [owners.shard_name(name, k, count) for k in range(count)]
+        there = [parts[n] for n in names if n in parts]
+        if there:
+            parts[name] = {**_spread(there), "shards": names}
     whs = {
         w.id: {"address": f"{w.host}:{w.port}", "alive": w.alive, "state": w.state or "joined",
                "capacity": w.capacity, "bytes": w.used}
@@ -99,7 +151,7 @@ def stats(replies: dict[str, pb.StatsReply], router: Router, *, traffic: bool,
         "controller": router.address,
         "transport": router.ctx.config.transport,
         "controllers": list(replies),
-        "samples": sum(p["samples"] for p in parts.values()),
+        "samples": samples,
         "bytes": sum(w["bytes"] for w in whs.values()),
         "waiting": sum(s.waiting for s in replies.values()),
         "partitions": parts,
