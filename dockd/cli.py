@@ -70,13 +70,14 @@ def _setup_logging(level: str, fmt: str = "text") -> None:
 
 def _serve(args) -> int:
     from dockd import owners
-    from dockd.config import NodeConfig, parse_size
+    from dockd.config import NodeConfig, parse_shards, parse_size
     from dockd.node.daemon import serve
 
+    controllers = owners.parse(args.controllers) if args.controllers else ()
     cfg = NodeConfig(
         host=args.host, port=args.port, grpc_port=args.grpc_port, advertise=args.advertise,
         controller=args.controller, warehouse=not args.no_warehouse, join=args.join or "",
-        controllers=owners.parse(args.controllers) if args.controllers else (),
+        controllers=controllers, shards=parse_shards(args.shards or "", args.controller, controllers),
         capacity=parse_size(args.capacity), device_capacity=parse_size(args.device_capacity), lease_timeout=args.lease_timeout, shm=not args.no_shm,
         state_dir=args.state_dir or "", data_dir=args.data_dir or "", drop_damaged_files=args.drop_damaged_files,
         spill_dir=args.spill_dir or "", spill_capacity=parse_size(args.spill_capacity), join_timeout=args.join_timeout, controller_grace=args.controller_grace,
@@ -176,6 +177,10 @@ SERVE_OPTIONS: tuple[tuple[str, dict, str], ...] = (
     ("--controllers", {"metavar": "HOST:PORT,..."},
      "with --controller: every controller of the dock, this one's address among them, the same "
      "list on each; partitions are spread over them (warehouses --join any one)"),
+    ("--shards", {"metavar": "NAME=S[,NAME=S...]"},
+     "with --controllers: spread partition NAME over S of the controllers (2 <= S <= their number), "
+     "S ordinary partitions NAME~shard-k-of-S that clients put to and get from as one; the same "
+     "on every controller (warehouses learn it when they join)"),
     ("--capacity", {"default": "8GiB"}, "bytes this warehouse holds before puts wait (default 8GiB)"),
     ("--device-capacity", {"default": "0"},
      "bytes of accelerator memory the device tier holds for put(device='keep'), all of this "

@@ -162,6 +162,25 @@ class ClientConfig:
         )
 
 
+def shards_need(controller: bool, controllers: tuple[str, ...]) -> None:
+    """--shards is the controllers' (all of them, the same): refuse it on a node that is not one of several."""
+    if not controller:
+        raise DockValueError("--shards goes with --controller: a warehouse learns the dock's spread partitions from "
+                             "the controller it joins; drop --shards here and give it to every controller")
+    if not controllers:
+        raise DockValueError("--shards spreads a partition over several controllers: give every controller "
+                             "--controllers HOST:PORT,... (at least as many as the largest shard count) and the "
+                             "same --shards")
+
+
+def parse_shards(text: str, controller: bool, controllers: tuple[str, ...]) -> dict[str, int]:
+    """`dockd serve --shards TEXT` with these --controller / --controllers: the spread partitions, checked."""
+    if not text:
+        return {}
+    shards_need(controller, controllers)
+    return owners.parse_shards(text, len(controllers))
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class NodeConfig:
     host: str = "127.0.0.1"
@@ -182,6 +201,10 @@ class NodeConfig:
     controllers: tuple[str, ...] = ()
     """Controller: every controller's host:port, this one's among them, the same list on each
     (several controllers share the metadata: dockd.owners); empty: this is the dock's only one."""
+    shards: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Controller with controllers: partitions spread over several controllers (--shards NAME=S): each is S
+    ordinary partitions, its shards (dockd.owners.shard_name), on S different controllers; the same on every
+    controller. A request naming NAME itself is refused (clients spread it). Warehouses learn it at join."""
     capacity: int = 8 << 30
     """Bytes this warehouse holds before puts wait (backpressure)."""
     device_capacity: int = 0
@@ -308,6 +331,10 @@ class NodeConfig:
                 raise DockValueError("--controllers needs a fixed --port: the other daemons find this controller "
                                      "at the address the list gives")
             owners.own_index(self.controllers, self.host, self.port, self.advertise)
+        if self.shards:
+            shards_need(self.controller, self.controllers)
+            for name, count in self.shards.items():  # (checked as --shards is: 2 <= count <= controllers)
+                owners.parse_shards(f"{name}={count}", len(self.controllers))
         if self.replicas not in (1, 2):
             raise DockValueError(f"--replicas is 1 or 2 (warehouses holding each value), got {self.replicas}")
         if self.replicas != 1 and not self.controller:
