@@ -29,8 +29,8 @@ from typing import Any, Literal, overload
 from dockd._proto import dockd_pb2 as pb
 from dockd._ray.query import home_for
 from dockd.client import put as puts
+from dockd.client import spread_io, validate
 from dockd.client import stats as stats_
-from dockd.client import validate
 from dockd.client.acquirer import Acquirer
 from dockd.client.batch import Batch
 from dockd.client.confirm import Confirms
@@ -41,6 +41,7 @@ from dockd.client.options import GetOptions
 from dockd.client.partition_calls import PartitionCalls
 from dockd.client.router import Router
 from dockd.client.scope import CallScope
+from dockd.client.spread import Spread
 from dockd.config import ClientConfig, client_transport, env
 from dockd.errors import DockValueError
 from dockd.net import auth, wire
@@ -179,7 +180,8 @@ class Dock(PartitionCalls):
         raises DockTimeout; it was not acknowledged, and is applied once if the dock finishes it. `tags`: integer tags of these samples, such as
         ``{"age": 0}`` (one value for all, or a list with one per sample), that
         gets can filter (`where`) and order (`order_by`) by; `set_tags` changes
-        them later.
+        them later. On a spread partition (--shards) new samples go to this client's home shard
+        (dockd.client.spread_io) and `indexes` must all name one shard (index % S).
 
         `version`: the policy version (an int >= 0) that produced these samples: the reserved tag
         "version" (a sample put without one counts as version 0). Gets with a staleness bound
@@ -195,12 +197,12 @@ class Dock(PartitionCalls):
         stored in host memory (spilled: logged, counted in the metric
         dockd_device_spilled_bytes_total). Other columns are put as usual.
         """
-        put, tensors = puts.put_request(columns, partition=partition, indexes=indexes, group_size=group_size,
-                                        timeout=timeout, tags=tags, device=device, version=version)
-        try:
-            return puts.send(self._router, put, self._warned)
-        finally:
-            del tensors  # referenced until the put is answered: the warehouse copies out of them
+        spread = self._spread(partition)
+        if spread is not None:  # (new samples to this client's home shard; `indexes` to the shard they name)
+            return spread_io.put(self._router, self._warned, spread, columns, indexes=indexes, group_size=group_size,
+                                 timeout=timeout, tags=tags, device=device, version=version)
+        return puts.put(self._router, self._warned, columns, partition=partition, indexes=indexes,
+                        group_size=group_size, timeout=timeout, tags=tags, device=device, version=version)
 
     def get(self, consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None = None,
             groups: bool = False, allow_partial: bool = False, shuffle: bool = False, seed: int | None = None,
@@ -272,7 +274,8 @@ class Dock(PartitionCalls):
         are this client's until a get returns them, it closes (they are released at once), or half
         their lease timeout passed (released). Other clients of the consumer see at most n x count
         fewer samples meanwhile. A get that is not partial takes ahead only what is ready when it
-        asks. Rank-aware gets (dp_size, mp_group) take no leases ahead.
+        asks. Rank-aware gets (dp_size, mp_group) take no leases ahead. A spread partition (--shards): one shard
+        serves a get, home shard first, FIFO within a shard (dockd.client.spread_io); rank-aware gets refused.
         """
         opts = GetOptions(consumer=consumer, columns=columns, count=count, partition=partition, timeout=timeout,
                           groups=groups, allow_partial=allow_partial, shuffle=shuffle, seed=seed, dp_rank=dp_rank,
@@ -280,7 +283,7 @@ class Dock(PartitionCalls):
                           order_by=order_by, prefer_local=prefer_local, max_staleness=max_staleness)
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise DockValueError(f"prefetch must be an int >= 0 (gets' worth of leases taken ahead), got {prefetch!r}")
-        return self._getter.get(opts, device, _scope, prefetch)
+        return self._getter.get(opts, device, _scope, prefetch, self._spread(partition))
 
     def acquire(self, consumer: str, columns: Sequence[str], count: int, *, partition: str, timeout: float | None = None,
                 groups: bool = False, allow_partial: bool = False, shuffle: bool = False, seed: int | None = None,
@@ -298,12 +301,18 @@ class Dock(PartitionCalls):
         samples return to the pool (default: the daemon's --lease-timeout), for
         consumers that work on leased samples for long. A lease always returns
         when its client dies; `extend` moves the deadline later. The rank-aware
-        and tag arguments are get's."""
-        return self._acquirer.acquire(GetOptions(
+        and tag arguments are get's. On a spread partition (--shards) the lease is the serving shard's, as
+        it is (`lease.partition` the shard's name, `lease.indexes` the shard's own), so fetch, confirm,
+        extend and release take it unchanged."""
+        opts = GetOptions(
             consumer=consumer, columns=columns, count=count, partition=partition, timeout=timeout, groups=groups,
             allow_partial=allow_partial, shuffle=shuffle, seed=seed, inline=inline, lease_timeout=lease_timeout,
             dp_rank=dp_rank, dp_size=dp_size, mp_group=mp_group, step=step, balance_by=balance_by, where=where,
-            order_by=order_by, prefer_local=prefer_local, max_staleness=max_staleness))
+            order_by=order_by, prefer_local=prefer_local, max_staleness=max_staleness)
+        spread = self._spread(partition)
+        if spread is not None:
+            return spread_io.take(spread, opts, self._router.home, self._acquirer.acquire)[1]
+        return self._acquirer.acquire(opts)
 
     @overload
     def fetch(self, lease: Lease, *, timeout: float | None = None,
@@ -398,6 +407,12 @@ class Dock(PartitionCalls):
         replies = {addr: self._ctrl_call(pb.Frame(stats=pb.StatsRequest()), at=addr)[0].stats_reply
                    for addr in self._router.controllers or [self._router.address]}
         return stats_.stats(replies, self._router, traffic=traffic, connect_timeout=self.connect_timeout)
+
+    def _spread(self, partition: Any) -> Spread | None:
+        """The spread partition (--shards) `partition` names, or None: an ordinary partition."""
+        shards = self._router.shards
+        count = shards.get(partition) if shards and isinstance(partition, str) else None
+        return None if count is None else Spread(partition, count)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def close(self) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.client import spread_calls, validate
+from dockd.client import spread_calls, spread_io, validate
 from dockd.client.acquirer import Acquirer
 from dockd.client.ahead import Ahead
 from dockd.client.batch import Batch
@@ -26,7 +26,7 @@ from dockd.client.lease import Lease
 from dockd.client.options import GetOptions
 from dockd.client.router import Router
 from dockd.client.scope import CallScope
-from dockd.client.spread import of
+from dockd.client.spread import Spread, of
 from dockd.errors import DockClosed, DockTypeError, DockValueError
 
 FETCH_MIN_S = 1.0
@@ -47,18 +47,21 @@ class Getter:
         self._confirms = confirms
         self._ahead = Ahead(acquirer, confirms)
 
-    def get(self, opts: GetOptions, device: Any, scope: CallScope | None, prefetch: int = 0) -> Batch:
+    def get(self, opts: GetOptions, device: Any, scope: CallScope | None, prefetch: int = 0,
+            spread: Spread | None = None) -> Batch:
         """Dock.get: `opts` acquired (with `prefetch` > 1 from this client's leases taken ahead, see
         dockd.client.ahead), fetched and confirmed; the values on `device` if one is given.
-        `scope`: an AsyncDock get's, which cancelling it closes."""
+        `scope`: an AsyncDock get's, which cancelling it closes. `spread`: opts.partition is that spread
+        partition, served by one of its shards (dockd.client.spread_io)."""
         target = validate.device(device)
         mapped = target if maps_device(target) else None  # device-tier data shared by handle, copied once
         started = time.monotonic()
         reconnects = self._router.reconnects
-        if prefetch > 1 and opts.dp_size is None and opts.mp_group is None:  # (a rank's share is one step's)
-            lease = self._ahead.lease(opts, prefetch, scope)
+        if spread is not None:
+            k, lease = spread_io.take(spread, opts, self._router.home,
+                                      lambda shard: self._lease(shard, scope, prefetch, mapped), scope)
         else:
-            lease = self._acquirer.acquire(opts, scope=scope, lazy=True, device=mapped)
+            lease = self._lease(opts, scope, prefetch, mapped)
         if scope is not None and scope.cancelled:  # cancelled as the lease arrived: give it back, take nothing
             self._confirms.release(lease)
             raise DockClosed("the get was cancelled")
@@ -76,11 +79,17 @@ class Getter:
                 self._confirms.confirm_now(lease, time.monotonic() - started)  # the lease may be gone: check first
             else:
                 self._confirms.soon(lease.id, lease.controller)
-        batch = Batch(opts.partition, lease.indexes, values, step=lease.step, rank_weights=lease.rank_weights)
+        indexes = lease.indexes if spread is None else spread.outward(k, lease.indexes)
+        batch = Batch(opts.partition, indexes, values, step=lease.step, rank_weights=lease.rank_weights)
         if target is not None:
-            batch = Batch(opts.partition, lease.indexes, {c: to_device(batch[c], target) for c in lease.columns},
+            batch = Batch(opts.partition, indexes, {c: to_device(batch[c], target) for c in lease.columns},
                           step=lease.step, rank_weights=lease.rank_weights)
         return batch
+
+    def _lease(self, opts: GetOptions, scope: CallScope | None, prefetch: int, mapped: Any) -> Lease:
+        if prefetch > 1 and opts.dp_size is None and opts.mp_group is None:  # (a rank's share is one step's)
+            return self._ahead.lease(opts, prefetch, scope)
+        return self._acquirer.acquire(opts, scope=scope, lazy=True, device=mapped)
 
     def read(self, partition: str, indexes: Sequence[int], columns: Sequence[str]) -> Batch:
         """Dock.read: the samples located by the controller that owns the partition, then fetched.

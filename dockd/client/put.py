@@ -110,6 +110,18 @@ def put_request(columns: Mapping[str, Any], *, partition: str, indexes: Sequence
                deadline=deadline), tensors
 
 
+def put(router: Router, warned: set[str], columns: Mapping[str, Any], *, partition: str,
+        indexes: Sequence[int] | None, group_size: int, timeout: float | None, tags: Mapping[str, Any] | None,
+        device: str | None, version: int | None) -> list[int]:
+    """Dock.put to an ordinary partition (or a spread partition's shard): encoded, sent; its indexes."""
+    req, tensors = put_request(columns, partition=partition, indexes=indexes, group_size=group_size,
+                               timeout=timeout, tags=tags, device=device, version=version)
+    try:
+        return send(router, req, warned)
+    finally:
+        del tensors  # referenced until the put is answered: the warehouse copies out of them
+
+
 def send(router: Router, put: Put, warned: set[str]) -> list[int]:
     """Send `put` to the home warehouse (re-homed and re-sent if it goes away); its indexes."""
 

@@ -1,0 +1,119 @@
+"""Puts and gets of a spread partition (``--shards NAME=S``, dockd.owners): the client does the spreading.
+
+A spread partition is S ordinary partitions, its shards, on S controllers; its indexes number
+them as one (dockd.client.spread: shard k's sample i is ``i * S + k``). This client's **home
+shard** is ``router.home % S`` (its home warehouse's; shard 0 while it has none):
+
+- a put of new samples goes to the home shard, whole (a group is one shard's); a put with
+  `indexes` goes to the one shard they all name (``index % S``), as that shard's own indexes.
+- a get (or acquire) asks the shards in order home, home + 1, ... (mod S), each not drained
+  yet with timeout 0: the first that can serve it does. When none can, it waits on the first
+  one not drained for at most WAIT_S (a get that gets samples there returns them), then asks
+  them all again, until its timeout; DockDrained once every shard is sealed and drained.
+
+FIFO order holds within a shard, not across them; staleness order is per shard. Rank-aware gets
+(dp_size, mp_group) and prefer_local are refused: a step's batch is one for all ranks and lives
+on one controller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from dockd.client import put as puts
+from dockd.client import validate
+from dockd.client.lease import Lease
+from dockd.client.options import GetOptions
+from dockd.client.router import Router
+from dockd.client.scope import CallScope
+from dockd.client.spread import Spread
+from dockd.errors import DockClosed, DockDrained, DockTimeout, DockValueError
+
+WAIT_S = 0.25
+"""Seconds a spread get that none of the shards could serve waits on one of them before asking all again."""
+
+
+def home_shard(router: Router, count: int) -> int:
+    """This client's home shard among `count`: its home warehouse's id mod count (0 while it has none)."""
+    home = router.home
+    return home % count if home >= 0 else 0
+
+
+def put(router: Router, warned: set[str], spread: Spread, columns: Mapping[str, Any], *,
+        indexes: Sequence[int] | None, **kwargs: Any) -> list[int]:
+    """Dock.put to spread partition `spread`: the indexes it returns are the spread partition's."""
+    k = home_shard(router, spread.count)
+    local = indexes
+    if indexes is not None:
+        idx = validate.int_list("indexes", indexes)
+        if any(i < 0 for i in idx):
+            raise DockValueError(f"indexes must be >= 0, got {min(idx)}")
+        by_shard = spread.inward(idx)
+        if len(by_shard) > 1:
+            raise DockValueError(
+                f"put(indexes=...) to spread partition {spread.name!r} names samples of {len(by_shard)} of its "
+                f"{spread.count} shards ({sorted(by_shard)}): put each shard's indexes apart; index % "
+                f"{spread.count} is the shard")
+        if by_shard:
+            (k, (_, local)), = by_shard.items()
+    got = puts.put(router, warned, columns, partition=spread.shard(k), indexes=local, **kwargs)
+    return spread.outward(k, got)
+
+
+def refuse_ranks(spread: Spread, opts: GetOptions) -> None:
+    """What a spread partition cannot serve: rank-aware gets and prefer_local."""
+    if opts.dp_size is not None or opts.dp_rank is not None or opts.mp_group is not None or opts.step is not None:
+        raise DockValueError(
+            f"partition {spread.name!r} is spread over {spread.count} controllers (--shards): rank-aware gets "
+            "(dp_rank/dp_size, mp_group, step) are refused there, because a step's batch is one for all ranks and "
+            "lives in one controller; use an ordinary partition for rank-aware gets")
+    if opts.prefer_local:
+        raise DockValueError(
+            f"partition {spread.name!r} is spread over {spread.count} controllers (--shards): prefer_local is "
+            "refused there (its gets take from this client's home shard first already); drop prefer_local, or "
+            "use an ordinary partition")
+
+
+def take(spread: Spread, opts: GetOptions, home: int, acquire: Callable[[GetOptions], Lease],
+         scope: CallScope | None = None) -> tuple[int, Lease]:
+    """A get's or acquire's lease from the first shard of `spread` that can serve `opts` (see the
+    module's docstring): (that shard's k, its lease, with the shard's partition name and own indexes).
+    `acquire` takes one shard's options (`opts` with the shard's partition and a timeout)."""
+    refuse_ranks(spread, opts)
+    timeout = validate.seconds(opts.timeout)
+    deadline = math.inf if timeout is None else time.monotonic() + timeout
+    first = home % spread.count if home >= 0 else 0
+    order = [(first + i) % spread.count for i in range(spread.count)]
+    now = {k: dataclasses.replace(opts, partition=spread.shard(k), timeout=0.0) for k in order}
+    drained: set[int] = set()
+    most = 0  # the most samples a shard had ready
+    while True:
+        for k in order:
+            if k not in drained:
+                try:
+                    return k, acquire(now[k])
+                except DockTimeout as e:  # (not enough ready there)
+                    most = max(most, e.ready)
+                except DockDrained:
+                    drained.add(k)
+        if len(drained) == spread.count:
+            raise DockDrained(f"spread partition {spread.name!r} is sealed and all its {spread.count} shards are "
+                              "drained for this consumer")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DockTimeout(f"spread partition {spread.name!r} over {spread.count} shards: none had {opts.count} "
+                              f"samples ready for consumer {opts.consumer!r} within {timeout:g}s (the most: {most})",
+                              ready=most)
+        if scope is not None and scope.cancelled:
+            raise DockClosed("the get was cancelled")
+        k = next(k for k in order if k not in drained)
+        try:
+            return k, acquire(dataclasses.replace(now[k], timeout=min(left, WAIT_S)))
+        except DockTimeout:
+            pass
+        except DockDrained:
+            drained.add(k)
