@@ -24,6 +24,7 @@ import time
 import weakref
 from collections.abc import Sequence
 
+from dockd import owners
 from dockd.config import parse_size
 from dockd.errors import DockConnectionError, DockValueError
 
@@ -130,13 +131,15 @@ def read_ready(proc: subprocess.Popen, *, timeout: float = 60.0) -> dict:
 def start_local(num_warehouses: int = 1, *, capacity: int | str = "4GiB", lease_timeout: float | None = None,
                 host: str = "127.0.0.1", log_level: str = "WARNING", timeout: float = 60.0,
                 token_file: str | None = None, extra_args: list[str] | None = None,
-                controllers: int = 1, replicas: int = 1) -> LocalCluster:
+                controllers: int = 1, replicas: int = 1, shards: dict[str, int] | None = None) -> LocalCluster:
     """Start a controller and `num_warehouses` warehouses as local processes.
 
     `controllers=K` (at most num_warehouses): the first K daemons each host one of K
     controllers that share the dock's partitions (dockd.owners); `LocalCluster.controllers`
     lists their addresses. Clients connect to any of them (`cluster.address` is the first).
     `replicas=2`: each put's values are kept on two warehouses (`dockd serve --replicas 2`).
+    `shards={"name": S}`: partition `name` is spread over S of the controllers (`dockd serve --shards
+    name=S` on each; needs controllers >= S).
 
     Without `token_file` clients need no token (loopback only); the daemons still
     share a per-dock secret, handed to them here, that proves the daemon role to
@@ -145,6 +148,15 @@ def start_local(num_warehouses: int = 1, *, capacity: int | str = "4GiB", lease_
         raise DockValueError(f"num_warehouses must be a positive int, got {num_warehouses!r}")
     if not isinstance(controllers, int) or not 1 <= controllers <= num_warehouses:
         raise DockValueError(f"controllers must be an int in 1..num_warehouses ({num_warehouses}), got {controllers!r}")
+    ctl = ["--replicas", str(replicas)] if replicas != 1 else []
+    if shards:
+        if controllers < max(shards.values()):
+            raise DockValueError(f"shards={shards!r} spreads a partition over {max(shards.values())} controllers, one "
+                                 f"shard on each: start_local needs controllers >= {max(shards.values())}, got "
+                                 f"{controllers}")
+        listed = ",".join(f"{name}={count}" for name, count in shards.items())
+        owners.parse_shards(listed, controllers)  # (checked here, before any daemon starts)
+        ctl += ["--shards", listed]
     cap = parse_size(capacity)
     common = ["--host", host, "--port", "0", "--grpc-port", "0", "--capacity", str(cap), "--log-level", log_level]
     if lease_timeout is not None:
@@ -152,7 +164,6 @@ def start_local(num_warehouses: int = 1, *, capacity: int | str = "4GiB", lease_
     if token_file is not None:
         common += ["--token-file", str(token_file)]
     common += list(extra_args or ())
-    ctl = ["--replicas", str(replicas)] if replicas != 1 else []
     cluster = LocalCluster()
     env = dict(os.environ, PYTHONUNBUFFERED="1", DOCKD_DAEMON_SECRET=secrets.token_hex(32))
     try:

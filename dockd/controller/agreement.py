@@ -1,4 +1,4 @@
-"""Several controllers must agree on their list, or the dock refuses service.
+"""Several controllers must agree on their list (and spread partitions), or the dock refuses service.
 
 The owner of a partition is computed from the --controllers list alone (dockd.owners), so two
 controllers given different lists (another order, another length) would each own partitions the
@@ -13,6 +13,12 @@ therefore part of the dock, checked whenever two of its daemons meet:
 - a client presents the list it learned from its first controller in its Hello to the others, and
   checks theirs.
 
+The spread partitions (--shards, dockd.owners) are part of the same identity: they decide which
+controller owns each shard, so they are presented and compared with the list, and a daemon or
+client that differs on them is refused alike. A request naming a spread partition's own name
+(`refuse_spread`) comes from a client that does not spread it, and is refused too: nothing is
+ever recorded under that name.
+
 The refusal ends by itself once the lists agree again (the misconfigured controller restarted
 with the right list). This module holds the rule and the state, with no I/O.
 """
@@ -20,10 +26,10 @@ with the right list). This module holds the rule and the state, with no I/O.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from dockd.errors import DockConfigError
-from dockd.owners import differs, disagreement
+from dockd.errors import DockConfigError, DockValueError
+from dockd.owners import differs, disagreement, owner_index, shard_name, shard_names
 
 logger = logging.getLogger(__name__)
 
@@ -31,16 +37,50 @@ PROBE_INTERVAL = 10.0
 """Seconds between a controller's checks of another controller's list once it answered (2 s until then)."""
 
 
+def refuse_spread(shards: Mapping[str, int], partition: str) -> None:
+    """Raise DockValueError when `partition` is a spread partition's own name (in `shards`, the dock's
+    --shards): its samples live in its shards, which a client of this version puts to and gets from."""
+    count = shards.get(partition)
+    if count is not None:
+        raise DockValueError(
+            f"partition {partition!r} is spread over {count} shards (--shards): its samples live in partitions "
+            f"{shard_name(partition, 0, count)} to {shard_name(partition, count - 1, count)}; this request came "
+            "from a client that does not know it (a client of a dockd version before --shards, or a raw "
+            "request): connect with a current client")
+
+
+class Ownership:
+    """Which partitions' requests this controller serves: those `owners.owner_index` gives it among the
+    dock's `controllers` (every one when there are none: it is the dock's only controller; `own`: its
+    place among them), and none named after a spread partition (`shards`, --shards: `refuse_spread`)."""
+
+    def __init__(self, controllers: tuple[str, ...] = (), own: int = 0, shards: Mapping[str, int] | None = None):
+        self.controllers, self.own, self.shards = controllers, own, dict(shards or {})
+
+    def check(self, partition: str) -> None:
+        """Refuse a request about a partition another controller owns (clients and warehouses route
+        by the same list, so only a client that knows another list, or none, gets here), or about a
+        spread partition's own name (one dict lookup for every other partition)."""
+        if partition in self.shards:
+            refuse_spread(self.shards, partition)
+        if self.controllers and (k := owner_index(partition, len(self.controllers))) != self.own:
+            raise DockValueError(f"partition {partition!r} belongs to the controller at {self.controllers[k]}, not to "
+                                 f"this one ({self.controllers[self.own]}); the dock's controllers are "
+                                 f"{','.join(self.controllers)}: connect with a client of this dockd version")
+
+
 class Agreement:
-    """This controller's view of whether the dock's controllers agree on their list.
+    """This controller's view of whether the dock's controllers agree on their list and spread partitions.
 
     Args:
         controllers: this controller's --controllers (empty: it is the dock's only controller).
         where: this controller's address, for messages.
+        shards: this controller's --shards (spread partition -> its shard count).
     """
 
-    def __init__(self, controllers: Sequence[str], where: str) -> None:
+    def __init__(self, controllers: Sequence[str], where: str, shards: Mapping[str, int] | None = None) -> None:
         self.controllers = tuple(controllers)
+        self.shards = shard_names(shards or {})  # (as they travel and are compared)
         self.where = where
         self._differing: dict[str, str] = {}  # address of a controller whose list differs -> the refusal
 
@@ -49,19 +89,29 @@ class Agreement:
         """Why this controller refuses service now ('' while every controller it reached agrees)."""
         return next(iter(self._differing.values()), "")
 
-    def check(self, theirs: Sequence[str], where: str) -> None:
-        """A daemon or client at `where` presents its list (empty: it knows none yet, nothing to
-        compare): raise DockConfigError when it differs from ours."""
-        if theirs and differs(self.controllers, theirs):
-            raise DockConfigError(disagreement(self.controllers, f"the controller at {self.where}", theirs, where))
+    def _differs(self, theirs: Sequence[str], their_shards: Sequence[str]) -> bool:
+        return differs(self.controllers, theirs) or self.shards != list(their_shards)
 
-    def observed(self, address: str, theirs: Sequence[str] | None, refusal: str = "") -> None:
-        """The controller at `address` answered with its list (`theirs`), or refused ours (`refusal`)."""
+    def check(self, theirs: Sequence[str], where: str, their_shards: Sequence[str] = ()) -> None:
+        """A daemon or client at `where` presents its list and spread partitions (an empty list: it knows
+        none yet, nothing to compare): raise DockConfigError when either differs from ours."""
+        if theirs and self._differs(theirs, their_shards):
+            msg = disagreement(self.controllers, f"the controller at {self.where}", theirs, where,
+                               self.shards, their_shards)
+            if self.shards and not their_shards and not differs(self.controllers, theirs):
+                msg += (f"; {where} may simply predate --shards (a dockd version that presents none): "
+                        "upgrade it")
+            raise DockConfigError(msg)
+
+    def observed(self, address: str, theirs: Sequence[str] | None, refusal: str = "",
+                 their_shards: Sequence[str] = ()) -> None:
+        """The controller at `address` answered with its list (`theirs`) and spread partitions
+        (`their_shards`), or refused ours (`refusal`)."""
         if refusal:
             msg = refusal
-        elif theirs is not None and differs(self.controllers, theirs):
+        elif theirs is not None and self._differs(theirs, their_shards):
             msg = disagreement(self.controllers, f"this controller ({self.where})", theirs,
-                          f"the controller at {address}")
+                               f"the controller at {address}", self.shards, their_shards)
         else:
             msg = ""
         before = self._differing.get(address, "")
@@ -70,7 +120,7 @@ class Agreement:
             self._differing[address] = msg
         elif not msg and before:
             del self._differing[address]
-            logger.warning("[controllers] the controller at %s now has this controller's list%s", address,
+            logger.warning("[controllers] the controller at %s now has this controller's list and --shards%s", address,
                            "; serving again" if not self._differing else "")
 
     def refuse(self) -> None:

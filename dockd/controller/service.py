@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from typing import Protocol
 
 import numpy as np
@@ -31,6 +32,7 @@ from dockd import limits, owners
 from dockd._proto import dockd_pb2 as pb
 from dockd._version import __version__
 from dockd.controller import commit_runs
+from dockd.controller.agreement import Ownership
 from dockd.controller.block_service import Blocking
 from dockd.controller.checkpoint import Checkpoints
 from dockd.controller.clock import Clock, Timer, Timers
@@ -69,6 +71,7 @@ class ControllerService:
         controllers, own: the dock's controllers and this one's index among them, when there are
             several; each owns the partitions `dockd.owners.owner_index` gives it and refuses requests
             about the others'.
+        shards: the dock's spread partitions (--shards): a request naming one's own name is refused.
         warehouse_grace: seconds a warehouse whose connection dropped has to rejoin.
         replicas: 2 keeps every put's values on two warehouses (see `replication`); 1: on one.
         clock: the time lease deadlines, timeouts and grace go by (a test's may be moved by hand;
@@ -78,9 +81,11 @@ class ControllerService:
     def __init__(self, core: Controller, *, local: LocalWarehouse | None = None,
                  state_dir: str | None = None, warehouse_grace: float = 15.0, fsync_interval: float = 0.05,
                  daemon_timeout: float = 30.0, checkpoint_root: str = "", clock: Clock = time.monotonic,
-                 controllers: tuple[str, ...] = (), own: int = 0, replicas: int = 1) -> None:
+                 controllers: tuple[str, ...] = (), own: int = 0, replicas: int = 1,
+                 shards: Mapping[str, int] | None = None) -> None:
         self.controllers = controllers  # several controllers: all of them, in the dock's order (dockd.owners)
         self.own = own  # ... and this one's place among them
+        self.check_owner = Ownership(controllers, own, shards).check  # (refuses the others' partitions, spread names)
         self.core = core
         self.clock = clock
         self.timers = Timers(clock)
@@ -242,15 +247,6 @@ class ControllerService:
         self.waiting.wake_every()
 
     # -- requests ---------------------------------------------------------------------------
-    def check_owner(self, partition: str) -> None:
-        """Refuse a request about a partition another controller owns (clients and warehouses route
-        by the same list, so only a client that knows another list, or none, gets here)."""
-        if self.controllers and owners.owner_index(partition, len(self.controllers)) != self.own:
-            owner = self.controllers[owners.owner_index(partition, len(self.controllers))]
-            raise DockValueError(f"partition {partition!r} belongs to the controller at {owner}, not to this one "
-                                 f"({self.controllers[self.own]}); the dock's controllers are "
-                                 f"{','.join(self.controllers)}: connect with a client of this dockd version")
-
     def commit(self, req: pb.CommitRequest, then=None, peer: Peer | None = None,
                woken: set[str] | None = None) -> CommitOutcome | None:
         """Apply a commit; returns its outcome. With `then`, a commit of new samples to a partition

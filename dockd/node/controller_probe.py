@@ -1,11 +1,11 @@
-"""A controller asks the dock's other controllers for their --controllers list (see
-dockd.controller.agreement): a Hello, as a client of the dock, presenting its own list."""
+"""A controller asks the dock's other controllers for their --controllers list and --shards (see
+dockd.controller.agreement): a Hello, as a client of the dock, presenting its own."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.agreement import PROBE_INTERVAL, Agreement
@@ -31,29 +31,31 @@ async def _watch_one(agreement: Agreement, address: str, make_peer: Callable[[],
     answered = False
     while True:
         try:
-            theirs = await ask(address, agreement.controllers, agreement.where, make_peer, link_tls)
+            theirs, their_shards = await ask(address, agreement.controllers, agreement.where, make_peer, link_tls,
+                                             agreement.shards)
         except DockConfigError as e:  # it compared our list with its own and refused
             agreement.observed(address, None, refusal=str(e))
             answered = True
         except (DockError, OSError, asyncio.TimeoutError) as e:
             logger.debug("[controllers] the controller at %s did not answer: %s", address, e)
         else:
-            agreement.observed(address, theirs)
+            agreement.observed(address, theirs, their_shards=their_shards)
             answered = True
         await asyncio.sleep(PROBE_INTERVAL if answered else FIRST_INTERVAL)
 
 
 async def ask(address: str, mine: tuple[str, ...], where: str, make_peer: Callable[[], Peer],
-              link_tls: tls.LinkTls | None) -> list[str]:
-    """The --controllers list of the controller at `address` (empty: it runs alone), asked by the
-    controller at `where` whose list is `mine`."""
+              link_tls: tls.LinkTls | None, my_shards: Sequence[str] = ()) -> tuple[list[str], list[str]]:
+    """The --controllers list of the controller at `address` (empty: it runs alone) and its --shards (as
+    `owners.shard_names` gives them), asked by the controller at `where` whose list is `mine`."""
     host, _, port = address.rpartition(":")
     _, peer = await asyncio.wait_for(open_link(make_peer, host, int(port), link_tls), 5.0)
     try:
         assert peer.authed is not None  # (an outgoing connection's, made once it connected)
         await asyncio.wait_for(peer.authed, 10.0)
         reply, _ = await asyncio.wait_for(peer.request(pb.Frame(hello=pb.Hello(
-            client=f"the controller at {where}", protocol=wire.PROTOCOL_VERSION, controllers=mine))), 10.0)
+            client=f"the controller at {where}", protocol=wire.PROTOCOL_VERSION, controllers=mine,
+            shards=my_shards))), 10.0)
     finally:
         peer.close()
-    return list(reply.hello_reply.controllers)
+    return list(reply.hello_reply.controllers), list(reply.hello_reply.shards)

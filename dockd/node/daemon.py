@@ -39,7 +39,7 @@ from dockd import owners
 from dockd._proto import dockd_pb2 as pb
 from dockd._version import __version__
 from dockd.config import NodeConfig
-from dockd.controller.agreement import Agreement
+from dockd.controller.agreement import Agreement, refuse_spread
 from dockd.controller.core import Controller
 from dockd.controller.service import ControllerService
 from dockd.errors import DockAuthError, DockError, DockValueError
@@ -99,9 +99,10 @@ class Node:
                 state_dir=cfg.state_dir or None, warehouse_grace=cfg.warehouse_grace, daemon_timeout=cfg.daemon_timeout,
                 checkpoint_root=cfg.checkpoint_root, controllers=cfg.controllers, replicas=cfg.replicas,
                 own=owners.own_index(cfg.controllers, cfg.host, cfg.port, cfg.advertise) if cfg.controllers else 0,
+                shards=cfg.shards,
             )
             if cfg.controllers:
-                self.agreement = Agreement(cfg.controllers, cfg.controllers[self.controller.own])
+                self.agreement = Agreement(cfg.controllers, cfg.controllers[self.controller.own], cfg.shards)
             members = self.controller.members  # heartbeats to the warehouses (see controller.membership)
             members.heartbeat_interval, members.heartbeat_timeout = cfg.heartbeat_interval, cfg.heartbeat_timeout
             local = LocalCommitter(self.controller)
@@ -123,7 +124,8 @@ class Node:
                                 committer=self.committer, metrics=self.metrics, wid=lambda: self.wid,
                                 check_warehouse=self._check_warehouse, replicator=self.replicator,
                                 daemon=lambda peer: not self.keys.server_auth.roles or peer.role == auth.DAEMON,
-                                data_dir=self.data_dir)
+                                data_dir=self.data_dir,
+                                check_partition=lambda partition: refuse_spread(self.uplinks.shards, partition))
         self.fetches = FetchPath(warehouse=self.warehouse, segments=self.segments, links=self.links,
                                  committer=self.committer, metrics=self.metrics, wid=lambda: self.wid)
         self.dispatcher = Dispatcher(self._handlers(), self.keys.server_auth,
@@ -339,7 +341,8 @@ class Node:
         mooncake.hello(out)
         if self.agreement is not None:
             if frame.hello.controllers:
-                self.agreement.check(frame.hello.controllers, f"{frame.hello.client or 'a client'} (from {peer.name})")
+                self.agreement.check(frame.hello.controllers, f"{frame.hello.client or 'a client'} (from {peer.name})",
+                                     frame.hello.shards)
             out.disagreement = self.agreement.refusal
         if self.controller is not None:
             out.warehouses.extend(self.controller.warehouse_infos())
@@ -348,6 +351,7 @@ class Node:
             out.replicas = self.cfg.replicas
         else:
             out.controller = self.cfg.join or ""
+        out.shards.extend(owners.shard_names(self.uplinks.shards))
         peer.reply(frame, pb.Frame(hello_reply=out))
 
     def _check_warehouse(self) -> None:

@@ -10,7 +10,7 @@ protocol) is answered with a DockValueError naming it; the connection stays.
 
 `controller_handlers` serves the controller's kinds with the controller hosted
 in this process, or, without one, refuses them saying where the controller is.
-While the dock's controllers disagree on their list (dockd.controller.agreement)
+While the dock's controllers disagree on their list or --shards (dockd.controller.agreement)
 every kind but stats is refused with the reason.
 """
 
@@ -108,7 +108,8 @@ def controller_handlers(ctl, *, where: str, join: str, agreement: Agreement | No
     def register(peer: Peer, frame: pb.Frame) -> None:
         check_protocol(frame.register.protocol, f"the warehouse at {frame.register.host}:{frame.register.port}")
         if agreement is not None and frame.register.controllers:
-            agreement.check(frame.register.controllers, f"the warehouse at {frame.register.host}:{frame.register.port}")
+            agreement.check(frame.register.controllers, f"the warehouse at {frame.register.host}:{frame.register.port}",
+                            frame.register.shards)
         peer.reply(frame, pb.Frame(register_reply=ctl.register(peer, frame.register)))
 
     def partition(peer: Peer, frame: pb.Frame) -> None:

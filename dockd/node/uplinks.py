@@ -60,6 +60,7 @@ class Uplinks:
         self.data_dir = data_dir
         self.link: ControllerLink | None = None  # to the controller that numbers warehouses (with several: the first)
         self.others: dict[int, ControllerLink] = {}  # several controllers: to each of the others, by index
+        self.shards: dict[str, int] = dict(cfg.shards)  # the dock's spread partitions (learned at join)
         self._hosted_wid = -1  # the id the controller in this process gave the warehouse
 
     @property
@@ -103,11 +104,12 @@ class Uplinks:
             addresses = self.cfg.join_addresses
             if self.data_dir is not None:  # a restart also asks the controllers the last process knew
                 addresses += [a for a in self.data_dir.controllers if a not in addresses]
-            controllers = await discover_controllers(self.listeners.make_link_peer, addresses,
-                                                     self.listeners.link_tls, timeout)
+            controllers, self.shards = await discover_controllers(self.listeners.make_link_peer, addresses,
+                                                                  self.listeners.link_tls, timeout)
             own = -1
             if len(controllers) > 1:
                 reg.controllers.extend(controllers)
+                reg.shards.extend(owners.shard_names(self.shards))
                 assert isinstance(self.committer, RoutingCommitter)  # (a joining node routes; see __init__)
                 self.committer.committers = [RemoteCommitter(None) for _ in controllers]
         n = len(controllers)
@@ -192,9 +194,9 @@ class Uplinks:
 
 
 async def discover_controllers(make_peer: Callable[[], Peer], addresses: list[str], link_tls: tls.LinkTls | None,
-                               timeout: float | None) -> list[str]:
-    """The dock's controllers, asked of the first of `addresses` that answers (a Hello), trying them
-    in turn for up to `timeout` seconds (None: as long as it takes)."""
+                               timeout: float | None) -> tuple[list[str], dict[str, int]]:
+    """The dock's controllers and spread partitions (--shards), asked of the first of `addresses` that
+    answers (a Hello), trying them in turn for up to `timeout` seconds (None: as long as it takes)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     delay, waiting_logged = BACKOFF_MIN, 0.0
     while True:
@@ -210,7 +212,8 @@ async def discover_controllers(make_peer: Callable[[], Peer], addresses: list[st
                         peer.request(pb.Frame(hello=pb.Hello(client="warehouse", protocol=wire.PROTOCOL_VERSION))), 10.0)
                 finally:
                     peer.close()
-                return list(reply.hello_reply.controllers) or [address]  # (none: the dock's only controller)
+                hello = reply.hello_reply  # (no controllers: the dock's only controller)
+                return list(hello.controllers) or [address], owners.shards_from(hello.shards)
             except DockAuthError:
                 raise
             except (DockError, OSError, asyncio.TimeoutError) as e:

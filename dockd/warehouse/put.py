@@ -101,13 +101,17 @@ class PutPipeline:
         replicator: copies puts to the warehouse holding their replica (--replicas 2).
         daemon: whether a connection is another daemon's (only daemons send replicas).
         data_dir: the warehouse's data dir (--data-dir), where each put takes room before its commit.
+        check_partition: raises for a partition no put may name (a spread partition's own name, --shards:
+            refused before anything is stored).
     """
 
     def __init__(self, *, warehouse: Warehouse, segments: Segments, admission: Admission, committer: Committer,
                  metrics: Metrics, wid: Callable[[], int], check_warehouse: Callable[[], None],
                  replicator: Replicator | None = None, daemon: Callable[[Peer], bool] = lambda peer: True,
-                 data_dir: DataDir | None = None) -> None:
+                 data_dir: DataDir | None = None,
+                 check_partition: Callable[[str], None] = lambda partition: None) -> None:
         self.warehouse = warehouse
+        self.check_partition = check_partition
         self.data_dir = data_dir
         self.replicator = replicator
         self._daemon = daemon
@@ -136,6 +140,7 @@ class PutPipeline:
         if req.replica and not self._daemon(peer):
             raise DockAuthError("a replica put is a daemon-to-daemon message; this connection is a client's")
         runcheck.check_put(req)
+        self.check_partition(req.partition)
         if req.replica and (not req.indexes or req.device_buffers or req.staging):
             raise DockProtocolError("a replica put names the indexes it copies and carries its values in its body")
         return self.admission.reserve(peer, size, req.timeout, arriving=arriving)
