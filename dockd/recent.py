@@ -11,7 +11,7 @@ by the controller's "already written" check rather than applied twice.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Hashable, Iterator, KeysView
+from collections.abc import Callable, Hashable, Iterable, Iterator, KeysView
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -43,20 +43,36 @@ class Recent(Generic[V]):
         self.count, self.cells, self.held, self._cost = count, cells, 0, cost
 
     def add(self, key: Hashable, value: V) -> None:
+        self.add_all(((key, value),))
+
+    def add_all(self, items: Iterable[tuple[Hashable, V]]) -> None:
+        """Add each (key, value) in order, keeping what `add` one by one would keep at less cost: the bounds
+        are applied once at the end, and before a key already held is added again (up to there each add only
+        grows what is held, so the oldest that `add` would have dropped on the way are dropped then)."""
+        d, costs, cost = self._d, self._costs, self._cost
+        held = self.held
+        for key, value in items:
+            if key in d:
+                held = self._trim(held)
+                if d.pop(key, None) is not None:
+                    held -= costs.pop(key, 0)
+            d[key] = value
+            c = cost(value)
+            if c:
+                costs[key] = c
+                held += c
+        self.held = self._trim(held)
+
+    def _trim(self, held: int) -> int:
+        """Drop the oldest entries until within the bounds (the newest always stays); returns the cells held."""
         d, costs = self._d, self._costs
-        if d.pop(key, None) is not None:
-            self.held -= costs.pop(key, 0)
-        d[key] = value
-        cost = self._cost(value)
-        if cost:
-            costs[key] = cost
-            self.held += cost
         n = len(d)
-        while n > 1 and (n > self.count or self.held > self.cells):
+        while n > 1 and (n > self.count or held > self.cells):
             gone, _ = d.popitem(last=False)
             n -= 1
             if costs:
-                self.held -= costs.pop(gone, 0)
+                held -= costs.pop(gone, 0)
+        return held
 
     def get(self, key: Hashable, default: Any = None) -> V | Any:
         return self._d.get(key, default)

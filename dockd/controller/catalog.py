@@ -5,7 +5,7 @@ and the frees deletes leave for the warehouses. What it answers without changing
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -167,10 +167,14 @@ class Catalog:
     def remember(self, warehouse: int, put_id: int, idx: np.ndarray | range) -> None:
         """A commit applied: re-sent with the same put_id, it gets these indexes back (`idx`: see kept_as)."""
         if put_id:
-            keys = self.put_keys.get(warehouse)
-            if keys is None:
-                keys = self.put_keys[warehouse] = Recent(PUT_KEYS_KEPT, PUT_KEYS_CELLS)
-            keys.add(put_id, idx)
+            self.remember_all(warehouse, ((put_id, idx),))
+
+    def remember_all(self, warehouse: int, kept: Iterable[tuple[int, np.ndarray | range]]) -> None:
+        """Commits of `warehouse` applied, in order: `remember` of each (put id, indexes), its put ids not 0."""
+        keys = self.put_keys.get(warehouse)
+        if keys is None:
+            keys = self.put_keys[warehouse] = Recent(PUT_KEYS_KEPT, PUT_KEYS_CELLS)
+        keys.add_all(kept)
 
     def _commit(self, partition: str, columns: Sequence[str], warehouse: int,
                 indexes: Sequence[int] | np.ndarray | None, new_count: int, group_size: int,

@@ -32,14 +32,10 @@ def commit_run(catalog: Catalog, partition: str, columns: Sequence[str], *, ware
     record(part, columns, bits, idx, warehouse, nbytes)
     out: list[range] = []
     start = int(idx[0])
-    cols = tuple(columns)
-    for n, put_id, token in zip(counts, put_ids, tokens):
-        kept = range(start, start + n)
+    for n in counts:
+        out.append(range(start, start + n))
         start += n
-        catalog.remember(warehouse, put_id, kept)
-        if token:
-            catalog.tokens.add(token, (partition, cols, kept))
-        out.append(kept)
+    _remember(catalog, partition, columns, warehouse, out, put_ids, tokens)
     return out
 
 
@@ -54,11 +50,20 @@ def write_run(catalog: Catalog, partition: str, columns: Sequence[str], *, wareh
     part = existing(catalog.partitions.get(partition), partition)
     bits = unwritten(part, partition, columns, idx)
     record(part, columns, bits, idx, warehouse, nbytes)
+    _remember(catalog, partition, columns, warehouse, indexes, put_ids, tokens)
+
+
+def _remember(catalog: Catalog, partition: str, columns: Sequence[str], warehouse: int,
+              kept: Sequence[np.ndarray | range], put_ids: Sequence[int], tokens: Sequence[int]) -> None:
+    """The run's commits remembered for their re-sends, as `Catalog.remember` and `tokens.add` of each one
+    would (put id or token 0: none), each kind in one go."""
+    ids = [(put_id, k) for put_id, k in zip(put_ids, kept) if put_id]
+    if ids:
+        catalog.remember_all(warehouse, ids)
     cols = tuple(columns)
-    for ix, put_id, token in zip(indexes, put_ids, tokens):
-        catalog.remember(warehouse, put_id, ix)
-        if token:
-            catalog.tokens.add(token, (partition, cols, ix))
+    seen = [(token, (partition, cols, k)) for token, k in zip(tokens, kept) if token]
+    if seen:
+        catalog.tokens.add_all(seen)
 
 
 def _check_names(partition: str, columns: Sequence[str]) -> None:
