@@ -137,9 +137,16 @@ def _clear(r: pb.ClearRequest) -> None:
 
 
 def _commits(r: pb.CommitBatch) -> None:
-    _count("commits in a batch", len(r.commits), MAX_COMMIT_BATCH)
-    for c in r.commits:
-        _commit(c)
+    commits = r.commits
+    _count("commits in a batch", len(commits), MAX_COMMIT_BATCH)
+    last: tuple[str, list[str]] | None = None
+    for c in commits:  # (the names of consecutive commits to one partition's same columns are checked once)
+        names = (c.partition, c.columns[:])
+        if names != last or c.tags:
+            _commit(c)
+            last = names
+        else:
+            _count("samples", max(c.new_count, len(c.indexes), c.group_size))
 
 
 def _partition(r: pb.PartitionRequest) -> None:
