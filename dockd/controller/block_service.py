@@ -136,14 +136,6 @@ class Blocking:
                     req.block, req.partition, req.warehouse, len(req.indexes), len(idx))
         return CommitOutcome(cleared=True)
 
-    def may_run(self, req: pb.CommitRequest) -> bool:
-        """Whether a block commit (its put id and token not seen) may go in a run: its block is there and it
-        names samples of it. (One of them deleted refuses the run, and each commit is then judged alone.)"""
-        try:
-            return blocks.owned(self.core.blocks, req.block, req.warehouse, req.partition, req.indexes) is not None
-        except DockValueError:
-            return False  # (alone, it gets its error)
-
     # -- membership -----------------------------------------------------------------------------
     def registered(self, wid: int, req: pb.RegisterWarehouse, same_instance: bool) -> None:
         """After a registration (its pending commits applied): a rejoin of the same process keeps the blocks

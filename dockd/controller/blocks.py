@@ -59,6 +59,13 @@ class Blocks:
         self.by_id[block.id] = block
         self.next_id = max(self.next_id, block.id + 1)
 
+    def holds(self, block_id: int, warehouse: int, partition: str, indexes: Sequence[int]) -> bool:
+        """Whether a commit of samples `indexes` of `partition` by `warehouse` names a block it holds and only
+        samples of it: where `owned` gives the block (not None, and no error)."""
+        b = self.by_id.get(block_id)
+        return (b is not None and b.owner == warehouse and b.partition == partition and len(indexes) > 0
+                and b.start <= min(indexes) and max(indexes) < b.start + b.count)
+
     def of_partition(self, partition: str) -> list[Block]:
         return [b for b in self.by_id.values() if b.partition == partition]
 

@@ -10,7 +10,7 @@ A commit goes into a run only when applying it alone could not come out differen
 replica, its put id not applied before and its writer token not seen (a re-send is answered from
 what was recorded), its partition not being loaded from a checkpoint, for new samples not
 pacing puts (`max_pending`), and for a commit of a block of indexes one from its owner inside its
-block (`block_service`). Two commits of one run that name the same sample refuse the run. A run
+block (`blocks.Blocks.holds`). Two commits of one run that name the same sample refuse the run. A run
 that is refused as a whole (the dock full, the partition sealed, a bad group size, the journal
 unable to take it) is applied again commit by commit, so each commit gets the answer it would have
 got alone (some may fit where all together did not).
@@ -25,7 +25,6 @@ from typing import Protocol
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.controller.block_service import Blocking
 from dockd.controller.checkpoint import Checkpoints
 from dockd.controller.core import Controller
 from dockd.controller.journal import Journal, ahead
@@ -47,7 +46,6 @@ class _Service(Protocol):
     pacer: Pacer
     members: Membership
     waiting: Waiters
-    blocking: Blocking
 
     def check_owner(self, partition: str) -> None: ...
 
@@ -62,7 +60,7 @@ def runs(svc: _Service, commits: Sequence[pb.CommitRequest]) -> list[list[pb.Com
     key: tuple | None = None
     for req in commits:
         if _plain(svc, req):
-            k = (req.partition, tuple(req.columns), -1 if req.indexes else req.group_size or 1, req.warehouse)
+            k = (req.partition, req.columns[:], -1 if req.indexes else req.group_size or 1, req.warehouse)
             if k == key:
                 out[-1].append(req)
                 continue
@@ -91,7 +89,7 @@ def _plain(svc: _Service, req: pb.CommitRequest) -> bool:
         return False
     if req.token and req.token in core.catalog.tokens:
         return False
-    return not req.block or svc.blocking.may_run(req)  # (a block commit: only one that would be applied)
+    return not req.block or svc.core.blocks.holds(req.block, req.warehouse, req.partition, req.indexes[:])
 
 
 def apply_run(svc: _Service, run: list[pb.CommitRequest], reply: pb.CommitBatchReply,

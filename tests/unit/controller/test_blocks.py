@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dockd._proto import dockd_pb2 as pb
+from dockd.controller import blocks
 from dockd.controller.core import Controller
 from dockd.controller.records import read
 from dockd.controller.service import ControllerService
@@ -321,3 +322,20 @@ async def test_an_owner_restarted_as_a_new_process_at_its_address_has_its_blocks
     part = svc.core.partitions["p"]
     assert part.gone[:4].tolist() == [False, True, True, True]  # (the written one is lost, not deleted)
     assert svc.commit(_commit(new, 1, [1], put_id=1)).cleared  # (its block is gone)
+
+
+def test_holds_is_where_owned_gives_the_block():
+    """`Blocks.holds` (a block commit may go into a run) is true exactly where `owned` returns the block."""
+    cat = Controller(lease_timeout=30.0).catalog
+    reg = blocks.Blocks()
+    b = blocks.grant(cat, reg, "p", owner=3, count=4, group_size=1)
+    blocks.grant(cat, reg, "q", owner=3, count=4, group_size=1)
+    for block_id in (b.id, b.id + 1, 99):
+        for wid in (3, 4):
+            for partition in ("p", "q"):
+                for indexes in ([], [b.start], [b.start, b.stop - 1], [b.stop - 1, b.stop], [b.start - 1]):
+                    try:
+                        got = blocks.owned(reg, block_id, wid, partition, indexes) is not None
+                    except DockValueError:
+                        got = False
+                    assert reg.holds(block_id, wid, partition, indexes) is got, (block_id, wid, partition, indexes)
