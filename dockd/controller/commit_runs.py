@@ -114,9 +114,10 @@ def apply_run(svc: _Service, run: list[pb.CommitRequest], reply: pb.CommitBatchR
             if journal is not None:
                 journal.room()
             if first.indexes:
-                written = [np.asarray(r.indexes, dtype=np.int64) for r in run]
+                named = [r.indexes[:] for r in run]  # (lists of ints: what the record packs; the arrays, from them)
+                written = [np.array(ix, dtype=np.int64) for ix in named]
                 if journal is not None:
-                    journal.write_run(partition, columns, wid, written, nbytes, put_ids, tokens)
+                    journal.write_run(partition, columns, wid, named, nbytes, put_ids, tokens)
                 svc.core.write_run(partition, columns, warehouse=wid, indexes=written, nbytes=nbytes,
                                    put_ids=put_ids, tokens=tokens)
                 outcomes = [CommitOutcome(ix) for ix in written]

@@ -251,9 +251,11 @@ class RecordWriter:
                    nbytes: int, put_ids: list[int], tokens: list[int]) -> None:
         self.append(["M", partition, columns, warehouse, group_size, counts, nbytes, put_ids, tokens])
 
-    def write_run(self, partition: str, columns: list[str], warehouse: int, indexes: list, nbytes: int,
+    def write_run(self, partition: str, columns: list[str], warehouse: int, indexes: list[list[int]], nbytes: int,
                   put_ids: list[int], tokens: list[int]) -> None:
-        self.append(["I", partition, columns, warehouse, [pack_idx(ix) for ix in indexes], nbytes, put_ids, tokens])
+        """`indexes`: each commit's, as a list of ints (one sample's, the common case: [i, 1] as `pack_idx` packs it)."""
+        self.append(["I", partition, columns, warehouse, [[ix[0], 1] if len(ix) == 1 else pack_idx(ix) for ix in indexes],
+                     nbytes, put_ids, tokens])
 
     def replica(self, partition, columns, warehouse, indexes, nbytes, put_id) -> None:
         self.append(["A", partition, list(columns), warehouse, pack_idx(indexes), nbytes, put_id])
