@@ -20,13 +20,14 @@ from dockd.controller.agreement import Agreement
 from dockd.errors import DockConfigError
 from dockd.local import free_ports
 from dockd.net import wire
-from tests.conftest import wait_until
+from tests.conftest import RawClient, wait_until
 from tests.integration.test_controller_config import _controller, _env, _stop
 
 pytestmark = pytest.mark.timeout(180)
 
 SPREAD = "rollouts"
 REFUSED = f"partition '{SPREAD}' is spread over 2 shards"
+HELLO = pb.Frame(id=2, hello=pb.Hello(client="raw", protocol=wire.PROTOCOL_VERSION))
 
 
 @pytest.mark.parametrize("how, args, says", [
@@ -67,16 +68,13 @@ def test_controllers_with_different_shards_refuse_service(tmp_path):
     a, b = (f"127.0.0.1:{p}" for p in ports)
     procs = [_controller(ports[0], [a, b], env, "--shards", "r=2"),
              _controller(ports[1], [a, b], env, "--shards", "r=2,q=2")]
-    try:
-        def refused(address: str) -> str:
-            try:
-                dockd.connect(address, connect_timeout=5).close()
-            except DockConfigError as e:
-                return str(e)
-            return ""
+    def refusal(address: str) -> str:  # (what dockd.connect raises as DockConfigError)
+        with RawClient(address) as c:
+            return c.call(HELLO).hello_reply.disagreement
 
+    try:
         for address in (a, b):
-            msg = wait_until(lambda address=address: refused(address), 20, f"the controller at {address} refusing")
+            msg = wait_until(lambda address=address: refusal(address), 20, f"the controller at {address} refusing")
             assert "disagree on its spread partitions" in msg and "--shards" in msg, msg
             assert "q=2,r=2" in msg and ("has r=2" in msg or "has --shards r=2" in msg), msg  # (both, either side)
     finally:
@@ -94,8 +92,7 @@ def test_a_dock_with_shards_tells_clients_and_refuses_the_spread_name(raw):
             dockd.connect(cluster.address) as dock:
         assert dock._router.shards == {SPREAD: 2}
         joined = raw(cluster.warehouses[2])  # a warehouse that joined: it learned the shards from its controller
-        hello = pb.Frame(id=2, hello=pb.Hello(client="raw", protocol=wire.PROTOCOL_VERSION))
-        assert list(joined.call(hello).hello_reply.shards) == [f"{SPREAD}=2"]
+        assert list(joined.call(HELLO).hello_reply.shards) == [f"{SPREAD}=2"]
         reply = joined.call(_put(SPREAD), bytes(16))
         assert reply.status.code == pb.INVALID_ARGUMENT and REFUSED in reply.status.message, reply.status
         assert "connect with a current client" in reply.status.message
