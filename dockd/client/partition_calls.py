@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.client import spread_calls, validate
+from dockd.client import spread_calls, spread_io, validate
 from dockd.client.confirm import Confirms
 from dockd.client.router import Router
 from dockd.client.spread import Spread
@@ -178,7 +178,8 @@ class PartitionCalls:
         validate.positive_count("count", count)
         spread = self._spread(partition)
         if spread is not None:
-            return spread_calls.reserve(spread, self._partition_op, self._router.home, count, group_size)
+            return spread_calls.reserve(spread, self._partition_op, spread_io.home_shard(self._router, spread.count),
+                                        count, group_size)
         return list(self._partition_op(partition, reserve=pb.ReserveSamples(count=count, group_size=group_size)).indexes)
 
     def set_tags(self, partition: str, indexes: Sequence[int], tags: Mapping[str, int | Sequence[int]]) -> None:

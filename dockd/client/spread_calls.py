@@ -123,9 +123,8 @@ def set_tags(spread: Spread, op: Op, idx: Sequence[int], tags: list[pb.Tag]) -> 
     _by_shard(spread, idx, one)
 
 
-def reserve(spread: Spread, op: Op, home: int, count: int, group_size: int) -> list[int]:
-    """New indexes from the home shard (`home`: this client's home warehouse, -1 while it has none)."""
-    k = home % spread.count if home >= 0 else 0
+def reserve(spread: Spread, op: Op, k: int, count: int, group_size: int) -> list[int]:
+    """New indexes from shard k (this client's home shard: where its puts of new samples go)."""
     reply = op(spread.shard(k), reserve=pb.ReserveSamples(count=count, group_size=group_size))
     return spread.outward(k, reply.indexes)
 
