@@ -132,9 +132,13 @@ def own_index(controllers: Sequence[str], host: str, port: int, advertise: str =
     )
 
 
-def differs(mine: Sequence[str], theirs: Sequence[str]) -> bool:
-    """Whether two daemons' controller lists disagree. An empty list is a dock of one controller,
-    which agrees with a list naming only that one (a warehouse that learned it from the controller)."""
+def differs(mine: Sequence[str], theirs: Sequence[str], my_shards: Sequence[str] = (),
+            their_shards: Sequence[str] = ()) -> bool:
+    """Whether two daemons' controller lists (or spread partitions, as `shard_names` gives them) disagree.
+    An empty list is a dock of one controller, which agrees with a list naming only that one (a
+    warehouse that learned it from the controller)."""
+    if list(my_shards) != list(their_shards):
+        return True
     if len(mine) <= 1 and len(theirs) <= 1:
         return False
     return tuple(mine) != tuple(theirs)

@@ -107,11 +107,9 @@ class Router:
         if not self._unflushed:  # (every controller call passes here: no lock when there is nothing to flush)
             return
         with self.lock:
+            todo = self._unflushed if partition is None else {partition: self._unflushed.pop(partition, set())}
             if partition is None:
-                todo, self._unflushed = self._unflushed, {}
-            else:
-                wids = self._unflushed.pop(partition, None)
-                todo = {partition: wids} if wids else {}
+                self._unflushed = {}
         for part, wids in todo.items():
             frame = pb.Frame(flush=pb.FlushRequest(partition=part))
             for wid in sorted(wids):
@@ -181,11 +179,12 @@ class Router:
         wire.check_protocol(hello.protocol, f"dockd at {pool.address}")
         if hello.disagreement:  # the dock's controllers were started with different lists: it refuses service
             raise DockConfigError(hello.disagreement)
-        if hello.hosts_controller and self.controllers and (owners.differs(self.controllers, hello.controllers)
-                                                            or owners.shard_names(self.shards) != list(hello.shards)):
+        shards = owners.shard_names(self.shards)
+        if hello.hosts_controller and self.controllers and owners.differs(self.controllers, hello.controllers, shards,
+                                                                          hello.shards):
             raise DockConfigError(owners.disagreement(
                 self.controllers, f"the controller this client reached first ({self.address})", hello.controllers,
-                f"the controller at {pool.address}", owners.shard_names(self.shards), hello.shards))
+                f"the controller at {pool.address}", shards, hello.shards))
         return hello
 
     def _hello_here(self, pool: Pool, timeout: float | None = None) -> tuple[Pool, pb.HelloReply]:

@@ -90,7 +90,7 @@ class Agreement:
         return next(iter(self._differing.values()), "")
 
     def _differs(self, theirs: Sequence[str], their_shards: Sequence[str]) -> bool:
-        return differs(self.controllers, theirs) or self.shards != list(their_shards)
+        return differs(self.controllers, theirs, self.shards, their_shards)
 
     def check(self, theirs: Sequence[str], where: str, their_shards: Sequence[str] = ()) -> None:
         """A daemon or client at `where` presents its list and spread partitions (an empty list: it knows
