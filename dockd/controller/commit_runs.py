@@ -53,43 +53,61 @@ class _Service(Protocol):
 
 
 def runs(svc: _Service, commits: Sequence[pb.CommitRequest]) -> list[list[pb.CommitRequest]]:
-    """A batch's `commits` cut into runs, in order: consecutive commits that may go into a run (`_plain`)
+    """A batch's `commits` cut into runs, in order: consecutive commits that may go into a run (`_Plain`)
     and share partition, columns, warehouse and kind (new samples of one group size, or columns of
     existing samples) go together; any other is a run of one."""
     out: list[list[pb.CommitRequest]] = []
     key: tuple | None = None
+    plain = _Plain(svc)
     for req in commits:
-        if _plain(svc, req):
-            k = (req.partition, req.columns[:], -1 if req.indexes else req.group_size or 1, req.warehouse)
-            if k == key:
-                out[-1].append(req)
-                continue
-            key = k
-        else:
-            key = None
+        k = plain.key(req)
+        if k is not None and k == key:
+            out[-1].append(req)
+            continue
+        key = k
         out.append([req])
     return out
 
 
-def _plain(svc: _Service, req: pb.CommitRequest) -> bool:
-    """Whether applying `req` in a run cannot come out differently from applying it alone."""
-    if req.replica or req.tags or req.partition in svc.checkpoints.loading:
-        return False
-    core = svc.core
-    if req.indexes:  # (columns of existing samples: never paced)
-        if req.new_count:
-            return False
-    elif req.new_count < 1:
-        return False
-    else:
-        part = core.partitions.get(req.partition)
-        if (part is not None and part.max_pending) or req.partition in svc.pacer.paced:
-            return False
-    if req.put_id and req.put_id in core.put_keys.get(req.warehouse, ()):
-        return False
-    if req.token and req.token in core.catalog.tokens:
-        return False
-    return not req.block or svc.core.blocks.holds(req.block, req.warehouse, req.partition, req.indexes[:])
+class _Plain:
+    """Which commits may go into a run: those that applying in a run cannot come out differently from
+    applying alone. What it looks up is read once per batch (nothing is applied while a batch is cut)."""
+
+    __slots__ = ("loading", "paced", "partitions", "put_keys", "tokens", "blocks")
+
+    def __init__(self, svc: _Service) -> None:
+        core = svc.core
+        self.loading, self.paced, self.partitions = svc.checkpoints.loading, svc.pacer.paced, core.partitions
+        self.put_keys, self.tokens, self.blocks = core.put_keys, core.catalog.tokens, core.blocks
+
+    def key(self, req: pb.CommitRequest) -> tuple | None:
+        """The key of the runs `req` may go into (consecutive commits of one key go together), or None when
+        it is applied alone. Each field of the request is read once."""
+        if req.replica or req.tags:
+            return None
+        partition, wid = req.partition, req.warehouse
+        if partition in self.loading:
+            return None
+        indexes, new_count = req.indexes[:], req.new_count
+        if indexes:  # (columns of existing samples: never paced)
+            if new_count:
+                return None
+        elif new_count < 1:
+            return None
+        else:
+            part = self.partitions.get(partition)
+            if (part is not None and part.max_pending) or partition in self.paced:
+                return None
+        put_id = req.put_id
+        if put_id and put_id in self.put_keys.get(wid, ()):
+            return None
+        token = req.token
+        if token and token in self.tokens:
+            return None
+        block = req.block  # (a block commit: only one that would be applied)
+        if block and not self.blocks.holds(block, wid, partition, indexes):
+            return None
+        return partition, req.columns[:], -1 if indexes else req.group_size or 1, wid
 
 
 def apply_run(svc: _Service, run: list[pb.CommitRequest], reply: pb.CommitBatchReply,
