@@ -37,6 +37,11 @@ from dockd.terms import CommitOutcome
 logger = logging.getLogger(__name__)
 
 
+class _Replicas(Protocol):
+    @property
+    def replicas(self) -> int: ...
+
+
 class _Service(Protocol):
     """What of `service.ControllerService` a run uses."""
 
@@ -46,6 +51,8 @@ class _Service(Protocol):
     pacer: Pacer
     members: Membership
     waiting: Waiters
+    @property
+    def replication(self) -> _Replicas: ...
 
     def check_owner(self, partition: str) -> None: ...
 
@@ -125,7 +132,8 @@ def apply_run(svc: _Service, run: list[pb.CommitRequest], reply: pb.CommitBatchR
     nbytes = sum(r.nbytes for r in run)
     columns = list(first.columns)
     journal = svc.journal
-    outcomes: list[CommitOutcome]
+    kept: Sequence[np.ndarray | range]  # (what the catalog remembers: arrays, or ranges of new samples)
+    answers: Sequence[Sequence[int]]
     try:
         svc.check_owner(partition)
         with ahead(journal):
@@ -138,14 +146,17 @@ def apply_run(svc: _Service, run: list[pb.CommitRequest], reply: pb.CommitBatchR
                     journal.write_run(partition, columns, wid, named, nbytes, put_ids, tokens)
                 svc.core.write_run(partition, columns, warehouse=wid, indexes=written, nbytes=nbytes,
                                    put_ids=put_ids, tokens=tokens)
-                outcomes = [CommitOutcome(ix) for ix in written]
+                kept = written
+                answers = named
             else:
                 counts = [r.new_count for r in run]
                 if journal is not None:
                     journal.commit_run(partition, columns, wid, gs, counts, nbytes, put_ids, tokens)
-                outcomes = [CommitOutcome(ix) for ix in svc.core.commit_run(
+                ranges = svc.core.commit_run(
                     partition, columns, warehouse=wid, group_size=gs, counts=counts, nbytes=nbytes, put_ids=put_ids,
-                    tokens=tokens)]
+                    tokens=tokens)
+                kept = ranges
+                answers = ranges
     except DockError:
         return False
     except Exception as e:  # noqa: BLE001 - a fault: each commit of the run is answered with it, the batch goes on
@@ -156,6 +167,11 @@ def apply_run(svc: _Service, run: list[pb.CommitRequest], reply: pb.CommitBatchR
         return True
     if partition in svc.waiting.by_partition:
         woken.add(partition)
-    for req, res in zip(run, outcomes):
-        svc.commit_reply(req, res, reply.results.add())
+    if svc.replication.replicas > 1:  # (where each put is copied to: see commit_reply)
+        for i, req in enumerate(run):
+            svc.commit_reply(req, CommitOutcome(kept[i]), reply.results.add())
+    else:  # (a run's commits are neither re-sent nor cleared: each answer is its indexes, as commit_reply gives them)
+        add = reply.results.add
+        for ix in answers:
+            add(indexes=ix)
     return True

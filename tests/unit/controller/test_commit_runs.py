@@ -172,3 +172,21 @@ def test_column_writes_of_existing_samples_go_as_a_run_and_one_naming_a_sample_t
             assert core.catalog.recall(wid, 3).tolist() == [5]
 
     asyncio.run(main())
+
+
+def test_with_two_copies_each_commit_of_a_run_is_answered_with_where_its_copy_goes():
+    """--replicas 2: a run's answers name the warehouse each put is copied to, as a commit applied alone's do
+    (with one copy a run answers its indexes alone: the tests above)."""
+    async def main():
+        svc = ControllerService(Controller(lease_timeout=30.0), clock=FakeClock(), replicas=2)
+        svc.start()
+        ids = [svc.register(FakePeer(f"w{k}"), pb.RegisterWarehouse(host=f"10.0.0.{k}", port=7000, capacity=1 << 30,
+                                                                   instance=k)).id for k in (1, 2)]
+        out = svc.commit_batch(pb.CommitBatch(commits=[_new(ids[0], 2, 1), _new(ids[0], 1, 2)]))
+        assert _indexes(out) == [[0, 1], [2]]
+        assert [r.replica.id for r in out.results] == [ids[1], ids[1]]
+        alone = svc.commit_batch(pb.CommitBatch(commits=[_new(ids[0], 1, 3)]))
+        assert _indexes(alone) == [[3]] and alone.results[0].replica.id == ids[1]
+        svc.shutdown()
+
+    asyncio.run(main())
