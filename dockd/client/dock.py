@@ -311,7 +311,8 @@ class Dock(PartitionCalls):
             order_by=order_by, prefer_local=prefer_local, max_staleness=max_staleness)
         spread = self._spread(partition)
         if spread is not None:
-            return spread_io.take(spread, opts, self._router.home, self._acquirer.acquire)[1]
+            first = spread_io.home_shard(self._router, spread.count)
+            return spread_io.take(spread, opts, first, self._acquirer.acquire)[1]
         return self._acquirer.acquire(opts)
 
     @overload

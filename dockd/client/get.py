@@ -58,7 +58,7 @@ class Getter:
         started = time.monotonic()
         reconnects = self._router.reconnects
         if spread is not None:
-            k, lease = spread_io.take(spread, opts, self._router.home,
+            k, lease = spread_io.take(spread, opts, spread_io.home_shard(self._router, spread.count),
                                       lambda shard: self._lease(shard, scope, prefetch, mapped), scope)
         else:
             lease = self._lease(opts, scope, prefetch, mapped)

@@ -46,6 +46,18 @@ class Spread:
         return out
 
 
+def home(warehouse: int, controllers: int, count: int) -> int:
+    """The shard (of `count`) that the clients homed on warehouse `warehouse` put to and get from first
+    (0 while they have no home). Controller k of K numbers the warehouses it admits k, k + K, k + 2K,
+    ..., so the id mod S alone would send every warehouse one controller numbered to one shard when S
+    divides K; warehouse k + jK's shard is (k + j) mod S instead, which spreads each controller's
+    warehouses over the shards in turn."""
+    if warehouse < 0:
+        return 0
+    j, k = divmod(warehouse, max(controllers, 1))
+    return (k + j) % count
+
+
 def of(shards: dict[str, int], partition: str) -> Spread | None:
     """The spread partition named `partition` in a dock's `shards` (from its hello), or None."""
     count = shards.get(partition)

@@ -2,7 +2,7 @@
 
 A spread partition is S ordinary partitions, its shards, on S controllers; its indexes number
 them as one (dockd.client.spread: shard k's sample i is ``i * S + k``). This client's **home
-shard** is ``router.home % S`` (its home warehouse's; shard 0 while it has none):
+shard** follows its home warehouse (`spread.home`; shard 0 while it has none):
 
 - a put of new samples goes to the home shard, whole (a group is one shard's); a put with
   `indexes` goes to the one shard they all name (``index % S``), as that shard's own indexes.
@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dockd.client import put as puts
+from dockd.client import spread as spread_mod
 from dockd.client import validate
 from dockd.client.lease import Lease
 from dockd.client.options import GetOptions
@@ -38,9 +39,8 @@ WAIT_S = 0.25
 
 
 def home_shard(router: Router, count: int) -> int:
-    """This client's home shard among `count`: its home warehouse's id mod count (0 while it has none)."""
-    home = router.home
-    return home % count if home >= 0 else 0
+    """This client's home shard among `count` (`spread.home`: its home warehouse's; 0 while it has none)."""
+    return spread_mod.home(router.home, len(router.controllers), count)
 
 
 def put(router: Router, warned: set[str], spread: Spread, columns: Mapping[str, Any], *,
@@ -78,15 +78,14 @@ def refuse_ranks(spread: Spread, opts: GetOptions) -> None:
             "use an ordinary partition")
 
 
-def take(spread: Spread, opts: GetOptions, home: int, acquire: Callable[[GetOptions], Lease],
+def take(spread: Spread, opts: GetOptions, first: int, acquire: Callable[[GetOptions], Lease],
          scope: CallScope | None = None) -> tuple[int, Lease]:
-    """A get's or acquire's lease from the first shard of `spread` that can serve `opts` (see the
-    module's docstring): (that shard's k, its lease, with the shard's partition name and own indexes).
+    """A get's or acquire's lease from the first shard of `spread` that can serve `opts`, asked from
+    shard `first` on (this client's home shard; see the module's docstring): (that shard's k, its lease, with the shard's partition name and own indexes).
     `acquire` takes one shard's options (`opts` with the shard's partition and a timeout)."""
     refuse_ranks(spread, opts)
     timeout = validate.seconds(opts.timeout)
     deadline = math.inf if timeout is None else time.monotonic() + timeout
-    first = home % spread.count if home >= 0 else 0
     order = [(first + i) % spread.count for i in range(spread.count)]
     now = {k: dataclasses.replace(opts, partition=spread.shard(k), timeout=0.0) for k in order}
     drained: set[int] = set()

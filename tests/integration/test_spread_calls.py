@@ -34,7 +34,7 @@ def spread(cluster) -> Spread:
 
 @pytest.fixture
 def docks(cluster):
-    """Two clients, the one at k homed on a warehouse of shard k (its id mod 2 is k): its puts go there."""
+    """Two clients, the one at k homed on a warehouse of shard k (ids 0 and 1 are shards 0 and 1: dockd.client.spread.home): its puts go there."""
     with dockd.connect(cluster.address) as first:  # (each controller numbers its own warehouse: ids 0 and 1)
         ids = wait_until(lambda: sorted(first.stats()["warehouses"]) == [0, 1] and [0, 1], what="both warehouses")
     with dockd.connect(cluster.address, warehouse=ids[0]) as d0, dockd.connect(cluster.address, warehouse=ids[1]) as d1:

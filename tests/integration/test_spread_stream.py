@@ -1,5 +1,5 @@
 """Puts and gets of a spread partition (``--shards NAME=S``): the client puts new samples to its home
-shard (its home warehouse's id mod S) and gets from its home shard first, then from the others, so
+shard (dockd.client.spread.home: by its home warehouse) and gets from its home shard first, then from the others, so
 one stream's metadata is spread over S controllers. What must hold: the indexes a put returns name
 its shard (index % S) and are the stream's, every sample is taken once by a consumer's clients, a
 get waiting on its home shard is served by samples that land on another, a sealed stream drains,
@@ -18,6 +18,7 @@ import pytest
 
 import dockd
 from dockd import owners
+from dockd.client import spread
 from dockd.data import StreamingDataset
 from dockd.errors import DockDrained, DockTimeout, DockValueError
 from dockd.local import free_ports, spawn_node
@@ -38,7 +39,7 @@ def writers(cluster):
     """A client on each warehouse, by its home shard (of 2)."""
     docks = [dockd.connect(cluster.address, warehouse=w) for w in cluster.warehouses]
     try:
-        by_shard = {d.home % 2: d for d in docks}
+        by_shard = {spread.home(d.home, 2, 2): d for d in docks}
         assert set(by_shard) == {0, 1}, f"the warehouses' ids {[d.home for d in docks]} name one shard only"
         yield by_shard
     finally:
@@ -222,7 +223,7 @@ def _windowed(tmp_path):
 
 def test_the_writer_sees_its_puts_under_a_commit_window(tmp_path):
     with _windowed(tmp_path) as (address, warehouse), dockd.connect(address, warehouse=warehouse) as d:
-        shard = owners.shard_name("rw", d.home % 2, 2)
+        shard = owners.shard_name("rw", spread.home(d.home, 2, 2), 2)
         written: dict[int, int] = {}
         for i in range(200):  # (until one put is answered before its commit: the first asks for a block)
             written[d.put({"v": [i]}, partition="rw")[0]] = i
