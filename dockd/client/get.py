@@ -46,6 +46,7 @@ class Getter:
         self._fetcher = fetcher
         self._confirms = confirms
         self._ahead = Ahead(acquirer, confirms)
+        self._turns: dict[str, int] = {}  # spread partition -> the shard this client's next get starts at
 
     def get(self, opts: GetOptions, device: Any, scope: CallScope | None, prefetch: int = 0,
             spread: Spread | None = None) -> Batch:
@@ -58,8 +59,12 @@ class Getter:
         started = time.monotonic()
         reconnects = self._router.reconnects
         if spread is not None:
-            k, lease = spread_io.take(spread, opts, spread_io.home_shard(self._router, spread.count),
-                                      lambda shard: self._lease(shard, scope, prefetch, mapped), scope)
+            first = self._turns.get(spread.name)
+            if first is None:  # (the first get of a spread partition starts at the home shard)
+                first = spread_io.home_shard(self._router, spread.count)
+            self._turns[spread.name] = (first + 1) % spread.count
+            k, lease = spread_io.take(spread, opts, first, lambda shard: self._lease(shard, scope, prefetch, mapped),
+                                      scope)
         else:
             lease = self._lease(opts, scope, prefetch, mapped)
         if scope is not None and scope.cancelled:  # cancelled as the lease arrived: give it back, take nothing

@@ -6,10 +6,14 @@ shard** follows its home warehouse (`spread.home`; shard 0 while it has none):
 
 - a put of new samples goes to the home shard, whole (a group is one shard's); a put with
   `indexes` goes to the one shard they all name (``index % S``), as that shard's own indexes.
-- a get (or acquire) asks the shards in order home, home + 1, ... (mod S), each not drained
-  yet with timeout 0: the first that can serve it does. When none can, it waits on the first
-  one not drained for at most WAIT_S (a get that gets samples there returns them), then asks
-  them all again, until its timeout; DockDrained once every shard is sealed and drained.
+- a get (or acquire) asks one shard at a time, as a get of an ordinary partition asks (waiting up
+  to WAIT_S of its timeout: an allow_partial get takes what is there at the end of it), the next
+  in turn when that one could not serve it, until its timeout (each shard is asked once more once
+  the time is up: a get with timeout 0 asks every shard once) or every shard is sealed and drained
+  (DockDrained). A client's gets start one shard further each time, so its threads wait on every
+  shard and no shard's samples wait for long unseen. A shard whose controller cannot be reached is
+  passed over while another can serve (one controller down stalls only its shard); when none is
+  left, its DockConnectionError is raised.
 
 FIFO order holds within a shard, not across them; staleness order is per shard. Rank-aware gets
 (dp_size, mp_group) and prefer_local are refused: a step's batch is one for all ranks and lives
@@ -32,10 +36,11 @@ from dockd.client.options import GetOptions
 from dockd.client.router import Router
 from dockd.client.scope import CallScope
 from dockd.client.spread import Spread
-from dockd.errors import DockClosed, DockDrained, DockTimeout, DockValueError
+from dockd.errors import DockClosed, DockConnectionError, DockDrained, DockTimeout, DockValueError
 
 WAIT_S = 0.25
-"""Seconds a spread get that none of the shards could serve waits on one of them before asking all again."""
+"""Seconds a spread get waits on one shard (for what it asks, as a get of an ordinary partition
+waits) before it asks the next shard in turn."""
 
 
 def home_shard(router: Router, count: int) -> int:
@@ -80,39 +85,43 @@ def refuse_ranks(spread: Spread, opts: GetOptions) -> None:
 
 def take(spread: Spread, opts: GetOptions, first: int, acquire: Callable[[GetOptions], Lease],
          scope: CallScope | None = None) -> tuple[int, Lease]:
-    """A get's or acquire's lease from the first shard of `spread` that can serve `opts`, asked from
-    shard `first` on (this client's home shard; see the module's docstring): (that shard's k, its lease, with the shard's partition name and own indexes).
-    `acquire` takes one shard's options (`opts` with the shard's partition and a timeout)."""
+    """A get's or acquire's lease from a shard of `spread` that can serve `opts`, asked in turn from
+    shard `first` on (see the module's docstring): (that shard's k, its lease, with the shard's
+    partition name and own indexes). `acquire` takes one shard's options (`opts` with the shard's
+    partition and a timeout)."""
     refuse_ranks(spread, opts)
     timeout = validate.seconds(opts.timeout)
     deadline = math.inf if timeout is None else time.monotonic() + timeout
-    order = [(first + i) % spread.count for i in range(spread.count)]
-    now = {k: dataclasses.replace(opts, partition=spread.shard(k), timeout=0.0) for k in order}
+    shards = {k: dataclasses.replace(opts, partition=spread.shard(k)) for k in range(spread.count)}
     drained: set[int] = set()
+    down: dict[int, DockConnectionError] = {}  # shards whose controller could not be reached when last asked
+    late: set[int] = set()  # shards asked once the get's time was up
     most = 0  # the most samples a shard had ready
+    k = first
     while True:
-        for k in order:
-            if k not in drained:
-                try:
-                    return k, acquire(now[k])
-                except DockTimeout as e:  # (not enough ready there)
-                    most = max(most, e.ready)
-                except DockDrained:
-                    drained.add(k)
+        if k not in drained:
+            left = deadline - time.monotonic()
+            try:
+                return k, acquire(dataclasses.replace(shards[k], timeout=max(0.0, min(left, WAIT_S))))
+            except DockTimeout as e:  # (not enough there in this turn)
+                most = max(most, e.ready)
+                down.pop(k, None)
+            except DockDrained:
+                drained.add(k)
+            except DockConnectionError as e:  # (its controller is down: the other shards serve meanwhile)
+                down[k] = e
+            if left <= 0:
+                late.add(k)
         if len(drained) == spread.count:
             raise DockDrained(f"spread partition {spread.name!r} is sealed and all its {spread.count} shards are "
                               "drained for this consumer")
-        left = deadline - time.monotonic()
-        if left <= 0:
+        if len(drained) + len(down) == spread.count:  # (nothing left that could serve it)
+            raise next(iter(down.values()))
+        if len(late | drained) == spread.count:  # (every shard asked once more after the time was up)
+            unreachable = "".join(f"; shard {j}: {e}" for j, e in down.items())
             raise DockTimeout(f"spread partition {spread.name!r} over {spread.count} shards: none had {opts.count} "
-                              f"samples ready for consumer {opts.consumer!r} within {timeout:g}s (the most: {most})",
-                              ready=most)
+                              f"samples ready for consumer {opts.consumer!r} within {timeout:g}s (the most: {most})"
+                              f"{unreachable}", ready=most)
         if scope is not None and scope.cancelled:
             raise DockClosed("the get was cancelled")
-        k = next(k for k in order if k not in drained)
-        try:
-            return k, acquire(dataclasses.replace(now[k], timeout=min(left, WAIT_S)))
-        except DockTimeout:
-            pass
-        except DockDrained:
-            drained.add(k)
+        k = (k + 1) % spread.count
