@@ -58,6 +58,7 @@ COMPILED = [
     "dockd/controller/selection.py",
     "dockd/controller/service.py",
     "dockd/controller/sessions.py",
+    "dockd/controller/syncing.py",
     "dockd/controller/waiters.py",
     "dockd/controller/warehouse_calls.py",
     "dockd/controller/warehouses.py",

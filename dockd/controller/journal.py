@@ -16,8 +16,8 @@ lost. A torn last record (the process was killed mid-write) is cut off.
 
 Durability: every record is written whole (`write(2)`, the rest of a short
 write retried) before the reply that depends on it leaves the controller, so
-a controller killed with SIGKILL loses nothing; `fsync` runs in batches every
-`fsync_interval` seconds, so a crash of the whole machine can lose the
+a controller killed with SIGKILL loses nothing; `fsync` runs in batches, within
+`fsync_interval` seconds of a write, so a crash of the whole machine can lose the
 decisions of that last interval. When the journal grows past `compact_bytes`
 a new snapshot replaces it.
 
@@ -60,7 +60,7 @@ import pathlib
 import re
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import msgpack
 
@@ -112,6 +112,9 @@ def _write_all(fd: int, data: bytes | bytearray) -> None:
         view = view[n:]
 
 
+def _nothing() -> None: ...
+
+
 def ahead(journal: Journal | None) -> contextlib.AbstractContextManager:
     return journal.ahead() if journal is not None else contextlib.nullcontext()  # (nothing to cut off without one)
 
@@ -153,6 +156,9 @@ class Journal(RecordWriter):
         self._held = bytearray()  # records held until the next write (append(hold=True))
         self._held_records = 0
         self._lock = -1  # the descriptor holding STATE_DIR/lock (see `lock`)
+        # called when there is something to sync: the first record written since the last fsync, or the
+        # journal stopped taking records (a snapshot is due); the service's syncer arms its timer then
+        self.on_due: Callable[[], None] = _nothing
 
     # -- recovery ------------------------------------------------------------------------
     def lock(self) -> None:
@@ -346,7 +352,9 @@ class Journal(RecordWriter):
         else:
             self.size += len(data)
             self.records += held + records
-            self.dirty = True
+            if not self.dirty:
+                self.dirty = True
+                self.on_due()
             return None
         finally:
             self._held = bytearray()
@@ -383,34 +391,10 @@ class Journal(RecordWriter):
                      why, self.dir)
         self.broken = why
         self._retry_at = 0.0
-
-    def secret(self) -> bytes:
-        """The controller's key for lease tickets, kept in the state dir so tickets outlive a restart."""
-        path = self.dir / "lease-secret"
-        try:
-            raw = path.read_bytes()
-            if len(raw) == 32:
-                return raw
-        except OSError:
-            pass
-        raw = os.urandom(32)
-        tmp = self.dir / "lease-secret.tmp"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                _write_all(fd, raw)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            logger.warning("[journal] cannot keep the lease-ticket key in %s (%s): tickets handed out now will not "
-                           "be honoured after a restart", self.dir, e)
-        return raw
+        self.on_due()
 
     def sync(self) -> None:
-        """fsync what was written (called from a worker thread every fsync_interval)."""
+        """fsync what was written (called from a worker thread within fsync_interval of a write: `on_due`)."""
         if self.dirty and self._fd >= 0:
             self.dirty = False
             os.fsync(self._fd)

@@ -14,6 +14,7 @@ uses when it is made, none the service:
     members: membership       warehouses joining, rejoining, probed and declared lost
     replication: replica_service  --replicas 2: where each put's copy goes, repairs of missing copies
     blocking: block_service   blocks of new indexes granted to warehouses, block commits, a seal's handshake
+    syncing: syncing          the journal's fsyncs and snapshots (with a state dir)
 
 Every timer runs on the service's `clock` (`clock.Timers`), so tests can move time by hand.
 """
@@ -35,7 +36,7 @@ from dockd.controller import commit_runs
 from dockd.controller.agreement import Ownership
 from dockd.controller.block_service import Blocking
 from dockd.controller.checkpoint import Checkpoints
-from dockd.controller.clock import Clock, Timer, Timers
+from dockd.controller.clock import Clock, Timers
 from dockd.controller.core import Controller
 from dockd.controller.grants import STALENESS_BUCKETS, Acquiring
 from dockd.controller.journal import Journal, ahead
@@ -44,7 +45,8 @@ from dockd.controller.membership import Membership
 from dockd.controller.pacing import Pacer
 from dockd.controller.partition_ops import PartitionOps
 from dockd.controller.replica_service import Replication
-from dockd.controller.sessions import Leasing
+from dockd.controller.sessions import Leasing, ticket_key
+from dockd.controller.syncing import Syncing
 from dockd.controller.waiters import Waiters
 from dockd.controller.warehouse_calls import LocalWarehouse, WarehouseCalls
 from dockd.errors import DockClosed, DockError, DockValueError, to_status
@@ -110,8 +112,9 @@ class ControllerService:
         self.blocking = Blocking(core, self.journal, self.members, waiting=self.waiting,
                                  loading=self.checkpoints.loading, daemon_timeout=daemon_timeout,
                                  replicas=replicas)
-        self._sync_timer: Timer | None = None
-        self._syncing = False
+        self.syncing = None if self.journal is None else Syncing(
+            self.journal, self.timers, resumed=self.wake_all,
+            snapshot=lambda: (self.core, {e.id: e.record() for e in self.members.entries.values()}))
         self.closing = False
 
     # -- what the daemon's metrics read ----------------------------------------------------------
@@ -163,11 +166,12 @@ class ControllerService:
         core, records = self.journal.load(lease_timeout=self.core.lease_timeout, now=self.clock())
         core.max_samples = self.core.max_samples
         self._adopt(core)
-        self.leasing.ticket_key = self.journal.secret()
+        self.leasing.ticket_key = ticket_key(self.journal.dir)
         self.members.restore(records)
         self.leasing.schedule_expiry()
         self.replication.start()
-        self._sync_timer = self.timers.call_later(self.journal.fsync_interval, self._sync)
+        assert self.syncing is not None
+        self.syncing.arm()
 
     def _adopt(self, core: Controller) -> None:
         """The controller rebuilt from the state dir replaces the fresh one, in every part holding it
@@ -177,25 +181,6 @@ class ControllerService:
                                    self.replication, self.acquiring, self.checkpoints, self.ops, self.blocking]
         for part in parts:
             part.core = core
-
-    def _sync(self) -> None:
-        """Batched durability: fsync the journal in a worker thread; compact it when large."""
-        j = self.journal
-        assert j is not None  # (only a controller with a state dir syncs: see start)
-        self._sync_timer = self.timers.call_later(j.fsync_interval, self._sync)
-        if j.compaction_due(self.clock()) and not self._syncing:  # (never under an fsync of the old file)
-            broken = j.broken is not None
-            if j.compact(self.core, {e.id: e.record() for e in self.members.entries.values()}, now=self.clock()) \
-                    and broken:
-                self.wake_all()  # the journal takes records again: retry the gets that waited meanwhile
-        elif j.dirty and not self._syncing:
-            self._syncing = True
-            self.loop.run_in_executor(None, j.sync).add_done_callback(self._synced)
-
-    def _synced(self, fut) -> None:
-        self._syncing = False
-        if fut.exception() is not None:
-            logger.error("[journal] fsync failed: %s", fut.exception())
 
     # -- membership -------------------------------------------------------------------------
     def register(self, peer: Peer | None, req: pb.RegisterWarehouse) -> pb.RegisterReply:
@@ -451,7 +436,7 @@ class ControllerService:
         self.members.close()
         self.replication.close()
         self.leasing.close()
-        if self._sync_timer is not None:
-            self._sync_timer.cancel()
+        if self.syncing is not None:
+            self.syncing.close()
         if self.journal is not None:
             self.journal.close()

@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
+import pathlib
 import secrets
 
 from dockd._proto import dockd_pb2 as pb
@@ -21,6 +23,30 @@ from dockd.errors import DockLeaseError, DockValueError
 from dockd.net.peer import Peer
 
 logger = logging.getLogger(__name__)
+
+
+def ticket_key(state_dir: pathlib.Path) -> bytes:
+    """The controller's key for lease tickets, kept in its state dir so tickets outlive a restart."""
+    path = state_dir / "lease-secret"
+    try:
+        raw = path.read_bytes()
+        if len(raw) == 32:
+            return raw
+    except OSError:
+        pass
+    raw = os.urandom(32)
+    tmp = state_dir / "lease-secret.tmp"
+    try:
+        with open(tmp, "wb", opener=lambda name, flags: os.open(name, flags, 0o600)) as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        logger.warning("[controller] cannot keep the lease-ticket key in %s (%s): tickets handed out now will not "
+                       "be honoured after a restart", state_dir, e)
+    return raw
 
 
 class Leasing:

@@ -4,13 +4,16 @@ its timeout" happen when the test says so, and "nothing happened yet" is checked
 
 from __future__ import annotations
 
+import asyncio
+import os
+
 import pytest
 
 from dockd import owners
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.core import Controller
 from dockd.controller.service import ControllerService
-from dockd.errors import DockDataLost, DockFull, DockTimeout, DockValueError
+from dockd.errors import DockDataLost, DockFull, DockStateFull, DockTimeout, DockValueError
 from tests.unit.controller.fakes import Dock, FakeClock, FakePeer, run
 
 
@@ -369,6 +372,72 @@ def test_a_service_started_from_its_state_dir_serves_from_the_rebuilt_core_in_ev
         assert [type(p).__name__ for p in parts if p.core is not again.core] == []
         listed = again.partition(pb.PartitionRequest(partition="p", list=pb.ListSamples()))
         assert list(listed.indexes) == [0, 1, 2]
+        again.shutdown()
+
+    run(main())
+
+
+def _journaled(tmp_path) -> tuple[ControllerService, FakeClock, FakePeer, int]:
+    clock = FakeClock()
+    svc = ControllerService(Controller(lease_timeout=30.0), state_dir=str(tmp_path), clock=clock)
+    svc.start()
+    wid = svc.register(FakePeer("warehouse"), pb.RegisterWarehouse(host="10.0.0.9", port=7000, capacity=1 << 30,
+                                                                  instance=77)).id
+    return svc, clock, FakePeer("warehouse"), wid
+
+
+async def _until(svc: ControllerService, clock: FakeClock, done) -> bool:
+    """Move the clock an fsync interval at a time (the fsync itself runs in a worker thread) until done()."""
+    for _ in range(200):
+        if done():
+            return True
+        clock.now += svc.journal.fsync_interval
+        svc.timers.run_due()
+        await asyncio.sleep(0.01)
+    return done()
+
+
+def test_the_journal_is_fsynced_after_a_record_and_sets_no_timer_while_nothing_is_written(tmp_path):
+    async def main():
+        svc, clock, _, wid = _journaled(tmp_path)
+        plain = ControllerService(Controller(lease_timeout=30.0), clock=clock)  # (no state dir: the same timers less)
+        plain.start()
+        plain.register(FakePeer("warehouse"), pb.RegisterWarehouse(host="10.0.0.9", port=7000, capacity=1 << 30,
+                                                                   instance=77))
+        quiet = lambda: not svc.journal.dirty and len(svc.timers) == len(plain.timers)  # noqa: E731
+        assert svc.journal.dirty  # (the warehouse's record)
+        assert await _until(svc, clock, quiet)  # synced, then an idle controller is not woken for its journal
+        svc.commit(pb.CommitRequest(partition="p", columns=["x"], new_count=3, warehouse=wid))
+        assert svc.journal.dirty and len(svc.timers) == len(plain.timers) + 1  # the first record armed it
+        assert await _until(svc, clock, quiet)
+        svc.shutdown()
+        plain.shutdown()
+
+    run(main())
+
+
+def test_a_journal_that_stops_while_idle_is_resumed_by_a_snapshot(tmp_path):
+    async def main():
+        svc, clock, _, wid = _journaled(tmp_path)
+        svc.commit(pb.CommitRequest(partition="p", columns=["x"], new_count=3, warehouse=wid))
+        client = FakePeer("client", b"session-1")
+        svc.acquire(client, pb.Frame(acquire=pb.AcquireRequest(partition="p", consumer="c", columns=["x"], count=2,
+                                                               timeout=0)))
+        assert await _until(svc, clock, lambda: not svc.journal.dirty and clock.now > 1001.0)
+        full = os.open("/dev/full", os.O_WRONLY)
+        os.dup2(full, svc.journal._fd)  # the disk takes no more, and the half record cannot be cut off
+        os.close(full)
+        svc.on_lost(client)  # its lease goes back: a decision made, whose record fails
+        assert svc.journal.broken is not None
+        with pytest.raises(DockStateFull):
+            svc.commit(pb.CommitRequest(partition="p", columns=["x"], new_count=1, warehouse=wid))
+        assert await _until(svc, clock, lambda: svc.journal.broken is None)  # a snapshot captured the controller
+        svc.commit(pb.CommitRequest(partition="p", columns=["x"], new_count=1, warehouse=wid))
+        svc.shutdown()
+        again = ControllerService(Controller(lease_timeout=30.0), state_dir=str(tmp_path), clock=FakeClock())
+        again.start()
+        part = again.core.partitions["p"]
+        assert part.size == 4 and not again.core.leases  # the release is in the snapshot
         again.shutdown()
 
     run(main())
