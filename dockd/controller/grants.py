@@ -101,6 +101,7 @@ class Acquiring:
         core = self.core
         lease = core.leases[res.lease]
         res.seconds = lease.deadline - self.timers.clock()
+        granted = lease.indexes  # (the split leases hold slices of it, in order)
         leases = core.book.split(res.lease, per_lease) if per_lease else [lease]
         if len(leases) > 1:
             res.leases = [l.id for l in leases]
@@ -109,7 +110,7 @@ class Acquiring:
                 if len(leases) == 1:
                     self.journal.grant(lease, res.seconds)
                 else:
-                    self.journal.grants(leases, res.seconds, per_lease)
+                    self.journal.grants(leases, granted, res.seconds, per_lease)
             except DockStateFull:
                 for l in leases:
                     core.release(l.id)  # not recorded: not granted

@@ -297,12 +297,12 @@ class RecordWriter:
         return self.append(["G", lease.id, lease.partition, lease.consumer, pack_idx(lease.indexes),
                             float(seconds_left), lease.token, lease.owner], applied=applied)
 
-    def grants(self, leases: list[Lease], seconds_left: float, per: int) -> None:
-        """Leases split from one grant (`LeaseTable.split`: the first, then the rest, of `per` samples each)."""
+    def grants(self, leases: list[Lease], indexes: np.ndarray, seconds_left: float, per: int) -> None:
+        """Leases split from one grant of `indexes` (`LeaseTable.split`: the first, then the rest, of `per` samples
+        each, in the grant's order)."""
         first = leases[0]
-        self.append(["B", first.id, first.partition, first.consumer,
-                     pack_idx(np.concatenate([l.indexes for l in leases])), float(seconds_left), first.token,
-                     first.owner, per, [l.id for l in leases[1:]]])
+        self.append(["B", first.id, first.partition, first.consumer, pack_idx(indexes), float(seconds_left),
+                     first.token, first.owner, per, [l.id for l in leases[1:]]])
 
     def extend(self, lease_id: int, seconds_left: float) -> None:
         self.append(["E", lease_id, float(seconds_left)])
