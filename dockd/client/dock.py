@@ -274,9 +274,8 @@ class Dock(PartitionCalls):
         are this client's until a get returns them, it closes (they are released at once), or half
         their lease timeout passed (released). Other clients of the consumer see at most n x count
         fewer samples meanwhile. A get that is not partial takes ahead only what is ready when it
-        asks. Rank-aware gets (dp_size, mp_group) take no leases ahead. A spread partition (--shards): one shard
-        serves a get, the shards asked in turn, FIFO within a shard (dockd.client.spread_io); rank-aware gets
-        refused.
+        asks. Rank-aware gets (dp_size, mp_group) take no leases ahead. A spread partition (--shards): one
+        shard serves a get, asked in turn, FIFO within a shard (dockd.client.spread_io); no rank-aware gets.
         """
         opts = GetOptions(consumer=consumer, columns=columns, count=count, partition=partition, timeout=timeout,
                           groups=groups, allow_partial=allow_partial, shuffle=shuffle, seed=seed, dp_rank=dp_rank,
