@@ -176,6 +176,30 @@ class Shape:
     writers: int = 4  # threads per rollout process (puts in flight per warehouse)
 
 
+def start_workers(workers: list[list[str]], env: dict[str, str]) -> list[subprocess.Popen]:
+    """The worker processes (the trainer first), each started and connected (it said "ready")."""
+    procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+             for cmd in workers]
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready", p.args
+    return procs
+
+
+def go(procs: list[subprocess.Popen]) -> str:
+    """Let the workers go and wait for them all; the trainer's output."""
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.close()
+    train, *rolls = procs
+    for p in rolls:
+        assert p.wait(600) == 0
+        p.stdout.close()  # type: ignore[union-attr]  # (started with stdout=PIPE)
+    out = train.stdout.read()  # type: ignore[union-attr]  # (started with stdout=PIPE)
+    assert train.wait(600) == 0
+    return out
+
+
 def one_run(address: str, ctrl: tuple[int, int], env: dict[str, str], partition: str, shape: Shape) -> dict[str, Any]:
     from benchmarks.commit_batch import _commit_messages
 
@@ -187,22 +211,10 @@ def one_run(address: str, ctrl: tuple[int, int], env: dict[str, str], partition:
                *([*me, "rollout", address, str(w), partition, str(n // 2 + (w < n % 2)),
                   str(shape.writers), str(rate)]
                  for w in range(2))]
-    procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-             for cmd in workers]
-    for p in procs:  # (each says "ready" once connected)
-        assert p.stdout is not None and p.stdout.readline().strip() == "ready", p.args
+    procs = start_workers(workers, env)
     m0 = _commit_messages(metrics_port)
     cpu0, t0 = cpu_seconds([ctrl_pid]), time.perf_counter()
-    for p in procs:
-        assert p.stdin is not None
-        p.stdin.write("go\n")
-        p.stdin.close()
-    train, *rolls = procs
-    for p in rolls:
-        assert p.wait(600) == 0
-        p.stdout.close()  # type: ignore[union-attr]  # (started with stdout=PIPE)
-    out = train.stdout.read()  # type: ignore[union-attr]  # (started with stdout=PIPE)
-    assert train.wait(600) == 0
+    out = go(procs)
     cpu, wall = cpu_seconds([ctrl_pid]) - cpu0, time.perf_counter() - t0
     m1 = _commit_messages(metrics_port)
     gets = json.loads(out.strip().splitlines()[-1])["gets"]
@@ -226,10 +238,7 @@ def run_tree(label: str, tree: str | None, r: int, shapes: list[Shape], idle_s: 
                                    "--metrics-port", "0", "--state-dir", state, "--log-level", "WARNING"], env=env)
             procs.append(c)
             address = f"127.0.0.1:{ready['port']}"
-            for _ in range(2):
-                procs.append(spawn_node(["--host", "127.0.0.1", "--port", "0", "--join", address,
-                                         "--capacity", "2GiB", "--log-level", "WARNING",
-                                         *(["--commit-window", str(window)] if window else [])], env=env)[0])
+            procs += start_warehouses(address, window, env)
             so = compiled_modules(c.pid, str(Path(tree or REPO_ROOT).resolve()))
             idle = idle_cpu_ms_per_s(c.pid, idle_s)
             for i, shape in enumerate(shapes):
@@ -238,11 +247,25 @@ def run_tree(label: str, tree: str | None, r: int, shapes: list[Shape], idle_s: 
                 print(json.dumps(res), flush=True)
                 runs.append(res)
         finally:
-            for proc in reversed(procs):  # (the warehouses first: they would log losing their controller)
-                proc.terminate()
-            for proc in procs:
-                proc.wait(20)
+            stop(procs)
     return runs
+
+
+def start_warehouses(address: str, window: float, env: dict[str, str]) -> list[subprocess.Popen]:
+    """Two warehouses joined to the controller at `address`, with --commit-window `window` (0: off)."""
+    from dockd.local import spawn_node
+
+    return [spawn_node(["--host", "127.0.0.1", "--port", "0", "--join", address, "--capacity", "2GiB",
+                        "--log-level", "WARNING", *(["--commit-window", str(window)] if window else [])], env=env)[0]
+            for _ in range(2)]
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """Stop the daemons, the last started first (the warehouses: they would log losing their controller)."""
+    for proc in reversed(procs):
+        proc.terminate()
+    for proc in procs:
+        proc.wait(20)
 
 
 def table(runs: list[dict], labels: list[str], values: list[int], rates: list[float]) -> list[str]:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.controller_load.procstat import cpu_seconds
-from benchmarks.prefetch_stream import child_env, idle_cpu_ms_per_s
+from benchmarks.prefetch_stream import child_env, go, idle_cpu_ms_per_s, start_warehouses, start_workers, stop
 
 
 def requests(metrics_port: int) -> dict[str, float]:
@@ -50,22 +50,10 @@ def one_run(address: str, ctrls: list[tuple[int, int]], warehouses: list[int], e
     workers = [[*me, "trainer", address, partition, str(n), "4", str(prefetch), "1"],
                *([*me, "rollout", address, str(wid), partition, str(n // 2 + (w < n % 2)), str(writers), str(rate)]
                  for w, wid in enumerate(warehouses))]
-    procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-             for cmd in workers]
-    for p in procs:  # (each says "ready" once connected)
-        assert p.stdout is not None and p.stdout.readline().strip() == "ready", p.args
+    procs = start_workers(workers, env)
     m0 = [requests(port) for _, port in ctrls]
     cpu0, t0 = [cpu_seconds([pid]) for pid, _ in ctrls], time.perf_counter()
-    for p in procs:
-        assert p.stdin is not None
-        p.stdin.write("go\n")
-        p.stdin.close()
-    train, *rolls = procs
-    for p in rolls:
-        assert p.wait(600) == 0
-        p.stdout.close()  # type: ignore[union-attr]  # (started with stdout=PIPE)
-    out = train.stdout.read()  # type: ignore[union-attr]  # (started with stdout=PIPE)
-    assert train.wait(600) == 0
+    out = go(procs)
     wall = time.perf_counter() - t0
     cpu = [cpu_seconds([pid]) - c0 for (pid, _), c0 in zip(ctrls, cpu0)]
     m1 = [requests(port) for _, port in ctrls]
@@ -109,10 +97,7 @@ def one_round(r: int, n: int, prefetch: int, rate: float, writers: int, window: 
                 procs.append(c)
                 ctrls.append((c.pid, ready["metrics_port"]))
             address = f"127.0.0.1:{ports[0]}"
-            for _ in range(2):
-                procs.append(spawn_node(["--host", "127.0.0.1", "--port", "0", "--join", address, "--capacity",
-                                         "2GiB", "--log-level", "WARNING",
-                                         *(["--commit-window", str(window)] if window else [])], env=env)[0])
+            procs += start_warehouses(address, window, env)
             warehouses = live_warehouses(address, 2)
             idle = [idle_cpu_ms_per_s(pid, idle_s) for pid, _ in ctrls]
             for kind, partition in (("ordinary", f"plain{r}"), ("spread over 2", "spread")):  # (plain{r}: either)
@@ -121,10 +106,7 @@ def one_round(r: int, n: int, prefetch: int, rate: float, writers: int, window: 
                 print(json.dumps(res), flush=True)
                 runs.append(res)
         finally:
-            for proc in reversed(procs):  # (the warehouses first: they would log losing their controller)
-                proc.terminate()
-            for proc in procs:
-                proc.wait(20)
+            stop(procs)
     return runs
 
 
