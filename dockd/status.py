@@ -168,7 +168,7 @@ def _partition(name: str, p: dict, *, controller: str) -> _Fitted:
     names = ("consumer", "taken", "", *(("pending",) if paced else ()), "ready", "leased", "waiting")
 
     def build(left_out: frozenset[str]) -> Table:
-        pt = Table(title=title, title_justify="left")
+        pt = Table(title=Text(title), title_justify="left")  # (Text: a name or "[controller ...]" is no markup)
         shown = _columns(pt, names, left_out, keep=("consumer",), right=("taken", "pending", "ready", "leased",
                                                                          "waiting"))
         total = max(p["samples"], 1)
@@ -207,11 +207,14 @@ def render(snap: dict[str, Any], *, address: str, error: str = "") -> Group:
         parts.append(Text(f"unreachable: {error}", style="bold red"))
     parts.append(_warehouses(whs))
 
-    names = list(snap["partitions"])
+    shards = {shard for p in snap["partitions"].values() for shard in p.get("shards", ())}
+    names = [name for name in snap["partitions"] if name not in shards]  # (a spread partition: its sum, once)
     shown = names[-MAX_PARTITIONS:]
     for name in shown:
         p = snap["partitions"][name]
-        parts.append(_partition(name, p, controller=p.get("controller", "") if several else ""))
+        where = p.get("controller", "")
+        where = ", ".join(where) if isinstance(where, list) else where
+        parts.append(_partition(name, p, controller=where if several else ""))
     if len(names) > len(shown):
         parts.append(Text(f"... and {len(names) - len(shown)} older partitions (dockd status --json lists all)",
                           style="dim"))

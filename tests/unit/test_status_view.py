@@ -63,3 +63,15 @@ def test_the_consumer_puts_wait_for_is_marked():
     assert "most pending" in line and "holds puts back" not in line
     snap["partitions"]["rollouts"].update(max_pending=None, pending_by={})
     assert "pending" not in _draw(snap, 80)
+
+
+def test_a_spread_partition_is_shown_once_with_its_controllers():
+    snap = _snap()
+    snap["controllers"] = ADDRESSES[:2]
+    shard = dict(snap["partitions"]["rollouts"], controller=ADDRESSES[0], max_pending=None, pending_by={})
+    names = ["rollouts~shard-0-of-2", "rollouts~shard-1-of-2"]
+    snap["partitions"] = {names[0]: shard, names[1]: dict(shard, controller=ADDRESSES[1]),
+                          "rollouts": dict(shard, shards=names, controller=ADDRESSES[:2])}
+    text = " ".join(_draw(snap, 160).split())
+    assert "shard-" not in text and text.count("partition rollouts:") == 1
+    assert f"[controller {ADDRESSES[0]}, {ADDRESSES[1]}]" in text
