@@ -41,7 +41,6 @@ from dockd.client.options import GetOptions
 from dockd.client.partition_calls import PartitionCalls
 from dockd.client.router import Router
 from dockd.client.scope import CallScope
-from dockd.client.spread import Spread
 from dockd.config import ClientConfig, client_transport, env
 from dockd.errors import DockValueError
 from dockd.net import auth, wire
@@ -408,12 +407,6 @@ class Dock(PartitionCalls):
         replies = {addr: self._ctrl_call(pb.Frame(stats=pb.StatsRequest()), at=addr)[0].stats_reply
                    for addr in self._router.controllers or [self._router.address]}
         return stats_.stats(replies, self._router, traffic=traffic, connect_timeout=self.connect_timeout)
-
-    def _spread(self, partition: Any) -> Spread | None:
-        """The spread partition (--shards) `partition` names, or None: an ordinary partition."""
-        shards = self._router.shards
-        count = shards.get(partition) if shards and isinstance(partition, str) else None
-        return None if count is None else Spread(partition, count)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def close(self) -> None:

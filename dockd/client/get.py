@@ -105,7 +105,7 @@ class Getter:
         idx = validate.int_list("indexes", indexes)
         if not idx:
             raise DockValueError("indexes is empty")
-        spread = of(self._router.shards, partition) if self._router.shards else None
+        spread = of(self._router.shards, partition)
         if spread is not None:
             return Batch(partition, idx, spread_calls.read(spread, idx, lambda name, local: self._read(name, local, columns)))
         return Batch(partition, idx, self._read(partition, idx, columns))

@@ -15,6 +15,7 @@ from dockd.client import spread_calls, spread_io, validate
 from dockd.client.confirm import Confirms
 from dockd.client.router import Router
 from dockd.client.spread import Spread
+from dockd.client.spread import of as spread_of
 from dockd.errors import DockValueError
 
 
@@ -27,9 +28,7 @@ class PartitionCalls:
 
     def _spread(self, partition: str) -> Spread | None:
         """`partition` as a spread partition (one of the dock's --shards), or None: an ordinary one."""
-        shards = self._router.shards
-        count = shards.get(partition) if shards and isinstance(partition, str) else None
-        return None if count is None else Spread(partition, count)
+        return spread_of(self._router.shards, partition)
 
     def _ctrl_call(self, frame: pb.Frame, **kw: Any) -> tuple:
         return self._confirms.ctrl_call(frame, **kw)

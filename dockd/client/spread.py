@@ -58,7 +58,11 @@ def home(warehouse: int, controllers: int, count: int) -> int:
     return (k + j) % count
 
 
-def of(shards: dict[str, int], partition: str) -> Spread | None:
-    """The spread partition named `partition` in a dock's `shards` (from its hello), or None."""
+def of(shards: dict[str, int], partition: object) -> Spread | None:
+    """The spread partition named `partition` in a dock's `shards` (from its hello), or None: an
+    ordinary partition (a dock without spread partitions pays one emptiness test; a `partition` that
+    is not a string is left to the call's own check, which says what is wrong with it)."""
+    if not shards or not isinstance(partition, str):
+        return None
     count = shards.get(partition)
     return None if count is None else Spread(partition, count)
