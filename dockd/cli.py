@@ -70,14 +70,14 @@ def _setup_logging(level: str, fmt: str = "text") -> None:
 
 def _serve(args) -> int:
     from dockd import owners
-    from dockd.config import NodeConfig, parse_shards, parse_size
+    from dockd.config import NodeConfig, parse_size
     from dockd.node.daemon import serve
 
     controllers = owners.parse(args.controllers) if args.controllers else ()
     cfg = NodeConfig(
         host=args.host, port=args.port, grpc_port=args.grpc_port, advertise=args.advertise,
         controller=args.controller, warehouse=not args.no_warehouse, join=args.join or "",
-        controllers=controllers, shards=parse_shards(args.shards or "", args.controller, controllers),
+        controllers=controllers, shards=owners.parse_shards(args.shards) if args.shards else {},
         capacity=parse_size(args.capacity), device_capacity=parse_size(args.device_capacity), lease_timeout=args.lease_timeout, shm=not args.no_shm,
         state_dir=args.state_dir or "", data_dir=args.data_dir or "", drop_damaged_files=args.drop_damaged_files,
         spill_dir=args.spill_dir or "", spill_capacity=parse_size(args.spill_capacity), join_timeout=args.join_timeout, controller_grace=args.controller_grace,

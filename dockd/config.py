@@ -173,14 +173,6 @@ def shards_need(controller: bool, controllers: tuple[str, ...]) -> None:
                              "same --shards")
 
 
-def parse_shards(text: str, controller: bool, controllers: tuple[str, ...]) -> dict[str, int]:
-    """`dockd serve --shards TEXT` with these --controller / --controllers: the spread partitions, checked."""
-    if not text:
-        return {}
-    shards_need(controller, controllers)
-    return owners.parse_shards(text, len(controllers))
-
-
 @dataclasses.dataclass(kw_only=True, slots=True)
 class NodeConfig:
     host: str = "127.0.0.1"
@@ -333,8 +325,7 @@ class NodeConfig:
             owners.own_index(self.controllers, self.host, self.port, self.advertise)
         if self.shards:
             shards_need(self.controller, self.controllers)
-            for name, count in self.shards.items():  # (checked as --shards is: 2 <= count <= controllers)
-                owners.parse_shards(f"{name}={count}", len(self.controllers))
+            owners.check_shards(self.shards, len(self.controllers))
         if self.replicas not in (1, 2):
             raise DockValueError(f"--replicas is 1 or 2 (warehouses holding each value), got {self.replicas}")
         if self.replicas != 1 and not self.controller:

@@ -155,7 +155,7 @@ def start_local(num_warehouses: int = 1, *, capacity: int | str = "4GiB", lease_
                                  f"shard on each: start_local needs controllers >= {max(shards.values())}, got "
                                  f"{controllers}")
         listed = ",".join(f"{name}={count}" for name, count in shards.items())
-        owners.parse_shards(listed, controllers)  # (checked here, before any daemon starts)
+        owners.check_shards(owners.parse_shards(listed), controllers)  # (checked here, before any daemon starts)
         ctl += ["--shards", listed]
     cap = parse_size(capacity)
     common = ["--host", host, "--port", "0", "--grpc-port", "0", "--capacity", str(cap), "--log-level", log_level]

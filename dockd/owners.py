@@ -27,7 +27,7 @@ NAME the union of S shards, each an ordinary partition named
 ``shard_name(NAME, k, S)`` and owned by the controller after NAME's own by k
 places, so S <= K shards land on S different controllers. The shards are part
 of the dock's identity as the list is (compared with it). Clients do the
-spreading (dockd.client.shards); daemons only route each shard to its owner.
+spreading (dockd.client.spread); daemons only route each shard to its owner.
 """
 
 from __future__ import annotations
@@ -85,9 +85,9 @@ def parse(text: str) -> tuple[str, ...]:
     return tuple(out)
 
 
-def parse_shards(text: str, controllers: int) -> dict[str, int]:
-    """--shards NAME=S,NAME=S,...: each spread partition and its shard count, checked against the
-    number of controllers (every shard on another one: 2 <= S <= that number)."""
+def parse_shards(text: str) -> dict[str, int]:
+    """--shards NAME=S,NAME=S,...: each spread partition and its shard count (the counts are checked
+    against the controllers by `check_shards`)."""
     out: dict[str, int] = {}
     for item in text.split(","):
         item = item.strip()
@@ -99,11 +99,16 @@ def parse_shards(text: str, controllers: int) -> dict[str, int]:
             raise DockValueError(f"--shards: partition name {name!r} holds {SHARD_MARK!r}, which names shards")
         if name in out:
             raise DockValueError(f"--shards names partition {name!r} twice")
-        if not 2 <= int(count) <= controllers:
-            raise DockValueError(f"--shards {item}: a partition is spread over 2 to {controllers} shards with "
-                                 f"{controllers} controllers (--controllers), one shard per controller")
         out[name] = int(count)
     return out
+
+
+def check_shards(shards: Mapping[str, int], controllers: int) -> None:
+    """Every spread partition on 2 to `controllers` shards: one shard per controller."""
+    for name, count in shards.items():
+        if not 2 <= count <= controllers:
+            raise DockValueError(f"--shards {name}={count}: a partition is spread over 2 to {controllers} shards "
+                                 f"with {controllers} controllers (--controllers), one shard per controller")
 
 
 def shard_names(shards: Mapping[str, int]) -> list[str]:
