@@ -89,11 +89,12 @@ def test_partitions_are_spread_and_every_operation_reaches_its_owner():
             assert dock.stats()["controllers"] == cluster.controllers
 
 
-def _controller(ports: list[int], k: int, state_dir: str, env: dict) -> tuple:
+def _controller(ports: list[int], k: int, state_dir: str, env: dict, *extra: str) -> tuple:
+    """Controller k of the dock whose controllers listen on `ports`, with a state dir (and `extra` arguments)."""
     listed = ",".join(f"127.0.0.1:{p}" for p in ports)
     return spawn_node(["--host", "127.0.0.1", "--port", str(ports[k]), "--grpc-port", "0", "--controller",
-                       "--no-warehouse", "--controllers", listed, "--state-dir", state_dir, "--log-level", "WARNING"],
-                      env=env)
+                       "--no-warehouse", "--controllers", listed, "--state-dir", state_dir, "--log-level", "WARNING",
+                       *extra], env=env)
 
 
 def _stop(procs: list) -> None:

@@ -15,16 +15,14 @@ from dockd import owners
 from dockd.client import spread
 from dockd.errors import DockTimeout
 from dockd.local import free_ports, spawn_node
+from tests.integration.test_controllers import _controller as controller
 from tests.integration.test_controllers import _stop
 
 pytestmark = pytest.mark.slow  # (CI runs it: make test-slow)
 
 
 def _controller(ports: list[int], k: int, state_dir: str, env: dict):
-    listed = ",".join(f"127.0.0.1:{p}" for p in ports)
-    return spawn_node(["--host", "127.0.0.1", "--port", str(ports[k]), "--grpc-port", "0", "--controller",
-                       "--no-warehouse", "--controllers", listed, "--shards", "stream=2", "--state-dir", state_dir,
-                       "--log-level", "WARNING"], env=env)[0]
+    return controller(ports, k, state_dir, env, "--shards", "stream=2")[0]
 
 
 def test_one_controller_killed_stalls_only_its_shard_and_its_samples_come_once_after_restart(tmp_path):
