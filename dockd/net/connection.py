@@ -56,6 +56,7 @@ def forks() -> int:
 
 
 _NO_BODY = np.empty(0, dtype=np.uint8)
+_OK = pb.OK
 CHALLENGE_GRACE_S = 1.0
 """Seconds a new TCP connection waits for the daemon's challenge before it asks the port, on a second
 connection, what it is (a dockd daemon sends its challenge at once; an HTTP server waits for a request)."""
@@ -266,20 +267,25 @@ class Connection:
 
     def _send_watched(self, buffers: Sequence, ancillary: list) -> None:
         """wire.sendall, but a daemon that takes no byte for the call's timeout is asked about as
-        a reply that does not come is (`alive`): a stopped one does not block a put's send for ever."""
+        a reply that does not come is (`alive`): a stopped one does not block a put's send for ever.
+        The poll and the deadline are made once the socket is full (a small frame goes at once)."""
         assert self._alive is not None and self._wait is not None
         bufs = [memoryview(b).cast("B") for b in buffers if len(b)]
-        writable = select.poll()
-        writable.register(self.sock, select.POLLOUT)
-        deadline = time.monotonic() + self._wait
+        writable = None
+        deadline = None  # (from the first time the socket is full since the daemon last took bytes)
         while bufs:
             try:
                 wire.consume(bufs, self.sock.sendmsg(bufs[: wire.IOV_MAX], ancillary, socket.MSG_DONTWAIT))
                 ancillary = []
-                deadline = time.monotonic() + self._wait
+                deadline = None
                 continue
             except BlockingIOError:
                 pass
+            if writable is None:
+                writable = select.poll()
+                writable.register(self.sock, select.POLLOUT)
+            if deadline is None:
+                deadline = time.monotonic() + self._wait
             left = deadline - time.monotonic()
             if left > 0 and writable.poll(left * 1e3):
                 continue
@@ -309,12 +315,14 @@ class Connection:
         self.busy = True
         started = time.monotonic()
         kind = frame.WhichOneof("kind")
+        request_id = self._next_id  # (the id send gives the frame)
         try:
-            self._alive, self._wait = (alive, timeout) if timeout is not None else (None, None)
+            if timeout is not None:
+                self._alive, self._wait = alive, timeout
             self.send(frame, buffers, body_size, fds)
             sent = self._reply_at = time.monotonic()
-            self._deadline = None if timeout is None else sent + timeout
-            self._stall = stall if timeout is not None else None
+            if timeout is not None:
+                self._deadline, self._stall = sent + timeout, stall
             self._spin = self._waits.spin(kind)
             reply, body, got = self._read_frame()
             self._waits.waited(kind, self._reply_at - sent)
@@ -331,11 +339,12 @@ class Connection:
         finally:
             self._deadline = self._stall = self._alive = self._wait = None
             self._leave()
-        if reply.id != frame.id and reply.id != 0:
+        reply_id = reply.id
+        if reply_id != request_id and reply_id != 0:
             self.broken = True
-            raise DockProtocolError(f"reply id {reply.id} does not match request id {frame.id} from {self.address}")
+            raise DockProtocolError(f"reply id {reply_id} does not match request id {request_id} from {self.address}")
         self.busy = False  # the reply is read whole: the stream is in step again
-        if reply.status.code != pb.OK:
+        if reply.status.code != _OK:
             _close_all(got)
             raise from_status(reply.status)
         return reply, body, got
@@ -422,10 +431,11 @@ class Connection:
         start = self._lo + wire.PREFIX.size
         frame = wire.parse_header(self._mv[start : start + hlen])
         self._lo = start + hlen
-        if frame.fds > len(self._fds):
+        nfds = frame.fds
+        if nfds > len(self._fds):
             self.broken = True
-            raise DockProtocolError(f"reply announces {frame.fds} descriptors but {len(self._fds)} arrived")
-        fds = [self._fds.popleft() for _ in range(frame.fds)]
+            raise DockProtocolError(f"reply announces {nfds} descriptors but {len(self._fds)} arrived")
+        fds = [self._fds.popleft() for _ in range(nfds)] if nfds else []
         if blen == 0:
             return frame, _NO_BODY, fds
         try:

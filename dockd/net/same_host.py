@@ -191,7 +191,7 @@ class ShmTransport(Transport):
         and device-tier buffers copied onto `device`. The values keep a mapping, and so the memory,
         alive; when it goes the segment is unpinned (`pins` names the passed segments), so the
         warehouse may fill it again; one passed but not mapped is unpinned at once."""
-        fds, pins = reply.fds, reply.frame.pins
+        fds, pins = reply.fds, reply.frame.pins[:]  # (a list: see dockd.net.wire)
         buffers: dict[int, tuple[Any, int]] = {0: (reply.body, 0)}
         mapped: set[int] = set()
         try:
@@ -224,6 +224,8 @@ class ShmTransport(Transport):
         self.ctx.wake()
 
     def take_unpins(self) -> list[int]:
+        if not self._unpins:  # (most requests: none to report; one queued meanwhile goes with the next, or the flusher)
+            return []
         with self._lock:
             out, self._unpins = self._unpins, []
         return out
