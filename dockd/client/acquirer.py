@@ -38,11 +38,12 @@ class Acquirer:
         device-tier values come inline too, shared by handle, and are copied there."""
         frame = opts.frame(self._router.home)
         req = frame.acquire
-        req.device = opts.inline and device is not None and not self._unmappable
+        if device is not None and opts.inline and not self._unmappable:
+            req.device = True
         timeout = None if req.timeout < 0 else req.timeout
-        at = self._router.owner(req.partition)
+        at = self._router.owner(opts.partition)
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._router.flush_writes(req.partition, deadline)  # (sees this client's puts answered before their commit)
+        self._router.flush_writes(opts.partition, deadline)  # (sees this client's puts answered before their commit)
         confirms = self._confirms.take(at, deadline)
         req.confirm.extend(confirms)
         used: list[Pool] = []

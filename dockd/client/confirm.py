@@ -82,7 +82,8 @@ class Confirms:
                 self._flusher = threading.Thread(target=_flush_loop, args=(weakref.ref(self), self.wake, self._stop),
                                                  name="dockd-confirm", daemon=True)
                 self._flusher.start()
-        self.wake.set()
+        if not self.wake.is_set():  # (set: the flusher has yet to clear it, and flushes after that, this one too)
+            self.wake.set()
 
     def take(self, at: str = "", deadline: float | None = None) -> list[int]:
         """The pending confirms of the controller at `at`, once those that another thread (the flusher)
@@ -90,7 +91,8 @@ class Confirms:
         sent before them could overtake them: a rank-aware get would then be handed its last share
         again, its samples delivered twice."""
         with self._lock:
-            self._settle(lambda: self._sending.get(at, 0), deadline)
+            if self._sending:
+                self._settle(lambda: self._sending.get(at, 0), deadline)
             return self._pending.pop(at, [])
 
     def _settle(self, sending, deadline: float | None) -> None:

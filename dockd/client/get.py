@@ -54,8 +54,8 @@ class Getter:
         dockd.client.ahead), fetched and confirmed; the values on `device` if one is given.
         `scope`: an AsyncDock get's, which cancelling it closes. `spread`: opts.partition is that spread
         partition, served by one of its shards (dockd.client.spread_io)."""
-        target = validate.device(device)
-        mapped = target if maps_device(target) else None  # device-tier data shared by handle, copied once
+        target = None if device is None else validate.device(device)
+        mapped = target if target is not None and maps_device(target) else None  # device-tier data by handle, copied once
         started = time.monotonic()
         reconnects = self._router.reconnects
         if spread is not None:

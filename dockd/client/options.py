@@ -69,6 +69,7 @@ class GetOptions:
                 raise DockValueError("prefer_local does not apply to rank-aware gets (dp_size or mp_group): a "
                                      "step's batch is one for all ranks")
             req.near = home + 1
-        req.per_lease = self.per_lease
+        if self.per_lease:
+            req.per_lease = self.per_lease
         req.token = ids.random_bits(63) | 1  # a retried acquire gets the lease its lost reply carried
         return frame

@@ -304,15 +304,16 @@ class Router:
         if at and at != self.address:
             return self._calling(at, call, deadline, lambda limit: self._other_pool(at, limit),
                                  lambda pool, give_up, e: self._drop_other(at, pool))
-        return self._calling(self.address, call, deadline, lambda limit: self.ctrl, self._reconnect)
+        return self._calling(self.address, call, deadline, None, self._reconnect)
 
     def _calling(self, address: str, call: Callable[[Pool], T], deadline: float | None,
-                 pool_of: Callable[[float], Pool], recover: Callable[[Pool, float, Exception], None]) -> T:
-        """Run `call(pool_of(limit))` against the controller at `address`; on a lost connection,
-        `recover` and run it again, for up to reconnect_timeout (and not past `deadline`)."""
+                 pool_of: Callable[[float], Pool] | None, recover: Callable[[Pool, float, Exception], None]) -> T:
+        """Run `call(pool_of(limit))` (None: on the first contact's pool, `ctrl`) against the controller at
+        `address`; on a lost connection, `recover` and run it again, for up to reconnect_timeout (and not
+        past `deadline`)."""
         give_up = None
         while True:
-            pool = pool_of(give_up or self._give_up(deadline))
+            pool = self.ctrl if pool_of is None else pool_of(give_up or self._give_up(deadline))
             try:
                 return call(pool)
             except DockConnectionError as e:

@@ -92,13 +92,16 @@ def text(name: str, what: str) -> None:
 def consumer_and_columns(consumer: str, columns: Sequence[str]) -> None:
     if not isinstance(consumer, str) or not consumer:
         raise DockValueError(f"consumer must be a non-empty string such as 'actor_train', got {consumer!r}")
-    if (isinstance(columns, str) or not isinstance(columns, Sequence) or not columns
+    if (isinstance(columns, str) or not isinstance(columns, (list, tuple, Sequence)) or not columns
             or not all(isinstance(c, str) for c in columns)):
         raise DockTypeError(f"columns must be a non-empty list of column names, got {columns!r}")
     if len(set(columns)) != len(columns):
         raise DockValueError(f"columns contains duplicates: {list(columns)}")
-    for name in (consumer, *columns):
-        text(name, "consumer or column name")
+    try:
+        "".join((consumer, *columns)).encode()  # (one encode for all: a lone surrogate has no UTF-8 form anywhere)
+    except UnicodeEncodeError:
+        for name in (consumer, *columns):
+            text(name, "consumer or column name")
 
 
 def int_list(name: str, values: Sequence[int]) -> list[int]:

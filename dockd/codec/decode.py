@@ -108,7 +108,7 @@ class Runs:
 
     def __init__(self, runs: list[tuple[pb.Run, Any, int]]) -> None:
         self.runs = runs
-        self.count = sum(r.count for r, _, _ in runs)
+        self.count = sum([r.count for r, _, _ in runs])
 
     @classmethod
     def of(cls, col: pb.ColumnData, buffers: Mapping[int, tuple[Any, int]]) -> Runs:
