@@ -308,9 +308,8 @@ class Router:
 
     def _calling(self, address: str, call: Callable[[Pool], T], deadline: float | None,
                  pool_of: Callable[[float], Pool] | None, recover: Callable[[Pool, float, Exception], None]) -> T:
-        """Run `call(pool_of(limit))` (None: on the first contact's pool, `ctrl`) against the controller at
-        `address`; on a lost connection, `recover` and run it again, for up to reconnect_timeout (and not
-        past `deadline`)."""
+        """Run `call(pool_of(limit))` (no pool_of: on `ctrl`) against the controller at `address`; on a lost
+        connection, `recover` and run it again, for up to reconnect_timeout (and not past `deadline`)."""
         give_up = None
         while True:
             pool = self.ctrl if pool_of is None else pool_of(give_up or self._give_up(deadline))
