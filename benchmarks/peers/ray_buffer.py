@@ -17,6 +17,9 @@ Deviation, so puts are measured like dockd's acknowledged puts: each put is
 One dock holds one partition (MindSpeed-RL builds a dock per iteration);
 ``clear`` drops a partition's dock state.
 
+Four-column case: a fresh actor with four columns, each fed as separate
+per-sample 4 KiB tensors.
+
 GRPO-shaped case: a fresh actor whose columns are the eight GRPO columns
 (the first one is killed; MindSpeed-RL builds its dock with the columns of
 the algorithm), fed per-column lists of per-sample values (ragged 1-D
@@ -170,6 +173,12 @@ class RayBufferAdapter(PeerAdapter):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"ray-actor buffer: {count} samples not ready within {GET_TIMEOUT_S} s")
             time.sleep(POLL_INTERVAL_S)
+
+    def prepare_columns(self, columns: dict[str, Any]) -> Any:
+        import torch
+
+        # a dense [B, S] column as separate per-sample tensors, as prepare() does
+        return {c: self.prepare(v) if isinstance(v, torch.Tensor) else v for c, v in columns.items()}
 
     def put_columns(self, partition: str, batch: Any) -> None:
         import ray

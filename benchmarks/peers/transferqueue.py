@@ -9,6 +9,10 @@ followed by ``client.get_data(meta)``. In polling mode ``get_meta`` returns an
 empty batch when too few samples are ready, so the adapter polls (the data
 is always ready before the gets start, so the first call normally succeeds).
 
+Four-column case: one ``TensorDict`` of four dense ``[B, 4096]`` uint8
+columns; a get unbinds each column into per-sample views, as the one-column
+get does.
+
 GRPO-shaped case: one ``TensorDict`` per batch with each ragged column as a
 jagged nested tensor (``torch.nested.as_nested_tensor(values,
 layout=torch.jagged)``, built once, untimed), the reward as a dense float32
@@ -103,7 +107,9 @@ class TransferQueueAdapter(PeerAdapter):
         n = 0
         for name, values in columns.items():
             n = len(values)
-            if all(isinstance(v, torch.Tensor) for v in values):
+            if isinstance(values, torch.Tensor):  # a dense [B, S] column: taken as it is
+                out[name] = values
+            elif all(isinstance(v, torch.Tensor) for v in values):
                 out[name] = torch.nested.as_nested_tensor(list(values), layout=torch.jagged)
             elif all(isinstance(v, float) for v in values):
                 out[name] = torch.tensor(values, dtype=torch.float32)
@@ -116,7 +122,9 @@ class TransferQueueAdapter(PeerAdapter):
 
     def get_columns(self, partition: str, consumer: str, columns: list[str], count: int) -> dict[str, Any]:
         data = self.client.get_data(self._meta(partition, consumer, columns, count))
-        return {c: data[c] for c in columns}  # nested columns are unbound into per-sample views by the touch
+        # nested columns are unbound into per-sample views by the touch; a dense [B, S] column is
+        # unbound here, as get() does, so every system hands over one tensor per sample
+        return {c: _per_sample(data[c]) for c in columns}
 
     def _meta(self, partition: str, consumer: str, columns: list[str], count: int) -> Any:
         deadline = time.monotonic() + GET_TIMEOUT_S
@@ -141,6 +149,15 @@ class TransferQueueAdapter(PeerAdapter):
                 self.tq.close()
         finally:
             ray.shutdown()
+
+
+def _per_sample(values: Any) -> Any:
+    """A dense column of two or more dimensions as a list of per-sample views; others as they are."""
+    import torch
+
+    if isinstance(values, torch.Tensor) and not values.is_nested and values.dim() >= 2:
+        return list(values.unbind(0))
+    return values
 
 
 def run(config: BenchConfig) -> dict[str, Any]:

@@ -14,6 +14,15 @@ The payload is a ``[B, S]`` uint8 tensor, converted once, outside the timed
 region, into the form each system takes natively (a batched tensor, a
 TensorDict, or a list of separate per-sample 1-D tensors).
 
+Then the four-column case (issue 45's "4 KiB x 4-column get"): the same
+workload with every sample four 4 KiB columns (``WIDE_COLUMNS``), each put
+as one ``[B, 4096]`` uint8 tensor per column in one call
+(:meth:`PeerAdapter.prepare_columns` turns them into each system's native
+input, untimed), and every get takes all four columns, each value handed
+over as its own per-sample tensor (as the one-column case does) and
+touched. Its rows have ``extra.workload == "columns4"`` and no
+``sample_bytes`` (16 KiB a sample: ``extra.mean_sample_bytes``).
+
 Then the GRPO-shaped case (``config.peer_grpo_batches`` > 0): the samples of
 ``benchmarks.columnar.grpo_samples`` -- six ragged 1-D tensors of 128..2048
 elements (prompt and response token ids int64; old and reference log-probs
@@ -45,6 +54,10 @@ COLUMN = "x"
 PEER_LATENCY_OPS_CAP = 300
 GRPO_WORKLOAD = "grpo"
 """``Row.extra["workload"]`` of the GRPO-shaped case's rows (their ``sample_bytes`` is None: ragged)."""
+WIDE_WORKLOAD = "columns4"
+"""``Row.extra["workload"]`` of the four-column case's rows (four 4 KiB columns a sample)."""
+WIDE_COLUMNS = ("c0", "c1", "c2", "c3")
+WIDE_COLUMN_BYTES = 4096
 GRPO_TENSOR_COLUMNS = ("prompts", "responses", "old_log_probs", "ref_log_probs", "advantages", "response_mask")
 GRPO_COLUMNS = GRPO_TENSOR_COLUMNS + ("reward", "uid")
 
@@ -74,8 +87,9 @@ class PeerAdapter(abc.ABC):
         """Take ``count`` ready samples for ``consumer``; return their tensors (one per sample, or batched)."""
 
     def prepare_columns(self, columns: dict[str, list[Any]]) -> Any:
-        """Turn one batch of the GRPO-shaped case (column -> one value per sample: 1-D tensors,
-        floats, strings) into the form this system takes natively (untimed)."""
+        """Turn one multi-column batch (column -> one value per sample: 1-D tensors, floats,
+        strings; or one dense ``[B, S]`` tensor for a column of fixed-size samples) into the form
+        this system takes natively (untimed)."""
         return columns
 
     def put_columns(self, partition: str, batch: Any) -> None:
@@ -84,7 +98,8 @@ class PeerAdapter(abc.ABC):
 
     def get_columns(self, partition: str, consumer: str, columns: list[str], count: int) -> dict[str, Any]:
         """Take ``count`` samples ready in every one of ``columns``; return column -> values
-        (one object per sample; a scalar column may be one [count] tensor)."""
+        (one object per sample, a dense column's samples as separate tensors; a scalar column
+        may be one [count] tensor)."""
         raise NotImplementedError(f"{type(self).__name__} has no multi-column get")
 
     @abc.abstractmethod
@@ -143,6 +158,7 @@ def run_workload(adapter: PeerAdapter, config: BenchConfig, scenario: str) -> di
                             adapter.system, op, size, b, row.gbps, row.samples_per_s)
                 rows.append(row)
         rows += _latency(adapter, config, scenario)
+        rows += _wide(adapter, config, scenario)
         if config.peer_grpo_batches > 0:
             rows += _grpo(adapter, config, scenario)
     finally:
@@ -210,13 +226,35 @@ def _grpo(adapter: PeerAdapter, config: BenchConfig, scenario: str) -> list[Row]
     data = grpo_samples(n * b)
     nbytes = sample_bytes(data)
     batches = [adapter.prepare_columns({k: v[i * b:(i + 1) * b] for k, v in data.items()}) for i in range(n)]
+    return _columns_case(adapter, config, scenario, GRPO_WORKLOAD, cols, batches, nbytes)
+
+
+def _wide(adapter: PeerAdapter, config: BenchConfig, scenario: str) -> list[Row]:
+    """The four-column case: batches of B samples of four 4 KiB columns (see the module docstring)."""
+    import torch
+
+    b = config.peer_batch
+    cols = list(WIDE_COLUMNS)
+    n = _ops(config, WIDE_COLUMN_BYTES * len(cols))
+    batch = adapter.prepare_columns(
+        {c: torch.full((b, WIDE_COLUMN_BYTES), i + 1, dtype=torch.uint8) for i, c in enumerate(cols)})
+    return _columns_case(adapter, config, scenario, WIDE_WORKLOAD, cols, [batch] * n,
+                         n * b * WIDE_COLUMN_BYTES * len(cols))
+
+
+def _columns_case(adapter: PeerAdapter, config: BenchConfig, scenario: str, workload: str, cols: list[str],
+                  batches: list[Any], nbytes: int) -> list[Row]:
+    """Time ``config.repeats`` rounds of: every prepared batch put into a fresh partition (each call
+    acknowledged), then as many gets of B samples of every column in ``cols``, every value touched."""
+    b = config.peer_batch
+    n = len(batches)
     # warm-up: one batch on a throwaway partition
-    adapter.put_columns("warm-grpo", batches[0])
-    touch_columns(adapter.get_columns("warm-grpo", CONSUMER, cols, b), cols, b, adapter.system)
-    adapter.clear("warm-grpo")
+    adapter.put_columns(f"warm-{workload}", batches[0])
+    touch_columns(adapter.get_columns(f"warm-{workload}", CONSUMER, cols, b), cols, b, adapter.system)
+    adapter.clear(f"warm-{workload}")
     put_s, get_s = [], []
     for rep in range(config.repeats):
-        part = f"grpo-{rep}"
+        part = f"{workload}-{rep}"
         t0 = time.perf_counter()
         for batch in batches:
             adapter.put_columns(part, batch)
@@ -227,17 +265,17 @@ def _grpo(adapter: PeerAdapter, config: BenchConfig, scenario: str) -> list[Row]
             received += touch_columns(adapter.get_columns(part, CONSUMER, cols, b), cols, b, adapter.system)
         get_s.append(time.perf_counter() - t0)
         if received != n * b:
-            raise RuntimeError(f"{adapter.system}: got {received} GRPO samples back, expected {n * b}")
+            raise RuntimeError(f"{adapter.system}: got {received} {workload} samples back, expected {n * b}")
         adapter.clear(part)
     rows = []
     for op, secs in (("put", put_s), ("get", get_s)):
         row = throughput_row(
             scenario=scenario, system=adapter.system, op=op, path=adapter.path, seconds=secs,
             nbytes=nbytes, samples=n * b, sample_bytes=None, batch=b,
-            extra={"workload": GRPO_WORKLOAD, "calls_per_repeat": n, "columns": cols,
+            extra={"workload": workload, "calls_per_repeat": n, "columns": cols,
                    "mean_sample_bytes": nbytes / (n * b)},
         )
-        logger.info("[peers] system=%s op=%s workload=grpo batch=%d gbps=%.3f samples_per_s=%.0f",
-                    adapter.system, op, b, row.gbps, row.samples_per_s)
+        logger.info("[peers] system=%s op=%s workload=%s batch=%d gbps=%.3f samples_per_s=%.0f",
+                    adapter.system, op, workload, b, row.gbps, row.samples_per_s)
         rows.append(row)
     return rows

@@ -62,6 +62,9 @@ def test_quick_run_writes_json_table_and_plot(tmp_path):
     grpo = [r for r in res["scenarios"]["peer_dockd_central"]["rows"] if r["extra"].get("workload") == "grpo"]
     assert {(r["op"], r["path"]) for r in grpo} >= {("put", "auto"), ("get", "auto")}
     assert all(r["samples_per_s"] > 0 and r["gbps"] > 0 and r["sample_bytes"] is None for r in grpo)
+    wide = [r for r in res["scenarios"]["peer_dockd_central"]["rows"] if r["extra"].get("workload") == "columns4"]
+    assert {(r["op"], r["path"]) for r in wide} >= {("put", "auto"), ("get", "auto")}
+    assert all(r["samples_per_s"] > 0 and r["extra"]["columns"] == ["c0", "c1", "c2", "c3"] for r in wide)
     # every target with a value is the ratio of the two measured numbers it names
     with_values = [t for t in res["targets"] if t["value"] is not None]
     assert with_values
@@ -108,6 +111,8 @@ def test_quick_peers_run(tmp_path):
         assert {(r["system"], r["op"]) for r in sc["rows"]} == {(system, "put"), (system, "get")}
         grpo = {r["op"] for r in sc["rows"] if r["extra"].get("workload") == "grpo"}
         assert grpo == {"put", "get"}, name
+        wide = {r["op"] for r in sc["rows"] if r["extra"].get("workload") == "columns4"}
+        assert wide == {"put", "get"}, name
 
 
 def test_versions_list_and_bad_name():
