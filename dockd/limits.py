@@ -81,23 +81,38 @@ def _put(r: pb.PutRequest) -> None:
 
 
 def _acquire(r: pb.AcquireRequest) -> None:
-    _timeout(r.timeout)
-    _name("partition name", r.partition)
-    _name("consumer name", r.consumer)
-    _columns(r.columns)
-    _count("samples", r.count)
-    _count("confirms", len(r.confirm), MAX_LEASES)
-    _count("leases (count / per_lease)", -(-r.count // r.per_lease) if r.per_lease else 0, MAX_LEASES)
-    _count("data-parallel ranks", r.dp_size, MAX_RANKS)
-    _count("samples", r.count * max(r.dp_size, 1))
-    if not r.allow_partial:  # (a partial get takes at most what one reply holds: see the controller service)
-        _count("sample-columns (samples x columns)", r.count * max(r.dp_size, 1) * max(len(r.columns), 1),
-               MAX_CELLS)
-    _columns(r.balance_by)
-    _name("order_by", r.order_by)
-    _count("tag filters", len(r.where), MAX_TAGS)
-    for t in r.where[:]:
-        _name("tag name", t.name)
+    # (every get comes here: each field is read once, the bounds compared in place, and the checks above
+    # called in their order only when one is passed, to say which)
+    count, ranks, per_lease, columns, timeout = r.count, r.dp_size, r.per_lease, r.columns[:], r.timeout
+    if not (timeout == -1 or 0 <= timeout <= MAX_TIMEOUT):
+        _timeout(timeout)
+    partition, consumer = r.partition, r.consumer
+    if len(partition) > MAX_NAME or len(consumer) > MAX_NAME:
+        _name("partition name", partition)
+        _name("consumer name", consumer)
+    if len(columns) > MAX_COLUMNS or max(map(len, columns), default=0) > MAX_NAME:
+        _columns(columns)
+    confirms = len(r.confirm)
+    leases = -(-count // per_lease) if per_lease else 0
+    samples = count * max(ranks, 1)
+    # (a partial get takes at most what one reply holds: see the controller service)
+    cells = 0 if r.allow_partial else samples * max(len(columns), 1)
+    if count > MAX_SAMPLES or confirms > MAX_LEASES or leases > MAX_LEASES or ranks > MAX_RANKS \
+            or samples > MAX_SAMPLES or cells > MAX_CELLS:
+        _count("samples", count)
+        _count("confirms", confirms, MAX_LEASES)
+        _count("leases (count / per_lease)", leases, MAX_LEASES)
+        _count("data-parallel ranks", ranks, MAX_RANKS)
+        _count("samples", samples)
+        _count("sample-columns (samples x columns)", cells, MAX_CELLS)
+    if r.balance_by:
+        _columns(r.balance_by)
+    if r.order_by:
+        _name("order_by", r.order_by)
+    if r.where:
+        _count("tag filters", len(r.where), MAX_TAGS)
+        for t in r.where[:]:
+            _name("tag name", t.name)
 
 
 def _fetch(r: pb.FetchRequest) -> None:
@@ -189,9 +204,11 @@ _CHECKS: dict[str, Callable[[Any], None]] = {
 """The bounds of each kind of request (the frame's `kind`) that has any."""
 
 
-def check(frame: pb.Frame) -> None:
-    """Raise DockValueError if a request asks for more than a daemon gives one request."""
-    kind = frame.WhichOneof("kind")
+def check(frame: pb.Frame, kind: str | None = None) -> None:
+    """Raise DockValueError if a request asks for more than a daemon gives one request. `kind`: the
+    frame's kind, where the caller has it (else it is read from the frame)."""
+    if kind is None:
+        kind = frame.WhichOneof("kind")
     checks = _CHECKS.get(kind)
     if checks is not None:
         checks(getattr(frame, kind))

@@ -81,7 +81,7 @@ class Dispatcher:
             self.server_auth.failed("daemon_message")
             raise DockAuthError(f"a {kind} request is a daemon-to-daemon message; this connection is a client's")
         if body is None:  # (a frame with a body was checked when it was admitted)
-            limits.check(frame)
+            limits.check(frame, kind)
         handler = self.table.get(kind)
         if handler is None:
             raise DockValueError(f"unexpected request kind {kind!r}: this daemon serves "
@@ -120,7 +120,7 @@ def controller_handlers(ctl, *, where: str, join: str, agreement: Agreement | No
             peer.reply(frame, pb.Frame(partition_reply=ctl.partition(frame.partition)))
 
     table = {
-        "acquire": lambda peer, frame: ctl.acquire(peer, frame),
+        "acquire": ctl.acquire,
         "confirm": lambda peer, frame: peer.reply(frame, pb.Frame(confirm_reply=ctl.confirm(peer, frame.confirm))),
         "release": lambda peer, frame: peer.reply(frame, pb.Frame(release_reply=pb.ReleaseReply(
             released=ctl.release(peer, frame.release)))),
