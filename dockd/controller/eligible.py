@@ -86,9 +86,10 @@ class Eligible:
             return np.empty(0, dtype=np.int64)
         for b in self.blocks.nonzero()[0]:  # (.nonzero of a 1-D array: np.flatnonzero without its wrappers)
             lo = int(b) << _BLOCK_SHIFT
-            found = self.bits[lo : lo + (1 << _BLOCK_SHIFT)].nonzero()[0] + lo
-            out.append(found[:need])
-            need -= len(out[-1])
+            # (cut to `need` before adding lo: a fresh array of what is handed out, not a view of the block's)
+            found = self.bits[lo : lo + (1 << _BLOCK_SHIFT)].nonzero()[0][:need] + lo
+            out.append(found)
+            need -= len(found)
             if need <= 0:
                 break
         return out[0] if len(out) == 1 else np.concatenate(out)

@@ -33,11 +33,13 @@ STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
 
 def where_of(r) -> dict[str, tuple[int, int]] | None:
-    return {t.name: (t.lo, t.hi) for t in r.where[:]} or None  # ([:]: see dockd.net.wire)
+    where = r.where[:]  # ([:]: see dockd.net.wire)
+    return {t.name: (t.lo, t.hi) for t in where} if where else None
 
 
 def _lease_seconds(r: pb.AcquireRequest) -> float | None:
-    return min(r.lease_seconds, 7 * 86400.0) if r.lease_seconds > 0 else None
+    seconds = r.lease_seconds
+    return min(seconds, 7 * 86400.0) if seconds > 0 else None
 
 
 class Acquiring:
@@ -70,24 +72,26 @@ class Acquiring:
         sid = self.leasing.session(peer)
         if r.dp_size:
             return self._share(r, sid)
-        again = core.leases.get(core.lease_tokens.get(r.token, 0)) if r.token else None
+        token, partition = r.token, r.partition  # (each field read once: a read is a call into protobuf)
+        again = core.leases.get(core.lease_tokens.get(token, 0)) if token else None
         if again is not None and again.owner not in (sid, b""):
             again = None  # another client's token: no replay for it (tokens are random, so this is an attack)
-            r.token = 0
+            r.token = token = 0
         if again is None and self.journal is not None:
             self.journal.room()
+        near, staleness = r.near, r.max_staleness
         res = core.acquire(
-            r.partition, r.consumer, r.columns[:], r.count,
+            partition, r.consumer, r.columns[:], r.count,
             groups=r.groups, allow_partial=r.allow_partial, shuffle=r.shuffle,
-            seed=r.seed if r.has_seed else None, owner=sid, now=self.timers.clock(), token=r.token,
+            seed=r.seed if r.has_seed else None, owner=sid, now=self.timers.clock(), token=token,
             lease_timeout=_lease_seconds(r), where=where_of(r), order_by=r.order_by,
-            near=r.near - 1 if r.near else None, max_staleness=r.max_staleness - 1 if r.max_staleness else None,
+            near=near - 1 if near else None, max_staleness=staleness - 1 if staleness else None,
         )
         if again is not None:  # the client that retried holds it (a lease restored from the journal may have had none)
             for lease in core.book.batch(again):
                 lease.owner = sid
         elif res is not None:
-            self._handed_out(r.partition, res.indexes)
+            self._handed_out(partition, res.indexes)
             per = r.per_lease
             if per and r.groups:  # (whole groups in each lease)
                 gs = core.partitions[r.partition].group_size
@@ -228,24 +232,32 @@ class Acquiring:
         locs = res.locations.ravel().tolist()
         out = pb.Frame()
         reply = out.acquire_reply  # filled in place: building a message and wrapping it would copy it
-        reply.lease = res.lease
-        reply.leases.extend(res.leases)
+        reply.lease = res.lease  # (fields left at their defaults are not set: a small get's reply is set field by field)
+        if res.leases:
+            reply.leases.extend(res.leases)
         reply.lease_seconds = res.seconds
         if res.lease:
             reply.ticket = self.leasing.ticket(res.lease)
-        reply.step = res.step
-        reply.rank_weights.extend(res.weights)
+        if res.step:
+            reply.step = res.step
+        if res.weights:
+            reply.rank_weights.extend(res.weights)
         reply.indexes.extend(res.indexes.tolist())
         reply.locations.extend(locs)
         infos = self.members.acquire_infos(sorted(set(locs)))  # (appended to the frame: see acquire_infos)
-        part = self.core.partitions.get(r.partition)
-        reply.recovered = part is not None and part.recovered
+        partition = r.partition
+        part = self.core.partitions.get(partition)
+        if part is not None and part.recovered:
+            reply.recovered = True
         if r.inline and self.local is not None:
-            cols, body, segs, shared = self.local.inline(peer, r.partition, r.columns[:], res.indexes, res.locations,
+            cols, body, segs, shared = self.local.inline(peer, partition, r.columns[:], res.indexes, res.locations,
                                                         r.device)
-            reply.inline.extend(cols)
-            reply.device_buffers.extend(shared)
-            out.pins.extend(s.sid for s in segs)
+            if cols:
+                reply.inline.extend(cols)
+            if shared:
+                reply.device_buffers.extend(shared)
+            if segs:
+                out.pins.extend(s.sid for s in segs)
             peer.reply(frame, out, body.buffers, body.size, segs, tail=infos)
             return
         peer.reply(frame, out, tail=infos)

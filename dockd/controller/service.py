@@ -350,11 +350,12 @@ class ControllerService:
             self.waiting.park(peer, frame)
 
     def _attempt(self, peer: Peer, r: pb.AcquireRequest) -> AcquireResult | None:
-        cells = max(len(r.columns), 1) * max(r.dp_size, 1)
-        if r.allow_partial and r.count * cells > limits.MAX_CELLS:  # "what is ready, up to a lot": up to what a reply holds
-            part = self.core.partitions.get(r.partition)
-            unit = part.group_size if part is not None and r.groups else 1
-            r.count = max(unit, limits.MAX_CELLS // cells // unit * unit)
+        if r.allow_partial:
+            cells = max(len(r.columns), 1) * max(r.dp_size, 1)
+            if r.count * cells > limits.MAX_CELLS:  # "what is ready, up to a lot": up to what a reply holds
+                part = self.core.partitions.get(r.partition)
+                unit = part.group_size if part is not None and r.groups else 1
+                r.count = max(unit, limits.MAX_CELLS // cells // unit * unit)
         Controller.validate_acquire(r.partition, r.consumer, r.columns, r.count, r.groups)
         if self.closing:
             raise DockClosed("the controller is shutting down")
