@@ -103,4 +103,4 @@ class Acquirer:
         if len(inline) < len(columns):
             locs = np.asarray(a.locations[:], dtype=np.int64).reshape(len(columns), len(idx))
         return Lease(a.lease, req.partition, columns, idx, locs, inline, bytes(a.ticket), a.step,
-                     a.rank_weights[:], parts=a.leases[:], seconds=a.lease_seconds)
+                     a.rank_weights[:], parts=a.leases[:], seconds=a.lease_seconds, per=a.per_lease)

@@ -46,12 +46,14 @@ def key(opts: GetOptions) -> str:
                  opts.shuffle, opts.seed, where, opts.order_by, opts.prefer_local, opts.max_staleness))
 
 
-def split(lease: Lease) -> list[Lease]:
+def split(lease: Lease, per: int) -> list[Lease]:
     """The leases an acquire with per_lease granted, each with its samples, locations and inline values
-    (received runs cut to its samples: views of the same bytes, nothing decoded or copied)."""
+    (received runs cut to its samples: views of the same bytes, nothing decoded or copied). They are cut
+    as the controller cut them: `per` samples each (its AcquireReply.per_lease), the last what is left.
+    A cut of its own (even parts) would confirm, as one lease's, samples the controller holds under the
+    next: with 12 ready and per 8, leases of 8 and 4, not 6 and 6."""
     if not lease.parts:
         return [lease]
-    per = -(-len(lease.indexes) // len(lease.parts))
     out = []
     for k, lid in enumerate(lease.parts):
         a, b = k * per, (k + 1) * per
@@ -100,7 +102,8 @@ class Ahead:
         wide = dataclasses.replace(opts, count=opts.count * n, allow_partial=True, per_lease=opts.count,
                                    timeout=opts.timeout if opts.allow_partial else 0.0)
         try:
-            got = split(self._acquirer.acquire(wide, scope=scope, lazy=True))
+            got = self._acquirer.acquire(wide, scope=scope, lazy=True)
+            got = split(got, got.per or opts.count)  # (a controller that does not say cuts by count)
         except DockTimeout:
             if opts.allow_partial:
                 raise

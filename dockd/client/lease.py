@@ -29,3 +29,4 @@ class Lease:
     # an acquire with per_lease (prefetch): every lease its samples went in, in order (this one the first)
     parts: list[int] = dataclasses.field(default_factory=list)
     seconds: float = 0.0  # seconds it had left when granted (0: not said)
+    per: int = 0  # with `parts`: the samples in each but the last (0: not said)

@@ -235,6 +235,9 @@ class Acquiring:
         reply.lease = res.lease  # (fields left at their defaults are not set: a small get's reply is set field by field)
         if res.leases:
             reply.leases.extend(res.leases)
+            first = self.core.leases.get(res.lease)  # (whole, as all but the last: the client cuts the reply so)
+            if first is not None:
+                reply.per_lease = len(first.indexes)
         reply.lease_seconds = res.seconds
         if res.lease:
             reply.ticket = self.leasing.ticket(res.lease)

@@ -105,6 +105,20 @@ def test_a_full_get_takes_ahead_only_what_is_ready_and_gives_back_a_short_tail(c
         assert a.get("train", ["x"], 2, partition=partition, timeout=5, prefetch=4).indexes == [5, 6]
 
 
+def test_a_short_window_is_served_in_the_leases_the_controller_granted(cluster, partition):
+    """9 ready, gets of 4 ahead: the controller grants leases of 4, 4 and 1, and each get hands out just
+    its lease's samples (a cut of the client's own, 3 + 3 + 3, confirmed sample 3 twice and lost 6 and 7
+    once the window's last lease was given back)."""
+    with dockd.connect(cluster.address) as a, dockd.connect(cluster.address) as b:
+        a.put({"x": torch.arange(9)}, partition=partition)
+        got = [a.get("train", ["x"], 4, partition=partition, timeout=5, prefetch=4, allow_partial=True)
+               for _ in range(2)]
+        assert [g.indexes for g in got] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        assert all([int(v) for v in g["x"]] == g.indexes for g in got)
+        a.close()  # (gives back the window's last lease, [8])
+        assert b.get("train", ["x"], 9, partition=partition, timeout=5, allow_partial=True).indexes == [8]
+
+
 def test_groups_stay_whole_with_prefetch(cluster, dock, partition):
     dock.put({"x": torch.arange(24)}, partition=partition, group_size=4)
     got = [dock.get("g", ["x"], 4, partition=partition, groups=True, timeout=5, prefetch=3).indexes for _ in range(6)]

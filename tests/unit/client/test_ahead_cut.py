@@ -71,7 +71,7 @@ def test_a_jagged_column_of_a_lease_taken_ahead_is_a_view_of_the_reply():
     runs = received(COLUMNS)
     inline = {c: runs[c] for c in COLUMNS}
     lease = Lease(1, "p", list(COLUMNS), list(range(7)), None, inline, parts=[1, 2, 3])  # 3 gets of up to 3
-    leases = split(lease)
+    leases = split(lease, 3)
     assert [x.indexes for x in leases] == [[0, 1, 2], [3, 4, 5], [6]]
     batches = [Batch("p", x.indexes, dict(x.inline)) for x in leases]
     views = [b.jagged("ragged").values() for b in batches]
@@ -89,3 +89,13 @@ def test_a_list_is_sliced_and_a_run_without_its_sizes_is_decoded_then_sliced():
     runs = received({"py": ["a", "bb", "ccc"]})["py"]
     del runs.runs[0][0].lengths[:]  # (a sender that did not say each value's bytes)
     assert cut(runs, 1, 3) == ["bb", "ccc"]
+
+
+def test_a_window_is_cut_as_the_controller_cut_it_not_evenly():
+    """12 samples granted in leases of 8: 8 and 4, as the controller holds them. Cut evenly (6 and 6),
+    confirming the first lease took two samples the client had not handed out, and releasing the second
+    lost them (the kill-9 soak with prefetch found it)."""
+    lease = Lease(1, "p", ["x"], list(range(12)), None, {"x": list(range(100, 112))}, parts=[1, 2])
+    leases = split(lease, 8)
+    assert [(x.id, x.indexes) for x in leases] == [(1, list(range(8))), (2, list(range(8, 12)))]
+    assert leases[1].inline["x"] == list(range(108, 112))
