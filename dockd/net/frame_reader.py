@@ -208,9 +208,10 @@ class FrameReader(asyncio.BufferedProtocol):
             start = self._lo + wire.PREFIX.size
             frame = wire.parse_header(self._mv[start : start + hlen])
             self._lo += need
-            if frame.reply and blen:
+            reply = frame.reply
+            if reply and blen:
                 raise DockProtocolError("a reply to a daemon carries no body")
-            if self.metrics is not None and not frame.reply and not frame.oneway and self.role is not None \
+            if self.metrics is not None and not reply and self.role is not None and not frame.oneway \
                     and len(self._started) < _TIMED_MAX:
                 kind = frame.WhichOneof("kind")
                 if kind is not None:  # (a bare frame only gives pins back: it has no reply)
@@ -224,7 +225,7 @@ class FrameReader(asyncio.BufferedProtocol):
                 self._dispatch(frame, None)
                 continue
             self._pending = (frame, blen)
-            wait = None if frame.reply else self._admit(frame, blen)
+            wait = None if reply else self._admit(frame, blen)
             if wait is not None:
                 assert self.transport is not None  # (reading: connected)
                 self._admitting = True

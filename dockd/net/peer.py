@@ -254,24 +254,25 @@ class Peer(FrameReader):
              tail: bytes = b"") -> None:
         """Write a frame; fds (ints or objects with fileno(), kept alive until written) need a Unix transport.
         `tail`: a serialized Frame the peer's parse merges into this one (see `wire.header`)."""
-        if self.closed or self.transport is None or self.transport.is_closing():
+        transport = self.transport
+        if self.closed or transport is None or transport.is_closing():
             return
         if fds:
             frame.fds = len(fds)
             # (descriptors go only over a connection that passes them: a same_host.UnixTransport)
-            cast("UnixTransport", self.transport).writelines([wire.header(frame, body_size, tail), *buffers], fds)
+            cast("UnixTransport", transport).writelines([wire.header(frame, body_size, tail), *buffers], fds)
         else:
-            self.transport.writelines([wire.header(frame, body_size, tail), *buffers])
+            transport.writelines([wire.header(frame, body_size, tail), *buffers])
 
     def reply(self, request: pb.Frame, frame: pb.Frame, buffers: Sequence = (), body_size: int = 0, fds: Sequence = (),
               *, tail: bytes = b"") -> None:
         if request.oneway:
             return
-        frame.id = request.id
+        frame.id = rid = request.id
         frame.reply = True
         self.send(frame, buffers, body_size, fds, tail)
         if self._started and self.metrics is not None:  # (requests are timed only with metrics)
-            started = self._started.pop(request.id, None)
+            started = self._started.pop(rid, None)
             if started is not None:
                 self.metrics.request(started[0], time.perf_counter() - started[1])
 

@@ -43,13 +43,15 @@ def header(frame: pb.Frame, body_size: int = 0, tail: bytes = b"") -> bytes:
     """The prefix and header of a frame. `tail`: another Frame, serialized, sent after it in the same header,
     which the receiver's parse merges into it (protobuf parses concatenated messages as their merge): a
     part of replies that is the same for many of them, serialized once."""
-    raw = frame.SerializeToString() + tail if tail else frame.SerializeToString()
-    limit = MAX_REPLY_HEADER if frame.reply else MAX_HEADER
-    if len(raw) > limit:
-        raise DockProtocolError(
-            f"frame header of {len(raw)} bytes exceeds {limit}; split the request into smaller batches"
-        )
-    return PREFIX.pack(MAGIC, len(raw), body_size) + raw
+    raw = frame.SerializeToString()
+    size = len(raw) + len(tail)
+    if size > MAX_HEADER:  # (read `reply` only then: every field read is a call into protobuf)
+        limit = MAX_REPLY_HEADER if frame.reply else MAX_HEADER
+        if size > limit:
+            raise DockProtocolError(
+                f"frame header of {size} bytes exceeds {limit}; split the request into smaller batches"
+            )
+    return b"".join((PREFIX.pack(MAGIC, size, body_size), raw, tail))
 
 
 def parse_prefix(data, offset: int, max_body: int, max_header: int = MAX_HEADER) -> tuple[int, int]:

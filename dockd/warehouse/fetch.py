@@ -194,12 +194,13 @@ class FetchPath:
                         nbytes += hi - lo
                         continue
                 run, lo = batch.add_run(col.runs, r0, r1)
-                nbytes += run.nbytes
+                size = run.nbytes
+                nbytes += size
                 last = None
                 if batch.device is not None and shared is not None and (link is None or batch.device.device.type == link.device.type):
                     self._share(batch, run, lo, shared, exported, link)
                 elif not (by_fd and self._by_descriptor(batch, run, lo, segs, index)):
-                    run.offset = body.add(memoryview(batch.host(lo, run.nbytes)))
+                    run.offset = body.add(memoryview(batch.host(lo, size)))
                     last, key = run, (batch.kind, batch.dtype, batch.shape)
             out.append(col)
         if segs:
@@ -255,10 +256,10 @@ class FetchPath:
         except DockError:
             return [], codec.Body(), [], []
         shared: list | None = [] if device and peer.passes_fds else None
-        if shared is None:
+        if shared is None and any(b.device is not None for _, slices in found for b, _, _ in slices):
             found = [(name, slices) for name, slices in found if all(b.device is None for b, _, _ in slices)]
         cols, body, segs = self.encode(peer, found, len(indexes), shared)
-        return cols, body, segs, [d for d, _ in shared or ()]
+        return cols, body, segs, [d for d, _ in shared] if shared else []
 
 
 def _lendable(batch, nbytes: int) -> bool:
