@@ -102,8 +102,8 @@ class Ahead:
         wide = dataclasses.replace(opts, count=opts.count * n, allow_partial=True, per_lease=opts.count,
                                    timeout=opts.timeout if opts.allow_partial else 0.0)
         try:
-            got = self._acquirer.acquire(wide, scope=scope, lazy=True)
-            got = split(got, got.per or opts.count)  # (a controller that does not say cuts by count)
+            window = self._acquirer.acquire(wide, scope=scope, lazy=True)
+            got = split(window, window.per or opts.count)  # (a controller that does not say cuts by count)
         except DockTimeout:
             if opts.allow_partial:
                 raise
