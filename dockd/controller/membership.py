@@ -26,9 +26,10 @@ connected warehouse a Hello over its link (one at a time: the next goes once
 the last is answered) and marks it unresponsive when one stays unanswered for
 `heartbeat_timeout` seconds.
 
-When a connection drops the controller probes the warehouse's address once:
-a refused connection (the process is gone) or another instance answering
-retires it at once; otherwise it waits for the rejoin up to `grace`.
+When a connection drops the controller probes the warehouse's address (again
+after 0.05, 0.2 and 1 s while no probe could tell): a refused connection (the
+process is gone) or another instance answering retires it at once; otherwise
+it waits for the rejoin up to `grace`.
 
 A registration never displaces a live member. One that claims the address of
 a member that is still there (joined, unresponsive or rejoining), or that
@@ -72,6 +73,7 @@ logger = logging.getLogger(__name__)
 MAX_WAREHOUSES = 0xFFF0  # ids above are reserved markers (partition.LOST_WAREHOUSE, partition.NO_WAREHOUSE)
 HEARTBEAT_INTERVAL = 1.0  # defaults of NodeConfig.heartbeat_interval / heartbeat_timeout
 HEARTBEAT_TIMEOUT = 5.0
+REPROBE_S = (0.05, 0.2, 1.0)  # after a probe that cannot tell who is at the address, another (see _probe)
 _INFOS_KEPT = 4096  # sets of warehouses whose acquire_infos are kept
 
 
@@ -380,18 +382,28 @@ class Membership:
         if entry.state == "rejoining":
             self.retire(entry, f"it did not rejoin within {self.grace:g}s")
 
-    async def _probe(self, entry: WarehouseEntry) -> None:
-        """Tell a dead warehouse from an unreachable one: refused, or another process answering, is dead."""
+    async def _probe(self, entry: WarehouseEntry, attempt: int = 0) -> None:
+        """Tell a dead warehouse from an unreachable one: refused, or another process answering, is dead.
+        A probe that cannot tell is made again a few times (REPROBE_S): the address of a process just
+        killed may take a connection and reset it rather than refuse it."""
         instance = await self.probe(entry.host, entry.port)
         if entry.state != "rejoining":
             return
-        if instance == 0 and entry.durable:
+        if instance is None and attempt < len(REPROBE_S):
+            self.timers.call_later(REPROBE_S[attempt], self._reprobe, entry, attempt + 1)
+        elif instance == 0 and entry.durable:
             logger.warning("[controller] warehouse id=%d address=%s:%d refuses connections, but it keeps a data dir: "
                            "waiting up to %gs for it to restart", entry.id, entry.host, entry.port, self.grace)
         elif instance == 0:
             self.retire(entry, "its address refuses connections")
         elif instance is not None and instance != entry.instance:
             self.retire(entry, "another process answers at its address")
+
+    def _reprobe(self, entry: WarehouseEntry, attempt: int) -> None:
+        if entry.state == "rejoining":
+            task = asyncio.ensure_future(self._probe(entry, attempt))
+            _tasks.add(task)
+            task.add_done_callback(_tasks.discard)
 
     def retire(self, entry: WarehouseEntry, why: str, *, on_purpose: bool = False) -> None:
         """A warehouse is gone: its samples become lost for every consumer that meets them."""

@@ -55,6 +55,45 @@ def test_a_dropped_warehouse_whose_port_refuses_is_lost_at_once():
     run(main())
 
 
+def test_a_probe_that_cannot_tell_is_made_again_and_a_refusal_then_retires_at_once():
+    """A killed warehouse's address may take the probe's connection and reset it (the probe cannot
+    tell) before it refuses connections: the probe is made again after 0.05, 0.2 and 1 s, and the
+    first refusal retires it (it stayed `rejoining` for the whole grace, its samples offered to gets)."""
+    async def main():
+        now = [100.0]
+        answers = [None, None, 0]
+        probed = []
+
+        async def probe(host, port):
+            probed.append(now[0])
+            return answers.pop(0)
+
+        m = Membership(Controller(), None, grace=30.0, on_change=lambda: None, clock=lambda: now[0], probe=probe)
+
+        async def advance(seconds):
+            now[0] += seconds
+            m.timers.run_due()
+            for _ in range(3):
+                await asyncio.sleep(0)
+
+        try:
+            a = FakePeer()
+            wid = m.register(a, reg(7001, 7), no_commit).id
+            m.connection_lost(a)
+            await advance(0.0)
+            assert probed == [100.0] and m.get(wid).state == "rejoining"
+            await advance(0.05)
+            assert len(probed) == 2 and m.get(wid).state == "rejoining"
+            await advance(0.2)
+            assert len(probed) == 3 and m.get(wid).state == "lost"
+            await advance(5.0)
+            assert len(probed) == 3  # (no probe after it was told)
+        finally:
+            m.close()
+
+    run(main())
+
+
 def test_a_silent_warehouse_gets_its_grace_then_is_lost_and_a_rejoin_in_time_keeps_it():
     async def main():
         now = [100.0]
