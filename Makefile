@@ -84,9 +84,14 @@ test-compiled: setup
 bench: setup
 	$(PY) -m benchmarks
 
-bench-peers: setup
-	$(PY) -m pip install -q -e '.[peers]' $(TORCH)
-	$(PY) -m benchmarks
+# The peers (TransferQueue, Ray, tensordict: .[peers]) go in a virtualenv of their own: their ray and
+# tensordict would replace the versions the frameworks in $(VENV) were installed with.
+PEERS_VENV ?= .venv-peers
+bench-peers:
+	@[ -x $(PEERS_VENV)/bin/python ] || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q $(TORCH)
+	$(PEERS_VENV)/bin/python -m pip install -q -e '.[dev,peers]' $(TORCH)
+	$(PEERS_VENV)/bin/python -m benchmarks
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache .hypothesis
