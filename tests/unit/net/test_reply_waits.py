@@ -49,3 +49,28 @@ def test_no_spin_where_the_transport_never_spins():
     assert w.spin("fetch") == 0.0
     w.waited("fetch", 50e-6)
     assert w.spin("fetch") == 0.0
+
+
+def quiet_calls(w: ReplyWaits) -> int:
+    n = 0
+    while w.spin("put") == 0.0:
+        n += 1
+        assert n <= ReplyWaits.QUIET_CALLS[1]
+    return n
+
+
+def test_spins_in_vain_stop_the_spin_for_more_calls_each_time_and_a_spin_that_gets_its_reply_starts_over():
+    """A spin whose reply came long after it ran out, or during which the thread lost its CPU, only
+    delayed the reply (the daemon it waits for shares the CPU): 8 calls without a spin, then 16, 32 ...
+    up to 256; a spin that gets its reply in time starts the count at 8 again."""
+    w = ReplyWaits(CAP)
+    w.waited("put", 200e-6)
+    assert w.spin("put") > 0
+    got = []
+    for _ in range(7):
+        w.spun(False)
+        got.append(quiet_calls(w))
+    assert got == [8, 16, 32, 64, 128, 256, 256]
+    w.spun(True)
+    w.spun(False)
+    assert quiet_calls(w) == 8
