@@ -1,4 +1,4 @@
-"""How long a same-host call spins for its reply (`dockd.net.connection.ReplyWaits`): a bit more than
+"""How long a same-host call spins for its reply (`dockd.net.reply_waits.ReplyWaits`): a bit more than
 its kind of request's replies typically take, within the cap (DOCKD_SPIN_US); not at all for a kind
 whose replies take longer than the cap, so a client waiting for a large put or a waiting get leaves
 the CPU to the daemon instead of spinning on it."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from dockd.net.connection import ReplyWaits
+from dockd.net.reply_waits import ReplyWaits
 
 CAP = 1e-3
 
