@@ -315,11 +315,12 @@ def test_the_chaos_soak_loads_its_harness_from_anywhere(tmp_path):
     """`scripts/soak.py --chaos` runs the chaos test's harness; run from another directory, the
     harness's own imports of this checkout's test helpers resolve (they once failed before any kill)."""
     scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
-    # (`python scripts/soak.py` has its own folder first on sys.path: its --chaos part is soak_chaos.py there)
-    code = (f"import runpy, sys; sys.path.insert(0, {scripts!r}); "
-            f"m = runpy.run_path({os.path.join(scripts, 'soak.py')!r}, run_name='soak'); "
+    code = (f"import runpy; m = runpy.run_path({os.path.join(scripts, 'soak.py')!r}, run_name='soak'); "
             "import soak_chaos; h = soak_chaos.chaos_harness(); "
             "print(h.ChaosDock.__name__, callable(h.delivered_count), callable(m['main']))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    # (`python scripts/soak.py` has its own folder first on the path: its --chaos part is soak_chaos.py there)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (scripts, os.environ.get("PYTHONPATH")) if p)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["ChaosDock", "True", "True"], out.stdout
