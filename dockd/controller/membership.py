@@ -373,9 +373,7 @@ class Membership:
         logger.warning("[controller] warehouse away id=%d address=%s:%d reason=%r; waiting up to %gs for it to rejoin",
                        entry.id, entry.host, entry.port, why, self.grace)
         entry.timer = self.timers.call_later(self.grace, self._give_up, entry)
-        task = asyncio.ensure_future(self._probe(entry))
-        _tasks.add(task)
-        task.add_done_callback(_tasks.discard)
+        self._start_probe(entry, 0)
 
     def _give_up(self, entry: WarehouseEntry) -> None:
         entry.timer = None
@@ -390,7 +388,7 @@ class Membership:
         if entry.state != "rejoining":
             return
         if instance is None and attempt < len(REPROBE_S):
-            self.timers.call_later(REPROBE_S[attempt], self._reprobe, entry, attempt + 1)
+            self.timers.call_later(REPROBE_S[attempt], self._start_probe, entry, attempt + 1)
         elif instance == 0 and entry.durable:
             logger.warning("[controller] warehouse id=%d address=%s:%d refuses connections, but it keeps a data dir: "
                            "waiting up to %gs for it to restart", entry.id, entry.host, entry.port, self.grace)
@@ -399,7 +397,8 @@ class Membership:
         elif instance is not None and instance != entry.instance:
             self.retire(entry, "another process answers at its address")
 
-    def _reprobe(self, entry: WarehouseEntry, attempt: int) -> None:
+    def _start_probe(self, entry: WarehouseEntry, attempt: int) -> None:
+        """Probe the address of a warehouse still rejoining (`attempt`: the probes made before, see _probe)."""
         if entry.state == "rejoining":
             task = asyncio.ensure_future(self._probe(entry, attempt))
             _tasks.add(task)

@@ -372,8 +372,7 @@ class Connection:
         asleep in poll until the call's deadline. Only the wait for the start of a reply spins:
         inside a large body, polling the socket would contend with the sender for it. How the
         spin went is told to `ReplyWaits.spun`."""
-        spin_end = None
-        began = cpu0 = -1.0  # when a spin began, and this thread's CPU time then (-1: not spinning)
+        spin_end = began = cpu0 = -1.0  # when the spin ends, when it began and this thread's CPU time then (-1: not yet)
         while True:
             try:
                 got = self.via.recv_into(self.sock, mv, self._fds)
@@ -385,12 +384,11 @@ class Connection:
             if got >= 0:
                 if cpu0 >= 0:  # (the reply came while spinning)
                     self._waits.spun(on_cpu(began, cpu0))
-                elif spin_end is not None and began >= 0 and time.monotonic() - spin_end > max(ReplyWaits.LOST_S,
-                                                                                                spin / 2):
+                elif began >= 0 and time.monotonic() - spin_end > max(ReplyWaits.LOST_S, spin / 2):
                     self._waits.spun(False)  # (it ran out, and the reply came long after: see ReplyWaits)
                 return got
             now = time.monotonic()
-            if spin_end is None:
+            if spin_end < 0:
                 spin_end = now + spin
                 if spin:
                     began, cpu0 = now, time.thread_time()
