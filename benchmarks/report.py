@@ -19,6 +19,8 @@ logger = logging.getLogger(__name__)
 
 GRPO_WORKLOAD = "grpo"
 """``Row.extra["workload"]`` of the peer workload's GRPO-shaped rows (``peers.workload.GRPO_WORKLOAD``)."""
+WIDE_WORKLOAD = "columns4"
+"""... and of its four-column rows, four 4 KiB columns a sample (``peers.workload.WIDE_WORKLOAD``)."""
 
 PEER_SYSTEMS = {
     "transferqueue": "TransferQueue",
@@ -33,9 +35,10 @@ def _rows(results: dict[str, Any], scenario: str) -> list[dict[str, Any]]:
     return list(sc.get("rows", []))
 
 
-def _grpo_row(rows: Iterable[dict[str, Any]], op: str, **match: Any) -> dict[str, Any] | None:
-    """The peer workload's GRPO-shaped row for ``op`` (see benchmarks/peers/workload.py)."""
-    return _find((r for r in rows if (r.get("extra") or {}).get("workload") == GRPO_WORKLOAD), op=op, **match)
+def _workload_row(rows: Iterable[dict[str, Any]], workload: str, op: str, **match: Any) -> dict[str, Any] | None:
+    """The peer workload's row of case ``workload`` (GRPO-shaped, four columns) for ``op``
+    (see benchmarks/peers/workload.py)."""
+    return _find((r for r in rows if (r.get("extra") or {}).get("workload") == workload), op=op, **match)
 
 
 def _find(rows: Iterable[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
@@ -174,25 +177,30 @@ def compute_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                         ),
                     )
                 )
-        # The GRPO-shaped case (8 columns, 6 of them ragged tensors, peer_batch samples per call): dockd should beat each peer.
-        # Both sides move the same tensor bytes per sample, so the GB/s ratio is the same number.
-        for op in ("get", "put"):
-            mine = _grpo_row(dockd_rows, op, path="auto")
-            theirs = _grpo_row(peer_rows, op)
-            out.append(
-                _target(
-                    f"vs_{system}_grpo_{op}_samples_per_s",
-                    f"dockd central {op} samples/s of GRPO-shaped samples (8 columns, 6 ragged) vs {label}",
-                    mine.get("samples_per_s") if mine else None,
-                    theirs.get("samples_per_s") if theirs else None,
-                    1.0,
-                    primary=op == "get",
-                    detail=(
-                        "dockd central GRPO case not measured (see scenario peer_dockd_central)" if not mine
-                        else "" if theirs else f"{label} GRPO case not measured (see scenario {scen})"
-                    ),
+        # The four-column case (4 x 4 KiB a sample): the 4 KiB bound. The GRPO-shaped case (8 columns, 6 of them
+        # ragged tensors): dockd should beat each peer. Both sides move the same tensor bytes per sample, so the
+        # GB/s ratio is the same number.
+        workloads = ((WIDE_WORKLOAD, "columns4", "four-column", "samples of four 4 KiB columns",
+                      10.0 if bound is None else bound),
+                     (GRPO_WORKLOAD, "grpo", "GRPO", "GRPO-shaped samples (8 columns, 6 ragged)", 1.0))
+        for workload, key, name, what, case_bound in workloads:
+            for op in ("get", "put"):
+                mine = _workload_row(dockd_rows, workload, op, path="auto")
+                theirs = _workload_row(peer_rows, workload, op)
+                out.append(
+                    _target(
+                        f"vs_{system}_{key}_{op}_samples_per_s",
+                        f"dockd central {op} samples/s of {what} vs {label}",
+                        mine.get("samples_per_s") if mine else None,
+                        theirs.get("samples_per_s") if theirs else None,
+                        case_bound,
+                        primary=op == "get",
+                        detail=(
+                            f"dockd central {name} case not measured (see scenario peer_dockd_central)" if not mine
+                            else "" if theirs else f"{label} {name} case not measured (see scenario {scen})"
+                        ),
+                    )
                 )
-            )
 
     # 5: controller scale.
     ctl = _rows(results, "controller_scale")
@@ -357,9 +365,12 @@ def _row_cells(r: dict[str, Any], *, quick: bool = False) -> list[str]:
     if r.get("extra", {}).get("data_on"):
         other = f"data on {r['extra']['data_on']}" + (f"; {other}" if other else "")
     sample = human_bytes(r.get("sample_bytes"))
-    if r.get("extra", {}).get("workload") == GRPO_WORKLOAD:
-        sample = f"GRPO ~{r['extra'].get('mean_sample_bytes', 0) / KiB:.0f} KiB"
-        what = f"{len(r['extra'].get('columns') or [])} columns, ragged"
+    workload = r.get("extra", {}).get("workload")
+    if workload in (GRPO_WORKLOAD, WIDE_WORKLOAD):
+        per_column = r["extra"].get("mean_sample_bytes", 0) / max(1, len(r["extra"].get("columns") or [1]))
+        sample = (f"GRPO ~{r['extra'].get('mean_sample_bytes', 0) / KiB:.0f} KiB" if workload == GRPO_WORKLOAD
+                  else f"{len(r['extra'].get('columns') or [])} x {human_bytes(int(per_column))}")
+        what = f"{len(r['extra'].get('columns') or [])} columns" + (", ragged" if workload == GRPO_WORKLOAD else "")
         other = f"{what}; {other}" if other else what
     return [
         r["system"],
@@ -474,7 +485,7 @@ def plot(results: dict[str, Any], out_png: str | Path) -> Path | None:
         "Ray-actor buffer": (_rows(results, "peer_ray_buffer"), {}),
     }
     grpo = [(label, op, r) for label, (rows, match) in peers.items() for op in ("get", "put")
-            if (r := _grpo_row(rows, op, **match)) is not None and r.get("samples_per_s")]
+            if (r := _workload_row(rows, GRPO_WORKLOAD, op, **match)) is not None and r.get("samples_per_s")]
     if grpo:
         fig, all_axes = plt.subplots(1, 3, figsize=(18, 6), gridspec_kw={"width_ratios": [1, 1, 0.8]})
         all_axes[1].sharey(all_axes[0])

@@ -47,6 +47,8 @@ def _results() -> dict:
                      gbps=0.19, extra={"workload": "grpo", "mean_sample_bytes": 31 * KiB, "columns": ["a"] * 8}),
                 _row("peer_dockd_central", "dockd-central", "get", path="socket", batch=64, samples_per_s=9_000.0,
                      gbps=0.28, extra={"workload": "grpo", "mean_sample_bytes": 31 * KiB, "columns": ["a"] * 8}),
+                _row("peer_dockd_central", "dockd-central", "get", path="auto", batch=64, samples_per_s=40_000.0,
+                     gbps=0.66, extra={"workload": "columns4", "mean_sample_bytes": 16 * KiB, "columns": ["a"] * 4}),
             ]),
             "peer_transferqueue": ok([
                 _row("peer_transferqueue", "transferqueue", "get", sample_bytes=4 * KiB, batch=64,
@@ -55,6 +57,8 @@ def _results() -> dict:
                      samples_per_s=500.0, gbps=0.5),
                 _row("peer_transferqueue", "transferqueue", "get", batch=64, samples_per_s=1_500.0, gbps=0.05,
                      extra={"workload": "grpo", "mean_sample_bytes": 31 * KiB, "columns": ["a"] * 8}),
+                _row("peer_transferqueue", "transferqueue", "get", batch=64, samples_per_s=5_000.0, gbps=0.08,
+                     extra={"workload": "columns4", "mean_sample_bytes": 16 * KiB, "columns": ["a"] * 4}),
             ]),
             "peer_ray_buffer": {"status": "skipped", "reason": "Ray is not installed; pip install -e '.[peers]'"},
             "controller_scale": ok([
@@ -97,6 +101,8 @@ def test_ratios_are_measured_over_reference():
     assert grpo["primary"] is True
     assert _by(t, "vs_transferqueue_get_samples_per_s")["measured"] == 50_000.0  # GRPO rows never match a size
     assert _by(t, "vs_transferqueue_grpo_put_samples_per_s")["met"] is None  # no put rows here
+    wide = _by(t, "vs_transferqueue_columns4_get_samples_per_s")  # four 4 KiB columns: the 4 KiB bound
+    assert wide["value"] == pytest.approx(8.0) and wide["bound"] == 10.0 and wide["met"] is False
     flat = _by(t, "controller_acquire_flat")
     assert flat["value"] == pytest.approx(1.5) and flat["met"] is True
     assert _by(t, "controller_acquire_under_1ms")["met"] is True
