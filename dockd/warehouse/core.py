@@ -301,6 +301,7 @@ class Warehouse:
         if part is None:
             raise DockNotFound(f"partition {partition!r} is not in this warehouse (cleared?)")
         out = []
+        seen: object = None  # the indexes last converted (a get's columns share one list), as idx and its first
         for name, indexes in wanted:
             col = part.columns.get(name)
             if col is not None and isinstance(indexes, list) and len(indexes) <= SMALL_READ:
@@ -308,7 +309,14 @@ class Warehouse:
                 if small is not None:
                     out.append((name, small))
                     continue
-            idx = _idx(indexes)
+            if indexes is not seen:
+                seen, idx = indexes, _idx(indexes)
+                first = _first_of_range(idx)  # (consecutive indexes: one batch per column, mostly)
+            if first is not None and col is not None:
+                one = col.range_slices(first, len(idx))
+                if one is not None:
+                    out.append((name, one))
+                    continue
             ok = col.present(idx) if col is not None else np.zeros(len(idx), dtype=bool)
             if not ok.all():
                 raise DockNotFound(

@@ -24,7 +24,7 @@ from dockd.net.peer import Peer
 from dockd.node.metrics import Metrics
 from dockd.node.tasks import spawn
 from dockd.warehouse.commit import Committer
-from dockd.warehouse.core import Warehouse
+from dockd.warehouse.core import SMALL_READ, Warehouse
 from dockd.warehouse.segments import Segments
 
 logger = logging.getLogger(__name__)
@@ -247,7 +247,8 @@ class FetchPath:
         wid = self._wid()
         if wid < 0:
             return [], codec.Body(), [], []
-        idx = indexes.tolist()  # (one list for every column; scalar compares: gets are mostly small)
+        # one list for every column (scalar compares: gets are mostly small); a bigger get's array as it is
+        idx = indexes.tolist() if len(indexes) <= SMALL_READ else indexes
         wanted = [(c, idx) for c, row in zip(columns, locations.tolist()) if row.count(wid) == len(row)]
         if not wanted or len(indexes) * len(wanted) > INLINE_CELLS:  # big gets fetch: their reply stays small
             return [], codec.Body(), [], []

@@ -264,3 +264,29 @@ def test_a_read_across_many_puts_of_a_few_samples_finds_every_value_in_order():
         assert [(id(b), r0, r1) for b, r0, r1 in got] == [(id(b), r0, r1) for b, r0, r1 in each]
         assert [int(v[0]) for v in fetched(w, "p", "x", np.asarray(want))] == want
     assert len(col.slices(np.arange(24, 32))) == 4  # (three puts; [27, 26] stored in that order: two slices)
+
+
+def test_a_read_of_a_range_of_indexes_finds_the_same_slices_as_the_general_path():
+    """A read of consecutive indexes takes a shortcut when one put holds them all in row order; where it
+    does not (the range crosses puts, a put in any order, a sample deleted) the general path answers: the
+    slices are those of `_Column.slices`, and a missing sample is named."""
+    w = Warehouse(1 << 30)
+    for idx in ([*range(0, 40), *range(42, 50)], [40, 41], list(range(50, 64)), list(range(64, 128)),
+                [135, 128, 129, 130, 131, 132, 133, 134], list(range(136, 200))):
+        cols, buf = encoded([torch.full((3,), i) for i in idx])
+        w.reserve(buf.size)
+        w.store("p", idx, cols, buf, buf.size)
+    w.free_samples("p", [150])
+    col = w.parts["p"].columns["x"]
+    for first, n in ((0, 64), (3, 20), (0, 40), (42, 22), (30, 20), (60, 10), (64, 64), (128, 8), (129, 4),
+                     (190, 10), (136, 14), (0, 1), (63, 2)):
+        want = np.arange(first, first + n)
+        got = w.fetch("p", [("x", want)])[0][1]
+        assert [(id(b), r0, r1) for b, r0, r1 in got] == [(id(b), r0, r1) for b, r0, r1 in col.slices(want)]
+        values = [int(v[0]) for v in fetched(w, "p", "x", want)]
+        assert values == list(range(first, first + n))
+    assert col.range_slices(0, 64) is None and col.range_slices(128, 8) is None  # (general path: they differ)
+    assert len(col.range_slices(64, 64)) == 1
+    for first, n in ((140, 20), (150, 1), (195, 10), (-1, 3)):
+        with pytest.raises(DockNotFound, match="not in this warehouse"):
+            w.fetch("p", [("x", np.arange(first, first + n))])
