@@ -252,21 +252,28 @@ class _Column:
         return out
 
     def range_slices(self, first: int, n: int) -> list[tuple] | None:
-        """slices() for the samples first .. first + n - 1 when one batch holds them all, in row order
-        (a get of samples put together, the common case), with two array calls instead of slices()'
-        ~20; None otherwise (some are stored elsewhere or not at all: the caller takes the general path)."""
-        batch_of = self.batch_of
-        end = first + n - 1
-        if first < 0 or end >= len(batch_of):
+        """slices() for the samples first .. first + n - 1 when batches in row order hold them, each a
+        stretch of the range (a get of samples put together, over one put or a few: the common case), with
+        two array calls per batch instead of slices()' ~20; None otherwise (a sample stored in a batch of
+        any order or not at all: the caller takes the general path)."""
+        batch_of, batches = self.batch_of, self.batches
+        end = first + n
+        if first < 0 or end > len(batch_of):
             return None
-        bid = int(batch_of[first])
-        if bid < 0 or int(batch_of[end]) != bid:
-            return None
-        b = self.batches[bid]
-        if b is None or b.order is not None or (n > 2 and not (batch_of[first:end + 1] == bid).all()):
-            return None
-        r = first - b.first  # (rows in index order: every index of the range is in the batch, consecutive)
-        return [(b, r, r + n)]
+        out = []
+        at = first
+        while at < end:
+            bid = int(batch_of[at])
+            b = batches[bid] if bid >= 0 else None
+            if b is None or b.order is not None:
+                return None
+            stop = min(end, b.first + b.count)  # (the batch holds at most its rows' indexes)
+            if stop - at > 1 and not (batch_of[at:stop] == bid).all():
+                return None
+            r = at - b.first
+            out.append((b, r, r + stop - at))
+            at = stop
+        return out
 
     def slices(self, idx: np.ndarray) -> list[tuple]:
         """Consecutive rows of one batch become one slice."""

@@ -279,14 +279,15 @@ def test_a_read_of_a_range_of_indexes_finds_the_same_slices_as_the_general_path(
     w.free_samples("p", [150])
     col = w.parts["p"].columns["x"]
     for first, n in ((0, 64), (3, 20), (0, 40), (42, 22), (30, 20), (60, 10), (64, 64), (128, 8), (129, 4),
-                     (190, 10), (136, 14), (0, 1), (63, 2)):
+                     (190, 10), (136, 14), (0, 1), (63, 2), (55, 70), (50, 78), (40, 88)):
         want = np.arange(first, first + n)
         got = w.fetch("p", [("x", want)])[0][1]
         assert [(id(b), r0, r1) for b, r0, r1 in got] == [(id(b), r0, r1) for b, r0, r1 in col.slices(want)]
         values = [int(v[0]) for v in fetched(w, "p", "x", want)]
         assert values == list(range(first, first + n))
-    assert col.range_slices(0, 64) is None and col.range_slices(128, 8) is None  # (general path: they differ)
-    assert len(col.range_slices(64, 64)) == 1
+    assert col.range_slices(0, 64) is None and col.range_slices(128, 8) is None  # (general path: in any order)
+    assert len(col.range_slices(64, 64)) == 1 and len(col.range_slices(40, 2)) == 1
+    assert [s[1:] for s in col.range_slices(55, 70)] == [(5, 14), (0, 61)]  # (two puts: 50.. and 64..)
     for first, n in ((140, 20), (150, 1), (195, 10), (-1, 3)):
         with pytest.raises(DockNotFound, match="not in this warehouse"):
             w.fetch("p", [("x", np.arange(first, first + n))])
