@@ -118,7 +118,7 @@ class Blocking:
         any commit of existing samples), else its answer (cleared: nothing recorded, and the samples of it not
         deleted yet are deleted when its block is still there; or the indexes a re-send got before)."""
         verdict, idx = blocks.judge(self.core.catalog, self.core.blocks, req.block, req.warehouse, req.partition,
-                                    req.indexes, req.token)
+                                    req.indexes, req.token, req.columns)
         if verdict == blocks.APPLY:
             return None
         if verdict == blocks.AGAIN:

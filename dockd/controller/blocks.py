@@ -151,26 +151,45 @@ def owned(blocks: Blocks, block_id: int, warehouse: int, partition: str, indexes
 
 
 def judge(cat: Catalog, blocks: Blocks, block_id: int, warehouse: int, partition: str, indexes: Sequence[int],
-          token: int = 0) -> tuple[str, np.ndarray]:
-    """What a commit of block `block_id` by `warehouse` writing samples `indexes` comes to (its put id
-    not applied before): (APPLY, no indexes), (AGAIN, the indexes it got), or (CLEARED, the samples of it
-    to delete: those not deleted yet, when its block is still there). Raises as `owned` does."""
+          token: int = 0, columns: Sequence[str] = ()) -> tuple[str, np.ndarray]:
+    """What a commit of block `block_id` by `warehouse` writing `columns` of samples `indexes` comes to (its
+    put id not applied before): (APPLY, no indexes), (AGAIN, the indexes it got), or (CLEARED, the samples of
+    it to delete: those not deleted yet, when its block is still there). Raises as `owned` does.
+
+    Idempotent: a commit sent again after it was applied (a restarted warehouse's data dir sends those it
+    has no answer recorded for; its put id and writer token may be forgotten by then) whose block is gone
+    or some of whose samples are gone is AGAIN when its columns are written on this warehouse for every
+    sample of it not gone: its samples consumed and deleted since are not a reason to delete the rest."""
     part = cat.partitions.get(partition)
-    if owned(blocks, block_id, warehouse, partition, indexes) is None or part is None:
+    block = owned(blocks, block_id, warehouse, partition, indexes)
+    if part is None:
         return CLEARED, _NONE  # (a clear drops the partition's blocks too)
     seen = cat.tokens.get(token) if token else None
-    if seen is None and not part.deleted:  # (the common case: nothing to look up per sample)
+    if block is not None and seen is None and not part.deleted:  # (the common case: nothing to look up per sample)
         return APPLY, _NONE
     idx = np.asarray(indexes, dtype=np.int64).reshape(-1)
-    if seen is not None:  # the writer's put was committed before: this very commit, or its re-send elsewhere
-        if seen[0] == partition and np.array_equal(indexes_of(seen[2]), idx):
-            return AGAIN, idx
-        idx = np.unique(idx)
-        return CLEARED, idx[~part.gone[idx]]
-    gone = part.gone[idx]
-    if gone.any():
-        return CLEARED, np.unique(idx[~gone])
+    if seen is not None and seen[0] == partition and np.array_equal(indexes_of(seen[2]), idx):
+        return AGAIN, idx  # the writer's put was committed before: this very commit
+    if not len(idx) or idx.min() < 0 or idx.max() >= part.size:
+        return CLEARED, _NONE  # (not samples of the partition: nothing of them to delete)
+    live = np.unique(idx[~part.gone[idx]])
+    if len(live) and columns and _written_on(part, columns, live, warehouse):
+        return AGAIN, idx
+    if block is None or not len(live):
+        return CLEARED, _NONE  # (dropping the block deleted its unwritten samples; all gone: nothing to delete)
+    if seen is not None or len(live) < len(np.unique(idx)):
+        return CLEARED, live  # its put was committed elsewhere (a re-send), or some of its samples were deleted
     return APPLY, _NONE
+
+
+def _written_on(part, columns: Sequence[str], idx: np.ndarray, warehouse: int) -> bool:
+    """Whether every column of `columns` is written on `warehouse` for every sample of `idx`."""
+    for c in columns:
+        b, loc = part.columns.get(c), part.loc.get(c)
+        if b is None or loc is None or not (loc[idx] == warehouse).all() \
+                or not ((part.ready[idx] >> np.uint64(b)) & np.uint64(1)).all():
+            return False
+    return True
 
 
 _NONE = np.empty(0, dtype=np.int64)

@@ -339,3 +339,34 @@ def test_holds_is_where_owned_gives_the_block():
                     except DockValueError:
                         got = False
                     assert reg.holds(block_id, wid, partition, indexes) is got, (block_id, wid, partition, indexes)
+
+
+@_on_a_dock
+async def test_a_block_commit_sent_again_after_it_was_applied_is_answered_again_and_deletes_nothing(svc, peer, wid,
+                                                                                                    state):
+    """A warehouse restarted on its data dir sends again the block commits it has no answer recorded for:
+    one applied long ago (its put id forgotten: another one now) whose samples were partly consumed and
+    deleted since, its block dropped or not, is AGAIN and deletes none of the rest; all its samples gone:
+    cleared, nothing deleted. One never applied whose block was dropped is cleared, as before."""
+    svc.block(peer, pb.BlockRequest(partition="p", count=8))
+    assert svc.commit(_commit(wid, 1, [0, 1, 2], put_id=1)).listed() == [0, 1, 2]
+    assert svc.commit(_commit(wid, 1, [3, 4], put_id=2)).listed() == [3, 4]
+    svc.partition(pb.PartitionRequest(partition="p", delete=pb.DeleteSamples(indexes=[0])))  # (consumed)
+    part = svc.core.partitions["p"]
+    again = svc.commit(_commit(wid, 1, [0, 1, 2], put_id=101))  # (block there, a sample of it gone)
+    assert not again.cleared and again.listed() == [0, 1, 2]
+    assert part.gone[:5].tolist() == [True, False, False, False, False]
+    svc.on_lost(peer)
+    held = pb.InventoryPartition(name="p", group_size=1, nbytes=32, columns=[pb.InventoryColumn(name="x", runs=[1, 5])])
+    svc.register(Warehouse("warehouse again"), pb.RegisterWarehouse(host="10.0.0.9", port=7000, capacity=1 << 30,
+                                                                     instance=77, rejoin=True, id=wid, inventory=[held]))
+    assert not svc.core.blocks.by_id and part.gone[:8].tolist() == [True] + [False] * 4 + [True] * 3
+    for idx, put_id in (([0, 1, 2], 102), ([3, 4], 103)):  # (block dropped)
+        res = svc.commit(_commit(wid, 1, idx, put_id=put_id))
+        assert not res.cleared and res.listed() == idx
+    assert svc.commit(_commit(wid, 1, [5], put_id=104)).cleared  # (never applied: its sample went with its block)
+    svc.partition(pb.PartitionRequest(partition="p", delete=pb.DeleteSamples(indexes=[1, 2])))
+    assert svc.commit(_commit(wid, 1, [0, 1, 2], put_id=105)).cleared  # (all gone)
+    assert part.gone[:5].tolist() == [True, True, True, False, False]
+    assert (part.ready[3:5] != 0).all()
+    assert [r[0] for r in _records(state)].count("C") == 2  # (only the first two commits recorded)
