@@ -24,12 +24,19 @@ from dockd.controller.sessions import Leasing
 from dockd.controller.waiters import Waiters
 from dockd.controller.warehouse_calls import LocalWarehouse, WarehouseCalls
 from dockd.errors import DockDataLost, DockStateFull, DockValueError
+from dockd.net import wire
 from dockd.net.peer import Peer
 
 logger = logging.getLogger(__name__)
 
 #: Upper bounds of the staleness histogram's buckets (trainer version minus a handed-out sample's version).
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+
+
+PACKED_MIN = 32
+"""A reply of more locations than this appends them as packed bytes (fewer: extend costs less)."""
+_LOCATIONS = (pb.Frame.DESCRIPTOR.fields_by_name["acquire_reply"].number,
+              pb.AcquireReply.DESCRIPTOR.fields_by_name["locations"].number)
 
 
 def where_of(r) -> dict[str, tuple[int, int]] | None:
@@ -229,7 +236,7 @@ class Acquiring:
     def reply(self, peer: Peer, frame: pb.Frame, r: pb.AcquireRequest, res: AcquireResult) -> None:
         if self.replication.replicas > 1 and len(res.indexes):  # (values whose warehouse is away: from their replica)
             res.locations = self.replication.readable(r.partition, r.columns, res.indexes, res.locations)
-        locs = res.locations.ravel().tolist()
+        flat = res.locations.ravel()
         out = pb.Frame()
         reply = out.acquire_reply  # filled in place: building a message and wrapping it would copy it
         reply.lease = res.lease  # (fields left at their defaults are not set: a small get's reply is set field by field)
@@ -246,8 +253,15 @@ class Acquiring:
         if res.weights:
             reply.rank_weights.extend(res.weights)
         reply.indexes.extend(res.indexes.tolist())
-        reply.locations.extend(locs)
-        infos = self.members.acquire_infos(sorted(set(locs)))  # (appended to the frame: see acquire_infos)
+        # (appended to the frame, as the warehouses' infos are: see acquire_infos and wire.packed_bytes)
+        lo, hi = (int(flat.min()), int(flat.max())) if len(flat) > PACKED_MIN else (0, 128)
+        if hi < 128:  # (one byte each, packed)
+            ids = [lo] if lo == hi else np.unique(flat).tolist()
+            infos = self.members.acquire_infos(ids) + wire.packed_bytes(_LOCATIONS, flat.astype(np.uint8).tobytes())
+        else:
+            locs = flat.tolist()
+            reply.locations.extend(locs)
+            infos = self.members.acquire_infos(sorted(set(locs)))
         partition = r.partition
         part = self.core.partitions.get(partition)
         if part is not None and part.recovered:

@@ -54,6 +54,29 @@ def header(frame: pb.Frame, body_size: int = 0, tail: bytes = b"") -> bytes:
     return b"".join((PREFIX.pack(MAGIC, size, body_size), raw, tail))
 
 
+def packed_bytes(path: Sequence[int], values: bytes) -> bytes:
+    """A serialized message that sets one packed repeated integer field, reached through the message
+    fields numbered `path` (the last one the repeated field), to `values`: its varints, back to back (one
+    byte each for values below 128: an array's `astype(np.uint8).tobytes()`). As a `tail` (see `header`)
+    it costs a few array calls where `extend` makes each value a Python int and converts it back (~30 ns
+    each: a get of 64 samples x 4 columns names 256 locations)."""
+    raw = values
+    for field in reversed(path):  # (length-delimited: the packed field, then each message around it)
+        raw = b"".join((_varint(field << 3 | 2), _varint(len(raw)), raw))
+    return raw
+
+
+def _varint(n: int) -> bytes:
+    if n < 0x80:
+        return bytes((n,))
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
 def parse_prefix(data, offset: int, max_body: int, max_header: int = MAX_HEADER) -> tuple[int, int]:
     """(header length, body length) of the frame starting at data[offset:]; validates both."""
     magic, hlen, blen = PREFIX.unpack_from(data, offset)

@@ -247,9 +247,11 @@ class FetchPath:
         wid = self._wid()
         if wid < 0:
             return [], codec.Body(), [], []
-        # one list for every column (scalar compares: gets are mostly small); a bigger get's array as it is
-        idx = indexes.tolist() if len(indexes) <= SMALL_READ else indexes
-        wanted = [(c, idx) for c, row in zip(columns, locations.tolist()) if row.count(wid) == len(row)]
+        if len(indexes) <= SMALL_READ:  # (scalar compares: gets are mostly small)
+            idx = indexes.tolist()  # (one list for every column)
+            wanted = [(c, idx) for c, row in zip(columns, locations.tolist()) if row.count(wid) == len(row)]
+        else:
+            wanted = [(c, indexes) for c, here in zip(columns, (locations == wid).all(axis=1).tolist()) if here]
         if not wanted or len(indexes) * len(wanted) > INLINE_CELLS:  # big gets fetch: their reply stays small
             return [], codec.Body(), [], []
         try:

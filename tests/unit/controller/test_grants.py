@@ -130,3 +130,33 @@ def test_a_split_grant_is_one_record_and_a_retry_gets_every_lease_back_also_afte
         assert core.ready_count("p", "c", ["x"]) == 0
 
     asyncio.run(main())
+
+
+def test_a_big_reply_names_each_column_s_warehouse_as_a_small_one_does(tmp_path):
+    """A reply of many locations appends them as packed bytes (`wire.packed_bytes`) rather than one by one:
+    parsed, it names the same warehouse for every column of every sample, and every warehouse's address."""
+    async def main():
+        g = Grants(tmp_path)
+        reg = pb.RegisterWarehouse(host="10.0.0.8", port=7001, capacity=1 << 30, instance=8)
+        other = g.members.register(FakePeer("warehouse2"), reg, lambda req: CommitOutcome()).id
+        g.journal.commit("q", ["x"], g.wid, None, 40, 1, 320, 0, None)  # (samples 0..39: x on one, y on the other)
+        g.core.commit("q", ["x"], warehouse=g.wid, new_count=40, nbytes=320)
+        g.journal.commit("q", ["y"], other, list(range(40)), 0, 1, 320, 0, None)
+        g.core.commit("q", ["y"], warehouse=other, indexes=list(range(40)), nbytes=320)
+        far = other
+        while far < 300:  # (a warehouse id of two bytes as a varint: the locations go one by one)
+            reg = pb.RegisterWarehouse(host=f"10.0.1.{far % 250}", port=8000 + far, capacity=1 << 30, instance=far)
+            far = g.members.register(FakePeer(f"w{far}"), reg, lambda req: CommitOutcome()).id
+        g.journal.commit("q", ["z"], far, list(range(40)), 0, 1, 320, 0, None)
+        g.core.commit("q", ["z"], warehouse=far, indexes=list(range(40)), nbytes=320)
+        for columns, want in ((["x", "y"], [g.wid] * 40 + [other] * 40), (["y"], [other] * 40),
+                              (["x", "z"], [g.wid] * 40 + [far] * 40)):
+            req = pb.AcquireRequest(partition="q", consumer="".join(columns), columns=columns, count=40)
+            peer, frame = FakePeer("a", b"session-a"), pb.Frame(acquire=req)
+            res = g.acquiring.attempt(peer, frame.acquire)
+            g.acquiring.reply(peer, frame, frame.acquire, res)
+            out = Dock.answer(peer, frame).acquire_reply
+            assert list(out.indexes) == list(range(40)) and list(out.locations) == want
+            assert sorted(w.id for w in out.warehouses) == sorted(set(want))
+
+    asyncio.run(main())
