@@ -370,8 +370,5 @@ class NodeConfig:
     def _check_commit_window(self) -> None:
         if not 0 <= self.commit_window <= 10:  # (NaN fails it too)
             raise DockValueError(f"--commit-window must be between 0 and 10 seconds (0: off), got {self.commit_window}")
-        if self.commit_window and self.data_dir:
-            raise DockValueError("--commit-window answers puts before their commit, which a warehouse's --data-dir "
-                                 "does not keep yet (a restart would lose them); drop one of the two")
         if self.commit_window and not self.warehouse:
             raise DockValueError("--commit-window is a warehouse's; drop it with --no-warehouse")

@@ -32,6 +32,7 @@ import asyncio
 import collections
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import random
@@ -128,7 +129,7 @@ class ControllerLink:
         self._flush_at: asyncio.Handle | None = None
         self.in_flight = commits_in_flight()  # (read at start: a bad value stops the daemon there, with its name)
         self._out: set[asyncio.Future] = set()  # commit messages sent by _flush, not answered yet (in_flight)
-        self._seq = 0
+        self._ids = itertools.count(1)  # put ids of commits (`next_put_id`)
         self._task: asyncio.Task | None = None
         self._closing = False
         self._down_since: float | None = time.monotonic()
@@ -156,7 +157,7 @@ class ControllerLink:
     def resume(self, wid: int, seq: int) -> None:
         """A warehouse restarted on its data dir: it rejoins as `wid` (if it had one), and numbers its
         commits above `seq` (the put ids the last process may have used)."""
-        self._seq = seq
+        self._ids = itertools.count(seq + 1)
         if wid >= 0:
             self.wid = wid
 
@@ -327,8 +328,7 @@ class ControllerLink:
         """Commit a put's metadata; resolves to its outcome (failures included). Waits (up to `limit`
         seconds, and at most `grace`) while the controller is unreachable; re-sent on rejoin if its reply
         was lost."""
-        self._seq += 1
-        req.put_id = self._seq
+        req.put_id = self.next_put_id()
         fut = asyncio.get_running_loop().create_future()
         p = _Pending(req, fut, min(limit, self.grace) if limit >= 0 else self.grace)
         self._pending[req.put_id] = p
@@ -454,11 +454,9 @@ class ControllerLink:
 
     # -- puts answered before their commit (--commit-window) -------------------------------------------
     def commit_windowed(self, req: pb.CommitRequest) -> asyncio.Future:
-        """Commit an answered put's metadata in the next window (its indexes from a block: `req.block`);
-        resolves to its outcome. It waits for an absent controller as long as it takes, and is re-sent on
-        rejoin."""
-        self._seq += 1
-        req.put_id = self._seq
+        """Commit an answered put's metadata (put id given already, if its data dir file keeps it) in the next
+        window; resolves to its outcome. It waits for the controller as long as it takes, re-sent on rejoin."""
+        req.put_id = req.put_id or self.next_put_id()
         fut = asyncio.get_running_loop().create_future()
         p = _Pending(req, fut, math.inf, windowed=True)
         self._pending[req.put_id] = p
@@ -468,6 +466,9 @@ class ControllerLink:
         elif self._window_at is None:
             self._window_at = asyncio.get_running_loop().call_later(self.window, self._release_window)
         return fut
+
+    def next_put_id(self) -> int:  # (above those of the last process on this data dir: `resume`)
+        return next(self._ids)
 
     def _release_window(self) -> None:
         """The window's commits go now (with the next commit message this link may send)."""

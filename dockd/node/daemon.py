@@ -171,6 +171,9 @@ class Node:
             readback.report(self.data_dir, reg)
         if self.controller is not None:
             self.controller.start()
+        if self.data_dir is not None:  # (puts its files keep that were answered before their commit: sent again)
+            self.puts.recover(self.data_dir.uncommitted)
+            self.data_dir.uncommitted = []
         if self.agreement is not None:
             spawn(controller_probe.watch(self.agreement, self.listeners.make_probe_peer, self.listeners.link_tls))
         if self.controller is None or self.cfg.warehouse:  # (a controller without a warehouse registers nothing)

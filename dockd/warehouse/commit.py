@@ -24,6 +24,8 @@ with the link's next window. `flush` returns once those commits are applied (a
 writer's read-your-writes), `return_blocks` gives a partition's blocks back (a
 seal's handshake). Only a put that the controller then refuses (its samples were
 cleared or deleted meanwhile) reaches its `then`, which frees what was stored.
+With a data dir such a put's file keeps its commit; a restart hands the commits
+not known answered to `recover`, and they go with the first registration.
 """
 
 from __future__ import annotations
@@ -49,6 +51,19 @@ logger = logging.getLogger(__name__)
 Then = Callable[[CommitOutcome], None]
 
 
+def commit_request(req: pb.PutRequest, nbytes: int, wid: int) -> pb.CommitRequest:
+    """The commit of put `req` of `nbytes` payload bytes by warehouse `wid`: of a put as received, or of
+    one read back from its data dir file (`readback`), whose runs hold its indexes, tags and token."""
+    commit = pb.CommitRequest(
+        partition=req.partition, indexes=req.indexes, new_count=req.new_count, group_size=req.group_size or 1,
+        columns=[c.name for c in req.columns[:]], warehouse=wid, nbytes=nbytes, tags=req.tags,
+        replica=req.replica, token=0 if req.replica else req.token,
+    )
+    if not req.indexes:  # new samples may wait for the partition's consumers (max_pending), as long as the put may
+        commit.has_timeout, commit.timeout = True, req.timeout
+    return commit
+
+
 class Committer(Protocol):
     def commit(self, req: pb.CommitRequest, limit: float, peer: Peer, then: Then) -> None:
         """Commit a put's metadata (waiting up to `limit` seconds for an absent controller); `then` gets
@@ -63,12 +78,17 @@ class Committer(Protocol):
     def cleared(self, partition: str) -> None:
         """`partition` was freed whole: puts applied before the clear must not land after it."""
 
-    def take(self, partition: str, count: int, group_size: int) -> tuple[int, np.ndarray] | None:
-        """(block id, indexes) for a put of new samples answered before its commit; None: commit it first."""
+    def take(self, partition: str, count: int, group_size: int) -> tuple[int, np.ndarray, int] | None:
+        """(block id, indexes, put id of its commit) for a put of new samples answered before its commit;
+        None: commit it first."""
 
     def commit_windowed(self, req: pb.CommitRequest, then: Then) -> None:
-        """Commit an answered put with the next window; `then` gets an outcome to act on (an error, or
-        `cleared`), not one of a partition cleared here since."""
+        """Commit an answered put with the next window; `then` gets its outcome (an error, `cleared`, or
+        applied), unless its partition was cleared here since."""
+
+    def recover(self, req: pb.CommitRequest, then: Then) -> None:
+        """`commit_windowed` for a put answered before its commit by the last process on this data dir:
+        sent with the first registration to its controller."""
 
     async def flush(self, partition: str) -> None:
         """Return once the commits of the puts answered before their commit (of `partition`; "": all) are applied."""
@@ -112,11 +132,15 @@ class LocalCommitter:
     async def landed(self, partition: str, ready: Callable[[], bool]) -> None:
         return
 
-    def take(self, partition: str, count: int, group_size: int) -> tuple[int, np.ndarray] | None:
+    def take(self, partition: str, count: int, group_size: int) -> tuple[int, np.ndarray, int] | None:
         return None  # (a commit in this process costs no round trip)
 
     def commit_windowed(self, req: pb.CommitRequest, then: Then) -> None:
         raise AssertionError("take() gives no blocks: nothing is committed in a window here")
+
+    def recover(self, req: pb.CommitRequest, then: Then) -> None:
+        # (a file of a process that joined a controller of another process: judged as any block commit)
+        self.commit(req, -1, None, then)  # type: ignore[arg-type]
 
     async def flush(self, partition: str) -> None:
         return
@@ -132,13 +156,38 @@ class RemoteCommitter:
     """Commits over the link to a controller in another process."""
 
     def __init__(self, link) -> None:  # a dockd.node.controller_link.ControllerLink
-        self.link = link
+        self._link = link
+        self._recovered: list[tuple[pb.CommitRequest, Then]] = []  # (see recover) waiting for the link
         self._pending: dict[str, int] = {}  # partition -> puts committed, not stored yet
         # partition -> [put id, cleared] of its puts waiting on the controller
         self._committing: dict[str, list[list]] = {}
         self._landing: list[asyncio.Future] = []  # fetches waiting for a put to land
         # partition -> [cleared here] of its answered puts whose windowed commit is not answered yet
         self._windowed: dict[str, list[list[bool]]] = {}
+
+    @property
+    def link(self):
+        return self._link
+
+    @link.setter
+    def link(self, link) -> None:
+        """The link is made (before it starts): the recovered commits go into its pending ones."""
+        self._link = link
+        if link is not None:
+            waiting, self._recovered = self._recovered, []
+            for req, then in waiting:
+                self.commit_windowed(req, then)
+
+    def recover(self, req: pb.CommitRequest, then: Then) -> None:
+        if self._link is None:
+            self._recovered.append((req, then))
+        else:
+            self.commit_windowed(req, then)
+
+    def given_up(self) -> list[tuple[pb.CommitRequest, Then]]:
+        """The recovered commits still waiting for a link (this committer is being replaced)."""
+        waiting, self._recovered = self._recovered, []
+        return waiting
 
     def commit(self, req: pb.CommitRequest, limit: float, peer: Peer, then: Then) -> None:
         partition = req.partition
@@ -186,9 +235,9 @@ class RemoteCommitter:
         if self.link is not None:
             self.link.blocks.drop(partition)
 
-    def take(self, partition: str, count: int, group_size: int) -> tuple[int, np.ndarray] | None:
-        """Indexes from a block of the link's (None: no block holds them now); asks for the next block
-        ahead, in the background."""
+    def take(self, partition: str, count: int, group_size: int) -> tuple[int, np.ndarray, int] | None:
+        """Indexes from a block of the link's, and the put id of their commit (None: no block holds them
+        now); asks for the next block ahead, in the background."""
         link = self.link
         if link is None or not link.grants or not link.joined.is_set():
             return None
@@ -196,7 +245,7 @@ class RemoteCommitter:
         want = link.blocks.wants(partition, count, group_size)
         if want:
             spawn(self._ask_block(partition, want, group_size))
-        return got
+        return None if got is None else (*got, link.next_put_id())
 
     async def _ask_block(self, partition: str, count: int, group_size: int) -> None:
         link = self.link
@@ -258,7 +307,22 @@ class RoutingCommitter:
     (`dockd.owners`), through that controller's committer (local or over its link)."""
 
     def __init__(self, committers: list[LocalCommitter | RemoteCommitter]) -> None:
+        self._committers: list[LocalCommitter | RemoteCommitter] = []
         self.committers = committers
+
+    @property
+    def committers(self) -> list[LocalCommitter | RemoteCommitter]:
+        return self._committers
+
+    @committers.setter
+    def committers(self, committers: list[LocalCommitter | RemoteCommitter]) -> None:
+        """(Re)placed once the node knows the dock's controllers: recovered commits still waiting in a
+        committer replaced go to the one that owns their partition now."""
+        old, self._committers = self._committers, committers
+        for c in old:
+            if isinstance(c, RemoteCommitter) and c not in committers:
+                for req, then in c.given_up():
+                    self.recover(req, then)
 
     def of(self, partition: str) -> LocalCommitter | RemoteCommitter:
         return self.committers[owners.owner_index(partition, len(self.committers))]
@@ -275,11 +339,14 @@ class RoutingCommitter:
     def cleared(self, partition: str) -> None:
         self.of(partition).cleared(partition)
 
-    def take(self, partition: str, count: int, group_size: int) -> tuple[int, np.ndarray] | None:
+    def take(self, partition: str, count: int, group_size: int) -> tuple[int, np.ndarray, int] | None:
         return self.of(partition).take(partition, count, group_size)
 
     def commit_windowed(self, req: pb.CommitRequest, then: Then) -> None:
         self.of(req.partition).commit_windowed(req, then)
+
+    def recover(self, req: pb.CommitRequest, then: Then) -> None:
+        self.of(req.partition).recover(req, then)
 
     async def flush(self, partition: str) -> None:
         if partition:

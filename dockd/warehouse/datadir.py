@@ -21,6 +21,9 @@ Layout:
                                checksums, its columns' runs (a serialized PutRequest), its body
         .<n>.tmp               a put being written: renamed to <n>.put once whole and fsync'd
         deleted                int64 indexes of samples deleted while the rest of their put lives
+        committed              int64 numbers of its files of puts answered before their commit
+                               (--commit-window) whose commit the controller answered; at start the
+                               others are committed again (`readback.adopt`), and it is compacted
     DIR/.free-<n>              the file of a freed put, kept to write a later put over, or the
                                room taken for a put before its commit (allocated whole, so a full
                                disk fails the put before the controller records it; a big put's
@@ -83,6 +86,7 @@ logger = logging.getLogger(__name__)
 
 IDENTITY = "identity.json"
 DELETED = "deleted"
+COMMITTED = "committed"
 DAMAGED = "damaged"  # where --drop-damaged-files moves files that fail their check
 SEQ_GAP = 1 << 32  # put ids a process may use; the next process starts above them
 FREE_FILES, FREE_BYTES = 64, 1 << 30  # files of freed puts kept to write the next puts over (see DataDir.stored)
@@ -134,6 +138,8 @@ class DataDir:
         self._free_seq = 0
         self.lost: list[putfile.Held] = []  # what the files dropped at start held (--drop-damaged-files)
         self.lost_unknown: list[str] = []  # dropped files too damaged to say what they held (where they are now)
+        # files read back of puts answered before their commit, not known committed: (path, the commit again)
+        self.uncommitted: list[tuple[str, pb.CommitRequest]] = []
 
     # -- identity --------------------------------------------------------------------------------
     def open(self) -> int:
@@ -289,8 +295,12 @@ class DataDir:
         d = os.path.join(self.path, part_dir(partition))
         n, self.next_file = self.next_file, self.next_file + 1
         final = os.path.join(d, f"{n:016x}.put")
-        runs = pb.PutRequest(partition=partition, indexes=idx.tolist(), columns=columns).SerializeToString()
         meta = {"dock": self.dock, "partition": partition, "group_size": group_size, "token": token}
+        early = room.commit if room is not None else None  # (answered before its commit: see `committed`)
+        if early is not None:
+            meta["block"], meta["put_id"] = early.block, early.put_id
+        runs = pb.PutRequest(partition=partition, indexes=idx.tolist(), columns=columns,
+                             tags=early.tags if early is not None else ()).SerializeToString()
         enc = None
         if room is not None and room.crc_body is not None:  # the body is in place at the room's end: the headers
             enc = putfile.encode(meta, runs, nbytes, room.crc_body, body_at=room.size - room.nbytes)  # go in front
@@ -325,6 +335,8 @@ class DataDir:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise self._full(e, "could not be written") from None
+        if room is not None:
+            room.file = final
         return final
 
     def remove(self, path: str) -> None:
@@ -369,6 +381,13 @@ class DataDir:
                 f.write(np.asarray(idx, dtype="<i8").tobytes())
         except FileNotFoundError:  # (nothing of the partition is stored)
             pass
+
+    def committed(self, path: str) -> None:
+        """The early commit of put file `path` was answered: a restart does not send it again (a record lost
+        to a power cut, not fsync'd, only sends it again: `controller.blocks.judge` answers it AGAIN)."""
+        d, name = os.path.split(path)
+        with contextlib.suppress(FileNotFoundError, ValueError), open(os.path.join(d, COMMITTED), "ab") as f:
+            f.write(np.int64(int(name[:-4], 16)).astype("<i8").tobytes())  # (its dir gone: its samples are)
 
     def cleared(self, partition: str) -> None:
         d = os.path.join(self.path, part_dir(partition))

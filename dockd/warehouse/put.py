@@ -10,8 +10,10 @@
     validate the put against its bytes, once (`_validate`): runs fit, msgpack values decode,
              explicit indexes' columns are unwritten here
     commit   through the committer (controller in this process, or over the link); with
-             --commit-window a put of new samples that a block of indexes holds is stored and
-             answered first, and its commit goes with the link's next window (`_before_commit`)
+             --commit-window a put of new samples that a block of indexes holds is stored (with a
+             data dir: its file, keeping its commit, fsync'd) and answered first, and its commit
+             goes with the link's next window (`_before_commit`; a restart sends again those of
+             its files not recorded committed: `recover`)
     store    once the commit is answered; a put kept in memory only is answered first and
              stored right after, in the same turn of the loop (`_answer_first`)
     copy     (--replicas 2) to the warehouse the commit's answer names (`replica.Replicator`);
@@ -43,13 +45,13 @@ from dockd.net import memfd
 from dockd.net.peer import Peer
 from dockd.node.metrics import Metrics
 from dockd.node.tasks import failed, spawn
-from dockd.recent import Recent
 from dockd.terms import CommitOutcome
 from dockd.warehouse.admission import Admission
-from dockd.warehouse.commit import Committer
+from dockd.warehouse.commit import Committer, commit_request
 from dockd.warehouse.core import Warehouse
 from dockd.warehouse.datadir import DataDir
 from dockd.warehouse.device_put import take_device
+from dockd.warehouse.put_tokens import Tokens
 from dockd.warehouse.putfile import Room
 from dockd.warehouse.replica_copy import Replicator
 from dockd.warehouse.segments import Segments
@@ -66,8 +68,6 @@ WRITE_OFF_LOOP = 16 << 20
 thread before its commit (a 512 MiB put held the event loop for about 2 s on a VM's disk); the loop
 then writes only the header. Smaller puts are written whole after the commit, on the loop."""
 
-PUT_TOKENS_KEPT = 4096
-PUT_TOKENS_CELLS = 1 << 22  # explicit indexes those outcomes hold at most (32 MiB; see dockd.recent)
 _copy_failures = Throttle()  # (every put fails its copy while the second warehouse is down or full)
 
 
@@ -121,7 +121,7 @@ class PutPipeline:
         self.metrics = metrics
         self._wid = wid
         self.check_warehouse = check_warehouse
-        self.tokens = _Tokens()
+        self.tokens = Tokens()
 
     # -- admit ---------------------------------------------------------------------------------
     def admit(self, peer: Peer, frame: pb.Frame, body_size: int) -> Awaitable[None] | None:
@@ -246,26 +246,27 @@ class PutPipeline:
             self.admission.release(unreserve=size, unreserve_device=sum(int(t.numel()) for t in dev))
             self.tokens.done(req.token, None, e)
             raise
-        commit = pb.CommitRequest(
-            partition=req.partition, indexes=req.indexes, new_count=req.new_count, group_size=req.group_size or 1,
-            columns=[c.name for c in req.columns[:]], warehouse=self._wid(), nbytes=size, tags=req.tags,
-            replica=req.replica, token=0 if req.replica else req.token,
-        )
-        if not req.indexes:  # new samples may wait for the partition's consumers (max_pending), as long as the put may
-            commit.has_timeout, commit.timeout = True, req.timeout
+        commit = commit_request(req, size, self._wid())
         put = _Put(peer, frame, buf, seg, size, dev, spilled, held, room, rest)
-        if not (req.indexes or req.replica or dev or req.resent or self.data_dir is not None):
+        if room is not None and size >= WRITE_OFF_LOOP:
+            spawn(self._write_then_commit(put, commit))
+            return
+        self._commit(put, commit)
+
+    def _commit(self, put: _Put, commit: pb.CommitRequest) -> None:
+        """Commit the put; a put of new samples that a block holds indexes for (--commit-window) is stored
+        and answered first. Not replicas, device runs, explicit indexes or re-sent puts."""
+        req = put.frame.put
+        if not (req.indexes or req.replica or put.dev or req.resent):
             taken = self.committer.take(req.partition, req.new_count, req.group_size or 1)
             if taken is not None:
                 self._before_commit(put, commit, *taken)
                 return
-        if room is not None and size >= WRITE_OFF_LOOP:
-            spawn(self._write_then_commit(put, commit))
-            return
-        self.committer.commit(commit, req.timeout, peer, functools.partial(self._land, put))
+        self.committer.commit(commit, req.timeout, put.peer, functools.partial(self._land, put))
 
     async def _write_then_commit(self, put: _Put, commit: pb.CommitRequest) -> None:
-        """A big put to a warehouse with a data dir: its body goes to disk off the loop, then it is committed."""
+        """A big put to a warehouse with a data dir: its body goes to disk off the loop, then it is committed
+        (or, given a block's indexes, its header written and it is answered)."""
         keeper = self.data_dir
         assert keeper is not None and put.room is not None  # (only puts that took room come here)
         try:
@@ -274,15 +275,18 @@ class PutPipeline:
             self._drop(put)
             self._fail(put, e)
             return
-        self.committer.commit(commit, put.frame.put.timeout, put.peer, functools.partial(self._land, put))
+        self._commit(put, commit)
 
-    def _before_commit(self, put: _Put, commit: pb.CommitRequest, block: int, idx: np.ndarray) -> None:
-        """A put of new samples given indexes from a block (--commit-window): stored, answered, and its
-        commit sent with the link's next window. A put that cannot be stored leaves a hole in the block."""
+    def _before_commit(self, put: _Put, commit: pb.CommitRequest, block: int, idx: np.ndarray, put_id: int) -> None:
+        """A put of new samples given indexes from a block (--commit-window): stored (with a data dir, its
+        file written, keeping its commit, and fsync'd), answered, and its commit sent with the link's next
+        window. A put that cannot be stored leaves a hole in the block."""
         req = put.frame.put
         out = idx.tolist()
         commit.indexes.extend(out)
-        commit.block, commit.new_count, commit.has_timeout = block, 0, False
+        commit.block, commit.put_id, commit.new_count, commit.has_timeout = block, put_id, 0, False
+        if put.room is not None:
+            put.room.commit = commit
         try:
             self._file(put, idx)
         except Exception as e:  # noqa: BLE001 - the put's answer
@@ -293,12 +297,23 @@ class PutPipeline:
         self.metrics.puts_before_commit += 1
         if put.rest is not None:
             put.rest()
-        self.committer.commit_windowed(commit, functools.partial(self._settled, req.partition, idx))
+        file = put.room.file if put.room is not None else ""
+        self.committer.commit_windowed(commit, functools.partial(self._settled, req.partition, idx, file))
 
-    def _settled(self, partition: str, idx: np.ndarray, res: CommitOutcome) -> None:
+    def recover(self, uncommitted: list[tuple[str, pb.CommitRequest]]) -> None:
+        """The puts answered before their commit that the data dir's files keep, their commit not known
+        answered: committed again (with the first registration), their outcome taken as any such put's."""
+        for file, commit in uncommitted:
+            idx = np.asarray(commit.indexes, dtype=np.int64)
+            self.committer.recover(commit, functools.partial(self._settled, commit.partition, idx, file))
+
+    def _settled(self, partition: str, idx: np.ndarray, file: str, res: CommitOutcome) -> None:
         """The outcome of a put answered before its commit: its values are freed if the controller did not
-        record them (its samples were cleared or deleted meanwhile, or it refused the commit)."""
+        record them (its samples were cleared or deleted meanwhile, or it refused the commit); else its
+        data dir `file` (if any) is recorded committed."""
         if res.error is None and not res.cleared:
+            if file and self.data_dir is not None:
+                self.data_dir.committed(file)
             return
         if res.error is not None:
             logger.error("[warehouse] the controller refused the commit of a put answered before it partition=%s "
@@ -429,62 +444,6 @@ class PutPipeline:
                          exc_info=exc)
         self.tokens.done(put.frame.put.token, None, exc)
         put.peer.reply_error(put.frame, exc)
-
-
-class _Tokens:
-    """Put tokens seen: the outcome of the last PUT_TOKENS_KEPT puts, and the retries waiting on running ones."""
-
-    def __init__(self) -> None:
-        # token -> the indexes it got (see _kept)
-        self._done: Recent[Sequence[int] | np.ndarray] = Recent(PUT_TOKENS_KEPT, PUT_TOKENS_CELLS)
-        self._running: dict[int, list[tuple[Peer, pb.Frame]]] = {}  # token -> retries waiting on it
-
-    def again(self, peer: Peer, frame: pb.Frame, drop: Callable[[], None]) -> bool:
-        """Whether this put was seen (then `drop` its room, answer it or queue it behind its first
-        attempt, and store nothing); else it runs from now."""
-        tok = frame.put.token
-        done = self._done.get(tok)
-        waiting = self._running.get(tok)
-        if done is None and waiting is None:
-            self._running[tok] = []
-            return False
-        drop()
-        if done is not None:
-            indexes = done.tolist() if isinstance(done, np.ndarray) else list(done)
-            peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=indexes)))
-        else:
-            assert waiting is not None  # (seen: done, or still running)
-            waiting.append((peer, frame))
-        return True
-
-    def done(self, token: int, indexes: list[int] | None, exc: BaseException | None = None) -> None:
-        """Answer the retries that waited on a put's first attempt, and remember its outcome."""
-        if not token:
-            return
-        for peer, frame in self._running.pop(token, ()):
-            if exc is not None:
-                peer.reply_error(frame, exc)
-            else:
-                peer.reply(frame, pb.Frame(put_reply=pb.PutReply(indexes=indexes)))
-        if exc is None:
-            assert indexes is not None  # (a put that succeeded has its indexes)
-            self._done.add(token, _kept(indexes))
-
-
-def _kept(indexes: Sequence[int]) -> Sequence[int] | np.ndarray:
-    """A put's indexes as remembered for its re-sends: a range when they are consecutive (a put of
-    new samples), else 8 bytes each. As the list of Python ints the answer is built from, the last
-    PUT_TOKENS_KEPT puts of 1,000 samples held 36 bytes per sample, more than the warehouse's
-    whole index of them."""
-    if len(indexes) <= 2:
-        return tuple(indexes)
-    first = indexes[0]
-    if indexes[-1] - first == len(indexes) - 1:
-        idx = np.asarray(indexes, dtype=np.int64)
-        if bool((idx[1:] - idx[:-1] == 1).all()):
-            return range(first, first + len(indexes))
-        return idx
-    return np.asarray(indexes, dtype=np.int64)
 
 
 def group_size(req: pb.PutRequest) -> int:

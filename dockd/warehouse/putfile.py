@@ -2,11 +2,15 @@
 its checksums, and reading its header back.
 
     fixed header   magic "DOCKDPUT", format, JSON header bytes, runs bytes, body bytes (`HEAD`)
-    JSON header    the dock, the partition, the group size, the writer's put token; padded with
+    JSON header    the dock, the partition, the group size, the writer's put token; a put answered
+                   before its commit (--commit-window) also its block and put id ("block",
+                   "put_id"; a file without them was committed before it was written); padded with
                    spaces (format 2 and 3: up to the body, which was written first)
     sums           format 3 only, the last 12 bytes of the JSON header's span: CRC-32s of the
                    fixed and JSON headers, of the runs, of the body (`SUMS`)
     runs           a serialized PutRequest: the partition, the sample indexes, the columns' runs
+                   (and the put's tags, for a put answered before its commit: its commit is made
+                   again from the file at a restart, `commit.commit_request`)
     body           the put's bytes
 
 Format 3 (written now) checksums every byte of the file: a damaged header is refused like a
@@ -51,6 +55,8 @@ class Room:
     size: int                    # bytes allocated: headers and runs first, the body in the last `nbytes`
     nbytes: int
     crc_body: int | None = None  # set once `prewrite` wrote the body there and flushed it
+    commit: pb.CommitRequest | None = None  # a put answered before its commit: the commit, kept in its file
+    file: str = ""  # the put's file, once written (`DataDir.stored`)
 
 
 @dataclasses.dataclass(slots=True)

@@ -1,10 +1,16 @@
 """Reading a data dir back when a warehouse starts on it (`DataDir.adopt`), and what to do with a file
 that fails its check: refuse the start naming it, or with `--drop-damaged-files` move it into
 DIR/damaged and report what it held lost (`report`: the first rejoin tells the controller, which
-marks those values lost, DockDataLost for readers, unless a replica holds them)."""
+marks those values lost, DockDataLost for readers, unless a replica holds them).
+
+A file of a put answered before its commit (--commit-window: its header names its block) that its
+partition's `committed` record does not list may never have reached the controller: its commit is
+made again from the file (`commit.commit_request`) and left in `DataDir.uncommitted`, for the node
+to hand its controller link before the first registration (`RegisterWarehouse.pending`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import TYPE_CHECKING
@@ -14,7 +20,8 @@ import numpy as np
 from dockd._proto import dockd_pb2 as pb
 from dockd.net import memfd
 from dockd.warehouse import putfile
-from dockd.warehouse.datadir import DAMAGED, DELETED, DockDataDirError
+from dockd.warehouse.commit import commit_request
+from dockd.warehouse.datadir import COMMITTED, DAMAGED, DELETED, DockDataDirError
 from dockd.warehouse.layout import _runs
 from dockd.warehouse.putfile import Damaged
 
@@ -37,7 +44,7 @@ def _readinto(fd: int, view: memoryview) -> None:
 def adopt(dd: DataDir, warehouse: Warehouse, admission: Admission, tokens) -> tuple[int, int]:
     """Read every stored put back (into sealed segments when big), store it again, apply the recorded
     deletes, and remember the puts' tokens (a writer re-sending one is answered, not stored twice).
-    Returns (puts, bytes)."""
+    Returns (puts, bytes); the puts whose commit is to be made again go to `dd.uncommitted`."""
     puts, total, torn = 0, 0, 0
     entries = []
     for part in sorted(os.scandir(dd.path), key=lambda e: e.name):
@@ -63,20 +70,30 @@ def adopt(dd: DataDir, warehouse: Warehouse, admission: Admission, tokens) -> tu
     entries.sort()
     dd.next_file = (entries[-1][0] + 1) if entries else 1
     parts: dict[str, str] = {}
+    # partition dir -> (the numbers its `committed` file lists, those of them still there)
+    committed: dict[str, tuple[set[int], set[int]]] = {}
     try:
-        for _, path, pdir in entries:
+        for n, path, pdir in entries:
             try:
-                partition, nbytes, token, idx = _adopt_one(dd, path, pdir, warehouse, admission)
+                h, idx = _adopt_one(dd, path, pdir, warehouse, admission)
             except Damaged as d:
                 _drop(dd, path, d)
                 continue
-            parts[os.path.dirname(path)] = partition
+            parts[os.path.dirname(path)] = h.meta["partition"]
+            token = int(h.meta.get("token", 0))
             if token:
                 tokens.done(token, idx.tolist())
+            if h.meta.get("block"):
+                here = os.path.dirname(path)
+                if here not in committed:
+                    committed[here] = (_numbers(os.path.join(here, COMMITTED)), set())
+                _early(dd, h, n, path, *committed[here])
             puts += 1
-            total += nbytes
+            total += h.blen
     finally:
         dd.adopting = None
+    for pdir, (_, kept) in committed.items():
+        _compact(os.path.join(pdir, COMMITTED), kept)
     for pdir, partition in parts.items():
         dead = _deletes(dd, os.path.join(pdir, DELETED))
         if len(dead):
@@ -85,13 +102,50 @@ def adopt(dd: DataDir, warehouse: Warehouse, admission: Admission, tokens) -> tu
                 admission.free(partition, dead.astype(np.int64))
             finally:
                 dd.adopting = None
-    logger.info("[datadir] adopted dir=%s puts=%d bytes=%d torn_removed=%d partitions=%d damaged_dropped=%d",
-                dd.path, puts, total, torn, len(parts), len(dd.lost) + len(dd.lost_unknown))
+    logger.info("[datadir] adopted dir=%s puts=%d bytes=%d torn_removed=%d partitions=%d damaged_dropped=%d "
+                "uncommitted=%d", dd.path, puts, total, torn, len(parts), len(dd.lost) + len(dd.lost_unknown),
+                len(dd.uncommitted))
     return puts, total
 
 
+def _early(dd: DataDir, h: putfile.Header, n: int, path: str, listed: set[int], kept: set[int]) -> None:
+    """File `n` of a put answered before its commit: its commit is made again unless its partition's
+    `committed` file lists it (then it goes into `kept`, what the compaction keeps)."""
+    if n in listed:
+        kept.add(n)
+        return
+    req = h.req
+    req.token, req.group_size = int(h.meta.get("token", 0)), int(h.meta["group_size"])
+    commit = commit_request(req, h.blen, dd.wid)
+    commit.block, commit.put_id = int(h.meta["block"]), int(h.meta.get("put_id", 0))
+    dd.uncommitted.append((path, commit))
+
+
+def _numbers(path: str) -> set[int]:
+    """The file numbers a `committed` file lists (a torn last record left out)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return set()
+    return set(np.frombuffer(raw[: len(raw) // 8 * 8], dtype="<i8").tolist())
+
+
+def _compact(path: str, kept: set[int]) -> None:
+    """Rewrite a `committed` file with only the files still there: the number of a file gone is given
+    to the next file written (a kill during the rewrite leaves the old list, still a true one)."""
+    if not kept:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    tmp = os.path.join(os.path.dirname(path), f".{COMMITTED}.new")
+    with open(tmp, "wb") as f:
+        f.write(np.asarray(sorted(kept), dtype="<i8").tobytes())
+    os.rename(tmp, path)
+
+
 def _adopt_one(dd: DataDir, path: str, pdir: str, warehouse: Warehouse,
-               admission: Admission) -> tuple[str, int, int, np.ndarray]:
+               admission: Admission) -> tuple[putfile.Header, np.ndarray]:
     """Read one put file back and store it; Damaged when it fails a check (nothing of it is kept)."""
     fd = putfile.open_regular(path)
     dest = None
@@ -131,7 +185,7 @@ def _adopt_one(dd: DataDir, path: str, pdir: str, warehouse: Warehouse,
     dd.adopting = path
     warehouse.store(h.meta["partition"], idx, h.req.columns, buf, blen,
                     dest if isinstance(dest, memfd.Segment) else None, h.meta["group_size"])
-    return h.meta["partition"], blen, int(h.meta.get("token", 0)), idx
+    return h, idx
 
 
 def _deletes(dd: DataDir, path: str) -> np.ndarray:

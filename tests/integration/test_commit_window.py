@@ -2,7 +2,7 @@
 blocks its controller grants ahead, answers a put once it is stored and sends the commits in windows.
 What must hold: the writer sees its own puts at once (read-your-writes), other clients once the window
 is applied; a seal or a clear while commits wait loses nothing acknowledged and keeps nothing cleared;
-a warehouse that cannot keep the promise refuses the option at start. Real daemons on loopback: a
+a node that cannot keep the promise refuses the option at start; one with a data dir keeps it. Real daemons on loopback: a
 controller with a state dir and no warehouse, and one warehouse joined to it."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from tests.conftest import scrape, value, wait_until
 
 
 @contextlib.contextmanager
-def _dock(tmp_path, window: float, *, state: bool = True):
-    """A controller (state dir, no warehouse) and one warehouse with --commit-window `window`: (address,
-    the warehouse's metrics port)."""
+def _dock(tmp_path, window: float, *, state: bool = True, data: bool = False):
+    """A controller (state dir, no warehouse) and one warehouse with --commit-window `window` (and a
+    --data-dir: `data`): (address, the warehouse's metrics port)."""
     args = ["--controller", "--no-warehouse", "--port", "0"]
     if state:
         args += ["--state-dir", str(tmp_path / "state")]
@@ -32,7 +32,7 @@ def _dock(tmp_path, window: float, *, state: bool = True):
         procs.append(ctrl)
         address = f"127.0.0.1:{ready['port']}"
         wh, wready = spawn_node(["--join", address, "--port", "0", "--capacity", "1GiB", "--metrics-port", "0",
-                                 "--commit-window", str(window)])
+                                 "--commit-window", str(window), *(["--data-dir", str(tmp_path / "data")] * data)])
         procs.append(wh)
         yield address, wready["metrics_port"]
     finally:
@@ -115,16 +115,23 @@ def test_without_a_state_dir_puts_are_answered_after_their_commit(tmp_path):
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["--data-dir", "DATA"], "--data-dir"),
-    (["--commit-window", "-1"], "between 0 and 10"),
+    (["--join", "127.0.0.1:1", "--commit-window", "-1"], "between 0 and 10"),
+    (["--controller", "--no-warehouse"], "is a warehouse's"),
 ])
-def test_a_commit_window_a_warehouse_cannot_keep_is_refused_at_start(tmp_path, extra, needle):
-    args = ["--join", "127.0.0.1:1", "--commit-window", "0.05",
-            *[str(tmp_path / "data") if a == "DATA" else a for a in extra]]
+def test_a_commit_window_a_node_cannot_keep_is_refused_at_start(tmp_path, extra, needle):
+    args = ["--commit-window", "0.05", *extra]
     proc = subprocess.run([sys.executable, "-m", "dockd", "serve", "--port", "0", *args], capture_output=True,
                           text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert proc.returncode != 0
     assert needle in proc.stderr
+
+
+def test_a_warehouse_with_a_data_dir_answers_puts_before_their_commit(tmp_path):
+    """(The kill -9 tests are tests/reliability/test_commit_window_data_dir.py.)"""
+    with _dock(tmp_path, window=8.0, data=True) as (address, mport), dockd.connect(address) as d:
+        ids = _put_until_uncommitted(d, "kept", mport)
+        got = d.get("c", ["id", "x"], count=len(ids), partition="kept", timeout=10)
+        assert sorted(int(v) for v in got["id"]) == ids
 
 
 def test_a_killed_warehouse_takes_what_it_answered_with_it_and_its_blocks_end(tmp_path):

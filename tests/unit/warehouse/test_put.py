@@ -7,7 +7,7 @@ import random
 import tracemalloc
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.warehouse.put import _Tokens
+from dockd.warehouse.put_tokens import Tokens as _Tokens
 
 
 class _Peer:
@@ -64,7 +64,7 @@ def test_remembered_explicit_indexes_are_bounded_in_total_not_only_in_number():
     import numpy as np
 
     from dockd.recent import Recent
-    from dockd.warehouse.put import PUT_TOKENS_CELLS, PUT_TOKENS_KEPT
+    from dockd.warehouse.put_tokens import PUT_TOKENS_CELLS, PUT_TOKENS_KEPT
 
     tokens = _Tokens()
     shuffled = np.random.default_rng(0).permutation(1 << 20).tolist()
