@@ -34,9 +34,16 @@ STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
 
 PACKED_MIN = 32
-"""A reply of more locations than this appends them as packed bytes (fewer: extend costs less)."""
-_LOCATIONS = (pb.Frame.DESCRIPTOR.fields_by_name["acquire_reply"].number,
-              pb.AcquireReply.DESCRIPTOR.fields_by_name["locations"].number)
+"""A reply of more locations than this appends them, and its inline columns, serialized apart (fewer:
+setting them in the frame costs less)."""
+_ACQUIRE_REPLY = pb.Frame.DESCRIPTOR.fields_by_name["acquire_reply"].number
+_LOCATIONS = pb.AcquireReply.DESCRIPTOR.fields_by_name["locations"].number
+_INLINE = pb.AcquireReply.DESCRIPTOR.fields_by_name["inline"].number
+
+
+def _tail(infos: bytes, parts: list[bytes]) -> bytes:
+    """What follows an acquire reply's frame: the warehouses' infos and the reply's fields serialized apart."""
+    return infos + wire.field(_ACQUIRE_REPLY, b"".join(parts)) if parts else infos
 
 
 def where_of(r) -> dict[str, tuple[int, int]] | None:
@@ -253,11 +260,14 @@ class Acquiring:
         if res.weights:
             reply.rank_weights.extend(res.weights)
         reply.indexes.extend(res.indexes.tolist())
-        # (appended to the frame, as the warehouses' infos are: see acquire_infos and wire.packed_bytes)
-        lo, hi = (int(flat.min()), int(flat.max())) if len(flat) > PACKED_MIN else (0, 128)
-        if hi < 128:  # (one byte each, packed)
-            ids = [lo] if lo == hi else np.unique(flat).tolist()
-            infos = self.members.acquire_infos(ids) + wire.packed_bytes(_LOCATIONS, flat.astype(np.uint8).tobytes())
+        # a big reply's fields serialized apart, appended to the frame as the warehouses' infos are (see
+        # acquire_infos and wire.field): its locations packed, its inline columns
+        parts: list[bytes] = []
+        big = len(flat) > PACKED_MIN
+        lo, hi = (int(flat.min()), int(flat.max())) if big else (0, 128)
+        if hi < 128:  # (one byte each)
+            infos = self.members.acquire_infos([lo] if lo == hi else np.unique(flat).tolist())
+            parts.append(wire.field(_LOCATIONS, flat.astype(np.uint8).tobytes()))
         else:
             locs = flat.tolist()
             reply.locations.extend(locs)
@@ -269,12 +279,14 @@ class Acquiring:
         if r.inline and self.local is not None:
             cols, body, segs, shared = self.local.inline(peer, partition, r.columns[:], res.indexes, res.locations,
                                                         r.device)
-            if cols:
+            if big:
+                parts += [wire.field(_INLINE, c.SerializeToString()) for c in cols]
+            elif cols:
                 reply.inline.extend(cols)
             if shared:
                 reply.device_buffers.extend(shared)
             if segs:
                 out.pins.extend(s.sid for s in segs)
-            peer.reply(frame, out, body.buffers, body.size, segs, tail=infos)
+            peer.reply(frame, out, body.buffers, body.size, segs, tail=_tail(infos, parts))
             return
-        peer.reply(frame, out, tail=infos)
+        peer.reply(frame, out, tail=_tail(infos, parts))

@@ -54,16 +54,14 @@ def header(frame: pb.Frame, body_size: int = 0, tail: bytes = b"") -> bytes:
     return b"".join((PREFIX.pack(MAGIC, size, body_size), raw, tail))
 
 
-def packed_bytes(path: Sequence[int], values: bytes) -> bytes:
-    """A serialized message that sets one packed repeated integer field, reached through the message
-    fields numbered `path` (the last one the repeated field), to `values`: its varints, back to back (one
-    byte each for values below 128: an array's `astype(np.uint8).tobytes()`). As a `tail` (see `header`)
-    it costs a few array calls where `extend` makes each value a Python int and converts it back (~30 ns
-    each: a get of 64 samples x 4 columns names 256 locations)."""
-    raw = values
-    for field in reversed(path):  # (length-delimited: the packed field, then each message around it)
-        raw = b"".join((_varint(field << 3 | 2), _varint(len(raw)), raw))
-    return raw
+def field(number: int, raw: bytes) -> bytes:
+    """Field `number` holding `raw` as a length-delimited value (a message's serialized bytes, a string,
+    or a packed repeated integer's varints: an array's `astype(np.uint8).tobytes()` for values below
+    128), serialized. Such fields, wrapped in their messages the same way, make a `tail` (see `header`):
+    a packed field so costs a few array calls where `extend` makes each value a Python int and converts
+    it back (~30 ns each: a get of 64 samples x 4 columns names 256 locations), and a message built
+    apart is serialized once where adding it to the frame copies it (serialized and parsed back)."""
+    return b"".join((_varint(number << 3 | 2), _varint(len(raw)), raw))
 
 
 def _varint(n: int) -> bytes:
