@@ -291,6 +291,7 @@ class Confirms:
         """Tell daemons which of the segments they lent this process it no longer maps (one-way;
         a lost one only keeps a segment from being reused until this process exits)."""
         for pool in list(self._router.dialer.pools):
+            pool.via.idle()  # (replies whose values are gone that no call unmapped yet: their unpins too)
             sids = pool.via.take_unpins()
             if not sids:
                 continue

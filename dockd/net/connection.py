@@ -291,6 +291,7 @@ class Connection:
             if timeout is not None:
                 self._alive, self._wait = alive, timeout
             self.send(frame, buffers, body_size, fds)
+            self.via.idle()  # (while the daemon works on the request)
             sent = self._reply_at = time.monotonic()
             if timeout is not None:
                 self._deadline, self._stall = sent + timeout, stall

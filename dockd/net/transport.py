@@ -46,7 +46,10 @@ Contract (what an implementation provides; see `Transport` for signatures):
   It owns what the reply carried: descriptors are closed, mappings are kept
   alive by the values decoded from them. `dockd.codec.decode_reply` decodes.
 - `take_unpins()`: segments of the daemon this process no longer maps, to
-  report on the next request (transports that lend memory); `matches(endpoint)`:
+  report on the next request (transports that lend memory); `idle()`: work that
+  can wait until a call waits for its reply (a connection runs it right after
+  sending; the same-host transport unmaps there the replies whose values are
+  gone); `matches(endpoint)`:
   whether it still serves the daemon a fresh hello describes (else the pool is
   dropped); `close()`.
 
@@ -130,7 +133,7 @@ class Context:
     config: ClientConfig = dataclasses.field(default_factory=ClientConfig)
     links: DeviceLinks | None = None                 # device links (get(device=...) from other nodes)
     device_tier: Callable[[int], bool] = lambda wid: False  # whether warehouse wid has a device tier
-    wake: Callable[[], None] = lambda: None          # an unpin is queued: wake the flusher that sends it
+    wake: Callable[[], None] = lambda: None          # an unpin or idle work is queued: wake the flusher
     warned: set[str] = dataclasses.field(default_factory=set)  # one-time warnings given
 
 
@@ -292,6 +295,10 @@ class Transport:
 
     def take_unpins(self) -> list[int]:
         return []
+
+    def idle(self) -> None:
+        """Work left for when a call waits for its reply (run right after a request is sent, and by the
+        flusher): nothing here."""
 
     def matches(self, endpoint: Endpoint) -> bool:
         """Whether this transport still serves `endpoint` as a fresh hello describes it."""

@@ -11,6 +11,7 @@ import torch
 import dockd
 from dockd.local import spawn_node
 from dockd.net import same_host
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.skipif(not same_host.available(), reason="needs Linux memfd and SCM_RIGHTS")
 
@@ -293,6 +294,21 @@ def test_a_get_of_a_few_hundred_kib_comes_as_bytes_and_a_bigger_one_mapped(clust
         assert torch.equal(torch.stack(got_big), big)
         assert _store_mappings() == before + 1
         del got_big
+        d.ping()  # (the next call to the daemon unmaps it)
         assert _store_mappings() == before
         d.clear(partition)
         d.clear(partition + "-big")
+
+
+def test_a_mapped_reply_whose_values_are_gone_is_unmapped_by_the_flusher_when_no_call_comes(cluster, partition):
+    """Dropping a reply's last value leaves its unmapping to the next call to that daemon (right after it is
+    sent, the test above) or, when none comes, to the flusher: the mapping is not kept for ever."""
+    with dockd.connect(cluster.address, warehouse=0) as d:
+        big = torch.randint(0, 255, (64, 16384), dtype=torch.uint8)  # 1 MiB: by descriptor
+        d.put({"x": big}, partition=partition)
+        before = _store_mappings()
+        got = d.get("c", ["x"], 64, partition=partition, timeout=10)["x"]
+        assert torch.equal(torch.stack(got), big) and _store_mappings() == before + 1
+        del got  # (no call follows)
+        wait_until(lambda: _store_mappings() == before, timeout=10, what="the flusher unmapping a reply whose values are gone")
+        d.clear(partition)
