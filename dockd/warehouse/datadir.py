@@ -90,6 +90,7 @@ COMMITTED = "committed"
 DAMAGED = "damaged"  # where --drop-damaged-files moves files that fail their check
 SEQ_GAP = 1 << 32  # put ids a process may use; the next process starts above them
 FREE_FILES, FREE_BYTES = 64, 1 << 30  # files of freed puts kept to write the next puts over (see DataDir.stored)
+COMPACT_AT = 4096  # records a `committed` file holds before it is rewritten (at twice the files still there)
 
 
 class DockDataDirError(DockValueError):
@@ -140,6 +141,8 @@ class DataDir:
         self.lost_unknown: list[str] = []  # dropped files too damaged to say what they held (where they are now)
         # files read back of puts answered before their commit, not known committed: (path, the commit again)
         self.uncommitted: list[tuple[str, pb.CommitRequest]] = []
+        # partition dir -> (the numbers its `committed` file lists of files still there, records it holds)
+        self._listed: dict[str, tuple[set[int], int]] = {}
 
     # -- identity --------------------------------------------------------------------------------
     def open(self) -> int:
@@ -341,6 +344,10 @@ class DataDir:
 
     def remove(self, path: str) -> None:
         """A put whose samples are all gone: its file is kept to write a later put over, or deleted."""
+        d, name = os.path.split(path)
+        listed = self._listed.get(d)
+        if listed is not None and name.endswith(".put"):
+            listed[0].discard(int(name[:-4], 16))
         self._keep_or_delete(path, rename=True)
 
     def _keep_or_delete(self, path: str, *, rename: bool) -> None:
@@ -384,13 +391,41 @@ class DataDir:
 
     def committed(self, path: str) -> None:
         """The early commit of put file `path` was answered: a restart does not send it again (a record lost
-        to a power cut, not fsync'd, only sends it again: `controller.blocks.judge` answers it AGAIN)."""
+        to a power cut, not fsync'd, only sends it again: `controller.blocks.judge` answers it AGAIN). The
+        record is rewritten with the files still there once it holds COMPACT_AT records and twice as many
+        as those: a long stream of puts, each consumed and its file removed, keeps it small."""
         d, name = os.path.split(path)
-        with contextlib.suppress(FileNotFoundError, ValueError), open(os.path.join(d, COMMITTED), "ab") as f:
-            f.write(np.int64(int(name[:-4], 16)).astype("<i8").tobytes())  # (its dir gone: its samples are)
+        if not os.path.isdir(d):  # (its dir gone: its samples are)
+            return
+        n = int(name[:-4], 16)
+        listed, records = self._listed.get(d) or (set(), 0)
+        listed.add(n)
+        if records + 1 > max(COMPACT_AT, 2 * len(listed)):
+            self.compact_committed(d, listed)
+            return
+        self._listed[d] = (listed, records + 1)
+        with contextlib.suppress(FileNotFoundError), open(os.path.join(d, COMMITTED), "ab") as f:
+            f.write(np.int64(n).astype("<i8").tobytes())
+
+    def compact_committed(self, pdir: str, kept: set[int]) -> None:
+        """Rewrite partition dir `pdir`'s `committed` file with the numbers `kept` (of files still there, so
+        a number given again to a later file is never listed); a kill during the rewrite leaves the old
+        list, which only lists more (files gone, no longer read back)."""
+        self._listed[pdir] = (kept, len(kept))
+        path = os.path.join(pdir, COMMITTED)
+        if not kept:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            return
+        tmp = os.path.join(pdir, f".{COMMITTED}.new")
+        with contextlib.suppress(FileNotFoundError):  # (its dir gone: its partition was cleared)
+            with open(tmp, "wb") as f:
+                f.write(np.asarray(sorted(kept), dtype="<i8").tobytes())
+            os.rename(tmp, path)
 
     def cleared(self, partition: str) -> None:
         d = os.path.join(self.path, part_dir(partition))
+        self._listed.pop(d, None)
         if os.path.isdir(d):
             for e in os.scandir(d):
                 if e.name.endswith(".put"):

@@ -10,7 +10,6 @@ to hand its controller link before the first registration (`RegisterWarehouse.pe
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from typing import TYPE_CHECKING
@@ -47,6 +46,9 @@ def adopt(dd: DataDir, warehouse: Warehouse, admission: Admission, tokens) -> tu
     Returns (puts, bytes); the puts whose commit is to be made again go to `dd.uncommitted`."""
     puts, total, torn = 0, 0, 0
     entries = []
+    # partition dir -> (the numbers its `committed` file lists, those of them still there): every such file is
+    # compacted, also one whose dir has no early put left (a number it lists may be given to the next file)
+    committed: dict[str, tuple[set[int], set[int]]] = {}
     for part in sorted(os.scandir(dd.path), key=lambda e: e.name):
         if part.name.startswith(".free-"):  # (a freed put's file, or one being written over when killed)
             os.unlink(part.path)
@@ -55,6 +57,8 @@ def adopt(dd: DataDir, warehouse: Warehouse, admission: Admission, tokens) -> tu
             continue
         if not part.is_dir(follow_symlinks=False):
             raise _not_a_dir(dd, part.path)
+        if os.path.exists(os.path.join(part.path, COMMITTED)):
+            committed[part.path] = (_numbers(os.path.join(part.path, COMMITTED)), set())
         for e in os.scandir(part.path):
             if e.name.endswith(".tmp"):
                 logger.warning("[datadir] removing %s: a put being written when the last process ended "
@@ -70,8 +74,6 @@ def adopt(dd: DataDir, warehouse: Warehouse, admission: Admission, tokens) -> tu
     entries.sort()
     dd.next_file = (entries[-1][0] + 1) if entries else 1
     parts: dict[str, str] = {}
-    # partition dir -> (the numbers its `committed` file lists, those of them still there)
-    committed: dict[str, tuple[set[int], set[int]]] = {}
     try:
         for n, path, pdir in entries:
             try:
@@ -84,16 +86,13 @@ def adopt(dd: DataDir, warehouse: Warehouse, admission: Admission, tokens) -> tu
             if token:
                 tokens.done(token, idx.tolist())
             if h.meta.get("block"):
-                here = os.path.dirname(path)
-                if here not in committed:
-                    committed[here] = (_numbers(os.path.join(here, COMMITTED)), set())
-                _early(dd, h, n, path, *committed[here])
+                _early(dd, h, n, path, *committed.setdefault(os.path.dirname(path), (set(), set())))
             puts += 1
             total += h.blen
     finally:
         dd.adopting = None
     for pdir, (_, kept) in committed.items():
-        _compact(os.path.join(pdir, COMMITTED), kept)
+        dd.compact_committed(pdir, kept)
     for pdir, partition in parts.items():
         dead = _deletes(dd, os.path.join(pdir, DELETED))
         if len(dead):
@@ -129,19 +128,6 @@ def _numbers(path: str) -> set[int]:
     except FileNotFoundError:
         return set()
     return set(np.frombuffer(raw[: len(raw) // 8 * 8], dtype="<i8").tolist())
-
-
-def _compact(path: str, kept: set[int]) -> None:
-    """Rewrite a `committed` file with only the files still there: the number of a file gone is given
-    to the next file written (a kill during the rewrite leaves the old list, still a true one)."""
-    if not kept:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        return
-    tmp = os.path.join(os.path.dirname(path), f".{COMMITTED}.new")
-    with open(tmp, "wb") as f:
-        f.write(np.asarray(sorted(kept), dtype="<i8").tobytes())
-    os.rename(tmp, path)
 
 
 def _adopt_one(dd: DataDir, path: str, pdir: str, warehouse: Warehouse,

@@ -11,6 +11,7 @@ import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.warehouse.commit import commit_request
+from dockd.warehouse import datadir
 from dockd.warehouse.datadir import COMMITTED, DataDir
 from dockd.warehouse.putfile import part_dir
 from tests.unit.warehouse.test_datadir import DOCK, _adopted, _put
@@ -46,3 +47,58 @@ def test_a_start_commits_again_the_early_puts_not_recorded_committed(tmp_path):
     listed = np.fromfile(os.path.join(dd.path, part_dir("p"), COMMITTED), dtype="<i8").tolist()
     number = [int(os.path.basename(r.file)[:-4], 16) for r in rooms]
     assert listed == [number[1]] and again.next_file == number[3]  # (compacted: the next file's number is not listed)
+
+
+def _early_put(dd: DataDir, partition: str, k: int, cols, body) -> str:
+    room = dd.room(partition, cols, len(body), 2)
+    assert room is not None
+    room.commit = pb.CommitRequest(block=7, put_id=1000 + k)
+    return dd.stored(partition, np.array([2 * k, 2 * k + 1]), cols, body, len(body), 1, 0, room)
+
+
+def test_a_number_a_committed_record_lists_of_a_file_gone_is_not_taken_as_committed_by_the_next_file(tmp_path):
+    """A start compacts every partition's `committed` record, also one whose early puts are all gone: the
+    numbers of files gone are given to the next files written, whose commits are not answered yet."""
+    dd = DataDir(str(tmp_path / "d"), DOCK)
+    dd.open()
+    dd.joined(3, 0, [])
+    cols, body = _put(2, 10)
+    dd.stored("q", np.array([0, 1]), cols, body, len(body), 1, 0)  # (another partition's file stays)
+    for k in range(3):  # answered, committed, consumed: their files removed
+        path = _early_put(dd, "p", k, cols, body)
+        dd.committed(path)
+        dd.remove(path)
+    dd.close()
+    _, again = _adopted(dd.path)  # (a restart: the next file takes number 2 again)
+    again.open()
+    fresh = [_early_put(again, "p", 10 + k, cols, body) for k in range(3)]  # answered; killed before the window
+    again.close()
+    _, third = _adopted(dd.path)
+    assert sorted(path for path, _ in third.uncommitted) == sorted(fresh)
+
+
+def test_the_committed_record_stays_small_in_a_long_stream_of_puts_consumed(tmp_path, monkeypatch):
+    """Records of files since removed are dropped while the warehouse runs, not only at its next start."""
+    monkeypatch.setattr(datadir, "COMPACT_AT", 16, raising=False)
+    dd = DataDir(str(tmp_path / "d"), DOCK)
+    dd.open()
+    dd.joined(3, 0, [])
+    cols, body = _put(2, 10)
+    live, waiting = [], []
+    for k in range(300):
+        path = _early_put(dd, "p", k, cols, body)
+        if k % 100 == 7:
+            waiting.append(path)  # (its commit not answered)
+            continue
+        dd.committed(path)
+        if k % 50 == 3:
+            live.append(path)  # (its samples not consumed)
+        else:
+            dd.remove(path)
+    record = os.path.join(dd.path, part_dir("p"), COMMITTED)
+    assert os.path.getsize(record) <= 8 * 2 * 16  # (300 puts: 2,400 bytes when only a start compacts it)
+    dd.close()
+    _, again = _adopted(dd.path)
+    assert sorted(path for path, _ in again.uncommitted) == sorted(waiting)
+    assert sorted(np.fromfile(record, dtype="<i8").tolist()) == sorted(int(os.path.basename(p)[:-4], 16)
+                                                                       for p in live)
