@@ -345,9 +345,8 @@ class DataDir:
     def remove(self, path: str) -> None:
         """A put whose samples are all gone: its file is kept to write a later put over, or deleted."""
         d, name = os.path.split(path)
-        listed = self._listed.get(d)
-        if listed is not None and name.endswith(".put"):
-            listed[0].discard(int(name[:-4], 16))
+        if (listed := self._listed.get(d)) is not None:
+            listed[0].discard(file_number(name))
         self._keep_or_delete(path, rename=True)
 
     def _keep_or_delete(self, path: str, *, rename: bool) -> None:
@@ -395,9 +394,9 @@ class DataDir:
         record is rewritten with the files still there once it holds COMPACT_AT records and twice as many
         as those: a long stream of puts, each consumed and its file removed, keeps it small."""
         d, name = os.path.split(path)
-        if not os.path.isdir(d):  # (its dir gone: its samples are)
+        n = file_number(name)
+        if n is None or not os.path.isdir(d):  # (its dir gone: its samples are)
             return
-        n = int(name[:-4], 16)
         listed, records = self._listed.get(d) or (set(), 0)
         listed.add(n)
         if records + 1 > max(COMPACT_AT, 2 * len(listed)):
@@ -431,3 +430,11 @@ class DataDir:
                 if e.name.endswith(".put"):
                     self.remove(e.path)
             shutil.rmtree(d, ignore_errors=True)
+
+
+def file_number(name: str) -> int | None:
+    """The number of put file `name` (None: not a name dockd gives)."""
+    try:
+        return int(name[:-4], 16) if name.endswith(".put") else None
+    except ValueError:
+        return None

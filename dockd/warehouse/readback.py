@@ -20,7 +20,7 @@ from dockd._proto import dockd_pb2 as pb
 from dockd.net import memfd
 from dockd.warehouse import putfile
 from dockd.warehouse.commit import commit_request
-from dockd.warehouse.datadir import COMMITTED, DAMAGED, DELETED, DockDataDirError
+from dockd.warehouse.datadir import COMMITTED, DAMAGED, DELETED, DockDataDirError, file_number
 from dockd.warehouse.layout import _runs
 from dockd.warehouse.putfile import Damaged
 
@@ -65,12 +65,9 @@ def adopt(dd: DataDir, warehouse: Warehouse, admission: Admission, tokens) -> tu
                                "(never acknowledged)", e.path)
                 os.unlink(e.path)
                 torn += 1
-            elif e.name.endswith(".put"):
-                try:
-                    n = int(e.name[:-4], 16)
-                except ValueError:
-                    n = -1  # (not a name dockd gives: read, checked and numbered like the others)
-                entries.append((n, e.path, part.name))
+            elif (n := file_number(e.name)) is not None or e.name.endswith(".put"):
+                # (-1: not a name dockd gives: read, checked and numbered like the others)
+                entries.append((-1 if n is None else n, e.path, part.name))
     entries.sort()
     dd.next_file = (entries[-1][0] + 1) if entries else 1
     parts: dict[str, str] = {}

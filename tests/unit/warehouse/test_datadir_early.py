@@ -102,3 +102,22 @@ def test_the_committed_record_stays_small_in_a_long_stream_of_puts_consumed(tmp_
     assert sorted(path for path, _ in again.uncommitted) == sorted(waiting)
     assert sorted(np.fromfile(record, dtype="<i8").tolist()) == sorted(int(os.path.basename(p)[:-4], 16)
                                                                        for p in live)
+
+
+def test_a_put_file_named_by_hand_is_committed_and_removed_like_the_others(tmp_path):
+    """A file not named as dockd names them (copied in by hand) is read back, sent again, and when its commit
+    is answered and its samples are gone, nothing fails: it is only never listed (sent again at each start)."""
+    dd = DataDir(str(tmp_path / "d"), DOCK)
+    dd.open()
+    dd.joined(3, 0, [])
+    cols, body = _put(2, 10)
+    dd.committed(_early_put(dd, "p", 0, cols, body))
+    path = _early_put(dd, "p", 1, cols, body)
+    odd = os.path.join(os.path.dirname(path), "copied.put")
+    os.rename(path, odd)
+    dd.close()
+    _, again = _adopted(dd.path)
+    assert [p for p, _ in again.uncommitted] == [odd]
+    again.committed(odd)
+    again.remove(odd)
+    assert not os.path.exists(odd)
