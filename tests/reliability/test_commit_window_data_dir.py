@@ -209,3 +209,33 @@ def test_a_warehouse_back_after_its_grace_finds_its_uncommitted_puts_cleared(tmp
         _delivered_once(dock.address, "late", ids[: 2 * committed])
     finally:
         dock.close()
+
+
+def _restart(d: _Dock) -> None:
+    d.kill(d.wh)
+    d.launch_warehouse()
+    d.joined()
+
+
+def test_puts_answered_after_a_restart_that_reuses_file_numbers_come_back_from_the_next_kill(dock):
+    """Files of early puts committed and then deleted leave their numbers in the partition's `committed`
+    record; a restart gives those numbers to its next files (the highest file left is lower), and those
+    puts, answered before their commit and killed before it went out, must be sent again by the next
+    restart, not taken as committed."""
+    with dockd.connect(dock.address) as c:
+        first = c.put({"id": [-2, -1], "x": [_x(-2), _x(-1)]}, partition="reuse")  # (a file that stays)
+    ids = _put_answered_early(dock, "reuse", puts=4)
+    _restart(dock)  # (their commits go with its registration, and are recorded committed)
+    with dockd.connect(dock.address) as c:
+        wait_until(lambda: c.stats()["partitions"]["reuse"]["columns"].get("id", 0) == len(ids) + 2, timeout=30,
+                   what="the recovered commits applied")
+        b = c.get("c", ["id"], count=len(ids) + 2, partition="reuse", timeout=10)
+        gone = [int(i) for i, v in zip(b.indexes, b["id"]) if int(v) >= 0]
+        assert c.delete("reuse", gone) == len(ids)  # (their files are removed)
+    _restart(dock)
+    again = _put_answered_early(dock, "reuse", puts=4)  # (in files numbered as the deleted ones were)
+    _restart(dock)
+    with dockd.connect(dock.address) as c:
+        def all_there() -> bool:
+            return c.stats()["partitions"]["reuse"]["columns"].get("id", 0) == len(again) + len(first)
+        wait_until(all_there, timeout=30, what="every acknowledged put of the last run committed")

@@ -10,8 +10,8 @@ import os
 import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.warehouse.commit import commit_request
 from dockd.warehouse import datadir
+from dockd.warehouse.commit import commit_request
 from dockd.warehouse.datadir import COMMITTED, DataDir
 from dockd.warehouse.putfile import part_dir
 from tests.unit.warehouse.test_datadir import DOCK, _adopted, _put
