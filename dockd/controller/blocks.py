@@ -157,16 +157,18 @@ def judge(cat: Catalog, blocks: Blocks, block_id: int, warehouse: int, partition
     it to delete: those not deleted yet, when its block is still there). Raises as `owned` does.
 
     Idempotent: a commit sent again after it was applied (a restarted warehouse's data dir sends those it
-    has no answer recorded for; its put id and writer token may be forgotten by then) whose block is gone
-    or some of whose samples are gone is AGAIN when its columns are written on this warehouse for every
-    sample of it not gone: its samples consumed and deleted since are not a reason to delete the rest."""
+    has no answer recorded for; its put id and writer token may be forgotten by then) is AGAIN when its
+    columns are written on this warehouse for every sample of it not gone, its block dropped since or not:
+    samples of it consumed and deleted since are not a reason to delete the rest, nor is "already written"
+    one for the warehouse to free them."""
     part = cat.partitions.get(partition)
     block = owned(blocks, block_id, warehouse, partition, indexes)
     if part is None:
         return CLEARED, _NONE  # (a clear drops the partition's blocks too)
     seen = cat.tokens.get(token) if token else None
-    if block is not None and seen is None and not part.deleted:  # (the common case: nothing to look up per sample)
-        return APPLY, _NONE
+    if block is not None and seen is None and not part.deleted \
+            and not (columns and _written_on(part, columns[:1], indexes[0], warehouse)):
+        return APPLY, _NONE  # (the common case: one column of its first sample unwritten, nothing else to look up)
     idx = np.asarray(indexes, dtype=np.int64).reshape(-1)
     if seen is not None and seen[0] == partition and np.array_equal(indexes_of(seen[2]), idx):
         return AGAIN, idx  # the writer's put was committed before: this very commit
@@ -182,12 +184,17 @@ def judge(cat: Catalog, blocks: Blocks, block_id: int, warehouse: int, partition
     return APPLY, _NONE
 
 
-def _written_on(part, columns: Sequence[str], idx: np.ndarray, warehouse: int) -> bool:
-    """Whether every column of `columns` is written on `warehouse` for every sample of `idx`."""
+def _written_on(part, columns: Sequence[str], idx: np.ndarray | int, warehouse: int) -> bool:
+    """Whether every column of `columns` is written on `warehouse` for every sample of `idx` (or sample `idx`)."""
+    one = isinstance(idx, int)
     for c in columns:
         b, loc = part.columns.get(c), part.loc.get(c)
-        if b is None or loc is None or not (loc[idx] == warehouse).all() \
-                or not ((part.ready[idx] >> np.uint64(b)) & np.uint64(1)).all():
+        if b is None or loc is None:
+            return False
+        if one:
+            if int(loc[idx]) != warehouse or not int(part.ready[idx]) >> b & 1:
+                return False
+        elif not (loc[idx] == warehouse).all() or not ((part.ready[idx] >> np.uint64(b)) & np.uint64(1)).all():
             return False
     return True
 

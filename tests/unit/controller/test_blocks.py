@@ -370,3 +370,21 @@ async def test_a_block_commit_sent_again_after_it_was_applied_is_answered_again_
     assert part.gone[:5].tolist() == [True, True, True, False, False]
     assert (part.ready[3:5] != 0).all()
     assert [r[0] for r in _records(state)].count("C") == 2  # (only the first two commits recorded)
+
+
+@_on_a_dock
+async def test_a_block_commit_sent_again_with_its_block_open_and_nothing_deleted_is_answered_again(svc, peer, wid,
+                                                                                                  state):
+    """A re-send of an applied commit whose put id and token are forgotten (its `committed` record lost:
+    a power cut, a full disk), its block still open and nothing of the partition deleted, is AGAIN: it
+    failed as "already written" and the warehouse freed the values the controller has on it. A commit
+    only some of whose samples are written fails as before."""
+    svc.block(peer, pb.BlockRequest(partition="p", count=8))
+    assert svc.commit(_commit(wid, 1, [0, 1, 2], put_id=1)).listed() == [0, 1, 2]
+    again = svc.commit(_commit(wid, 1, [0, 1, 2], put_id=101))
+    assert not again.cleared and again.listed() == [0, 1, 2]
+    assert svc.commit(_commit(wid, 1, [3, 4], put_id=2)).listed() == [3, 4]  # (the block serves on)
+    with pytest.raises(DockValueError, match="already written"):
+        svc.commit(_commit(wid, 1, [2, 5], put_id=3))
+    assert [r[0] for r in _records(state)].count("C") == 2
+    assert not svc.core.partitions["p"].gone[:6].any()
