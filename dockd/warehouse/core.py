@@ -317,12 +317,7 @@ class Warehouse:
                 if one is not None:
                     out.append((name, one))
                     continue
-            ok = col.present(idx) if col is not None else np.zeros(len(idx), dtype=bool)
-            if not ok.all():
-                raise DockNotFound(
-                    f"column {name!r} of samples {idx[~ok][:8].tolist()} of partition {partition!r} is not in this warehouse"
-                )
-            out.append((name, col.slices(idx) if col is not None else []))  # (None: idx is empty)
+            out.append((name, _slices(col, name, idx, partition)))
         if self.tier is not None:
             return self.tier.resolve(partition, part, out)
         return out
@@ -480,3 +475,14 @@ class Warehouse:
             "spilled": self.spilled,
             "partitions": {name: p.nbytes + p.spilled for name, p in self.parts.items()},
         }
+
+
+def _slices(col: _Column | None, name: str, idx: np.ndarray, partition: str) -> list:
+    """The general path of `Warehouse.fetch` for one column: the slices holding samples `idx` (col None: idx
+    is empty, or the column is not here)."""
+    ok = col.present(idx) if col is not None else np.zeros(len(idx), dtype=bool)
+    if not ok.all():
+        raise DockNotFound(
+            f"column {name!r} of samples {idx[~ok][:8].tolist()} of partition {partition!r} is not in this warehouse"
+        )
+    return col.slices(idx) if col is not None else []
