@@ -143,6 +143,7 @@ class DataDir:
         self.uncommitted: list[tuple[str, pb.CommitRequest]] = []
         # partition dir -> (the numbers its `committed` file lists of files still there, records it holds)
         self._listed: dict[str, tuple[set[int], int]] = {}
+        self._unrecorded = 0  # answered commits that could not be recorded there (a full disk)
 
     # -- identity --------------------------------------------------------------------------------
     def open(self) -> int:
@@ -399,12 +400,19 @@ class DataDir:
             return
         listed, records = self._listed.get(d) or (set(), 0)
         listed.add(n)
-        if records + 1 > max(COMPACT_AT, 2 * len(listed)):
-            self.compact_committed(d, listed)
-            return
-        self._listed[d] = (listed, records + 1)
-        with contextlib.suppress(FileNotFoundError), open(os.path.join(d, COMMITTED), "ab") as f:
-            f.write(np.int64(n).astype("<i8").tobytes())
+        try:
+            if records + 1 > max(COMPACT_AT, 2 * len(listed)):
+                self.compact_committed(d, listed)
+            else:
+                self._listed[d] = (listed, records + 1)
+                with open(os.path.join(d, COMMITTED), "ab") as f:
+                    f.write(np.int64(n).astype("<i8").tobytes())
+        except OSError as e:  # (a full disk: the record is what a restart sends again, never lost values)
+            self._unrecorded += 1
+            if self._unrecorded == 1 or self._unrecorded % 10000 == 0:
+                logger.warning("[datadir] could not record the answered commit of %s in %s (%s; %d so far): a "
+                               "restart sends it again, answered as applied", path, COMMITTED, e.strerror or e,
+                               self._unrecorded)
 
     def compact_committed(self, pdir: str, kept: set[int]) -> None:
         """Rewrite partition dir `pdir`'s `committed` file with the numbers `kept` (of files still there, so

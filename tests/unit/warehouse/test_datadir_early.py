@@ -121,3 +121,22 @@ def test_a_put_file_named_by_hand_is_committed_and_removed_like_the_others(tmp_p
     again.committed(odd)
     again.remove(odd)
     assert not os.path.exists(odd)
+
+
+def test_a_commit_answered_that_cannot_be_recorded_is_logged_and_sent_again_at_the_next_start(tmp_path, caplog):
+    """Recording an answered commit is not what the put's answer waits on: when the record cannot be written
+    (a full disk; here its path is a dir) the warehouse says so and goes on, and a start sends it again."""
+    dd = DataDir(str(tmp_path / "d"), DOCK)
+    dd.open()
+    dd.joined(3, 0, [])
+    cols, body = _put(2, 10)
+    path = _early_put(dd, "p", 0, cols, body)
+    record = os.path.join(os.path.dirname(path), COMMITTED)
+    os.mkdir(record)
+    with caplog.at_level("WARNING", logger="dockd.warehouse.datadir"):
+        dd.committed(path)
+    assert "could not record the answered commit" in caplog.text
+    os.rmdir(record)
+    dd.close()
+    _, again = _adopted(dd.path)
+    assert [p for p, _ in again.uncommitted] == [path]
