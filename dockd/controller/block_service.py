@@ -200,7 +200,8 @@ class Blocking:
             raise DockConnectionError(
                 f"cannot seal partition {partition!r}: {'; '.join(failed)}. Its puts answered before their commit "
                 "may still be on their way: bring that warehouse back (its link rejoins by itself) and seal again, "
-                "or restart it (a restarted warehouse's blocks are dropped)")
+                "or restart it (on its --data-dir it sends the commits its files keep first; without one its blocks "
+                "are dropped, and its puts not committed with them)")
 
     def _owner(self, wid: int, partition: str, why: str) -> str:
         entry = self.members.get(wid)
