@@ -20,7 +20,8 @@ Layout:
         <n>.put                one stored put (`dockd.warehouse.putfile`): fixed header, JSON header,
                                checksums, its columns' runs (a serialized PutRequest), its body
         .<n>.tmp               a put being written: renamed to <n>.put once whole and fsync'd
-        deleted                int64 indexes of samples deleted while the rest of their put lives
+        deleted                int64 indexes of samples deleted while the rest of their put lives;
+                               rewritten with those of the files still there (`dir_records`)
         committed              int64 numbers of its files of puts answered before their commit
                                (--commit-window) whose commit the controller answered; at start the
                                others are committed again (`readback.adopt`), and it is compacted
@@ -75,7 +76,7 @@ from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockStateFull, DockValueError
 from dockd.net import auth
 from dockd.terms import DURABLE
-from dockd.warehouse import putfile
+from dockd.warehouse import dir_records, putfile
 from dockd.warehouse.putfile import HEAD as _HEAD
 from dockd.warehouse.putfile import Damaged, Room, part_dir
 
@@ -90,7 +91,7 @@ COMMITTED = "committed"
 DAMAGED = "damaged"  # where --drop-damaged-files moves files that fail their check
 SEQ_GAP = 1 << 32  # put ids a process may use; the next process starts above them
 FREE_FILES, FREE_BYTES = 64, 1 << 30  # files of freed puts kept to write the next puts over (see DataDir.stored)
-COMPACT_AT = 4096  # records a `committed` file holds before it is rewritten (at twice the files still there)
+COMPACT_AT = 4096  # records a `committed` or `deleted` file holds before it is rewritten (at twice what it kept)
 
 
 class DockDataDirError(DockValueError):
@@ -143,6 +144,7 @@ class DataDir:
         self.uncommitted: list[tuple[str, pb.CommitRequest]] = []
         # partition dir -> (the numbers its `committed` file lists of files still there, records it holds)
         self._listed: dict[str, tuple[set[int], int]] = {}
+        self._dirs: dict[str, dir_records.Deletes] = {}  # partition dir -> its put files and its `deleted` record
         self._unrecorded = 0  # answered commits that could not be recorded there (a full disk)
 
     # -- identity --------------------------------------------------------------------------------
@@ -295,6 +297,8 @@ class DataDir:
         """Write one put (its indexes known) and fsync it, into its `room` if one was taken (only its
         header, if `prewrite` wrote the body there); its file's path."""
         if self.adopting is not None:
+            if self.adopting:
+                self._deletes(os.path.dirname(self.adopting)).hold(self.adopting, idx)
             return self.adopting
         d = os.path.join(self.path, part_dir(partition))
         n, self.next_file = self.next_file, self.next_file + 1
@@ -341,13 +345,19 @@ class DataDir:
             raise self._full(e, "could not be written") from None
         if room is not None:
             room.file = final
+        self._deletes(d).hold(final, idx)
         return final
+
+    def _deletes(self, pdir: str) -> dir_records.Deletes:
+        return self._dirs.setdefault(pdir, dir_records.Deletes())
 
     def remove(self, path: str) -> None:
         """A put whose samples are all gone: its file is kept to write a later put over, or deleted."""
         d, name = os.path.split(path)
         if (listed := self._listed.get(d)) is not None:
             listed[0].discard(file_number(name))
+        if (dels := self._dirs.get(d)) is not None:
+            dels.drop(path)
         self._keep_or_delete(path, rename=True)
 
     def _keep_or_delete(self, path: str, *, rename: bool) -> None:
@@ -379,7 +389,9 @@ class DataDir:
         return pick[1]
 
     def deleted(self, partition: str, idx: np.ndarray) -> None:
-        """Samples deleted while the rest of their put lives (their file still holds them)."""
+        """Samples deleted while the rest of their put lives (their file still holds them). The record is
+        rewritten with the samples of the files still there once it is big and mostly stale (`dir_records`):
+        a long stream of samples deleted, their files removed, keeps it at the size of what the dir holds."""
         if self.adopting is not None or not len(idx):
             return
         d = os.path.join(self.path, part_dir(partition))
@@ -387,7 +399,21 @@ class DataDir:
             with open(os.path.join(d, DELETED), "ab") as f:
                 f.write(np.asarray(idx, dtype="<i8").tobytes())
         except FileNotFoundError:  # (nothing of the partition is stored)
-            pass
+            return
+        if self._deletes(d).appended(len(idx), COMPACT_AT):
+            try:
+                self.compact_deleted(d, dir_records.read(os.path.join(d, DELETED)))
+            except OSError as e:  # (a full disk: the record kept is the old one, whole)
+                logger.warning("[datadir] could not rewrite %s in %s (%s): it keeps every delete, stale ones too, "
+                               "until the next try", DELETED, d, e.strerror or e)
+
+    def compact_deleted(self, pdir: str, recorded: np.ndarray) -> None:
+        """Rewrite partition dir `pdir`'s `deleted` record with the samples of `recorded` that its put files
+        still there hold (at start, once the recorded deletes are applied; and while it runs)."""
+        dels = self._deletes(pdir)
+        kept = dels.live(recorded)
+        dir_records.replace(os.path.join(pdir, DELETED), kept)
+        dels.records = dels.kept = len(kept)
 
     def committed(self, path: str) -> None:
         """The early commit of put file `path` was answered: a restart does not send it again (a record lost
@@ -417,22 +443,14 @@ class DataDir:
     def compact_committed(self, pdir: str, kept: set[int]) -> None:
         """Rewrite partition dir `pdir`'s `committed` file with the numbers `kept` (of files still there, so
         a number given again to a later file is never listed); a kill during the rewrite leaves the old
-        list, which only lists more (files gone, no longer read back)."""
+        list, which only lists more (files gone, no longer read back): `dir_records.replace`)."""
         self._listed[pdir] = (kept, len(kept))
-        path = os.path.join(pdir, COMMITTED)
-        if not kept:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            return
-        tmp = os.path.join(pdir, f".{COMMITTED}.new")
-        with contextlib.suppress(FileNotFoundError):  # (its dir gone: its partition was cleared)
-            with open(tmp, "wb") as f:
-                f.write(np.asarray(sorted(kept), dtype="<i8").tobytes())
-            os.rename(tmp, path)
+        dir_records.replace(os.path.join(pdir, COMMITTED), np.asarray(sorted(kept), dtype="<i8"))
 
     def cleared(self, partition: str) -> None:
         d = os.path.join(self.path, part_dir(partition))
         self._listed.pop(d, None)
+        self._dirs.pop(d, None)
         if os.path.isdir(d):
             for e in os.scandir(d):
                 if e.name.endswith(".put"):

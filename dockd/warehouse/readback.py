@@ -49,6 +49,7 @@ def adopt(dd: DataDir, warehouse: Warehouse, admission: Admission, tokens) -> tu
     # partition dir -> (the numbers its `committed` file lists, those of them still there): every such file is
     # compacted, also one whose dir has no early put left (a number it lists may be given to the next file)
     committed: dict[str, tuple[set[int], set[int]]] = {}
+    pdirs = []
     for part in sorted(os.scandir(dd.path), key=lambda e: e.name):
         if part.name.startswith(".free-"):  # (a freed put's file, or one being written over when killed)
             os.unlink(part.path)
@@ -57,6 +58,7 @@ def adopt(dd: DataDir, warehouse: Warehouse, admission: Admission, tokens) -> tu
             continue
         if not part.is_dir(follow_symlinks=False):
             raise _not_a_dir(dd, part.path)
+        pdirs.append(part.path)
         if os.path.exists(os.path.join(part.path, COMMITTED)):
             committed[part.path] = (_numbers(os.path.join(part.path, COMMITTED)), set())
         for e in os.scandir(part.path):
@@ -90,14 +92,8 @@ def adopt(dd: DataDir, warehouse: Warehouse, admission: Admission, tokens) -> tu
         dd.adopting = None
     for pdir, (_, kept) in committed.items():
         dd.compact_committed(pdir, kept)
-    for pdir, partition in parts.items():
-        dead = _deletes(dd, os.path.join(pdir, DELETED))
-        if len(dead):
-            dd.adopting = ""  # (recorded already)
-            try:
-                admission.free(partition, dead.astype(np.int64))
-            finally:
-                dd.adopting = None
+    for pdir in pdirs:
+        _apply_deletes(dd, admission, pdir, parts.get(pdir))
     logger.info("[datadir] adopted dir=%s puts=%d bytes=%d torn_removed=%d partitions=%d damaged_dropped=%d "
                 "uncommitted=%d", dd.path, puts, total, torn, len(parts), len(dd.lost) + len(dd.lost_unknown),
                 len(dd.uncommitted))
@@ -169,6 +165,19 @@ def _adopt_one(dd: DataDir, path: str, pdir: str, warehouse: Warehouse,
     warehouse.store(h.meta["partition"], idx, h.req.columns, buf, blen,
                     dest if isinstance(dest, memfd.Segment) else None, h.meta["group_size"])
     return h, idx
+
+
+def _apply_deletes(dd: DataDir, admission: Admission, pdir: str, partition: str | None) -> None:
+    """Free the samples partition dir `pdir`'s `deleted` record lists (`partition`: its name, None when
+    none of its files was read back), then rewrite the record with those its put files still there hold."""
+    dead = _deletes(dd, os.path.join(pdir, DELETED))
+    if len(dead) and partition is not None:
+        dd.adopting = ""  # (recorded already)
+        try:
+            admission.free(partition, dead.astype(np.int64))
+        finally:
+            dd.adopting = None
+    dd.compact_deleted(pdir, dead)
 
 
 def _deletes(dd: DataDir, path: str) -> np.ndarray:

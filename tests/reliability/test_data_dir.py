@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -215,6 +216,40 @@ def test_deletes_and_retirement_remove_files_and_stay_deleted(data_dir):
             i = idx.index(k)
             assert torch.equal(got["x"][pos], vals["x"][i]) and torch.equal(got["r"][pos], vals["r"][i])
             assert got["m"][pos] == vals["m"][i]
+
+
+def test_a_long_stream_of_deletes_keeps_the_deleted_record_small_and_a_restart_frees_exactly_them(data_dir):
+    """Each put's first half is deleted with it, its second half with the next put (its file then removed),
+    except every 20th put's, which stays: 120 puts of 64 samples grew the partition dir's `deleted` record by
+    8 bytes a sample deleted (59,648 bytes, read whole by each start); it is rewritten with the samples of
+    the files still there once it holds 4,096 records, and a restart after that frees exactly the samples
+    deleted."""
+    deleted_record = os.path.join(data_dir, "p-" + hashlib.sha1(b"s").hexdigest(), "deleted")
+    with dock_with_data_dir(data_dir) as dk, dockd.connect(dk.address) as d:
+        prev: list[int] = []
+        stays: list[list[int]] = []
+        for k in range(120):
+            idx = d.put({"x": torch.arange(64 * k, 64 * k + 64)}, partition="s")
+            d.delete("s", idx[:32] + prev[32:])
+            prev = idx
+            if k % 20 == 5:
+                stays.append(idx)
+                prev = []
+        stays.append(prev)
+        wait_until(lambda: len(put_files(data_dir)) == len(stays), 10, "the deleted puts' files to go")
+        assert os.path.getsize(deleted_record) <= 8 * 4096  # (59,648 bytes when only appended)
+
+        dk.kill_warehouse()
+        dk.start_warehouse()
+        # the start rewrote it with the deleted samples of the files still there, and freed exactly those
+        with open(deleted_record, "rb") as f:
+            assert sorted(np.frombuffer(f.read(), dtype="<i8").tolist()) == sorted(i for s in stays for i in s[:32])
+        want = sorted(i for s in stays for i in s[32:])
+        got = d.get("c", ["x"], len(want), partition="s", timeout=10)
+        assert sorted(got.indexes) == want
+        assert [int(v) for v in got["x"]] == list(got.indexes)  # (x was put as its own index)
+        with pytest.raises(dockd.DockTimeout):
+            d.get("c", ["x"], 1, partition="s", timeout=1)
 
 
 def test_back_after_the_grace_period(data_dir):
