@@ -41,8 +41,9 @@ refuses the start (`DockDataDirError` naming it), as does a dir of another
 dock (another token, or another controller without a token) or of another
 user. With `--drop-damaged-files` such a file is moved to `damaged/` instead
 and what it held is reported lost: `report` hands the first rejoin the
-samples it held (the controller marks them lost, DockDataLost for readers,
-unless a replica holds them), or, when the file is too damaged to say, tells
+samples it held (the controller marks those it recorded lost, DockDataLost
+for readers, unless a replica holds them; those of a put answered before a
+commit it never applied are holes), or, when the file is too damaged to say, tells
 it that every value it records on this warehouse and does not get back is
 lost. Each dropped file gets an error line saying which.
 

@@ -68,12 +68,14 @@ class Held:
 
 
 class Damaged(Exception):
-    """A put file that fails a check: why, and what it held if that is known (else None)."""
+    """A put file that fails a check: why, what it held if that is known (else None), and its checked
+    JSON header if that is known (whether its put was answered before its commit: "block")."""
 
-    def __init__(self, why: str, held: Held | None = None) -> None:
+    def __init__(self, why: str, held: Held | None = None, meta: dict | None = None) -> None:
         super().__init__(why)
         self.why = why
         self.held = held
+        self.meta = meta
 
 
 @dataclasses.dataclass(slots=True)
@@ -95,7 +97,8 @@ class Header:
     def check_body(self, data) -> None:
         crc = zlib.crc32(data, zlib.crc32(self.runs)) if self.fmt == 1 else zlib.crc32(data)
         if crc != self.crc_body:
-            raise Damaged("its checksum does not match (the file was damaged after it was written)", self.held())
+            raise Damaged("its checksum does not match (the file was damaged after it was written)", self.held(),
+                          self.meta)
 
 
 def encode(meta: dict, runs: bytes, nbytes: int, crc_body: int, body_at: int = 0) -> tuple[list, int] | None:

@@ -78,7 +78,7 @@ def adopt(dd: DataDir, warehouse: Warehouse, admission: Admission, tokens) -> tu
             try:
                 h, idx = _adopt_one(dd, path, pdir, warehouse, admission)
             except Damaged as d:
-                _drop(dd, path, d)
+                _drop(dd, path, d, n in committed.get(os.path.dirname(path), (set(),))[0])
                 continue
             parts[os.path.dirname(path)] = h.meta["partition"]
             token = int(h.meta.get("token", 0))
@@ -147,7 +147,7 @@ def _adopt_one(dd: DataDir, path: str, pdir: str, warehouse: Warehouse,
                 os.lseek(fd, h.body_at, os.SEEK_SET)
                 _readinto(fd, memoryview(dest.writable() if isinstance(dest, memfd.Segment) else buf).cast("B"))
             except (OSError, EOFError) as e:
-                raise Damaged(f"its body cannot be read ({e})", h.held()) from None
+                raise Damaged(f"its body cannot be read ({e})", h.held(), h.meta) from None
             if isinstance(dest, memfd.Segment):
                 dest.seal()
             data = memoryview(buf).cast("B")[:blen]
@@ -200,24 +200,42 @@ def _deletes(dd: DataDir, path: str) -> np.ndarray:
     return np.frombuffer(raw[: len(raw) // 8 * 8], dtype="<i8")
 
 
-def _drop(dd: DataDir, path: str, d: Damaged) -> None:
+def _drop(dd: DataDir, path: str, d: Damaged, answered: bool) -> None:
     """A put file that failed its check: refuse the start, naming it; with --drop-damaged-files move it
-    aside and keep what it held for `report`, with an error line saying what is lost."""
+    aside and keep what it held for `report`, with an error line saying what becomes of its samples
+    (`answered`: the partition's `committed` record lists it)."""
     if not dd.drop_damaged:
         raise damaged(dd, path, d.why)
     moved = _aside(dd, path)
     if d.held is not None:
         dd.lost.append(d.held)
         ix = d.held.indexes
-        logger.error("[datadir] moved damaged file=%s to=%s: %s; its %d samples are gone from this warehouse "
-                     "and reported lost (DockDataLost, unless a replica holds them): partition=%r columns=%s "
-                     "indexes=%s%s", path, moved, d.why, len(ix), d.held.partition, ",".join(d.held.columns),
-                     ix[:32].tolist(), " ..." if len(ix) > 32 else "")
+        logger.error("[datadir] moved damaged file=%s to=%s: %s; its %d samples are gone from this warehouse: %s: "
+                     "partition=%r columns=%s indexes=%s%s", path, moved, d.why, len(ix), _fate(d.meta, answered),
+                     d.held.partition, ",".join(d.held.columns), ix[:32].tolist(), " ..." if len(ix) > 32 else "")
     else:
         dd.lost_unknown.append(moved)
         logger.error("[datadir] moved damaged file=%s to=%s: %s; it is too damaged to say which samples it held, "
                      "so every value the controller records on this warehouse that the restart did not bring "
                      "back is reported lost (DockDataLost, unless a replica holds it)", path, moved, d.why)
+
+
+_LOST = "reported lost (DockDataLost, unless a replica holds them)"
+
+
+def _fate(meta: dict | None, answered: bool) -> str:
+    """What readers see of a dropped file's samples: lost where the controller recorded them (a put committed
+    before it was answered, or whose early commit was answered); holes, never delivered, where it did not."""
+    if meta is None:
+        return (f"{_LOST} where the controller recorded them; if it was a put answered before its commit "
+                "(--commit-window) whose commit never reached the controller, they are holes, never delivered")
+    if not meta.get("block"):
+        return _LOST
+    if answered:
+        return f"a put answered before its commit, whose commit the controller answered: {_LOST}"
+    return (f"a put answered before its commit, whose commit is not recorded answered and is not sent again: if "
+            f"the controller applied it they are {_LOST}, else they are holes of block {meta['block']}, never "
+            "delivered to any reader")
 
 
 def _aside(dd: DataDir, path: str) -> str:

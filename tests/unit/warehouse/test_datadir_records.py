@@ -1,20 +1,24 @@
 """A data dir's `deleted` record stays at the size of what its partition dir holds: a long stream of
 samples deleted, their puts' files removed, has it rewritten with the samples of the files still there
 (while the warehouse runs and at start), and a start after any number of rewrites frees exactly the
-samples deleted; a rewrite cut short by a kill leaves the record it replaces. In process, through the
+samples deleted; a rewrite cut short by a kill leaves the record it replaces. A file dropped as damaged
+(--drop-damaged-files) is logged with what readers see of its samples: lost where the controller
+recorded them, holes where a put answered before its commit never reached it. In process, through the
 same adoption a restart runs."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
 import pytest
 
+from dockd._proto import dockd_pb2 as pb
 from dockd.warehouse import datadir
 from dockd.warehouse.datadir import DELETED, DataDir
 from dockd.warehouse.putfile import part_dir
-from tests.unit.warehouse.test_datadir import DOCK, _adopted, _put
+from tests.unit.warehouse.test_datadir import DOCK, _adopted, _flip, _put
 
 
 def _held(wh, partition: str, upto: int) -> list[int]:
@@ -110,3 +114,37 @@ def test_a_rewrite_cut_short_leaves_the_record_it_replaces(tmp_path, monkeypatch
     wh, again = _adopted(dd.path)
     assert _held(wh, "p", 8) == [6, 7] and _record(again, "p") == [4, 5]
     assert os.path.exists(b)
+
+
+def _early(dd: DataDir, partition: str, idx, block: int) -> str:
+    cols, body = _put(len(idx), 1000)
+    room = dd.room(partition, cols, len(body), len(idx))
+    assert room is not None
+    room.commit = pb.CommitRequest(block=block, put_id=block)
+    return dd.stored(partition, np.array(idx), cols, body, len(body), 1, 0, room)
+
+
+def test_a_dropped_file_is_logged_with_what_readers_see_of_its_samples(tmp_path, caplog):
+    """A put committed before it was answered, or answered before its commit and that commit answered:
+    lost. Answered before its commit, its commit not recorded answered: holes if the controller never
+    applied it (it is not sent again)."""
+    dd = DataDir(str(tmp_path / "d"), DOCK)
+    dd.open()
+    dd.joined(3, 0, [])
+    cols, body = _put(2, 1000)
+    files = {"plain": dd.stored("p", np.array([0, 1]), cols, body, len(body), 1, 0),
+             "answered": _early(dd, "p", [2, 3], 7), "unanswered": _early(dd, "p", [4, 5], 8)}
+    dd.committed(files["answered"])
+    dd.close()
+    for path in files.values():
+        _flip(path, os.path.getsize(path) - 1)
+    with caplog.at_level(logging.ERROR, logger="dockd.warehouse.readback"):
+        _, again = _adopted(dd.path, drop=True)
+    lines = {what: [r.getMessage() for r in caplog.records if path in r.getMessage()] for what, path in files.items()}
+    assert all(len(v) == 1 for v in lines.values()), lines
+    lost = "reported lost (DockDataLost"
+    assert lost in lines["plain"][0] and "hole" not in lines["plain"][0]
+    assert lost in lines["answered"][0] and "hole" not in lines["answered"][0]
+    assert "holes of block 8, never delivered" in lines["unanswered"][0] and "if the controller applied it" in \
+        lines["unanswered"][0]
+    assert not again.uncommitted  # (a dropped file's commit is not sent again)
