@@ -77,6 +77,16 @@ def outcome_of(reply: pb.CommitReply) -> CommitOutcome:
                          replica=reply.replica if reply.HasField("replica") else None)
 
 
+def _free_cleared(names, on_drop: Callable[[str], object], *, restarted: bool) -> None:
+    """Free the partitions a rejoin's answer says the dock cleared while this warehouse and its controller
+    were apart (`restarted`: this process's first join, on its data dir: the warehouse was the one down)."""
+    for name in names:
+        logger.info("[link] freeing partition=%s: the dock cleared it while %s", name,
+                    "this warehouse was down (it restarted on its data dir)" if restarted else
+                    "this warehouse was cut off from the controller")
+        on_drop(name)
+
+
 @dataclasses.dataclass(slots=True, eq=False)
 class _Pending:
     req: pb.CommitRequest
@@ -122,6 +132,7 @@ class ControllerLink:
         self._window_at: asyncio.TimerHandle | None = None
         self.peer: Peer | None = None
         self.wid = -1
+        self._joined_once = False  # a join of this process was answered (a later one is a rejoin after a lost link)
         self.joined = asyncio.Event()
         self._lost = asyncio.Event()
         self._pending: dict[int, _Pending] = {}  # put_id -> commit waiting for its reply, in order
@@ -311,9 +322,8 @@ class ControllerLink:
         self.registration.ClearField("lost")  # (files its data dir dropped at start: told to the first answered
         self.registration.lost_unknown = False  # join only; a later rejoin must not lose values written since)
         logger.info("[link] joined controller=%s warehouse=%d rejoin=%s", self.address, out.id, rejoin)
-        for name in out.drop:
-            logger.info("[link] freeing partition=%s: the dock cleared it while the controller was away", name)
-            self.on_drop(name)
+        _free_cleared(out.drop, self.on_drop, restarted=rejoin and not self._joined_once)
+        self._joined_once = True
         if rejoin:
             for (_, p), res in zip(pending, out.pending):
                 if p.timer is not None:
