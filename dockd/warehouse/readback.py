@@ -60,7 +60,7 @@ def adopt(dd: DataDir, warehouse: Warehouse, admission: Admission, tokens) -> tu
             raise _not_a_dir(dd, part.path)
         pdirs.append(part.path)
         if os.path.exists(os.path.join(part.path, COMMITTED)):
-            committed[part.path] = (_numbers(os.path.join(part.path, COMMITTED)), set())
+            committed[part.path] = (_numbers(dd, os.path.join(part.path, COMMITTED)), set())
         for e in os.scandir(part.path):
             if e.name.endswith(".tmp"):
                 logger.warning("[datadir] removing %s: a put being written when the last process ended "
@@ -113,14 +113,10 @@ def _early(dd: DataDir, h: putfile.Header, n: int, path: str, listed: set[int], 
     dd.uncommitted.append((path, commit))
 
 
-def _numbers(path: str) -> set[int]:
+def _numbers(dd: DataDir, path: str) -> set[int]:
     """The file numbers a `committed` file lists (a torn last record left out)."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        return set()
-    return set(np.frombuffer(raw[: len(raw) // 8 * 8], dtype="<i8").tolist())
+    return set(_record(dd, path, "the commits of puts answered before them are all sent again (one applied "
+                                 "already is answered as applied)").tolist())
 
 
 def _adopt_one(dd: DataDir, path: str, pdir: str, warehouse: Warehouse,
@@ -182,6 +178,15 @@ def _apply_deletes(dd: DataDir, admission: Admission, pdir: str, partition: str 
 
 def _deletes(dd: DataDir, path: str) -> np.ndarray:
     """The samples recorded deleted in a partition dir's DELETED file (a torn last record is left out)."""
+    return _record(dd, path, "the deletes it recorded are not applied again (the controller frees the deleted "
+                             "samples it knows of when this warehouse rejoins)")
+
+
+def _record(dd: DataDir, path: str, without: str) -> np.ndarray:
+    """The int64 records of a partition dir's record file (a torn last one left out; none when there is no
+    file). One that is not a regular file (a fifo: never opened blocking) refuses the start; with
+    --drop-damaged-files it is moved aside and read as empty, the error line saying what that means
+    (`without`)."""
     try:
         fd = putfile.open_regular(path)
     except FileNotFoundError:
@@ -189,9 +194,7 @@ def _deletes(dd: DataDir, path: str) -> np.ndarray:
     except Damaged as d:
         if not dd.drop_damaged:
             raise damaged(dd, path, d.why) from None
-        logger.error("[datadir] moved damaged file=%s to=%s: %s; the deletes it recorded are not applied again "
-                     "(the controller frees the deleted samples it knows of when this warehouse rejoins)",
-                     path, _aside(dd, path), d.why)
+        logger.error("[datadir] moved damaged file=%s to=%s: %s; %s", path, _aside(dd, path), d.why, without)
         return np.empty(0, dtype="<i8")
     try:
         raw = putfile.read_all(fd)

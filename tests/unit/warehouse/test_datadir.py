@@ -132,9 +132,11 @@ def test_a_flipped_byte_anywhere_refuses_the_adoption_naming_the_file(tmp_path):
     assert _read(wh, "step-0", [5, 6, 7, 8]) == body
 
 
-def test_a_fifo_is_refused_without_blocking(tmp_path):
+@pytest.mark.parametrize("name", ["00000000000000ff.put", "committed", "deleted"])
+def test_a_fifo_is_refused_without_blocking(tmp_path, name):
+    """A put file, or a partition dir's record of commits answered or of samples deleted."""
     dd, path, _ = _stored(tmp_path)
-    fifo = os.path.join(os.path.dirname(path), "00000000000000ff.put")
+    fifo = os.path.join(os.path.dirname(path), name)
     os.mkfifo(fifo)
     errors: list[BaseException] = []
 
@@ -149,6 +151,8 @@ def test_a_fifo_is_refused_without_blocking(tmp_path):
     t.join(30)
     assert not t.is_alive(), "the adoption blocked opening a fifo"
     assert len(errors) == 1 and "fifo" in str(errors[0]) and fifo in str(errors[0]), errors
+    _adopted(dd.path, drop=True)  # --drop-damaged-files: moved aside, the start goes on
+    assert not os.path.exists(fifo) and os.listdir(os.path.join(dd.path, "damaged"))
 
 
 def test_dropping_damaged_files_keeps_what_they_held_for_the_controller(tmp_path):
