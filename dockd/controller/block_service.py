@@ -136,6 +136,20 @@ class Blocking:
                     req.block, req.partition, req.warehouse, len(req.indexes), len(idx))
         return CommitOutcome(cleared=True)
 
+    def written_out(self, commits) -> None:
+        """After a batch of commits is applied: drop the blocks it wrote to that have no sample left
+        unwritten. Nothing of them is to delete, their owner hands out no more of
+        them, and a re-send of one of their commits is judged applied (`blocks.judge`): kept, they would only
+        grow the registry (and each snapshot) with a stream that is never sealed. A block with a hole (a put
+        that did not fit its rest, or failed to store) waits for its owner's rejoin or the seal as before."""
+        named = {c.block for c in commits}
+        named.discard(0)
+        get, partitions = self.core.blocks.by_id.get, self.core.partitions
+        done = [b.id for bid in sorted(named)
+                if (b := get(bid)) is not None and blocks.written_out(partitions.get(b.partition), b)]
+        if done:
+            drop_blocks(self.core, self.journal, done, "written in full", quiet=True)
+
     # -- membership -----------------------------------------------------------------------------
     def registered(self, wid: int, req: pb.RegisterWarehouse, same_instance: bool) -> None:
         """After a registration (its pending commits applied): a rejoin of the same process keeps the blocks

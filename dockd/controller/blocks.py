@@ -117,6 +117,13 @@ def unwritten(cat: Catalog, block: Block) -> np.ndarray:
     return sel[(part.ready[block.start:stop] == 0) & ~part.gone[block.start:stop]]
 
 
+def written_out(part, block: Block) -> bool:
+    """Whether every sample of `block` has a column written or is deleted (`part`: its partition, or None)."""
+    if part is None or part.size < block.stop:
+        return False
+    return bool(((part.ready[block.start:block.stop] != 0) | part.gone[block.start:block.stop]).all())
+
+
 def drop(cat: Catalog, blocks: Blocks, ids: Iterable[int]) -> tuple[list[Block], int]:
     """Drop blocks (unknown ids skipped), deleting their unwritten samples; returns the blocks dropped and
     how many samples were deleted. Never raises: a journal replays it as it was decided."""

@@ -282,9 +282,10 @@ class RecordWriter:
     def block(self, block_id: int, partition: str, owner: int, start: int, count: int, group_size: int) -> None:
         self.append(["N", block_id, partition, owner, start, count, group_size])
 
-    def blocks_dropped(self, ids: list[int]) -> None:
-        """Blocks dropped (their unwritten samples deleted): a decision already applied."""
-        self.append(["H", ids], applied=True)
+    def blocks_dropped(self, ids: list[int], *, hold: bool = False) -> None:
+        """Blocks dropped (their unwritten samples deleted): a decision already applied. `hold`: written with
+        the next record (blocks written in full: a replay that misses it only keeps them a while longer)."""
+        self.append(["H", ids], applied=True, hold=hold)
 
     def loaded(self, partition: str, exported: dict) -> None:
         self.append(["K", partition, exported])

@@ -272,6 +272,7 @@ class ControllerService:
                         logger.error("[controller] commit failed partition=%s warehouse=%d", req.partition,
                                      req.warehouse, exc_info=e)
                     to_status(e, out.status)
+        self.blocking.written_out(batch.commits)
         for partition in woken:
             self.waiting.wake(partition)
         return reply

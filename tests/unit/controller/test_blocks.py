@@ -192,6 +192,26 @@ async def test_block_commits_of_a_batch_go_in_one_run_beside_a_cleared_one(svc, 
 
 
 @_on_a_dock
+async def test_a_block_written_to_its_end_is_dropped_and_one_with_a_hole_is_kept(svc, peer, wid, state):
+    """A stream that is never sealed must not grow the registry by a block per 16 puts for ever."""
+    svc.block(peer, pb.BlockRequest(partition="p", count=4))
+    svc.block(peer, pb.BlockRequest(partition="p", count=4))
+    svc.commit_batch(pb.CommitBatch(commits=[_commit(wid, 1, [0, 1], 1), _commit(wid, 1, [2, 3], 2),
+                                             _commit(wid, 2, [4], 3), _commit(wid, 2, [7], 4)]))  # (5, 6: a hole)
+    assert sorted(svc.core.blocks.by_id) == [2]  # (block 1 written in full: dropped; block 2 kept, its hole too)
+    part = svc.core.partitions["p"]
+    assert part.ready[[0, 1, 2, 3, 4, 7]].all() and not part.ready[5:7].any() and not part.gone.any()
+    again = svc.commit_batch(pb.CommitBatch(commits=[_commit(wid, 1, [2, 3], 9)]))  # (a re-send, its put id new)
+    assert list(again.results[0].indexes) == [2, 3] and not again.results[0].cleared  # (answered as applied)
+    assert part.ready[:4].all() and not part.gone[:4].any()
+    svc.commit_batch(pb.CommitBatch(commits=[_commit(wid, 2, [5], 10)]))
+    kinds = [r[0] for r in _records(state)]
+    assert kinds[-2] == "H" and [r for r in _records(state) if r[0] == "H"] == [["H", [1]]]  # (with the next write)
+    svc.shutdown()
+    assert _registry(_restarted(state)) == (3, [(2, "p", wid, 4, 4)])  # (the drop replayed)
+
+
+@_on_a_dock
 async def test_a_seal_takes_the_blocks_back_deletes_their_rest_and_a_get_ends_drained(svc, peer, wid, state):
     other, oid = _join(svc, port=7001, instance=78)
     svc.block(peer, pb.BlockRequest(partition="p", count=4))
