@@ -404,9 +404,9 @@ class DataDir:
         if self._deletes(d).appended(len(idx), COMPACT_AT):
             try:
                 self.compact_deleted(d, dir_records.read(os.path.join(d, DELETED)))
-            except OSError as e:  # (a full disk: the record kept is the old one, whole)
+            except (OSError, Damaged) as e:  # (a full disk: the record kept is the old one, whole)
                 logger.warning("[datadir] could not rewrite %s in %s (%s): it keeps every delete, stale ones too, "
-                               "until the next try", DELETED, d, e.strerror or e)
+                               "until the next try", DELETED, d, getattr(e, "strerror", None) or e)
 
     def compact_deleted(self, pdir: str, recorded: np.ndarray) -> None:
         """Rewrite partition dir `pdir`'s `deleted` record with the samples of `recorded` that its put files

@@ -17,6 +17,8 @@ import os
 
 import numpy as np
 
+from dockd.warehouse import putfile
+
 
 @dataclasses.dataclass(slots=True)
 class Deletes:
@@ -52,9 +54,13 @@ class Deletes:
 
 
 def read(path: str) -> np.ndarray:
-    """The int64 records of file `path` (a torn last record left out); FileNotFoundError when there is none."""
-    with open(path, "rb") as f:
-        raw = f.read()
+    """The int64 records of file `path` (a torn last record left out); FileNotFoundError when there is none,
+    `putfile.Damaged` when it is not a regular file (opened as put files are: never blocking on a fifo)."""
+    fd = putfile.open_regular(path)
+    try:
+        raw = putfile.read_all(fd)
+    finally:
+        os.close(fd)
     return np.frombuffer(raw[: len(raw) // 8 * 8], dtype="<i8")
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.net import memfd
-from dockd.warehouse import putfile
+from dockd.warehouse import dir_records, putfile
 from dockd.warehouse.commit import commit_request
 from dockd.warehouse.datadir import COMMITTED, DAMAGED, DELETED, DockDataDirError, file_number
 from dockd.warehouse.layout import _runs
@@ -188,7 +188,7 @@ def _record(dd: DataDir, path: str, without: str) -> np.ndarray:
     --drop-damaged-files it is moved aside and read as empty, the error line saying what that means
     (`without`)."""
     try:
-        fd = putfile.open_regular(path)
+        return dir_records.read(path)
     except FileNotFoundError:
         return np.empty(0, dtype="<i8")
     except Damaged as d:
@@ -196,11 +196,6 @@ def _record(dd: DataDir, path: str, without: str) -> np.ndarray:
             raise damaged(dd, path, d.why) from None
         logger.error("[datadir] moved damaged file=%s to=%s: %s; %s", path, _aside(dd, path), d.why, without)
         return np.empty(0, dtype="<i8")
-    try:
-        raw = putfile.read_all(fd)
-    finally:
-        os.close(fd)
-    return np.frombuffer(raw[: len(raw) // 8 * 8], dtype="<i8")
 
 
 def _drop(dd: DataDir, path: str, d: Damaged, answered: bool) -> None:
