@@ -137,11 +137,11 @@ class Blocking:
         return CommitOutcome(cleared=True)
 
     def written_out(self, commits) -> None:
-        """After a batch of commits is applied: drop the blocks it wrote to that have no sample left
-        unwritten. Nothing of them is to delete, their owner hands out no more of
-        them, and a re-send of one of their commits is judged applied (`blocks.judge`): kept, they would only
-        grow the registry (and each snapshot) with a stream that is never sealed. A block with a hole (a put
-        that did not fit its rest, or failed to store) waits for its owner's rejoin or the seal as before."""
+        """After a batch of commits is applied: drop the blocks it wrote to that have no sample left unwritten.
+        Nothing of them is to delete, their owner hands out no more of them, and a re-send of one of their
+        commits is judged applied (`blocks.judge`): kept, they would only grow the registry (and each
+        snapshot) with a stream that is never sealed. A block with a hole (a put that did not fit its rest,
+        or failed to store) waits for its owner's rejoin or the seal as before."""
         named = {c.block for c in commits}
         named.discard(0)
         get, partitions = self.core.blocks.by_id.get, self.core.partitions

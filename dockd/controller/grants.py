@@ -264,8 +264,8 @@ class Acquiring:
         # acquire_infos and wire.field): its locations packed, its inline columns
         parts: list[bytes] = []
         big = len(flat) > PACKED_MIN
-        lo, hi = (int(flat.min()), int(flat.max())) if big else (0, 128)
-        if hi < 128:  # (one byte each)
+        lo, hi = (int(flat.min()), int(flat.max())) if big else (0, 0)
+        if big and hi < 128:  # (one byte each)
             infos = self.members.acquire_infos([lo] if lo == hi else np.unique(flat).tolist())
             parts.append(wire.field(_LOCATIONS, flat.astype(np.uint8).tobytes()))
         else:
