@@ -20,9 +20,9 @@ Layout:
         <n>.put                one stored put (`dockd.warehouse.putfile`): fixed header, JSON header,
                                checksums, its columns' runs (a serialized PutRequest), its body
         .<n>.tmp               a put being written: renamed to <n>.put once whole and fsync'd
-        deleted                int64 indexes of samples deleted while the rest of their put lives;
-                               rewritten with those of the files still there (`dir_records`)
-        committed              int64 numbers of its files of puts answered before their commit
+        deleted                indexes of samples deleted while the rest of their put lives (each
+                               with a check: `dir_records`); rewritten with those of the files still there
+        committed              numbers of its files of puts answered before their commit
                                (--commit-window) whose commit the controller answered; at start the
                                others are committed again (`readback.adopt`), and it is compacted
     DIR/.free-<n>              the file of a freed put, kept to write a later put over, or the
@@ -147,6 +147,7 @@ class DataDir:
         self._listed: dict[str, tuple[set[int], int]] = {}
         self._dirs: dict[str, dir_records.Deletes] = {}  # partition dir -> its put files and its `deleted` record
         self._unrecorded = 0  # answered commits that could not be recorded there (a full disk)
+        self._unrecorded_deletes = 0  # ... and deletes
 
     # -- identity --------------------------------------------------------------------------------
     def open(self) -> int:
@@ -188,7 +189,13 @@ class DataDir:
             self.port = int(rec.get("port", 0))
             self.seq = int(rec.get("seq", 0)) + SEQ_GAP
             self.controllers = [str(a) for a in rec.get("controllers", ())]
-        self._save_identity()
+        try:
+            self._save_identity()
+        except OSError as e:  # (the put-id floor must be on disk before a put uses an id above it)
+            free = shutil.disk_usage(self.path).free
+            raise DockDataDirError(f"--data-dir {self.path}: cannot write {IDENTITY} ({e.strerror or e}; {free} bytes "
+                                   "free there); its stored puts are intact: free room on that disk and start this "
+                                   "warehouse again") from None
         return self.instance
 
     def close(self) -> None:
@@ -223,18 +230,28 @@ class DataDir:
         rec = {"format": putfile.FORMAT, "dock": self.dock, "warehouse": self.wid, "port": self.port, "instance": self.instance,
                "seq": self.seq, "controllers": self.controllers}
         tmp = os.path.join(self.path, f".{IDENTITY}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(rec, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, os.path.join(self.path, IDENTITY))
+        try:
+            with open(tmp, "w") as f:
+                json.dump(rec, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, os.path.join(self.path, IDENTITY))
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     def joined(self, wid: int, port: int, controllers: list[str]) -> None:
         """Joined as warehouse `wid`, listening on `port`, to the dock's `controllers`: what a restart
         comes back as (asking those controllers too, should the one it --joins be down)."""
         if (wid, port, controllers) != (self.wid, self.port, self.controllers):
             self.wid, self.port, self.controllers = wid, port, list(controllers)
-            self._save_identity()
+            try:
+                self._save_identity()
+            except OSError as e:
+                logger.error("[datadir] could not write %s in %s (%s): a restart before it is written comes back "
+                             "as the warehouse it was before this join; free room on that disk", IDENTITY, self.path,
+                             e.strerror or e)
 
     # -- puts --------------------------------------------------------------------------------------
     def room(self, partition: str, columns: Sequence[pb.ColumnData], nbytes: int, samples: int) -> Room | None:
@@ -396,12 +413,25 @@ class DataDir:
         if self.adopting is not None or not len(idx):
             return
         d = os.path.join(self.path, part_dir(partition))
+        dels = self._deletes(d)
+        if dels.unrecorded:  # (deletes a full disk kept out of it before go too, those of files still there)
+            idx = np.concatenate([dels.live(np.concatenate(dels.unrecorded)), np.asarray(idx, dtype=np.int64)])
         try:
-            with open(os.path.join(d, DELETED), "ab") as f:
-                f.write(np.asarray(idx, dtype="<i8").tobytes())
+            dir_records.append(os.path.join(d, DELETED), idx)
         except FileNotFoundError:  # (nothing of the partition is stored)
+            dels.unrecorded.clear()
             return
-        if self._deletes(d).appended(len(idx), COMPACT_AT):
+        except OSError as e:  # a full disk: the samples are freed all the same, the free never fails on it
+            dels.unrecorded[:] = [dels.live(idx)]
+            self._unrecorded_deletes += 1
+            dir_records.not_recorded(os.path.join(d, DELETED), e, self._unrecorded_deletes, f"the delete of {len(idx)} "
+                                     "samples", "they are freed here all the same, and recorded with the next delete "
+                                     "once there is room; should this warehouse restart before that, it reads them "
+                                     "back and its controller frees them again (it records every delete, and never "
+                                     "hands a deleted sample out again)")
+            return
+        dels.unrecorded.clear()
+        if dels.appended(len(idx), COMPACT_AT):
             try:
                 self.compact_deleted(d, dir_records.read(os.path.join(d, DELETED)))
             except (OSError, Damaged) as e:  # (a full disk: the record kept is the old one, whole)
@@ -431,15 +461,12 @@ class DataDir:
             if records + 1 > max(COMPACT_AT, 2 * len(listed)):
                 self.compact_committed(d, listed)
             else:
+                dir_records.append(os.path.join(d, COMMITTED), np.array([n], dtype=np.int64))
                 self._listed[d] = (listed, records + 1)
-                with open(os.path.join(d, COMMITTED), "ab") as f:
-                    f.write(np.int64(n).astype("<i8").tobytes())
         except OSError as e:  # (a full disk: the record is what a restart sends again, never lost values)
             self._unrecorded += 1
-            if self._unrecorded == 1 or self._unrecorded % 10000 == 0:
-                logger.warning("[datadir] could not record the answered commit of %s in %s (%s; %d so far): a "
-                               "restart sends it again, answered as applied", path, COMMITTED, e.strerror or e,
-                               self._unrecorded)
+            dir_records.not_recorded(os.path.join(d, COMMITTED), e, self._unrecorded, f"the answered commit of {path}",
+                                     "a restart sends it again, answered as applied")
 
     def compact_committed(self, pdir: str, kept: set[int]) -> None:
         """Rewrite partition dir `pdir`'s `committed` file with the numbers `kept` (of files still there, so

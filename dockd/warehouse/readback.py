@@ -90,8 +90,12 @@ def adopt(dd: DataDir, warehouse: Warehouse, admission: Admission, tokens) -> tu
             total += h.blen
     finally:
         dd.adopting = None
-    for pdir, (_, kept) in committed.items():
-        dd.compact_committed(pdir, kept)
+    for pdir, (listed, kept) in committed.items():
+        try:
+            dd.compact_committed(pdir, kept)
+        except OSError as e:  # (a full disk: the old record stays; no number it lists is given to a new file)
+            dd.next_file = max([dd.next_file, *(n + 1 for n in listed)])
+            _not_rewritten(pdir, COMMITTED, e)
     for pdir in pdirs:
         _apply_deletes(dd, admission, pdir, parts.get(pdir))
     logger.info("[datadir] adopted dir=%s puts=%d bytes=%d torn_removed=%d partitions=%d damaged_dropped=%d "
@@ -173,7 +177,15 @@ def _apply_deletes(dd: DataDir, admission: Admission, pdir: str, partition: str 
             admission.free(partition, dead.astype(np.int64))
         finally:
             dd.adopting = None
-    dd.compact_deleted(pdir, dead)
+    try:
+        dd.compact_deleted(pdir, dead)
+    except OSError as e:  # (the old record stays: it lists more, samples of files gone, never handed out again)
+        _not_rewritten(pdir, DELETED, e)
+
+
+def _not_rewritten(pdir: str, name: str, e: OSError) -> None:
+    logger.warning("[datadir] could not rewrite %s in %s at start (%s): the old one is kept, whole, and rewritten "
+                   "at the next start; free room on that disk", name, pdir, e.strerror or e)
 
 
 def _deletes(dd: DataDir, path: str) -> np.ndarray:

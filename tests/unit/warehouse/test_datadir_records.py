@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from dockd._proto import dockd_pb2 as pb
-from dockd.warehouse import datadir
+from dockd.warehouse import datadir, dir_records
 from dockd.warehouse.datadir import DELETED, DataDir
 from dockd.warehouse.putfile import part_dir
 from tests.unit.warehouse.test_datadir import DOCK, _adopted, _flip, _put
@@ -30,7 +30,7 @@ def _held(wh, partition: str, upto: int) -> list[int]:
 
 def _record(dd: DataDir, partition: str) -> list[int]:
     path = os.path.join(dd.path, part_dir(partition), DELETED)
-    return sorted(np.fromfile(path, dtype="<i8").tolist()) if os.path.exists(path) else []
+    return sorted(dir_records.read(path).tolist()) if os.path.exists(path) else []
 
 
 def test_the_deleted_record_stays_small_in_a_long_stream_and_a_start_frees_exactly_the_deleted(tmp_path,
@@ -55,7 +55,7 @@ def test_the_deleted_record_stays_small_in_a_long_stream_and_a_start_frees_exact
             prev = None  # (its second half is never deleted: its file stays)
         sizes.append(os.path.getsize(os.path.join(dd.path, part_dir("p"), DELETED)))
     kept = [i for k in alive + [299] for i in (4 * k, 4 * k + 1)]  # (deleted samples of files still there)
-    assert max(sizes) <= 8 * 2 * (16 + 4 + 2 * len(alive)), max(sizes)  # (4,800 bytes when only appended)
+    assert max(sizes) <= 8 + 16 * 2 * (16 + 4 + 2 * len(alive)), max(sizes)  # (9,608 bytes when only appended)
     assert set(_record(dd, "p")) >= set(kept)  # (all the deletes of files still there: none dropped)
     dd.close()
 
