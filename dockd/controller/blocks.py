@@ -8,7 +8,8 @@ from the block's owner and inside the block. Block ids grow and are never reused
 too (`Blocks.next_id` goes into snapshots; a replayed grant moves it past its id).
 
 A block is dropped when its partition is cleared or sealed (a seal takes the blocks back from their
-owners first), when its owner leaves or restarts, or when a rejoining owner no longer names it;
+owners first), when its owner leaves or restarts, when a rejoining owner no longer names it, when
+it is written in full, or when its owner commits to a block granted after it (`passed`);
 dropping deletes the samples of it that no column was written for (holes: their indexes are never
 handed out again). A commit of a block that is gone, or of samples deleted meanwhile, is `CLEARED`:
 nothing is recorded, and the warehouse frees what it stored.
@@ -134,6 +135,30 @@ def drop(cat: Catalog, blocks: Blocks, ids: Iterable[int]) -> tuple[list[Block],
         if len(rest):
             n += cat.delete(block.partition, rest)
     return dropped, n
+
+
+def passed(blocks: Blocks, named: Iterable[tuple[int, int, str]]) -> list[int]:
+    """The blocks whose owner moved past them, given the commits just applied or judged (each as the block it
+    names, the warehouse that sent it, its partition): the blocks of that warehouse and partition granted
+    before the newest block it committed to. Droppable whatever is left unwritten of them: holes, never a
+    put still on its way. A warehouse hands a partition's indexes out of its blocks in the order they were
+    granted, one block at a time (`dockd.warehouse.blocks`: taking from a block gives up every block before
+    it), and sends its puts' commits in the order they took their indexes, over one link, the re-sends of a
+    rejoin in that order too; so each commit of an earlier block was applied before this one. Without this
+    a block with a hole (a put that did not fit its rest, or failed to store) stayed until its owner
+    rejoined or the partition was sealed: a stream never sealed grew the registry, and each snapshot, by
+    a block per 16 puts or so for as long as its warehouse lived. Commits naming a block that is not theirs
+    (another owner's, another partition's) name nothing here: `owned` refuses them."""
+    newest: dict[tuple[int, str], int] = {}
+    for block_id, warehouse, partition in named:
+        b = blocks.by_id.get(block_id)
+        if b is not None and b.owner == warehouse and b.partition == partition:
+            key = (warehouse, partition)
+            if block_id > newest.get(key, 0):
+                newest[key] = block_id
+    if not newest:
+        return []
+    return [b.id for b in blocks.by_id.values() if b.id < newest.get((b.owner, b.partition), 0)]
 
 
 def owned(blocks: Blocks, block_id: int, warehouse: int, partition: str, indexes: Sequence[int]) -> Block | None:
