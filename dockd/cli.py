@@ -9,7 +9,7 @@ import re
 import sys
 import time
 
-from dockd import config, limits
+from dockd import config, limits, owners
 from dockd._version import __version__
 from dockd.errors import DockError, DockValueError
 
@@ -69,7 +69,6 @@ def _setup_logging(level: str, fmt: str = "text") -> None:
 
 
 def _serve(args) -> int:
-    from dockd import owners
     from dockd.config import NodeConfig, parse_size
     from dockd.node.daemon import serve
 
@@ -91,6 +90,8 @@ def _serve(args) -> int:
         tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_ca=args.tls_ca or "",
         transport=args.transport, mooncake_protocol=args.mooncake_protocol,
     )
+    _check_token_files(cfg)
+    _check_state_dir(cfg)
     if cfg.warehouse and cfg.transport == "auto" and not cfg.shm:
         logging.getLogger("dockd").info("[mooncake] transport=socket: --transport auto with --no-shm (the engine serves "
                                         "reads from shared-memory segments)")
@@ -114,6 +115,36 @@ def _serve(args) -> int:
     return serve(cfg)
 
 
+def _check_token_files(cfg) -> None:
+    """--daemon-token-file holding the dock's token would let every client prove the daemon role."""
+    from pathlib import Path
+
+    if not cfg.daemon_token_file:
+        return
+    try:
+        same = Path(cfg.daemon_token_file).read_bytes().strip() == Path(cfg.token_file).read_bytes().strip()
+    except OSError:
+        return  # (loading them says what is wrong with either file)
+    if same:
+        raise DockValueError(
+            f"--daemon-token-file {cfg.daemon_token_file} holds the same token as --token-file {cfg.token_file}, "
+            "which every client holds: a client could then act as a daemon. Give the daemons a token of their own "
+            "(e.g. `openssl rand -hex 32 > FILE`, the same file on every daemon), or drop --daemon-token-file")
+
+
+def _check_state_dir(cfg) -> None:
+    """A controller's state dir keeps the partitions it owned under the controller list the dock agreed on
+    (owners.LIST_FILE): a start under another list is refused. One controller records its (empty) list
+    now; several record theirs once they all agree (dockd.node.controller_probe)."""
+    if not (cfg.controller and cfg.state_dir):
+        return
+    own = cfg.controllers[owners.own_index(cfg.controllers, cfg.host, cfg.port, cfg.advertise)] \
+        if cfg.controllers else ""
+    owners.check_recorded(cfg.state_dir, cfg.controllers, own)
+    if not cfg.controllers:
+        owners.record_list(cfg.state_dir, (), "")
+
+
 def _connect(args):
     import dockd
     from dockd.net.auth import load_token
@@ -131,7 +162,7 @@ def _stats(args) -> int:
 def _status(args) -> int:
     from dockd.status import run
 
-    if args.interval < 0 or (args.watch and args.interval == 0):
+    if not args.interval >= 0 or (args.watch and args.interval == 0):  # (NaN fails the first)
         raise DockValueError(f"--interval must be > 0 seconds with --watch (>= 0 without), got {args.interval:g}")
     with _connect(args) as dock:
         return run(dock, address=args.address, watch=args.watch, interval=args.interval, as_json=args.json)

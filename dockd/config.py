@@ -8,6 +8,7 @@ import re
 
 from dockd import limits, owners
 from dockd.errors import DockValueError
+from dockd.owners import is_loopback
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 1000**2, "MIB": 1 << 20,
           "G": 1 << 30, "GB": 1000**3, "GIB": 1 << 30, "T": 1 << 40, "TB": 1000**4, "TIB": 1 << 40}
@@ -63,18 +64,6 @@ FOREIGN_ENV = {
 }
 
 
-def is_loopback(host: str) -> bool:
-    """Whether binding `host` keeps a daemon on this machine."""
-    import ipaddress
-
-    if host in ("localhost", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def parse_size(text: str | int) -> int:
     """'8GiB', '512M', '1e9' or an int -> bytes."""
     if isinstance(text, int):
@@ -104,6 +93,15 @@ def env_float(name: str, default: float) -> float:
         raise DockValueError(f"environment variable {name}={raw!r} is not a number") from None
 
 
+def env_amount(name: str, default: float, what: str) -> float:
+    """A registered variable holding a finite amount >= 0 (`what` says of what, for the refusal)."""
+    value = env_float(name, default)
+    if not 0 <= value < float("inf"):  # (NaN fails it too)
+        raise DockValueError(f"environment variable {name}={env(name)!r}: give a finite number of {what}, 0 or more "
+                             "(unset it for the default)")
+    return value
+
+
 def commits_in_flight() -> int:
     """Commit messages a link keeps on their way to the controller at once (DOCKD_COMMITS_IN_FLIGHT, default
     1). While that many are unanswered, new commits wait and go together with the next answer: a window that
@@ -115,6 +113,9 @@ def commits_in_flight() -> int:
                              "(0: no bound)")
     return int(n)
 
+
+MAX_SIZE = (1 << 63) - 1
+"""The largest size (bytes) a daemon's option may give: sizes travel as 64-bit ints."""
 
 #: What a client's `transport` setting may be (dockd.net.transport): tried in order under "auto".
 CLIENT_TRANSPORTS = ("auto", "tcp", "mooncake")
@@ -155,8 +156,8 @@ class ClientConfig:
             reconnect_timeout=env_float("DOCKD_RECONNECT_TIMEOUT", 30.0),
             fetch_timeout=env_float("DOCKD_FETCH_TIMEOUT", 60.0),
             transport=transport,
-            spin_s=env_float("DOCKD_SPIN_US", 1000.0) / 1e6,
-            recv_pool_bytes=int(env_float("DOCKD_RECV_POOL_BYTES", float(1 << 30))),
+            spin_s=env_amount("DOCKD_SPIN_US", 1000.0, "microseconds") / 1e6,
+            recv_pool_bytes=int(env_amount("DOCKD_RECV_POOL_BYTES", float(1 << 30), "bytes")),
             device_link_timeout=env_float("DOCKD_DEVICE_LINK_TIMEOUT", 60.0),
             tls=env("DOCKD_TLS_CA"),
         )
@@ -304,16 +305,15 @@ class NodeConfig:
             )
         if self.join and not all(re.fullmatch(r".+:\d+", a) for a in self.join_addresses):
             raise DockValueError(f"--join expects HOST:PORT (or several, comma-separated), got {self.join!r}")
+        for address in self.join_addresses if self.port else ():
+            if owners.names_this_node(address, self.host, self.port, self.advertise):
+                raise DockValueError(f"--join {address} is this warehouse's own address (--port {self.port}): give "
+                                     "the controller's HOST:PORT, the port its ready line prints")
         if not 0 <= self.port < 65536 or not 0 <= self.grpc_port < 65536:
             raise DockValueError(f"ports must be in 0..65535, got {self.port} and {self.grpc_port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise DockValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
-        if self.capacity <= 0:
-            raise DockValueError(f"capacity must be > 0 bytes, got {self.capacity}")
-        if self.device_capacity < 0:
-            raise DockValueError(f"--device-capacity must be >= 0 bytes (0: no device tier), got {self.device_capacity}")
-        if self.lease_timeout <= 0:
-            raise DockValueError(f"lease timeout must be > 0 seconds, got {self.lease_timeout}")
+        self._check_numbers()
         if not self.warehouse and not self.controller:
             raise DockValueError("--no-warehouse needs --controller: a node without a warehouse only runs the controller")
         if self.controllers:
@@ -337,9 +337,6 @@ class NodeConfig:
         if self.data_dir and not self.join:
             raise DockValueError("--data-dir keeps a joining warehouse's data across restarts; give it with --join "
                                  "(the controller's own warehouse restarts with the controller: not supported)")
-        if self.spill_capacity < 0:
-            raise DockValueError(f"--spill-capacity must be >= 0 bytes (0: up to the disk's free space), got "
-                                 f"{self.spill_capacity}")
         if self.spill_capacity and not self.spill_dir:
             raise DockValueError("--spill-capacity goes with --spill-dir")
         if self.spill_dir and not self.warehouse:
@@ -348,10 +345,6 @@ class NodeConfig:
         if self.data_dir and self.device_capacity:
             raise DockValueError("--data-dir does not keep the device tier's bytes; drop --device-capacity, or "
                                  "--data-dir")
-        for name in ("controller_grace", "warehouse_grace", "handshake_timeout", "stall_timeout", "idle_timeout",
-                     "daemon_timeout", "heartbeat_interval", "heartbeat_timeout"):
-            if getattr(self, name) <= 0:
-                raise DockValueError(f"{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
         if self.daemon_token_file and not self.token_file:
             raise DockValueError("--daemon-token-file goes with --token-file (clients need a token of their own)")
         if not self.token_file and not self.insecure and not is_loopback(self.host):
@@ -360,11 +353,35 @@ class NodeConfig:
                 "same file on every node; e.g. `openssl rand -hex 32 > FILE`), or pass --insecure to run without "
                 "authentication on a network you trust"
             )
-        if self.max_connections < 8:
-            raise DockValueError(f"max connections must be >= 8, got {self.max_connections}")
         if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_ca and not self.tls_cert):
             raise DockValueError("TLS needs --tls-cert and --tls-key together (and --tls-ca only with them)")
-        if self.join_timeout is not None and self.join_timeout <= 0:
+
+    def _check_numbers(self) -> None:
+        """Sizes, counts and seconds: in range, and a number (a NaN fails every `> 0`)."""
+        if self.capacity <= 0:
+            raise DockValueError(f"capacity must be > 0 bytes, got {self.capacity}")
+        for flag, size in (("--capacity", self.capacity), ("--device-capacity", self.device_capacity),
+                           ("--spill-capacity", self.spill_capacity), ("--min-rate", self.min_rate)):
+            if size > MAX_SIZE:
+                raise DockValueError(f"{flag} {size} is past the {MAX_SIZE} bytes (8 EiB) a size may be; give the "
+                                     "bytes this node really has")
+        if self.device_capacity < 0:
+            raise DockValueError(f"--device-capacity must be >= 0 bytes (0: no device tier), got {self.device_capacity}")
+        if not self.lease_timeout > 0:  # (NaN fails it too, as in the other timeouts)
+            raise DockValueError(f"lease timeout must be > 0 seconds, got {self.lease_timeout}")
+        if self.max_samples < 1:
+            raise DockValueError(f"--max-samples must be 1 or more (every put of new samples would fail with "
+                                 f"DockFull), got {self.max_samples}")
+        if self.spill_capacity < 0:
+            raise DockValueError(f"--spill-capacity must be >= 0 bytes (0: up to the disk's free space), got "
+                                 f"{self.spill_capacity}")
+        for name in ("controller_grace", "warehouse_grace", "handshake_timeout", "stall_timeout", "idle_timeout",
+                     "daemon_timeout", "heartbeat_interval", "heartbeat_timeout"):
+            if not getattr(self, name) > 0:
+                raise DockValueError(f"{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
+        if self.max_connections < 8:
+            raise DockValueError(f"max connections must be >= 8, got {self.max_connections}")
+        if self.join_timeout is not None and not self.join_timeout > 0:
             raise DockValueError(f"join timeout must be > 0 seconds, got {self.join_timeout}")
 
     def _check_commit_window(self) -> None:

@@ -33,9 +33,11 @@ spreading (dockd.client.spread); daemons only route each shard to its owner.
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from collections.abc import Mapping, Sequence
 
-from dockd.errors import DockValueError
+from dockd.errors import DockConfigError, DockValueError
 
 SHARD_MARK = "~shard-"
 """What separates a spread partition's name from its shard's place in a shard's name."""
@@ -126,15 +128,47 @@ def shards_from(names: Sequence[str]) -> dict[str, int]:
 
 
 def own_index(controllers: Sequence[str], host: str, port: int, advertise: str = "") -> int:
-    """This controller's place in the list, from the address it listens on (or advertises)."""
+    """This controller's place in the list, from the address it listens on (or advertises). A list that
+    names it twice (its --host and its --advertise, or two spellings of loopback) is refused: each entry
+    owns partitions of its own, and those of the second would go to this controller under another name."""
     mine = {f"{h}:{port}" for h in (advertise, host) if h}
     for k, addr in enumerate(controllers):
         if addr in mine:
+            again = [a for a in controllers if a != addr and names_this_node(a, host, port, advertise)]
+            if again:
+                raise DockValueError(
+                    f"--controllers {','.join(controllers)} names this controller twice ({addr} and "
+                    f"{' and '.join(again)}): give each controller once, at the address the others reach it by")
             return k
     raise DockValueError(
         f"--controllers {','.join(controllers)} does not name this controller ({' or '.join(sorted(mine))}): "
         "give each controller the full list with its own address among them, and a fixed --port"
     )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps a daemon on this machine."""
+    import ipaddress
+
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def names_this_node(address: str, host: str, port: int, advertise: str = "") -> bool:
+    """Whether HOST:PORT `address` reaches the node listening on `host`:`port` (advertised as
+    `advertise`): that host or name, or loopback by any spelling when the node listens on loopback
+    or on every address."""
+    other, _, other_port = address.rpartition(":")
+    if not other_port.isdigit() or int(other_port) != port:
+        return False
+    other = other.strip("[]")
+    if other in (host.strip("[]"), advertise.strip("[]")):
+        return True
+    return is_loopback(other) and (is_loopback(host) or host.strip("[]") in ("0.0.0.0", "::", ""))
 
 
 def differs(mine: Sequence[str], theirs: Sequence[str], my_shards: Sequence[str] = (),
@@ -162,3 +196,48 @@ def disagreement(mine: Sequence[str], mine_where: str, theirs: Sequence[str], th
             f"{','.join(theirs) or '(none: one controller)'}. Every controller needs the same list in the same "
             "order (it decides which controller owns each partition): restart the one that is wrong with the "
             "right --controllers; the dock refuses service until they agree")
+
+
+LIST_FILE = "controllers.json"
+"""The file in a controller's state dir naming the controller list (and this controller's place in it)
+under which the dir keeps its partitions."""
+
+
+def record_list(state_dir: str, controllers: Sequence[str], own: str) -> None:
+    """Remember in `state_dir` the list this controller (`own`, "" for a dock's only one) keeps its
+    partitions under: the dock agreed on it (one controller agrees with itself). Best effort: a dir that
+    cannot be written is reported by the journal."""
+    path = os.path.join(state_dir, LIST_FILE)
+    try:
+        os.makedirs(state_dir, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            f.write(json.dumps({"controllers": list(controllers), "own": own}) + "\n")
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+
+
+def check_recorded(state_dir: str, controllers: Sequence[str], own: str) -> None:
+    """Refuse to start a controller on a state dir kept under another controller list (`record_list`): its
+    partitions would belong to other controllers, which know nothing of them."""
+    path = os.path.join(state_dir, LIST_FILE)
+    try:
+        with open(path, "rb") as f:
+            recorded = json.loads(f.read())
+        then, then_own = list(recorded["controllers"]), str(recorded["own"])
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DockValueError(f"--state-dir {state_dir}: cannot read {path} ({e}); it names the controller list the "
+                             "dir was kept under: restore it, or remove it to keep the list given now") from None
+    if then == list(controllers) and then_own == own:
+        return
+
+    def said(listed: Sequence[str], at: str) -> str:
+        return f"--controllers {','.join(listed)} (as {at})" if listed else "one controller (no --controllers)"
+
+    raise DockConfigError(
+        f"--state-dir {state_dir} was kept by a controller started with {said(then, then_own)}; this one has "
+        f"{said(controllers, own)}. Another list moves partitions to other owners, which know nothing of those "
+        "this dir holds. Start it with the list it had, or, to change the dock's controllers, stop all of them "
+        f"and start each on a new --state-dir (move the old ones aside; {LIST_FILE} there names the list)")
