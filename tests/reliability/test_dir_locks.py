@@ -46,11 +46,14 @@ def _stop(*procs: subprocess.Popen) -> None:
             p.stdout.close()
 
 
-def test_a_second_warehouse_on_a_live_data_dir_refuses_to_start(tmp_path):
+@pytest.mark.parametrize("window", [[], ["--commit-window", "8"]], ids=["commit", "commit-window"])
+def test_a_second_warehouse_on_a_live_data_dir_refuses_to_start(tmp_path, window):
+    """Also while the live one holds puts answered before their commit (its window of 8 s not gone out):
+    the second one reads nothing (it would send their commits again), and a restart of the first sends them."""
     data = str(tmp_path / "data")
-    ctrl, ready = spawn_node(["--controller", "--no-warehouse", "--port", "0"])
+    ctrl, ready = spawn_node(["--controller", "--no-warehouse", "--port", "0", "--state-dir", str(tmp_path / "state")])
     address = f"127.0.0.1:{ready['port']}"
-    wh, _ = spawn_node(["--join", address, "--data-dir", data, "--port", "0", "--capacity", "256MiB"])
+    wh, _ = spawn_node(["--join", address, "--data-dir", data, "--port", "0", "--capacity", "256MiB", *window])
     try:
         with dockd.connect(address) as d:
             first = d.put({"x": torch.arange(4)}, partition="p")
@@ -60,15 +63,18 @@ def test_a_second_warehouse_on_a_live_data_dir_refuses_to_start(tmp_path):
             assert "kill" in err and "another --data-dir" in err, err[-2000:]
             assert _snapshot(data) == before  # its identity and files untouched
             second = d.put({"x": torch.arange(4, 8)}, partition="p")  # the live warehouse goes on
-            got = d.get("c", ["x"], 8, partition="p", timeout=10)
-            assert sorted(got.indexes) == first + second
+            got = d.get("c", ["x"], 8, partition="p", timeout=20)  # (with the window: once it goes out)
+            assert sorted(got.indexes) == sorted(first + second)
             assert sorted(int(v) for v in got["x"]) == list(range(8))
         wh.send_signal(signal.SIGKILL)  # no stale lock: restarted at once, it takes its dir back
         wh.wait(10)
         wh.stdout.close()
-        wh, _ = spawn_node(["--join", address, "--data-dir", data, "--port", "0", "--capacity", "256MiB"])
+        wh, _ = spawn_node(["--join", address, "--data-dir", data, "--port", "0", "--capacity", "256MiB", *window])
         with dockd.connect(address) as d:
             assert [int(v) for v in d.read("p", first + second, ["x"])["x"]] == list(range(8))
+            third = d.put({"x": torch.arange(8, 12)}, partition="p")
+            got = d.get("c", ["x"], 4, partition="p", timeout=10)
+            assert sorted(got.indexes) == sorted(third) and sorted(int(v) for v in got["x"]) == list(range(8, 12))
     finally:
         _stop(wh, ctrl)
 
