@@ -166,6 +166,19 @@ def run_workload(adapter: PeerAdapter, config: BenchConfig, scenario: str) -> di
     return {"rows": [r.to_dict() for r in rows], "layout": layout}
 
 
+def run_wide(adapter: PeerAdapter, config: BenchConfig, scenario: str) -> dict[str, Any]:
+    """The four-column case alone (see the module docstring), for a second configuration of one system."""
+    import torch
+
+    torch.set_num_threads(1)
+    layout = adapter.start()
+    try:
+        rows = _wide(adapter, config, scenario)
+    finally:
+        adapter.close()
+    return {"rows": [r.to_dict() for r in rows], "layout": layout}
+
+
 def _latency(adapter: PeerAdapter, config: BenchConfig, scenario: str) -> list[Row]:
     import torch
 
