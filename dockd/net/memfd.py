@@ -189,6 +189,11 @@ def map_private(fd: int, start: int, end: int, on_free=None) -> tuple[np.ndarray
     return _map(fd, end - base, base, mmap.MAP_PRIVATE, on_free=on_free), start - base
 
 
+def map_whole_private(fd: int, size: int) -> np.ndarray:
+    """Bytes [0, size) of a segment mapped copy-on-write, unmapped once the array (and every view of it) is gone."""
+    return _map(fd, size, 0, mmap.MAP_PRIVATE)
+
+
 def huge_pages_state() -> str:
     """The kernel's transparent-huge-page policy for shared memory ('never', 'advise', ...)."""
     try:

@@ -26,7 +26,11 @@ abstract Unix socket (SCM_RIGHTS); nothing has a name, so nothing can leak.
   gone is unmapped (and its segment unpinned) by the next call while it waits
   for its reply (`ShmTransport.idle`), or by the flusher: not by the code that
   dropped the last value, which is most often about to make that call (a get's
-  loop rebinding its batch). Unmapping 1 MiB costs ~30 us on a 2-core VM.
+  loop rebinding its batch). Unmapping 1 MiB costs ~30 us on a 2-core VM. With
+  `KEEP_MAPPINGS` bytes, a mapping none of whose pages was written is kept
+  instead (its segment unpinned all the same) and maps that segment again when
+  a later reply passes it, without the page faults of a fresh mapping
+  (`dockd.net.reply_maps`).
 - device-tier data is shared by IPC handle (same node) and copied once,
   device to device (`dockd.net.device_share`).
 
@@ -57,6 +61,7 @@ from dockd import codec
 from dockd._proto import dockd_pb2 as pb
 from dockd.errors import DockConnectionError, DockError, DockProtocolError, StagingUnknown
 from dockd.net import device_share, memfd, wire
+from dockd.net.reply_maps import Ident, ReplyMaps
 from dockd.net.staging import Staging, StagingBuffer
 from dockd.net.transport import Context, Endpoint, Put, Reply, Request, Transport, is_local
 
@@ -66,6 +71,7 @@ SHM_MIN_BODY = 256 << 10   # puts at least this big go through a memfd
 SHM_MIN_VALUE = 64 << 10   # runs of stored values at least this big are passed by descriptor ...
 SHM_COPY_REPLY = 256 << 10  # ... in a reply with more bytes of them than this (fewer: copied, which costs less)
 SEND_BUFFER = 1 << 20      # the daemon's send buffer per same-host connection (the kernel doubles it)
+KEEP_MAPPINGS = 0          # bytes of reply mappings a client keeps once their values are gone (0: none)
 MAX_FDS = 253              # SCM_MAX_FD
 _ANC = socket.CMSG_SPACE(MAX_FDS * 4) if hasattr(socket, "CMSG_SPACE") else 0
 MSG_CTRUNC = int(socket.MSG_CTRUNC)
@@ -128,7 +134,9 @@ class ShmTransport(Transport):
         self.spin_s = ctx.config.spin_s
         self.staging = Staging()  # same-host puts write here
         self._unpins: list[int] = []  # segments of this daemon we no longer map, to tell it
-        self._released: list[np.ndarray] = []  # mappings whose values are gone, for `idle` to unmap
+        self._released: list[tuple[np.ndarray, tuple[int, Ident] | None]] = []  # mappings whose values are
+        # gone, for `idle` to unmap (or keep: with the segment id and identity of one that `maps` gave)
+        self.maps = ReplyMaps(KEEP_MAPPINGS)
         self._closed = False  # (then no call comes: a mapping is unmapped once its values are gone)
         self._lock = threading.Lock()
 
@@ -209,9 +217,13 @@ class ShmTransport(Transport):
                     if not 0 < k <= len(fds):
                         raise DockProtocolError(f"a run refers to descriptor {k} of {len(fds)} passed")
                     sid = pins[k - 1] if k <= len(pins) else 0
-                    on_free = functools.partial(self.unpin, sid) if sid else None
-                    mm, delta = memfd.map_private(fds[k - 1], lo, hi, on_free=on_free)
-                    buffers[k] = (self._lend(mm), lo - delta)
+                    whole = self.maps.map(fds[k - 1], sid, hi)
+                    if whole is not None:  # (the segment whole, maybe from a mapping kept: unpinned by `idle`)
+                        buffers[k] = (self._lend(whole[0], (sid, whole[1])), 0)
+                    else:
+                        on_free = functools.partial(self.unpin, sid) if sid else None
+                        mm, delta = memfd.map_private(fds[k - 1], lo, hi, on_free=on_free)
+                        buffers[k] = (self._lend(mm), lo - delta)
                     mapped.add(k)
         finally:
             for fd in fds:
@@ -225,19 +237,19 @@ class ShmTransport(Transport):
             buffers.update(reply.received)
         return buffers
 
-    def _lend(self, mm: np.ndarray) -> np.ndarray:
+    def _lend(self, mm: np.ndarray, kept: tuple[int, Ident] | None = None) -> np.ndarray:
         """`mm` as the values view it: when the last of them is gone, `mm` (so the mapping) is kept for
-        `idle` to drop."""
+        `idle` to drop, or with `kept` (segment id, identity) to offer to `maps` and unpin."""
         if not mm.size:
             return mm
         owner = _Lent()
         owner.__array_interface__ = mm.__array_interface__
-        weakref.finalize(owner, self._release, mm).atexit = False  # (the exit unmaps)
+        weakref.finalize(owner, self._release, mm, kept).atexit = False  # (the exit unmaps)
         return np.asarray(owner)
 
-    def _release(self, mm: np.ndarray) -> None:
+    def _release(self, mm: np.ndarray, kept: tuple[int, Ident] | None = None) -> None:
         """The values of mapping `mm` are gone (runs in a finalizer): unmapped by the next `idle`."""
-        self._released.append(mm)
+        self._released.append((mm, kept))
         if self._closed:  # (checked after the append: close() sets it before its own idle)
             self.idle()
         else:
@@ -248,9 +260,13 @@ class ShmTransport(Transport):
         right after it sends a request, where it costs the call nothing, and the flusher runs it."""
         while self._released:
             try:
-                self._released.pop()  # (the last reference: unmapped here)
+                mm, kept = self._released.pop()  # (the last reference: unmapped here, unless `maps` keeps it)
             except IndexError:  # (another thread took the last one)
                 break
+            if kept is not None:
+                self.maps.keep(kept[0], kept[1], mm)
+                del mm
+                self.unpin(kept[0])
 
     def unpin(self, sid: int) -> None:
         """A zero-copy mapping of the daemon's segment `sid` is gone (runs in a finalizer): queue the
@@ -271,6 +287,7 @@ class ShmTransport(Transport):
 
     def close(self) -> None:
         self._closed = True
+        self.maps.clear()  # (and keeps none from now on)
         self.idle()
         self.staging.close()
 

@@ -1,0 +1,100 @@
+"""A same-host client may keep the mapping of a segment whose values are gone (`dockd.net.reply_maps`): only
+one none of whose pages was written, never for two replies at once, its segment unpinned all the same; a
+segment passed again is mapped from it, and shows what the segment holds now."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from dockd import codec
+from dockd._proto import dockd_pb2 as pb
+from dockd.net import memfd, same_host
+from dockd.net.reply_maps import ReplyMaps
+from dockd.net.transport import Context, Endpoint, Reply
+
+pytestmark = pytest.mark.skipif(not same_host.available(), reason="needs memfd and SCM_RIGHTS (Linux)")
+
+SIZE = 1 << 20
+
+
+def maps_of(seg: memfd.Segment) -> int:
+    """This process's mappings of `seg` (its own shared one included)."""
+    ino = os.fstat(seg.fd).st_ino
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if len(parts := line.split()) > 4 and parts[4] == str(ino))
+
+
+@pytest.fixture
+def transport(monkeypatch):
+    monkeypatch.setattr(same_host, "KEEP_MAPPINGS", 4 * SIZE)
+    t = same_host.ShmTransport(Endpoint("127.0.0.1", 1, unix="x"), Context())
+    yield t
+    t.close()
+
+
+def lend(t: same_host.ShmTransport, seg: memfd.Segment, offset: int = 0, nbytes: int = SIZE) -> list:
+    """The values of a reply that passes `seg` (bytes [offset, offset + nbytes) as one uint8 tensor)."""
+    col = pb.ColumnData(name="x", runs=[pb.Run(kind=pb.TENSOR, count=1, dtype="uint8", shape=[nbytes],
+                                               offset=offset, nbytes=nbytes, segment=1)])
+    reply = Reply(pb.Frame(pins=[seg.sid]), np.empty(0, dtype=np.uint8), [os.dup(seg.fd)])
+    return codec.decode_reply([col], t.buffers([col], reply))[0]
+
+
+def test_an_unwritten_mapping_is_kept_unpinned_and_maps_the_segment_again_showing_what_it_holds_now(transport):
+    seg = memfd.Segment.create(SIZE)
+    seg.writable()[:4] = b"dock"
+    values = lend(transport, seg)
+    addr = values[0].data_ptr()
+    assert bytes(values[0][:4].numpy()) == b"dock"
+    del values
+    transport.idle()
+    assert maps_of(seg) == 2 and transport.take_unpins() == [seg.sid]  # kept, and its segment unpinned
+    seg.writable()[:4] = b"next"  # the warehouse fills the unpinned segment again
+    again = lend(transport, seg, 4096, 4096)
+    assert again[0].data_ptr() == addr + 4096 and transport.maps.hits == 1
+    whole = lend(transport, seg)  # the kept mapping is lent to one reply at a time: this one maps anew
+    assert whole[0].data_ptr() != addr and bytes(whole[0][:4].numpy()) == b"next"
+    assert transport.maps.misses == 2
+
+
+def test_a_mapping_a_value_was_written_through_is_unmapped_not_kept(transport):
+    seg = memfd.Segment.create(SIZE)
+    seg.writable()[:4] = b"dock"
+    values = lend(transport, seg)
+    values[0][8192] = 7  # the caller's write: that page is copied, the segment keeps its byte
+    assert seg.map[8192] == 0
+    del values
+    transport.idle()
+    assert maps_of(seg) == 1 and transport.take_unpins() == [seg.sid] and transport.maps.written == 1
+    again = lend(transport, seg)
+    assert int(again[0][8192]) == 0 and bytes(again[0][:4].numpy()) == b"dock"
+
+
+def test_kept_mappings_stay_within_their_budget_and_go_when_the_transport_closes(transport):
+    segs = [memfd.Segment.create(SIZE) for _ in range(6)]
+    for seg in segs:
+        values = lend(transport, seg)
+        assert maps_of(seg) == 2
+        del values
+        transport.idle()
+    assert [maps_of(s) - 1 for s in segs] == [0, 0, 1, 1, 1, 1]  # (4 x SIZE kept: the oldest went)
+    assert sorted(transport.take_unpins()) == sorted(s.sid for s in segs)
+    transport.close()
+    assert [maps_of(s) - 1 for s in segs] == [0] * 6
+
+
+def test_no_budget_keeps_nothing():
+    maps = ReplyMaps(0)
+    seg = memfd.Segment.create(SIZE)
+    assert maps.map(seg.fd, seg.sid, SIZE) is None
+
+
+def test_a_segment_bigger_than_the_budget_or_runs_past_its_end_is_mapped_as_before(transport):
+    big = memfd.Segment.create(8 * SIZE)
+    assert transport.maps.map(big.fd, big.sid, SIZE) is None
+    seg = memfd.Segment.create(SIZE)
+    assert transport.maps.map(seg.fd, seg.sid, SIZE + 1) is None
+    assert transport.maps.map(seg.fd, 0, SIZE) is None  # (no segment id: nothing to unpin it by)
