@@ -90,8 +90,10 @@ def _serve(args) -> int:
         tls_cert=args.tls_cert or "", tls_key=args.tls_key or "", tls_ca=args.tls_ca or "",
         transport=args.transport, mooncake_protocol=args.mooncake_protocol,
     )
+    _check_host(cfg.host)
     _check_token_files(cfg)
     _check_state_dir(cfg)
+    _hold_spill_dir(cfg)
     if cfg.warehouse and cfg.transport == "auto" and not cfg.shm:
         logging.getLogger("dockd").info("[mooncake] transport=socket: --transport auto with --no-shm (the engine serves "
                                         "reads from shared-memory segments)")
@@ -113,6 +115,26 @@ def _serve(args) -> int:
             "[serve] --insecure: no authentication; anyone who reaches %s:%d can read, write and wedge this dock",
             args.host, args.port)
     return serve(cfg)
+
+
+def _check_host(host: str) -> None:
+    """--host must be an address of this machine: a name that does not resolve, or another machine's
+    address, failed at listen with a message that pointed at --port."""
+    import errno
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise DockValueError(f"--host {host}: cannot resolve it ({e.strerror}); give an address of this machine "
+                             "(127.0.0.1, one of its interfaces', or 0.0.0.0 for all)") from None
+    with socket.socket(family, kind, proto) as probe:
+        try:
+            probe.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise DockValueError(f"--host {host} is not an address of this machine: give one of its interfaces' "
+                                     "addresses, or 0.0.0.0 for all (others reach it at --advertise)") from None
 
 
 def _check_token_files(cfg) -> None:
@@ -143,6 +165,30 @@ def _check_state_dir(cfg) -> None:
     owners.check_recorded(cfg.state_dir, cfg.controllers, own)
     if not cfg.controllers:
         owners.record_list(cfg.state_dir, (), "")
+
+
+def _hold_spill_dir(cfg) -> None:
+    """One warehouse per --spill-dir, held for the life of the process (dockd.dirlock): a second one
+    removed the first one's spill files at its start and wrote its own under the same names, which the
+    first then served as its samples' values. A dir that is also this node's --data-dir or --state-dir
+    is held by that (the same lock file)."""
+    import os
+
+    from dockd import dirlock
+
+    if not cfg.spill_dir or not cfg.warehouse:
+        return
+    spill = os.path.realpath(cfg.spill_dir)
+    if spill in {os.path.realpath(d) for d in (cfg.data_dir, cfg.state_dir) if d}:
+        return
+    mask = os.umask(0o077)  # (dirs made on the way are this user's only, as a data dir made by its warehouse)
+    try:
+        os.makedirs(spill, mode=0o700, exist_ok=True)
+    except OSError:
+        return  # (the spill tier says what is wrong with the dir)
+    finally:
+        os.umask(mask)
+    dirlock.hold(cfg.spill_dir, "--spill-dir", DockValueError)  # (kept until the process exits)
 
 
 def _connect(args):

@@ -64,6 +64,16 @@ FOREIGN_ENV = {
 }
 
 
+def _is_ip(host: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
 def parse_size(text: str | int) -> int:
     """'8GiB', '512M', '1e9' or an int -> bytes."""
     if isinstance(text, int):
@@ -309,6 +319,9 @@ class NodeConfig:
             if owners.names_this_node(address, self.host, self.port, self.advertise):
                 raise DockValueError(f"--join {address} is this warehouse's own address (--port {self.port}): give "
                                      "the controller's HOST:PORT, the port its ready line prints")
+        if ":" in self.advertise.strip("[]") and not _is_ip(self.advertise):
+            raise DockValueError(f"--advertise {self.advertise!r}: give the host name or address others reach this "
+                                 "node by, without a port (they use --port with it)")
         if not 0 <= self.port < 65536 or not 0 <= self.grpc_port < 65536:
             raise DockValueError(f"ports must be in 0..65535, got {self.port} and {self.grpc_port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:

@@ -46,6 +46,13 @@ def _cases(tmp_path, port: int) -> list[tuple[list[str], str]]:
         # served, and the puts of the second name's partitions were refused by its own warehouse
         (["--controller", "--port", str(port), "--controllers", f"127.0.0.1:{port},localhost:{port}"],
          "names this controller twice"),
+        # "Unknown error -2" and "Cannot assign requested address" at listen, with "give --port another port"
+        (["--controller", "--port", "0", "--host", "no-such-host.invalid", "--insecure"],
+         "--host no-such-host.invalid: cannot resolve it"),
+        (["--controller", "--port", "0", "--host", "192.0.2.1", "--insecure"],
+         "--host 192.0.2.1 is not an address of this machine"),
+        # served under the address 127.0.0.1:9999:PORT, which nobody could reach
+        (["--controller", "--port", "0", "--advertise", "127.0.0.1:9999"], "without a port"),
         # served, and every client could prove the daemon role
         (["--controller", "--port", "0", "--token-file", token, "--daemon-token-file",
           _token(tmp_path / "daemon-token", "t" * 64 + "\n")], "holds the same token as --token-file"),
@@ -99,3 +106,34 @@ def test_status_refuses_an_interval_that_is_not_a_number():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--interval must be > 0 seconds with --watch (>= 0 without), got nan" in out.stderr, \
         out.stderr
+
+
+def test_a_second_warehouse_on_a_spill_dir_is_refused_and_the_first_keeps_its_values(tmp_path):
+    """Two warehouses given one --spill-dir: the second removed the first one's spill files at its start
+    and wrote its own under the same names, and the first then served them as its samples' values
+    ([100.0, 101.0, ...] for [0.0, 1.0, ...]). Now the second is refused, naming the first's pid; a
+    warehouse whose spill dir is its own data dir still starts."""
+    ctl, ready = spawn_node(["--controller", "--no-warehouse", "--port", "0", "--grpc-port", "0",
+                             "--log-level", "WARNING"])
+    address = f"127.0.0.1:{ready['port']}"
+    spill = str(tmp_path / "spill")
+    first, _ = spawn_node(["--port", "0", "--grpc-port", "0", "--join", address, "--spill-dir", spill,
+                           "--capacity", "1MiB", "--log-level", "WARNING"])
+    try:
+        with dockd.connect(address) as dock:
+            for k in range(6):  # 400 kB each: all but two spill
+                dock.put({"x": [torch.full((100_000,), float(k))]}, partition="spilled", timeout=20)
+        out = _serve("--port", "0", "--join", address, "--spill-dir", spill, "--capacity", "1MiB")
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert f"--spill-dir {spill} is in use by another dockd process (pid {first.pid}" in out.stderr, \
+            out.stderr[-2000:]
+        with dockd.connect(address) as dock:
+            got = dock.get("c", ["x"], 6, partition="spilled", timeout=20)
+            assert sorted(float(v[0]) for v in got["x"]) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+        same = str(tmp_path / "data")
+        proc, _ = spawn_node(["--port", "0", "--grpc-port", "0", "--join", address, "--data-dir", same,
+                              "--spill-dir", same, "--log-level", "WARNING"])
+        _stop(proc)
+    finally:
+        _stop(first)
+        _stop(ctl)

@@ -100,3 +100,11 @@ def test_a_client_amount_that_is_negative_or_not_finite_names_its_variable(monke
         ClientConfig.from_env()
     monkeypatch.setenv(name, "0")
     ClientConfig.from_env()
+
+
+def test_an_advertised_address_with_a_port_is_refused():
+    """--advertise 127.0.0.1:9999 served under 127.0.0.1:9999:PORT, which nobody could reach."""
+    with pytest.raises(DockValueError, match="--advertise '127.0.0.1:9999': give the host name or address"):
+        NodeConfig(controller=True, advertise="127.0.0.1:9999")
+    for host in ("::1", "[::1]", "node-1", "10.0.0.1"):
+        NodeConfig(controller=True, advertise=host)
