@@ -76,13 +76,17 @@ class Agreement:
         controllers: this controller's --controllers (empty: it is the dock's only controller).
         where: this controller's address, for messages.
         shards: this controller's --shards (spread partition -> its shard count).
+        replicas: this controller's --replicas (every controller keeps the same number of copies).
     """
 
-    def __init__(self, controllers: Sequence[str], where: str, shards: Mapping[str, int] | None = None) -> None:
+    def __init__(self, controllers: Sequence[str], where: str, shards: Mapping[str, int] | None = None,
+                 replicas: int = 1) -> None:
         self.controllers = tuple(controllers)
         self.shards = shard_names(shards or {})  # (as they travel and are compared)
         self.where = where
+        self.replicas = replicas
         self._differing: dict[str, str] = {}  # address of a controller whose list differs -> the refusal
+        self._agreeing: set[str] = set()  # addresses of the other controllers that answered with our list
 
     @property
     def refusal(self) -> str:
@@ -104,16 +108,25 @@ class Agreement:
             raise DockConfigError(msg)
 
     def observed(self, address: str, theirs: Sequence[str] | None, refusal: str = "",
-                 their_shards: Sequence[str] = ()) -> None:
-        """The controller at `address` answered with its list (`theirs`) and spread partitions
-        (`their_shards`), or refused ours (`refusal`)."""
+                 their_shards: Sequence[str] = (), their_replicas: int = 0) -> None:
+        """The controller at `address` answered with its list (`theirs`), spread partitions
+        (`their_shards`) and --replicas (`their_replicas`, 0: a version that does not say), or refused
+        ours (`refusal`)."""
         if refusal:
             msg = refusal
         elif theirs is not None and self._differs(theirs, their_shards):
             msg = disagreement(self.controllers, f"this controller ({self.where})", theirs,
                                f"the controller at {address}", self.shards, their_shards)
+        elif their_replicas and their_replicas != self.replicas:
+            msg = (f"the controller at {address} keeps --replicas {their_replicas}, this controller ({self.where}) "
+                   f"--replicas {self.replicas}: the dock would keep some partitions twice and others once; give "
+                   "every controller the same --replicas")
         else:
             msg = ""
+        if msg or theirs is None:
+            self._agreeing.discard(address)
+        else:
+            self._agreeing.add(address)
         before = self._differing.get(address, "")
         if msg and msg != before:
             logger.error("[controllers] refusing service: %s", msg)
@@ -122,6 +135,10 @@ class Agreement:
             del self._differing[address]
             logger.warning("[controllers] the controller at %s now has this controller's list and --shards%s", address,
                            "; serving again" if not self._differing else "")
+
+    def all_agree(self) -> bool:
+        """Whether every other controller of the list answered, and with our list, --shards and --replicas."""
+        return not self._differing and self._agreeing >= {a for a in self.controllers if a != self.where}
 
     def refuse(self) -> None:
         """Raise DockConfigError while the controllers disagree."""

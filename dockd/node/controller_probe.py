@@ -7,6 +7,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
+from dockd import owners
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.agreement import PROBE_INTERVAL, Agreement
 from dockd.errors import DockConfigError, DockError
@@ -20,34 +21,48 @@ FIRST_INTERVAL = 2.0
 """Seconds between tries while another controller has not answered yet."""
 
 
-async def watch(agreement: Agreement, make_peer: Callable[[], Peer], link_tls: tls.LinkTls | None) -> None:
-    """Check every other controller of `agreement`'s list, for as long as this daemon runs."""
+async def watch(agreement: Agreement, make_peer: Callable[[], Peer], link_tls: tls.LinkTls | None,
+                state_dir: str = "") -> None:
+    """Check every other controller of `agreement`'s list, for as long as this daemon runs. The first time
+    they all agree, the list is recorded in `state_dir` (`owners.record_list`: a later start under another
+    list is refused); not before, so a controller started with a mistyped list and restarted with the right
+    one is not refused for it."""
     others = [a for a in agreement.controllers if a != agreement.where]
-    await asyncio.gather(*(_watch_one(agreement, a, make_peer, link_tls) for a in others))
+    recorded = not state_dir
+
+    def answered() -> None:
+        nonlocal recorded
+        if not recorded and agreement.all_agree():
+            owners.record_list(state_dir, agreement.controllers, agreement.where)
+            recorded = True
+
+    await asyncio.gather(*(_watch_one(agreement, a, make_peer, link_tls, answered) for a in others))
 
 
 async def _watch_one(agreement: Agreement, address: str, make_peer: Callable[[], Peer],
-                     link_tls: tls.LinkTls | None) -> None:
-    answered = False
+                     link_tls: tls.LinkTls | None, answered: Callable[[], None]) -> None:
+    heard = False
     while True:
         try:
-            theirs, their_shards = await ask(address, agreement.controllers, agreement.where, make_peer, link_tls,
-                                             agreement.shards)
+            theirs, their_shards, their_replicas = await ask(address, agreement.controllers, agreement.where,
+                                                             make_peer, link_tls, agreement.shards)
         except DockConfigError as e:  # it compared our list with its own and refused
             agreement.observed(address, None, refusal=str(e))
-            answered = True
+            heard = True
         except (DockError, OSError, asyncio.TimeoutError) as e:
             logger.debug("[controllers] the controller at %s did not answer: %s", address, e)
         else:
-            agreement.observed(address, theirs, their_shards=their_shards)
-            answered = True
-        await asyncio.sleep(PROBE_INTERVAL if answered else FIRST_INTERVAL)
+            agreement.observed(address, theirs, their_shards=their_shards, their_replicas=their_replicas)
+            heard = True
+            answered()
+        await asyncio.sleep(PROBE_INTERVAL if heard else FIRST_INTERVAL)
 
 
 async def ask(address: str, mine: tuple[str, ...], where: str, make_peer: Callable[[], Peer],
-              link_tls: tls.LinkTls | None, my_shards: Sequence[str] = ()) -> tuple[list[str], list[str]]:
-    """The --controllers list of the controller at `address` (empty: it runs alone) and its --shards (as
-    `owners.shard_names` gives them), asked by the controller at `where` whose list is `mine`."""
+              link_tls: tls.LinkTls | None, my_shards: Sequence[str] = ()) -> tuple[list[str], list[str], int]:
+    """The --controllers list of the controller at `address` (empty: it runs alone), its --shards (as
+    `owners.shard_names` gives them) and its --replicas (0: a version that does not say), asked by the
+    controller at `where` whose list is `mine`."""
     host, _, port = address.rpartition(":")
     _, peer = await asyncio.wait_for(open_link(make_peer, host, int(port), link_tls), 5.0)
     try:
@@ -58,4 +73,5 @@ async def ask(address: str, mine: tuple[str, ...], where: str, make_peer: Callab
             shards=my_shards))), 10.0)
     finally:
         peer.close()
-    return list(reply.hello_reply.controllers), list(reply.hello_reply.shards)
+    hello = reply.hello_reply
+    return list(hello.controllers), list(hello.shards), hello.replicas

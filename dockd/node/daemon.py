@@ -102,7 +102,8 @@ class Node:
                 shards=cfg.shards,
             )
             if cfg.controllers:
-                self.agreement = Agreement(cfg.controllers, cfg.controllers[self.controller.own], cfg.shards)
+                self.agreement = Agreement(cfg.controllers, cfg.controllers[self.controller.own], cfg.shards,
+                                           cfg.replicas)
             members = self.controller.members  # heartbeats to the warehouses (see controller.membership)
             members.heartbeat_interval, members.heartbeat_timeout = cfg.heartbeat_interval, cfg.heartbeat_timeout
             local = LocalCommitter(self.controller)
@@ -175,7 +176,8 @@ class Node:
             self.puts.recover(self.data_dir.uncommitted)
             self.data_dir.uncommitted = []
         if self.agreement is not None:
-            spawn(controller_probe.watch(self.agreement, self.listeners.make_probe_peer, self.listeners.link_tls))
+            spawn(controller_probe.watch(self.agreement, self.listeners.make_probe_peer, self.listeners.link_tls,
+                                         self.cfg.state_dir))
         if self.controller is None or self.cfg.warehouse:  # (a controller without a warehouse registers nothing)
             await self.uplinks.join(reg)
         from dockd.node.admin import start_grpc

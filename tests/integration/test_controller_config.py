@@ -201,3 +201,55 @@ def test_a_warehouse_a_controller_refuses_fails_puts_with_the_reason_and_does_no
         assert b"never retrieved" not in text and text.count(b"refuses this warehouse") <= 2, text[-3000:]
     finally:
         _stop(procs)
+
+
+def test_agreement_takes_replicas_and_says_when_every_controller_agreed():
+    a = Agreement(("h:1", "h:2", "h:3"), "h:1", replicas=2)
+    a.observed("h:2", ["h:1", "h:2", "h:3"], their_replicas=2)
+    assert not a.all_agree()  # (h:3 has not answered)
+    a.observed("h:3", ["h:1", "h:2", "h:3"], their_replicas=1)
+    with pytest.raises(DockConfigError, match=r"h:3 keeps --replicas 1, this controller \(h:1\) --replicas 2"):
+        a.refuse()
+    assert not a.all_agree()
+    a.observed("h:3", ["h:1", "h:2", "h:3"], their_replicas=0)  # (a version that does not say: not compared)
+    a.refuse()
+    assert a.all_agree()
+    a.observed("h:2", None, refusal="it refused ours")
+    assert not a.all_agree()
+
+
+def test_controllers_record_their_list_once_they_agree_and_replicas_must_match(tmp_path):
+    """Controller A with --replicas 2, B with 1: both used to serve, keeping A's partitions twice and B's
+    once. Now they refuse service naming --replicas, and record no list in their state dirs while they
+    disagree (a restart with the right settings is not refused). Once they agree the list is recorded,
+    and B restarted on its dir under another list is refused at start."""
+    env = _env(tmp_path)
+    ports = free_ports("127.0.0.1", 2)
+    a, b = (f"127.0.0.1:{p}" for p in ports)
+    dirs = [tmp_path / "state-a", tmp_path / "state-b"]
+    procs = [_controller(ports[0], [a, b], env, "--replicas", "2", "--state-dir", str(dirs[0])),
+             _controller(ports[1], [a, b], env, "--replicas", "1", "--state-dir", str(dirs[1]))]
+
+    def refusal(address: str) -> str:
+        try:
+            dockd.connect(address, connect_timeout=5).close()
+        except DockConfigError as e:
+            return str(e)
+        return ""
+
+    try:
+        msg = wait_until(lambda: refusal(a), 30, "the controllers refusing over --replicas")
+        assert "--replicas 1" in msg and "--replicas 2" in msg and "same --replicas" in msg, msg
+        assert not any((d / owners.LIST_FILE).exists() for d in dirs)
+        _stop(procs[1:])
+        procs[1] = _controller(ports[1], [a, b], env, "--replicas", "2", "--state-dir", str(dirs[1]))
+        wait_until(lambda: all((d / owners.LIST_FILE).exists() for d in dirs), 40, "both lists recorded")
+        assert not refusal(a) and not refusal(b)
+        _stop(procs[1:])
+        wrong = subprocess.run([sys.executable, "-m", "dockd", "serve", "--host", "127.0.0.1", "--port",
+                                str(ports[1]), "--grpc-port", "0", "--controller", "--no-warehouse", "--controllers",
+                                f"{b},{a}", "--replicas", "2", "--state-dir", str(dirs[1])],
+                               env=env, capture_output=True, text=True, timeout=60)
+        assert wrong.returncode != 0 and "was kept by a controller started with" in wrong.stderr, wrong.stderr
+    finally:
+        _stop(procs)
