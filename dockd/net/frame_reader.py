@@ -69,6 +69,7 @@ class FrameReader(asyncio.BufferedProtocol):
         self.metrics = metrics        # a dockd.node.metrics.Metrics: requests are timed from their arrival
         self.role: str | None = None  # the peer's proven role; None: not authenticated yet
         self.transport: asyncio.Transport | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # (kept: get_running_loop() calls getpid each time)
         self.name = "?"
         self.closed = False
         self._last = 0.0  # loop time of the last byte received
@@ -131,8 +132,18 @@ class FrameReader(asyncio.BufferedProtocol):
             self._compact(len(self._buf) * 2 if self._lo == 0 else 0)
         return self._mv[self._hi :]
 
+    def _now(self) -> float:
+        """The event loop's time."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop.time()
+
     def buffer_updated(self, nbytes: int) -> None:
-        self._last = asyncio.get_running_loop().time()
+        loop = self._loop  # (inline: a method call here costs more than the lookup, interpreted)
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        self._last = loop.time()
         self._frame_got += nbytes
         self._guarded(self._received, nbytes)
 
@@ -284,12 +295,12 @@ class FrameReader(asyncio.BufferedProtocol):
             self._dispatch(frame, dest)
         else:
             self._dest, self._dest_obj, self._dest_pos = mv, dest, take
-            self._frame_t0, self._frame_got = asyncio.get_running_loop().time(), 0  # (admission may have waited)
+            self._frame_t0, self._frame_got = self._now(), 0  # (admission may have waited)
 
     def _arriving(self) -> None:
         """A frame continues past what has arrived: its rate is watched from now (or its start)."""
         if self._frame_t0 is None:
-            self._frame_t0, self._frame_got = asyncio.get_running_loop().time(), 0
+            self._frame_t0, self._frame_got = self._now(), 0
 
     def _body_filled(self) -> None:
         assert self._dest is not None and self._pending is not None  # (a body was being received)

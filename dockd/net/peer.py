@@ -126,7 +126,7 @@ class Peer(FrameReader):
         self.name = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         if self.on_connect is not None:
             self.on_connect(transport)
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._last = loop.time()
         if self._accept is not None:
             self._challenge = self._accept.challenge(self._instance)
