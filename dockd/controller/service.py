@@ -49,7 +49,7 @@ from dockd.controller.sessions import Leasing, ticket_key
 from dockd.controller.syncing import Syncing
 from dockd.controller.waiters import Waiters
 from dockd.controller.warehouse_calls import LocalWarehouse, WarehouseCalls
-from dockd.errors import DockClosed, DockError, DockValueError, to_status
+from dockd.errors import DockClosed, DockError, DockFull, DockValueError, to_status
 from dockd.net import auth
 from dockd.net.peer import Peer
 from dockd.terms import CommitOutcome
@@ -337,18 +337,26 @@ class ControllerService:
     def acquire(self, peer: Peer, frame: pb.Frame) -> None:
         r = frame.acquire
         self.check_owner(r.partition)
-        try:  # the confirms it carries are journaled with its grant, in one write before the answer
-            self.leasing.confirm(peer, r.confirm, (), hold=True)
-            res = self._attempt(peer, r)
-        finally:
-            if self.journal is not None:
-                self.journal.flush()
-        if res is not None:
-            self.acquiring.reply(peer, frame, r, res)
-        elif r.timeout == 0:
-            raise self.waiting.timeout_error(r)
+        confirms = r.confirm[:]  # (the client's previous gets, riding on this one)
+        if confirms and self.journal is None and not r.dp_size:
+            res = _attempt_before(self, peer, r, confirms)
+            if res is not None:
+                self.acquiring.reply(peer, frame, r, res)
+                _confirm_after(self.leasing, peer, confirms)
+                return
         else:
-            self.waiting.park(peer, frame)
+            try:  # the confirms it carries are journaled with its grant, in one write before the answer
+                self.leasing.confirm(peer, confirms, (), hold=True)
+                res = self._attempt(peer, r)
+            finally:
+                if self.journal is not None:
+                    self.journal.flush()
+            if res is not None:
+                self.acquiring.reply(peer, frame, r, res)
+                return
+        if r.timeout == 0:
+            raise self.waiting.timeout_error(r)
+        self.waiting.park(peer, frame)
 
     def _attempt(self, peer: Peer, r: pb.AcquireRequest) -> AcquireResult | None:
         if r.allow_partial:
@@ -442,3 +450,36 @@ class ControllerService:
             self.syncing.close()
         if self.journal is not None:
             self.journal.close()
+
+
+def _attempt_before(svc: ControllerService, peer: Peer, r: pb.AcquireRequest, confirms: list[int]) -> AcquireResult | None:
+    """Try an acquire before the confirms it carries, which are then applied after its answer (nothing is
+    journaled: without a state dir there is no record to write ahead of it). What it is handed is what it
+    would have been handed after them: a confirm ends a lease, it makes nothing eligible. Where they could
+    matter the get is answered as if they came first: a get that would wait (the last lease of a sealed
+    partition ends with them: DockDrained) or one refused for the leases outstanding (they end some) is
+    tried again after them, and one that fails has them applied before it raises."""
+    try:
+        res = svc._attempt(peer, r)
+    except DockFull:
+        res = None
+    except BaseException:
+        svc.leasing.confirm(peer, confirms, ())
+        raise
+    if res is None:
+        svc.leasing.confirm(peer, confirms, ())
+        confirms.clear()
+        res = svc._attempt(peer, r)
+    return res
+
+
+def _confirm_after(leasing: Leasing, peer: Peer, confirms: list[int]) -> None:
+    """Apply an answered acquire's confirms; unknown and refused ones are logged, as for any acquire's. A
+    failure here is a bug: logged, never a second answer to the acquire."""
+    if not confirms:
+        return
+    try:
+        leasing.confirm(peer, confirms, ())
+    except Exception:
+        logger.exception("[controller] the confirms an answered acquire carried failed peer=%s leases=%d",
+                         peer.name, len(confirms))
