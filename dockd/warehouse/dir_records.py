@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import struct
 
 import numpy as np
 
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"dockrec\xb1"  # (as an int64 a negative number: never a value of the format before)
 ENTRY = 16  # bytes an entry takes: its value, its check
+_checked: set[str] = set()  # records this process appended to: their header is this format's (a new file gets one)
 _SALT = np.uint64(0x6B1D_93C7_2F0E_A5D1)
 
 
@@ -81,8 +83,22 @@ def _check(values: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
+_M64 = (1 << 64) - 1
+_ENTRY = struct.Struct("<qQ")
+
+
+def _check1(v: int) -> int:
+    """`_check` of one value, in Python ints (a few values are appended at a time: numpy costs more there)."""
+    z = (v & _M64) ^ int(_SALT)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
 def encode(values: np.ndarray) -> bytes:
     """Entries of `values` (no header)."""
+    if len(values) <= 8:
+        return b"".join(_ENTRY.pack(v, _check1(v)) for v in map(int, values))
     out = np.empty((len(values), 2), dtype="<u8")
     out[:, 0] = np.asarray(values, dtype="<i8").view(np.uint64)
     out[:, 1] = _check(np.asarray(values, dtype="<i8"))
@@ -126,7 +142,7 @@ def append(path: str, values: np.ndarray) -> None:
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         size = os.fstat(fd).st_size
-        head = os.pread(fd, len(MAGIC), 0) if size else b""
+        head = MAGIC if path in _checked or not size else os.pread(fd, len(MAGIC), 0)
         if size and head != MAGIC:
             if size >= 8:  # the format before: rewritten whole, with these
                 os.close(fd)
@@ -146,6 +162,9 @@ def append(path: str, values: np.ndarray) -> None:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, size)
             raise
+        if len(_checked) >= 4096:  # (partitions come and go: a path forgotten is only read once more)
+            _checked.clear()
+        _checked.add(path)
     finally:
         if fd >= 0:
             os.close(fd)
