@@ -1,6 +1,6 @@
 """What one small request costs: latency against a raw socket round trip, CPU per request.
 
-    python -m benchmarks.request_cost [--count N] [--rounds R] [--json PATH]
+    python -m benchmarks.request_cost [--count N] [--rounds R] [--only CASES] [--pin one|two] [--json PATH]
 
 A local dock (a controller daemon hosting a warehouse, and a second warehouse)
 and one synchronous client in this process, one request in flight:
@@ -21,7 +21,11 @@ this client (``/proc`` counters around the timed loop; the client's includes
 the up-to-200 µs spin of a same-host call waiting for its reply). The best of
 ``rounds`` rounds (fresh docks) is kept per case, as for the echo: on a shared
 VM the figures are bimodal, depending on where the scheduler puts the
-processes.
+processes. ``--pin`` takes the scheduler's choice away: ``one`` puts the
+daemons, the client and the echo on CPU 0 (they take turns: latency is the
+sum of both sides' CPU), ``two`` the daemons on CPU 0 and the client on CPU 1
+(a daemon's work after its reply overlaps the client's). ``--only`` runs
+some of the cases.
 """
 
 from __future__ import annotations
@@ -40,7 +44,13 @@ from .controller_load.procstat import cpu_seconds
 CASES = ("get@controller", "get@warehouse", "get@controller/tcp", "put@controller", "put@warehouse", "ping")
 
 
-def _run_cases(count: int, tcp: bool) -> dict[str, dict[str, float]]:
+def _pin(pid: int, cpu: int) -> None:
+    """Every thread of process `pid` on CPU `cpu` (threads it starts later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), {cpu})
+
+
+def _run_cases(count: int, tcp: bool, only: frozenset[str] | None = None, pin: str = "") -> dict[str, dict[str, float]]:
     import torch
 
     import dockd
@@ -50,10 +60,16 @@ def _run_cases(count: int, tcp: bool) -> dict[str, dict[str, float]]:
     with dockd.start_local(num_warehouses=2) as cl:
         ctl_pid, wh_pid = cl.procs[0].pid, cl.procs[1].pid
         pids = {"controller": ctl_pid, "warehouse": wh_pid}
+        if pin:  # the daemons on CPU 0; this client there too ("one") or on CPU 1 ("two")
+            for p in pids.values():
+                _pin(p, 0)
+            _pin(os.getpid(), 0 if pin == "one" else 1)
         sample = {"tokens": torch.randint(0, 1000, (1, 512)), "logp": torch.randn(1, 512), "reward": [1.0]}
         tiny = torch.zeros(count + 200, 64, dtype=torch.uint8)
 
         def timed(name: str, fn) -> None:
+            if only is not None and name not in only:
+                return
             for _ in range(min(200, count)):
                 fn()
             lat = []
@@ -92,31 +108,42 @@ def _run_cases(count: int, tcp: bool) -> dict[str, dict[str, float]]:
     return out
 
 
-def _child(count: int, tcp: bool) -> None:
-    print(json.dumps(_run_cases(count, tcp)))
+def _child(count: int, tcp: bool, only: frozenset[str] | None, pin: str) -> None:
+    print(json.dumps(_run_cases(count, tcp, only, pin)))
 
 
-def _cases_in_child(count: int, tcp: bool) -> dict[str, dict[str, float]]:
+def _cases_in_child(count: int, tcp: bool, only: frozenset[str] | None = None,
+                    pin: str = "") -> dict[str, dict[str, float]]:
     """One round in a fresh process (DOCKD_TRANSPORT is read when a client is made)."""
     import subprocess
 
     env = dict(os.environ)
     if tcp:
         env["DOCKD_TRANSPORT"] = "tcp"
-    res = subprocess.run([sys.executable, "-m", "benchmarks.request_cost", "--child", str(count)] + (["--tcp"] if tcp else []),
+    args = ["--child", str(count)] + (["--tcp"] if tcp else []) + (["--only", ",".join(sorted(only))] if only else []) \
+        + (["--pin", pin] if pin else [])
+    res = subprocess.run([sys.executable, "-m", "benchmarks.request_cost", *args],
                          env=env, capture_output=True, text=True, timeout=600)
     if res.returncode:
         raise RuntimeError(f"request_cost round failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def measure(count: int, rounds: int) -> dict[str, Any]:
-    echo = {fam: min((echo_round(fam, count) for _ in range(rounds)), key=lambda r: r["p50_us"])
-            for fam in ("unix", "tcp")}
+def measure(count: int, rounds: int, only: frozenset[str] | None = None, pin: str = "") -> dict[str, Any]:
+    cpus = os.sched_getaffinity(0)
+    if pin == "one":  # (the echo's server inherits it: both ends on CPU 0, as the dock's)
+        os.sched_setaffinity(0, {0})
+    try:
+        echo = {fam: min((echo_round(fam, count) for _ in range(rounds)), key=lambda r: r["p50_us"])
+                for fam in ("unix", "tcp")}
+    finally:
+        os.sched_setaffinity(0, cpus)
     best: dict[str, dict[str, float]] = {}
     for _ in range(rounds):
         for tcp in (False, True):
-            for name, fig in _cases_in_child(count, tcp).items():
+            if only is not None and not any(name.endswith("/tcp") == tcp for name in only):
+                continue
+            for name, fig in _cases_in_child(count, tcp, only, pin).items():
                 if name not in best or fig["p50_us"] < best[name]["p50_us"]:
                     best[name] = fig
     for name, fig in best.items():
@@ -144,14 +171,21 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.request_cost", description=__doc__.split("\n")[0])
     ap.add_argument("--count", type=int, default=3000, help="timed requests per case (default 3000)")
     ap.add_argument("--rounds", type=int, default=3, help="fresh docks per case; the best is kept (default 3)")
+    ap.add_argument("--only", help=f"comma-separated cases to run (default all: {','.join(CASES)})")
+    ap.add_argument("--pin", choices=("one", "two"), default="",
+                    help="the daemons on CPU 0, the client there too (one) or on CPU 1 (two); default: the scheduler's "
+                         "choice, which moves between rounds (the echo is pinned to CPU 0 with `one` only)")
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--tcp", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    only = frozenset(args.only.split(",")) if args.only else None
+    if only is not None and not only <= set(CASES):
+        ap.error(f"--only: unknown case(s) {', '.join(sorted(only - set(CASES)))}; the cases are {', '.join(CASES)}")
     if args.child:
-        _child(args.child, args.tcp)
+        _child(args.child, args.tcp, only, args.pin)
         return
-    res = measure(args.count, args.rounds)
+    res = measure(args.count, args.rounds, only, args.pin)
     print(table(res))
     if args.json:
         with open(args.json, "w") as f:
