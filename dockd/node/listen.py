@@ -29,7 +29,7 @@ import ssl
 from collections.abc import Callable
 from pathlib import Path
 
-from dockd import config
+from dockd import config, owners
 from dockd._proto import dockd_pb2 as pb
 from dockd.config import NodeConfig
 from dockd.logutil import Throttle
@@ -97,7 +97,10 @@ class Keys:
                 "[auth] this warehouse has no daemon token to prove to the controller at %s: give it "
                 "--daemon-token-file FILE, the file the controller was started with (clients never get it). The "
                 "dock's token alone does not make a daemon; only a warehouse on the controller's own host finds the "
-                "controller's secret by itself", self.cfg.join)
+                "controller's secret by itself%s", self.cfg.join,
+                "" if not all(owners.is_loopback(a.rpartition(":")[0]) for a in self.cfg.join_addresses) else
+                "; and no controller of this user listens on this host at that port: is it a warehouse's? --join "
+                "names the controller's HOST:PORT")
         return key
 
 

@@ -19,7 +19,7 @@ from dockd import owners
 from dockd._proto import dockd_pb2 as pb
 from dockd.config import NodeConfig
 from dockd.controller.service import ControllerService
-from dockd.errors import DockAuthError, DockConnectionError, DockError
+from dockd.errors import DockAuthError, DockConfigError, DockConnectionError, DockError, DockProtocolError
 from dockd.net import tls, wire
 from dockd.net.peer import Peer
 from dockd.net.wire import PROTOCOL_VERSION
@@ -203,21 +203,35 @@ async def discover_controllers(make_peer: Callable[[], Peer], addresses: list[st
         errors = []
         for address in addresses:
             host, _, port = address.rpartition(":")
+            waited = "connecting"
             try:
                 _, peer = await asyncio.wait_for(open_link(make_peer, host, int(port), link_tls), 5.0)
                 try:
                     assert peer.authed is not None  # (an outgoing connection's, made once it connected)
+                    waited = "its handshake"
                     await asyncio.wait_for(peer.authed, 10.0)
+                    waited = "its answer"
                     reply, _ = await asyncio.wait_for(
                         peer.request(pb.Frame(hello=pb.Hello(client="warehouse", protocol=wire.PROTOCOL_VERSION))), 10.0)
                 finally:
                     peer.close()
                 hello = reply.hello_reply  # (no controllers: the dock's only controller)
+                if not hello.hosts_controller:
+                    raise DockConfigError(
+                        f"--join {address}: that is a dockd warehouse, not a controller; "
+                        + (f"join its controller: --join {hello.controller}" if hello.controller
+                           else "join the controller's HOST:PORT"))
                 return list(hello.controllers) or [address], owners.shards_from(hello.shards)
-            except DockAuthError:
+            except (DockAuthError, DockConfigError):
                 raise
-            except (DockError, OSError, asyncio.TimeoutError) as e:
-                errors.append(f"{address}: {e or 'timed out'}" if len(addresses) > 1 else str(e or "timed out"))
+            except DockProtocolError as e:  # it answered, but not as a dockd daemon of this version: it never will
+                raise DockProtocolError(f"--join {address}: {e}; is it a dockd controller's --port?") from None
+            except asyncio.TimeoutError:  # (a dockd daemon greets a connection at once, and answers a Hello)
+                errors.append(f"{address}: no dockd greeting within 5 s (it accepted the connection, or never "
+                              "answered it): is it a dockd controller's --port?" if waited == "connecting" else
+                              f"{address}: no answer to {waited} within 10 s")
+            except (DockError, OSError) as e:
+                errors.append(f"{address}: {e or type(e).__name__}" if len(addresses) > 1 else str(e or type(e).__name__))
         now = time.monotonic()
         which = (f"the controller at {addresses[0]}" if len(addresses) == 1 else
                  f"any of the controllers at {', '.join(addresses)}")
