@@ -138,7 +138,7 @@ def apply_run(svc: _Service, run: list[pb.CommitRequest], reply: pb.CommitBatchR
         svc.check_owner(partition)
         with ahead(journal):
             if journal is not None:
-                journal.room()
+                journal.room(adds=not all(r.block for r in run))  # (block commits: their grant added their samples)
             if first.indexes:
                 named = [r.indexes[:] for r in run]  # (lists of ints: what the record packs; the arrays, from them)
                 written = [np.array(ix, dtype=np.int64) for ix in named]

@@ -221,10 +221,13 @@ class Journal(RecordWriter):
         return core, warehouses
 
     # -- room --------------------------------------------------------------------------------
-    def room(self) -> None:
+    def room(self, adds: bool = True) -> None:
         """Raise DockStateFull unless a request that adds to the dock may be decided now: the
-        journal takes records and has `_MARGIN` bytes reserved ahead (reserving more if need be)."""
-        if self.broken is None and (self.reserved - self.size >= _MARGIN or self._reserve(_MARGIN)):
+        journal takes records and has `_MARGIN` bytes reserved ahead (reserving more if need be).
+        `adds` False: a request that writes samples the dock holds already (a block commit, whose
+        samples its grant added; its put was answered), which the margin is kept for: refused only
+        while the journal takes no records."""
+        if self.broken is None and (not adds or self.reserved - self.size >= _MARGIN or self._reserve(_MARGIN)):
             return
         raise self._refuse()
 

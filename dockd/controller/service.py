@@ -322,7 +322,7 @@ class ControllerService:
         columns = req.columns[:]
         with ahead(journal):
             if journal is not None and not applied:  # written ahead: a commit the journal cannot take is not applied
-                journal.room()
+                journal.room(adds=not req.block)  # (a block commit's samples were added by its grant)
                 journal.commit(partition, columns, wid, indexes, req.new_count, gs, req.nbytes, put_id, tags, token,
                                away)
             idx = core.commit(partition, columns, warehouse=wid, indexes=indexes, new_count=req.new_count,

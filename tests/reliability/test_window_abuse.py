@@ -64,8 +64,6 @@ def _read_once(d: dockd.Dock, partition: str, want: dict[int, int], wait: float 
     assert got == want
 
 
-@pytest.mark.xfail(strict=True, reason="the warehouse frees a put answered before its commit when that commit meets "
-                   "a full state dir (DockStateFull, nothing applied): acknowledged samples lost")
 def test_puts_answered_before_a_full_state_dir_are_kept_until_it_has_room(tmp_path, small_fs, docks):  # noqa: F811
     """A block granted before the state dir filled up: puts taking indexes from it are answered, and their
     commits then meet the full disk. They must wait for room, not be dropped: they were acknowledged."""
