@@ -27,7 +27,7 @@ abstract Unix socket (SCM_RIGHTS); nothing has a name, so nothing can leak.
   for its reply (`ShmTransport.idle`), or by the flusher: not by the code that
   dropped the last value, which is most often about to make that call (a get's
   loop rebinding its batch). Unmapping 1 MiB costs ~30 us on a 2-core VM. With
-  `KEEP_MAPPINGS` bytes, a mapping none of whose pages was written is kept
+  `DOCKD_KEEP_MAPPINGS` bytes (ClientConfig.keep_mappings), a mapping none of whose pages was written is kept
   instead (its segment unpinned all the same) and maps that segment again when
   a later reply passes it, without the page faults of a fresh mapping
   (`dockd.net.reply_maps`).
@@ -71,7 +71,6 @@ SHM_MIN_BODY = 256 << 10   # puts at least this big go through a memfd
 SHM_MIN_VALUE = 64 << 10   # runs of stored values at least this big are passed by descriptor ...
 SHM_COPY_REPLY = 256 << 10  # ... in a reply with more bytes of them than this (fewer: copied, which costs less)
 SEND_BUFFER = 1 << 20      # the daemon's send buffer per same-host connection (the kernel doubles it)
-KEEP_MAPPINGS = 0          # bytes of reply mappings a client keeps once their values are gone (0: none)
 MAX_FDS = 253              # SCM_MAX_FD
 _ANC = socket.CMSG_SPACE(MAX_FDS * 4) if hasattr(socket, "CMSG_SPACE") else 0
 MSG_CTRUNC = int(socket.MSG_CTRUNC)
@@ -136,7 +135,7 @@ class ShmTransport(Transport):
         self._unpins: list[int] = []  # segments of this daemon we no longer map, to tell it
         self._released: list[tuple[np.ndarray, tuple[int, Ident] | None]] = []  # mappings whose values are
         # gone, for `idle` to unmap (or keep: with the segment id and identity of one that `maps` gave)
-        self.maps = ReplyMaps(KEEP_MAPPINGS)
+        self.maps = ReplyMaps(ctx.config.keep_mappings)
         self._closed = False  # (then no call comes: a mapping is unmapped once its values are gone)
         self._lock = threading.Lock()
 

@@ -11,6 +11,8 @@ import pytest
 
 from dockd import codec
 from dockd._proto import dockd_pb2 as pb
+from dockd.config import ClientConfig
+from dockd.errors import DockValueError
 from dockd.net import memfd, same_host
 from dockd.net.reply_maps import ReplyMaps
 from dockd.net.transport import Context, Endpoint, Reply
@@ -28,9 +30,8 @@ def maps_of(seg: memfd.Segment) -> int:
 
 
 @pytest.fixture
-def transport(monkeypatch):
-    monkeypatch.setattr(same_host, "KEEP_MAPPINGS", 4 * SIZE)
-    t = same_host.ShmTransport(Endpoint("127.0.0.1", 1, unix="x"), Context())
+def transport():
+    t = same_host.ShmTransport(Endpoint("127.0.0.1", 1, unix="x"), Context(config=ClientConfig(keep_mappings=4 * SIZE)))
     yield t
     t.close()
 
@@ -98,3 +99,13 @@ def test_a_segment_bigger_than_the_budget_or_runs_past_its_end_is_mapped_as_befo
     seg = memfd.Segment.create(SIZE)
     assert transport.maps.map(seg.fd, seg.sid, SIZE + 1) is None
     assert transport.maps.map(seg.fd, 0, SIZE) is None  # (no segment id: nothing to unpin it by)
+
+
+def test_the_budget_comes_from_dockd_keep_mappings_and_is_off_by_default(monkeypatch):
+    monkeypatch.delenv("DOCKD_KEEP_MAPPINGS", raising=False)
+    assert ClientConfig.from_env().keep_mappings == 0
+    monkeypatch.setenv("DOCKD_KEEP_MAPPINGS", str(64 << 20))
+    assert ClientConfig.from_env().keep_mappings == 64 << 20
+    monkeypatch.setenv("DOCKD_KEEP_MAPPINGS", "nan")
+    with pytest.raises(DockValueError, match="DOCKD_KEEP_MAPPINGS"):
+        ClientConfig.from_env()
