@@ -166,7 +166,7 @@ class ControllerService:
         core, records = self.journal.load(lease_timeout=self.core.lease_timeout, now=self.clock())
         core.max_samples = self.core.max_samples
         self._adopt(core)
-        self.leasing.ticket_key = ticket_key(self.journal.dir)
+        self.leasing.set_ticket_key(ticket_key(self.journal.dir))
         self.members.restore(records)
         self.leasing.schedule_expiry()
         self.replication.start()

@@ -63,7 +63,7 @@ class Leasing:
         self.pacer = pacer
         self.calls = calls
         self.sessions: dict[bytes, set[Peer]] = {}  # client session -> its connections (leases belong to sessions)
-        self.ticket_key = secrets.token_bytes(32)
+        self._keyed = hashlib.blake2b(key=secrets.token_bytes(32), digest_size=16)  # (see `ticket`)
         self.expired = 0  # leases that expired unconfirmed
         self._expiry: Timer | None = None
         self._expiry_at = float("inf")
@@ -80,9 +80,16 @@ class Leasing:
             self.sessions.setdefault(sid, set()).add(peer)
         return sid
 
+    def set_ticket_key(self, key: bytes) -> None:
+        """Sign tickets with `key` (one kept in the state dir, so that tickets outlive a restart)."""
+        self._keyed = hashlib.blake2b(key=key, digest_size=16)
+
     def ticket(self, lease_id: int) -> bytes:
-        """The hand-over proof for a lease: whoever holds it may confirm, release or extend it."""
-        return hashlib.blake2b(lease_id.to_bytes(8, "little"), key=self.ticket_key, digest_size=16).digest()
+        """The hand-over proof for a lease: whoever holds it may confirm, release or extend it (a keyed
+        blake2b of its id: the keyed state is made once and copied, ~0.3 us less a lease than keying anew)."""
+        h = self._keyed.copy()
+        h.update(lease_id.to_bytes(8, "little"))
+        return h.digest()
 
     def owned(self, peer: Peer, lease_id: int, ticket: bytes) -> Lease | None:
         """The lease if this peer may act on it; None if it is gone; raises DockLeaseError if it is another's."""
