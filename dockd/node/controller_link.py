@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import functools
 import itertools
 import logging
@@ -48,12 +47,13 @@ from dockd.errors import (
     DockConnectionError,
     DockError,
     DockProtocolError,
+    DockStateFull,
     DockTimeout,
-    from_status,
 )
 from dockd.net import tls
 from dockd.net.peer import Peer
 from dockd.node.dial import open_link
+from dockd.node.link_commits import Pending, expire, free_cleared, hold, outcome_of
 from dockd.terms import CommitOutcome
 from dockd.warehouse.blocks import Blocks
 
@@ -66,36 +66,6 @@ BATCH_BYTES = 4 << 20  # bytes of commits a batch collects before it goes (besid
 #: measures coalescing against); unset or 1: coalesced
 COALESCE = env("DOCKD_COMMIT_BATCH", "1") != "0"
 
-
-
-def outcome_of(reply: pb.CommitReply) -> CommitOutcome:
-    """A commit's answer (`CommitReply`) as its outcome: the error its status carries, else the indexes,
-    whether another warehouse holds a re-sent put's values, and where to copy the put."""
-    if reply.status.code != pb.OK:
-        return CommitOutcome(error=from_status(reply.status))
-    return CommitOutcome(list(reply.indexes), stored=reply.stored, cleared=reply.cleared,
-                         replica=reply.replica if reply.HasField("replica") else None)
-
-
-def _free_cleared(names, on_drop: Callable[[str], object], *, restarted: bool) -> None:
-    """Free the partitions a rejoin's answer says the dock cleared while this warehouse and its controller
-    were apart (`restarted`: this process's first join, on its data dir: the warehouse was the one down)."""
-    for name in names:
-        logger.info("[link] freeing partition=%s: the dock cleared it while %s", name,
-                    "this warehouse was down (it restarted on its data dir)" if restarted else
-                    "this warehouse was cut off from the controller")
-        on_drop(name)
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _Pending:
-    req: pb.CommitRequest
-    fut: asyncio.Future
-    limit: float                      # seconds this commit may wait for an absent controller
-    sent: asyncio.Future | None = None  # the request on the wire (done the moment its reply is read)
-    slot: int = -1                      # its place in the CommitBatch that carried it (-1: sent alone)
-    timer: asyncio.TimerHandle | None = None
-    windowed: bool = False              # its put was answered already (--commit-window): it never expires
 
 
 class ControllerLink:
@@ -128,15 +98,16 @@ class ControllerLink:
         self.window = window
         self.blocks = Blocks()  # blocks of new indexes this warehouse hands out (--commit-window)
         self.grants = False     # the controller grants blocks (RegisterReply.blocks)
-        self._window: list[_Pending] = []  # commits of answered puts, waiting for the window to go
+        self._window: list[Pending] = []  # commits of answered puts, waiting for the window to go
         self._window_at: asyncio.TimerHandle | None = None
         self.peer: Peer | None = None
         self.wid = -1
         self._joined_once = False  # a join of this process was answered (a later one is a rejoin after a lost link)
         self.joined = asyncio.Event()
         self._lost = asyncio.Event()
-        self._pending: dict[int, _Pending] = {}  # put_id -> commit waiting for its reply, in order
-        self._queue: collections.deque[_Pending] = collections.deque()  # joined: not sent yet (the next batch)
+        self._pending: dict[int, Pending] = {}  # put_id -> commit waiting for its reply, in order
+        self._queue: collections.deque[Pending] = collections.deque()  # joined: not sent yet (the next batch)
+        self._held = 0  # commits at the head of _queue held for a full state dir (`_hold`)
         self._flush_at: asyncio.Handle | None = None
         self.in_flight = commits_in_flight()  # (read at start: a bad value stops the daemon there, with its name)
         self._out: set[asyncio.Future] = set()  # commit messages sent by _flush, not answered yet (in_flight)
@@ -204,6 +175,7 @@ class ControllerLink:
                            "they go with this warehouse's values", early, self.address)
         self._pending.clear()
         self._queue.clear()
+        self._held = 0
         self._window.clear()
 
     def connection_lost(self, peer: Peer) -> None:
@@ -322,15 +294,16 @@ class ControllerLink:
         self.registration.ClearField("lost")  # (files its data dir dropped at start: told to the first answered
         self.registration.lost_unknown = False  # join only; a later rejoin must not lose values written since)
         logger.info("[link] joined controller=%s warehouse=%d rejoin=%s", self.address, out.id, rejoin)
-        _free_cleared(out.drop, self.on_drop, restarted=rejoin and not self._joined_once)
+        free_cleared(out.drop, self.on_drop, restarted=rejoin and not self._joined_once)
         self._joined_once = True
         if rejoin:
+            self._queue.clear()  # (every commit queued before the rejoin went with it)
+            self._held = 0
+            self._window.clear()
             for (_, p), res in zip(pending, out.pending):
                 if p.timer is not None:
                     p.timer.cancel()
                 self._resolve(p, outcome_of(res))
-            self._queue.clear()  # (every commit queued before the rejoin went with it)
-            self._window.clear()
         self._out.clear()  # (what was on its way went over the connection lost)
 
     # -- commits ----------------------------------------------------------------------------------
@@ -340,7 +313,7 @@ class ControllerLink:
         was lost."""
         req.put_id = self.next_put_id()
         fut = asyncio.get_running_loop().create_future()
-        p = _Pending(req, fut, min(limit, self.grace) if limit >= 0 else self.grace)
+        p = Pending(req, fut, min(limit, self.grace) if limit >= 0 else self.grace)
         self._pending[req.put_id] = p
         if self.joined.is_set():
             self._enqueue(p)
@@ -350,7 +323,7 @@ class ControllerLink:
             self._arm(p)
         return fut
 
-    def _enqueue(self, p: _Pending) -> None:
+    def _enqueue(self, p: Pending) -> None:
         """Queue a commit for the batch that goes at the end of this turn of the loop, with every other
         commit of the puts read in the same turn, or (in_flight batches unanswered) with the next answer."""
         if not COALESCE:
@@ -368,7 +341,7 @@ class ControllerLink:
             return  # the rejoin sends them (RegisterWarehouse.pending)
         if self.in_flight and len(self._out) >= self.in_flight:
             return  # they go once one of those is answered (_sent_answered)
-        out: list[_Pending] = []
+        out: list[Pending] = []
         size = 0
         while self._queue and len(out) < limits.MAX_COMMIT_BATCH and size < BATCH_BYTES:
             p = self._queue.popleft()
@@ -401,7 +374,7 @@ class ControllerLink:
         if self._queue and self._flush_at is None:
             self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
 
-    def _batch_answered(self, out: list[_Pending], f: asyncio.Future) -> None:
+    def _batch_answered(self, out: list[Pending], f: asyncio.Future) -> None:
         exc = f.exception() if not f.cancelled() else DockConnectionError("commit cancelled")
         if not isinstance(exc, DockConnectionError):  # (the link is down: they go out again with the rejoin)
             results = f.result()[0].commits_reply.results if exc is None else ()
@@ -415,14 +388,16 @@ class ControllerLink:
                 else:
                     self._resolve(p, outcome_of(results[slot]))
 
-    def _send_alone(self, p: _Pending) -> None:
+    def _send_alone(self, p: Pending) -> None:
         assert self.peer is not None  # (joined, or its batch was just answered on it)
         p.slot = -1
         p.req.warehouse = self.wid
         p.sent = self.peer.request(pb.Frame(commit=p.req))
         p.sent.add_done_callback(functools.partial(self._committed, p))
 
-    def _resolve(self, p: _Pending, outcome: CommitOutcome) -> None:
+    def _resolve(self, p: Pending, outcome: CommitOutcome) -> None:
+        if p.windowed and isinstance(outcome.error, DockStateFull):
+            return hold(self, p, outcome.error)
         if self._pending.get(p.req.put_id) is p:
             del self._pending[p.req.put_id]
         if not p.fut.done():
@@ -442,25 +417,15 @@ class ControllerLink:
         results = sent.result()[0].commits_reply.results
         return p.slot < len(results) and not results[p.slot].wait and results[p.slot].status.code == pb.OK
 
-    def _committed(self, p: _Pending, f: asyncio.Future) -> None:
+    def _committed(self, p: Pending, f: asyncio.Future) -> None:
         exc = f.exception() if not f.cancelled() else DockConnectionError("commit cancelled")
         if isinstance(exc, DockConnectionError):
             return  # the link is down: it stays pending and goes out again with the rejoin
         self._resolve(p, CommitOutcome(error=exc) if exc is not None else outcome_of(f.result()[0].commit_reply))
 
-    def _arm(self, p: _Pending) -> None:
+    def _arm(self, p: Pending) -> None:
         if p.timer is None and not p.fut.done() and not p.windowed:
-            p.timer = asyncio.get_running_loop().call_later(p.limit, self._expire, p)
-
-    def _expire(self, p: _Pending) -> None:
-        p.timer = None
-        if self.joined.is_set() or p.fut.done():
-            return
-        self._pending.pop(p.req.put_id, None)
-        p.fut.set_result(CommitOutcome(error=DockConnectionError(
-            f"the controller at {self.address} has been unreachable for {p.limit:g}s, so this put could not be "
-            "committed and was not stored; retry it once the controller is back"
-        )))
+            p.timer = asyncio.get_running_loop().call_later(p.limit, expire, self, p)
 
     # -- puts answered before their commit (--commit-window) -------------------------------------------
     def commit_windowed(self, req: pb.CommitRequest) -> asyncio.Future:
@@ -468,7 +433,7 @@ class ControllerLink:
         window; resolves to its outcome. It waits for the controller as long as it takes, re-sent on rejoin."""
         req.put_id = req.put_id or self.next_put_id()
         fut = asyncio.get_running_loop().create_future()
-        p = _Pending(req, fut, math.inf, windowed=True)
+        p = Pending(req, fut, math.inf, windowed=True)
         self._pending[req.put_id] = p
         self._window.append(p)
         if len(self._window) >= limits.MAX_COMMIT_BATCH:

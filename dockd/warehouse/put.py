@@ -39,7 +39,7 @@ import numpy as np
 
 from dockd import limits, runcheck
 from dockd._proto import dockd_pb2 as pb
-from dockd.errors import DockAuthError, DockError, DockProtocolError, DockStateFull
+from dockd.errors import DockAuthError, DockError, DockProtocolError
 from dockd.logutil import Throttle
 from dockd.net import memfd
 from dockd.net.peer import Peer
@@ -68,9 +68,6 @@ WRITE_OFF_LOOP = 16 << 20
 thread before its commit (a 512 MiB put held the event loop for about 2 s on a VM's disk); the loop
 then writes only the header. Smaller puts are written whole after the commit, on the loop."""
 
-STATE_FULL_RETRY_S = 1.0
-"""Seconds between sends of the commit of a put answered before it while the controller's state dir is full."""
-_full_log = Throttle()  # (every commit meets the full state dir until it has room)
 _copy_failures = Throttle()  # (every put fails its copy while the second warehouse is down or full)
 
 
@@ -300,31 +297,23 @@ class PutPipeline:
         if put.rest is not None:
             put.rest()
         file = put.room.file if put.room is not None else ""
-        self.committer.commit_windowed(commit, functools.partial(self._settled, commit, idx, file))
+        self.committer.commit_windowed(commit, functools.partial(self._settled, commit.partition, idx, file))
 
     def recover(self, uncommitted: list[tuple[str, pb.CommitRequest]]) -> None:
         """The puts answered before their commit that the data dir's files keep, their commit not known
         answered: committed again (with the first registration), their outcome taken as any such put's."""
         for file, commit in uncommitted:
             idx = np.asarray(commit.indexes, dtype=np.int64)
-            self.committer.recover(commit, functools.partial(self._settled, commit, idx, file))
+            self.committer.recover(commit, functools.partial(self._settled, commit.partition, idx, file))
 
-    def _settled(self, commit: pb.CommitRequest, idx: np.ndarray, file: str, res: CommitOutcome) -> None:
+    def _settled(self, partition: str, idx: np.ndarray, file: str, res: CommitOutcome) -> None:
         """The outcome of a put answered before its commit: its values are freed if the controller did not
         record them (its samples were cleared or deleted meanwhile, or it refused the commit); else its
-        data dir `file` (if any) is recorded committed. A commit the controller could not record for a full
-        state dir (nothing applied) is sent again every STATE_FULL_RETRY_S: the put was answered."""
-        partition = commit.partition
+        data dir `file` (if any) is recorded committed. (One the controller could not record for a full state
+        dir never comes here: the link sends it again, ahead of those made since: `link_commits.hold`.)"""
         if res.error is None and not res.cleared:
             if file and self.data_dir is not None:
                 self.data_dir.committed(file)
-            return
-        if isinstance(res.error, DockStateFull):
-            _full_log.log(logger, logging.WARNING, "[warehouse] the commit of a put answered before it waits for room "
-                          "in the controller's state dir partition=%s samples=%d: %s", partition, len(idx), res.error)
-            asyncio.get_running_loop().call_later(
-                STATE_FULL_RETRY_S, self.committer.commit_windowed, commit,
-                functools.partial(self._settled, commit, idx, file))
             return
         if res.error is not None:
             logger.error("[warehouse] the controller refused the commit of a put answered before it partition=%s "

@@ -10,7 +10,8 @@ import pytest
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.config import commits_in_flight
-from dockd.errors import DockConnectionError, DockValueError
+from dockd.errors import DockConnectionError, DockStateFull, DockValueError
+from dockd.node import link_commits
 from dockd.node.controller_link import ControllerLink
 
 
@@ -98,6 +99,33 @@ def test_a_lost_connection_frees_the_window_and_without_a_bound_each_turn_goes_a
         _commit(link, 4)
         await _turn()
         assert [wire.commits_of(k) for k in range(len(wire.sent))] == [[1], [2], [3], [4]]
+
+    asyncio.run(main())
+
+
+def test_a_windowed_commit_refused_for_a_full_state_dir_goes_again_ahead_of_those_made_since(monkeypatch):
+    """Its put was answered: it is neither dropped nor overtaken (the controller drops the blocks a warehouse
+    moved past, so a later block's commit applied first would have it cleared)."""
+    monkeypatch.setattr(link_commits, "STATE_FULL_RETRY_S", 0.05)
+
+    async def main():
+        link, wire = _link()
+        link.window = 0.001
+        a = link.commit_windowed(pb.CommitRequest(partition="p", columns=["x"], new_count=1, block=1))
+        await asyncio.sleep(0.01)
+        assert [wire.commits_of(k) for k in range(len(wire.sent))] == [[1]]
+        wire.sent[0][1].set_exception(DockStateFull("the state dir is full"))
+        await _turn()
+        b = link.commit_windowed(pb.CommitRequest(partition="p", columns=["x"], new_count=2, block=2))
+        await asyncio.sleep(0.005)  # (b's window goes)
+        c = _commit(link, 3)
+        await asyncio.sleep(0.02)
+        assert len(wire.sent) == 1 and not a.done() and not b.done()  # (held, and the later ones behind it)
+        await asyncio.sleep(0.06)
+        assert [wire.commits_of(k) for k in range(len(wire.sent))] == [[1], [1, 2, 3]]
+        wire.answer(1, 0)
+        await _turn()
+        assert [f.result().indexes for f in (a, b, c)] == [[0], [1, 2], [3, 4, 5]]
 
     asyncio.run(main())
 
