@@ -15,14 +15,14 @@ logger = logging.getLogger(__name__)
 def drop_blocks(core: Controller, journal: Journal | None, ids: Iterable[int], why: str, *,
                 quiet: bool = False) -> set[str]:
     """Drop blocks (journaled; their unwritten samples deleted); returns their partitions, whose waiting
-    gets may end now. `quiet`: the routine drop of blocks written in full, logged at debug level and journaled
-    with the next record."""
+    gets may end now. `quiet`: a routine drop (blocks written in full, or moved past by their owner), logged at
+    debug level, and journaled with the next record when it deletes nothing."""
     dropped, deleted = core.drop_blocks(list(ids))
     if not dropped:
         return set()
     if journal is not None:
         journal.blocks_dropped([b.id for b in dropped], hold=quiet and not deleted)
-    logger.log(logging.DEBUG if quiet and not deleted else logging.INFO,
+    logger.log(logging.DEBUG if quiet else logging.INFO,
                "[controller] blocks dropped blocks=%s samples_deleted=%d reason=%r", [b.id for b in dropped], deleted,
                why)
     return {b.partition for b in dropped}

@@ -136,12 +136,12 @@ class Blocking:
                     req.block, req.partition, req.warehouse, len(req.indexes), len(idx))
         return CommitOutcome(cleared=True)
 
-    def written_out(self, commits) -> None:
+    def written_out(self, commits, results) -> None:
         """After a batch of commits is applied: drop the blocks it wrote to that have no sample left unwritten.
         Nothing of them is to delete, their owner hands out no more of them, and a re-send of one of their
         commits is judged applied (`blocks.judge`): kept, they would only grow the registry (and each
         snapshot) with a stream that is never sealed. A block with a hole (a put that did not fit its rest,
-        or failed to store) waits for its owner's rejoin or the seal as before."""
+        or failed to store) goes once its owner commits to a later block (`passed`)."""
         named = {c.block for c in commits}
         named.discard(0)
         get, partitions = self.core.blocks.by_id.get, self.core.partitions
@@ -149,6 +149,16 @@ class Blocking:
                 if (b := get(bid)) is not None and blocks.written_out(partitions.get(b.partition), b)]
         if done:
             drop_blocks(self.core, self.journal, done, "written in full", quiet=True)
+        self.passed([(c.block, c.warehouse, c.partition) for c, r in zip(commits, results)
+                     if c.block and r.status.code == pb.OK and not r.wait and not r.cleared])
+
+    def passed(self, applied) -> None:
+        """After block commits were applied (each as its block, warehouse and partition): drop the blocks their
+        owners moved past (`blocks.passed`): what is left unwritten of them is holes. Only applied ones: a
+        commit refused (a full state dir) goes again, ahead of its owner's later ones (`link_commits.hold`)."""
+        ids = blocks.passed(self.core.blocks, applied)
+        if ids:
+            self._wake(drop_blocks(self.core, self.journal, ids, "its owner commits to a later block", quiet=True))
 
     # -- membership -----------------------------------------------------------------------------
     def registered(self, wid: int, req: pb.RegisterWarehouse, same_instance: bool) -> None:

@@ -49,6 +49,7 @@ class Blocks:
     def __init__(self) -> None:
         self.by_id: dict[int, Block] = {}
         self.next_id = 1
+        self.owned: dict[tuple[int, str], list[int]] = {}  # (owner, partition) -> its blocks' ids, in grant order
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -59,6 +60,10 @@ class Blocks:
     def add(self, block: Block) -> None:
         self.by_id[block.id] = block
         self.next_id = max(self.next_id, block.id + 1)
+        ids = self.owned.setdefault((block.owner, block.partition), [])
+        ids.append(block.id)
+        if len(ids) > 1 and ids[-2] > block.id:  # (a snapshot's or a replay's order: kept sorted)
+            ids.sort()
 
     def holds(self, block_id: int, warehouse: int, partition: str, indexes: Sequence[int]) -> bool:
         """Whether a commit of samples `indexes` of `partition` by `warehouse` names a block it holds and only
@@ -76,12 +81,18 @@ class Blocks:
 
     def pop(self, ids: Iterable[int]) -> list[Block]:
         """Drop these blocks from the registry (unknown ids are skipped); returns those dropped."""
-        return [b for i in ids if (b := self.by_id.pop(i, None)) is not None]
+        out = [b for i in ids if (b := self.by_id.pop(i, None)) is not None]
+        for b in out:
+            key = (b.owner, b.partition)
+            owned = self.owned[key]
+            owned.remove(b.id)
+            if not owned:
+                del self.owned[key]
+        return out
 
     def forget_partition(self, partition: str) -> None:
         """A cleared partition's blocks go with it (their samples are gone already)."""
-        for b in self.of_partition(partition):
-            del self.by_id[b.id]
+        self.pop([b.id for b in self.of_partition(partition)])
 
     def export(self) -> dict:
         """The registry as a snapshot holds it."""
@@ -156,9 +167,13 @@ def passed(blocks: Blocks, named: Iterable[tuple[int, int, str]]) -> list[int]:
             key = (warehouse, partition)
             if block_id > newest.get(key, 0):
                 newest[key] = block_id
-    if not newest:
-        return []
-    return [b.id for b in blocks.by_id.values() if b.id < newest.get((b.owner, b.partition), 0)]
+    out: list[int] = []
+    for key, last in newest.items():
+        for block_id in blocks.owned.get(key, ()):
+            if block_id >= last:
+                break
+            out.append(block_id)
+    return out
 
 
 def owned(blocks: Blocks, block_id: int, warehouse: int, partition: str, indexes: Sequence[int]) -> Block | None:

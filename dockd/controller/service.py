@@ -241,7 +241,10 @@ class ControllerService:
         self.check_owner(req.partition)
         if then is not None and self.pacer.must_wait(req):
             return self.pacer.park(req, then, peer)
-        return self.apply_commit(req, woken)
+        out = self.apply_commit(req, woken)
+        if req.block and not out.cleared:
+            self.blocking.passed([(req.block, req.warehouse, req.partition)])
+        return out
 
     def wake(self, partitions: set[str]) -> None:
         """Retry the gets waiting on these partitions."""
@@ -272,7 +275,7 @@ class ControllerService:
                         logger.error("[controller] commit failed partition=%s warehouse=%d", req.partition,
                                      req.warehouse, exc_info=e)
                     to_status(e, out.status)
-        self.blocking.written_out(batch.commits)
+        self.blocking.written_out(batch.commits, reply.results)
         for partition in woken:
             self.waiting.wake(partition)
         return reply
