@@ -108,6 +108,7 @@ def test_status_refuses_an_interval_that_is_not_a_number():
         out.stderr
 
 
+@pytest.mark.slow
 def test_a_second_warehouse_on_a_spill_dir_is_refused_and_the_first_keeps_its_values(tmp_path):
     """Two warehouses given one --spill-dir: the second removed the first one's spill files at its start
     and wrote its own under the same names, and the first then served them as its samples' values

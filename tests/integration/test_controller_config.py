@@ -218,6 +218,7 @@ def test_agreement_takes_replicas_and_says_when_every_controller_agreed():
     assert not a.all_agree()
 
 
+@pytest.mark.slow
 def test_controllers_record_their_list_once_they_agree_and_replicas_must_match(tmp_path):
     """Controller A with --replicas 2, B with 1: both used to serve, keeping A's partitions twice and B's
     once. Now they refuse service naming --replicas, and record no list in their state dirs while they

@@ -69,6 +69,7 @@ def _listener(reply: bytes | None) -> tuple[socket.socket, threading.Thread]:
     return srv, t
 
 
+@pytest.mark.slow
 def test_a_join_at_a_listener_of_another_protocol_is_refused_at_once_and_a_silent_one_says_so():
     http, _ = _listener(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
     silent, _ = _listener(None)

@@ -64,6 +64,7 @@ def _read_once(d: dockd.Dock, partition: str, want: dict[int, int], wait: float 
     assert got == want
 
 
+@pytest.mark.slow
 def test_puts_answered_before_a_full_state_dir_are_kept_until_it_has_room(tmp_path, small_fs, docks):  # noqa: F811
     """A block granted before the state dir filled up: puts taking indexes from it are answered, and their
     commits then meet the full disk. They must wait for room, not be dropped: they were acknowledged."""
