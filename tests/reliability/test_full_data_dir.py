@@ -25,21 +25,7 @@ pytestmark = pytest.mark.timeout(240)
 ROW = 4096  # float32 values a sample: 16 KiB, four to a put
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 2 MiB tmpfs (root only), unmounted at the end."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs for the data dir needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+SMALL_FS = "2m"  # (the tmpfs of the small_fs fixture, tests/reliability/conftest.py)
 
 
 class _Dock:

@@ -239,21 +239,7 @@ def test_restored_leases_get_the_seconds_they_had_left_on_the_new_clock(tmp_path
 
 
 # -- daemons with the state dir on a small tmpfs --------------------------------------------------
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 1 MiB tmpfs (root only), unmounted at the end."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs for the state dir needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+# (small_fs: a 1 MiB tmpfs, tests/reliability/conftest.py)
 
 
 class _Dock(Procs):

@@ -14,10 +14,11 @@ import pytest
 import dockd
 from dockd.local import spawn_node
 from tests.conftest import wait_until
-from tests.reliability.test_full_data_dir import small_fs  # noqa: F401 - a fixture
 from tests.reliability.test_state_dir_full import _fill
 
 pytestmark = pytest.mark.timeout(240)
+
+SMALL_FS = "2m"  # (the tmpfs of the small_fs fixture, tests/reliability/conftest.py)
 
 
 class _Dock:
@@ -65,7 +66,7 @@ def _read_once(d: dockd.Dock, partition: str, want: dict[int, int], wait: float 
 
 
 @pytest.mark.slow
-def test_puts_answered_before_a_full_state_dir_are_kept_until_it_has_room(tmp_path, small_fs, docks):  # noqa: F811
+def test_puts_answered_before_a_full_state_dir_are_kept_until_it_has_room(tmp_path, small_fs, docks):
     """A block granted before the state dir filled up: puts taking indexes from it are answered, and their
     commits then meet the full disk. They must wait for room, not be dropped: they were acknowledged."""
     dock = docks(str(small_fs / "state"), "0.05", str(tmp_path / "data"))
