@@ -32,9 +32,11 @@ ENV_VARS = {
     "DOCKD_COMMITS_IN_FLIGHT": "warehouse daemons: commit messages on their way to the controller at once (default 1: "
                                "commits made while one is unanswered go together with its answer; 0: no bound)",
     "DOCKD_RECV_POOL_BYTES": "bytes of warm receive buffers a client keeps for large socket replies (default 1 GiB)",
-    "DOCKD_KEEP_MAPPINGS": "bytes of same-host reply mappings a client keeps once their values are gone, to map the "
-                           "segments a streaming consumer is passed again without page faults (default 0: none; "
-                           "the client's RSS counts what it keeps)",
+    "DOCKD_KEEP_MAPPINGS": "bytes of same-host reply mappings a client process keeps (over all its docks) once their "
+                           "values are gone, to map the segments a streaming consumer is passed again without page "
+                           "faults; each goes after 1 s unused, at close, or least recently used first (default "
+                           "64 MiB; 0: none, every mapping unmapped once its values are gone). Its RSS counts them, "
+                           "and a segment the warehouse closed meanwhile stays in memory until they go",
     "DOCKD_DEVICE_LINK_TIMEOUT": "seconds a device link's join or transfer may take before it is aborted (default 60)",
     "DOCKD_TOKEN": "the dock's token, for clients (prefer DOCKD_TOKEN_FILE)",
     "DOCKD_TOKEN_FILE": "file holding the dock's token: clients prove it; `dockd serve` uses it like --token-file",
@@ -154,7 +156,7 @@ class ClientConfig:
     transport: str = "auto"
     spin_s: float = 1e-3
     recv_pool_bytes: int = 1 << 30
-    keep_mappings: int = 0
+    keep_mappings: int = 64 << 20
     device_link_timeout: float = 60.0
     tls: str = ""
     """CA file (PEM) to check the daemons' TLS certificates with; "": TCP without TLS."""
@@ -172,7 +174,7 @@ class ClientConfig:
             transport=transport,
             spin_s=env_amount("DOCKD_SPIN_US", 1000.0, "microseconds") / 1e6,
             recv_pool_bytes=int(env_amount("DOCKD_RECV_POOL_BYTES", float(1 << 30), "bytes")),
-            keep_mappings=int(env_amount("DOCKD_KEEP_MAPPINGS", 0.0, "bytes")),
+            keep_mappings=int(env_amount("DOCKD_KEEP_MAPPINGS", float(64 << 20), "bytes")),
             device_link_timeout=env_float("DOCKD_DEVICE_LINK_TIMEOUT", 60.0),
             tls=env("DOCKD_TLS_CA"),
         )

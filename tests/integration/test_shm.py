@@ -10,7 +10,7 @@ import torch
 
 import dockd
 from dockd.local import spawn_node
-from dockd.net import same_host
+from dockd.net import reply_maps, same_host
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.skipif(not same_host.available(), reason="needs Linux memfd and SCM_RIGHTS")
@@ -294,15 +294,34 @@ def test_a_get_of_a_few_hundred_kib_comes_as_bytes_and_a_bigger_one_mapped(clust
         assert torch.equal(torch.stack(got_big), big)
         assert _store_mappings() == before + 1
         del got_big
-        d.ping()  # (the next call to the daemon unmaps it)
-        assert _store_mappings() == before
+        d.ping()  # (the next call to the daemon unpins it, and keeps the mapping: none of its pages was written)
+        assert _store_mappings() == before + 1 and reply_maps.kept_bytes() > 0
+        again = d.get("c2", ["x"], 64, partition=partition + "-big", timeout=10)["x"]  # (its segment, passed again)
+        assert torch.equal(torch.stack(again), big) and _store_mappings() == before + 1
         d.clear(partition)
         d.clear(partition + "-big")
 
 
-def test_a_mapped_reply_whose_values_are_gone_is_unmapped_by_the_flusher_when_no_call_comes(cluster, partition):
+def test_with_dockd_keep_mappings_0_the_next_call_unmaps_a_reply_whose_values_are_gone(cluster, partition, monkeypatch):
+    monkeypatch.setenv("DOCKD_KEEP_MAPPINGS", "0")
+    with dockd.connect(cluster.address, warehouse=0) as d:
+        big = torch.randint(0, 255, (64, 16384), dtype=torch.uint8)  # 1 MiB: by descriptor
+        d.put({"x": big}, partition=partition)
+        before = _store_mappings()
+        got = d.get("c", ["x"], 64, partition=partition, timeout=10)["x"]
+        assert torch.equal(torch.stack(got), big) and _store_mappings() == before + 1
+        del got
+        d.ping()  # (the next call to the daemon unmaps it)
+        assert _store_mappings() == before
+        d.clear(partition)
+
+
+@pytest.mark.parametrize("keep", ["0", str(64 << 20)])
+def test_a_mapped_reply_whose_values_are_gone_is_unmapped_when_no_call_comes(cluster, partition, monkeypatch, keep):
     """Dropping a reply's last value leaves its unmapping to the next call to that daemon (right after it is
-    sent, the test above) or, when none comes, to the flusher: the mapping is not kept for ever."""
+    sent, the tests above) or, when none comes, to the flusher; a mapping kept (DOCKD_KEEP_MAPPINGS) goes once
+    unused for reply_maps.KEEP_IDLE_S: the mapping is not kept for ever."""
+    monkeypatch.setenv("DOCKD_KEEP_MAPPINGS", keep)
     with dockd.connect(cluster.address, warehouse=0) as d:
         big = torch.randint(0, 255, (64, 16384), dtype=torch.uint8)  # 1 MiB: by descriptor
         d.put({"x": big}, partition=partition)

@@ -1,9 +1,12 @@
 """A same-host client may keep the mapping of a segment whose values are gone (`dockd.net.reply_maps`): only
 one none of whose pages was written, never for two replies at once, its segment unpinned all the same; a
-segment passed again is mapped from it, and shows what the segment holds now."""
+segment passed again is mapped from it, and shows what the segment holds now. What a process keeps stays within
+its budget (DOCKD_KEEP_MAPPINGS, 64 MiB by default), over all its transports, and goes when unused for a while,
+when its transport closes or is collected; DOCKD_KEEP_MAPPINGS=0 keeps none."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import numpy as np
@@ -13,9 +16,10 @@ from dockd import codec
 from dockd._proto import dockd_pb2 as pb
 from dockd.config import ClientConfig
 from dockd.errors import DockValueError
-from dockd.net import memfd, same_host
+from dockd.net import memfd, reply_maps, same_host
 from dockd.net.reply_maps import ReplyMaps
 from dockd.net.transport import Context, Endpoint, Reply
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.skipif(not same_host.available(), reason="needs memfd and SCM_RIGHTS (Linux)")
 
@@ -29,9 +33,13 @@ def maps_of(seg: memfd.Segment) -> int:
         return sum(1 for line in f if len(parts := line.split()) > 4 and parts[4] == str(ino))
 
 
+def shm(config: ClientConfig) -> same_host.ShmTransport:
+    return same_host.ShmTransport(Endpoint("127.0.0.1", 1, unix="x"), Context(config=config))
+
+
 @pytest.fixture
 def transport():
-    t = same_host.ShmTransport(Endpoint("127.0.0.1", 1, unix="x"), Context(config=ClientConfig(keep_mappings=4 * SIZE)))
+    t = shm(ClientConfig(keep_mappings=4 * SIZE))
     yield t
     t.close()
 
@@ -101,11 +109,65 @@ def test_a_segment_bigger_than_the_budget_or_runs_past_its_end_is_mapped_as_befo
     assert transport.maps.map(seg.fd, 0, SIZE) is None  # (no segment id: nothing to unpin it by)
 
 
-def test_the_budget_comes_from_dockd_keep_mappings_and_is_off_by_default(monkeypatch):
+def test_the_budget_is_the_processs_over_all_its_transports(transport):
+    other = shm(ClientConfig(keep_mappings=4 * SIZE))
+    segs = [memfd.Segment.create(SIZE) for _ in range(6)]
+    try:
+        for k, seg in enumerate(segs):
+            values = lend(transport if k % 2 else other, seg)
+            del values
+            (transport if k % 2 else other).idle()
+            assert reply_maps.kept_bytes() <= 4 * SIZE
+        assert [maps_of(s) - 1 for s in segs] == [0, 0, 1, 1, 1, 1] and reply_maps.kept_bytes() == 4 * SIZE
+    finally:
+        other.close()
+    assert [maps_of(s) - 1 for s in segs] == [0, 0, 0, 1, 0, 1] and reply_maps.kept_bytes() == 2 * SIZE
+
+
+def test_a_collected_transport_lets_what_it_kept_go():
+    t = shm(ClientConfig(keep_mappings=4 * SIZE))
+    seg = memfd.Segment.create(SIZE)
+    values = lend(t, seg)
+    del values
+    t.idle()
+    assert maps_of(seg) == 2
+    del t
+    gc.collect()
+    assert maps_of(seg) == 1 and reply_maps.kept_bytes() == 0
+
+
+def test_a_kept_mapping_unused_for_a_while_goes(transport, monkeypatch):
+    """(A consumer that stopped, or a segment the warehouse closed: its pages are not held on to.)"""
+    monkeypatch.setattr(reply_maps, "KEEP_IDLE_S", 0.05)
+    seg, used = memfd.Segment.create(SIZE), memfd.Segment.create(SIZE)
+    for s in (seg, used):
+        values = lend(transport, s)
+        del values
+    transport.idle()
+    assert maps_of(seg) == 2 and maps_of(used) == 2
+    wait_until(lambda: maps_of(seg) == 1 and maps_of(used) == 1, timeout=10, what="kept mappings unused to go")
+    assert reply_maps.kept_bytes() == 0
+
+
+def test_the_budget_comes_from_dockd_keep_mappings_64_mib_by_default(monkeypatch):
     monkeypatch.delenv("DOCKD_KEEP_MAPPINGS", raising=False)
-    assert ClientConfig.from_env().keep_mappings == 0
-    monkeypatch.setenv("DOCKD_KEEP_MAPPINGS", str(64 << 20))
-    assert ClientConfig.from_env().keep_mappings == 64 << 20
+    assert ClientConfig.from_env().keep_mappings == ClientConfig().keep_mappings == 64 << 20
+    monkeypatch.setenv("DOCKD_KEEP_MAPPINGS", str(4 << 20))
+    assert ClientConfig.from_env().keep_mappings == 4 << 20
     monkeypatch.setenv("DOCKD_KEEP_MAPPINGS", "nan")
     with pytest.raises(DockValueError, match="DOCKD_KEEP_MAPPINGS"):
         ClientConfig.from_env()
+
+
+def test_dockd_keep_mappings_0_unmaps_every_mapping_once_its_values_are_gone(monkeypatch):
+    monkeypatch.setenv("DOCKD_KEEP_MAPPINGS", "0")
+    t = shm(ClientConfig.from_env())
+    seg = memfd.Segment.create(SIZE)
+    try:
+        values = lend(t, seg)
+        assert maps_of(seg) == 2
+        del values
+        t.idle()
+        assert maps_of(seg) == 1 and t.take_unpins() == [seg.sid] and reply_maps.kept_bytes() == 0
+    finally:
+        t.close()

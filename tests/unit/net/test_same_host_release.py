@@ -11,6 +11,7 @@ import pytest
 
 from dockd import codec
 from dockd._proto import dockd_pb2 as pb
+from dockd.config import ClientConfig
 from dockd.net import memfd, same_host
 from dockd.net.transport import Context, Endpoint, Reply
 
@@ -37,9 +38,13 @@ def lend(t: same_host.ShmTransport, seg: memfd.Segment) -> list:
     return codec.decode_reply([col], t.buffers([col], reply))[0]
 
 
-def test_a_reply_mapping_whose_values_are_gone_waits_for_idle_to_be_unmapped_and_unpinned():
+@pytest.mark.parametrize("keep", [0, None], ids=["DOCKD_KEEP_MAPPINGS=0", "kept"])
+def test_a_reply_mapping_whose_values_are_gone_waits_for_idle_to_be_unmapped_or_kept_and_unpinned(keep):
+    """With DOCKD_KEEP_MAPPINGS=0 `idle` unmaps it; by default it keeps it (none of its pages written:
+    `dockd.net.reply_maps`); either way its segment is unpinned there, and only there."""
     woken = []
-    t = same_host.ShmTransport(Endpoint("127.0.0.1", 1, unix="x"), Context(wake=lambda: woken.append(1)))
+    config = ClientConfig() if keep is None else ClientConfig(keep_mappings=keep)
+    t = same_host.ShmTransport(Endpoint("127.0.0.1", 1, unix="x"), Context(config=config, wake=lambda: woken.append(1)))
     seg = memfd.Segment.create(SIZE)  # a warehouse's segment
     seg.writable()[:4] = b"dock"
     values = lend(t, seg)
@@ -51,11 +56,13 @@ def test_a_reply_mapping_whose_values_are_gone_waits_for_idle_to_be_unmapped_and
     assert mapped(addr) and not woken
     del part
     assert mapped(addr), "the mapping was unmapped by the code that dropped its last value"
-    assert t.take_unpins() == [] and woken  # unpinned only once unmapped; the flusher woken to do it
+    assert t.take_unpins() == [] and woken  # unpinned only by idle; the flusher woken to do it
     t.idle()
-    assert not mapped(addr) and t.take_unpins() == [seg.sid]
+    assert mapped(addr) == (keep is None) and t.take_unpins() == [seg.sid]
     t.idle()  # (nothing left)
     assert t.take_unpins() == []
+    t.close()
+    assert not mapped(addr)
 
 
 def test_closing_the_transport_unmaps_what_waits_for_idle_and_then_what_is_let_go():
