@@ -80,23 +80,61 @@ def _put(r: pb.PutRequest) -> None:
     _count("device buffers", len(r.device_buffers), MAX_COLUMNS)
 
 
-def _acquire(r: pb.AcquireRequest) -> None:
-    # (every get comes here: each field is read once, the bounds compared in place, and the checks above
-    # called in their order only when one is passed, to say which)
-    count, ranks, per_lease, columns, timeout = r.count, r.dp_size, r.per_lease, r.columns[:], r.timeout
+class Acquire:
+    """An acquire's fields, each read once (every read of a message's field is a call into protobuf), as plain
+    values for the controller's get path to pass down; `r`: the request itself (its rarely set fields, and
+    where it is written: a partial get's count)."""
+
+    def __init__(self, r: pb.AcquireRequest) -> None:
+        self.r = r
+        self.partition: str = r.partition
+        self.consumer: str = r.consumer
+        self.columns: list[str] = r.columns[:]
+        self.count: int = r.count
+        self.timeout: float = r.timeout
+        self.dp_size: int = r.dp_size
+        self.per_lease: int = r.per_lease
+        self.allow_partial: bool = r.allow_partial
+        self.groups: bool = r.groups
+        self.confirms: list[int] = r.confirm[:]
+        self.token: int = r.token
+        self.inline: bool = r.inline
+        self.device: bool = r.device
+        self.shuffle: bool = r.shuffle
+        self.near: int = r.near
+        self.max_staleness: int = r.max_staleness
+        self.lease_seconds: float = r.lease_seconds
+        self.order_by: str = r.order_by
+        self.where: list[pb.TagRange] = r.where[:]
+
+
+def acquire(r: pb.AcquireRequest) -> Acquire:
+    """An acquire's fields (read once), or DockValueError if it asks for more than a daemon gives one request."""
+    a = Acquire(r)
+    _acquire(a)
+    return a
+
+
+def _acquire(a: Acquire) -> None:
+    # (every get comes here: the bounds compared in place, and the checks above called in their order
+    # only when one is passed, to say which)
+    count, ranks, per_lease, columns, timeout = a.count, a.dp_size, a.per_lease, a.columns, a.timeout
     if not (timeout == -1 or 0 <= timeout <= MAX_TIMEOUT):
         _timeout(timeout)
-    partition, consumer = r.partition, r.consumer
+    partition, consumer = a.partition, a.consumer
     if len(partition) > MAX_NAME or len(consumer) > MAX_NAME:
         _name("partition name", partition)
         _name("consumer name", consumer)
-    if len(columns) > MAX_COLUMNS or max(map(len, columns), default=0) > MAX_NAME:
+    if len(columns) > MAX_COLUMNS:
         _columns(columns)
-    confirms = len(r.confirm)
+    for c in columns:
+        if len(c) > MAX_NAME:
+            _columns(columns)
+    confirms = len(a.confirms)
     leases = -(-count // per_lease) if per_lease else 0
     samples = count * max(ranks, 1)
     # (a partial get takes at most what one reply holds: see the controller service)
-    cells = 0 if r.allow_partial else samples * max(len(columns), 1)
+    cells = 0 if a.allow_partial else samples * max(len(columns), 1)
     if count > MAX_SAMPLES or confirms > MAX_LEASES or leases > MAX_LEASES or ranks > MAX_RANKS \
             or samples > MAX_SAMPLES or cells > MAX_CELLS:
         _count("samples", count)
@@ -105,13 +143,15 @@ def _acquire(r: pb.AcquireRequest) -> None:
         _count("data-parallel ranks", ranks, MAX_RANKS)
         _count("samples", samples)
         _count("sample-columns (samples x columns)", cells, MAX_CELLS)
-    if r.balance_by:
-        _columns(r.balance_by)
-    if r.order_by:
-        _name("order_by", r.order_by)
-    if r.where:
-        _count("tag filters", len(r.where), MAX_TAGS)
-        for t in r.where[:]:
+    balance_by = a.r.balance_by[:]
+    if balance_by:
+        _columns(balance_by)
+    if a.order_by:
+        _name("order_by", a.order_by)
+    where = a.where
+    if where:
+        _count("tag filters", len(where), MAX_TAGS)
+        for t in where:
             _name("tag name", t.name)
 
 
@@ -196,7 +236,7 @@ def _hello(r: pb.Hello) -> None:
 
 
 _CHECKS: dict[str, Callable[[Any], None]] = {
-    "put": _put, "acquire": _acquire, "fetch": _fetch, "locate": _locate, "confirm": _confirm, "release": _release,
+    "put": _put, "acquire": lambda r: _acquire(Acquire(r)), "fetch": _fetch, "locate": _locate, "confirm": _confirm, "release": _release,
     "clear": _clear,
     "commit": _commit, "commits": _commits, "partition": _partition, "free": _samples_of, "measure": _samples_of,
     "replicate": _replicate, "register": _register, "hello": _hello,

@@ -9,6 +9,7 @@ import logging
 
 import numpy as np
 
+from dockd import limits
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller import selection
 from dockd.controller.clock import Timers
@@ -80,25 +81,28 @@ class Acquiring:
         self.staleness_counts = [0] * (len(STALENESS_BUCKETS) + 1)
         self.staleness_sum = 0
 
-    def attempt(self, peer: Peer, r: pb.AcquireRequest) -> AcquireResult | None:
-        """Try a get once: what it gets, or None to wait."""
+    def attempt(self, peer: Peer, r: pb.AcquireRequest, a: limits.Acquire | None = None) -> AcquireResult | None:
+        """Try a get once: what it gets, or None to wait. `a`: its fields, where they were read already."""
         core = self.core
         sid = self.leasing.session(peer)
-        if r.dp_size:
+        if a is None:
+            a = limits.Acquire(r)
+        if a.dp_size:
             return self._share(r, sid)
-        token, partition = r.token, r.partition  # (each field read once: a read is a call into protobuf)
+        token, partition = a.token, a.partition
         again = core.leases.get(core.lease_tokens.get(token, 0)) if token else None
         if again is not None and again.owner not in (sid, b""):
             again = None  # another client's token: no replay for it (tokens are random, so this is an attack)
-            r.token = token = 0
+            r.token = a.token = token = 0
         if again is None and self.journal is not None:
             self.journal.room()
-        near, staleness = r.near, r.max_staleness
+        near, staleness, where = a.near, a.max_staleness, a.where
         res = core.acquire(
-            partition, r.consumer, r.columns[:], r.count,
-            groups=r.groups, allow_partial=r.allow_partial, shuffle=r.shuffle,
-            seed=r.seed if r.has_seed else None, owner=sid, now=self.timers.clock(), token=token,
-            lease_timeout=_lease_seconds(r), where=where_of(r), order_by=r.order_by,
+            partition, a.consumer, a.columns, a.count,
+            groups=a.groups, allow_partial=a.allow_partial, shuffle=a.shuffle,
+            seed=r.seed if a.shuffle and r.has_seed else None, owner=sid, now=self.timers.clock(), token=token,
+            lease_timeout=min(a.lease_seconds, 7 * 86400.0) if a.lease_seconds > 0 else None,
+            where={t.name: (t.lo, t.hi) for t in where} if where else None, order_by=a.order_by,
             near=near - 1 if near else None, max_staleness=staleness - 1 if staleness else None,
         )
         if again is not None:  # the client that retried holds it (a lease restored from the journal may have had none)
@@ -106,9 +110,9 @@ class Acquiring:
                 lease.owner = sid
         elif res is not None:
             self._handed_out(partition, res.indexes)
-            per = r.per_lease
-            if per and r.groups:  # (whole groups in each lease)
-                gs = core.partitions[r.partition].group_size
+            per = a.per_lease
+            if per and a.groups:  # (whole groups in each lease)
+                gs = core.partitions[partition].group_size
                 per = max(gs, per // gs * gs)
             self._grant(res, per)
         return res
@@ -240,9 +244,14 @@ class Acquiring:
                              and tuple(sorted(a.columns)) == cols)
         self.waiting.wake(rnd.partition)
 
-    def reply(self, peer: Peer, frame: pb.Frame, r: pb.AcquireRequest, res: AcquireResult) -> None:
+    def reply(self, peer: Peer, frame: pb.Frame, r: pb.AcquireRequest, res: AcquireResult,
+              a: limits.Acquire | None = None) -> None:
+        """Answer get `r` (`a`: its fields, where they were read already) with what it got."""
+        if a is None:
+            a = limits.Acquire(r)
+        partition, columns = a.partition, a.columns
         if self.replication.replicas > 1 and len(res.indexes):  # (values whose warehouse is away: from their replica)
-            res.locations = self.replication.readable(r.partition, r.columns, res.indexes, res.locations)
+            res.locations = self.replication.readable(partition, columns, res.indexes, res.locations)
         flat = res.locations.ravel()
         out = pb.Frame()
         reply = out.acquire_reply  # filled in place: building a message and wrapping it would copy it
@@ -272,13 +281,12 @@ class Acquiring:
             locs = flat.tolist()
             reply.locations.extend(locs)
             infos = self.members.acquire_infos(sorted(set(locs)))
-        partition = r.partition
         part = self.core.partitions.get(partition)
         if part is not None and part.recovered:
             reply.recovered = True
-        if r.inline and self.local is not None:
-            cols, body, segs, shared = self.local.inline(peer, partition, r.columns[:], res.indexes, res.locations,
-                                                        r.device)
+        if a.inline and self.local is not None:
+            cols, body, segs, shared = self.local.inline(peer, partition, columns, res.indexes, res.locations,
+                                                        a.device)
             if big:
                 parts += [wire.field(_INLINE, c.SerializeToString()) for c in cols]
             elif cols:

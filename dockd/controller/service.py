@@ -338,40 +338,43 @@ class ControllerService:
         return CommitOutcome(idx)
 
     def acquire(self, peer: Peer, frame: pb.Frame) -> None:
+        """An acquire: its bounds checked (`limits.acquire`, which reads its fields once for the whole path),
+        tried, answered or parked."""
         r = frame.acquire
-        self.check_owner(r.partition)
-        confirms = r.confirm[:]  # (the client's previous gets, riding on this one)
-        if confirms and self.journal is None and not r.dp_size:
-            res = _attempt_before(self, peer, r, confirms)
+        a = limits.acquire(r)
+        self.check_owner(a.partition)
+        confirms = a.confirms  # (the client's previous gets, riding on this one)
+        if confirms and self.journal is None and not a.dp_size:
+            res = _attempt_before(self, peer, a, confirms)
             if res is not None:
-                self.acquiring.reply(peer, frame, r, res)
+                self.acquiring.reply(peer, frame, r, res, a)
                 _confirm_after(self.leasing, peer, confirms)
                 return
         else:
             try:  # the confirms it carries are journaled with its grant, in one write before the answer
                 self.leasing.confirm(peer, confirms, (), hold=True)
-                res = self._attempt(peer, r)
+                res = self._attempt(peer, a)
             finally:
                 if self.journal is not None:
                     self.journal.flush()
             if res is not None:
-                self.acquiring.reply(peer, frame, r, res)
+                self.acquiring.reply(peer, frame, r, res, a)
                 return
-        if r.timeout == 0:
+        if a.timeout == 0:
             raise self.waiting.timeout_error(r)
         self.waiting.park(peer, frame)
 
-    def _attempt(self, peer: Peer, r: pb.AcquireRequest) -> AcquireResult | None:
-        if r.allow_partial:
-            cells = max(len(r.columns), 1) * max(r.dp_size, 1)
-            if r.count * cells > limits.MAX_CELLS:  # "what is ready, up to a lot": up to what a reply holds
-                part = self.core.partitions.get(r.partition)
-                unit = part.group_size if part is not None and r.groups else 1
-                r.count = max(unit, limits.MAX_CELLS // cells // unit * unit)
-        Controller.validate_acquire(r.partition, r.consumer, r.columns, r.count, r.groups)
+    def _attempt(self, peer: Peer, a: limits.Acquire) -> AcquireResult | None:
+        if a.allow_partial:
+            cells = max(len(a.columns), 1) * max(a.dp_size, 1)
+            if a.count * cells > limits.MAX_CELLS:  # "what is ready, up to a lot": up to what a reply holds
+                part = self.core.partitions.get(a.partition)
+                unit = part.group_size if part is not None and a.groups else 1
+                a.count = a.r.count = max(unit, limits.MAX_CELLS // cells // unit * unit)
+        Controller.validate_acquire(a.partition, a.consumer, a.columns, a.count, a.groups)
         if self.closing:
             raise DockClosed("the controller is shutting down")
-        return self.acquiring.attempt(peer, r)
+        return self.acquiring.attempt(peer, a.r, a)
 
     def confirm(self, peer: Peer, req: pb.ConfirmRequest) -> pb.ConfirmReply:
         out = pb.ConfirmReply()
@@ -455,7 +458,7 @@ class ControllerService:
             self.journal.close()
 
 
-def _attempt_before(svc: ControllerService, peer: Peer, r: pb.AcquireRequest, confirms: list[int]) -> AcquireResult | None:
+def _attempt_before(svc: ControllerService, peer: Peer, a: limits.Acquire, confirms: list[int]) -> AcquireResult | None:
     """Try an acquire before the confirms it carries, which are then applied after its answer (nothing is
     journaled: without a state dir there is no record to write ahead of it). What it is handed is what it
     would have been handed after them: a confirm ends a lease, it makes nothing eligible. Where they could
@@ -463,7 +466,7 @@ def _attempt_before(svc: ControllerService, peer: Peer, r: pb.AcquireRequest, co
     partition ends with them: DockDrained) or one refused for the leases outstanding (they end some) is
     tried again after them, and one that fails has them applied before it raises."""
     try:
-        res = svc._attempt(peer, r)
+        res = svc._attempt(peer, a)
     except DockFull:
         res = None
     except BaseException:
@@ -472,7 +475,7 @@ def _attempt_before(svc: ControllerService, peer: Peer, r: pb.AcquireRequest, co
     if res is None:
         svc.leasing.confirm(peer, confirms, ())
         confirms.clear()
-        res = svc._attempt(peer, r)
+        res = svc._attempt(peer, a)
     return res
 
 

@@ -4,7 +4,8 @@ function that serves it.
 Before a request reaches its handler the dispatcher gives back the segment pins
 the frame returns, refuses descriptors on anything but a put, refuses the
 daemon-to-daemon kinds from client connections, and checks the bounds of
-bodiless frames (a frame with a body was checked when it was admitted). A kind
+bodiless frames (a frame with a body was checked when it was admitted; an acquire's
+are checked by the controller's handler, which reads its fields once for them and the get). A kind
 the table does not hold (a reply, a handshake frame, a kind from a newer
 protocol) is answered with a DockValueError naming it; the connection stays.
 
@@ -80,8 +81,8 @@ class Dispatcher:
                 and not self.from_controller(peer):
             self.server_auth.failed("daemon_message")
             raise DockAuthError(f"a {kind} request is a daemon-to-daemon message; this connection is a client's")
-        if body is None:  # (a frame with a body was checked when it was admitted)
-            limits.check(frame, kind)
+        if body is None and kind != "acquire":  # (a frame with a body was checked when it was admitted; an
+            limits.check(frame, kind)            # acquire, by its handler: `limits.acquire` reads its fields for both)
         handler = self.table.get(kind)
         if handler is None:
             raise DockValueError(f"unexpected request kind {kind!r}: this daemon serves "
