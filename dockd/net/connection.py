@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -41,7 +42,7 @@ class _Forks:
     """How many times this process is a fork of the one it started as (os.register_at_fork): a
     child shares its parent's sockets, so the pools made before the fork are not its to use."""
 
-    count = 0
+    count: ClassVar[int] = 0
 
     @classmethod
     def forked(cls) -> None:
@@ -94,7 +95,7 @@ class Connection:
             err.refused = e.errno in (errno.ECONNREFUSED, errno.ENOENT)
             raise err from None
         self.sock.settimeout(None)  # blocking; reads wait in _recv_into (spin, then poll until the deadline)
-        self._poll = select.poll()
+        self._poll: Any = select.poll()  # (Any: a test puts a stand-in here)
         self._poll.register(self.sock, select.POLLIN)
         self._deadline: float | None = None
         self._stall: float | None = None  # once a reply's header is in: seconds its body may go without a byte

@@ -7,6 +7,7 @@ call polls its socket for a while before it sleeps; how long, and when not at al
 from __future__ import annotations
 
 import time
+from typing import Final
 
 
 class ReplyWaits:
@@ -25,11 +26,11 @@ class ReplyWaits:
     and daemon on one CPU took 830 us spinning and 680 us not; on separate CPUs a spin saves the
     daemon's wake-up on each call."""
 
-    SPIN_MARGIN = 1.5
-    SPIN_SLACK_S = 30e-6
-    WEIGHT = 0.25  # of each new wait in the moving average
-    LOST_S = 20e-6  # off the CPU for more than this (and half the spin) during a spin: it lost its CPU
-    QUIET_CALLS = (8, 256)  # calls that do not spin after a spin in vain: at first, and at most
+    SPIN_MARGIN: Final = 1.5
+    SPIN_SLACK_S: Final = 30e-6
+    WEIGHT: Final = 0.25  # of each new wait in the moving average
+    LOST_S: Final = 20e-6  # off the CPU for more than this (and half the spin) during a spin: it lost its CPU
+    QUIET_CALLS: Final = (8, 256)  # calls that do not spin after a spin in vain: at first, and at most
 
     def __init__(self, cap: float) -> None:
         self.cap = cap
