@@ -84,6 +84,9 @@ class Eligible:
         need = n
         if self.total == 0:
             return np.empty(0, dtype=np.int64)
+        if n == 1:  # (a one-sample get: the first non-empty block's first set unit, with no array arithmetic)
+            lo = self.blocks.nonzero()[0].item(0) << _BLOCK_SHIFT
+            return np.array([lo + int(self.bits[lo : lo + (1 << _BLOCK_SHIFT)].argmax())], dtype=np.int64)
         for b in self.blocks.nonzero()[0]:  # (.nonzero of a 1-D array: np.flatnonzero without its wrappers)
             lo = int(b) << _BLOCK_SHIFT
             # (cut to `need` before adding lo: a fresh array of what is handed out, not a view of the block's)
