@@ -61,9 +61,15 @@ class GetOptions:
                                   "shuffle": self.shuffle, "inline": self.inline,
                                   "timeout": -1.0 if timeout is None else timeout})
         req = frame.acquire
-        validate.rank_fields(req, self.dp_rank, self.dp_size, self.mp_group, self.step, self.balance_by)
-        validate.acquire_options(req, seed=self.seed, where=self.where, max_staleness=self.max_staleness,
-                                 order_by=self.order_by, lease_timeout=self.lease_timeout)
+        # (a plain get has none of these: two calls that would check nothing are not made)
+        dp_rank, dp_size, mp_group, step, balance_by = self.dp_rank, self.dp_size, self.mp_group, self.step, self.balance_by
+        if dp_rank is not None or dp_size is not None or mp_group is not None or step is not None or balance_by:
+            validate.rank_fields(req, dp_rank, dp_size, mp_group, step, balance_by)
+        seed, where, max_staleness, order_by, lease_timeout = (self.seed, self.where, self.max_staleness, self.order_by,
+                                                               self.lease_timeout)
+        if seed is not None or where or max_staleness is not None or order_by or lease_timeout is not None:
+            validate.acquire_options(req, seed=seed, where=where, max_staleness=max_staleness, order_by=order_by,
+                                     lease_timeout=lease_timeout)
         if self.prefer_local and home >= 0:
             if req.dp_size:
                 raise DockValueError("prefer_local does not apply to rank-aware gets (dp_size or mp_group): a "
