@@ -106,17 +106,34 @@ class Body:
             self._joined = False
         return self._parts  # type: ignore[return-value]  # (none is a Joined any more)
 
-    def write_into(self, dst: memoryview) -> None:
-        """Write the whole body into `dst` (at least `size` bytes, byte-addressed)."""
+    @property
+    def joined(self) -> bool:
+        """Whether a part is per-sample tensors still to be concatenated (`Joined`)."""
+        return self._joined
+
+    def write_into(self, dst: memoryview, *, joined: bool = True) -> None:
+        """Write the whole body into `dst` (at least `size` bytes, byte-addressed); `joined=False`: all
+        but its `Joined` parts, which `write_joined_into` writes later."""
+        off = 0
+        for p in self._parts:
+            if isinstance(p, Joined):
+                if joined:
+                    p.write_into(dst[off : off + p.nbytes])
+                off += p.nbytes
+            else:
+                src = memoryview(p).cast("B")
+                dst[off : off + src.nbytes] = src
+                off += src.nbytes
+
+    def write_joined_into(self, dst: memoryview) -> None:
+        """Write the `Joined` parts into `dst`, where `write_into(dst, joined=False)` left their room."""
         off = 0
         for p in self._parts:
             if isinstance(p, Joined):
                 p.write_into(dst[off : off + p.nbytes])
                 off += p.nbytes
             else:
-                src = memoryview(p).cast("B")
-                dst[off : off + src.nbytes] = src
-                off += src.nbytes
+                off += memoryview(p).nbytes
 
 
 _NO_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # (dtypes numpy lacks: viewed as bytes by torch)

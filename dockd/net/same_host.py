@@ -14,7 +14,13 @@ abstract Unix socket (SCM_RIGHTS); nothing has a name, so nothing can leak.
   hands out fresh shared pages at about 1 GB/s on the development VM). The
   writer lends the buffer: the warehouse may answer before it copies the bulk
   out, and copies it before it reads another request; the writer reuses the
-  buffer only once a later put is answered (`dockd.warehouse.put`).
+  buffer only once a later put is answered (`dockd.warehouse.put`). A put
+  with per-sample tensors (`codec.Joined` parts) is sent before they are
+  copied in (`PutRequest.staging_pending`: its other bytes, the msgpack values
+  the warehouse checks, are there already): the copy runs right after the send
+  (`ShmTransport.idle`), while the warehouse admits and checks the put, and
+  ends with a signal on the buffer's eventfd, which the warehouse waits for
+  before it commits (`dockd.warehouse.pending`).
 - get: the warehouse passes the descriptors of the segments holding the values
   with the reply; the client maps them copy-on-write (MAP_PRIVATE), so the
   returned tensors are zero-copy views that the caller may still write to: a
@@ -59,10 +65,10 @@ import numpy as np
 
 from dockd import codec
 from dockd._proto import dockd_pb2 as pb
-from dockd.errors import DockConnectionError, DockError, DockProtocolError, StagingUnknown
+from dockd.errors import DockConnectionError, DockProtocolError
 from dockd.net import device_share, memfd, wire
 from dockd.net.reply_maps import Ident, ReplyMaps
-from dockd.net.staging import Staging, StagingBuffer
+from dockd.net.staging import StagedPut, Staging
 from dockd.net.transport import Context, Endpoint, Put, Reply, Request, Transport, is_local
 
 logger = logging.getLogger(__name__)
@@ -138,6 +144,7 @@ class ShmTransport(Transport):
         self.maps = ReplyMaps(ctx.config.keep_mappings)
         self._closed = False  # (then no call comes: a mapping is unmapped once its values are gone)
         self._lock = threading.Lock()
+        self._copies = threading.local()  # .put: this thread's put sent before its copy (`idle` copies it)
 
     @classmethod
     def applies(cls, endpoint: Endpoint, ctx: Context) -> bool:
@@ -188,14 +195,18 @@ class ShmTransport(Transport):
             return Request(pb.Frame(put=req), body.buffers, body.size, timeout=put.answer_s, watch=put.alive,
                            answer=functools.partial(_answered, self.staging, mark))
         buf = self.staging.take(body.size)
+        # (tensors to copy after the send, into a buffer the warehouse has: see the module docstring)
+        pending = body.joined and buf.efd >= 0 and buf.registered
         try:
             assert buf.view is not None  # a buffer is dropped only after it is given back
-            body.write_into(memoryview(buf.view))  # type: ignore[arg-type]  # numpy declares __buffer__ only for Python 3.12+
+            if pending:
+                buf.ready()
+            body.write_into(memoryview(buf.view), joined=not pending)  # type: ignore[arg-type]  # numpy declares __buffer__ only for Python 3.12+
         except BaseException:
             self.staging.drop(buf)
             raise
-        req.staging, req.shm_size, req.lend_staging = buf.id, body.size, True
-        return _StagedPut(self.staging, buf, mark, put).request()
+        req.staging, req.shm_size, req.lend_staging, req.staging_pending = buf.id, body.size, True, pending
+        return StagedPut(self.staging, buf, mark, put, self._copies if pending else None).request()
 
     def fetch_request(self, wid: int, req: pb.FetchRequest, device, timeout: float | None) -> Request:
         req.device = device is not None  # device-tier data by handle: we share the node's memory
@@ -255,8 +266,13 @@ class ShmTransport(Transport):
             self.ctx.wake()  # (the flusher's idle, should no call come)
 
     def idle(self) -> None:
-        """Unmap the mappings whose values are gone (their unpins then queued): a connection runs this
-        right after it sends a request, where it costs the call nothing, and the flusher runs it."""
+        """Copy the tensors of the put this thread just sent (if it went before its copy), then unmap
+        the mappings whose values are gone (their unpins then queued): a connection runs this right
+        after it sends a request, where it costs the call nothing, and the flusher runs it."""
+        staged = getattr(self._copies, "put", None)
+        if staged is not None:
+            self._copies.put = None
+            staged.copy()
         while self._released:
             try:
                 mm, kept = self._released.pop()  # (the last reference: unmapped here, unless `maps` keeps it)
@@ -302,44 +318,6 @@ def _answered(staging: Staging, mark: int, reply: Reply) -> pb.Frame:
     """A put that went in its frame is answered: the buffers lent before it was sent are free."""
     staging.answered(mark)
     return reply.frame
-
-
-class _StagedPut:
-    """A put whose body is in staging buffer `buf`: sent naming it (with its descriptor until the
-    warehouse has it), and the buffer then lent, given back or dropped as the answer says."""
-
-    def __init__(self, staging: Staging, buf: StagingBuffer, mark: int, put: Put) -> None:
-        self.staging, self.buf, self.mark, self.put = staging, buf, mark, put
-        self.retried = False
-
-    def request(self) -> Request:
-        return Request(pb.Frame(put=self.put.req), fds=[] if self.buf.registered else [self.buf.fd],
-                       timeout=self.put.answer_s, watch=self.put.alive, answer=self.answered, failed=self.failed)
-
-    def answered(self, reply: Reply) -> pb.Frame:
-        self.buf.registered = True
-        self._done(lent=reply.frame.put_reply.staging_lent)
-        return reply.frame
-
-    def failed(self, exc: BaseException) -> Request | None:
-        if isinstance(exc, StagingUnknown) and not self.retried:
-            self.retried = True  # the warehouse dropped our registration (many buffers, a restart): pass it again
-            self.buf.registered = False
-            return self.request()
-        if isinstance(exc, DockError) and not isinstance(exc, DockConnectionError):
-            self._done(lent=False)  # (an answer, if an error: the warehouse is done with the buffer)
-        else:
-            # a put without an answer (a silent warehouse, a dropped connection) may still be taken in
-            # when the warehouse resumes: its buffer is dropped, never refilled by another put under it
-            self.staging.drop(self.buf)
-        return None
-
-    def _done(self, *, lent: bool) -> None:
-        if lent:
-            self.staging.lend(self.buf)
-        else:
-            self.staging.give(self.buf)
-        self.staging.answered(self.mark)
 
 
 def _copy_shared(columns: Sequence[pb.ColumnData], shared: Sequence[pb.DeviceBuffer], device) -> dict[int, tuple]:

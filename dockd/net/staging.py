@@ -11,10 +11,17 @@ memory that is already mapped and faulted in runs at memcpy speed, where a
 fresh memfd per put ran at the speed the kernel hands out pages (about
 1 GB/s on the development VM). Each buffer is sealed against shrinking, so a
 warehouse never reads a mapping that vanished.
+
+Each buffer has an eventfd, passed (on a put of its own: a frame passes one
+descriptor) once the buffer is registered: a put sent before its tensor parts
+are copied in (`PutRequest.staging_pending`) is signalled through it once they
+are (`signal`), and the warehouse commits it only after that. `StagedPut` is
+one staged put's request, and what its answer does to its buffer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import secrets
@@ -22,7 +29,10 @@ import threading
 
 import numpy as np
 
+from dockd._proto import dockd_pb2 as pb
+from dockd.errors import DockConnectionError, DockError, StagingUnknown
 from dockd.net import memfd
+from dockd.net.transport import Put, Reply, Request
 
 MIN_SIZE = 4 << 20
 
@@ -34,6 +44,19 @@ class StagingBuffer:
     size: int
     view: np.ndarray | None  # our writable mapping (None once dropped)
     registered: bool = False  # the warehouse has its descriptor
+    efd: int = -1            # its eventfd (the copy-done signal of a put sent before its copy); -1: none
+    signals: bool = False    # the warehouse has its eventfd too
+
+    def ready(self) -> None:
+        """About to be written for a put sent before its copy: any count a put whose answer did not wait
+        for it left in the eventfd (one refused before its copy, or sent again once copied) is cleared,
+        so that the warehouse's wait ends only on this put's signal. The buffer is ours alone here."""
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self.efd)
+
+    def signal(self) -> None:
+        """The put's bytes are all in the buffer (the system call orders the copy before the warehouse's read)."""
+        os.eventfd_write(self.efd, 1)
 
 
 class Staging:
@@ -70,7 +93,8 @@ class Staging:
         except BaseException:
             os.close(fd)
             raise
-        return StagingBuffer(secrets.randbits(62) + 1, fd, size, view)
+        efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) if hasattr(os, "eventfd") else -1
+        return StagingBuffer(secrets.randbits(62) + 1, fd, size, view, efd=efd)
 
     def mark(self) -> int:
         """Taken before a put is sent: once it is answered, `answered(mark)` frees the buffers
@@ -126,4 +150,70 @@ def _drop(buf: StagingBuffer) -> None:
     if buf.fd >= 0:
         os.close(buf.fd)
         buf.fd = -1
+    if buf.efd >= 0:
+        os.close(buf.efd)
+        buf.efd = -1
     buf.view = None  # the mapping goes with the last reference
+
+
+class StagedPut:
+    """A put whose body is in staging buffer `buf`: sent naming it (with its descriptor until the
+    warehouse has it), and the buffer then lent, given back or dropped as the answer says."""
+
+    def __init__(self, staging: Staging, buf: StagingBuffer, mark: int, put: Put, copies: threading.local | None) -> None:
+        self.staging, self.buf, self.mark, self.put = staging, buf, mark, put
+        self.copies = copies  # a put sent before its tensors are copied in: where `idle` finds it
+        self.retried = False
+
+    def request(self) -> Request:
+        """The put, passing the buffer's descriptor until the warehouse has it, then (one descriptor a
+        frame) its eventfd with the first put sent before its copy."""
+        buf, req = self.buf, self.put.req
+        if self.copies is not None:
+            self.copies.put = self  # (copied by the sending thread's `idle`, right after the send)
+        req.staging_eventfd = buf.registered and req.staging_pending and not buf.signals
+        fds = [buf.efd] if req.staging_eventfd else [] if buf.registered else [buf.fd]
+        return Request(pb.Frame(put=req), fds=fds, timeout=self.put.answer_s, watch=self.put.alive,
+                       answer=self.answered, failed=self.failed)
+
+    def copy(self) -> None:
+        """The tensors into the buffer (the put went already), then the signal the warehouse waits for. One
+        that raises leaves the call's connection unanswered, so it is dropped: the warehouse drops the put."""
+        self.copies = None
+        self.put.req.staging_pending = False  # (a re-send after StagingUnknown finds the bytes in place)
+        view = self.buf.view
+        assert view is not None  # (dropped only once the put failed, and then it is not copied)
+        self.put.body.write_joined_into(memoryview(view))  # type: ignore[arg-type]  # (numpy declares __buffer__ only for Python 3.12+)
+        self.buf.signal()
+
+    def answered(self, reply: Reply) -> pb.Frame:
+        self.buf.registered = True
+        self.buf.signals = self.buf.signals or self.put.req.staging_eventfd
+        self._done(lent=reply.frame.put_reply.staging_lent)
+        return reply.frame
+
+    def failed(self, exc: BaseException) -> Request | None:
+        if self.copies is not None:  # not sent (no connection, a send that failed): never to be copied
+            if getattr(self.copies, "put", None) is self:
+                self.copies.put = None
+            self.copies = None
+            self.staging.drop(self.buf)  # (the warehouse may have part of it: not refilled under it)
+            return None
+        if isinstance(exc, StagingUnknown) and not self.retried:
+            self.retried = True  # the warehouse dropped our registration (many buffers, a restart): pass it again
+            self.buf.registered = self.buf.signals = False
+            return self.request()
+        if isinstance(exc, DockError) and not isinstance(exc, DockConnectionError):
+            self._done(lent=False)  # (an answer, if an error: the warehouse is done with the buffer)
+        else:
+            # a put without an answer (a silent warehouse, a dropped connection) may still be taken in
+            # when the warehouse resumes: its buffer is dropped, never refilled by another put under it
+            self.staging.drop(self.buf)
+        return None
+
+    def _done(self, *, lent: bool) -> None:
+        if lent:
+            self.staging.lend(self.buf)
+        else:
+            self.staging.give(self.buf)
+        self.staging.answered(self.mark)

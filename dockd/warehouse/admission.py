@@ -43,6 +43,7 @@ from dockd.net import memfd, same_host
 from dockd.net.peer import Peer
 from dockd.warehouse import memory
 from dockd.warehouse.core import Warehouse
+from dockd.warehouse.pending import PendingCopies
 from dockd.warehouse.segments import Segments
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class Admission:
         self.on_clear: Callable[[str], None] = lambda partition: None  # a partition was freed whole
         self._retry: asyncio.TimerHandle | None = None  # with a spill tier: the queue's next try to spill
         self._copier: ThreadPoolExecutor | None = None  # big staged payloads are copied in here (copy_in_off_loop)
+        self.pending = PendingCopies()  # staged puts waiting for their writer's copy (dropped with their connection)
         segments.on_lent = self._lent
 
     def _lent(self, delta: int) -> None:
@@ -237,7 +239,8 @@ class Admission:
                 "consume faster, drop tensors of cleared samples, raise --capacity, or give it a --spill-dir.")
 
     def lost(self, peer: Peer) -> None:
-        """A connection ended: its waiting puts leave the queue."""
+        """A connection ended: its waiting puts leave the queue, and those waiting for their writer's copy are dropped."""
+        self.pending.lost(peer)
         if any(w.peer is peer for w in self.waiters):
             for w in self.waiters:
                 if w.peer is peer and not w.fut.done():

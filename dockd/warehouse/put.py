@@ -5,7 +5,9 @@
     receive  the body arrives in storage of ours (`Admission.allocate`), or a same-host
              writer's staged payload is copied in, or (bodiless) there is none. A writer
              that lends its staging buffer (`_lendable`) is answered before the bulk of
-             its payload is copied in: only what the checks read is copied first
+             its payload is copied in: only what the checks read is copied first. A put
+             sent before its writer's copy (PutRequest.staging_pending) is checked
+             meanwhile and goes on to its commit once the writer signals (`pending`)
     take     device runs (put(device="keep")) are copied into the device tier or spilled
     validate the put against its bytes, once (`_validate`): runs fit, msgpack values decode,
              explicit indexes' columns are unwritten here
@@ -39,7 +41,7 @@ import numpy as np
 
 from dockd import limits, runcheck
 from dockd._proto import dockd_pb2 as pb
-from dockd.errors import DockAuthError, DockError, DockProtocolError
+from dockd.errors import DockAuthError, DockConnectionError, DockError, DockProtocolError
 from dockd.logutil import Throttle
 from dockd.net import memfd
 from dockd.net.peer import Peer
@@ -51,6 +53,7 @@ from dockd.warehouse.commit import Committer, commit_request
 from dockd.warehouse.core import Warehouse
 from dockd.warehouse.datadir import DataDir
 from dockd.warehouse.device_put import take_device
+from dockd.warehouse.pending import Signal
 from dockd.warehouse.put_tokens import Tokens
 from dockd.warehouse.putfile import Room
 from dockd.warehouse.replica_copy import Replicator
@@ -156,11 +159,14 @@ class PutPipeline:
         req = frame.put
         if isinstance(body, memfd.Segment):  # a body received into a segment of ours: complete, so seal it
             body.seal()
-        staged = None
+        staged = signal = None
         if req.staging:  # a same-host put: the payload waits in the writer's staging buffer
             if body is not None:
                 raise DockProtocolError("a staged put carries no body")
-            staged = self.segments.staging(peer.pid, req.staging, fds[0] if fds else None, req.shm_size)
+            fd = fds[0] if fds else None  # (the buffer's descriptor, or with staging_eventfd its eventfd)
+            staged = self.segments.staging(peer.pid, req.staging, None if req.staging_eventfd else fd, req.shm_size,
+                                           fd if req.staging_eventfd else None)
+            signal = self.segments.signal(peer.pid, req.staging) if req.staging_pending else None
             wait = self._admit(peer, req, req.shm_size)
         elif fds:
             _close(fds)
@@ -170,18 +176,25 @@ class PutPipeline:
         else:
             self._received(peer, frame, body)
             return
-        if wait is not None or (staged is not None and req.shm_size >= COPY_OFF_LOOP):
-            spawn(self._when_admitted(wait, peer, frame, staged))
+        first = self._lendable(req) if staged is not None else None
+        # (a put sent before its writer's copy that is copied in whole waits for that copy in _when_admitted)
+        if wait is not None or (staged is not None and (req.shm_size >= COPY_OFF_LOOP or signal and first is None)):
+            spawn(self._when_admitted(wait, peer, frame, staged, signal))
             return
         if staged is None:
             self._received(peer, frame, None)
             return
-        first = self._lendable(req)
         if first is None:
             self._received(peer, frame, self.admission.copy_in(staged, req.shm_size))
             return
         body, rest = self.admission.copy_in_later(staged, req.shm_size, first)
-        self._received(peer, frame, body, rest)
+        self._received(peer, frame, body, rest, signal)  # (with `signal`: committed once the writer's copy is done)
+
+    def _not_copied(self, peer: Peer, frame: pb.Frame, exc: BaseException | None) -> None:
+        """A put whose writer's copy did not come (its connection closed: `exc` None; or its timeout ran out)."""
+        self.admission.release(unreserve=frame.put.shm_size)
+        if exc is not None:
+            peer.reply_error(frame, exc)
 
     def _lendable(self, req: pb.PutRequest) -> list[tuple[int, int]] | None:
         """A staged put its writer lends the buffer of (PutRequest.lend_staging) and that is kept in
@@ -199,8 +212,9 @@ class PutPipeline:
                     first.append((run.offset, run.nbytes))
         return first
 
-    async def _when_admitted(self, wait, peer: Peer, frame: pb.Frame, staged) -> None:
-        """A put that waits for room, or whose staged payload is big enough to be copied in off the loop."""
+    async def _when_admitted(self, wait, peer: Peer, frame: pb.Frame, staged, signal: Signal | None) -> None:
+        """A put that waits for room, or whose staged payload is big enough to be copied in off the loop
+        (then, sent before its writer's copy, once that copy is done)."""
         try:
             if wait is not None:
                 await wait
@@ -210,6 +224,12 @@ class PutPipeline:
             peer.reply_error(frame, e)
             return
         size = frame.put.shm_size
+        if signal is not None:
+            try:
+                await self.admission.pending.copied(peer, signal, frame.put.timeout)
+            except (asyncio.CancelledError, DockError) as e:
+                self._not_copied(peer, frame, None if isinstance(e, asyncio.CancelledError) else e)
+                return
         try:
             if staged is None:
                 body = None
@@ -222,9 +242,11 @@ class PutPipeline:
             peer.reply_error(frame, e)
 
     # -- take, check, commit -------------------------------------------------------------------
-    def _received(self, peer: Peer, frame: pb.Frame, body, rest: Callable[[], None] | None = None) -> None:
+    def _received(self, peer: Peer, frame: pb.Frame, body, rest: Callable[[], None] | None = None,
+                  signal: Signal | None = None) -> None:
         """A put whose size is reserved and whose bytes are ours (or, with `rest`, the bytes its checks
-        read; `rest()` copies in the others once it is answered): check it and commit it."""
+        read; `rest()` copies in the others once it is answered): check it and commit it (with `signal`,
+        once its writer's copy into the staging buffer is done; dropped if that does not come)."""
         req = frame.put
         seg = body if isinstance(body, memfd.Segment) else None
         buf = seg.buffer if seg is not None else body
@@ -248,10 +270,31 @@ class PutPipeline:
             raise
         commit = commit_request(req, size, self._wid())
         put = _Put(peer, frame, buf, seg, size, dev, spilled, held, room, rest)
+        if signal is not None:
+            self.admission.pending.after(peer, signal, req.timeout, functools.partial(self._copied, put, commit),
+                                         functools.partial(self._dropped, put))
+            return
         if room is not None and size >= WRITE_OFF_LOOP:
             spawn(self._write_then_commit(put, commit))
             return
         self._commit(put, commit)
+
+    def _copied(self, put: _Put, commit: pb.CommitRequest) -> None:
+        """The writer's copy of a checked put is done: commit it."""
+        try:
+            self._commit(put, commit)
+        except Exception as e:  # noqa: BLE001 - the put's answer
+            self._drop(put)
+            self._fail(put, e)
+
+    def _dropped(self, put: _Put, exc: BaseException | None) -> None:
+        """A checked put whose writer's copy did not come: nothing of it is kept, its re-sends are refused."""
+        self._drop(put)
+        if exc is not None:
+            self._fail(put, exc)
+        else:
+            self.tokens.done(put.frame.put.token, None, DockConnectionError(
+                f"the connection of {put.peer.name} closed before its put's tensors were copied; the put was dropped"))
 
     def _commit(self, put: _Put, commit: pb.CommitRequest) -> None:
         """Commit the put; a put of new samples that a block holds indexes for (--commit-window) is stored

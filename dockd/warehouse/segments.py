@@ -34,6 +34,7 @@ import numpy as np
 
 from dockd.errors import DockProtocolError, StagingUnknown
 from dockd.net import memfd
+from dockd.warehouse.pending import Signal
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class Segments:
         self._pinned: collections.Counter = collections.Counter()  # sid -> all pins
         # pid -> staging id -> read-only mapping
         self._staging: dict[int, collections.OrderedDict[int, np.ndarray]] = {}
+        self._signals: dict[int, dict[int, Signal]] = {}  # pid -> staging id -> its eventfd (`dockd.warehouse.pending`)
         self._conns: collections.Counter = collections.Counter()  # pid -> its open same-host connections
         self.created = self.reused = 0
         # called with each segment created (dockd.net.mooncake registers it with its engine once)
@@ -200,6 +202,7 @@ class Segments:
     def process_exited(self, pid: int) -> None:
         held = self.pins.pop(pid, None)
         self._staging.pop(pid, None)
+        self._signals.pop(pid, None)
         self._conns.pop(pid, None)
         if held:
             logger.debug("[shm] reader exited pid=%d pinned_segments=%d", pid, len(held))
@@ -222,14 +225,19 @@ class Segments:
         if self._conns[pid] <= 0:
             del self._conns[pid]
             self._staging.pop(pid, None)
+            self._signals.pop(pid, None)
 
     # -- staging ---------------------------------------------------------------------------------
-    def staging(self, pid: int | None, sid: int, fd: int | None, size: int) -> np.ndarray:
-        """The read-only mapping of a writer's staging buffer (registered now if `fd` is given)."""
+    def staging(self, pid: int | None, sid: int, fd: int | None, size: int, efd: int | None = None) -> np.ndarray:
+        """The read-only mapping of a writer's staging buffer (registered now if `fd` is given; `efd`: its
+        eventfd, registered with the buffer from now: see `signal`). Closes `fd` and `efd` (or keeps them)."""
         if pid is None:
+            _close(efd)
             raise DockProtocolError("staging buffers are for same-host writers (a Unix socket)")
         bufs = self._staging.setdefault(pid, collections.OrderedDict())
+        signals = self._signals.setdefault(pid, {})
         if fd is not None:
+            signals.pop(sid, None)
             try:
                 if memfd.seals(fd) & memfd.STAGING_SEALS != memfd.STAGING_SEALS:
                     raise DockProtocolError("a staging buffer must be sealed against shrinking (F_SEAL_SHRINK)")
@@ -240,19 +248,34 @@ class Segments:
             finally:
                 os.close(fd)
             if len(bufs) > STAGING_PER_PROCESS:
-                bufs.popitem(last=False)
+                signals.pop(bufs.popitem(last=False)[0], None)
             if pid not in self.pins:
                 self.pins[pid] = collections.Counter()
                 if self.watch is not None:
                     self.watch(pid, lambda: self.process_exited(pid))
         view = bufs.get(sid)
         if view is None:
+            _close(efd)
             raise StagingUnknown(f"unknown staging buffer {sid}: send its descriptor again")
+        if efd is not None:
+            signals[sid] = Signal(efd)
         if size > len(view):
             raise DockProtocolError(f"a put of {size} bytes from a {len(view)}-byte staging buffer")
         bufs.move_to_end(sid)
         return view
 
+    def signal(self, pid: int | None, sid: int) -> Signal:
+        """The eventfd registered with staging buffer `sid` of process `pid` (`staging` registered the buffer)."""
+        signal = self._signals.get(pid, {}).get(sid) if pid is not None else None
+        if signal is None:  # (registered again, or never, since its eventfd: the writer passes both again)
+            raise StagingUnknown(f"staging buffer {sid} has no eventfd registered: send its descriptor again")
+        return signal
+
     def stats(self) -> dict:
         return {"live": len(self._live), "idle": self.idle_count, "idle_bytes": self.idle_bytes,
                 "pinned": len(self._pinned), "created": self.created, "reused": self.reused}
+
+
+def _close(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)
