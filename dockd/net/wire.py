@@ -35,7 +35,7 @@ MAX_HEADER = 64 << 20
 # sample-columns in a get) is answered in full, never applied and then reported as too big.
 # Only a peer that proved it belongs to the dock sends replies.
 MAX_REPLY_HEADER = 128 << 20
-PROTOCOL_VERSION = 6  # 6: commits coalesced per warehouse; 5: the device tier; 4: rank-aware gets, tags, deletes, checkpoints; 3: columns as runs; 2: answered confirms, tokens, rejoin. Other versions are refused
+PROTOCOL_VERSION = 7  # 7: same-host puts sent before their tensor copy (staging_pending); 6: commits coalesced per warehouse; 5: the device tier; 4: rank-aware gets, tags, deletes, checkpoints; 3: columns as runs; 2: answered confirms, tokens, rejoin. Other versions are refused
 IOV_MAX = 512
 
 
