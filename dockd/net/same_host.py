@@ -33,7 +33,8 @@ abstract Unix socket (SCM_RIGHTS); nothing has a name, so nothing can leak.
   for its reply (`ShmTransport.idle`), or by the flusher: not by the code that
   dropped the last value, which is most often about to make that call (a get's
   loop rebinding its batch). Unmapping 1 MiB costs ~30 us on a 2-core VM. With
-  `DOCKD_KEEP_MAPPINGS` bytes (ClientConfig.keep_mappings), a mapping none of whose pages was written is kept
+  `DOCKD_KEEP_MAPPINGS` bytes a process (ClientConfig.keep_mappings, 64 MiB by
+  default), a mapping none of whose pages was written is kept
   instead (its segment unpinned all the same) and maps that segment again when
   a later reply passes it, without the page faults of a fresh mapping
   (`dockd.net.reply_maps`).
