@@ -24,7 +24,8 @@ VM the figures are bimodal, depending on where the scheduler puts the
 processes. ``--pin`` takes the scheduler's choice away: ``one`` puts the
 daemons, the client and the echo on CPU 0 (they take turns: latency is the
 sum of both sides' CPU), ``two`` the daemons on CPU 0 and the client on CPU 1
-(a daemon's work after its reply overlaps the client's). ``--only`` runs
+(a daemon's work after its reply overlaps the client's), the echo's server
+and client placed the same way. ``--only`` runs
 some of the cases.
 """
 
@@ -131,10 +132,11 @@ def _cases_in_child(count: int, tcp: bool, only: frozenset[str] | None = None,
 
 def measure(count: int, rounds: int, only: frozenset[str] | None = None, pin: str = "") -> dict[str, Any]:
     cpus = os.sched_getaffinity(0)
-    if pin == "one":  # (the echo's server inherits it: both ends on CPU 0, as the dock's)
+    if pin:  # (the echo's server inherits CPU 0, as the daemons have it; its client then moves as this one's)
         os.sched_setaffinity(0, {0})
+    client = {0 if pin == "one" else 1} if pin else None
     try:
-        echo = {fam: min((echo_round(fam, count) for _ in range(rounds)), key=lambda r: r["p50_us"])
+        echo = {fam: min((echo_round(fam, count, client_cpus=client) for _ in range(rounds)), key=lambda r: r["p50_us"])
                 for fam in ("unix", "tcp")}
     finally:
         os.sched_setaffinity(0, cpus)
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--only", help=f"comma-separated cases to run (default all: {','.join(CASES)})")
     ap.add_argument("--pin", choices=("one", "two"), default="",
                     help="the daemons on CPU 0, the client there too (one) or on CPU 1 (two); default: the scheduler's "
-                         "choice, which moves between rounds (the echo is pinned to CPU 0 with `one` only)")
+                         "choice, which moves between rounds (the echo is pinned the same way)")
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--tcp", action="store_true", help=argparse.SUPPRESS)

@@ -66,8 +66,9 @@ def _echo_server(family: str, address: Any, ready: Any, warmup: int) -> None:
         ready.send(time.process_time() - cpu0)
 
 
-def echo_round(family: str, count: int, warmup: int = 500) -> dict[str, Any]:
-    """One fresh server process: ``count`` timed round trips; latencies and the server's CPU."""
+def echo_round(family: str, count: int, warmup: int = 500, client_cpus: set[int] | None = None) -> dict[str, Any]:
+    """One fresh server process: ``count`` timed round trips; latencies and the server's CPU. The server
+    inherits this process's CPUs; `client_cpus`: the CPUs this side then runs on, until it returns."""
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="dkload-echo-")
     address: Any = os.path.join(tmp, "echo.sock") if family == "unix" else ("127.0.0.1", 0)
@@ -78,6 +79,8 @@ def echo_round(family: str, count: int, warmup: int = 500) -> dict[str, Any]:
         if not parent.poll(60):
             raise RuntimeError(f"{family} echo server did not start")
         bound = parent.recv()
+        if client_cpus is not None:
+            os.sched_setaffinity(0, client_cpus)
         fam = socket.AF_UNIX if family == "unix" else socket.AF_INET
         sock = socket.socket(fam, socket.SOCK_STREAM)
         sock.connect(bound if family == "unix" else tuple(bound))
