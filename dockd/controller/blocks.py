@@ -224,8 +224,15 @@ def judge(cat: Catalog, blocks: Blocks, block_id: int, warehouse: int, partition
     live = np.unique(idx[~part.gone[idx]])
     if len(live) and columns and _written_on(part, columns, live, warehouse):
         return AGAIN, idx
-    if block is None or not len(live):
-        return CLEARED, _NONE  # (dropping the block deleted its unwritten samples; all gone: nothing to delete)
+    if not len(live):
+        return CLEARED, _NONE  # (all gone: nothing to delete)
+    if block is None:
+        # Dropping a block deletes the samples of it that no column was written for. Where each of these outlived
+        # the drop with a column written since its put was answered (before its commit: a writer adds columns by
+        # explicit index at once), the put was acknowledged, and it applies; where some were deleted it cannot
+        # apply whole: cleared, the rest left as they are.
+        whole = seen is None and len(live) == len(np.unique(idx)) and bool(part.ready[live].all())
+        return (APPLY if whole else CLEARED), _NONE
     if seen is not None or len(live) < len(np.unique(idx)):
         return CLEARED, live  # its put was committed elsewhere (a re-send), or some of its samples were deleted
     return APPLY, _NONE

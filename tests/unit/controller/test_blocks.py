@@ -409,3 +409,21 @@ async def test_a_block_commit_sent_again_with_its_block_open_and_nothing_deleted
         svc.commit(_commit(wid, 1, [2, 5], put_id=3))
     assert [r[0] for r in _records(state)].count("C") == 2
     assert not svc.core.partitions["p"].gone[:6].any()
+
+
+@_on_a_dock
+async def test_a_block_commit_applies_after_its_block_went_when_a_column_was_written_to_its_samples_since(
+        svc, peer, wid, state):
+    """--commit-window: a put is answered before its commit, and its writer may write another column of its samples
+    by explicit index at once. Each sample of the block then has a column written, so the block goes (written in
+    full) before the put's own commit comes: that commit applies, where answering it cleared made the warehouse
+    free an acknowledged put."""
+    svc.block(peer, pb.BlockRequest(partition="p", count=2))
+    svc.commit(pb.CommitRequest(partition="p", columns=["r"], indexes=[1], warehouse=wid, nbytes=8, put_id=1))
+    svc.commit_batch(pb.CommitBatch(commits=[_commit(wid, 1, [0], 2)]))
+    assert not svc.core.blocks.by_id  # (written in full, as far as the controller can tell)
+    reply = svc.commit_batch(pb.CommitBatch(commits=[_commit(wid, 1, [1], 3)]))
+    assert list(reply.results[0].indexes) == [1] and not reply.results[0].cleared
+    part = svc.core.partitions["p"]
+    assert part.ready[1] >> part.columns["x"] & 1 and part.ready[1] >> part.columns["r"] & 1 and not part.gone[1]
+    assert not svc.commit(_commit(wid, 1, [1], put_id=4)).cleared  # (alone, a re-send: answered as applied)
