@@ -12,7 +12,9 @@ owners first), when its owner leaves or restarts, when a rejoining owner no long
 it is written in full, or when its owner commits to a block granted after it (`passed`);
 dropping deletes the samples of it that no column was written for (holes: their indexes are never
 handed out again). A commit of a block that is gone, or of samples deleted meanwhile, is `CLEARED`:
-nothing is recorded, and the warehouse frees what it stored.
+nothing is recorded, and the warehouse frees what it stored. Except: a commit whose block went while each
+of its samples outlived the drop with a column written (its writer wrote one by explicit index as soon as
+the put was answered) applies.
 """
 
 from __future__ import annotations
