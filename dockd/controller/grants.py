@@ -52,8 +52,7 @@ def where_of(r) -> dict[str, tuple[int, int]] | None:
     return {t.name: (t.lo, t.hi) for t in where} if where else None
 
 
-def _lease_seconds(r: pb.AcquireRequest) -> float | None:
-    seconds = r.lease_seconds
+def _lease_seconds(seconds: float) -> float | None:
     return min(seconds, 7 * 86400.0) if seconds > 0 else None
 
 
@@ -96,13 +95,12 @@ class Acquiring:
             r.token = a.token = token = 0
         if again is None and self.journal is not None:
             self.journal.room()
-        near, staleness, where = a.near, a.max_staleness, a.where
+        near, staleness = a.near, a.max_staleness
         res = core.acquire(
             partition, a.consumer, a.columns, a.count,
             groups=a.groups, allow_partial=a.allow_partial, shuffle=a.shuffle,
             seed=r.seed if a.shuffle and r.has_seed else None, owner=sid, now=self.timers.clock(), token=token,
-            lease_timeout=min(a.lease_seconds, 7 * 86400.0) if a.lease_seconds > 0 else None,
-            where={t.name: (t.lo, t.hi) for t in where} if where else None, order_by=a.order_by,
+            lease_timeout=_lease_seconds(a.lease_seconds), where=where_of(a), order_by=a.order_by,
             near=near - 1 if near else None, max_staleness=staleness - 1 if staleness else None,
         )
         if again is not None:  # the client that retried holds it (a lease restored from the journal may have had none)
@@ -168,7 +166,7 @@ class Acquiring:
             r.partition, r.consumer, r.columns[:], r.count, dp_rank=r.dp_rank, dp_size=r.dp_size,
             mp_rank=r.mp_rank, mp_size=r.mp_size or 1, mp_group=r.mp_group, step=r.step if r.has_step else None,
             groups=r.groups, where=where_of(r), order_by=r.order_by, balance=bool(r.balance_by), owner=sid,
-            now=self.timers.clock(), lease_timeout=_lease_seconds(r),
+            now=self.timers.clock(), lease_timeout=_lease_seconds(r.lease_seconds),
             max_staleness=r.max_staleness - 1 if r.max_staleness else None,
         )
         if res is not None and not isinstance(res, Round) and res.lease:
