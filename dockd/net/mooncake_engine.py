@@ -11,6 +11,7 @@ ends, is `dockd.net.mooncake`.
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib.util
 import logging
@@ -116,6 +117,7 @@ class ReceivePool:
         self.idle_bytes = 0
         self.lent_bytes = 0
         self.registered = 0  # buffers registered so far (each once)
+        self._back: collections.deque[tuple[mmap.mmap, int, int]] = collections.deque()  # given back, to settle
         self._lock = threading.Lock()
         self._warned = False
 
@@ -123,6 +125,7 @@ class ReceivePool:
         """(buffer, its address, its size) of at least `n` bytes."""
         size = _size_class(n)
         with self._lock:
+            unregister = self._settle()
             idle = self._idle.get(size)
             if idle:
                 mm, addr = idle.pop()
@@ -131,6 +134,7 @@ class ReceivePool:
                 return mm, addr, size
             self.lent_bytes += size
             over = self.lent_bytes + self.idle_bytes > self.budget
+        self._unregister(unregister)
         if over and not self._warned:
             self._warned = True
             logger.warning("[mooncake] receive buffers in use pass DOCKD_RECV_POOL_BYTES (%d bytes): values read "
@@ -149,15 +153,35 @@ class ReceivePool:
         return mm, addr, size
 
     def give(self, mm: mmap.mmap, addr: int, size: int) -> None:
-        with self._lock:
+        """(A finalizer: it runs inside any allocation of its thread, maybe one made under this lock, so it
+        never waits for the lock; a buffer it finds taken is settled by the lock's next holder.)"""
+        self._back.append((mm, addr, size))
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            unregister = self._settle()
+        finally:
+            self._lock.release()
+        self._unregister(unregister)
+
+    def _settle(self) -> list[int]:
+        """(Under the lock.) The buffers given back, idle again within the budget; the addresses of the
+        others, to unregister outside the lock (the mmap is freed with its last reference)."""
+        over = []
+        while self._back:
+            mm, addr, size = self._back.popleft()
             self.lent_bytes -= size
             if self.idle_bytes + size <= self.budget:
                 self._idle.setdefault(size, []).append((mm, addr))
                 self.idle_bytes += size
-                return
+            else:
+                over.append(addr)
+        return over
+
+    def _unregister(self, addrs: list[int]) -> None:
         if self.engine is not None:
-            self.engine.unregister_memory(addr)
-        # (the mmap is freed with its last reference: the numpy views are gone by now)
+            for addr in addrs:
+                self.engine.unregister_memory(addr)
 
     def forked(self) -> None:
         """In a forked child: the engine is the parent's and runs no thread here. Buffers still in use
@@ -165,6 +189,7 @@ class ReceivePool:
         self._lock = threading.Lock()
         self.engine, self.budget = None, 0
         self._idle.clear()
+        self._back.clear()
         self.idle_bytes = 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import weakref
@@ -30,6 +31,7 @@ class RecvPool:
         self.max_bytes = max_bytes
         self.pooled = 0
         self._free: dict[int, list[np.ndarray]] = {}
+        self._back: collections.deque[np.ndarray] = collections.deque()  # given back, for the lock's next holder
         self._lock = threading.Lock()
 
     def take(self, n: int) -> np.ndarray:
@@ -39,6 +41,7 @@ class RecvPool:
         size = -(-n // step) * step
         block = None
         with self._lock:
+            self._settle()
             blocks = self._free.get(size)
             if blocks:  # no empty lists are kept
                 block = blocks.pop()
@@ -52,8 +55,20 @@ class RecvPool:
         return view
 
     def _give_back(self, block: np.ndarray) -> None:
-        with self._lock:
-            # the block given back last is the likeliest to be asked for next: older ones make room for it
+        """(A finalizer: it runs inside any allocation of its thread, maybe one made under this lock, so it
+        never waits for the lock; a block it finds taken is pooled by the lock's next holder.)"""
+        self._back.append(block)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._settle()
+            finally:
+                self._lock.release()
+
+    def _settle(self) -> None:
+        """(Under the lock.) Pool the blocks given back: the one given back last is the likeliest to be asked
+        for next, so older ones make room for it."""
+        while self._back:
+            block = self._back.popleft()
             while self.pooled + block.nbytes > self.max_bytes and self._free:
                 size, blocks = next(iter(self._free.items()))
                 blocks.pop()

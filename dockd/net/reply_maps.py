@@ -22,6 +22,10 @@ mapping go. So what a process keeps is bounded, over all its docks and daemons, 
 least recently used out first, and a kept mapping goes when it has not been used for `KEEP_IDLE_S` (a thread
 of this module looks every `KEEP_IDLE_S` while anything is kept: gone within twice that), when its transport
 closes (a Dock's close) or is collected, and in a child process at its fork.
+
+A transport's close or collection may run in a finalizer, that is inside any allocation of any thread,
+this module's own code under its lock included: letting go of what a transport kept never waits for the
+lock (`_Kept.drop`). Waiting there deadlocked a thread on the lock it held.
 """
 
 from __future__ import annotations
@@ -63,17 +67,20 @@ class _Kept:
         self.bytes = 0
         self.pagemap = -1  # /proc/self/pagemap, opened on first use (-2: not readable here: keep none)
         self.reaping = False  # (a reaper thread runs)
+        self.owners_gone: collections.deque[int] = collections.deque()  # owners to drop at the lock's next holder
 
     def take(self, key: _Key) -> tuple[Ident, np.ndarray, float] | None:
         with self.lock:
             got = self.maps.pop(key, None)
             if got is not None:
                 self.bytes -= got[0][2]
+            gone = self._drop_owners_gone()
+        del gone  # (unmapped here, outside the lock)
         return got
 
     def put(self, key: _Key, ident: Ident, mm: np.ndarray, budget: int) -> list:
         """Keep `mm` (under the lock); returns what it pushed out, to drop outside the lock."""
-        dropped = []
+        dropped = self._drop_owners_gone()
         old = self.maps.pop(key, None)  # (two replies mapped it at once: one mapping is enough)
         if old is not None:
             self.bytes -= old[0][2]
@@ -90,18 +97,36 @@ class _Kept:
         return dropped
 
     def drop(self, owner: int) -> None:
-        """Let go of every mapping that `owner` kept (its transport closed or was collected)."""
-        with self.lock:
-            gone = [self.maps.pop(k) for k in [k for k in self.maps if k[0] == owner]]
-            self.bytes -= sum(g[0][2] for g in gone)
+        """Let go of every mapping that `owner` kept (its transport closed or was collected): now, or when
+        the lock is held (maybe by this very thread, a finalizer having run inside its critical section),
+        by its next holder, which the reaper is while anything is kept."""
+        self.owners_gone.append(owner)
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
+            gone = self._drop_owners_gone()
+        finally:
+            self.lock.release()
         del gone  # (unmapped here, outside the lock)
+
+    def _drop_owners_gone(self) -> list:
+        """(Under the lock.) The mappings of the owners `drop` was given, out of `maps`: to drop outside it."""
+        gone = []
+        while self.owners_gone:
+            owner = self.owners_gone.popleft()
+            for k in [k for k in list(self.maps) if k[0] == owner]:
+                got = self.maps.pop(k, None)
+                if got is not None:
+                    self.bytes -= got[0][2]
+                    gone.append(got)
+        return gone
 
     def _reap(self) -> None:
         """Let go of the mappings unused for KEEP_IDLE_S; ends once none is kept."""
         while True:
             time.sleep(KEEP_IDLE_S)
-            gone = []
             with self.lock:
+                gone = self._drop_owners_gone()
                 old = time.monotonic() - KEEP_IDLE_S
                 while self.maps and self.maps[key := next(iter(self.maps))][2] <= old:
                     gone.append(self.maps.pop(key))
@@ -138,6 +163,7 @@ class _Kept:
         """In a child process: its copies of the parent's mappings go, and /proc/self is the child's now."""
         self.lock = threading.Lock()
         maps, self.maps, self.bytes, self.reaping = self.maps, collections.OrderedDict(), 0, False
+        self.owners_gone.clear()
         if self.pagemap >= 0:
             os.close(self.pagemap)
         self.pagemap = -1
@@ -187,6 +213,8 @@ class ReplyMaps:
     def keep(self, sid: int, ident: Ident, mm: np.ndarray) -> None:
         """The values of `mm` (segment `sid`) are gone: keep it for the next reply that passes the segment
         if none of its pages was written, else let it go (unmapped when the caller drops its reference)."""
+        if self._closed:  # (a close in a finalizer runs `idle`, so this: it keeps nothing, and waits for no lock)
+            return
         if not _KEPT.unwritten(mm):
             self.written += 1
             return
@@ -197,7 +225,6 @@ class ReplyMaps:
         del dropped  # (unmapped here, outside the lock)
 
     def clear(self) -> None:
-        """Let every mapping kept go, and keep none from now on (the transport closes)."""
-        with _KEPT.lock:
-            self._closed = True
+        """Let every mapping kept go, and keep none from now on (the transport closes; maybe in a finalizer)."""
+        self._closed = True  # (`keep` reads it again under the lock: one that passed before this is dropped below)
         _KEPT.drop(self._owner)

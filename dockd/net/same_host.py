@@ -139,12 +139,11 @@ class ShmTransport(Transport):
         super().__init__(endpoint, ctx)
         self.spin_s = ctx.config.spin_s
         self.staging = Staging()  # same-host puts write here
-        self._unpins: list[int] = []  # segments of this daemon we no longer map, to tell it
+        self._unpins: collections.deque[int] = collections.deque()  # segments of this daemon we no longer map, to tell it
         self._released: list[tuple[np.ndarray, tuple[int, Ident] | None]] = []  # mappings whose values are
         # gone, for `idle` to unmap (or keep: with the segment id and identity of one that `maps` gave)
         self.maps = ReplyMaps(ctx.config.keep_mappings)
         self._closed = False  # (then no call comes: a mapping is unmapped once its values are gone)
-        self._lock = threading.Lock()
         self._copies = threading.local()  # .put: this thread's put sent before its copy (`idle` copies it)
 
     @classmethod
@@ -286,24 +285,26 @@ class ShmTransport(Transport):
 
     def unpin(self, sid: int) -> None:
         """A zero-copy mapping of the daemon's segment `sid` is gone (runs in a finalizer): queue the
-        unpin (it rides on the next request to that daemon, or the flusher sends it)."""
-        with self._lock:
-            self._unpins.append(sid)
+        unpin (it rides on the next request to that daemon, or the flusher sends it). Takes no lock: a
+        finalizer runs inside whatever allocation its thread makes, a critical section of that thread's too."""
+        self._unpins.append(sid)
         self.ctx.wake()
 
     def take_unpins(self) -> list[int]:
-        if not self._unpins:  # (most requests: none to report; one queued meanwhile goes with the next, or the flusher)
-            return []
-        with self._lock:
-            out, self._unpins = self._unpins, []
+        out: list[int] = []
+        while self._unpins:  # (most requests: none to report; one queued meanwhile goes with the next, or the flusher)
+            try:
+                out.append(self._unpins.popleft())  # (each taken once, whichever thread takes it)
+            except IndexError:
+                break
         return out
 
     def matches(self, endpoint: Endpoint) -> bool:
         return super().matches(endpoint) and endpoint.unix == self.endpoint.unix
 
     def close(self) -> None:
+        self.maps.clear()  # (and keeps none from now on: a `_release` that finds us closed waits for no lock)
         self._closed = True
-        self.maps.clear()  # (and keeps none from now on)
         self.idle()
         self.staging.close()
 

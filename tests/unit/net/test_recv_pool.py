@@ -57,3 +57,25 @@ def test_the_process_pool_is_made_on_first_use_with_the_environment_then(monkeyp
     monkeypatch.setenv("DOCKD_RECV_POOL_BYTES", str(3 * MiB))
     pool = module.recv_pool()
     assert pool.max_bytes == 3 * MiB and module.recv_pool() is pool
+
+
+def test_a_block_given_back_inside_the_lock_waits_for_no_lock_and_is_pooled_by_the_next_take():
+    """The give-back is a finalizer: it runs inside any allocation of its thread, one made under the pool's
+    lock included. It must not wait for that lock (the thread would deadlock on the lock it holds)."""
+    import threading
+
+    pool = RecvPool(8 * MiB)
+    v = pool.take(3 * MiB)
+    addr = _address(v)
+
+    def given_back_under_the_lock() -> None:
+        nonlocal v
+        with pool._lock:
+            del v
+            gc.collect()
+
+    t = threading.Thread(target=given_back_under_the_lock, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "a give-back inside the lock deadlocked"
+    assert _address(pool.take(3 * MiB)) == addr

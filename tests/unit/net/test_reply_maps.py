@@ -171,3 +171,52 @@ def test_dockd_keep_mappings_0_unmaps_every_mapping_once_its_values_are_gone(mon
         assert maps_of(seg) == 1 and t.take_unpins() == [seg.sid] and reply_maps.kept_bytes() == 0
     finally:
         t.close()
+
+
+def _in_a_thread(fn) -> bool:
+    """Whether `fn()` returned within 10 s (a thread that deadlocked is a daemon: it does not hold up the run)."""
+    import threading
+
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    t.join(10)
+    return not t.is_alive()
+
+
+def test_a_transport_collected_inside_the_lock_lets_go_without_waiting_for_it():
+    """A transport's close or collection may run in a finalizer, inside an allocation its thread makes under
+    the lock: letting go of what it kept waits for no lock (before: the thread deadlocked on the lock it held,
+    and every same-host get of the process after it, as in a warehouse-kill test that hung)."""
+    kept, seg = reply_maps._Kept(), memfd.Segment.create(SIZE)
+    mm = memfd.map_whole_private(seg.fd, SIZE)
+    ident = (1, 2, SIZE)
+    with kept.lock:
+        kept.put((7, seg.sid), ident, mm, 4 * SIZE)
+    del mm
+    assert maps_of(seg) == 2 and kept.bytes == SIZE
+
+    def collected_under_the_lock() -> None:
+        with kept.lock:
+            kept.drop(7)  # (what the finalizer of owner 7 calls)
+
+    assert _in_a_thread(collected_under_the_lock), "a drop inside the lock deadlocked"
+    assert kept.take((8, 1)) is None  # (the lock's next holder)
+    assert kept.bytes == 0 and not kept.maps and maps_of(seg) == 1
+    kept.drop(9)  # (the lock free: at once)
+    assert not kept.owners_gone
+
+
+def test_a_closed_transports_release_in_a_finalizer_keeps_nothing_and_waits_for_no_lock():
+    t = shm(ClientConfig(keep_mappings=4 * SIZE))
+    seg = memfd.Segment.create(SIZE)
+    values = lend(t, seg)
+    t.close()
+
+    def released_under_the_lock() -> None:
+        nonlocal values
+        with reply_maps._KEPT.lock:
+            del values  # (its finalizer: `_release` on a closed transport)
+            gc.collect()
+
+    assert _in_a_thread(released_under_the_lock), "a release inside the lock deadlocked"
+    assert maps_of(seg) == 1 and t.take_unpins() == [seg.sid]
