@@ -10,6 +10,7 @@ without damaged files and reports their samples lost. Real `dockd serve` process
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import hashlib
 import os
 import shutil
@@ -515,6 +516,7 @@ def test_chaos_kill_under_a_stream_is_exactly_once(data_dir):
         errors: list[str] = []
         lost: list[str] = []
         stop = threading.Event()
+        given_up = threading.Event()  # (the consumer stops even short of every sample: the asserts say so)
 
         def produce() -> None:
             with dockd.connect(dk.address, warehouse=dk.wh_address) as w:
@@ -533,7 +535,7 @@ def test_chaos_kill_under_a_stream_is_exactly_once(data_dir):
 
         def consume() -> None:
             with dockd.connect(dk.address) as c:
-                while not stop.is_set() or len(seen) < len(acked):
+                while not given_up.is_set() and (not stop.is_set() or len(seen) < len(acked)):
                     try:
                         b = c.get("c", ["id", "x"], 8, partition="s", timeout=1, allow_partial=True)
                     except dockd.DockTimeout as e:
@@ -557,7 +559,7 @@ def test_chaos_kill_under_a_stream_is_exactly_once(data_dir):
                         assert torch.equal(b["x"][pos], torch.full((BIG // 4,), float(k))), k
                     seen.extend(b["id"])
 
-        threads = [threading.Thread(target=produce), threading.Thread(target=consume)]
+        threads = [threading.Thread(target=produce, daemon=True), threading.Thread(target=consume, daemon=True)]
         for t in threads:
             t.start()
         try:
@@ -576,7 +578,11 @@ def test_chaos_kill_under_a_stream_is_exactly_once(data_dir):
             deadline = time.monotonic() + 60
             while len(seen) < len(acked) and time.monotonic() < deadline:
                 time.sleep(0.1)
+            given_up.set()
             threads[1].join(60)
+        if any(t.is_alive() for t in threads):
+            faulthandler.dump_traceback(all_threads=True)
+            raise AssertionError("a producer or consumer call hung: every thread's stack is on stderr")
         print(f"acked={len(acked)} seen={len(seen)} transient errors={len(errors)}: {errors[:6]}")
         assert not lost, f"a get reported samples lost while their warehouse restarted: {lost[:3]}"
         dups = sorted({k for k in seen if seen.count(k) > 1})
