@@ -89,8 +89,14 @@ def test_kept_mappings_stay_within_their_budget_and_go_when_the_transport_closes
         assert maps_of(seg) == 2
         del values
         transport.idle()
-    assert [maps_of(s) - 1 for s in segs] == [0, 0, 1, 1, 1, 1]  # (4 x SIZE kept: the oldest went)
+    assert [maps_of(s) - 1 for s in segs] == [1, 1, 1, 1, 0, 0]  # (4 x SIZE kept: the ones past it were not)
     assert sorted(transport.take_unpins()) == sorted(s.sid for s in segs)
+    for seg in segs:  # a second pass over the six: the four kept serve again, the two others are mapped anew
+        values = lend(transport, seg)
+        del values
+        transport.idle()
+    assert (transport.maps.hits, transport.maps.misses) == (4, 8)
+    assert [maps_of(s) - 1 for s in segs] == [1, 1, 1, 1, 0, 0]
     transport.close()
     assert [maps_of(s) - 1 for s in segs] == [0] * 6
 
@@ -118,10 +124,12 @@ def test_the_budget_is_the_processs_over_all_its_transports(transport):
             del values
             (transport if k % 2 else other).idle()
             assert reply_maps.kept_bytes() <= 4 * SIZE
-        assert [maps_of(s) - 1 for s in segs] == [0, 0, 1, 1, 1, 1] and reply_maps.kept_bytes() == 4 * SIZE
+        # (past the budget a mapping is not kept; what is kept stays: a consumer cycling through more
+        # segments than it holds finds most of them kept on its next pass, where LRU found none)
+        assert [maps_of(s) - 1 for s in segs] == [1, 1, 1, 1, 0, 0] and reply_maps.kept_bytes() == 4 * SIZE
     finally:
         other.close()
-    assert [maps_of(s) - 1 for s in segs] == [0, 0, 0, 1, 0, 1] and reply_maps.kept_bytes() == 2 * SIZE
+    assert [maps_of(s) - 1 for s in segs] == [0, 1, 0, 1, 0, 0] and reply_maps.kept_bytes() == 2 * SIZE
 
 
 def test_a_collected_transport_lets_what_it_kept_go():
