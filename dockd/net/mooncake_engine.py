@@ -127,14 +127,14 @@ class ReceivePool:
         with self._lock:
             unregister = self._settle()
             idle = self._idle.get(size)
-            if idle:
-                mm, addr = idle.pop()
+            reused = idle.pop() if idle else None
+            if reused is not None:
                 self.idle_bytes -= size
-                self.lent_bytes += size
-                return mm, addr, size
             self.lent_bytes += size
             over = self.lent_bytes + self.idle_bytes > self.budget
         self._unregister(unregister)
+        if reused is not None:
+            return reused[0], reused[1], size
         if over and not self._warned:
             self._warned = True
             logger.warning("[mooncake] receive buffers in use pass DOCKD_RECV_POOL_BYTES (%d bytes): values read "

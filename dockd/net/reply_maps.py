@@ -22,8 +22,8 @@ mapping go. So what a process keeps is bounded, over all its docks and daemons, 
 a mapping that would pass it is not kept. What is kept is not pushed out by newer mappings: a consumer that
 reads more segments in turn than the budget holds (a partition put in full, then got in full) then finds most
 of them kept on its next pass, where pushing out the least recently used found none (each was pushed out just
-before its turn came again: 172 of 292 replies of `benchmarks/jagged_get` mapped from a kept mapping, 260 of 292
-now). A kept mapping goes when it has not been used for `KEEP_IDLE_S` (a thread
+before its turn came again: 172 of 292 replies of `benchmarks/jagged_get` mapped from a kept mapping, 204-209
+of 292 now). A kept mapping goes when it has not been used for `KEEP_IDLE_S` (a thread
 of this module looks every `KEEP_IDLE_S` while anything is kept: gone within twice that), when its transport
 closes (a Dock's close) or is collected, and in a child process at its fork.
 
@@ -230,5 +230,6 @@ class ReplyMaps:
 
     def clear(self) -> None:
         """Let every mapping kept go, and keep none from now on (the transport closes; maybe in a finalizer)."""
-        self._closed = True  # (`keep` reads it again under the lock: one that passed before this is dropped below)
+        self._closed = True  # (`keep` reads it again under the lock: one kept before that goes below, or with
+        # the lock's next holder when `keep` holds it now)
         _KEPT.drop(self._owner)
