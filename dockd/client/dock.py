@@ -116,13 +116,13 @@ class Dock(PartitionCalls):
         self._name = name or f"pid{os.getpid()}"
         self._lock = threading.Lock()
         self._closed = False
-        self._stop = threading.Event()
+        self._stop = FinalizerEvent()
         self._links = ReaderLinks()  # device links to warehouses on other nodes (get(device=...))
         pinned = warehouse if warehouse is not None else (config.warehouse or None)
         prefer, token = _ray_home(address, pinned, token)
         # the session owns this client's leases (over all its connections); random: nobody else can claim it
         self._creds = Credentials(key=auth.client_token(token), session=auth.client_session(), name=self._name)
-        wake = threading.Event()
+        wake = FinalizerEvent()  # (set by finalizers: a mapping's release, the Dock's own)
         ctx = Context(config=config, links=self._links, wake=wake.set)
         self._router = Router(host, port, warehouse=pinned, connect_timeout=self.connect_timeout,
                               reconnect_timeout=self.reconnect_timeout, name=self._name, stop=self._stop, prefer=prefer,
@@ -451,6 +451,16 @@ def _ray_home(address: str, pinned, token):
     if token is None and not env("DOCKD_TOKEN") and not env("DOCKD_TOKEN_FILE"):
         token = ray_token
     return prefer, token
+
+
+class FinalizerEvent(threading.Event):
+    """A threading.Event that finalizers may set. A finalizer runs inside whatever allocation its thread
+    makes, one inside this Event's own `set` included (`Condition.notify` allocates under the lock): with
+    the plain lock of threading.Event the thread would wait there on itself. This lock is reentrant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cond = threading.Condition(threading.RLock())
 
 
 def _finalize(stop: threading.Event, wake: threading.Event, router: Router, confirms: Confirms) -> None:
