@@ -115,14 +115,13 @@ class _Kept:
 
     def _drop_owners_gone(self) -> list:
         """(Under the lock.) The mappings of the owners `drop` was given, out of `maps`: to drop outside it."""
-        gone = []
+        if not self.owners_gone:  # (nearly every call)
+            return []
+        owners = set()
         while self.owners_gone:
-            owner = self.owners_gone.popleft()
-            for k in [k for k in list(self.maps) if k[0] == owner]:
-                got = self.maps.pop(k, None)
-                if got is not None:
-                    self.bytes -= got[0][2]
-                    gone.append(got)
+            owners.add(self.owners_gone.popleft())
+        gone = [self.maps.pop(k) for k in [k for k in self.maps if k[0] in owners]]
+        self.bytes -= sum(g[0][2] for g in gone)
         return gone
 
     def _reap(self) -> None:
