@@ -278,7 +278,7 @@ class Node:
         }
         assert set(table) == WAREHOUSE_KINDS
         table.update(self.weights.handlers())  # (dockd.weights: the relay, and reads of a version's buckets)
-        table.update(controller_handlers(self.controller, where=f"{self.cfg.host}:{self.port}", join=self.cfg.join,
+        table.update(controller_handlers(self.controller, where=lambda: f"{self.cfg.host}:{self.port}", join=self.cfg.join,
                                          agreement=self.agreement))
         return table
 

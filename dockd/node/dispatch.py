@@ -90,13 +90,14 @@ class Dispatcher:
         handler(peer, frame, body, fds)
 
 
-def controller_handlers(ctl, *, where: str, join: str, agreement: Agreement | None = None) -> dict[str, RequestHandler]:
+def controller_handlers(ctl, *, where: Callable[[], str], join: str,
+                        agreement: Agreement | None = None) -> dict[str, RequestHandler]:
     """The controller's kinds: served by `ctl` (a ControllerService), or without one refused
-    (`where`: this daemon's address, `join`: its controller's). `agreement`: whether the dock's
-    controllers agree on their list (several controllers)."""
+    (`where()`: this daemon's address, read when it refuses: a port of 0 is bound by then; `join`: its
+    controller's). `agreement`: whether the dock's controllers agree on their list (several controllers)."""
     if ctl is None:
         def refuse(peer: Peer, frame: pb.Frame, body, fds) -> None:
-            raise DockValueError(f"this daemon ({where}) is a warehouse without the controller; "
+            raise DockValueError(f"this daemon ({where()}) is a warehouse without the controller; "
                                  f"connect clients to the controller at {join}")
 
         return dict.fromkeys(CONTROLLER_KINDS, refuse)

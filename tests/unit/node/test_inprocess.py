@@ -151,6 +151,20 @@ def test_a_warehouse_without_the_controller_refuses_controller_kinds_saying_wher
             node.dispatcher.table[kind](peer, pb.Frame(), None, [])
 
 
+def test_a_warehouse_started_on_port_0_names_the_port_it_bound_when_it_refuses():
+    async def main():
+        async with (_running(controller=True, capacity=1 << 20) as ctl,
+                    _running(join=f"127.0.0.1:{ctl.port}", join_timeout=20, capacity=1 << 20) as node):
+            assert node.port  # (asked for port 0: before, the refusal named that, not the port it bound)
+            peer = await _connect(node)
+            with pytest.raises(DockValueError, match=rf"this daemon \(127.0.0.1:{node.port}\) is a warehouse "
+                                                     rf"without the controller; connect clients to the controller "
+                                                     rf"at 127.0.0.1:{ctl.port}"):
+                await peer.request(pb.Frame(stats=pb.StatsRequest()))
+
+    _run(main())
+
+
 def test_join_takes_one_controller_or_several_and_names_a_bad_address():
     assert _cfg(join="10.0.0.1:7450").join_addresses == ["10.0.0.1:7450"]
     assert _cfg(join="10.0.0.1:7450, 10.0.0.2:7450").join_addresses == ["10.0.0.1:7450", "10.0.0.2:7450"]
