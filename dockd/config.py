@@ -157,7 +157,6 @@ class ClientConfig:
     spin_s: float = 1e-3
     recv_pool_bytes: int = 1 << 30
     keep_mappings: int = 64 << 20
-    device_link_timeout: float = 60.0
     tls: str = ""
     """CA file (PEM) to check the daemons' TLS certificates with; "": TCP without TLS."""
 
@@ -175,7 +174,6 @@ class ClientConfig:
             spin_s=env_amount("DOCKD_SPIN_US", 1000.0, "microseconds") / 1e6,
             recv_pool_bytes=int(env_amount("DOCKD_RECV_POOL_BYTES", float(1 << 30), "bytes")),
             keep_mappings=int(env_amount("DOCKD_KEEP_MAPPINGS", float(64 << 20), "bytes")),
-            device_link_timeout=env_float("DOCKD_DEVICE_LINK_TIMEOUT", 60.0),
             tls=env("DOCKD_TLS_CA"),
         )
 
