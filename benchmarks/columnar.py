@@ -207,7 +207,7 @@ def _big(d, quick: bool, repeats: int) -> dict[str, float]:
         size = mib << 20
         x = torch.randint(0, 255, (1, size), dtype=torch.uint8)
         n = 8 if quick else (64 if mib == 1 else 16)
-        for _ in range(4):
+        for _ in range(n):  # (as many as a repeat puts: each repeat then finds the warehouse's segments warm)
             d.put({"x": x}, partition=f"big{mib}-warm")
         d.clear(f"big{mib}-warm")
         times = []
