@@ -365,6 +365,12 @@ def _touch_tensor(t: Any) -> None:
         int(raw[::PAGE].sum())
 
 
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` on `cpus` (threads it starts later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
 def rss_bytes() -> int:
     """Resident set size of this process, from /proc (Linux)."""
     try:

@@ -24,15 +24,10 @@ import time
 from typing import Any
 
 from .columnar import memcpy_gbps
+from .common import pin_process
 from .controller_load.procstat import cpu_seconds
 
 PLACEMENTS = {"free": None, "apart": (0, 1), "one": (0, 0)}
-
-
-def _pin(pid: int, cpu: int) -> None:
-    """Every thread of process `pid` on CPU `cpu` (threads it starts later inherit it)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        os.sched_setaffinity(int(tid), {cpu})
 
 
 def measure(*, mib: int = 1, puts: int = 64, repeats: int = 6, pin: str = "free") -> dict[str, Any]:
@@ -50,12 +45,11 @@ def measure(*, mib: int = 1, puts: int = 64, repeats: int = 6, pin: str = "free"
         cpus = PLACEMENTS[pin]
         try:
             if cpus is not None:
-                _pin(os.getpid(), cpus[0])
-                _pin(daemon, cpus[1])
+                pin_process(os.getpid(), {cpus[0]})
+                pin_process(daemon, {cpus[1]})
             rows = _repeats(d, x, puts, repeats, daemon)
         finally:
-            for tid in os.listdir("/proc/self/task"):  # (this process's threads as they were)
-                os.sched_setaffinity(int(tid), mine)
+            pin_process(os.getpid(), mine)  # (this process's threads as they were)
     copy_gbps = memcpy_gbps(size)
     for r in rows:
         r["vs_memcpy"] = size / (r["us_per_put"] / 1e6) / 1e9 / copy_gbps

@@ -39,16 +39,11 @@ import sys
 import time
 from typing import Any
 
+from .common import pin_process
 from .controller_load.baseline import echo_round
 from .controller_load.procstat import cpu_seconds
 
 CASES = ("get@controller", "get@warehouse", "get@controller/tcp", "put@controller", "put@warehouse", "ping")
-
-
-def _pin(pid: int, cpu: int) -> None:
-    """Every thread of process `pid` on CPU `cpu` (threads it starts later inherit it)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        os.sched_setaffinity(int(tid), {cpu})
 
 
 def _run_cases(count: int, tcp: bool, only: frozenset[str] | None = None, pin: str = "") -> dict[str, dict[str, float]]:
@@ -63,8 +58,8 @@ def _run_cases(count: int, tcp: bool, only: frozenset[str] | None = None, pin: s
         pids = {"controller": ctl_pid, "warehouse": wh_pid}
         if pin:  # the daemons on CPU 0; this client there too ("one") or on CPU 1 ("two")
             for p in pids.values():
-                _pin(p, 0)
-            _pin(os.getpid(), 0 if pin == "one" else 1)
+                pin_process(p, {0})
+            pin_process(os.getpid(), {0 if pin == "one" else 1})
         sample = {"tokens": torch.randint(0, 1000, (1, 512)), "logp": torch.randn(1, 512), "reward": [1.0]}
         tiny = torch.zeros(count + 200, 64, dtype=torch.uint8)
 
