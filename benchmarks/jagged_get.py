@@ -5,7 +5,8 @@ The workload of ``benchmarks.columnar --only=grpo``'s jagged get: 2,048 GRPO-sha
 string uid, ~31 KiB each), put 64 at a time with the six ragged columns as jagged nested tensors,
 then got 64 at a time on the same host (`start_local(1)`, one client, one torch thread), every
 ragged column taken as one jagged nested tensor (`batch.jagged(col)`) and every byte of its values
-read by the consumer, the two msgpack columns as lists. Cases:
+read by the consumer, the two msgpack columns as lists. ``--batch B`` gets B at a time instead: a get
+of more than one put's samples has its ragged columns' runs joined into one buffer (a copy). Cases:
 
 - ``get``: one get per batch (its acquire: the values come inline from the controller's own
   warehouse, one round trip), then the read.
@@ -24,7 +25,7 @@ into (`read_words`, columnar's `read_all`); ``--bytewise`` reads as `read_all` d
 byte where a buffer's size is not a multiple of 8 (the figures taken that way). ``--profile CASE`` runs one more pass of CASE under cProfile in the
 client and prints its top functions (by ``--sort``, default tottime).
 
-    python -m benchmarks.jagged_get [--repeats 3] [--samples 2048] [--prefetch 4] [--bytewise] [--profile get [--sort cumtime]]
+    python -m benchmarks.jagged_get [--repeats 3] [--samples 2048] [--batch 64] [--prefetch 4] [--bytewise] [--profile get [--sort cumtime]]
 """
 
 from __future__ import annotations
@@ -107,10 +108,10 @@ class Ahead:
         t.join()
 
 
-def _pass(d, case: str, part: str, names: list[str], gets: int, prefetch: int) -> int:
-    """One pass of `case` over a partition of `gets` batches; returns the samples got."""
+def _pass(d, case: str, part: str, names: list[str], gets: int, prefetch: int, batch: int = GRPO_BATCH) -> int:
+    """One pass of `case` over a partition of `gets` batches of `batch` samples; returns the samples got."""
     def get(p: int = 0):
-        return d.get("trainer", names, GRPO_BATCH, partition=part, timeout=60, prefetch=p)
+        return d.get("trainer", names, batch, partition=part, timeout=60, prefetch=p)
 
     got = 0
     if case == "overlap":
@@ -126,15 +127,18 @@ def _pass(d, case: str, part: str, names: list[str], gets: int, prefetch: int) -
     return got
 
 
-def measure(*, samples: int = 2048, repeats: int = 3, prefetch: int = 4, cases=CASES,
+def measure(*, samples: int = 2048, repeats: int = 3, prefetch: int = 4, cases=CASES, batch: int = GRPO_BATCH,
             profile: str | None = None, sort: str = "tottime") -> dict[str, Any]:
+    """Each case's time per get of `batch` samples (the puts are of GRPO_BATCH) against memcpy of as many bytes."""
     import dockd
 
+    if batch < 1 or samples % batch or samples % GRPO_BATCH:
+        raise ValueError(f"--samples ({samples}) must be a multiple of --batch ({batch}) and of {GRPO_BATCH}")
     torch.set_num_threads(1)
     data = grpo_samples(samples)
     names = list(data)
     chunks = [as_jagged({k: v[s:s + GRPO_BATCH] for k, v in data.items()}) for s in range(0, samples, GRPO_BATCH)]
-    gets = samples // GRPO_BATCH
+    gets = samples // batch
     nbytes = sample_bytes(data)
     times: dict[str, list[float]] = {c: [] for c in cases}
     loads = []
@@ -143,7 +147,7 @@ def measure(*, samples: int = 2048, repeats: int = 3, prefetch: int = 4, cases=C
         warm = chunks[:4]  # segments, staging, the first mappings
         for c in warm:
             d.put(c, partition="warm")
-        _pass(d, "get", "warm", names, len(warm), 0)
+        _pass(d, "get", "warm", names, len(warm), 0)  # (of GRPO_BATCH: the warm partition holds 4 puts)
         d.clear("warm")
         for r in range(repeats):
             for case in cases:
@@ -151,9 +155,9 @@ def measure(*, samples: int = 2048, repeats: int = 3, prefetch: int = 4, cases=C
                 for c in chunks:
                     d.put(c, partition=part)
                 t0 = time.perf_counter()
-                got = _pass(d, case, part, names, gets, prefetch)
+                got = _pass(d, case, part, names, gets, prefetch, batch)
                 times[case].append(time.perf_counter() - t0)
-                assert got == gets * GRPO_BATCH, (case, got)
+                assert got == samples, (case, got)
                 d.clear(part)
             loads.append(os.getloadavg()[0])
         if profile:
@@ -162,14 +166,14 @@ def measure(*, samples: int = 2048, repeats: int = 3, prefetch: int = 4, cases=C
                 d.put(c, partition=part)
             prof = cProfile.Profile()
             prof.enable()
-            _pass(d, profile, part, names, gets, prefetch)
+            _pass(d, profile, part, names, gets, prefetch, batch)
             prof.disable()
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats(sort).print_stats(30)
             res["profile"] = out.getvalue()
-    memcpy = memcpy_gbps(nbytes * GRPO_BATCH // samples)
+    memcpy = memcpy_gbps(nbytes * batch // samples)
     res.update({"bytes_per_sample": nbytes / samples, "memcpy_batch_GBps": memcpy, "loadavg": loads,
-                "prefetch": prefetch})
+                "prefetch": prefetch, "batch": batch})
     for case, ts in times.items():
         t = statistics.median(ts)
         res[f"{case}_ms_per_get"] = t / gets * 1e3
@@ -184,6 +188,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prefetch", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=GRPO_BATCH, help=f"samples per get (the puts are of {GRPO_BATCH})")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--profile", choices=CASES, default=None)
     ap.add_argument("--sort", default="tottime", help="--profile's order (a pstats key: tottime, cumtime)")
@@ -193,7 +198,7 @@ def main() -> None:
     if a.bytewise:
         READ[0] = read_bytewise
     res = measure(samples=a.samples, repeats=a.repeats, prefetch=a.prefetch, cases=a.cases.split(","),
-                  profile=a.profile, sort=a.sort)
+                  batch=a.batch, profile=a.profile, sort=a.sort)
     prof = res.pop("profile", None)
     print(json.dumps(res, indent=1))
     if prof:

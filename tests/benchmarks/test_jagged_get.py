@@ -36,3 +36,10 @@ def test_a_short_run_measures_every_case_against_memcpy():
     assert res["memcpy_batch_GBps"] > 0 and res["bytes_per_sample"] > 20_000
     for case in ("get", "prefetch", "overlap", "packed", "call"):
         assert res[f"{case}_ms_per_get"] > 0 and res[f"{case}_vs_memcpy"] > 0
+
+
+def test_gets_larger_than_the_puts_take_every_sample_and_a_batch_that_does_not_divide_is_refused():
+    res = measure(samples=128, repeats=1, prefetch=2, batch=128, cases=("packed", "get"))
+    assert res["batch"] == 128 and res["packed_ms_per_get"] > 0 and res["get_vs_memcpy"] > 0
+    with pytest.raises(ValueError, match="multiple of --batch"):
+        measure(samples=128, repeats=1, batch=96)
