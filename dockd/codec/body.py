@@ -69,16 +69,32 @@ class Joined:
 
 class Body:
     """Buffers laid out back to back, each run starting at an ALIGN-byte offset; kept as a
-    list (no concatenation), written with vectored I/O or into one buffer (`write_into`)."""
+    list (no concatenation), written with vectored I/O or into one buffer (`write_into`).
 
-    __slots__ = ("_parts", "size", "_joined")
+    A part added with `checked=True` is one the warehouse's checks read (msgpack values): a same-host
+    put sent before its tensors are copied into the staging buffer (`late`) has those parts written
+    first (`write_into(dst, late=False)`), and the others right after the send (`write_late_into`)."""
+
+    __slots__ = ("_parts", "size", "_joined", "_joins", "_checked", "_late")
 
     def __init__(self) -> None:
         self._parts: list[memoryview | bytes | Joined] = []
         self.size = 0
         self._joined = False  # a part is a Joined (not concatenated yet)
+        self._joins = False  # a part was added as a Joined
+        self._checked: list[tuple[int, int]] = []  # (position in _parts, byte offset) of each part added checked
+        self._late = 0  # parts the warehouse's checks do not read
 
-    def add(self, *parts: memoryview | Joined) -> int:
+    @property
+    def late(self) -> bool:
+        """Whether a same-host put is sent before the parts its warehouse's checks do not read are
+        written into the staging buffer, so that their copy runs while the warehouse checks the put:
+        when it has per-sample tensors to join (`Joined`) or several such parts. A put of one tensor
+        leaves the warehouse little to check meanwhile, and the signal that the copy is done then costs
+        about what the overlap gains (benchmarks/README.md, 2026-12-07)."""
+        return self._joins or self._late > 1
+
+    def add(self, *parts: memoryview | Joined, checked: bool = False) -> int:
         """Append parts contiguously at the next aligned offset; returns that offset."""
         pad = -self.size % ALIGN
         if pad:
@@ -87,14 +103,23 @@ class Body:
         off = self.size
         for data in parts:
             if data.nbytes:
+                if checked:
+                    self._checked.append((len(self._parts), self.size))
+                else:
+                    self._late += 1
+                if type(data) is Joined:
+                    self._joined = self._joins = True
                 self._parts.append(data)
                 self.size += data.nbytes
-                self._joined = self._joined or type(data) is Joined
         return off
 
     def extend(self, data: memoryview) -> None:
         """Append `data` right after the last part (no padding: it continues the run that part is in)."""
         if data.nbytes:
+            if self._checked and self._checked[-1][0] == len(self._parts) - 1:  # (it continues a checked part)
+                self._checked.append((len(self._parts), self.size))
+            else:
+                self._late += 1
             self._parts.append(data)
             self.size += data.nbytes
 
@@ -106,34 +131,36 @@ class Body:
             self._joined = False
         return self._parts  # type: ignore[return-value]  # (none is a Joined any more)
 
-    @property
-    def joined(self) -> bool:
-        """Whether a part is per-sample tensors still to be concatenated (`Joined`)."""
-        return self._joined
-
-    def write_into(self, dst: memoryview, *, joined: bool = True) -> None:
-        """Write the whole body into `dst` (at least `size` bytes, byte-addressed); `joined=False`: all
-        but its `Joined` parts, which `write_joined_into` writes later."""
+    def write_into(self, dst: memoryview, *, late: bool = True) -> None:
+        """Write the whole body into `dst` (at least `size` bytes, byte-addressed); `late=False`: only
+        the parts added with checked=True, the others left for `write_late_into`."""
+        if not late:
+            for i, at in self._checked:
+                _write_at(self._parts[i], dst, at)
+            return
         off = 0
         for p in self._parts:
-            if isinstance(p, Joined):
-                if joined:
-                    p.write_into(dst[off : off + p.nbytes])
-                off += p.nbytes
-            else:
-                src = memoryview(p).cast("B")
-                dst[off : off + src.nbytes] = src
-                off += src.nbytes
+            off = _write_at(p, dst, off)
 
-    def write_joined_into(self, dst: memoryview) -> None:
-        """Write the `Joined` parts into `dst`, where `write_into(dst, joined=False)` left their room."""
+    def write_late_into(self, dst: memoryview) -> None:
+        """Write the parts `write_into(dst, late=False)` left out, where their room is."""
+        checked = {i for i, _ in self._checked}
         off = 0
-        for p in self._parts:
-            if isinstance(p, Joined):
-                p.write_into(dst[off : off + p.nbytes])
-                off += p.nbytes
+        for i, p in enumerate(self._parts):
+            if i in checked:  # (written before the send: msgpack bytes)
+                off += len(p) if isinstance(p, bytes) else p.nbytes
             else:
-                off += memoryview(p).nbytes
+                off = _write_at(p, dst, off)
+
+
+def _write_at(p: memoryview | bytes | Joined, dst: memoryview, off: int) -> int:
+    """Part `p` into `dst` at byte `off`; returns the offset after it."""
+    if isinstance(p, Joined):
+        p.write_into(dst[off : off + p.nbytes])
+        return off + p.nbytes
+    src = memoryview(p).cast("B")
+    dst[off : off + src.nbytes] = src
+    return off + src.nbytes
 
 
 _NO_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # (dtypes numpy lacks: viewed as bytes by torch)

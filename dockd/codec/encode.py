@@ -341,7 +341,7 @@ def _msgpack_run(col: pb.ColumnData, name: str, values: list[Any], start: int, b
     if whole is not None:
         packed, lengths = whole
         run = col.runs.add(kind=pb.MSGPACK, count=len(values), lengths=lengths)
-        run.offset, run.nbytes = body.add(packed), packed.nbytes
+        run.offset, run.nbytes = body.add(packed, checked=True), packed.nbytes
         return
     blobs = []
     for i, v in enumerate(values):
@@ -354,7 +354,7 @@ def _msgpack_run(col: pb.ColumnData, name: str, values: list[Any], start: int, b
             ) from None
     data = b"".join(blobs)
     run = col.runs.add(kind=pb.MSGPACK, count=len(values), lengths=[len(b) for b in blobs])
-    run.offset, run.nbytes = body.add(memoryview(data)), len(data)
+    run.offset, run.nbytes = body.add(memoryview(data), checked=True), len(data)
 
 
 def _packed_whole(packer: msgpack.Packer, values: list[Any], kinds: set[type]) -> tuple[memoryview, list[int]] | None:

@@ -15,9 +15,10 @@ abstract Unix socket (SCM_RIGHTS); nothing has a name, so nothing can leak.
   writer lends the buffer: the warehouse may answer before it copies the bulk
   out, and copies it before it reads another request; the writer reuses the
   buffer only once a later put is answered (`dockd.warehouse.put`). A put
-  with per-sample tensors (`codec.Joined` parts) is sent before they are
-  copied in (`PutRequest.staging_pending`: its other bytes, the msgpack values
-  the warehouse checks, are there already): the copy runs right after the send
+  with per-sample tensors (`codec.Joined` parts) or several tensor runs is
+  sent before its tensors are copied in (`PutRequest.staging_pending`,
+  `codec.Body.late`: its other bytes, the msgpack values the warehouse
+  checks, are there already): the copy runs right after the send
   (`ShmTransport.idle`), while the warehouse admits and checks the put, and
   ends with a signal on the buffer's eventfd, which the warehouse waits for
   before it commits (`dockd.warehouse.pending`).
@@ -196,12 +197,12 @@ class ShmTransport(Transport):
                            answer=functools.partial(_answered, self.staging, mark))
         buf = self.staging.take(body.size)
         # (tensors to copy after the send, into a buffer the warehouse has: see the module docstring)
-        pending = body.joined and buf.efd >= 0 and buf.registered
+        pending = body.late and buf.efd >= 0 and buf.registered
         try:
             assert buf.view is not None  # a buffer is dropped only after it is given back
             if pending:
                 buf.ready()
-            body.write_into(memoryview(buf.view), joined=not pending)  # type: ignore[arg-type]  # numpy declares __buffer__ only for Python 3.12+
+            body.write_into(memoryview(buf.view), late=not pending)  # type: ignore[arg-type]  # numpy declares __buffer__ only for Python 3.12+
         except BaseException:
             self.staging.drop(buf)
             raise

@@ -183,7 +183,7 @@ class StagedPut:
         self.put.req.staging_pending = False  # (a re-send after StagingUnknown finds the bytes in place)
         view = self.buf.view
         assert view is not None  # (dropped only once the put failed, and then it is not copied)
-        self.put.body.write_joined_into(memoryview(view))  # type: ignore[arg-type]  # (numpy declares __buffer__ only for Python 3.12+)
+        self.put.body.write_late_into(memoryview(view))  # type: ignore[arg-type]  # (numpy declares __buffer__ only for Python 3.12+)
         self.buf.signal()
 
     def answered(self, reply: Reply) -> pb.Frame:

@@ -1,7 +1,8 @@
 """Staged puts sent before their writer's copy (`PutRequest.staging_pending`): their wait for its signal.
 
-A same-host writer whose put has per-sample tensors sends the request first
-and copies the tensors into its staging buffer right after the send; its other
+A same-host writer whose put has per-sample tensors or several tensor runs
+(`codec.Body.late`) sends the request first and copies the tensors into its
+staging buffer right after the send; its other
 bytes (the msgpack values the checks read) are in the buffer already. The
 warehouse admits and checks such a put meanwhile (`dockd.warehouse.put`), and
 goes on to its commit only once the writer signals the buffer's eventfd

@@ -1,6 +1,7 @@
-"""A same-host put of per-sample tensors goes before its copy (`ShmTransport.put_request`, `idle`): its other
-bytes are in the staging buffer when it is sent, the tensors are copied right after the send by the sending
-thread, then the buffer's eventfd is signalled; a put never sent is never copied, and its buffer dropped."""
+"""A same-host put of per-sample tensors or of several tensor runs goes before its copy (`ShmTransport.put_request`,
+`idle`): the bytes the warehouse's checks read are in the staging buffer when it is sent, the tensors are copied
+right after the send by the sending thread, then the buffer's eventfd is signalled; a put never sent is never
+copied, and its buffer dropped. A put of one tensor goes with its copy made."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def transport() -> ShmTransport:
 def a_lists_put(value: float = 1.0) -> Put:
     """A msgpack-like run, then per-sample tensors of `value` concatenated on writing (a `Joined` part)."""
     body = codec.Body()
-    body.add(memoryview(b"\x07" * 256))
+    body.add(memoryview(b"\x07" * 256), checked=True)
     n = SHM_MIN_BODY // 4 // 8
     body.add(codec.Joined([torch.full((n,), value) for _ in range(8)], [n] * 8, torch.float32, 8 * n * 4))
     return Put(pb.PutRequest(partition="p"), body, answer_s=3.0)
@@ -77,4 +78,40 @@ def test_a_put_never_sent_is_never_copied_and_its_buffer_is_dropped():
     assert r.failed(DockConnectionError("no connection")) is None
     t.idle()  # (a later call's idle: nothing to copy)
     assert buf.view is None and buf.fd == -1 and buf.efd == -1
+    t.close()
+
+
+def tensors_put(*values: float, checked: bytes = b"") -> Put:
+    """A put of one tensor run per value (after a msgpack-like run when `checked`), big enough to be staged."""
+    body = codec.Body()
+    if checked:
+        body.add(memoryview(checked), checked=True)
+    for v in values:
+        body.add(memoryview(torch.full((SHM_MIN_BODY // 4,), v).numpy()).cast("B"))
+    return Put(pb.PutRequest(partition="p"), body, answer_s=3.0)
+
+
+def test_which_bodies_go_before_their_copy():
+    assert not tensors_put(1.0).body.late and not tensors_put(1.0, checked=b"\x01").body.late
+    assert tensors_put(1.0, 2.0).body.late and a_lists_put().body.late
+
+
+def test_a_put_of_several_tensor_runs_goes_before_them_and_one_of_a_single_tensor_with_its_copy():
+    t = transport()
+    registered(t)
+    r = t.put_request(tensors_put(3.0, 4.0, checked=b"\x05" * 64))
+    req, buf = r.frame.put, r.answer.__self__.buf
+    assert req.staging_pending
+    view = buf.view
+    assert bytes(view[:64]) == b"\x05" * 64 and not (np.frombuffer(view[64 : req.shm_size].tobytes(), np.float32) == 4.0).any()
+    t.idle()
+    values = np.frombuffer(view[64 : req.shm_size].tobytes(), np.float32)
+    assert set(values[values != 0].tolist()) == {3.0, 4.0} and os.eventfd_read(buf.efd) == 1
+    r.answer(answered())
+    one = t.put_request(tensors_put(6.0))
+    b1 = one.answer.__self__.buf
+    assert b1.registered and b1.efd >= 0 and not one.frame.put.staging_pending  # (it could go first: it does not)
+    assert (np.frombuffer(one.answer.__self__.buf.view[: one.frame.put.shm_size].tobytes(), np.float32) == 6.0).all()
+    t.idle()
+    one.answer(answered())
     t.close()
