@@ -1,5 +1,5 @@
 """Same-host puts sent before their writer's copy (`PutRequest.staging_pending`, `dockd.warehouse.pending`):
-the request goes first, the per-sample tensors are copied into the staging buffer right after the send, and
+the request goes first, the tensors (per-sample, or several runs) are copied into the staging buffer right after the send, and
 the warehouse commits the put only once the writer's eventfd says the copy is done. One whose connection
 closes, or whose timeout runs out, before that signal is dropped: nothing committed, stored or acknowledged."""
 
@@ -32,14 +32,23 @@ def same(got, cols: dict) -> bool:
                for k, v in cols.items())
 
 
+def as_jagged(cols: dict) -> dict:
+    """The tensor columns of `lists` as jagged nested tensors (several tensor runs, no per-sample tensors)."""
+    return {k: torch.nested.as_nested_tensor(v, layout=torch.jagged) if k.startswith("t") else v
+            for k, v in cols.items()}
+
+
+@pytest.mark.parametrize("form", ["lists", "jagged"])
 @pytest.mark.parametrize("wid", [0, 1], ids=["controller-s-warehouse", "another-warehouse"])
-def test_puts_sent_before_their_copy_read_back_whole(cluster, partition, wid):
+def test_puts_sent_before_their_copy_read_back_whole(cluster, partition, wid, form):
     """Each put but a buffer's first goes before its tensors are copied (the first registers the buffer,
-    the next its eventfd); each, read at once by another client, holds what was put, in put order."""
+    the next its eventfd); each, read at once by another client, holds what was put, in put order. So do
+    puts of jagged columns (one tensor run each)."""
     with dockd.connect(cluster.address, warehouse=wid) as w, dockd.connect(cluster.address) as r:
         for i in range(12):
             cols = lists(i)
-            assert w.put(cols, partition=partition) == list(range(16 * i, 16 * i + 16))
+            assert w.put(as_jagged(cols) if form == "jagged" else cols, partition=partition) == list(
+                range(16 * i, 16 * i + 16))
             b = r.get("c", list(cols), 16, partition=partition, timeout=10)
             assert same(b, cols)
             del b
