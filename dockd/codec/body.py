@@ -82,7 +82,7 @@ class Body:
         self.size = 0
         self._joined = False  # a part is a Joined (not concatenated yet)
         self._joins = False  # a part was added as a Joined
-        self._checked: list[tuple[int, int]] = []  # (position in _parts, byte offset) of each part added checked
+        self._checked: set[int] = set()  # positions in _parts of the parts added checked
         self._late = 0  # parts the warehouse's checks do not read
 
     @property
@@ -103,25 +103,23 @@ class Body:
         off = self.size
         for data in parts:
             if data.nbytes:
-                if checked:
-                    self._checked.append((len(self._parts), self.size))
-                else:
-                    self._late += 1
-                if type(data) is Joined:
-                    self._joined = self._joins = True
-                self._parts.append(data)
-                self.size += data.nbytes
+                self._append(data, checked)
         return off
 
     def extend(self, data: memoryview) -> None:
         """Append `data` right after the last part (no padding: it continues the run that part is in)."""
         if data.nbytes:
-            if self._checked and self._checked[-1][0] == len(self._parts) - 1:  # (it continues a checked part)
-                self._checked.append((len(self._parts), self.size))
-            else:
-                self._late += 1
-            self._parts.append(data)
-            self.size += data.nbytes
+            self._append(data, len(self._parts) - 1 in self._checked)
+
+    def _append(self, data: memoryview | Joined, checked: bool) -> None:
+        if checked:
+            self._checked.add(len(self._parts))
+        else:
+            self._late += 1
+        if type(data) is Joined:
+            self._joined = self._joins = True
+        self._parts.append(data)
+        self.size += data.nbytes
 
     @property
     def buffers(self) -> list[memoryview | bytes]:
@@ -134,33 +132,23 @@ class Body:
     def write_into(self, dst: memoryview, *, late: bool = True) -> None:
         """Write the whole body into `dst` (at least `size` bytes, byte-addressed); `late=False`: only
         the parts added with checked=True, the others left for `write_late_into`."""
-        if not late:
-            for i, at in self._checked:
-                _write_at(self._parts[i], dst, at)
-            return
-        off = 0
-        for p in self._parts:
-            off = _write_at(p, dst, off)
+        self._write(dst, None if late else True)
 
     def write_late_into(self, dst: memoryview) -> None:
         """Write the parts `write_into(dst, late=False)` left out, where their room is."""
-        checked = {i for i, _ in self._checked}
+        self._write(dst, False)
+
+    def _write(self, dst: memoryview, checked: bool | None) -> None:
+        """Each part into `dst` at its offset: every part (None), or those added checked or not."""
         off = 0
         for i, p in enumerate(self._parts):
-            if i in checked:  # (written before the send: msgpack bytes)
-                off += len(p) if isinstance(p, bytes) else p.nbytes
-            else:
-                off = _write_at(p, dst, off)
-
-
-def _write_at(p: memoryview | bytes | Joined, dst: memoryview, off: int) -> int:
-    """Part `p` into `dst` at byte `off`; returns the offset after it."""
-    if isinstance(p, Joined):
-        p.write_into(dst[off : off + p.nbytes])
-        return off + p.nbytes
-    src = memoryview(p).cast("B")
-    dst[off : off + src.nbytes] = src
-    return off + src.nbytes
+            n = len(p) if isinstance(p, bytes) else p.nbytes
+            if checked is None or (i in self._checked) == checked:
+                if isinstance(p, Joined):
+                    p.write_into(dst[off : off + n])
+                else:
+                    dst[off : off + n] = memoryview(p).cast("B")
+            off += n
 
 
 _NO_NUMPY = ("bfloat16", "float8_e4m3fn", "float8_e5m2")  # (dtypes numpy lacks: viewed as bytes by torch)
