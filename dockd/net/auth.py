@@ -46,7 +46,7 @@ from collections.abc import Sequence
 
 from dockd._proto import dockd_pb2 as pb
 from dockd.config import env
-from dockd.errors import DockAuthError, DockValueError
+from dockd.errors import DockAuthError, DockConfigError, DockValueError
 from dockd.net.wire import PROTOCOL_VERSION, check_protocol
 
 logger = logging.getLogger(__name__)
@@ -308,6 +308,32 @@ def token_modes_match(challenge: pb.Challenge, key: bytes | None, where: str) ->
             "given one (token=, DOCKD_TOKEN or DOCKD_TOKEN_FILE): connect without it, or start the dock's daemons "
             "with --token-file"
         )
+
+
+def token_proof(challenge: pb.Challenge, key: bytes | None) -> bytes:
+    """What a warehouse joining a controller tells of the dock's token (its --token-file): a proof over
+    the controller's challenge of this link, empty without a token (`check_token_proof`)."""
+    return _mac(key, b"dockd-token-v1", challenge.nonce) if key is not None else b""
+
+
+def check_token_proof(challenge: pb.Challenge, proof: bytes, key: bytes | None, who: str) -> None:
+    """A controller refuses a warehouse whose --token-file is not its own (`token_proof` over the challenge it
+    sent that warehouse's link): clients that hold the controller's token would be refused there, so
+    their puts would fail on the node and not at the start."""
+    if key is None and not proof:
+        return
+    if key is None:
+        fix = "this controller has none"
+    elif not proof:
+        fix = "it has none, but this controller has one"
+    elif hmac.compare_digest(proof, _mac(key, b"dockd-token-v1", challenge.nonce)):
+        return
+    else:
+        fix = "its token is not this controller's"
+    raise DockConfigError(
+        f"{who} and this controller were given different --token-file ({fix}): clients that hold one dock token "
+        "would be refused by one of them. Give every daemon of the dock the same --token-file (or none to all), "
+        "then restart the one that differs")
 
 
 # -- gRPC --------------------------------------------------------------------------------------

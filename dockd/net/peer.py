@@ -115,6 +115,11 @@ class Peer(FrameReader):
         return self._identity
 
     @property
+    def challenge(self) -> pb.Challenge | None:
+        """The daemon's challenge of this connection: the one it sent (accepted) or got (outgoing)."""
+        return self._challenge
+
+    @property
     def passes_fds(self) -> bool:
         """True on a same-host Unix connection that can carry file descriptors."""
         return getattr(self.transport, "passes_fds", False)

@@ -50,7 +50,7 @@ from dockd.errors import (
     DockStateFull,
     DockTimeout,
 )
-from dockd.net import tls
+from dockd.net import auth, tls
 from dockd.net.peer import Peer
 from dockd.node.dial import open_link
 from dockd.node.link_commits import Pending, expire, free_cleared, hold, outcome_of
@@ -85,13 +85,14 @@ class ControllerLink:
     def __init__(self, address: str, *, make_peer: Callable[[], Peer], registration: pb.RegisterWarehouse,
                  inventory: Callable[[list[pb.CommitRequest]], list[pb.InventoryPartition]],
                  on_drop: Callable[[str], object], grace: float, link_tls: tls.LinkTls | None = None,
-                 window: float = 0.0) -> None:
+                 window: float = 0.0, token: bytes | None = None) -> None:
         host, _, port = address.rpartition(":")
         self.address, self.host, self.port = address, host, int(port)
         self.make_peer = make_peer
         # TLS to the controller: given, else that of the daemon whose make_link_peer this is (Listeners.link_tls)
         self.tls = link_tls if link_tls is not None else getattr(getattr(make_peer, "__self__", None), "link_tls", None)
         self.registration = registration
+        self.token = token  # the dock's client token (--token-file): the controller checks it is its own
         self.inventory = inventory
         self.on_drop = on_drop
         self.grace = grace
@@ -131,6 +132,8 @@ class ControllerLink:
         if joined not in done:
             joined.cancel()
             self.close()
+            if self.refused is not None:  # it answered, and refused this warehouse: that is why
+                raise self.refused
             raise DockConnectionError(
                 f"cannot reach the controller at {self.address} to join it within {timeout:g}s; start it, or "
                 "check the address (--join)"
@@ -271,6 +274,8 @@ class ControllerLink:
     async def _register(self, peer: Peer) -> None:
         reg = pb.RegisterWarehouse()
         reg.CopyFrom(self.registration)
+        assert peer.challenge is not None  # (authenticated: it came first)
+        reg.token_told, reg.token_proof = True, auth.token_proof(peer.challenge, self.token)
         rejoin = self.wid >= 0
         pending = list(self._pending.items())
         if rejoin:

@@ -279,7 +279,7 @@ class Node:
         assert set(table) == WAREHOUSE_KINDS
         table.update(self.weights.handlers())  # (dockd.weights: the relay, and reads of a version's buckets)
         table.update(controller_handlers(self.controller, where=lambda: f"{self.cfg.host}:{self.port}", join=self.cfg.join,
-                                         agreement=self.agreement))
+                                         agreement=self.agreement, token=self.keys.token))
         return table
 
     def _cleared(self, partition: str) -> None:

@@ -90,11 +90,12 @@ class Dispatcher:
         handler(peer, frame, body, fds)
 
 
-def controller_handlers(ctl, *, where: Callable[[], str], join: str,
-                        agreement: Agreement | None = None) -> dict[str, RequestHandler]:
+def controller_handlers(ctl, *, where: Callable[[], str], join: str, agreement: Agreement | None = None,
+                        token: bytes | None = None) -> dict[str, RequestHandler]:
     """The controller's kinds: served by `ctl` (a ControllerService), or without one refused
     (`where()`: this daemon's address, read when it refuses: a port of 0 is bound by then; `join`: its
-    controller's). `agreement`: whether the dock's controllers agree on their list (several controllers)."""
+    controller's). `agreement`: whether the dock's controllers agree on their list (several controllers);
+    `token`: the dock's client token (--token-file), which a joining warehouse must hold too."""
     if ctl is None:
         def refuse(peer: Peer, frame: pb.Frame, body, fds) -> None:
             raise DockValueError(f"this daemon ({where()}) is a warehouse without the controller; "
@@ -108,10 +109,13 @@ def controller_handlers(ctl, *, where: Callable[[], str], join: str,
             commit_answer(ctl, peer, frame, idx)
 
     def register(peer: Peer, frame: pb.Frame) -> None:
-        check_protocol(frame.register.protocol, f"the warehouse at {frame.register.host}:{frame.register.port}")
-        if agreement is not None and frame.register.controllers:
-            agreement.check(frame.register.controllers, f"the warehouse at {frame.register.host}:{frame.register.port}",
-                            frame.register.shards)
+        reg = frame.register
+        who = f"the warehouse at {reg.host}:{reg.port}"
+        check_protocol(reg.protocol, who)
+        if reg.token_told and peer.challenge is not None:  # (a warehouse of an older build tells nothing)
+            auth.check_token_proof(peer.challenge, reg.token_proof, token, who)
+        if agreement is not None and reg.controllers:
+            agreement.check(reg.controllers, who, reg.shards)
         peer.reply(frame, pb.Frame(register_reply=ctl.register(peer, frame.register)))
 
     def partition(peer: Peer, frame: pb.Frame) -> None:

@@ -171,7 +171,8 @@ class Uplinks:
 
         link = ControllerLink(address, make_peer=self.listeners.make_link_peer, registration=reg,
                               inventory=owned if n > 1 else self.inventory, on_drop=self.on_drop,
-                              grace=self.cfg.controller_grace, window=self.cfg.commit_window)
+                              grace=self.cfg.controller_grace, window=self.cfg.commit_window,
+                              token=self.listeners.keys.token)
         if self.data_dir is not None:  # a restart rejoins each controller under its id, with its partitions' inventory
             link.resume(self.data_dir.wid, self.data_dir.seq)
         committer = self.committer.committers[k] if isinstance(self.committer, RoutingCommitter) else self.committer

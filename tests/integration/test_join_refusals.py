@@ -1,6 +1,7 @@
 """A warehouse's --join that names something other than a dockd controller is refused at start, naming the
 fix, instead of retrying for ever: a warehouse (its controller is named), and a listener that answers in
-another protocol. One that never answers is waited for with the reason given."""
+another protocol. One that never answers is waited for with the reason given. A controller refuses a warehouse
+given another --token-file than its own."""
 
 from __future__ import annotations
 
@@ -45,6 +46,36 @@ def test_a_join_at_a_warehouse_is_refused_naming_its_controller(tmp_path):
             p.terminate()
             p.wait(20)
             p.stdout.close()
+
+
+@pytest.mark.parametrize("controller_token, warehouse_token, why", [
+    ("a", "b", "its token is not this controller's"),
+    pytest.param("a", None, "it has none, but this controller has one", marks=pytest.mark.slow),
+    pytest.param(None, "a", "this controller has none", marks=pytest.mark.slow),
+])
+def test_a_warehouse_with_another_token_file_than_its_controller_is_refused_naming_the_fix(
+        tmp_path, controller_token, warehouse_token, why):
+    """Before, it joined, and every put of a client holding the controller's token failed on that node
+    ("authentication failed: this dock needs the token it was started with")."""
+    files = {}
+    for name in ("a", "b"):
+        files[name] = tmp_path / name
+        files[name].write_text(name * 64 + "\n")
+        files[name].chmod(0o600)
+    # (no --daemon-token-file: a warehouse on the controller's host proves the daemon role with its secret)
+    common = ["--host", "127.0.0.1", "--port", "0", "--grpc-port", "0", "--log-level", "WARNING"]
+    ctl, cinfo = spawn_node([*common, "--controller",
+                             *(["--token-file", str(files[controller_token])] if controller_token else [])])
+    try:
+        out = _join(f"127.0.0.1:{cinfo['port']}", "--join-timeout", "2",
+                    *(["--token-file", str(files[warehouse_token])] if warehouse_token else []))
+        assert out.returncode != 0, out.stderr[-2000:]
+        assert f"were given different --token-file ({why})" in out.stderr, out.stderr[-2000:]
+        assert "Give every daemon of the dock the same --token-file" in out.stderr, out.stderr[-2000:]
+    finally:
+        ctl.terminate()
+        ctl.wait(20)
+        ctl.stdout.close()
 
 
 def _listener(reply: bytes | None) -> tuple[socket.socket, threading.Thread]:

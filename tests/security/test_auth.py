@@ -121,6 +121,23 @@ def test_a_daemon_that_does_not_hold_the_token_is_not_believed():
         server.close()
 
 
+def test_a_warehouse_token_proof_holds_for_its_own_link_and_token_only():
+    """What a controller checks of a joining warehouse's --token-file (the refusals through real daemons:
+    tests/integration/test_join_refusals.py)."""
+    ours, theirs = b"a" * 32, b"b" * 32
+    link, other = (pb.Challenge(nonce=bytes([k]) * 32) for k in (1, 2))
+    auth.check_token_proof(link, auth.token_proof(link, ours), ours, "w")
+    auth.check_token_proof(link, auth.token_proof(link, None), None, "w")
+    assert auth.token_proof(link, None) == b"" and ours not in auth.token_proof(link, ours)
+    for proof, key, why in ((auth.token_proof(link, theirs), ours, "its token is not this controller's"),
+                            (auth.token_proof(other, ours), ours, "its token is not this controller's"),
+                            (b"", ours, "it has none, but this controller has one"),
+                            (auth.token_proof(link, ours), None, "this controller has none")):
+        with pytest.raises(dockd.DockConfigError, match=f"w and this controller were given different --token-file "
+                                                        f"\\({why}\\)"):
+            auth.check_token_proof(link, proof, key, "w")
+
+
 def test_binding_beyond_loopback_needs_a_token_or_insecure(token_file):
     out = subprocess.run([sys.executable, "-m", "dockd", "serve", "--controller", "--host", "0.0.0.0", "--port", "0"],
                          capture_output=True, text=True, timeout=60)

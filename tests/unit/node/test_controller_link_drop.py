@@ -14,6 +14,8 @@ from dockd.node.controller_link import ControllerLink
 class _Wire:
     """The link's connection: answers each registration with the controller's list of cleared partitions."""
 
+    challenge = pb.Challenge(nonce=bytes(16))
+
     def __init__(self, drop: list[str]) -> None:
         self.drop = drop
 
