@@ -1,5 +1,6 @@
 """A controller asks the dock's other controllers for their --controllers list and --shards (see
-dockd.controller.agreement): a Hello, as a client of the dock, presenting its own."""
+dockd.controller.agreement): a Hello, as a client of the dock, presenting its own. One that refuses it as a
+client (another --token-file) disagrees as one with another list does."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dockd import owners
 from dockd._proto import dockd_pb2 as pb
 from dockd.controller.agreement import PROBE_INTERVAL, Agreement
-from dockd.errors import DockConfigError, DockError
+from dockd.errors import DockAuthError, DockConfigError, DockError
 from dockd.net import tls, wire
 from dockd.net.peer import Peer
 from dockd.node.dial import open_link
@@ -48,6 +49,12 @@ async def _watch_one(agreement: Agreement, address: str, make_peer: Callable[[],
                                                              make_peer, link_tls, agreement.shards)
         except DockConfigError as e:  # it compared our list with its own and refused
             agreement.observed(address, None, refusal=str(e))
+            heard = True
+        except DockAuthError as e:  # it refused this controller as a client of the dock (or we it): so would
+            agreement.observed(address, None, refusal=(  # the clients of one of the two be
+                f"the controller at {address} and this controller ({agreement.where}) do not take the same "
+                f"clients ({e}): give every controller of the dock the same --token-file (and TLS settings), "
+                "then restart the one that differs"))
             heard = True
         except (DockError, OSError, asyncio.TimeoutError) as e:
             logger.debug("[controllers] the controller at %s did not answer: %s", address, e)

@@ -1,5 +1,5 @@
-"""Several controllers configured the way a newcomer might: lists that disagree are refused, never
-split; controllers of one host started without token files work; controllers on several hosts
+"""Several controllers configured the way a newcomer might: lists (or token files) that disagree are refused,
+never split; controllers of one host started without token files work; controllers on several hosts
 without a daemon token are refused at start; a warehouse a controller refuses says why, once."""
 
 from __future__ import annotations
@@ -199,6 +199,42 @@ def test_a_warehouse_a_controller_refuses_fails_puts_with_the_reason_and_does_no
         time.sleep(3)
         text = log_path.read_bytes()
         assert b"never retrieved" not in text and text.count(b"refuses this warehouse") <= 2, text[-3000:]
+    finally:
+        _stop(procs)
+
+
+def test_controllers_given_different_token_files_refuse_service_until_they_agree(tmp_path):
+    """Controller A with --token-file a, B with b: both served, and a client holding a's token was refused
+    by B only when its requests reached B. Now each finds that the other refuses it as a client and refuses
+    service naming --token-file; B restarted with a's token, both serve."""
+    env = _env(tmp_path)
+    ports = free_ports("127.0.0.1", 2)
+    listed = [f"127.0.0.1:{p}" for p in ports]
+    files = []
+    for name in ("a", "b"):
+        files.append(tmp_path / f"token-{name}")
+        files[-1].write_text(name * 64)
+        files[-1].chmod(0o600)
+    procs = [_controller(p, listed, env, "--token-file", str(f)) for p, f in zip(ports, files)]
+
+    def refused(address: str, token: str) -> str:
+        try:
+            dockd.connect(address, token=token, connect_timeout=5).close()
+        except DockConfigError as e:
+            return str(e)
+        return ""
+
+    try:
+        for address, token in zip(listed, ("a" * 64, "b" * 64)):
+            msg = wait_until(lambda address=address, token=token: refused(address, token), 20,
+                             f"the controller at {address} refusing")
+            assert "do not take the same clients" in msg and "the same --token-file" in msg, msg
+        procs[1].terminate()
+        procs[1].wait(10)
+        procs[1].stdout.close()
+        procs[1] = _controller(ports[1], listed, env, "--token-file", str(files[0]))
+        wait_until(lambda: not refused(listed[0], "a" * 64) and not refused(listed[1], "a" * 64), 40,
+                   "both controllers serving again")
     finally:
         _stop(procs)
 
