@@ -323,15 +323,15 @@ def check_token_proof(challenge: pb.Challenge, proof: bytes, key: bytes | None, 
     if key is None and not proof:
         return
     if key is None:
-        fix = "this controller has none"
+        why = "this controller has none"
     elif not proof:
-        fix = "it has none, but this controller has one"
+        why = "it has none, but this controller has one"
     elif hmac.compare_digest(proof, _mac(key, b"dockd-token-v1", challenge.nonce)):
         return
     else:
-        fix = "its token is not this controller's"
+        why = "its token is not this controller's"
     raise DockConfigError(
-        f"{who} and this controller were given different --token-file ({fix}): clients that hold one dock token "
+        f"{who} and this controller were given different --token-file ({why}): clients that hold one dock token "
         "would be refused by one of them. Give every daemon of the dock the same --token-file (or none to all), "
         "then restart the one that differs")
 

@@ -50,8 +50,9 @@ async def _watch_one(agreement: Agreement, address: str, make_peer: Callable[[],
         except DockConfigError as e:  # it compared our list with its own and refused
             agreement.observed(address, None, refusal=str(e))
             heard = True
-        except DockAuthError as e:  # it refused this controller as a client of the dock (or we it): so would
-            agreement.observed(address, None, refusal=(  # the clients of one of the two be
+        except DockAuthError as e:  # it refused this controller as a client of the dock, or it could not prove
+            # it holds our token (or TLS differs): the dock's clients would be refused by one of the two
+            agreement.observed(address, None, refusal=(
                 f"the controller at {address} and this controller ({agreement.where}) do not take the same "
                 f"clients ({e}): give every controller of the dock the same --token-file (and TLS settings), "
                 "then restart the one that differs"))

@@ -116,7 +116,7 @@ def controller_handlers(ctl, *, where: Callable[[], str], join: str, agreement: 
             auth.check_token_proof(peer.challenge, reg.token_proof, token, who)
         if agreement is not None and reg.controllers:
             agreement.check(reg.controllers, who, reg.shards)
-        peer.reply(frame, pb.Frame(register_reply=ctl.register(peer, frame.register)))
+        peer.reply(frame, pb.Frame(register_reply=ctl.register(peer, reg)))
 
     def partition(peer: Peer, frame: pb.Frame) -> None:
         op = frame.partition.WhichOneof("op")
