@@ -67,7 +67,7 @@ def test_a_warehouse_with_another_token_file_than_its_controller_is_refused_nami
     ctl, cinfo = spawn_node([*common, "--controller",
                              *(["--token-file", str(files[controller_token])] if controller_token else [])])
     try:
-        out = _join(f"127.0.0.1:{cinfo['port']}", "--join-timeout", "2",
+        out = _join(f"127.0.0.1:{cinfo['port']}", "--join-timeout", "4",
                     *(["--token-file", str(files[warehouse_token])] if warehouse_token else []))
         assert out.returncode != 0, out.stderr[-2000:]
         assert f"were given different --token-file ({why})" in out.stderr, out.stderr[-2000:]
