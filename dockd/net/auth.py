@@ -326,7 +326,7 @@ def check_token_proof(challenge: pb.Challenge, proof: bytes, key: bytes | None, 
         why = "this controller has none"
     elif not proof:
         why = "it has none, but this controller has one"
-    elif hmac.compare_digest(proof, _mac(key, b"dockd-token-v1", challenge.nonce)):
+    elif hmac.compare_digest(proof, token_proof(challenge, key)):
         return
     else:
         why = "its token is not this controller's"
